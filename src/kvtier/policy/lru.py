@@ -1,0 +1,59 @@
+"""Least-recently-used eviction.
+
+One thread calls this policy (the orchestrator's); it is not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from kvtier.keys import BlockKey
+from kvtier.policy.base import EvictionPolicy
+
+
+class LRUPolicy(EvictionPolicy):
+    """Evicts the least recently inserted-or-touched key that the predicate allows.
+
+    Invariants:
+
+    * ``_order`` holds exactly the resident keys, least recent first, most recent last.
+    * ``insert``, ``touch`` (per key) and ``remove`` are O(1). ``evict`` is O(1 + s), where s is
+      the number of keys the predicate refuses (pinned) before the victim; refused keys keep
+      their place in the order.
+
+    ``can_evict`` must not call back into the policy.
+    """
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[BlockKey, None] = OrderedDict()
+
+    def insert(self, key: BlockKey) -> None:
+        """Make ``key`` resident as the most recent key. Raises ValueError if it is resident."""
+        if key in self._order:
+            raise ValueError(f"key {key.hex()} is already resident")
+        self._order[key] = None
+
+    def touch(self, keys: Iterable[BlockKey]) -> None:
+        """Move each resident key to the most recent end, in order; others are ignored."""
+        order = self._order
+        for key in keys:
+            if key in order:
+                order.move_to_end(key)
+
+    def remove(self, key: BlockKey) -> None:
+        """Forget ``key`` if it is resident."""
+        self._order.pop(key, None)
+
+    def evict(self, can_evict: Callable[[BlockKey], bool]) -> BlockKey | None:
+        """Forget and return the least recent key with ``can_evict(key)`` True, or None."""
+        victim = next((key for key in self._order if can_evict(key)), None)
+        if victim is not None:
+            del self._order[victim]
+        return victim
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._order

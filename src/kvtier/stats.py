@@ -1,0 +1,88 @@
+"""Counters kvtier keeps, as plain data that crosses process boundaries (pickle/msgpack-safe).
+
+:class:`TransferCounters` is filled by workers (bytes and seconds they moved between the engine
+and the host tier) and by the orchestrator (host <-> disk). :class:`KVTierStats` is the
+interval snapshot the vLLM connector reports as its connector stats; ``as_dict`` keys are the
+stable names used in logs, JSON and (prefixed ``kvtier_``) Prometheus.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class TransferCounters:
+    """Bytes/seconds/jobs moved in one direction between two tiers."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    jobs: int = 0
+
+    def record(self, num_bytes: int, seconds: float) -> None:
+        self.bytes += num_bytes
+        self.seconds += seconds
+        self.jobs += 1
+
+    def add(self, other: "TransferCounters") -> None:
+        self.bytes += other.bytes
+        self.seconds += other.seconds
+        self.jobs += other.jobs
+
+
+@dataclass
+class KVTierStats:
+    """One interval of kvtier activity. All fields are additive (see :meth:`add`)."""
+
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens_host: int = 0
+    hit_tokens_disk: int = 0
+    stores_submitted: int = 0
+    stores_dropped: int = 0
+    stores_skipped_threshold: int = 0
+    disk_writes_dropped: int = 0
+    promotions: int = 0
+    promotion_failures: int = 0
+    load_errors: int = 0
+    checksum_failures: int = 0
+    host_evictions: int = 0
+    engine_to_host: TransferCounters = field(default_factory=TransferCounters)
+    host_to_engine: TransferCounters = field(default_factory=TransferCounters)
+    host_to_disk: TransferCounters = field(default_factory=TransferCounters)
+    disk_to_host: TransferCounters = field(default_factory=TransferCounters)
+
+    def add(self, other: "KVTierStats") -> "KVTierStats":
+        for f in fields(self):
+            mine = getattr(self, f.name)
+            if isinstance(mine, TransferCounters):
+                mine.add(getattr(other, f.name))
+            else:
+                setattr(self, f.name, mine + getattr(other, f.name))
+        return self
+
+    def is_empty(self) -> bool:
+        return self == KVTierStats()
+
+    def as_dict(self) -> dict[str, int | float]:
+        """Flat view: nested transfer counters become ``<direction>_<bytes|seconds|jobs>``."""
+        flat: dict[str, int | float] = {}
+        for name, value in asdict(self).items():
+            if isinstance(value, dict):
+                for sub, number in value.items():
+                    flat[f"{name}_{sub}"] = number
+            else:
+                flat[name] = value
+        return flat
+
+    @classmethod
+    def from_dict(cls, flat: dict[str, int | float]) -> "KVTierStats":
+        stats = cls()
+        for f in fields(stats):
+            current = getattr(stats, f.name)
+            if isinstance(current, TransferCounters):
+                for sub in ("bytes", "seconds", "jobs"):
+                    setattr(current, sub, flat.get(f"{f.name}_{sub}", 0))
+            else:
+                setattr(stats, f.name, flat.get(f.name, 0))
+        return stats

@@ -1,0 +1,120 @@
+"""The contract every secondary tier (disk, Redis, ...) implements.
+
+Threading: every method here is called from ONE thread, the orchestrator's (in vLLM: the
+scheduler's). Methods never block on I/O: ``contains`` answers from an in-memory index;
+``submit_read``/``submit_write`` hand work to the tier's own threads and return at once;
+completions are collected by polling :meth:`SecondaryTier.poll`.
+
+Buffers: a tier reads into and writes from caller-owned buffers (host slots, one per rank).
+The caller keeps those buffers pinned (neither evicted nor reused) from ``submit_*`` until the
+job's :class:`IoResult` has come out of ``poll``; the tier never keeps a reference after that.
+
+Failures never raise into the caller: a failed read is an ``IoResult`` with ``ok=False`` and a
+:class:`IoError` reason; the block is then a miss. A failed write only costs a future miss.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.keys import BlockKey
+
+
+class Medium(enum.Enum):
+    """Where a block lives. Values are the medium names KV events and metrics use."""
+
+    HOST = "CPU"
+    DISK = "DISK"
+    REMOTE = "REMOTE"
+
+
+class IoKind(enum.Enum):
+    READ = "read"
+    WRITE = "write"
+
+
+class IoError(enum.Enum):
+    """Why a tier job failed. Every failure is counted by reason."""
+
+    NOT_FOUND = "not_found"  # the block vanished (evicted, purged, or deleted by another process)
+    CORRUPT = "corrupt"  # bad header, short file or checksum mismatch: quarantined
+    IO = "io"  # the OS or server refused (EIO, ENOSPC, connection refused, ...)
+    DROPPED = "dropped"  # the tier's bounded queue was full; the job never ran
+
+
+@dataclass(frozen=True, slots=True)
+class IoResult:
+    """Completion of one ``submit_read`` / ``submit_write`` job."""
+
+    job_id: int
+    kind: IoKind
+    key: BlockKey
+    ok: bool
+    num_bytes: int = 0
+    seconds: float = 0.0
+    error: IoError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TierUsage:
+    medium: Medium
+    used_bytes: int
+    capacity_bytes: int
+    num_blocks: int
+
+
+class SecondaryTier(ABC):
+    """A bounded store of blocks below the host tier. See the module docstring for threading."""
+
+    medium: Medium
+
+    @abstractmethod
+    def contains(self, key: BlockKey) -> bool:
+        """Whether a complete copy of ``key`` (all ranks) is indexed. Memory only, never I/O."""
+
+    def leading_run(self, keys: Sequence[BlockKey]) -> int:
+        """Length of the leading run of ``keys`` present here."""
+        for index, key in enumerate(keys):
+            if not self.contains(key):
+                return index
+        return len(keys)
+
+    @abstractmethod
+    def submit_read(self, job_id: int, key: BlockKey, dests: Sequence[memoryview]) -> None:
+        """Read block ``key`` into ``dests`` (one buffer per rank, each exactly one payload)."""
+
+    @abstractmethod
+    def submit_write(
+        self, job_id: int, key: BlockKey, parent: BlockKey, num_tokens: int, sources: Sequence[memoryview]
+    ) -> bool:
+        """Store ``sources`` (one payload per rank) under ``key``.
+
+        Returns False, without queuing anything, when the tier's write queue is full: the caller
+        counts a dropped store and unpins the sources at once.
+        """
+
+    @abstractmethod
+    def poll(self) -> list[IoResult]:
+        """Completed jobs since the last call. Never blocks."""
+
+    @abstractmethod
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Mark ``keys`` as recently used (for this tier's eviction order)."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """Remove ``keys``; returns how many were present."""
+
+    @abstractmethod
+    def clear(self) -> int:
+        """Remove every block of this namespace; returns how many were removed."""
+
+    @abstractmethod
+    def usage(self) -> TierUsage: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish or cancel in-flight jobs and release threads/connections. Idempotent."""

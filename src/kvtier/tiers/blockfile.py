@@ -1,0 +1,135 @@
+"""The on-disk block file format, "kvtier block file v1".
+
+A block file holds one block of one rank: a fixed-size header followed by the payload (the
+rank's KV bytes, exactly as the host tier holds them). All integers are little-endian.
+
+    offset  size  field
+    ------  ----  -----------------------------------------------------------------
+         0     4  magic                 b"KVTB"
+         4     2  format_version  u16   1
+         6     2  header_len      u16   136 (offset of the payload)
+         8    32  namespace             per-rank namespace digest (Namespace.for_rank(..).digest)
+        40    32  key                   block key (kvtier/1 key spec)
+        72    32  parent                key of the previous block (namespace digest for block 0)
+       104     4  num_tokens      u32   tokens covered by the block
+       108     2  checksum_alg    u16   1 = xxh3_64 (the only algorithm of v1)
+       110     2  reserved        u16   0 in v1 (keeps the u64 fields 8-byte aligned)
+       112     8  payload_len     u64   bytes of payload that follow the header
+       120     8  payload_sum     u64   checksum of the payload (checksum_alg)
+       128     8  header_sum      u64   xxh3_64 of bytes [0, 128) of the header
+       136     -  payload               payload_len bytes
+
+A file is valid only if all of the following hold: the magic and version match, ``header_len``
+is 136, the header checksum matches, ``checksum_alg`` is known, the file is exactly
+``header_len + payload_len`` bytes long and the payload checksum matches. Readers treat anything
+else as corruption (:class:`CorruptBlockError`). The format carries no timestamps, so the same
+block always encodes to the same bytes whichever process wrote it.
+
+Durability is deliberately not part of the format: writers do not fsync (it is a cache); a file
+torn by a crash is caught by its checksums.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import xxhash
+
+MAGIC = b"KVTB"
+FORMAT_VERSION = 1
+CHECKSUM_XXH3_64 = 1
+
+_FIELDS = struct.Struct("<4sHH32s32s32sIHHQQ")  # everything the header checksum covers
+_HEADER_SUM = struct.Struct("<Q")
+HEADER_LEN = _FIELDS.size + _HEADER_SUM.size  # 136
+_DIGEST_BYTES = 32
+
+assert _FIELDS.size == 128 and HEADER_LEN == 136
+
+
+class CorruptBlockError(ValueError):
+    """A block file (or its header) is not a valid kvtier v1 block file. The message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """The decoded header of a block file."""
+
+    namespace: bytes
+    key: bytes
+    parent: bytes
+    num_tokens: int
+    payload_len: int
+    checksum: int
+    checksum_alg: int = CHECKSUM_XXH3_64
+    format_version: int = FORMAT_VERSION
+    header_len: int = HEADER_LEN
+
+
+def payload_checksum(payload: memoryview | bytes | bytearray) -> int:
+    """xxh3_64 of ``payload`` (any C-contiguous buffer), as an unsigned int."""
+    return xxhash.xxh3_64_intdigest(payload)
+
+
+def encode_header(
+    *, namespace: bytes, key: bytes, parent: bytes, num_tokens: int, payload_len: int, checksum: int
+) -> bytes:
+    """The 136-byte v1 header for a payload of ``payload_len`` bytes with checksum ``checksum``."""
+    for name, value in (("namespace", namespace), ("key", key), ("parent", parent)):
+        if len(value) != _DIGEST_BYTES:
+            raise ValueError(f"{name} must be {_DIGEST_BYTES} bytes, got {len(value)}")
+    fields = _FIELDS.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        HEADER_LEN,
+        bytes(namespace),
+        bytes(key),
+        bytes(parent),
+        num_tokens,
+        CHECKSUM_XXH3_64,
+        0,
+        payload_len,
+        checksum,
+    )
+    return fields + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(fields))
+
+
+def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
+    """Parse and verify the header at the start of ``buf``; raise :class:`CorruptBlockError`.
+
+    ``buf`` may be longer than the header (extra bytes are ignored). The payload is not checked
+    here: compare :func:`payload_checksum` of the payload with ``BlockHeader.checksum``.
+    """
+    buf = memoryview(buf).cast("B") if not isinstance(buf, bytes) else buf
+    if len(buf) < 8:
+        raise CorruptBlockError(f"short header: {len(buf)} bytes, need {HEADER_LEN}")
+    magic = bytes(buf[0:4])
+    if magic != MAGIC:
+        raise CorruptBlockError(f"bad magic {magic!r}, expected {MAGIC!r}")
+    version, header_len = struct.unpack_from("<HH", buf, 4)
+    if version != FORMAT_VERSION:
+        raise CorruptBlockError(f"unsupported format version {version}, this reader knows {FORMAT_VERSION}")
+    if header_len != HEADER_LEN:
+        raise CorruptBlockError(f"bad header length {header_len}, v1 headers are {HEADER_LEN} bytes")
+    if len(buf) < HEADER_LEN:
+        raise CorruptBlockError(f"short header: {len(buf)} bytes, need {HEADER_LEN}")
+    fields = buf[: _FIELDS.size]
+    (stored_sum,) = _HEADER_SUM.unpack_from(buf, _FIELDS.size)
+    actual_sum = xxhash.xxh3_64_intdigest(fields)
+    if stored_sum != actual_sum:
+        raise CorruptBlockError(f"header checksum mismatch: stored {stored_sum:#018x}, computed {actual_sum:#018x}")
+    (_, _, _, namespace, key, parent, num_tokens, alg, _reserved, payload_len, checksum) = _FIELDS.unpack_from(buf)
+    if alg != CHECKSUM_XXH3_64:
+        raise CorruptBlockError(f"unknown checksum algorithm id {alg}")
+    return BlockHeader(
+        namespace=namespace,
+        key=key,
+        parent=parent,
+        num_tokens=num_tokens,
+        payload_len=payload_len,
+        checksum=checksum,
+        checksum_alg=alg,
+        format_version=version,
+        header_len=header_len,
+    )

@@ -1,0 +1,145 @@
+"""``KVTierConnector``: the vLLM KV connector (both roles), loaded with
+``kv_connector_module_path: "kvtier.vllm"``.
+
+vLLM builds one instance per process and role: in the scheduler process with
+``KVConnectorRole.SCHEDULER`` (hooks delegate to :class:`KVTierScheduler`) and in each worker with
+``KVConnectorRole.WORKER`` (hooks delegate to :class:`KVTierWorker`). The configuration is
+validated in both, so a bad key fails at start-up with a message naming it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.config import KVTierConfig
+from kvtier.vllm.geometry import EngineGeometry
+from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
+from kvtier.vllm.scheduler_side import KVTierScheduler
+from kvtier.vllm.worker_side import KVTierWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KVTierConnector(KVConnectorBase_V1):
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config, role, kv_cache_config)
+        config = KVTierConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+        geometry = EngineGeometry.from_vllm(vllm_config, kv_cache_config, config)
+        self._scheduler: KVTierScheduler | None = None
+        self._worker: KVTierWorker | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler = KVTierScheduler(vllm_config, geometry, config)
+        else:
+            self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config.num_blocks)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped store is only a future miss
+
+    # --- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None and isinstance(kv_connector_metadata, KVTierConnectorMetadata)
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierConnectorMetadata)
+        self._worker.start_loads(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous: vLLM schedules the request once done
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
+    ) -> None:
+        return  # stores copy whole blocks after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVTierConnectorMetadata)
+        self._worker.start_stores(meta)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        assert self._worker is not None
+        return self._worker.take_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    # --- scheduler side --------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: "Request", num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        return self._scheduler.hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_jobs()
+
+    def get_kv_connector_stats(self) -> "KVConnectorStats | None":
+        return self._scheduler.take_stats() if self._scheduler is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> "KVConnectorStats | None":
+        return KVTierConnectorStats(data=data or {})
+
+    def reset_cache(self) -> bool | None:
+        return self._scheduler.reset_cache() if self._scheduler is not None else None

@@ -1,0 +1,86 @@
+"""What crosses the scheduler <-> worker boundary each step (pickled by vLLM).
+
+Scheduler -> workers: :class:`KVTierConnectorMetadata` (copy jobs to run).
+Workers -> scheduler: :class:`KVTierWorkerMetadata` (jobs each worker finished), summed across
+ranks by vLLM with :meth:`KVTierWorkerMetadata.aggregate`; the scheduler acts on a job once all
+``world_size`` workers reported it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvtier.stats import KVTierStats, TransferCounters
+from kvtier.transfer import PageCopy
+
+
+@dataclass
+class CopyJob:
+    job_id: int
+    req_id: str
+    pages: list[PageCopy]
+
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    loads: list[CopyJob] = field(default_factory=list)  # host -> engine, run after the forward
+    stores: list[CopyJob] = field(default_factory=list)  # engine -> host, run after the forward
+    flush_job_ids: set[int] = field(default_factory=set)  # stores to finish BEFORE the forward (blocks reused)
+    delayed_free_req_ids: list[str] = field(default_factory=list)  # report in finished_sending when stored
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    completed: dict[int, int] = field(default_factory=dict)  # job id -> number of workers done
+    failed: dict[int, int] = field(default_factory=dict)  # job id -> number of workers that failed it
+    engine_to_host: TransferCounters = field(default_factory=TransferCounters)
+    host_to_engine: TransferCounters = field(default_factory=TransferCounters)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, KVTierWorkerMetadata)
+        merged = KVTierWorkerMetadata(dict(self.completed), dict(self.failed))
+        for job_id, count in other.completed.items():
+            merged.completed[job_id] = merged.completed.get(job_id, 0) + count
+        for job_id, count in other.failed.items():
+            merged.failed[job_id] = merged.failed.get(job_id, 0) + count
+        for name in ("engine_to_host", "host_to_engine"):
+            counters = getattr(merged, name)
+            counters.add(getattr(self, name))
+            counters.add(getattr(other, name))
+        return merged
+
+
+@dataclass
+class KVTierConnectorStats(KVConnectorStats):
+    """vLLM connector stats: ``data`` is :meth:`KVTierStats.as_dict` (flat, additive)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        total = KVTierStats.from_dict(self.data).add(KVTierStats.from_dict(other.data))
+        self.data = total.as_dict()
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        stats = KVTierStats.from_dict(self.data)
+        reduced: dict[str, Any] = {
+            "lookups": stats.lookups,
+            "hit_tokens_host": stats.hit_tokens_host,
+            "hit_tokens_disk": stats.hit_tokens_disk,
+            "stores_dropped": stats.stores_dropped,
+            "checksum_failures": stats.checksum_failures,
+        }
+        for direction in ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host"):
+            counters: TransferCounters = getattr(stats, direction)
+            reduced[f"{direction}_MB"] = round(counters.bytes / 1e6, 1)
+            if counters.seconds > 0:
+                reduced[f"{direction}_GBps"] = round(counters.bytes / counters.seconds / 1e9, 2)
+        return reduced
+
+    def is_empty(self) -> bool:
+        return KVTierStats.from_dict(self.data).is_empty()

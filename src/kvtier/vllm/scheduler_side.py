@@ -1,0 +1,358 @@
+"""Scheduler-side half of the connector: turns vLLM's scheduling decisions into copy jobs.
+
+Runs in vLLM's scheduler process, on the scheduler's thread only. Every hook answers from memory
+(the orchestrator's indexes); disk I/O runs on the disk tier's threads and is polled here.
+
+Per request it keeps the block keys of its tokens, its engine block ids, how far stores have
+got, and its in-flight jobs. Invariants:
+
+- a request has at most one load job, and none while it has store jobs in flight;
+- host slots a load job reads stay pinned until every worker reported the job;
+- a finished request with store jobs in flight is freed by vLLM only after the workers report
+  it in ``finished_sending`` (``request_finished`` returns True for it);
+- a preempted request's pending stores are flushed (the workers wait for them) before vLLM
+  reuses its blocks in the same step.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request
+
+from kvtier.config import KVTierConfig, parse_max_offload_tokens
+from kvtier.keys import BlockExtras, BlockKey, chain_block_keys
+from kvtier.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
+from kvtier.policy.admission import StoreAdmission
+from kvtier.stats import KVTierStats
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostIndex
+from kvtier.tiers.shm import SharedRegion, region_name
+from kvtier.transfer import PageCopy
+from kvtier.vllm.geometry import EngineGeometry
+from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class JobKind(enum.Enum):
+    LOAD = "load"
+    STORE = "store"
+
+
+@dataclass
+class _Job:
+    kind: JobKind
+    req_id: str
+    keys: list[BlockKey]
+    waiting_workers: int
+    failed: bool = False
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    extras: BlockExtras | list[BlockExtras]
+    max_offload_tokens: int | None
+    keys: list[BlockKey] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    next_store_block: int = 0
+    jobs: set[int] = field(default_factory=set)
+    load_first_token: int = 0  # locally computed tokens when the hit was counted
+    hit_disk_tokens: int = 0
+    finished: bool = False
+
+
+class KVTierScheduler:
+    def __init__(self, vllm_config: VllmConfig, geometry: EngineGeometry, config: KVTierConfig):
+        self.config = config
+        self.geometry = geometry
+        self._digest = geometry.namespace.digest
+        layout = geometry.layout
+        self._regions = [
+            SharedRegion.attach(region_name(geometry.engine_id, rank), layout.region_bytes)
+            for rank in range(geometry.world_size)
+        ]
+        for region in self._regions:
+            region.unlink()  # mapped by the workers and us: nothing can leak from here on
+        disk = None
+        if config.disk is not None:
+            disk_config = config.disk
+            disk = DiskTier(
+                root_dir=Path(disk_config.root_dir),
+                model_name=geometry.namespace.model_name,
+                engine_digest=self._digest,
+                rank_digests=geometry.rank_digests(),
+                namespace_json=geometry.namespace.canonical_json(),
+                payload_bytes=layout.slot_bytes,
+                capacity_bytes=disk_config.capacity_bytes,
+                n_read_threads=disk_config.n_read_threads,
+                n_write_threads=disk_config.n_write_threads,
+                max_pending_writes=disk_config.max_pending_writes,
+            )
+        self.orchestrator = Orchestrator(
+            host=HostIndex(layout.num_slots, config.eviction_policy),
+            host_bytes=HostBytes([r.view for r in self._regions], layout.slot_bytes),
+            disk=disk,
+            admission=StoreAdmission(config.store_threshold, config.max_tracker_size),
+        )
+        self._requests: dict[str, _RequestState] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._job_ids = itertools.count(1)
+        self._step_loads: list[CopyJob] = []
+        self._delayed_free: list[str] = []
+        self._worker_stats = KVTierStats()
+        logger.info(
+            "kvtier: host tier %d slots x %.1f MiB x %d rank(s) = %.2f GiB; block %d tokens%s",
+            layout.num_slots,
+            layout.slot_bytes / 2**20,
+            geometry.world_size,
+            layout.region_bytes * geometry.world_size / 2**30,
+            geometry.block_tokens,
+            f"; disk tier {config.disk.root_dir} ({config.disk.capacity_bytes / 2**30:.1f} GiB)" if config.disk else "",
+        )
+
+    # --- request bookkeeping -------------------------------------------------------------
+    def _state(self, request: Request) -> _RequestState:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = _RequestState(
+                request=request,
+                extras=_block_extras(request, self.geometry.block_tokens),
+                max_offload_tokens=parse_max_offload_tokens(request.kv_transfer_params, request.request_id),
+            )
+            self._requests[request.request_id] = state
+        return state
+
+    def _extend_keys(self, state: _RequestState, num_blocks: int) -> None:
+        """Make ``state.keys`` cover the first ``num_blocks`` blocks (tokens permitting)."""
+        have = len(state.keys)
+        if num_blocks <= have:
+            return
+        block = self.geometry.block_tokens
+        tokens = state.request.all_token_ids[: num_blocks * block]
+        parent = state.keys[-1] if state.keys else self._digest
+        extras = state.extras
+        if isinstance(extras, list) and len(extras) < num_blocks:
+            extras = extras + [extras[-1] if extras else BlockExtras()] * (num_blocks - len(extras))
+        state.keys.extend(chain_block_keys(parent, tokens, block, extras, start_block=have))
+
+    # --- lookups -------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._state(request)
+        if state.jobs:
+            return None, False  # stores of an earlier run of this request are still in flight
+        block = self.geometry.block_tokens
+        max_blocks = (request.num_tokens - 1) // block  # vLLM must compute at least one token
+        first_block = num_computed_tokens // block
+        if first_block >= max_blocks:
+            return 0, False
+        self._extend_keys(state, max_blocks)
+        stats = self.orchestrator.stats
+        acquired = self.orchestrator.acquire(request.request_id, state.keys[first_block:max_blocks])
+        if acquired.status is AcquireStatus.RETRY:
+            return None, False
+        stats.lookups += 1
+        stats.lookup_tokens += max_blocks * block - num_computed_tokens
+        if acquired.num_blocks == 0:
+            self.orchestrator.release(request.request_id)
+            return 0, False
+        hit_tokens = (first_block + acquired.num_blocks) * block - num_computed_tokens
+        state.load_first_token = num_computed_tokens
+        state.hit_disk_tokens = min(hit_tokens, acquired.from_disk * block)
+        return hit_tokens, True
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        state = self._state(request)
+        if num_external_tokens == 0:
+            if not state.jobs:
+                self.orchestrator.release(request.request_id)
+            return
+        block = self.geometry.block_tokens
+        engine_block = self.geometry.engine_block_tokens
+        first_token = state.load_first_token
+        end_token = first_token + num_external_tokens
+        first_block, end_block = first_token // block, end_token // block
+        self.orchestrator.trim_hold(request.request_id, end_block - first_block)
+        keys = self.orchestrator.held(request.request_id)
+        assert len(keys) == end_block - first_block, "load plan out of sync with the hold"
+        pages = []
+        for index, slot in enumerate(self.orchestrator.slots_of(keys)):
+            for sub in range(self.geometry.pages_per_block):
+                engine_index = (first_block + index) * self.geometry.pages_per_block + sub
+                if engine_index * engine_block >= first_token:
+                    pages.append(PageCopy(slot, sub, block_ids[engine_index]))
+        job_id = next(self._job_ids)
+        self._step_loads.append(CopyJob(job_id, request.request_id, pages))
+        self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)
+        state.jobs.add(job_id)
+        stats = self.orchestrator.stats
+        stats.hit_tokens_disk += state.hit_disk_tokens
+        stats.hit_tokens_host += num_external_tokens - state.hit_disk_tokens
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        state = self._requests.get(request.request_id)
+        disk = min(state.hit_disk_tokens, num_external_tokens) if state else 0
+        sources = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+        return {source: tokens for source, tokens in sources.items() if tokens}
+
+    # --- per step ------------------------------------------------------------------------
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
+        self.orchestrator.poll()
+        for req_id, new_block_ids, preempted in yield_req_data(scheduler_output):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            if preempted:
+                state.block_ids.clear()
+            if new_block_ids:
+                state.block_ids.extend(new_block_ids[0])
+        flush: set[int] = set()
+        for req_id in scheduler_output.preempted_req_ids or ():
+            state = self._requests.get(req_id)
+            if state is not None:
+                flush |= {j for j in state.jobs if self._jobs[j].kind is JobKind.STORE}
+        meta = KVTierConnectorMetadata(
+            loads=self._step_loads,
+            stores=self._build_stores(scheduler_output),
+            flush_job_ids=flush,
+            delayed_free_req_ids=self._delayed_free,
+        )
+        self._step_loads, self._delayed_free = [], []
+        return meta
+
+    def _build_stores(self, scheduler_output: SchedulerOutput) -> list[CopyJob]:
+        jobs: list[CopyJob] = []
+        scheduled = scheduler_output.num_scheduled_tokens
+        computed_before = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed_before.update(zip(cached.req_ids, cached.num_computed_tokens))
+        block = self.geometry.block_tokens
+        per_block = self.geometry.pages_per_block
+        for req_id, before in computed_before.items():
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            request = state.request
+            limit = min(before + scheduled.get(req_id, 0), len(request.all_token_ids))
+            if self.config.offload_prompt_only:
+                limit = min(limit, request.num_prompt_tokens)
+            if state.max_offload_tokens is not None:
+                limit = min(limit, state.max_offload_tokens)
+            num_full = min(limit // block, len(state.block_ids) // per_block)
+            if num_full <= state.next_store_block:
+                continue
+            self._extend_keys(state, num_full)
+            keys, pages = [], []
+            for index in range(state.next_store_block, num_full):
+                key = state.keys[index]
+                parent = state.keys[index - 1] if index else self._digest
+                slot = self.orchestrator.begin_store(key, BlockInfo(parent, block))
+                if slot is None:
+                    continue
+                keys.append(key)
+                pages.extend(
+                    PageCopy(slot, sub, state.block_ids[index * per_block + sub]) for sub in range(per_block)
+                )
+            state.next_store_block = num_full
+            if keys:
+                job_id = next(self._job_ids)
+                jobs.append(CopyJob(job_id, req_id, pages))
+                self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size)
+                state.jobs.add(job_id)
+        return jobs
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMetadata):
+            self._worker_stats.engine_to_host.add(meta.engine_to_host)
+            self._worker_stats.host_to_engine.add(meta.host_to_engine)
+            for job_id, count in meta.failed.items():
+                if job_id in self._jobs:
+                    self._jobs[job_id].failed = True
+            for job_id, count in meta.completed.items():
+                job = self._jobs.get(job_id)
+                if job is None:
+                    continue
+                job.waiting_workers -= count
+                if job.waiting_workers <= 0:
+                    self._finish_job(job_id, job)
+        self.orchestrator.poll()
+
+    def _finish_job(self, job_id: int, job: _Job) -> None:
+        del self._jobs[job_id]
+        state = self._requests.get(job.req_id)
+        if job.kind is JobKind.STORE:
+            self.orchestrator.finish_store(job.keys, ok=not job.failed)
+        else:
+            self.orchestrator.release(job.req_id)
+            if job.failed:
+                self.orchestrator.stats.load_errors += 1
+        if state is not None:
+            state.jobs.discard(job_id)
+            if state.finished and not state.jobs:
+                del self._requests[job.req_id]
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return False, None
+        state.finished = True
+        if not any(self._jobs[j].kind is JobKind.LOAD for j in state.jobs):
+            self.orchestrator.release(request.request_id)
+        if any(self._jobs[j].kind is JobKind.STORE for j in state.jobs):
+            self._delayed_free.append(request.request_id)
+            return True, None
+        if not state.jobs:
+            del self._requests[request.request_id]
+        return False, None
+
+    def has_pending_jobs(self) -> bool:
+        return bool(self._jobs)
+
+    def take_stats(self) -> KVTierConnectorStats | None:
+        stats = self.orchestrator.take_stats().add(self._worker_stats)
+        self._worker_stats = KVTierStats()
+        if stats.is_empty():
+            return None
+        return KVTierConnectorStats(data=stats.as_dict())
+
+    def reset_cache(self) -> bool:
+        self.orchestrator.clear()
+        return True
+
+    def shutdown(self) -> None:
+        self.orchestrator.close()
+        for region in self._regions:
+            region.close()
+
+
+def _block_extras(request: Request, block_tokens: int) -> BlockExtras | list[BlockExtras]:
+    """Per-block key extras: LoRA name and cache salt on every block, multimodal hashes where
+    their placeholder tokens overlap the block."""
+    lora = request.lora_request.lora_name if request.lora_request is not None else None
+    salt = getattr(request, "cache_salt", None)
+    features = getattr(request, "mm_features", None) or []
+    if not features:
+        return BlockExtras(lora_name=lora, cache_salt=salt)
+    num_blocks = len(request.all_token_ids) // block_tokens + 1
+    extras: list[BlockExtras] = []
+    for index in range(num_blocks):
+        start, end = index * block_tokens, (index + 1) * block_tokens
+        hashes = tuple(
+            f.identifier
+            for f in features
+            if f.mm_position.offset < end and f.mm_position.offset + f.mm_position.length > start
+        )
+        extras.append(BlockExtras(lora_name=lora, cache_salt=salt, mm_hashes=hashes))
+    return extras

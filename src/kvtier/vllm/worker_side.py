@@ -1,0 +1,120 @@
+"""Worker-side half of the connector: runs the copy jobs the scheduler planned.
+
+Runs in each vLLM worker process; vLLM calls every hook on the worker's main thread. Copies run
+on the :class:`~kvtier.transfer.TransferRunner` thread; this class only submits, polls and, when
+vLLM is about to reuse blocks a pending store reads (preemption), waits.
+
+Owns rank ``r``'s host region: creates it in ``register_kv_caches`` and unlinks its name at
+shutdown (the scheduler normally unlinks it first, right after attaching).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+
+import torch
+from vllm.config import VllmConfig
+
+from kvtier.tiers.shm import SharedRegion, region_name
+from kvtier.transfer import BlockCopier, Direction, HostSlots, PagedKV, TransferRunner, pin_host_memory
+from kvtier.vllm.geometry import EngineGeometry
+from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+
+logger = logging.getLogger(__name__)
+
+
+class KVTierWorker:
+    def __init__(self, vllm_config: VllmConfig, geometry: EngineGeometry, num_blocks: int):
+        self.geometry = geometry
+        self.rank = vllm_config.parallel_config.rank
+        self.num_blocks = num_blocks
+        self.region: SharedRegion | None = None
+        self.runner: TransferRunner | None = None
+        self._unpin = lambda: None
+        self._load_req: dict[int, str] = {}  # load job -> request
+        self._load_blocks: dict[int, list[int]] = {}
+        self._store_jobs_of: dict[str, set[int]] = {}  # request -> its stores not yet finished here
+        self._store_req: dict[int, str] = {}
+        self._delayed: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._meta = KVTierWorkerMetadata()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout = self.geometry.layout
+        paged = PagedKV([kv_caches[name] for name in self.geometry.layer_names], self.num_blocks)
+        if paged.page_bytes != layout.page_bytes:
+            raise RuntimeError(
+                f"kvtier: engine KV page is {paged.page_bytes} B but the KV cache spec says {layout.page_bytes} B"
+            )
+        self.region = SharedRegion.create(region_name(self.geometry.engine_id, self.rank), layout.region_bytes)
+        atexit.register(self.region.unlink)  # in case no scheduler ever attached and unlinked it
+        buffer = torch.frombuffer(self.region.view, dtype=torch.uint8)
+        self._unpin = pin_host_memory(buffer)
+        self.runner = TransferRunner(BlockCopier(paged, HostSlots(buffer, layout)))
+
+    def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
+        if meta.flush_job_ids and self.runner is not None:
+            self.runner.wait(meta.flush_job_ids)
+
+    def start_loads(self, meta: KVTierConnectorMetadata) -> None:
+        assert self.runner is not None
+        for job in meta.loads:
+            self._load_req[job.job_id] = job.req_id
+            self._load_blocks[job.job_id] = [p.block_id for p in job.pages]
+            self.runner.submit(job.job_id, Direction.LOAD, job.pages)
+
+    def start_stores(self, meta: KVTierConnectorMetadata) -> None:
+        assert self.runner is not None
+        self._delayed.update(meta.delayed_free_req_ids)
+        for job in meta.stores:
+            self._store_req[job.job_id] = job.req_id
+            self._store_jobs_of.setdefault(job.req_id, set()).add(job.job_id)
+            self.runner.submit(job.job_id, Direction.STORE, job.pages)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) since the last call."""
+        finished_recving: set[str] = set()
+        if self.runner is None:
+            return set(), set()
+        for done in self.runner.poll():
+            self._meta.completed[done.job_id] = 1
+            if not done.ok:
+                self._meta.failed[done.job_id] = 1
+            if done.direction is Direction.LOAD:
+                self._meta.host_to_engine.record(done.num_bytes, done.seconds)
+                finished_recving.add(self._load_req.pop(done.job_id))
+                blocks = self._load_blocks.pop(done.job_id)
+                if not done.ok:
+                    self._load_errors.update(blocks)
+            else:
+                self._meta.engine_to_host.record(done.num_bytes, done.seconds)
+                req_id = self._store_req.pop(done.job_id)
+                remaining = self._store_jobs_of.get(req_id)
+                if remaining is not None:
+                    remaining.discard(done.job_id)
+                    if not remaining:
+                        del self._store_jobs_of[req_id]
+        finished_sending = {r for r in self._delayed if r not in self._store_jobs_of}
+        self._delayed -= finished_sending
+        return finished_sending, finished_recving
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_worker_meta(self) -> KVTierWorkerMetadata | None:
+        meta = self._meta
+        if not meta.completed and not meta.failed:
+            return None
+        self._meta = KVTierWorkerMetadata()
+        return meta
+
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.wait()
+            self.runner.close()
+            self.runner = None
+        self._unpin()
+        if self.region is not None:
+            self.region.unlink()
