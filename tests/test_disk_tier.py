@@ -31,6 +31,10 @@ PAYLOAD = 512
 ENGINE = bytes(range(32))
 PARENT = b"\x00" * 32
 NS_JSON = '{"model_name":"test","tp_size":2}'
+PREFIX = f"HuggingFaceTB_SmolLM2-135M_{ENGINE.hex()[:16]}"  # <model>_<digest16>
+SMALL_HEADER = dict(
+    namespace=b"n" * 32, key=b"k" * 32, parent=b"p" * 32, num_tokens=1, payload_len=8, checksum=7
+)
 
 
 def rank_digests(world: int) -> list[bytes]:
@@ -62,6 +66,10 @@ def key_of(n: int) -> bytes:
 def payload_of(key: bytes, rank: int, size: int = PAYLOAD) -> bytes:
     """Content addressing: the payload is a function of the key (and rank)."""
     return random.Random(key + bytes([rank])).randbytes(size)
+
+
+def sources_of(key: bytes, world: int = 1) -> list[memoryview]:
+    return [memoryview(payload_of(key, rank)) for rank in range(world)]
 
 
 def wait_results(tier: DiskTier, n: int, timeout: float = 5.0) -> list[IoResult]:
@@ -146,13 +154,13 @@ def test_header_round_trip_and_layout():
     ],
 )
 def test_decode_header_names_the_problem(mutate, message):
-    header = encode_header(namespace=b"n" * 32, key=b"k" * 32, parent=b"p" * 32, num_tokens=1, payload_len=8, checksum=7)
+    header = encode_header(**SMALL_HEADER)
     with pytest.raises(CorruptBlockError, match=message):
         decode_header(mutate(header))
 
 
 def test_every_header_bit_flip_is_caught():
-    header = encode_header(namespace=b"n" * 32, key=b"k" * 32, parent=b"p" * 32, num_tokens=1, payload_len=8, checksum=7)
+    header = encode_header(**SMALL_HEADER)
     for offset in range(HEADER_LEN):
         broken = bytearray(header)
         broken[offset] ^= 0x10
@@ -198,7 +206,7 @@ def test_round_trip_random_payloads(tmp_path, tiers, world):
     # Layout: <root>/<model>_<digest16>_r<rank>/<hhh>/<hh>_g0/<hex>.bin and config.json.
     key = next(iter(stored))
     for rank in range(world):
-        path = tmp_path / f"HuggingFaceTB_SmolLM2-135M_{ENGINE.hex()[:16]}_r{rank}" / key.hex()[:3] / (
+        path = tmp_path / f"{PREFIX}_r{rank}" / key.hex()[:3] / (
             key.hex()[3:5] + "_g0"
         ) / f"{key.hex()}.bin"
         assert path == tier.block_path(key, rank) and path.stat().st_size == HEADER_LEN + PAYLOAD
@@ -206,7 +214,7 @@ def test_round_trip_random_payloads(tmp_path, tiers, world):
         assert (header.namespace, header.key, header.parent, header.num_tokens) == (
             rank_digests(world)[rank], key, PARENT, 128,
         )
-    assert (tmp_path / f"HuggingFaceTB_SmolLM2-135M_{ENGINE.hex()[:16]}" / "config.json").read_text() == NS_JSON
+    assert (tmp_path / PREFIX / "config.json").read_text() == NS_JSON
 
 
 def test_non_byte_buffers_and_bad_buffers(tmp_path, tiers):
@@ -237,8 +245,8 @@ def test_dedup(tmp_path, tiers):
     assert again.ok and again.job_id == 9 and again.num_bytes == 0
     # Two submits of one key in flight at once: one write job.
     other = key_of(8)
-    sources = [memoryview(payload_of(other, r)) for r in range(2)]
-    assert tier.submit_write(10, other, PARENT, 1, sources) and tier.submit_write(11, other, PARENT, 1, sources)
+    assert tier.submit_write(10, other, PARENT, 1, sources_of(other, 2))
+    assert tier.submit_write(11, other, PARENT, 1, sources_of(other, 2))
     assert all(r.ok for r in wait_results(tier, 2))
     assert tier.stats.writes_ok == 2 and tier.usage().num_blocks == 2
     assert tier.block_path(key, 0).stat().st_mtime_ns == mtime
@@ -303,7 +311,7 @@ def test_no_evictable_space_is_dropped(tmp_path, tiers):
 def test_bounded_write_queue(tmp_path, tiers):
     tier = tiers(tmp_path, n_write_threads=1, max_pending_writes=3)
     keys = [key_of(i) for i in range(6)]
-    accepted = [tier.submit_write(i, k, PARENT, 1, [memoryview(payload_of(k, 0))]) for i, k in enumerate(keys)]
+    accepted = [tier.submit_write(i, k, PARENT, 1, sources_of(k)) for i, k in enumerate(keys)]
     assert accepted == [True, True, True, False, False, False]
     assert tier.stats.writes_dropped == 3
     assert all(r.ok for r in wait_results(tier, 3))
@@ -395,7 +403,7 @@ def test_corrupt_file_is_a_counted_quarantined_miss(tmp_path, tiers, damage, ran
     result, _ = read(tier, key, world=2)
     assert not result.ok and result.error is IoError.CORRUPT
     assert tier.stats.corrupt_quarantined == 1 and not tier.contains(key)
-    assert _quarantined(tmp_path) == [f"HuggingFaceTB_SmolLM2-135M_{ENGINE.hex()[:16]}_r{rank}__{key.hex()}.bin"]
+    assert _quarantined(tmp_path) == [f"{PREFIX}_r{rank}__{key.hex()}.bin"]
     assert not path.exists()
     result, _ = read(tier, key, world=2, job_id=3)  # never ok afterwards
     assert not result.ok and result.error is IoError.NOT_FOUND
@@ -415,7 +423,7 @@ def test_wrong_size_file_is_quarantined_at_startup(tmp_path, tiers):
     again = tiers(tmp_path)
     assert not again.contains(key) and again.contains(good)
     assert again.stats.corrupt_quarantined == 1
-    assert _quarantined(tmp_path) == [f"HuggingFaceTB_SmolLM2-135M_{ENGINE.hex()[:16]}_r0__{key.hex()}.bin"]
+    assert _quarantined(tmp_path) == [f"{PREFIX}_r0__{key.hex()}.bin"]
     result, _ = read(again, key)
     assert not result.ok
     assert again.usage().num_blocks == 1
@@ -486,10 +494,24 @@ def test_delete_clear_close(tmp_path, tiers):
     tier.close()
     tier.close()
     assert not any(p.suffix == ".bin" for p in tmp_path.rglob("*.bin"))
-    assert tier.submit_write(1, keys[0], PARENT, 1, [memoryview(payload_of(keys[0], r)) for r in range(2)]) is False
+    assert tier.submit_write(1, keys[0], PARENT, 1, sources_of(keys[0], 2)) is False
     tier.submit_read(2, keys[0], [memoryview(bytearray(PAYLOAD)) for _ in range(2)])
     (result,) = tier.poll()
     assert not result.ok and result.error is IoError.IO
+
+
+def test_write_right_after_clear_survives_the_sweep(tmp_path, tiers):
+    tier = tiers(tmp_path, blocks=64)
+    old = [key_of(i) for i in range(40)]
+    for job, key in enumerate(old):
+        assert tier.submit_write(job, key, PARENT, 1, sources_of(key))
+    wait_results(tier, 40)
+    assert tier.clear() == 40 and tier.usage().num_blocks == 0
+    new = key_of(1000)
+    assert write(tier, new).ok and tier.contains(new)
+    assert_reads_back(tier, new)
+    tier.close()
+    assert [p.name for p in tmp_path.rglob("*.bin")] == [f"{new.hex()}.bin"]
 
 
 def test_delete_during_write_wins(tmp_path, tiers):
@@ -518,7 +540,7 @@ def test_two_tiers_share_a_root_concurrently(tmp_path):
         try:
             random.Random(len(keys)).shuffle(keys)
             for job, key in enumerate(keys):
-                while not tier.submit_write(job, key, PARENT, 1, [memoryview(payload_of(key, r)) for r in range(world)]):
+                while not tier.submit_write(job, key, PARENT, 1, sources_of(key, world)):
                     tier.poll()
                     time.sleep(0.0005)
                 tier.poll()
@@ -579,7 +601,7 @@ def test_startup_scan_is_fast(tmp_path, tiers):
         for i in range(n):
             key = key_of(i)
             hex_key = key.hex()
-            path = tmp_path / f"HuggingFaceTB_SmolLM2-135M_{ENGINE.hex()[:16]}_r{rank}" / hex_key[:3] / (
+            path = tmp_path / f"{PREFIX}_r{rank}" / hex_key[:3] / (
                 hex_key[3:5] + "_g0"
             )
             path.mkdir(parents=True, exist_ok=True)
@@ -592,7 +614,7 @@ def test_startup_scan_is_fast(tmp_path, tiers):
     tier = tiers(tmp_path, world=world, blocks=n)
     elapsed = time.perf_counter() - start
     assert tier.usage().num_blocks == n
-    assert elapsed < 1.0, elapsed
+    assert elapsed < 1.5, elapsed  # typically ~0.15 s; slack for a loaded CI machine
 
 
 # ---------------------------------------------------------------- properties
@@ -671,7 +693,7 @@ class _Model:
         job = self.next_job
         if op == "write":
             self.submitted.add(key)
-            accepted = tier.submit_write(job, key, PARENT, 1, [memoryview(payload_of(key, r)) for r in range(self.WORLD)])
+            accepted = tier.submit_write(job, key, PARENT, 1, sources_of(key, self.WORLD))
             if accepted and flag:
                 self.wait_for(job)
         elif op == "read":
@@ -691,6 +713,9 @@ class _Model:
                 assert tier.lru_keys()[-1] == key
         elif op == "poll":
             self.absorb(tier.poll())
+        elif op == "clear":
+            indexed = tier.usage().num_blocks
+            assert tier.clear() == indexed and tier.usage().num_blocks == 0
         elif op == "restart":
             tier.close()
             self.absorb(tier.poll())
@@ -705,7 +730,7 @@ class _Model:
 
 
 _OPS = st.tuples(
-    st.sampled_from(["write"] * 4 + ["read"] * 4 + ["delete", "touch", "poll", "poll", "restart"]),
+    st.sampled_from(["write"] * 4 + ["read"] * 4 + ["delete", "touch", "poll", "poll", "restart", "clear"]),
     st.integers(0, len(_Model.KEYS) - 1),
     st.booleans(),
 )

@@ -273,7 +273,7 @@ def test_arc_remove_resident_and_ghost_leaves_no_trace() -> None:
 
 # ------------------------------------------------------------------------- stateful models
 
-POOL = [key(f"pool{i}") for i in range(8)]
+POOL = [key(f"pool{i}") for i in range(12)]
 pool_keys = st.sampled_from(POOL)
 STATEFUL = settings(max_examples=80, stateful_step_count=30, deadline=None, database=None)
 
@@ -350,7 +350,7 @@ class LRUMachine(PolicyMachine):
 class ARCMachine(PolicyMachine):
     """Model: T1 and T2 in recency order, the previous miss's ghost list, ARC's movement rules."""
 
-    @initialize(capacity=st.integers(min_value=1, max_value=4))
+    @initialize(capacity=st.integers(min_value=1, max_value=6))
     def make(self, capacity: int) -> None:
         self.arc = ARCPolicy(capacity)
         self.policy = self.arc

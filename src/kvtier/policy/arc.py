@@ -130,7 +130,7 @@ class ARCPolicy(EvictionPolicy):
         evictable key. The victim becomes the most recent entry of B1 resp. B2 (at once trimmed
         away again only if the tier holds more than c keys).
         """
-        t1_first = len(self._t1) >= self._p or (self._last_miss_in_b2 and len(self._t1) == self._p)
+        t1_first = len(self._t1) > self._p or (self._last_miss_in_b2 and len(self._t1) == self._p)
         order = ((self._t1, self._b1), (self._t2, self._b2))
         for resident, ghosts in order if t1_first else order[::-1]:
             victim = _first_evictable(resident, can_evict)

@@ -118,8 +118,11 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     (stored_sum,) = _HEADER_SUM.unpack_from(buf, _FIELDS.size)
     actual_sum = xxhash.xxh3_64_intdigest(fields)
     if stored_sum != actual_sum:
-        raise CorruptBlockError(f"header checksum mismatch: stored {stored_sum:#018x}, computed {actual_sum:#018x}")
-    (_, _, _, namespace, key, parent, num_tokens, alg, _reserved, payload_len, checksum) = _FIELDS.unpack_from(buf)
+        raise CorruptBlockError(
+            f"header checksum mismatch: stored {stored_sum:#018x}, computed {actual_sum:#018x}"
+        )
+    fields_tuple = _FIELDS.unpack_from(buf)
+    (_, _, _, namespace, key, parent, num_tokens, alg, _reserved, payload_len, checksum) = fields_tuple
     if alg != CHECKSUM_XXH3_64:
         raise CorruptBlockError(f"unknown checksum algorithm id {alg}")
     return BlockHeader(

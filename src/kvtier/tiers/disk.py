@@ -13,11 +13,11 @@ the block key in hex, ``<hhh>``/``<hh>`` its first 3 and next 2 hex digits. Each
 of every rank exists.
 
 Threading. Every public method runs on the caller's (orchestrator's) thread and never waits for
-file I/O, except the constructor (creates directories, scans the files) and :meth:`clear` /
-:meth:`close` / ``rescan(wait=True)``, which are administrative. Three private executors do the
-I/O: ``kvtier-disk-read`` (reads; a pool of its own so they never queue behind writes),
-``kvtier-disk-write`` (writes, unlinks, mtime updates) and ``kvtier-disk-scan`` (one thread,
-:meth:`rescan`). Workers never touch the in-memory index: they do file I/O only (including
+file I/O, except the constructor (creates directories, scans the files), :meth:`close` (waits
+for the jobs in flight) and ``rescan(wait=True)``. Three private executors do the I/O:
+``kvtier-disk-read`` (reads; a pool of its own so they never queue behind writes),
+``kvtier-disk-write`` (writes, unlinks, clear sweeps, mtime updates) and ``kvtier-disk-scan``
+(one thread, :meth:`rescan`). Workers never touch the in-memory index: they do file I/O only (including
 renaming corrupt files into quarantine and unlinking orphans found by a scan) and post their
 outcome on a :class:`queue.SimpleQueue`. :meth:`poll` drains it and applies every index change
 on the caller's thread, so the index needs no lock.
@@ -28,7 +28,8 @@ order. Every valid file has the same size (header + ``payload_bytes``), so a blo
 LRU blocks) when it is submitted, so indexed plus in-flight bytes never exceed
 ``capacity_bytes``. A key with a read in flight is never evicted. An evicted or deleted key
 leaves the index at once, before its files are unlinked on the write pool; a later write of the
-same key waits for that unlink first, so an unlink can never remove a newer file.
+same key waits for that unlink (and for a pending :meth:`clear` sweep) first, so an unlink can
+never remove a newer file.
 
 Sharing a root. Files are content addressed and published by ``rename`` from a unique temp
 name, so two processes writing the same key write identical bytes and the last rename wins. A
@@ -52,14 +53,20 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.keys import KEY_BYTES, BlockKey
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier, TierUsage
-from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header, encode_header, payload_checksum
+from kvtier.tiers.blockfile import (
+    HEADER_LEN,
+    CorruptBlockError,
+    decode_header,
+    encode_header,
+    payload_checksum,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +147,7 @@ class _ScanResult:
 _MSG_IO = 0  # (kind, IoResult, read: key generation at submit or None; write: True if a job ran)
 _MSG_UNLINKED = 1  # (kind, keys, future, io_errors)
 _MSG_SCAN = 2  # (kind, _ScanResult, gen at scan start)
+_MSG_CLEARED = 3  # (kind, future, io_errors)
 
 
 def _as_byte_view(buf: memoryview, *, writable: bool, what: str) -> memoryview:
@@ -228,7 +236,6 @@ class DiskTier(SecondaryTier):
         self._rank_digests = tuple(bytes(d) for d in rank_digests)
         self._world = len(self._rank_digests)
         self._group_suffix = f"_g{group}"
-        self._group = group
         self._payload_bytes = payload_bytes
         self._file_bytes = HEADER_LEN + payload_bytes
         self._block_bytes = self._world * self._file_bytes
@@ -240,12 +247,18 @@ class DiskTier(SecondaryTier):
         self._used = 0  # bytes of indexed blocks
         self._reserved = 0  # bytes of writes in flight
         self._writing: set[BlockKey] = set()  # keys with a write in flight
-        self._cancelled: set[BlockKey] = set()  # in-flight writes deleted meanwhile: unlink on completion
+        # In-flight writes deleted meanwhile (files unlinked on completion) -> whether a new submit
+        # of the key may revive them: yes after delete(), no after clear() (its sweep may race them).
+        self._cancelled: dict[BlockKey, bool] = {}
         self._reading: dict[BlockKey, int] = {}  # keys with reads in flight (never evicted)
+        self._removed_while_reading: set[BlockKey] = set()  # such keys deleted meanwhile: never adopt
         self._unlinking: dict[BlockKey, Future] = {}  # keys whose files an unlink job will remove
         self._gen = 0  # bumped on every index insert
         self._scan_running = False
         self._scan_forgotten: set[BlockKey] = set()  # keys removed while a rescan runs
+        self._clearing: Future | None = None  # the sweep of clear(), until it is done
+        self._clear_epoch = 0  # bumped by clear(): a scan that saw the files before must not re-add them
+        self._scan_epoch = 0  # _clear_epoch when the running scan started
         self._counts: dict[str, int | float] = dict.fromkeys(_STAT_FIELDS, 0)
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
@@ -323,6 +336,8 @@ class DiskTier(SecondaryTier):
             return
         entry = self._index.get(key)
         self._reading[key] = self._reading.get(key, 0) + 1
+        if key in self._unlinking or self._clearing is not None:
+            self._removed_while_reading.add(key)  # the read may still find doomed files: never adopt them
         gen = entry.gen if entry is not None else None
         self._read_pool.submit(self._read_job, job_id, key, views, gen)
 
@@ -337,7 +352,12 @@ class DiskTier(SecondaryTier):
             self._done.put((_MSG_IO, IoResult(job_id, IoKind.WRITE, key, True), False))
             return True
         if key in self._writing:  # the same bytes are on their way
-            self._cancelled.discard(key)
+            if self._cancelled.get(key) is False:  # cancelled by clear(): cannot be revived
+                self._counts["writes_dropped"] += 1
+                dropped = IoResult(job_id, IoKind.WRITE, key, False, error=IoError.DROPPED)
+                self._done.put((_MSG_IO, dropped, False))
+                return True
+            self._cancelled.pop(key, None)
             self._done.put((_MSG_IO, IoResult(job_id, IoKind.WRITE, key, True), False))
             return True
         if len(self._writing) >= self._max_pending_writes:
@@ -351,7 +371,8 @@ class DiskTier(SecondaryTier):
             return True
         self._reserved += self._block_bytes
         self._writing.add(key)
-        wait_for = self._unlinking.get(key)
+        # Unlinks (of this key) and a clear() sweep queued earlier must not remove the new files.
+        wait_for = tuple(f for f in (self._unlinking.get(key), self._clearing) if f is not None)
         self._write_pool.submit(self._write_job, job_id, key, parent, num_tokens, views, wait_for)
         return True
 
@@ -379,6 +400,10 @@ class DiskTier(SecondaryTier):
                         del self._unlinking[key]
             elif kind == _MSG_SCAN:
                 self._merge_scan(msg[1], scan_gen=msg[2])
+            elif kind == _MSG_CLEARED:
+                self._counts["io_errors"] += msg[2]
+                if self._clearing is msg[1]:
+                    self._clearing = None
         return results
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
@@ -391,7 +416,9 @@ class DiskTier(SecondaryTier):
         removed: list[BlockKey] = []
         for key in keys:
             if key in self._writing:
-                self._cancelled.add(key)
+                self._cancelled.setdefault(key, True)
+                if key in self._reading:
+                    self._removed_while_reading.add(key)
             if self._forget(key):
                 removed.append(key)
         self._schedule_unlink(removed)
@@ -400,32 +427,26 @@ class DiskTier(SecondaryTier):
     def clear(self) -> int:
         """Remove every block file of this namespace and group (all ranks, whoever wrote it).
 
-        Blocks until the files are gone (an administrative call, like a purge). Writes in flight
-        are cancelled: their files are removed when they complete.
+        The index empties at once; the files are removed by one sweep on the write pool (writes
+        submitted afterwards wait for it, so they survive it). Writes in flight are cancelled:
+        their files are removed when they complete. Returns the number of indexed blocks.
         """
         count = len(self._index)
         for key in list(self._index):
             self._forget(key)
-        self._cancelled.update(self._writing)
-        if not self._closed:
-            # Wait for queued unlinks so none runs after the sweep below (it would be harmless).
-            for future in list(self._unlinking.values()):
-                future.result()
-        errors = 0
-        for rank_dir in self._rank_dirs:
-            for leaf in self._leaf_dirs(rank_dir):
-                try:
-                    names = os.listdir(leaf)
-                except FileNotFoundError:
-                    continue
-                for name in names:
-                    if name.endswith(".bin"):
-                        errors += not _unlink_quiet(f"{leaf}/{name}")
-                try:
-                    os.rmdir(leaf)
-                except OSError:
-                    pass
-        self._counts["io_errors"] += errors
+        self._cancelled.update(dict.fromkeys(self._writing, False))
+        self._removed_while_reading.update(self._reading)
+        self._clear_epoch += 1
+        if self._closed:
+            self._sweep_job(None, ())
+            return count
+        # The sweep runs after every unlink queued so far (none can then hit a newer file).
+        earlier = {id(f): f for f in self._unlinking.values()}
+        if self._clearing is not None:
+            earlier[id(self._clearing)] = self._clearing
+        future: Future = Future()
+        self._write_pool.submit(self._sweep_job, future, tuple(earlier.values()))
+        self._clearing = future
         return count
 
     def usage(self) -> TierUsage:
@@ -472,10 +493,11 @@ class DiskTier(SecondaryTier):
         the scan thread and its result is merged by a later :meth:`poll` (``wait=True``: now,
         blocking). Only new files are ``stat``-ed. A call while a scan runs does nothing.
         """
-        if self._closed or self._scan_running:
+        if self._closed or self._scan_running or self._clearing is not None:
             return
         self._scan_running = True
         self._scan_forgotten = set()
+        self._scan_epoch = self._clear_epoch
         known = list(self._index)  # a snapshot (C speed); the worker converts it to hex
         gen = self._gen
         if wait:
@@ -485,14 +507,18 @@ class DiskTier(SecondaryTier):
 
     # ------------------------------------------------------------------ index (caller thread)
 
-    def _check_buffers(self, buffers: Sequence[memoryview], *, writable: bool, what: str) -> list[memoryview]:
+    def _check_buffers(
+        self, buffers: Sequence[memoryview], *, writable: bool, what: str
+    ) -> list[memoryview]:
+        """Byte views of the caller's buffers; a wrong count or size is a caller bug (ValueError)."""
         if len(buffers) != self._world:
             raise ValueError(f"{what}: expected {self._world} buffers (one per rank), got {len(buffers)}")
         views = [_as_byte_view(b, writable=writable, what=what) for b in buffers]
         for rank, view in enumerate(views):
             if view.nbytes != self._payload_bytes:
                 raise ValueError(
-                    f"{what}[{rank}] is {view.nbytes} bytes; this tier's payload_bytes is {self._payload_bytes}"
+                    f"{what}[{rank}] is {view.nbytes} bytes; "
+                    f"this tier's payload_bytes is {self._payload_bytes}"
                 )
         return views
 
@@ -516,6 +542,8 @@ class DiskTier(SecondaryTier):
         self._used -= entry.nbytes
         if self._scan_running:
             self._scan_forgotten.add(key)
+        if key in self._reading:
+            self._removed_while_reading.add(key)
         return True
 
     def _make_room(self, extra: int) -> bool:
@@ -527,7 +555,8 @@ class DiskTier(SecondaryTier):
             for key in self._index:
                 if key not in self._reading:
                     victims.append(key)
-                    if self._used + self._reserved + extra - len(victims) * self._block_bytes <= self._capacity:
+                    freed = len(victims) * self._block_bytes
+                    if self._used + self._reserved + extra - freed <= self._capacity:
                         break
             else:
                 return False  # not enough evictable blocks: evict nothing
@@ -556,29 +585,43 @@ class DiskTier(SecondaryTier):
     def _schedule_unlink(self, keys: list[BlockKey]) -> None:
         if not keys:
             return
+        reading = self._reading
+        self._removed_while_reading.update(key for key in keys if key in reading)
         if self._closed:
-            self._unlink_job(keys, None)  # synchronous: no pool any more
+            self._unlink_job(keys, None, ())  # synchronous: no pool any more
             return
+        # Earlier unlinks of these keys still pending: this one runs after them, so a write that
+        # waits for the latest unlink of its key (see submit_write) waits for all of them.
+        earlier = {id(f): f for f in map(self._unlinking.get, keys) if f is not None}
         future: Future = Future()  # resolved by the job itself, so it can be waited on before it starts
-        self._write_pool.submit(self._unlink_job, keys, future)
+        self._write_pool.submit(self._unlink_job, keys, future, tuple(earlier.values()))
         for key in keys:
             self._unlinking[key] = future
 
     def _finish_read(self, result: IoResult, gen: int | None) -> None:
         key = result.key
         left = self._reading.get(key, 0) - 1
+        removed_meanwhile = key in self._removed_while_reading
         if left > 0:
             self._reading[key] = left
         else:
             self._reading.pop(key, None)
+            self._removed_while_reading.discard(key)
         counts = self._counts
         if result.ok:
             counts["reads_ok"] += 1
             counts["bytes_read"] += result.num_bytes
             counts["read_seconds"] += result.seconds
-            if not self._touch_one(key, time.time()) and gen is None and key not in self._writing:
+            if (
+                not self._touch_one(key, time.time())
+                and gen is None
+                and not removed_meanwhile
+                and key not in self._writing
+                and key not in self._unlinking
+                and self._clearing is None
+            ):
                 # Not indexed at submit, found on disk: written by another process. Adopt it.
-                # (If it was indexed at submit, it was evicted or deleted meanwhile: leave it.)
+                # (Indexed at submit and gone now, or deleted since: it was removed on purpose.)
                 self._insert(key, time.time())
                 self._evict_to_capacity()
             return
@@ -602,13 +645,13 @@ class DiskTier(SecondaryTier):
         counts = self._counts
         if not result.ok:
             counts["io_errors"] += 1
-            self._cancelled.discard(key)
+            self._cancelled.pop(key, None)
             return
         counts["writes_ok"] += 1
         counts["bytes_written"] += result.num_bytes
         counts["write_seconds"] += result.seconds
         if key in self._cancelled:
-            self._cancelled.discard(key)
+            del self._cancelled[key]
             self._schedule_unlink([key])
             return
         if key not in self._index:
@@ -623,8 +666,10 @@ class DiskTier(SecondaryTier):
         self._scan_running = False
         self._scan_forgotten = set()
         index = self._index
+        if scan_gen is not None and (self._scan_epoch != self._clear_epoch or self._clearing is not None):
+            return  # clear() ran since the scan started: what it saw is being swept
         if scan_gen is not None:
-            # Indexed before the scan started but no longer complete on disk: another process removed it.
+            # Indexed before the scan started, no longer complete on disk: another process removed it.
             for hex_key in result.vanished:
                 key = bytes.fromhex(hex_key)
                 entry = index.get(key)
@@ -635,7 +680,10 @@ class DiskTier(SecondaryTier):
         block_bytes, gen, added = self._block_bytes, self._gen, 0
         fromhex = bytes.fromhex
         for mtime_ns, hex_key in result.new:
-            key = fromhex(hex_key)
+            try:
+                key = fromhex(hex_key)
+            except ValueError:  # not a name kvtier writes: leave the file alone
+                continue
             if scan_gen is not None and (
                 key in index or key in self._writing or key in self._unlinking or key in forgotten
             ):
@@ -728,10 +776,10 @@ class DiskTier(SecondaryTier):
         parent: BlockKey,
         num_tokens: int,
         sources: list[memoryview],
-        wait_for: Future | None,
+        wait_for: tuple[Future, ...],
     ) -> None:
-        if wait_for is not None:
-            wait_for.result()  # an unlink of this key queued earlier must not remove the new files
+        for future in wait_for:  # queued before this job, so already running or done: no deadlock
+            future.result()
         start = time.perf_counter()
         hex_key = key.hex()
         written: list[str] = []
@@ -759,7 +807,8 @@ class DiskTier(SecondaryTier):
             for path in written:  # ranks already published are useless without the rest
                 _unlink_quiet(path)
             seconds = time.perf_counter() - start
-            self._done.put((_MSG_IO, IoResult(job_id, IoKind.WRITE, key, False, 0, seconds, IoError.IO), True))
+            failed = IoResult(job_id, IoKind.WRITE, key, False, 0, seconds, IoError.IO)
+            self._done.put((_MSG_IO, failed, True))
             return
         seconds = time.perf_counter() - start
         nbytes = self._block_bytes
@@ -790,9 +839,11 @@ class DiskTier(SecondaryTier):
         finally:
             os.close(fd)
 
-    def _unlink_job(self, keys: list[BlockKey], future: Future | None) -> None:
+    def _unlink_job(self, keys: list[BlockKey], future: Future | None, earlier: tuple[Future, ...]) -> None:
         errors = 0
         try:
+            for previous in earlier:  # queued before this job: started already, maybe not done
+                previous.result()
             for key in keys:
                 hex_key = key.hex()
                 for rank in range(self._world):
@@ -809,6 +860,32 @@ class DiskTier(SecondaryTier):
             if future is not None:
                 future.set_result(None)
                 self._done.put((_MSG_UNLINKED, keys, future, errors))
+            else:
+                self._counts["io_errors"] += errors  # closed: called on the caller's thread
+
+    def _sweep_job(self, future: Future | None, earlier: tuple[Future, ...]) -> None:
+        """Unlink every ``.bin`` of this namespace and group; drop emptied leaf directories."""
+        errors = 0
+        try:
+            for previous in earlier:
+                previous.result()
+            for rank_dir in self._rank_dirs:
+                for leaf in self._leaf_dirs(rank_dir):
+                    try:
+                        names = os.listdir(leaf)
+                    except (FileNotFoundError, NotADirectoryError):
+                        continue
+                    for name in names:
+                        if name.endswith(".bin"):
+                            errors += not _unlink_quiet(f"{leaf}/{name}")
+                    try:
+                        os.rmdir(leaf)
+                    except OSError:
+                        pass
+        finally:
+            if future is not None:
+                future.set_result(None)
+                self._done.put((_MSG_CLEARED, future, errors))
             else:
                 self._counts["io_errors"] += errors  # closed: called on the caller's thread
 
@@ -901,7 +978,7 @@ class DiskTier(SecondaryTier):
         first = per_rank[0]
         if len(per_rank) == 1:
             complete = first.keys()
-            result.new = [(mtime, hex_key) for hex_key, mtime in first.items() if mtime]
+            result.new = [(mtime, hex_key) for hex_key, mtime in first.items() if hex_key not in known_hex]
         else:
             complete = set(first).intersection(*per_rank[1:])
             result.new = [

@@ -9,6 +9,7 @@ validated in both, so a bad key fails at start-up with a message naming it.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
+        _share_vllm_log_handlers()
         config = KVTierConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         geometry = EngineGeometry.from_vllm(vllm_config, kv_cache_config, config)
         self._scheduler: KVTierScheduler | None = None
@@ -143,3 +145,15 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+
+def _share_vllm_log_handlers() -> None:
+    """Print kvtier's log records the way vLLM prints its own: vLLM configures only the "vllm"
+    logger, and only once the engine starts (so this runs in the connector's constructor)."""
+    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False

@@ -1,8 +1,9 @@
-"""Run one vLLM engine (optionally with kvtier) over rounds of prompts; print a JSON result line.
+"""Run one offline vLLM engine (optionally with kvtier) over rounds of prompts; print JSON.
 
-Used by the end-to-end tests, each engine in its own process so that every run starts clean:
+Used by the end-to-end tests and benchmarks, each engine in its own process so every run starts
+clean (vLLM logs to stdout too; the result is the LAST stdout line):
 
-    python engine_run.py SPEC_JSON   ->   last stdout line: {"rounds": [...]}
+    python -m kvtier.vllm.offline_run SPEC_JSON   ->   {"startup_seconds": ..., "rounds": [...]}
 
 SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": bool}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector).
@@ -28,6 +29,7 @@ def main() -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["kv_connector_extra_config"],
         }
+    started = time.perf_counter()
     llm = LLM(
         model=spec["model"],
         dtype="float32",
@@ -39,6 +41,7 @@ def main() -> None:
         seed=0,
         **kwargs,
     )
+    startup_seconds = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     rounds = []
     for round_spec in spec["rounds"]:
@@ -64,7 +67,7 @@ def main() -> None:
                 )
         rounds.append(results)
     del llm
-    print(json.dumps({"rounds": rounds}), flush=True)
+    print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds}), flush=True)
 
 
 if __name__ == "__main__":

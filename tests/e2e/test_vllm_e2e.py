@@ -1,0 +1,146 @@
+"""End to end on real vLLM-CPU with the real SmolLM2 model: outputs with kvtier are bit-exact.
+
+Every engine runs in its own process (kvtier.vllm.offline_run). The vLLM KV space (128 MiB =
+22 blocks of 128 tokens) is far smaller than the workload (8 prompts of ~1,080 tokens = 72 blocks),
+so vLLM's own prefix cache cannot serve round 2: the hits come from kvtier.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.workloads import long_prompts
+
+pytestmark = pytest.mark.e2e
+
+NUM_PROMPTS = 8
+PROMPT_WORDS = 1000
+MAX_TOKENS = 24
+KV_BYTES = 128 * 2**20
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from kvtier.model import ensure_default_model
+
+    return str(ensure_default_model("float32"))
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[str]:
+    return long_prompts(NUM_PROMPTS, PROMPT_WORDS, seed=2)
+
+
+def run_engine(tmp: Path, model: str, prompts, rounds, extra_config=None, multiprocess=True) -> dict:
+    spec = {
+        "model": model,
+        "prompts": prompts,
+        "rounds": rounds,
+        "max_tokens": MAX_TOKENS,
+        "kv_cache_memory_bytes": KV_BYTES,
+        "max_model_len": 2048,
+        "kv_connector_extra_config": extra_config,
+    }
+    run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
+    run_dir.mkdir()
+    env = {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
+        "TMPDIR": str(run_dir),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.vllm.offline_run", json.dumps(spec)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    log = proc.stdout + proc.stderr  # vLLM (and kvtier through it) logs to stdout
+    (run_dir / "engine.log").write_text(log)
+    assert proc.returncode == 0, log[-5000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["log"] = log
+    print(
+        f"{run_dir.name}: start-up {result['startup_seconds']:.1f} s, rounds "
+        + ", ".join(f"{sum(r['seconds'] for r in rnd):.1f} s" for rnd in result["rounds"])
+    )
+    return result
+
+
+def token_ids(round_results) -> list[list[int]]:
+    return [r["token_ids"] for r in round_results]
+
+
+def kvtier_config(root: Path) -> dict:
+    return {
+        "cpu_bytes_to_use": 1_000_000_000,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 4_000_000_000}],
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model_path, prompts) -> dict:
+    """vLLM alone: sequential round, then a batched round."""
+    tmp = tmp_path_factory.mktemp("reference")
+    return run_engine(tmp, model_path, prompts, [{}, {"batch": True}], multiprocess=False)
+
+
+def test_host_then_disk_then_corruption_all_bit_exact(tmp_path, model_path, prompts, reference):
+    expected = token_ids(reference["rounds"][0])
+    assert len(set(map(tuple, expected))) == NUM_PROMPTS
+    root = tmp_path / "kvdisk"
+
+    # Engine 1, vLLM's default multiprocess mode: round 1 stores; after vLLM's own prefix cache is
+    # reset, round 2 is served from kvtier's host tier; a batched round 3 runs requests concurrently.
+    first = run_engine(
+        tmp_path, model_path, prompts,
+        [{}, {"reset_prefix_cache": True}, {"reset_prefix_cache": True, "batch": True}],
+        kvtier_config(root),
+    )
+    round1, round2, round3 = first["rounds"]
+    assert token_ids(round1) == expected
+    assert token_ids(round2) == expected
+    assert token_ids(round3) == token_ids(reference["rounds"][1])
+    for result in round2:
+        full_blocks = (result["prompt_tokens"] - 1) // BLOCK * BLOCK
+        assert result["num_cached_tokens"] == full_blocks, result
+        assert result["num_cached_tokens"] >= 0.9 * result["prompt_tokens"]
+    bins = sorted(root.rglob("*.bin"))
+    assert len(bins) >= NUM_PROMPTS * 8, "stored blocks were not cascaded to disk"
+
+    # Engine 2: a new process with an empty host tier on the same disk root: served from disk.
+    second = run_engine(tmp_path, model_path, prompts, [{}], kvtier_config(root))
+    assert token_ids(second["rounds"][0]) == expected
+    for result in second["rounds"][0]:
+        assert result["num_cached_tokens"] >= 0.9 * result["prompt_tokens"], result
+
+    # Corrupt one payload byte, one header byte, and truncate one file: each is a miss (recomputed),
+    # counted and quarantined; outputs stay equal. One process mode this time (both roles one PID).
+    victims = {p.stem: p for p in bins[:: max(1, len(bins) // 3)][:3]}
+    payload_victim, header_victim, truncated_victim = victims.values()
+    flip_byte(payload_victim, payload_victim.stat().st_size - 100)
+    flip_byte(header_victim, 10)
+    with open(truncated_victim, "r+b") as f:
+        f.truncate(truncated_victim.stat().st_size // 2)
+    third = run_engine(tmp_path, model_path, prompts, [{}], kvtier_config(root), multiprocess=False)
+    assert token_ids(third["rounds"][0]) == expected
+    quarantined = {p.name.split("__")[-1].removesuffix(".bin") for p in (root / "quarantine").glob("*.bin")}
+    assert set(victims) <= quarantined  # (recomputed blocks are stored again under the same name)
+    assert third["log"].count("unreadable") >= 1, "corrupt blocks were not reported"
+    cached = [r["num_cached_tokens"] for r in third["rounds"][0]]
+    assert sum(cached) < sum(r["num_cached_tokens"] for r in second["rounds"][0]), "corrupt blocks were served"
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
