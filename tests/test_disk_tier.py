@@ -234,6 +234,10 @@ def test_non_byte_buffers_and_bad_buffers(tmp_path, tiers):
         tier.submit_read(3, key, [memoryview(bytes(PAYLOAD))])
     with pytest.raises(ValueError, match="one per rank"):
         tier.submit_write(3, key, PARENT, 1, [])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        tier.submit_read(3, key, [memoryview(bytearray(2 * PAYLOAD))[::2]])
+    with pytest.raises(ValueError, match="32 bytes"):
+        tier.submit_write(3, key, b"short", 1, sources_of(key))
 
 
 def test_dedup(tmp_path, tiers):

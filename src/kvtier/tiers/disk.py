@@ -105,7 +105,8 @@ class DiskTierStats:
     ``read_misses`` counts ``NOT_FOUND`` reads, ``corrupt_quarantined`` files moved to quarantine
     (by reads or by scans), ``io_errors`` failed reads, writes and unlinks. ``writes_dropped``
     counts writes refused because the queue was full (``submit_write`` returned False) or that
-    completed ``DROPPED`` (block larger than the capacity, or no evictable space).
+    completed ``DROPPED`` (block larger than the capacity, no evictable space, or a re-store of
+    a block whose write :meth:`DiskTier.clear` cancelled while it was in flight).
     """
 
     reads_ok: int = 0
@@ -154,6 +155,8 @@ def _as_byte_view(buf: memoryview, *, writable: bool, what: str) -> memoryview:
     view = memoryview(buf)
     if writable and view.readonly:
         raise ValueError(f"{what} buffers must be writable")
+    if not view.c_contiguous:
+        raise ValueError(f"{what} buffers must be C-contiguous")
     if view.format != "B" or view.ndim != 1:
         try:
             view = view.cast("B")
@@ -331,6 +334,8 @@ class DiskTier(SecondaryTier):
 
     def submit_read(self, job_id: int, key: BlockKey, dests: Sequence[memoryview]) -> None:
         views = self._check_buffers(dests, writable=True, what="dests")
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
         if self._closed:
             self._done.put((_MSG_IO, IoResult(job_id, IoKind.READ, key, False, error=IoError.IO), None))
             return
@@ -345,6 +350,10 @@ class DiskTier(SecondaryTier):
         self, job_id: int, key: BlockKey, parent: BlockKey, num_tokens: int, sources: Sequence[memoryview]
     ) -> bool:
         views = self._check_buffers(sources, writable=False, what="sources")
+        if len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
+            raise ValueError(f"key and parent must be {KEY_BYTES} bytes, got {len(key)} and {len(parent)}")
+        if not 0 <= num_tokens < 2**32:
+            raise ValueError(f"num_tokens must fit in a u32, got {num_tokens}")
         if self._closed:
             return False
         if key in self._index:  # dedup: content addressed, the stored bytes are these bytes
@@ -714,6 +723,9 @@ class DiskTier(SecondaryTier):
         except OSError as exc:
             logger.warning("kvtier disk: reading %s failed: %s", paths[rank], exc)
             error = IoError.IO
+        except Exception:  # a bug, but the job must still complete
+            logger.exception("kvtier disk: reading %s failed", paths[rank])
+            error = IoError.IO
         else:
             for path in paths:  # record the use for the order after a restart
                 try:
@@ -800,8 +812,11 @@ class DiskTier(SecondaryTier):
                 os.rename(tmp, final)
                 tmp = ""
                 written.append(final)
-        except OSError as exc:
-            logger.warning("kvtier disk: writing block %s failed: %s", hex_key, exc)
+        except Exception as exc:  # OSError (ENOSPC, EIO, ...) or a bug: the job must still complete
+            if isinstance(exc, OSError):
+                logger.warning("kvtier disk: writing block %s failed: %s", hex_key, exc)
+            else:
+                logger.exception("kvtier disk: writing block %s failed", hex_key)
             if tmp:
                 _unlink_quiet(tmp)
             for path in written:  # ranks already published are useless without the rest
