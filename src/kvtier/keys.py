@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -104,10 +106,20 @@ class BlockExtras:
 NO_EXTRAS = BlockExtras()
 
 
+def _u32_le(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32 (``array`` is several times faster than ``struct.pack``)."""
+    packed = array("I", tokens)
+    if packed.itemsize != 4:  # pragma: no cover - no such CPython platform today
+        return struct.pack(f"<{len(tokens)}I", *tokens)
+    if sys.byteorder == "big":  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
 def block_key(parent: bytes, tokens: Sequence[int], extras: BlockExtras = NO_EXTRAS) -> BlockKey:
     """``H(parent || tokens as u32 LE || extras)``."""
     hasher = blake3.blake3(parent)
-    hasher.update(struct.pack(f"<{len(tokens)}I", *tokens))
+    hasher.update(_u32_le(tokens))
     hasher.update(extras.encode())
     return hasher.digest()
 

@@ -51,25 +51,32 @@ def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
 
 
 class PagedKV:
-    """The engine's per-layer KV tensors as byte pages ``page(layer, block_id)`` (views, no copies)."""
+    """The engine's per-layer KV tensors as byte pages ``page(layer, block_id)`` (views, no copies).
+
+    When every layer's pages are contiguous (vLLM-CPU: block dim 0) pages are rows of a
+    ``[num_blocks, page_bytes]`` view, which keeps the per-copy overhead to one index op.
+    """
 
     def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int):
         if not layers:
             raise ValueError("no KV layers to offload")
-        self._pages: list[torch.Tensor] = []
+        pages: list[torch.Tensor] = []
         for tensor in layers:
             block_dim = find_block_dim(tensor.shape, num_blocks)
             as_bytes = tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
-            self._pages.append(as_bytes.movedim(block_dim, 0))
-        page_shapes = {tuple(p.shape[1:]) for p in self._pages}
+            pages.append(as_bytes.movedim(block_dim, 0))
+        page_shapes = {tuple(p.shape[1:]) for p in pages}
         if len(page_shapes) != 1:
             raise ValueError(f"KV layers have different page shapes {sorted(page_shapes)}; not supported")
         self.page_shape = page_shapes.pop()
-        self.page_bytes = self._pages[0][0].numel()
-        self.num_layers = len(self._pages)
-        self.device = self._pages[0].device
+        self.page_bytes = pages[0][0].numel()
+        self.num_layers = len(pages)
+        self.device = pages[0].device
+        self.flat = all(p.is_contiguous() for p in pages)
+        self._pages = [p.reshape(num_blocks, self.page_bytes) for p in pages] if self.flat else pages
 
     def page(self, layer: int, block_id: int) -> torch.Tensor:
+        """A page: a 1-D byte row if :attr:`flat`, else a view of shape :attr:`page_shape`."""
         return self._pages[layer][block_id]
 
 
@@ -82,9 +89,12 @@ class HostSlots:
             raise ValueError(f"host buffer must be {expected} uint8 bytes, got {buffer.numel()} {buffer.dtype}")
         self.layout = layout
         self.tensor = buffer.view(layout.num_slots, layout.num_layers, layout.pages_per_block, layout.page_bytes)
+        self._rows = buffer.view(-1, layout.page_bytes)
 
     def page(self, slot: int, layer: int, sub: int) -> torch.Tensor:
-        return self.tensor[slot, layer, sub]
+        """A 1-D byte row: page ``sub`` of layer ``layer`` in slot ``slot``."""
+        layout = self.layout
+        return self._rows[(slot * layout.num_layers + layer) * layout.pages_per_block + sub]
 
 
 class BlockCopier:
@@ -103,10 +113,12 @@ class BlockCopier:
     def copy(self, direction: Direction, pages: Iterable[PageCopy]) -> int:
         """Copy ``pages`` in ``direction``; returns bytes moved. Synchronous on CPU."""
         pages = list(pages)
-        shape = self.kv.page_shape
+        shape = None if self.kv.flat else self.kv.page_shape
         for layer in range(self.kv.num_layers):
             for p in pages:
-                host_page = self.host.page(p.slot, layer, p.sub).view(shape)
+                host_page = self.host.page(p.slot, layer, p.sub)
+                if shape is not None:
+                    host_page = host_page.view(shape)
                 engine_page = self.kv.page(layer, p.block_id)
                 if direction is Direction.STORE:
                     host_page.copy_(engine_page, non_blocking=self._non_blocking)

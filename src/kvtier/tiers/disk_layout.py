@@ -1,0 +1,305 @@
+"""Where the disk tier's files live, and the directory walk that finds them.
+
+Layout (the one vLLM's fs tier documents, so operators know it)::
+
+    <root>/<model>_<digest16>/config.json                 the namespace, as JSON
+    <root>/<model>_<digest16>_r<rank>/<hhh>/<hh>_g<group>/<hash_hex>.bin
+    <root>/quarantine/<model>_<digest16>_r<rank>__<hash_hex>.bin
+
+``<model>`` is the model name reduced to ``[A-Za-z0-9._-]`` (:func:`sanitize_model_name`),
+``<digest16>`` the first 16 hex digits of the rank-independent namespace digest, ``<hash_hex>``
+the block key in hex, ``<hhh>``/``<hh>`` its first 3 and next 2 hex digits. Each ``.bin`` is a
+"kvtier block file v1" (:mod:`kvtier.tiers.blockfile`). A block is present only when the file
+of every rank exists. Writers publish a file by renaming ``<hash_hex>.bin.<pid>.<random>.tmp``.
+
+Threads: :class:`DiskLayout` is immutable and every function here does file-system work only,
+never touching the tier's in-memory index, so any thread may call it. The tier calls
+:meth:`DiskLayout.create` and the start-up :meth:`DiskLayout.scan` from its constructor, later
+scans from its scan thread, and merges each :class:`ScanResult` itself on its caller's thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.keys import KEY_BYTES, BlockKey
+
+logger = logging.getLogger(__name__)
+
+QUARANTINE_DIR = "quarantine"
+STALE_TMP_SECONDS = 3600.0  # a temp file this old is removed even if its writer's pid looks alive
+ORPHAN_SECONDS = 600.0  # files of a block missing some rank's file, this old, are removed by a scan
+
+_UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+_HEX = frozenset("0123456789abcdef")
+_BIN_NAME_LEN = 2 * KEY_BYTES + 4  # "<64 hex>.bin"
+
+
+def sanitize_model_name(model_name: str) -> str:
+    """The ``<model>`` part of directory names: only ``[A-Za-z0-9._-]``.
+
+    A filesystem path (absolute, or starting with ``.`` or ``~``) contributes its last
+    component (``/models/llama-3/`` -> ``llama-3``); in anything else, such as a Hugging Face
+    repo id, separators become ``_`` like every other character outside the set
+    (``HuggingFaceTB/SmolLM2-135M`` -> ``HuggingFaceTB_SmolLM2-135M``).
+    """
+    name = model_name.strip()
+    if name.startswith(("/", ".", "~")) or os.path.isabs(name):
+        name = re.split(r"[/\\]", name.rstrip("/\\"))[-1]
+    name = _UNSAFE_CHARS.sub("_", name)
+    if name.strip(".") == "":
+        name = "model" if not name else name.replace(".", "_")
+    return name
+
+
+def unlink_quiet(path: str) -> bool:
+    """Unlink ``path``; False only on an error other than "already gone"."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("kvtier disk: cannot remove %s: %s", path, exc)
+        return False
+    return True
+
+
+def rmdir_quiet(path: str) -> None:
+    """Remove ``path`` if it is an empty directory (a non-empty one, e.g. holding a temp file, stays)."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
+
+
+def utime_quiet(paths: Sequence[str]) -> None:
+    """Set the mtime of ``paths`` to now (it orders blocks after a restart); missing files are skipped."""
+    for path in paths:
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """What a scan of the rank directories found (built on a worker thread)."""
+
+    new: list[tuple[int, str]]  # (newest mtime_ns over ranks, hex key) of complete blocks not known
+    vanished: list[str]  # known hex keys not complete on disk any more
+    quarantined: int = 0
+    io_errors: int = 0
+
+
+class DiskLayout:
+    """The directories and file names of one namespace, world size and group (see the module docstring)."""
+
+    __slots__ = ("root", "prefix", "ns_dir", "rank_dirs", "quarantine_dir", "group_suffix", "world")
+
+    def __init__(self, root_dir: Path | str, model_name: str, engine_digest: bytes, world: int, group: int) -> None:
+        self.root = str(Path(root_dir))
+        self.prefix = f"{sanitize_model_name(model_name)}_{bytes(engine_digest).hex()[:16]}"
+        self.ns_dir = os.path.join(self.root, self.prefix)
+        self.rank_dirs = tuple(os.path.join(self.root, f"{self.prefix}_r{rank}") for rank in range(world))
+        self.quarantine_dir = os.path.join(self.root, QUARANTINE_DIR)
+        self.group_suffix = f"_g{group}"
+        self.world = world
+
+    def path(self, hex_key: str, rank: int) -> str:
+        """Where the file of block ``hex_key`` of ``rank`` lives."""
+        return f"{self.rank_dirs[rank]}/{hex_key[:3]}/{hex_key[3:5]}{self.group_suffix}/{hex_key}.bin"
+
+    def paths(self, hex_key: str) -> list[str]:
+        """The files of block ``hex_key``, one per rank."""
+        return [self.path(hex_key, rank) for rank in range(self.world)]
+
+    def quarantine_path(self, hex_key: str, rank: int) -> str:
+        return f"{self.quarantine_dir}/{self.prefix}_r{rank}__{hex_key}.bin"
+
+    def quarantine(self, hex_key: str, rank: int) -> bool:
+        """Move a bad file aside (worker threads). True if it was moved."""
+        src = self.path(hex_key, rank)
+        dst = self.quarantine_path(hex_key, rank)
+        try:
+            try:
+                os.rename(src, dst)
+            except FileNotFoundError:
+                if not os.path.exists(src):
+                    return False
+                os.makedirs(self.quarantine_dir, exist_ok=True)
+                os.rename(src, dst)
+        except OSError as exc:
+            logger.warning("kvtier disk: cannot quarantine %s: %s; removing it", src, exc)
+            unlink_quiet(src)
+            return False
+        return True
+
+    def create(self, namespace_json: str) -> None:
+        """Create the directories and ``config.json``; refuse a directory of another namespace."""
+        os.makedirs(self.ns_dir, exist_ok=True)
+        for rank_dir in self.rank_dirs:
+            os.makedirs(rank_dir, exist_ok=True)
+        path = os.path.join(self.ns_dir, "config.json")
+        try:
+            with open(path, encoding="utf-8") as fh:
+                existing = fh.read()
+        except FileNotFoundError:
+            tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            with open(tmp, "w", encoding="utf-8") as fh:
+                fh.write(namespace_json)
+            os.replace(tmp, path)  # atomic; a concurrent start-up writes the same bytes
+            return
+        if existing == namespace_json:
+            return
+        try:
+            same = json.loads(existing) == json.loads(namespace_json)
+        except ValueError:
+            same = False
+        if not same:
+            raise ValueError(
+                f"disk tier directory {self.ns_dir} holds config.json of a different namespace than "
+                f"this engine's, although the directory name (digest {self.prefix[-16:]}) says they are "
+                "the same: the directory was modified by hand. Move it away or use another root_dir."
+            )
+
+    def leaf_dirs(self, rank_dir: str) -> list[str]:
+        """The ``<hhh>/<hh>_g<group>`` directories under ``rank_dir``."""
+        suffix = self.group_suffix
+        sub_len = 2 + len(suffix)
+        leaves: list[str] = []
+        listdir = os.listdir
+        try:
+            tops = listdir(rank_dir)
+        except FileNotFoundError:
+            return leaves
+        for top in tops:
+            if len(top) != 3:
+                continue
+            top_dir = f"{rank_dir}/{top}"
+            try:
+                subs = listdir(top_dir)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            leaves.extend(f"{top_dir}/{sub}" for sub in subs if len(sub) == sub_len and sub.endswith(suffix))
+        return leaves
+
+    def scan(self, known: Sequence[BlockKey] | None, file_bytes: int) -> ScanResult:
+        """Walk the rank directories (file I/O only, no index access).
+
+        ``known``: keys indexed when the scan started; their files are not ``stat``-ed (None:
+        start-up, stat everything). Quarantines files that are not ``file_bytes`` long, removes
+        stale temp files (:func:`_remove_stale_tmp`) and the files of blocks missing some rank's
+        file for more than :data:`ORPHAN_SECONDS`.
+        """
+        known_hex = frozenset(key.hex() for key in known) if known is not None else frozenset()
+        result = ScanResult(new=[], vanished=[])
+        now = time.time()
+        stat, listdir = os.stat, os.listdir
+        per_rank: list[dict[str, int]] = []  # hex key -> mtime_ns (0 for known keys, not stat-ed)
+        for rank, rank_dir in enumerate(self.rank_dirs):
+            found: dict[str, int] = {}
+            for leaf in self.leaf_dirs(rank_dir):
+                try:
+                    names = listdir(leaf)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                for name in names:
+                    if name.endswith(".bin"):
+                        if len(name) != _BIN_NAME_LEN:
+                            continue
+                        hex_key = name[:-4]
+                        if hex_key in known_hex:
+                            found[hex_key] = 0
+                            continue
+                        try:
+                            st = stat(f"{leaf}/{name}")
+                        except FileNotFoundError:
+                            continue
+                        except OSError:
+                            result.io_errors += 1
+                            continue
+                        if st.st_size != file_bytes:
+                            if set(hex_key) <= _HEX:
+                                logger.warning(
+                                    "kvtier disk: %s/%s is %d bytes, expected %d; quarantined",
+                                    leaf, name, st.st_size, file_bytes,
+                                )
+                                result.quarantined += self.quarantine(hex_key, rank)
+                            continue
+                        found[hex_key] = st.st_mtime_ns
+                    elif name.endswith(".tmp"):
+                        _remove_stale_tmp(f"{leaf}/{name}", name, now)
+            per_rank.append(found)
+
+        first = per_rank[0]
+        if len(per_rank) == 1:
+            complete = first.keys()
+            result.new = [(mtime, hex_key) for hex_key, mtime in first.items() if hex_key not in known_hex]
+        else:
+            complete = set(first).intersection(*per_rank[1:])
+            result.new = [
+                (max(found[hex_key] for found in per_rank), hex_key)
+                for hex_key in complete
+                if hex_key not in known_hex
+            ]
+            # Blocks missing some rank's file: completed soon (a writer is between ranks) or orphans.
+            partial = set(first).union(*per_rank[1:]) - complete
+            for hex_key in partial:
+                paths = [self.path(hex_key, rank) for rank, found in enumerate(per_rank) if hex_key in found]
+                stamps = _mtimes(paths)
+                if stamps and now - max(stamps) / 1e9 > ORPHAN_SECONDS:
+                    for path in paths:
+                        result.io_errors += not unlink_quiet(path)
+        result.vanished = list(known_hex.difference(complete))
+        return result
+
+
+def _mtimes(paths: Sequence[str]) -> list[int]:
+    stamps = []
+    for path in paths:
+        try:
+            stamps.append(os.stat(path).st_mtime_ns)
+        except OSError:
+            pass
+    return stamps
+
+
+def _remove_stale_tmp(path: str, name: str, now: float) -> None:
+    """Remove a temp file whose writer died, or any temp file older than :data:`STALE_TMP_SECONDS`.
+
+    Temp names are ``<hash>.bin.<pid>.<random>.tmp``. A pid from another PID namespace can
+    look dead while its writer lives; removing its temp file then only fails that write.
+    """
+    parts = name.split(".")
+    pid = int(parts[-3]) if len(parts) >= 5 and parts[-3].isdigit() else -1
+    if pid > 0 and not _pid_alive(pid):
+        unlink_quiet(path)
+        return
+    try:
+        age = now - os.stat(path).st_mtime
+    except OSError:
+        return
+    if age > STALE_TMP_SECONDS:
+        unlink_quiet(path)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: exists, owned by someone else
+        return True
+    return True
