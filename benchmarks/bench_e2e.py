@@ -6,7 +6,7 @@ workload. Round 1 computes every prompt (and kvtier stores it); then vLLM's own 
 reset, so in round 2 every full block comes from kvtier's host tier. Prompts run one at a time,
 so each latency is one request's end-to-end time.
 
-    python benchmarks/bench_e2e.py [--prompts 8] [--words 1000] [--max-tokens 8]
+    python benchmarks/bench_e2e.py [--prompts 8] [--words 1000] [--max-tokens 1]
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--words", type=int, default=1000, help="words per prompt (~1.08 tokens each)")
-    parser.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
+    parser.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (1 = TTFT)")
     parser.add_argument("--kv-cache-mib", type=int, default=128, help="vLLM's own KV space")
     parser.add_argument("--host-bytes", type=int, default=1_000_000_000, help="kvtier cpu_bytes_to_use")
     args = parser.parse_args()

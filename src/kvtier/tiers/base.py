@@ -42,7 +42,7 @@ class IoError(enum.Enum):
     NOT_FOUND = "not_found"  # the block vanished (evicted, purged, or deleted by another process)
     CORRUPT = "corrupt"  # bad header, short file or checksum mismatch: quarantined
     IO = "io"  # the OS or server refused (EIO, ENOSPC, connection refused, ...)
-    DROPPED = "dropped"  # the tier's bounded queue was full; the job never ran
+    DROPPED = "dropped"  # not stored: no room or no queue space
 
 
 @dataclass(frozen=True, slots=True)

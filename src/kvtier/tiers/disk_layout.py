@@ -72,23 +72,6 @@ def unlink_quiet(path: str) -> bool:
     return True
 
 
-def rmdir_quiet(path: str) -> None:
-    """Remove ``path`` if it is an empty directory (a non-empty one, e.g. holding a temp file, stays)."""
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
-
-
-def utime_quiet(paths: Sequence[str]) -> None:
-    """Set the mtime of ``paths`` to now (it orders blocks after a restart); missing files are skipped."""
-    for path in paths:
-        try:
-            os.utime(path)
-        except OSError:
-            pass
-
-
 @dataclass(slots=True)
 class ScanResult:
     """What a scan of the rank directories found (built on a worker thread)."""
@@ -104,7 +87,9 @@ class DiskLayout:
 
     __slots__ = ("root", "prefix", "ns_dir", "rank_dirs", "quarantine_dir", "group_suffix", "world")
 
-    def __init__(self, root_dir: Path | str, model_name: str, engine_digest: bytes, world: int, group: int) -> None:
+    def __init__(
+        self, root_dir: Path | str, model_name: str, engine_digest: bytes, world: int, group: int
+    ) -> None:
         self.root = str(Path(root_dir))
         self.prefix = f"{sanitize_model_name(model_name)}_{bytes(engine_digest).hex()[:16]}"
         self.ns_dir = os.path.join(self.root, self.prefix)

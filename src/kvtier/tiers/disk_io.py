@@ -1,0 +1,249 @@
+"""Block file I/O of the disk tier: what its worker threads do with the files.
+
+Pure functions on paths (a :class:`~kvtier.tiers.disk_layout.DiskLayout`) and buffers. They
+never touch the tier's in-memory index or completion queue and never raise for an I/O failure:
+they return what happened (an :class:`~kvtier.tiers.base.IoError`, or a count of failed
+unlinks) and the tier posts it for :meth:`~kvtier.tiers.disk.DiskTier.poll` to apply.
+:func:`byte_views` is the exception: the tier calls it on the caller's thread when a job is
+submitted.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+from collections.abc import Sequence
+
+from kvtier.keys import BlockKey
+from kvtier.tiers.base import IoError
+from kvtier.tiers.blockfile import (
+    HEADER_LEN,
+    CorruptBlockError,
+    decode_header,
+    encode_header,
+    payload_checksum,
+)
+from kvtier.tiers.disk_layout import DiskLayout, unlink_quiet
+
+logger = logging.getLogger(__name__)
+
+_O_BINARY = getattr(os, "O_BINARY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def byte_views(
+    buffers: Sequence[memoryview], *, count: int, nbytes: int, writable: bool, what: str
+) -> list[memoryview]:
+    """Byte views of the caller's buffers; a wrong count or size is a caller bug (ValueError)."""
+    if len(buffers) != count:
+        raise ValueError(f"{what}: expected {count} buffers (one per rank), got {len(buffers)}")
+    views = [_as_byte_view(b, writable=writable, what=what) for b in buffers]
+    for rank, view in enumerate(views):
+        if view.nbytes != nbytes:
+            raise ValueError(f"{what}[{rank}] is {view.nbytes} bytes; this tier's payload_bytes is {nbytes}")
+    return views
+
+
+def _as_byte_view(buf: memoryview, *, writable: bool, what: str) -> memoryview:
+    view = memoryview(buf)
+    if writable and view.readonly:
+        raise ValueError(f"{what} buffers must be writable")
+    if not view.c_contiguous:
+        raise ValueError(f"{what} buffers must be C-contiguous")
+    if view.format != "B" or view.ndim != 1:
+        try:
+            view = view.cast("B")
+        except TypeError as exc:
+            raise ValueError(f"{what} buffers must be C-contiguous: {exc}") from None
+    return view
+
+
+# ---------------------------------------------------------------------- reads
+
+
+def read_block(
+    layout: DiskLayout, namespaces: Sequence[bytes], key: BlockKey, dests: Sequence[memoryview]
+) -> IoError | None:
+    """Read and verify every rank's file of ``key`` into ``dests``; None when all are valid.
+
+    A corrupt file (bad header, wrong size, checksum mismatch) is moved into quarantine. After a
+    successful read the files' mtimes are refreshed (they order blocks after a restart).
+    """
+    hex_key = key.hex()
+    paths = layout.paths(hex_key)
+    rank = 0
+    try:
+        for rank, (path, dest) in enumerate(zip(paths, dests)):
+            _read_file(path, namespaces[rank], rank, key, dest)
+    except CorruptBlockError as exc:
+        logger.warning("kvtier disk: corrupt block file %s (%s); quarantined", paths[rank], exc)
+        layout.quarantine(hex_key, rank)
+        return IoError.CORRUPT
+    except FileNotFoundError:
+        return IoError.NOT_FOUND
+    except OSError as exc:
+        logger.warning("kvtier disk: reading %s failed: %s", paths[rank], exc)
+        return IoError.IO
+    except Exception:  # a bug, but the job must still complete
+        logger.exception("kvtier disk: reading %s failed", paths[rank])
+        return IoError.IO
+    utime_quiet(paths)
+    return None
+
+
+def _read_file(path: str, namespace: bytes, rank: int, key: BlockKey, dest: memoryview) -> None:
+    fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        header = decode_header(os.pread(fd, HEADER_LEN, 0))
+        if header.namespace != namespace:
+            raise CorruptBlockError(f"namespace {header.namespace.hex()[:16]}.. is not rank {rank}'s")
+        if header.key != key:
+            raise CorruptBlockError(f"header key {header.key.hex()[:16]}.. does not match the file name")
+        if header.payload_len != dest.nbytes:
+            raise CorruptBlockError(f"payload length {header.payload_len}, expected {dest.nbytes}")
+        if size != HEADER_LEN + header.payload_len:
+            raise CorruptBlockError(f"file is {size} bytes, expected {HEADER_LEN + header.payload_len}")
+        view, offset = dest, HEADER_LEN
+        while view.nbytes:
+            n = os.preadv(fd, [view], offset)
+            if n <= 0:
+                raise CorruptBlockError(f"short read at offset {offset}")
+            view, offset = view[n:], offset + n
+        if payload_checksum(dest) != header.checksum:
+            raise CorruptBlockError("payload checksum mismatch")
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- writes
+
+
+def write_block(
+    layout: DiskLayout,
+    namespaces: Sequence[bytes],
+    key: BlockKey,
+    parent: BlockKey,
+    num_tokens: int,
+    sources: Sequence[memoryview],
+) -> IoError | None:
+    """Write every rank's file of ``key``, each published by renaming a unique temp file.
+
+    None on success. On a failure nothing of the block is left behind (ranks already published
+    are useless without the rest) and the result is ``IoError.IO``.
+    """
+    hex_key = key.hex()
+    written: list[str] = []
+    tmp = ""
+    try:
+        for rank, source in enumerate(sources):
+            final = layout.path(hex_key, rank)
+            header = encode_header(
+                namespace=namespaces[rank],
+                key=key,
+                parent=parent,
+                num_tokens=num_tokens,
+                payload_len=source.nbytes,
+                checksum=payload_checksum(source),
+            )
+            tmp = f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            _write_file(tmp, header, source)
+            os.rename(tmp, final)
+            tmp = ""
+            written.append(final)
+    except Exception as exc:  # OSError (ENOSPC, EIO, ...) or a bug: the job must still complete
+        if isinstance(exc, OSError):
+            logger.warning("kvtier disk: writing block %s failed: %s", hex_key, exc)
+        else:
+            logger.exception("kvtier disk: writing block %s failed", hex_key)
+        if tmp:
+            unlink_quiet(tmp)
+        for path in written:
+            unlink_quiet(path)
+        return IoError.IO
+    return None
+
+
+def _write_file(tmp: str, header: bytes, payload: memoryview) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_CLOEXEC
+    for attempt in range(3):  # the leaf directory may be missing, or removed by an unlink job
+        try:
+            fd = os.open(tmp, flags, 0o644)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+    try:
+        buffers = [memoryview(header), payload]
+        while buffers:
+            n = os.writev(fd, buffers)
+            if n <= 0:
+                raise OSError(errno.EIO, "writev wrote nothing")
+            while buffers and n >= buffers[0].nbytes:
+                n -= buffers[0].nbytes
+                buffers.pop(0)
+            if n:
+                buffers[0] = buffers[0][n:]
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------------- removal and mtimes
+
+
+def unlink_blocks(layout: DiskLayout, keys: Sequence[BlockKey]) -> int:
+    """Unlink every rank's file of ``keys``; returns how many unlinks failed."""
+    errors = 0
+    for key in keys:
+        for path in layout.paths(key.hex()):
+            errors += not unlink_quiet(path)
+            # Drop the leaf directory if that emptied it, so that churn does not leave up
+            # to 4096*256 empty directories per rank for the start-up scan to walk.
+            _rmdir_quiet(os.path.dirname(path))
+    return errors
+
+
+def sweep_blocks(layout: DiskLayout) -> int:
+    """Unlink every ``.bin`` of the layout's namespace and group, dropping emptied leaf directories.
+
+    Returns how many unlinks failed.
+    """
+    errors = 0
+    for rank_dir in layout.rank_dirs:
+        for leaf in layout.leaf_dirs(rank_dir):
+            try:
+                names = os.listdir(leaf)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for name in names:
+                if name.endswith(".bin"):
+                    errors += not unlink_quiet(f"{leaf}/{name}")
+            _rmdir_quiet(leaf)
+    return errors
+
+
+def touch_blocks(layout: DiskLayout, hex_keys: Sequence[str]) -> None:
+    """Refresh the mtime of every rank's file of ``hex_keys`` (the order after a restart)."""
+    for hex_key in hex_keys:
+        utime_quiet(layout.paths(hex_key))
+
+
+def utime_quiet(paths: Sequence[str]) -> None:
+    """Set the mtime of ``paths`` to now; files that are gone or refuse are skipped."""
+    for path in paths:
+        try:
+            os.utime(path)
+        except OSError:
+            pass
+
+
+def _rmdir_quiet(path: str) -> None:
+    """Remove ``path`` if it is an empty directory (rmdir refuses a non-empty one, e.g. holding a
+    writer's temp file)."""
+    try:
+        os.rmdir(path)
+    except OSError:
+        pass
