@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -73,6 +74,10 @@ class BlockInfo:
     num_tokens: int
 
 
+REFRESH_INTERVAL_S = 30.0
+"""How often secondary tiers look for blocks other engines stored (shared disk roots)."""
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -94,6 +99,7 @@ class Orchestrator:
         self._cascading: dict[int, BlockKey] = {}  # disk write job -> key (slot pinned)
         self._promotion_jobs: dict[int, BlockKey] = {}
         self._info: dict[BlockKey, BlockInfo] = {}  # for blocks stored but not yet cascaded
+        self._next_refresh = time.monotonic() + REFRESH_INTERVAL_S
 
     # --- lookups (memory only) -------------------------------------------------------------
     def locate(self, key: BlockKey) -> Medium | None:
@@ -239,6 +245,10 @@ class Orchestrator:
         """Collect tier completions. Cheap when idle; call it every step."""
         if self.disk is None:
             return
+        now = time.monotonic()
+        if now >= self._next_refresh:
+            self._next_refresh = now + REFRESH_INTERVAL_S
+            self.disk.refresh()
         for result in self.disk.poll():
             if result.kind is IoKind.WRITE:
                 self._on_write_done(result)

@@ -100,6 +100,10 @@ class SecondaryTier(ABC):
     def poll(self) -> list[IoResult]:
         """Completed jobs since the last call. Never blocks."""
 
+    def refresh(self) -> None:
+        """Start picking up blocks that other processes stored (asynchronously; results are
+        merged by a later :meth:`poll`). Called periodically by the orchestrator. Default: nothing."""
+
     @abstractmethod
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark ``keys`` as recently used (for this tier's eviction order)."""

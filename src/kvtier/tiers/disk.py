@@ -291,6 +291,9 @@ class DiskTier(DiskIndex, SecondaryTier):
         """Indexed keys, least recently used first (for tests and ``kvtier inspect``)."""
         return list(self._index)
 
+    def refresh(self) -> None:
+        self.rescan()
+
     def rescan(self, *, wait: bool = False) -> None:
         """Merge block files written by other processes into the index; forget vanished ones.
 

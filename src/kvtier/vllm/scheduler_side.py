@@ -180,18 +180,19 @@ class KVTierScheduler:
             return
         block = self.geometry.block_tokens
         engine_block = self.geometry.engine_block_tokens
+        per_block = self.geometry.pages_per_block
         first_token = state.load_first_token
-        end_token = first_token + num_external_tokens
-        first_block, end_block = first_token // block, end_token // block
+        end_token = first_token + num_external_tokens  # vLLM may accept less than we offered
+        first_block = first_token // block
+        end_block = -(-end_token // block)
         self.orchestrator.trim_hold(request.request_id, end_block - first_block)
         keys = self.orchestrator.held(request.request_id)
         assert len(keys) == end_block - first_block, "load plan out of sync with the hold"
-        pages = []
-        for index, slot in enumerate(self.orchestrator.slots_of(keys)):
-            for sub in range(self.geometry.pages_per_block):
-                engine_index = (first_block + index) * self.geometry.pages_per_block + sub
-                if engine_index * engine_block >= first_token:
-                    pages.append(PageCopy(slot, sub, block_ids[engine_index]))
+        slots = self.orchestrator.slots_of(keys)
+        pages = [
+            PageCopy(slots[engine_index // per_block - first_block], engine_index % per_block, block_ids[engine_index])
+            for engine_index in range(first_token // engine_block, -(-end_token // engine_block))
+        ]
         job_id = next(self._job_ids)
         self._step_loads.append(CopyJob(job_id, request.request_id, pages))
         self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)

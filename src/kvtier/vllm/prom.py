@@ -1,0 +1,75 @@
+"""kvtier's Prometheus metrics, registered through vLLM's connector metrics hook, so they appear
+on vLLM's ``/metrics`` next to its own (``vllm:prompt_tokens_cached_by_source`` there already
+splits cached prompt tokens into ``host`` and ``disk`` from kvtier's answers).
+
+vLLM calls :meth:`KVTierPromMetrics.observe` in its logging process with the ``data`` dict of
+:class:`~kvtier.vllm.metadata.KVTierConnectorStats` (one interval, additive counters).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
+
+from kvtier.stats import KVTierStats
+
+# stats field -> (metric name, help, extra label name, label value)
+_EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
+    "lookups": ("kvtier_lookups", "Prefix lookups answered by kvtier", None, None),
+    "lookup_tokens": ("kvtier_lookup_tokens", "Prompt tokens kvtier was asked about", None, None),
+    "hit_tokens_host": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "host"),
+    "hit_tokens_disk": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "disk"),
+    "stores_submitted": ("kvtier_stores", "Blocks stored into the host tier", None, None),
+    "stores_dropped": ("kvtier_stores_dropped", "Blocks not stored because every host slot was pinned", None, None),
+    "stores_skipped_threshold": ("kvtier_stores_skipped_threshold", "Stores skipped by store_threshold", None, None),
+    "disk_writes_dropped": ("kvtier_disk_writes_dropped", "Disk writes dropped (queue full or no room)", None, None),
+    "promotions": ("kvtier_promotions", "Blocks promoted from disk into the host tier", None, None),
+    "promotion_failures": ("kvtier_promotion_failures", "Disk reads that failed (block became a miss)", None, None),
+    "load_errors": ("kvtier_load_errors", "Loads into the engine that failed (recomputed by vLLM)", None, None),
+    "checksum_failures": ("kvtier_checksum_failures", "Disk blocks that failed verification (quarantined)", None, None),
+    "host_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "host"),
+}
+_DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host")
+
+
+class KVTierPromMetrics(KVConnectorPromMetrics):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        families: dict[str, Any] = {}
+        self._counters: dict[tuple[int, str], Any] = {}
+        for field, (name, doc, label, value) in _EVENT_COUNTERS.items():
+            if name not in families:
+                families[name] = self._counter_cls(
+                    name=name, documentation=doc, labelnames=labelnames + ([label] if label else [])
+                )
+            for engine, labels in per_engine_labelvalues.items():
+                extra = [value] if label else []
+                self._counters[(engine, field)] = families[name].labels(*labels, *extra)
+        bytes_family = self._counter_cls(
+            name="kvtier_transfer_bytes", documentation="Bytes moved by kvtier, by direction",
+            labelnames=labelnames + ["direction"],
+        )
+        seconds_family = self._counter_cls(
+            name="kvtier_transfer_seconds", documentation="Seconds spent moving bytes, by direction",
+            labelnames=labelnames + ["direction"],
+        )
+        for engine, labels in per_engine_labelvalues.items():
+            for direction in _DIRECTIONS:
+                self._counters[(engine, f"{direction}_bytes")] = bytes_family.labels(*labels, direction)
+                self._counters[(engine, f"{direction}_seconds")] = seconds_family.labels(*labels, direction)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        stats = KVTierStats.from_dict(transfer_stats_data).as_dict()
+        for name, value in stats.items():
+            counter = self._counters.get((engine_idx, name))
+            if counter is not None and value:
+                counter.inc(value)
+

@@ -1,0 +1,151 @@
+"""Orchestrator over a real host index, plain byte buffers and a real disk tier (no engine)."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvtier.keys import Namespace, chain_block_keys
+from kvtier.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
+from kvtier.policy.admission import StoreAdmission
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.host import HostIndex
+
+SLOT = 4096
+NS = Namespace("toy", "0" * 32, "float32", 2, 1, 8, "mha", 4, "test")
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    return chain_block_keys(NS.digest, [seed * 1000 + i for i in range(4 * n)], 4)
+
+
+def make(tmp_path: Path | None, num_slots=4, threshold=0, ranks=1) -> tuple[Orchestrator, list[bytearray]]:
+    buffers = [bytearray(SLOT * num_slots) for _ in range(ranks)]
+    disk = None
+    if tmp_path is not None:
+        disk = DiskTier(
+            root_dir=tmp_path, model_name="toy", engine_digest=NS.digest,
+            rank_digests=[NS.for_rank(r).digest for r in range(ranks)], namespace_json=NS.canonical_json(),
+            payload_bytes=SLOT, capacity_bytes=10**8, n_read_threads=2, n_write_threads=2, max_pending_writes=64,
+        )
+    orch = Orchestrator(
+        HostIndex(num_slots), HostBytes([memoryview(b) for b in buffers], SLOT), disk, StoreAdmission(threshold, 100)
+    )
+    return orch, buffers
+
+
+def store(orch: Orchestrator, buffers, ks, fill=None) -> list[int | None]:
+    slots = []
+    for i, key in enumerate(ks):
+        slot = orch.begin_store(key, BlockInfo(ks[i - 1] if i else NS.digest, 4))
+        slots.append(slot)
+        if slot is not None:
+            for rank, buf in enumerate(buffers):
+                buf[slot * SLOT : (slot + 1) * SLOT] = bytes([(fill or i + 1 + rank * 7) % 256]) * SLOT
+    orch.finish_store([k for k, s in zip(ks, slots) if s is not None], ok=True)
+    return slots
+
+
+def settle(orch: Orchestrator, timeout=10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while orch.has_pending_io():
+        assert time.monotonic() < deadline, "tier I/O did not finish"
+        orch.poll()
+        time.sleep(0.005)
+
+
+def acquire_until_ready(orch, owner, ks, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = orch.acquire(owner, ks)
+        if got.status is AcquireStatus.READY:
+            return got
+        assert time.monotonic() < deadline, "promotion never finished"
+        time.sleep(0.005)
+
+
+def test_host_hit_pins_and_release_unpins():
+    orch, buffers = make(None)
+    ks = keys(3)
+    store(orch, buffers, ks)
+    got = orch.acquire("r1", ks + keys(1, seed=9))
+    assert got.status is AcquireStatus.READY and got.num_blocks == 3 and got.from_disk == 0
+    assert orch.host.pinned_slots() == 3
+    again = orch.acquire("r1", ks[:2])  # a new answer replaces the old hold
+    assert again.num_blocks == 2 and orch.host.pinned_slots() == 2
+    orch.release("r1")
+    assert orch.host.pinned_slots() == 0
+
+
+def test_pinned_blocks_survive_pressure_and_full_host_drops_stores():
+    orch, buffers = make(None, num_slots=2)
+    ks = keys(2)
+    store(orch, buffers, ks)
+    orch.acquire("r1", ks)
+    assert store(orch, buffers, keys(1, seed=5)) == [None]
+    assert orch.stats.stores_dropped == 1
+    assert orch.acquire("r2", ks).num_blocks == 2
+
+
+def test_cascade_to_disk_then_promotion_restores_exact_bytes(tmp_path):
+    orch, buffers = make(tmp_path, ranks=2)
+    ks = keys(3)
+    store(orch, buffers, ks)
+    expected = [bytes(b) for b in buffers]
+    settle(orch)
+    assert all(orch.disk.contains(k) for k in ks)
+    orch.host.clear()  # as after a restart: only the disk has them
+    for buf in buffers:
+        buf[:] = bytes(len(buf))
+    first = orch.acquire("r1", ks)
+    assert first.status is AcquireStatus.RETRY
+    got = acquire_until_ready(orch, "r1", ks)
+    assert got.num_blocks == 3 and got.from_disk == 3
+    for key, slot in zip(ks, orch.slots_of(ks)):
+        index = ks.index(key)
+        for rank, buf in enumerate(buffers):
+            assert buf[slot * SLOT : (slot + 1) * SLOT] == bytes([(index + 1 + rank * 7) % 256]) * SLOT
+    assert orch.stats.promotions == 3 and orch.stats.disk_to_host.bytes == 3 * 2 * SLOT
+    assert expected  # the host copies were the same bytes
+
+
+def test_corrupt_disk_block_cuts_the_run_and_is_counted(tmp_path):
+    orch, buffers = make(tmp_path)
+    ks = keys(3)
+    store(orch, buffers, ks)
+    settle(orch)
+    orch.host.clear()
+    victim = next(p for p in tmp_path.rglob("*.bin") if p.stem == ks[1].hex())
+    data = bytearray(victim.read_bytes())
+    data[-1] ^= 0xFF
+    victim.write_bytes(data)
+    got = acquire_until_ready(orch, "r1", ks)
+    assert got.num_blocks == 1, "a corrupt block must end the hit run"
+    assert orch.stats.checksum_failures == 1 and orch.stats.promotion_failures == 1
+    assert not victim.exists() and any((tmp_path / "quarantine").iterdir())
+
+
+def test_store_threshold_admits_on_the_nth_offer():
+    orch, buffers = make(None, threshold=2)
+    ks = keys(1)
+    assert store(orch, buffers, ks) == [None]
+    assert orch.stats.stores_skipped_threshold == 1
+    assert store(orch, buffers, ks)[0] is not None
+
+
+def test_already_stored_blocks_are_not_stored_again(tmp_path):
+    orch, buffers = make(tmp_path)
+    ks = keys(2)
+    store(orch, buffers, ks)
+    assert store(orch, buffers, ks) == [None, None]
+    assert orch.stats.stores_submitted == 2
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_failed_engine_store_frees_the_slot(ok):
+    orch, _ = make(None, num_slots=1)
+    key = keys(1)[0]
+    assert orch.begin_store(key, BlockInfo(NS.digest, 4)) is not None
+    orch.finish_store([key], ok=ok)
+    assert orch.host.is_ready(key) is ok
+    assert orch.host.used_slots == (1 if ok else 0)
