@@ -1,5 +1,6 @@
 """Key spec "kvtier/1": pinned vectors so the spec cannot drift silently."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -60,8 +61,6 @@ def test_partial_block_gets_no_key_and_incremental_extension_matches():
 
 
 def test_every_namespace_field_changes_the_digest():
-    import dataclasses
-
     for f in dataclasses.fields(NS):
         value = getattr(NS, f.name)
         changed = value + 1 if isinstance(value, int) else value + "x"
@@ -69,15 +68,9 @@ def test_every_namespace_field_changes_the_digest():
 
 
 def test_rank_namespaces_differ_but_share_the_engine_digest():
-    tp = dataclasses_replace(NS, tp_size=2)
+    tp = dataclasses.replace(NS, tp_size=2)
     assert tp.for_rank(0).digest != tp.for_rank(1).digest
     assert tp.for_rank(1).rank_independent_digest == tp.digest
-
-
-def dataclasses_replace(ns, **changes):
-    import dataclasses
-
-    return dataclasses.replace(ns, **changes)
 
 
 @given(

@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 
 import blake3
-import torch
 from vllm.config import VllmConfig
 from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MLAAttentionSpec, UniformTypeKVCacheSpecs
@@ -117,7 +116,3 @@ class EngineGeometry:
             world_size=world_size,
             engine_id=str(engine_id or "default"),
         )
-
-
-def torch_dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
