@@ -72,6 +72,14 @@ def payload_checksum(payload: memoryview | bytes | bytearray) -> int:
     return xxhash.xxh3_64_intdigest(payload)
 
 
+def payload_hasher() -> xxhash.xxh3_64:
+    """An incremental hasher: ``intdigest()`` of the bytes fed to it equals :func:`payload_checksum`.
+
+    For verifying a payload in chunks (``kvtier verify``) without holding it in memory.
+    """
+    return xxhash.xxh3_64()
+
+
 def encode_header(
     *, namespace: bytes, key: bytes, parent: bytes, num_tokens: int, payload_len: int, checksum: int
 ) -> bytes:

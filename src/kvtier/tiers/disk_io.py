@@ -5,7 +5,8 @@ never touch the tier's in-memory index or completion queue and never raise for a
 they return what happened (an :class:`~kvtier.tiers.base.IoError`, or a count of failed
 unlinks) and the tier posts it for :meth:`~kvtier.tiers.disk.DiskTier.poll` to apply.
 :func:`byte_views` is the exception: the tier calls it on the caller's thread when a job is
-submitted.
+submitted. :func:`check_header` and :func:`verify_file` (shared with ``kvtier verify``) raise
+:class:`~kvtier.tiers.blockfile.CorruptBlockError` for their callers to handle.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from kvtier.keys import BlockKey
 from kvtier.tiers.base import IoError
 from kvtier.tiers.blockfile import (
     HEADER_LEN,
+    BlockHeader,
     CorruptBlockError,
     decode_header,
     encode_header,
     payload_checksum,
+    payload_hasher,
 )
 from kvtier.tiers.disk_layout import DiskLayout, unlink_quiet
 
@@ -98,14 +101,7 @@ def _read_file(path: str, namespace: bytes, rank: int, key: BlockKey, dest: memo
     try:
         size = os.fstat(fd).st_size
         header = decode_header(os.pread(fd, HEADER_LEN, 0))
-        if header.namespace != namespace:
-            raise CorruptBlockError(f"namespace {header.namespace.hex()[:16]}.. is not rank {rank}'s")
-        if header.key != key:
-            raise CorruptBlockError(f"header key {header.key.hex()[:16]}.. does not match the file name")
-        if header.payload_len != dest.nbytes:
-            raise CorruptBlockError(f"payload length {header.payload_len}, expected {dest.nbytes}")
-        if size != HEADER_LEN + header.payload_len:
-            raise CorruptBlockError(f"file is {size} bytes, expected {HEADER_LEN + header.payload_len}")
+        check_header(header, size, namespace=namespace, key=key, rank=rank, payload_len=dest.nbytes)
         view, offset = dest, HEADER_LEN
         while view.nbytes:
             n = os.preadv(fd, [view], offset)
@@ -114,6 +110,58 @@ def _read_file(path: str, namespace: bytes, rank: int, key: BlockKey, dest: memo
             view, offset = view[n:], offset + n
         if payload_checksum(dest) != header.checksum:
             raise CorruptBlockError("payload checksum mismatch")
+    finally:
+        os.close(fd)
+
+
+def check_header(
+    header: BlockHeader,
+    file_size: int,
+    *,
+    namespace: bytes | None,
+    key: bytes | None,
+    rank: int,
+    payload_len: int | None = None,
+) -> None:
+    """Raise :class:`CorruptBlockError` unless the decoded ``header`` belongs to ``rank``'s file of
+    ``key`` in ``namespace``, announces ``payload_len`` bytes and the file is ``file_size`` =
+    header + payload long. A check whose expected value is None is skipped."""
+    if namespace is not None and header.namespace != namespace:
+        raise CorruptBlockError(f"namespace {header.namespace.hex()[:16]}.. is not rank {rank}'s")
+    if key is not None and header.key != key:
+        raise CorruptBlockError(f"header key {header.key.hex()[:16]}.. does not match the file name")
+    if payload_len is not None and header.payload_len != payload_len:
+        raise CorruptBlockError(f"payload length {header.payload_len}, expected {payload_len}")
+    if file_size != HEADER_LEN + header.payload_len:
+        raise CorruptBlockError(f"file is {file_size} bytes, expected {HEADER_LEN + header.payload_len}")
+
+
+def verify_file(
+    path: str, *, namespace: bytes | None, key: bytes | None, rank: int, chunk_bytes: int = 1 << 20
+) -> BlockHeader:
+    """Check one block file as :func:`read_block` does, reading the payload in ``chunk_bytes``
+    chunks (bounded memory) and copying it nowhere; returns its header.
+
+    Raises :class:`CorruptBlockError` (the reason) or ``OSError`` (``FileNotFoundError`` if the
+    file vanished). Does not refresh the mtime: verifying is not a use.
+    """
+    fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        header = decode_header(os.pread(fd, HEADER_LEN, 0))
+        check_header(header, size, namespace=namespace, key=key, rank=rank)
+        hasher = payload_hasher()
+        buf = memoryview(bytearray(min(chunk_bytes, header.payload_len) or 1))
+        offset, remaining = HEADER_LEN, header.payload_len
+        while remaining:
+            n = os.preadv(fd, [buf[: min(remaining, buf.nbytes)]], offset)
+            if n <= 0:
+                raise CorruptBlockError(f"short read at offset {offset}")
+            hasher.update(buf[:n])
+            offset, remaining = offset + n, remaining - n
+        if hasher.intdigest() != header.checksum:
+            raise CorruptBlockError("payload checksum mismatch")
+        return header
     finally:
         os.close(fd)
 
@@ -202,7 +250,7 @@ def unlink_blocks(layout: DiskLayout, keys: Sequence[BlockKey]) -> int:
             errors += not unlink_quiet(path)
             # Drop the leaf directory if that emptied it, so that churn does not leave up
             # to 4096*256 empty directories per rank for the start-up scan to walk.
-            _rmdir_quiet(os.path.dirname(path))
+            rmdir_quiet(os.path.dirname(path))
     return errors
 
 
@@ -221,7 +269,7 @@ def sweep_blocks(layout: DiskLayout) -> int:
             for name in names:
                 if name.endswith(".bin"):
                     errors += not unlink_quiet(f"{leaf}/{name}")
-            _rmdir_quiet(leaf)
+            rmdir_quiet(leaf)
     return errors
 
 
@@ -240,7 +288,7 @@ def utime_quiet(paths: Sequence[str]) -> None:
             pass
 
 
-def _rmdir_quiet(path: str) -> None:
+def rmdir_quiet(path: str) -> None:
     """Remove ``path`` if it is an empty directory (rmdir refuses a non-empty one, e.g. holding a
     writer's temp file)."""
     try:

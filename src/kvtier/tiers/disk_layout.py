@@ -109,9 +109,12 @@ class DiskLayout:
     def quarantine_path(self, hex_key: str, rank: int) -> str:
         return f"{self.quarantine_dir}/{self.prefix}_r{rank}__{hex_key}.bin"
 
-    def quarantine(self, hex_key: str, rank: int) -> bool:
-        """Move a bad file aside (worker threads). True if it was moved."""
-        src = self.path(hex_key, rank)
+    def quarantine(self, hex_key: str, rank: int, src: str | None = None) -> bool:
+        """Move a bad file aside (worker threads). True if it was moved.
+
+        ``src``: where the file is when not at :meth:`path` (``kvtier verify`` moves misplaced files).
+        """
+        src = self.path(hex_key, rank) if src is None else src
         dst = self.quarantine_path(hex_key, rank)
         try:
             try:

@@ -1,0 +1,197 @@
+"""``kvtier doctor -- COMMAND``: audit a ``vllm serve`` / ``kvtier serve`` line without running it.
+
+:func:`resolve_setup` works out what the line would configure (:class:`Setup`: the connector, the
+host buffer, the disk tier, the model's KV geometry and :func:`kvtier.sizing.make_plan`'s arithmetic
+for it); :func:`audit` runs every check of :mod:`kvtier.audit_checks` on it and returns
+:class:`Finding` s, errors first. Nothing here starts vLLM, imports torch or vLLM, or writes files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.cmdline import CommandLineError, ServeLine, parse_serve_line
+from kvtier.layout import ModelConfigError, ModelKVGeometry
+from kvtier.model_source import ModelSource, find_model_config, is_default_name
+from kvtier.sizing import DEFAULT_GPU_MEMORY_GIB, GIB, KV_DTYPES, Plan, PlanInputs, make_plan, model_dtype
+
+SEVERITIES = ("error", "warning", "info")
+KVTIER_CONNECTOR = "KVTierConnector"
+NATIVE_CONNECTOR = "OffloadingConnector"
+CPU_BLOCK_SIZE = 128
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One problem (or fact worth knowing): ``severity`` is error / warning / info."""
+
+    code: str
+    severity: str
+    title: str
+    why: str
+    fix: str
+
+
+@dataclass
+class Setup:
+    """What a command line would run."""
+
+    line: ServeLine
+    model: str | None
+    source: ModelSource | None = None
+    geometry: ModelKVGeometry | None = None
+    plan: Plan | None = None
+    plan_error: str | None = None
+    connector: str | None = None  # KVTierConnector, OffloadingConnector (native), another, or None
+    extra: dict[str, Any] | None = None  # the connector's kv_connector_extra_config
+    extra_error: str | None = None  # kvtier serve flags that could not be turned into one
+    host_bytes: int | None = None  # host buffer, TOTAL across ranks
+    host_flag: str = "cpu_bytes_to_use"
+    gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
+    gpu_memory_assumed: bool = True
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def is_kvtier(self) -> bool:
+        return self.connector == KVTIER_CONNECTOR
+
+    @property
+    def offloading(self) -> bool:
+        return self.connector is not None
+
+    @property
+    def disk_dirs(self) -> list[Path]:
+        tiers = (self.extra or {}).get("secondary_tiers")
+        return [Path(t["root_dir"]).expanduser() for t in tiers or [] if isinstance(t, dict)
+                and isinstance(t.get("root_dir"), str) and t["root_dir"]]
+
+    @property
+    def gpu_assumption(self) -> str:
+        if self.plan and self.plan.assumptions.get("kv_cache_gib_per_device") is not None:
+            fixed = self.plan.assumptions["kv_cache_gib_per_device"]
+            return f"an engine KV cache of {fixed:g} GiB per device"
+        how = "assumed; pass kvtier doctor --gpu-memory N" if self.gpu_memory_assumed else "--gpu-memory"
+        return f"{self.gpu_memory_gib:g} GiB per device ({how})"
+
+
+def _kvtier_serve_extra(setup: Setup) -> None:
+    """kvtier serve's own flags -> kv_connector_extra_config, as kvtier serve builds it."""
+    import json
+
+    from kvtier.cli.serve import ServeConfigError, ServeOptions, build_extra_config
+
+    flags = setup.line.kvtier_flags
+    try:
+        kv_config = json.loads(flags["--kv-config"] or "") if "--kv-config" in flags else None
+        options = ServeOptions(
+            kv_offloading_size_gib=float(
+                flags.get("--kv-offloading-size") or ServeOptions.kv_offloading_size_gib),
+            disk_dir=flags.get("--disk-dir"),
+            disk_size_gib=float(flags.get("--disk-size") or ServeOptions.disk_size_gib),
+            no_disk="--no-disk" in flags,
+            eviction_policy=flags.get("--eviction-policy") or ServeOptions.eviction_policy,
+            kv_config=kv_config,
+        )
+        setup.extra = build_extra_config(options)
+    except (ValueError, ServeConfigError) as exc:  # JSONDecodeError and bad floats are ValueErrors
+        setup.extra_error = str(exc)
+
+
+def _connector(setup: Setup) -> None:
+    line = setup.line
+    if line.program == "kvtier":
+        setup.connector, setup.host_flag = KVTIER_CONNECTOR, "--kv-offloading-size"
+        _kvtier_serve_extra(setup)
+    elif line.transfer_config is not None:
+        setup.connector = str(line.transfer_config.get("kv_connector") or "") or None
+        extra = line.transfer_config.get("kv_connector_extra_config")
+        setup.extra = dict(extra) if isinstance(extra, dict) else {}
+    elif line.has("--kv-offloading-size"):
+        backend = line.value("--kv-offloading-backend") or "native"
+        setup.connector = NATIVE_CONNECTOR if backend == "native" else "LMCacheMPConnector"
+        setup.host_flag = "--kv-offloading-size"
+        size = line.number("--kv-offloading-size")
+        setup.extra = {"cpu_bytes_to_use": int(size * GIB)} if size is not None else {}
+    raw = (setup.extra or {}).get("cpu_bytes_to_use")
+    if isinstance(raw, int | float) and not isinstance(raw, bool) and raw > 0:
+        setup.host_bytes = int(raw)
+
+
+def plan_inputs(setup: Setup) -> PlanInputs:
+    """The deployment the line describes, in :class:`~kvtier.sizing.PlanInputs` terms."""
+    line = setup.line
+    dtype = line.value("--dtype")
+    dtype = {"half": "float16", "float": "float32"}.get(dtype or "", dtype)
+    if dtype not in ("float16", "bfloat16", "float32"):
+        dtype = None  # auto
+        if line.program == "kvtier" and (setup.model is None or is_default_name(setup.model)):
+            dtype = "float32"  # kvtier serve passes its converted model's dtype
+        elif setup.source and model_dtype(setup.source.config) == "float32":
+            dtype = "bfloat16"  # vLLM's auto dtype downcasts float32 checkpoints
+    kv_dtype = line.value("--kv-cache-dtype") or "auto"
+    kv_dtype = "fp8" if kv_dtype.startswith("fp8") else kv_dtype if kv_dtype in KV_DTYPES else "auto"
+    cpu_space = line.getenv("VLLM_CPU_KVCACHE_SPACE")
+    kv_bytes = line.number("--kv-cache-memory-bytes")
+    cpu = bool(cpu_space) or line.getenv("VLLM_TARGET_DEVICE") == "cpu"
+    if line.program == "kvtier" and not cpu_space and not kv_bytes:
+        from kvtier.cli.serve import DEFAULT_VLLM_CPU_KVCACHE_SPACE, vllm_runs_on_cpu
+
+        import os
+
+        # on vLLM-CPU, kvtier serve sets VLLM_CPU_KVCACHE_SPACE itself
+        if vllm_runs_on_cpu({**os.environ, **line.env}):
+            cpu, cpu_space = True, DEFAULT_VLLM_CPU_KVCACHE_SPACE
+    kv_cache_gib = kv_bytes / GIB if kv_bytes else float(cpu_space) if cpu_space else None
+    max_len = line.number("--max-model-len")
+    return PlanInputs(
+        tp=line.tp, dtype=dtype, kv_dtype=kv_dtype, context=int(max_len) if max_len else None, concurrency=1,
+        gpu_memory_gib=setup.gpu_memory_gib,
+        gpu_memory_utilization=line.number("--gpu-memory-utilization", 0.9) or 0.9,
+        block_size=int(line.number("--block-size") or (CPU_BLOCK_SIZE if cpu else 16)),
+        kv_cache_gib=kv_cache_gib,
+    )
+
+
+def resolve_setup(argv: Sequence[str], gpu_memory_gib: float | None = None) -> Setup:
+    """Parse ``argv`` and work out what it configures (raises CommandLineError if it is no serve line)."""
+    line = parse_serve_line(argv)
+    model = line.model
+    setup = Setup(line=line, model=model)
+    if gpu_memory_gib is not None:
+        setup.gpu_memory_gib, setup.gpu_memory_assumed = gpu_memory_gib, False
+    _connector(setup)
+    setup.source = find_model_config(model or ("default" if line.program == "kvtier" else None))
+    if setup.source is not None:
+        try:
+            setup.geometry = ModelKVGeometry.from_config(setup.source.config)
+            inputs = plan_inputs(setup)
+            if inputs.context is None and setup.geometry.max_position_embeddings:
+                inputs = dataclasses.replace(inputs, context=int(setup.geometry.max_position_embeddings))
+            setup.plan = make_plan(setup.source.name, setup.source.config, inputs)
+        except (ModelConfigError, ValueError) as exc:
+            setup.plan_error = str(exc)
+    return setup
+
+
+def audit(argv: Sequence[str], gpu_memory_gib: float | None = None) -> list[Finding]:
+    """Every finding for the command line ``argv``, errors first."""
+    from kvtier import audit_checks
+
+    try:
+        setup = resolve_setup(argv, gpu_memory_gib)
+    except CommandLineError as exc:
+        return [Finding("command-line", "error", "Not a serve command line", str(exc),
+                        "kvtier doctor -- vllm serve MODEL [ARGS...]   or   "
+                        "kvtier doctor -- kvtier serve [MODEL] ...")]
+    findings: list[Finding] = []
+    for check in audit_checks.CHECKS:
+        try:
+            findings.extend(check(setup))
+        except Exception as exc:  # a doctor must not crash on an odd command line; say what failed
+            findings.append(Finding("doctor-internal", "warning", f"Check {check.__name__} failed",
+                                    f"{type(exc).__name__}: {exc}", "Report this command line to kvtier."))
+    return sorted(findings, key=lambda f: SEVERITIES.index(f.severity))

@@ -1,0 +1,199 @@
+"""The checks of ``kvtier doctor``: each takes a :class:`kvtier.audit.Setup` and returns findings.
+
+Every finding says what is wrong, why it matters and the exact fix. :data:`CHECKS` lists them in
+the order they run; :func:`kvtier.audit.audit` sorts the result by severity. This module checks the
+command line and the tiers; :mod:`kvtier.audit_model` checks the model against them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvtier.audit import KVTIER_CONNECTOR, Finding, Setup
+from kvtier.audit_io import RAM_FILESYSTEMS, filesystem_type, namespaces_under, validate_extra_config
+from kvtier.audit_model import check_fp8_scales, check_max_model_len, check_model_support, check_tp
+from kvtier.sizing import GIB
+
+SGLANG_NOTE = ("(SGLang's --hicache-size is per rank; vLLM's --kv-offloading-size and kvtier's size "
+               "are totals.)")
+
+
+def _gib(n: float, other: float | None = None) -> str:
+    """``n`` in GiB, with one decimal (two when ``other`` would otherwise print the same)."""
+    digits = 2 if other is not None and f"{n / GIB:.1f}" == f"{other / GIB:.1f}" else 1
+    return f"{n / GIB:.{digits}f} GiB"
+
+
+def check_model(s: Setup) -> list[Finding]:
+    if s.source is None:
+        return [Finding(
+            "model-config", "info",
+            f"Model config not found for {s.model!r}" if s.model else "No model on the command line",
+            "Checks that need the model's config.json (KV size, MLA, fp8 scales, max-model-len) were "
+            "skipped: the model is neither a local folder nor in the Hugging Face cache.",
+            "Pass a local model folder, or download its config.json to the Hugging Face cache.")]
+    if s.plan_error:
+        return [Finding("model-config", "info", "Model config not fully understood",
+                        f"{s.plan_error}; size checks were skipped.",
+                        "Use kvtier plan --weights-gib N to size it.")]
+    return []
+
+
+def check_connector(s: Setup) -> list[Finding]:
+    line, out = s.line, []
+    if line.transfer_error:
+        out.append(Finding(
+            "kv-transfer-config", "error", "--kv-transfer-config does not parse", line.transfer_error,
+            "Quote the JSON in single quotes: --kv-transfer-config '{\"kv_connector\": ...}'"))
+    if line.program == "kvtier":
+        for flag in ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend"):
+            if line.has(flag):
+                out.append(Finding(
+                    "kvtier-serve-flag", "error", f"kvtier serve refuses vLLM's {flag}",
+                    "kvtier serve configures the connector itself; vLLM's offloading flags would "
+                    "replace kvtier with vLLM's own OffloadingConnector.",
+                    f"Remove {flag} after '--'; give kvtier's --kv-offloading-size (GiB, total) before "
+                    "any '--', and other kvtier keys with --kv-config '{...}'."))
+        if s.extra_error:
+            out.append(Finding("kvtier-serve-flag", "error", "Invalid kvtier serve flag", s.extra_error,
+                               "Fix the flag as the message says (kvtier serve --help)."))
+        return out
+    if line.transfer_config is not None and line.has("--kv-offloading-size"):
+        size = line.number("--kv-offloading-size", 0) or 0
+        out.append(Finding(
+            "offloading-size-replaces-connector", "error",
+            "--kv-offloading-size replaces the connector of --kv-transfer-config",
+            "vLLM turns --kv-offloading-size into its own connector (OffloadingConnector for the native "
+            f"backend, LMCacheMPConnector for lmcache), overwriting kv_connector {s.connector!r} and "
+            "merging cpu_bytes_to_use into its extra config.",
+            f"Drop --kv-offloading-size and set \"cpu_bytes_to_use\": {int(size * GIB)} in "
+            "kv_connector_extra_config (or use kvtier serve --kv-offloading-size)."))
+    if line.has("--kv-offloading-backend") and not line.has("--kv-offloading-size"):
+        out.append(Finding(
+            "offloading-backend-alone", "warning", "--kv-offloading-backend without a size",
+            "vLLM enables KV offloading only when --kv-offloading-size is set; this flag does nothing.",
+            "Add --kv-offloading-size N (GiB, total across TP ranks) or remove the backend flag."))
+    config = line.transfer_config or {}
+    if s.connector == KVTIER_CONNECTOR and not config.get("kv_connector_module_path"):
+        out.append(Finding(
+            "kvtier-module-path", "error", "KVTierConnector without kv_connector_module_path",
+            "KVTierConnector is out of tree: vLLM finds it only through its module path.",
+            "Add \"kv_connector_module_path\": \"kvtier.vllm\" to --kv-transfer-config."))
+    if s.connector and line.transfer_config is not None and config.get("kv_role") != "kv_both":
+        out.append(Finding(
+            "kv-role", "error", f"kv_role is {config.get('kv_role')!r}",
+            "An offloading connector both stores and loads KV: vLLM needs kv_role kv_both.",
+            "Add \"kv_role\": \"kv_both\" to --kv-transfer-config."))
+    if not s.offloading and not line.transfer_error:
+        out.append(Finding(
+            "no-offloading", "info", "No KV offloading configured",
+            "Without --kv-transfer-config or --kv-offloading-size, evicted prefixes are recomputed.",
+            "kvtier serve MODEL ... (or see kvtier plan MODEL for the flags)."))
+    return out
+
+
+def check_kvtier_config(s: Setup) -> list[Finding]:
+    if not s.is_kvtier or s.extra is None:
+        return []
+    _, error, notes = validate_extra_config(s.extra)
+    out = [Finding("root-dir-missing", "info", "Disk tier directory will be created", note, "None needed.")
+           for note in notes]
+    if error:
+        out.append(Finding("kvtier-config", "error", "Invalid kvtier configuration", error,
+                           "Fix kv_connector_extra_config as the message says (docs/configuration.md)."))
+    return out
+
+
+def check_host_size(s: Setup) -> list[Finding]:
+    if s.host_bytes is None:
+        return []
+    out, plan, host, tp = [], s.plan, s.host_bytes, s.line.tp
+    as_flag = s.host_flag.startswith("--")
+    shown = f"{s.host_flag} {host / GIB:g}" if as_flag else f"cpu_bytes_to_use {host}"
+    if s.line.program == "kvtier" and "--kv-offloading-size" not in s.line.kvtier_flags:
+        shown += " (kvtier serve's default)"
+
+    def setting(total_bytes: float) -> str:
+        return f"{s.host_flag} {total_bytes / GIB:g}" if as_flag else f"cpu_bytes_to_use {int(total_bytes)}"
+
+    # Sized per GPU: the value is about one device's KV cache (0.5x - 2x), far below all devices' KV.
+    rank_kv = plan.kv_budget_rank if plan is not None else 0
+    if tp > 1 and plan is not None and host < plan.kv_budget_total and rank_kv / 2 <= host <= 2 * rank_kv:
+        out.append(Finding(
+            "host-size-per-gpu", "warning", f"{shown} looks sized per GPU",
+            f"It is the TOTAL across the {tp} tensor-parallel ranks: each rank gets {_gib(host / tp)}, "
+            f"while the value itself is about one device's KV cache ({_gib(rank_kv)}). {SGLANG_NOTE}",
+            f"If you meant {_gib(host)} per GPU, give the total: {setting(host * tp)}."))
+    elif tp > 1:
+        out.append(Finding(
+            "host-size-total", "info", f"{shown} is the TOTAL across {tp} ranks",
+            f"Each tensor-parallel rank gets {_gib(host / tp)} of host memory. {SGLANG_NOTE}",
+            f"None if intended; for {_gib(host)} per GPU give {setting(host * tp)}."))
+    if plan is not None and host < plan.kv_budget_total:
+        out.append(Finding(
+            "host-smaller-than-gpu-kv", "warning",
+            f"Host tier ({_gib(host, plan.kv_budget_total)}) is smaller than the accelerators' KV cache "
+            f"({_gib(plan.kv_budget_total, host)})",
+            "Every block is stored to the host tier as it is computed, so a host tier smaller than the "
+            "accelerators' own KV cache holds a subset of what they already hold: it only mirrors it and "
+            f"adds almost no hits. (KV cache from {s.gpu_assumption}, {plan.kv_dtype} KV.)",
+            f"Give at least {plan.host_gib} GiB in total ({setting(plan.host_gib * GIB)}); kvtier plan "
+            "sizes it for your concurrency."))
+    return out
+
+
+def check_cpu_offload(s: Setup) -> list[Finding]:
+    value = s.line.number("--cpu-offload-gb", 0) or 0
+    if value <= 0:
+        return []
+    kv_fix = "" if s.offloading else (
+        " For KV offloading use kvtier serve MODEL --kv-offloading-size N, or vLLM's "
+        "--kv-offloading-size N (GiB, total across TP ranks).")
+    return [Finding(
+        "cpu-offload-gb", "warning", f"--cpu-offload-gb {value:g} offloads model WEIGHTS, not KV",
+        f"It moves {value:g} GiB of weights PER GPU to host memory and streams them over PCIe on every "
+        "forward pass: prefill and decode slow down. It does not add KV cache capacity by itself (it "
+        "only frees that much accelerator memory).",
+        "Remove --cpu-offload-gb unless the weights do not fit otherwise (then raise -tp)." + kv_fix)]
+
+
+def check_prefix_caching(s: Setup) -> list[Finding]:
+    if s.line.prefix_caching:
+        return []
+    return [Finding(
+        "prefix-caching-disabled", "warning" if s.offloading else "info",
+        "Prefix caching is disabled (--no-enable-prefix-caching)",
+        "Returning prompts are then never served from the accelerator's own cache, the fastest tier; "
+        "with offloading every hit is a copy from host or disk, even of blocks still on the device.",
+        "Remove --no-enable-prefix-caching (vLLM enables prefix caching by default).")]
+
+
+def check_disk(s: Setup) -> list[Finding]:
+    out = []
+    for root in s.disk_dirs:
+        found = filesystem_type(root)
+        if found and found[0] in RAM_FILESYSTEMS:
+            out.append(Finding(
+                "disk-on-tmpfs", "warning", f"Disk tier {root} is on {found[0]} ({found[1]})",
+                "That is RAM: it competes with the host tier (itself in /dev/shm) and vLLM for the same "
+                "memory, swaps or OOMs instead of spilling, and vanishes at reboot.",
+                "Point the disk tier (--disk-dir / root_dir) at a local NVMe filesystem, or drop it "
+                "(--no-disk) and give that memory to the host tier."))
+        spaces = namespaces_under(root)
+        if spaces:
+            names = "; ".join(
+                f"{ns['dir']} ({ns.get('model_name', '?')}, tp={ns.get('tp_size', '?')}, "
+                f"{ns.get('kv_dtype', '?')}, {ns.get('block_tokens', '?')}-token blocks)" for ns in spaces)
+            out.append(Finding(
+                "shared-root", "info", f"{root} already holds {len(spaces)} namespace(s)",
+                f"{names}. Engines share blocks only within one namespace (same model config, dtype, "
+                "parallel sizes, block size); different ones coexist safely, but each capacity_bytes "
+                "bounds only its own namespace, so together they can fill the disk.",
+                "None needed; give each engine a capacity so that they add up below the disk's size."))
+    return out
+
+
+CHECKS: tuple[Callable[[Setup], list[Finding]], ...] = (
+    check_model, check_connector, check_kvtier_config, check_host_size, check_cpu_offload,
+    check_prefix_caching, check_model_support, check_tp, check_fp8_scales, check_max_model_len, check_disk,
+)

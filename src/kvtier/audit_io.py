@@ -1,0 +1,142 @@
+"""Side-effect-free probes behind ``kvtier doctor``'s findings: the filesystem type of a path, the
+disk-tier namespaces already under a ``root_dir``, calibrated fp8 KV scales in a checkpoint, and a
+validation of kvtier's ``kv_connector_extra_config`` that creates nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+RAM_FILESYSTEMS = ("tmpfs", "ramfs")
+_NS_DIR = re.compile(r"^(?P<model>[A-Za-z0-9._-]+)_(?P<digest>[0-9a-f]{16})$")
+_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale", "k_proj.output_scale", "v_proj.output_scale")
+
+
+def existing_ancestor(path: Path) -> Path:
+    """``path`` itself if it exists, else its nearest existing parent (absolute, symlinks resolved)."""
+    path = Path(os.path.abspath(Path(path).expanduser()))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path.resolve()
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def filesystem_type(path: Path, mounts_file: str = "/proc/mounts") -> tuple[str, str] | None:
+    """(fstype, mount point) of the filesystem holding ``path`` (or where it would be created), from
+    the longest matching mount point in ``mounts_file``; None when that cannot be read."""
+    target = str(existing_ancestor(path))
+    best: tuple[str, str] | None = None
+    try:
+        with open(mounts_file, encoding="utf-8") as fh:
+            lines = fh.readlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        mount, fstype = _unescape(parts[1]), parts[2]
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and (best is None or len(mount) >= len(best[1])):
+            best = (fstype, mount)
+    return best
+
+
+def namespaces_under(root: Path) -> list[dict[str, Any]]:
+    """The disk-tier namespaces in ``root``: one dict per ``<model>_<digest16>/config.json`` (the
+    namespace JSON kvtier writes), with ``dir`` added. Unreadable ones get ``error``."""
+    found: list[dict[str, Any]] = []
+    try:
+        entries = sorted(os.listdir(root))
+    except OSError:
+        return found
+    for name in entries:
+        if not _NS_DIR.match(name):
+            continue
+        config = Path(root, name, "config.json")
+        if not config.is_file():
+            continue
+        try:
+            data = json.loads(config.read_text())
+            if not isinstance(data, dict):
+                raise ValueError("not an object")
+        except (OSError, ValueError) as exc:
+            data = {"error": str(exc)}
+        found.append({"dir": name, **data})
+    return found
+
+
+def kv_scales_present(config: Mapping[str, Any], folder: Path | None) -> bool:
+    """Does the checkpoint ship calibrated fp8 KV scales? Looks at ``quantization_config``
+    (``kv_cache_scheme``, ``kv_cache_quant_algo``), ``hf_quant_config.json`` (ModelOpt) and the
+    tensor names of ``model.safetensors.index.json`` (``*.k_scale``, ``*.v_scale``, ``*.kv_scale``)."""
+    quant = config.get("quantization_config")
+    if isinstance(quant, Mapping) and (quant.get("kv_cache_scheme") or quant.get("kv_cache_quant_algo")):
+        return True
+    if folder is None:
+        return False
+    try:
+        modelopt = json.loads(Path(folder, "hf_quant_config.json").read_text())
+        if (modelopt.get("quantization") or {}).get("kv_cache_quant_algo"):
+            return True
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        index = json.loads(Path(folder, "model.safetensors.index.json").read_text())
+        names = (index.get("weight_map") or {}).keys()
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(name.endswith(_SCALE_SUFFIXES) for name in names)
+
+
+def validate_extra_config(extra: Mapping[str, Any]) -> tuple[Any, str | None, list[str]]:
+    """Validate kvtier's ``kv_connector_extra_config`` with
+    :meth:`kvtier.config.KVTierConfig.from_extra_config`, without creating directories.
+
+    Returns ``(config or None, error message or None, notes)``. A ``root_dir`` that does not exist
+    yet is checked for being creatable (its nearest existing parent writable) and validated in a
+    temporary stand-in, with a note; so doctor never creates the disk tier's directory.
+    """
+    from kvtier.config import DEFAULT_DISK_FRACTION, ConfigError, KVTierConfig
+
+    extra = json.loads(json.dumps(dict(extra)))  # a deep copy, as JSON
+    notes: list[str] = []
+    real: dict[int, tuple[Path, int | None]] = {}  # tier index -> (root_dir, default capacity)
+    with tempfile.TemporaryDirectory(prefix="kvtier-doctor-") as stand_in:
+        tiers = extra.get("secondary_tiers")
+        for index, tier in enumerate(tiers if isinstance(tiers, list) else []):
+            root = tier.get("root_dir") if isinstance(tier, dict) else None
+            if not isinstance(root, str) or not root or Path(root).expanduser().exists():
+                continue
+            parent = existing_ancestor(Path(root))
+            if not os.access(parent, os.W_OK | os.X_OK):
+                return None, (f"kv_connector_extra_config: 'secondary_tiers[{index}].root_dir' = {root!r} "
+                              f"does not exist and cannot be created: {parent} is not writable."), notes
+            notes.append(f"secondary_tiers[{index}].root_dir {root} does not exist yet; kvtier creates it "
+                         "at start-up.")
+            default = None
+            if "capacity_bytes" not in tier:  # kvtier's default reads the free space of the real directory
+                default = int(shutil.disk_usage(parent).free * DEFAULT_DISK_FRACTION)
+                tier["capacity_bytes"] = max(1, default)
+            real[index] = (Path(root).expanduser(), default)
+            tier["root_dir"] = str(Path(stand_in, f"tier{index}"))
+        try:
+            config = KVTierConfig.from_extra_config(extra)
+        except ConfigError as exc:
+            return None, str(exc), notes
+    tiers_out = list(config.secondary_tiers)
+    for index, (root_dir, default) in real.items():
+        capacity = tiers_out[index].capacity_bytes if default is None else default
+        tiers_out[index] = dataclasses.replace(tiers_out[index], root_dir=root_dir, capacity_bytes=capacity)
+    return dataclasses.replace(config, secondary_tiers=tuple(tiers_out)), None, notes

@@ -1,0 +1,138 @@
+"""``kvtier doctor`` checks that need the model's config: what kvtier (or another connector) can
+serve (MLA, Mamba/linear-attention hybrids, sliding windows, pipeline parallelism), tensor-parallel
+head splits, fp8 KV calibration and ``--max-model-len`` against the positions and the KV budget.
+Each takes a :class:`kvtier.audit.Setup` and returns findings; :data:`kvtier.audit_checks.CHECKS`
+runs them.
+"""
+
+from __future__ import annotations
+
+from kvtier.audit import NATIVE_CONNECTOR, Finding, Setup
+from kvtier.audit_io import kv_scales_present
+from kvtier.sizing import GIB
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def check_model_support(s: Setup) -> list[Finding]:
+    geo, tp, out = s.geometry, s.line.tp, []
+    if geo is None or not s.offloading:
+        return []
+    if geo.is_mla and s.is_kvtier and tp > 1:
+        out.append(Finding(
+            "mla-kvtier", "warning", f"MLA model with kvtier at tp={tp}",
+            "kvtier handles MLA as one full-attention KV group, but stores the latent once per rank "
+            f"although it is identical on all {tp} ranks: the host and disk tiers hold {tp} copies "
+            f"(1/{tp} of the tokens vLLM's OffloadingConnector would fit). kvtier's MLA path is not "
+            "tested end to end yet.",
+            f"Size the host tier {tp}x (kvtier plan counts the copies), or use vLLM's native "
+            "--kv-offloading-size, which stores the replicated latent once."))
+    elif geo.is_mla and s.is_kvtier:
+        out.append(Finding(
+            "mla-kvtier", "info", "MLA model with kvtier",
+            "kvtier supports one full-attention KV group, which covers MLA (one latent vector per "
+            "token); this path is not tested end to end yet.", "None needed."))
+    elif geo.is_mla and s.connector != NATIVE_CONNECTOR:
+        out.append(Finding(
+            "mla-connector", "info", f"MLA model with {s.connector}",
+            "Not every KV connector handles MLA's single latent (no separate K and V).",
+            f"Check that {s.connector} supports MLA, or use vLLM's native --kv-offloading-size."))
+    if s.is_kvtier and geo.stateful_layers:
+        out.append(Finding(
+            "hybrid-kvtier", "error", "kvtier cannot serve Mamba/linear-attention hybrids",
+            f"{geo.stateful_layers} of {geo.num_layers} layers keep recurrent state: vLLM needs its hybrid "
+            "KV cache manager, which it turns off for connectors without support (kvtier), and kvtier "
+            "supports one KV cache group only.",
+            "Serve this model without kvtier (or with a connector that supports hybrid models)."))
+    elif s.is_kvtier and geo.sliding_layers and geo.full_layers:
+        out.append(Finding(
+            "sliding-kvtier", "warning", "Sliding-window layers are allocated as full attention",
+            f"With a KV connector vLLM turns its hybrid allocator off: the {geo.sliding_layers} sliding "
+            f"layers (window {geo.sliding_window}) then take KV for every token, like full layers.",
+            "Expected with kvtier today; kvtier plan shows both sizes. Budget the accelerator for it."))
+    if s.is_kvtier and s.line.pp > 1:
+        out.append(Finding(
+            "pipeline-parallel", "error", "kvtier does not support pipeline parallelism yet",
+            "The connector refuses pipeline_parallel_size > 1 at start-up.",
+            "Use tensor parallelism only (-tp), or serve without kvtier."))
+    return out
+
+
+def check_tp(s: Setup) -> list[Finding]:
+    geo, tp = s.geometry, s.line.tp
+    if geo is None or geo.is_mla or tp == 1 or geo.num_kv_heads % tp == 0 or tp % geo.num_kv_heads == 0:
+        return []
+    return [Finding(
+        "tp-kv-heads", "error", f"-tp {tp} does not divide {geo.num_kv_heads} KV heads",
+        "vLLM needs the KV heads to split evenly over the ranks (or tp to be a multiple of them).",
+        "Use a tensor-parallel size that divides the KV heads, or a multiple of them.")]
+
+
+def check_fp8_scales(s: Setup) -> list[Finding]:
+    kv_dtype = s.line.value("--kv-cache-dtype") or "auto"
+    if not kv_dtype.startswith("fp8"):
+        return []
+    if s.source is None:
+        return [Finding("fp8-kv-scales", "info", "fp8 KV: calibration not checked",
+                        "The model's config is not readable here.",
+                        "Check that the checkpoint ships KV scales.")]
+    if kv_scales_present(s.source.config, s.source.folder):
+        return []
+    calculate = s.line.has("--calculate-kv-scales")
+    until = " until --calculate-kv-scales measures them on the first batch" if calculate else ""
+    return [Finding(
+        "fp8-kv-scales", "info" if calculate else "warning",
+        f"--kv-cache-dtype {kv_dtype} on a checkpoint without calibrated KV scales",
+        "The checkpoint has no kv_cache_scheme / kv_cache_quant_algo and no k_scale/v_scale tensors, "
+        f"so vLLM uses a scale of 1.0{until}: values outside fp8's range clip and accuracy can drop.",
+        "Use a checkpoint with calibrated KV scales (llm-compressor kv_cache_scheme, NVIDIA ModelOpt), "
+        "add --calculate-kv-scales, or drop --kv-cache-dtype (fp8 halves KV; kvtier plan shows both).")]
+
+
+def check_max_model_len(s: Setup) -> list[Finding]:
+    geo, plan, line = s.geometry, s.plan, s.line
+    if geo is None:
+        return []
+    flag = line.number("--max-model-len")
+    max_pos, out = geo.max_position_embeddings, []
+    if flag and max_pos and flag > max_pos:
+        allowed = line.getenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN") == "1"
+        out.append(Finding(
+            "max-model-len", "warning" if allowed else "error",
+            f"--max-model-len {int(flag)} exceeds the model's {max_pos} positions",
+            "Beyond max_position_embeddings the model was not trained: outputs degrade. vLLM refuses it "
+            "unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1.", f"--max-model-len {max_pos} or less."))
+    if plan is None:
+        return out
+    suggestion = max(plan.block_size, plan.tokens_fit // 4 // 1024 * 1024)
+    if plan.kv_budget_rank == 0:
+        out.append(Finding(
+            "weights-do-not-fit", "error", "The weights leave no room for the KV cache",
+            f"{_gib(plan.weight_bytes_rank)} of weights per device (tp={plan.tp}) plus a "
+            f"{plan.assumptions['reserve_gib_per_device']:g} GiB reserve exceed "
+            f"{plan.assumptions['gpu_memory_utilization']:g} x {s.gpu_assumption}.",
+            "Raise -tp, use bigger devices (kvtier doctor --gpu-memory N if the assumption is wrong) or "
+            "a quantized checkpoint."))
+    elif plan.sequences_fit < 1:
+        out.append(Finding(
+            "max-model-len", "error",
+            f"One sequence of {plan.context} tokens does not fit in the accelerator's KV cache",
+            f"It needs {_gib(plan.sequence_bytes_rank)} per rank; the KV budget is "
+            f"{_gib(plan.kv_budget_rank)} ({s.gpu_assumption}). vLLM refuses to start.",
+            f"Lower --max-model-len (e.g. {suggestion}), raise -tp or --gpu-memory-utilization."))
+    elif plan.sequences_fit < 4:
+        which = "--max-model-len" if flag else "The default max-model-len (max_position_embeddings)"
+        out.append(Finding(
+            "max-model-len", "warning",
+            f"Only {plan.sequences_fit} sequence(s) of {plan.context} tokens fit on the accelerator",
+            f"{which} is far above what fits ({plan.tokens_fit:,} tokens in the KV pool, "
+            f"{s.gpu_assumption}): long requests run almost alone and preempt each other. Offloading "
+            "keeps returning prefixes; it does not add room for concurrent ones.",
+            f"Set --max-model-len to your traffic's longest prompt + output (e.g. {suggestion})."))
+    elif not flag and max_pos and max_pos > 32768:
+        out.append(Finding("max-model-len", "info", f"--max-model-len not set: vLLM uses {max_pos}",
+                           "The default is the model's max_position_embeddings.",
+                           "Set --max-model-len to what your traffic needs."))
+    return out

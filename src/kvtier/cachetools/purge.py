@@ -1,0 +1,197 @@
+"""``kvtier purge``: delete blocks by namespace, model or age, and empty the quarantine.
+
+Safe while engines use the root: only block files (and quarantined files) are unlinked, never
+renamed or truncated, and writers' temp files are never touched. An engine whose index still
+holds a purged block sees a ``NOT_FOUND`` read, which the disk tier treats as a miss, and forgets
+it. Emptied directories are removed with ``rmdir`` only (it refuses a directory that a writer
+has just filled again; a writer finding its directory gone recreates it). ``config.json`` goes
+only with whole namespaces and only if no block or temp file is left in them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
+from kvtier.cachetools.selection import select
+from kvtier.tiers.disk_io import rmdir_quiet
+from kvtier.tiers.disk_layout import unlink_quiet
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``text``: numbers with a unit s, m, h, d or w, e.g. ``30m``, ``12h``, ``7d``, ``1d12h``."""
+    compact = text.strip().lower().replace(" ", "")
+    parts = _DURATION.findall(compact)
+    if not compact or "".join(n + u for n, u in parts) != compact:
+        raise ValueError(f"bad duration {text!r}: use a number and a unit (s, m, h, d, w), e.g. 30m, 12h, 7d")
+    return sum(float(n) * _UNITS[u] for n, u in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class PurgeSelection:
+    """What to delete. ``namespaces``/``models`` narrow to namespaces (digest or model; any value
+    of a kind), ``older_than`` to blocks last used more than that many seconds ago; ``quarantine``
+    empties the quarantine (of the selected namespaces when narrowed); ``all`` is everything,
+    quarantine included, and combines with nothing else."""
+
+    namespaces: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()
+    older_than: float | None = None
+    quarantine: bool = False
+    all: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError for an empty selection, or ``all`` with another selector."""
+        narrowing = bool(self.namespaces or self.models or self.older_than is not None or self.quarantine)
+        if self.all and narrowing:
+            raise ValueError("--all selects everything: do not combine it with other selectors")
+        if not (self.all or narrowing):
+            raise ValueError("nothing selected: give --namespace, --model, --older-than, --quarantine or --all")
+        if self.older_than is not None and self.older_than < 0:
+            raise ValueError("--older-than must not be negative")
+
+    @property
+    def blocks(self) -> bool:
+        """Whether blocks are deleted (not just the quarantine)."""
+        return self.all or bool(self.namespaces or self.models) or self.older_than is not None
+
+    @property
+    def whole_namespaces(self) -> bool:
+        """Whether every block of the selected namespaces goes (then config.json may go too)."""
+        return self.blocks and self.older_than is None
+
+
+@dataclass(slots=True)
+class NamespacePurge:
+    """What was (or, in a dry run, would be) removed from one namespace."""
+
+    prefix: str
+    blocks: int = 0
+    files: int = 0
+    bytes: int = 0
+    skipped: int = 0  # age purges: blocks used again between selection and deletion (kept)
+    errors: int = 0  # unlinks that failed (other than "already gone")
+    config_removed: bool = False
+
+
+@dataclass(slots=True)
+class PurgeReport:
+    """What :func:`purge_cache` removed (``dry_run``: would remove; nothing was touched)."""
+
+    root: str
+    dry_run: bool
+    namespaces: list[NamespacePurge] = field(default_factory=list)
+    quarantine_files: int = 0
+    quarantine_bytes: int = 0
+    errors: int = 0  # quarantine unlinks that failed
+
+    @property
+    def files(self) -> int:
+        return sum(ns.files for ns in self.namespaces) + self.quarantine_files
+
+    @property
+    def bytes(self) -> int:
+        return sum(ns.bytes for ns in self.namespaces) + self.quarantine_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"root": self.root, "dry_run": self.dry_run, "files": self.files, "bytes": self.bytes,
+                "namespaces": [asdict(ns) for ns in self.namespaces],
+                "quarantine": {"files": self.quarantine_files, "bytes": self.quarantine_bytes},
+                "errors": self.errors + sum(ns.errors for ns in self.namespaces)}
+
+
+def purge_cache(
+    root_dir: str | Path, selection: PurgeSelection, *, dry_run: bool = False, now: float | None = None
+) -> PurgeReport:
+    """Delete what ``selection`` selects under ``root_dir`` (see the module docstring).
+
+    Raises ValueError for an invalid selection (:class:`~kvtier.cachetools.selection.SelectionError`
+    when a namespace or model selector matches nothing).
+    """
+    selection.validate()
+    now = time.time() if now is None else now
+    cache = discover(root_dir)
+    chosen = select(cache, namespaces=selection.namespaces, models=selection.models)
+    report = PurgeReport(cache.root, dry_run)
+    cutoff_ns = None if selection.older_than is None else int((now - selection.older_than) * 1e9)
+    if selection.blocks:
+        for ns in chosen:
+            report.namespaces.append(_purge_namespace(ns, cutoff_ns, selection.whole_namespaces, dry_run))
+    if selection.quarantine or selection.all:
+        narrowed = bool(selection.namespaces or selection.models)
+        prefixes = {ns.prefix for ns in chosen}
+        for qfile in iter_quarantine(cache):
+            if narrowed and qfile.prefix not in prefixes:
+                continue
+            if not dry_run and not unlink_quiet(qfile.path):
+                report.errors += 1
+                continue
+            report.quarantine_files += 1
+            report.quarantine_bytes += qfile.size
+    return report
+
+
+def _purge_namespace(ns: CacheNamespace, cutoff_ns: int | None, whole: bool, dry_run: bool) -> NamespacePurge:
+    result = NamespacePurge(ns.prefix)
+    blocks: dict[tuple[int, str], list[tuple[str, int, int]]] = {}  # (group, key) -> [(path, size, mtime_ns)]
+    others = 0  # temp files and other entries that keep config.json in place
+    for f in iter_files(ns, stat=True):
+        if f.hex_key is not None and f.kind is not Kind.TEMP:
+            blocks.setdefault((f.group or 0, f.hex_key), []).append((f.path, f.size, f.mtime_ns))
+        else:
+            others += 1
+    leaves: set[str] = set()
+    for files in blocks.values():
+        if cutoff_ns is not None and max(mtime for _, _, mtime in files) >= cutoff_ns:
+            continue
+        if not dry_run:
+            if cutoff_ns is not None and _used_since(files, cutoff_ns):
+                result.skipped += 1
+                continue
+            for path, _, _ in files:
+                result.errors += not unlink_quiet(path)
+                leaves.add(os.path.dirname(path))
+        result.blocks += 1
+        result.files += len(files)
+        result.bytes += sum(size for _, size, _ in files)
+    for leaf in leaves:
+        rmdir_quiet(leaf)
+        rmdir_quiet(os.path.dirname(leaf))
+    if whole and others == 0 and result.blocks == len(blocks) and not result.errors:
+        if dry_run:
+            result.config_removed = os.path.exists(ns.config_path)
+        else:
+            result.config_removed = _drop_namespace(ns)
+    return result
+
+
+def _used_since(files: list[tuple[str, int, int]], cutoff_ns: int) -> bool:
+    """Whether a file of the block was read or rewritten since it was selected (re-``stat``)."""
+    for path, _, _ in files:
+        try:
+            if os.stat(path).st_mtime_ns >= cutoff_ns:
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _drop_namespace(ns: CacheNamespace) -> bool:
+    """Remove config.json (True if it was there) and the emptied directories, unless a block or
+    temp file appeared meanwhile."""
+    if next(iter_files(ns, stat=False), None) is not None:
+        return False
+    removed = os.path.exists(ns.config_path) and unlink_quiet(ns.config_path)
+    for rank_dir in ns.rank_dirs.values():
+        for dirpath, _, _ in os.walk(rank_dir, topdown=False):
+            rmdir_quiet(dirpath)
+    rmdir_quiet(ns.ns_dir)
+    return removed

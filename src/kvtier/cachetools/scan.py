@@ -1,0 +1,283 @@
+"""Find the namespaces and files of a disk tier root (directory entries and ``stat`` only).
+
+The names are the disk tier's (:mod:`kvtier.tiers.disk_layout`); this module only parses them
+back and checks every parse by rebuilding the path with :class:`DiskLayout` itself, so a file
+is a block file exactly when the tier would read it from where it lies. Nothing here opens a
+block file or changes anything on disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from kvtier.keys import KEY_BYTES, Namespace
+from kvtier.tiers.disk_layout import QUARANTINE_DIR, DiskLayout, sanitize_model_name
+
+CONFIG_NAME = "config.json"
+_HEX = frozenset("0123456789abcdef")
+_DIGEST16 = 16
+
+
+def _is_hex(text: str) -> bool:
+    return bool(text) and set(text) <= _HEX
+
+
+class Kind(Enum):
+    """What a file under a rank directory is."""
+
+    BLOCK = "block"  # <hash>.bin where the tier reads it
+    TEMP = "temp"  # a writer's <hash>.bin.<pid>.<random>.tmp (never touched by the tools)
+    STRAY = "stray"  # anything else (hex_key set: a block file in the wrong directory)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheFile:
+    """One entry under a rank directory (``size``/``mtime_ns`` are 0 unless stat-ed)."""
+
+    path: str
+    kind: Kind
+    rank: int
+    group: int | None = None
+    hex_key: str | None = None
+    size: int = 0
+    mtime_ns: int = 0
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class CacheNamespace:
+    """One ``<model>_<digest16>`` namespace: its config and the rank directories found."""
+
+    root: str
+    prefix: str
+    model: str  # the sanitized ``<model>`` part of the name
+    digest16: str
+    config: dict[str, Any] | None = None  # parsed config.json; None when missing or unreadable
+    config_problem: str | None = None  # why config.json is unusable, or does not match the name
+    namespace: Namespace | None = None  # config.json as a kvtier Namespace, when it is one
+    rank_dirs: dict[int, str] = field(default_factory=dict)
+    _layouts: dict[int, DiskLayout] = field(default_factory=dict)
+
+    @property
+    def ns_dir(self) -> str:
+        return self.layout(0).ns_dir
+
+    @property
+    def config_path(self) -> str:
+        return os.path.join(self.ns_dir, CONFIG_NAME)
+
+    @property
+    def world(self) -> int:
+        """Ranks a complete block has: tp_size x pp_size of config.json, else the rank dirs found."""
+        if self.config is not None:
+            try:
+                return max(1, int(self.config.get("tp_size", 1)) * int(self.config.get("pp_size", 1)))
+            except (TypeError, ValueError):
+                pass
+        return max(self.rank_dirs, default=0) + 1
+
+    def layout(self, group: int) -> DiskLayout:
+        """The disk tier's layout of this namespace and KV cache group."""
+        layout = self._layouts.get(group)
+        if layout is None:
+            world = max(self.world, max(self.rank_dirs, default=0) + 1)
+            layout = DiskLayout(self.root, self.model, bytes.fromhex(self.digest16), world, group)
+            self._layouts[group] = layout
+        return layout
+
+    def rank_digests(self) -> list[bytes] | None:
+        """The namespace digest each rank's headers carry (as ``EngineGeometry.rank_digests``),
+        or None when config.json is not a kvtier Namespace."""
+        if self.namespace is None:
+            return None
+        return [self.namespace.for_rank(rank).digest for rank in range(self.world)]
+
+    def matches_digest(self, selector: str) -> bool:
+        """True if ``selector`` is this namespace's directory name or digest (at least 4 of the 16
+        hex digits, or the full digest)."""
+        sel = selector.strip().rstrip("/").lower()
+        if sel == self.prefix.lower():
+            return True
+        return len(sel) >= 4 and _is_hex(sel) and (self.digest16.startswith(sel) or sel.startswith(self.digest16))
+
+    def matches_model(self, selector: str) -> bool:
+        """True if ``selector`` is this namespace's model: as in config.json, the ``<model>`` part
+        of the name, or as given to vLLM (a repo id or path: its last part, or reduced whole)."""
+        sel = selector.strip().rstrip("/")
+        base = sel.rsplit("/", 1)[-1]  # a repo id or path names the model by its last part (geometry.model_name)
+        if self.config is not None and self.config.get("model_name") in (sel, base):
+            return True
+        return bool(sel) and self.model in (sel, sanitize_model_name(sel), sanitize_model_name(base))
+
+    def matches(self, selector: str) -> bool:
+        """True if ``selector`` names this namespace by digest or by model."""
+        return self.matches_digest(selector) or self.matches_model(selector)
+
+
+@dataclass(slots=True)
+class CacheRoot:
+    """A disk tier root: its namespaces (sorted by name) and top-level entries that are not kvtier's."""
+
+    root: str
+    namespaces: list[CacheNamespace]
+    strays: list[CacheFile]
+
+    @property
+    def quarantine_dir(self) -> str:
+        return os.path.join(self.root, QUARANTINE_DIR)
+
+
+def split_prefix(name: str, root: str) -> tuple[str, str] | None:
+    """``(model, digest16)`` if ``name`` is a namespace directory name the tier would make."""
+    model, sep, digest16 = name.rpartition("_")
+    if not sep or not model or len(digest16) != _DIGEST16 or not _is_hex(digest16):
+        return None
+    if DiskLayout(root, model, bytes.fromhex(digest16), 1, 0).prefix != name:
+        return None
+    return model, digest16
+
+
+def discover(root_dir: str | Path) -> CacheRoot:
+    """The namespaces under ``root_dir`` (from ``<prefix>`` and ``<prefix>_r<rank>`` directories)."""
+    root = str(Path(root_dir))
+    found: dict[str, CacheNamespace] = {}
+    strays: list[CacheFile] = []
+
+    def namespace(prefix: str, parts: tuple[str, str]) -> CacheNamespace:
+        if prefix not in found:
+            found[prefix] = CacheNamespace(root, prefix, parts[0], parts[1])
+        return found[prefix]
+
+    with os.scandir(root) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            if entry.name == QUARANTINE_DIR and entry.is_dir():
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                parts = split_prefix(entry.name, root)
+                if parts is not None:
+                    namespace(entry.name, parts)
+                    continue
+                prefix, sep, rank = entry.name.rpartition("_r")
+                parts = split_prefix(prefix, root) if sep and rank.isdigit() and str(int(rank)) == rank else None
+                if parts is not None:
+                    namespace(prefix, parts).rank_dirs[int(rank)] = os.path.join(root, entry.name)
+                    continue
+            strays.append(CacheFile(entry.path, Kind.STRAY, -1, reason="not a kvtier namespace or rank directory"))
+    for ns in found.values():
+        _load_config(ns)
+    return CacheRoot(root, sorted(found.values(), key=lambda n: n.prefix), strays)
+
+
+def _load_config(ns: CacheNamespace) -> None:
+    try:
+        with open(ns.config_path, encoding="utf-8") as fh:
+            config = json.load(fh)
+    except FileNotFoundError:
+        ns.config_problem = f"{CONFIG_NAME} missing"
+        return
+    except (OSError, ValueError) as exc:
+        ns.config_problem = f"{CONFIG_NAME} unreadable: {exc}"
+        return
+    if not isinstance(config, dict):
+        ns.config_problem = f"{CONFIG_NAME} is not a JSON object"
+        return
+    ns.config = config
+    try:
+        ns.namespace = Namespace(**config)
+    except TypeError:
+        return  # not a kvtier Namespace (hand-written or older): shown, but headers not cross-checked
+    if ns.namespace.rank_independent_digest.hex()[:_DIGEST16] != ns.digest16:
+        ns.config_problem = f"{CONFIG_NAME} digest does not match the directory name"
+
+
+def iter_files(ns: CacheNamespace, *, stat: bool = True) -> Iterator[CacheFile]:
+    """Every entry under the namespace's rank directories, classified (see :class:`Kind`).
+
+    ``stat``: fill in size and mtime (one ``stat`` per file). Entries that vanish mid-walk are
+    skipped; unexpected directories are reported as one stray entry, not descended into.
+    """
+    for rank in sorted(ns.rank_dirs):
+        rank_dir = ns.rank_dirs[rank]
+        for top in _entries(rank_dir):
+            if not (len(top.name) == 3 and _is_hex(top.name) and top.is_dir(follow_symlinks=False)):
+                yield _stray(top, rank, "unexpected entry in a rank directory", stat)
+                continue
+            for leaf in _entries(top.path):
+                hh, sep, group = leaf.name[:2], leaf.name[2:4], leaf.name[4:]
+                if not (_is_hex(hh) and sep == "_g" and group.isdigit() and leaf.is_dir(follow_symlinks=False)):
+                    yield _stray(leaf, rank, "unexpected entry in a rank directory", stat)
+                    continue
+                layout = ns.layout(int(group))
+                for entry in _entries(leaf.path):
+                    yield _classify(entry, rank, int(group), layout, stat)
+
+
+def _classify(entry: os.DirEntry, rank: int, group: int, layout: DiskLayout, stat: bool) -> CacheFile:
+    name = entry.name
+    hex_key = name[:-4] if name.endswith(".bin") else name.partition(".")[0]
+    is_key = len(hex_key) == 2 * KEY_BYTES and _is_hex(hex_key)
+    if name.endswith(".tmp") and is_key and name.startswith(f"{hex_key}.bin."):
+        kind, reason = Kind.TEMP, ""
+    elif name.endswith(".bin") and is_key:
+        if layout.path(hex_key, rank) == entry.path:
+            kind, reason = Kind.BLOCK, ""
+        else:
+            kind, reason = Kind.STRAY, f"misplaced block file: belongs in {layout.path(hex_key, rank)}"
+    else:
+        return _stray(entry, rank, "not a block file", stat)
+    size, mtime_ns = _stat(entry) if stat else (0, 0)
+    return CacheFile(entry.path, kind, rank, group, hex_key, size, mtime_ns, reason)
+
+
+def _stray(entry: os.DirEntry, rank: int, reason: str, stat: bool) -> CacheFile:
+    is_dir = entry.is_dir(follow_symlinks=False)
+    size, mtime_ns = _stat(entry) if stat and not is_dir else (0, 0)
+    hex_key = entry.name[:-4]
+    if not is_dir and entry.name.endswith(".bin") and len(hex_key) == 2 * KEY_BYTES and _is_hex(hex_key):
+        reason = "misplaced block file: not in a <hhh>/<hh>_g<group> directory"
+        return CacheFile(entry.path, Kind.STRAY, rank, 0, hex_key, size, mtime_ns, reason)
+    return CacheFile(entry.path, Kind.STRAY, rank, size=size, mtime_ns=mtime_ns, reason=reason)
+
+
+def _stat(entry: os.DirEntry) -> tuple[int, int]:
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return 0, 0
+    return st.st_size, st.st_mtime_ns
+
+
+def _entries(path: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class QuarantineFile:
+    """A file in ``<root>/quarantine``; ``prefix`` is its namespace when its name says so."""
+
+    path: str
+    prefix: str | None
+    size: int
+    mtime_ns: int
+
+
+def iter_quarantine(cache: CacheRoot) -> Iterator[QuarantineFile]:
+    """The files in the quarantine directory (named ``<prefix>_r<rank>__<hash>.bin`` by the tier)."""
+    for entry in _entries(cache.quarantine_dir):
+        if entry.is_dir(follow_symlinks=False):
+            continue
+        head, sep, _ = entry.name.partition("__")
+        prefix, rsep, rank = head.rpartition("_r")
+        owner = prefix if sep and rsep and rank.isdigit() and split_prefix(prefix, cache.root) else None
+        size, mtime_ns = _stat(entry)
+        yield QuarantineFile(entry.path, owner, size, mtime_ns)

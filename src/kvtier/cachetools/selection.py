@@ -1,0 +1,34 @@
+"""Choosing namespaces by ``--namespace`` (digest) and ``--model`` selectors."""
+
+from __future__ import annotations
+
+from kvtier.cachetools.scan import CacheNamespace, CacheRoot
+
+
+class SelectionError(ValueError):
+    """A ``--namespace``/``--model`` selector matched no namespace."""
+
+
+def select(
+    cache: CacheRoot,
+    *,
+    namespaces: tuple[str, ...] = (),
+    models: tuple[str, ...] = (),
+    either: tuple[str, ...] = (),
+) -> list[CacheNamespace]:
+    """The namespaces matching every given kind of selector (any one value of each kind): by
+    digest, by model, or by either; all namespaces when no selector is given. Raises
+    :class:`SelectionError` for a selector that matches no namespace (a typo, usually)."""
+    chosen = list(cache.namespaces)
+    for selectors, test in (
+        (namespaces, CacheNamespace.matches_digest),
+        (models, CacheNamespace.matches_model),
+        (either, CacheNamespace.matches),
+    ):
+        for sel in selectors:
+            if not any(test(ns, sel) for ns in cache.namespaces):
+                known = ", ".join(ns.prefix for ns in cache.namespaces) or "none"
+                raise SelectionError(f"no namespace under {cache.root} matches {sel!r} (namespaces: {known})")
+        if selectors:
+            chosen = [ns for ns in chosen if any(test(ns, sel) for sel in selectors)]
+    return chosen

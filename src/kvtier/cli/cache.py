@@ -1,0 +1,299 @@
+"""``kvtier inspect | verify | purge DIR``: manage a disk tier root (see docs/disk-format.md).
+
+Only click is imported here at module level; the work (:mod:`kvtier.cachetools`) and rich are
+imported when a command runs, so registering these commands keeps ``kvtier --help`` instant.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import click
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from kvtier.cachetools import Inventory, NamespaceInventory, PurgeReport, VerifyReport
+
+_DIR = click.Path(exists=True, file_okay=False, dir_okay=True)
+_PROGRESS_MIN_FILES = 200  # show a progress bar from this many files on (on a terminal)
+
+
+def fmt_bytes(n: float) -> str:
+    """``n`` bytes in binary units (``1.5 GiB``)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_ago(seconds: float) -> str:
+    """A duration in the past, coarsely (``42s ago``, ``5m ago``, ``3h ago``, ``2d ago``)."""
+    seconds = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit} ago"
+    return f"{seconds:.0f}s ago"
+
+
+def _console(stderr: bool = False) -> Console:
+    from rich.console import Console
+
+    # Not a terminal (a pipe, a log): do not squeeze the table into 80 columns unless COLUMNS says so.
+    width = None if (sys.stderr if stderr else sys.stdout).isatty() or "COLUMNS" in os.environ else 160
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
+
+
+def _relative(path: str, root: str) -> str:
+    """``path`` relative to the root directory (shorter lines); as is if outside it."""
+    prefix = root.rstrip("/") + "/"
+    return path[len(prefix):] if path.startswith(prefix) else path
+
+
+def _emit_json(data: dict[str, Any]) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=False))
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+@click.command("inspect")
+@click.argument("directory", type=_DIR, metavar="DIR")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def inspect_command(directory: str, as_json: bool) -> None:
+    """Show the namespaces of a disk tier directory: model, layout, blocks, bytes, ages, last use.
+
+    Reads directory entries, file sizes and mtimes and each namespace's config.json only (never a
+    block's payload), so it is fast and safe while engines use the directory. A block is
+    complete when every tensor-parallel rank's file is present; ages are by last use (mtime).
+    """
+    from kvtier.cachetools import inspect_cache
+
+    try:
+        inventory = inspect_cache(directory)
+    except OSError as exc:  # e.g. a directory that cannot be listed
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        _emit_json(inventory.to_json())
+    else:
+        render_inventory(inventory, _console())
+
+
+_TABLE_MIN_WIDTH = 120  # narrower consoles get one block of lines per namespace instead of the table
+
+
+def _layout_text(layout: dict[str, Any] | None, sep: str = "\n") -> str:
+    if layout is None:
+        return "-"
+    get = layout.get
+    return sep.join((f"{get('kv_dtype', '?')} · {get('attention_kind', '?')}",
+                     f"{get('num_layers', '?')} layers · {get('num_kv_heads', '?')}×{get('head_size', '?')}",
+                     f"{get('block_tokens', '?')} tok/block · tp {get('tp_size', '?')}"))
+
+
+def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
+    """One namespace's figures as rich markup, keyed by column."""
+    from rich.markup import escape
+
+    name = f"{escape(ns.model_name or ns.model)}\n[dim]{ns.digest16}[/dim]"
+    if ns.config_problem:
+        name += f"\n[red]{escape(ns.config_problem)}[/red]"
+    incomplete = f"\n[yellow]+{ns.incomplete_blocks:,} incomplete[/]" if ns.incomplete_blocks else ""
+    return {
+        "namespace": name,
+        "blocks": f"{ns.complete_blocks:,}{incomplete}",
+        "size": f"{fmt_bytes(ns.block_bytes)}\n[dim]{ns.block_files:,} files[/dim]",
+        **{label: str(count or "-") for label, count in ns.ages.items()},
+        "last use": fmt_ago(now - ns.last_use) if ns.last_use is not None else "-",
+        "quarantine": f"{ns.quarantine_files} · {fmt_bytes(ns.quarantine_bytes)}" if ns.quarantine_files else "-",
+        "temp": f"{ns.temp_files}" if ns.temp_files else "-",
+    }
+
+
+def render_inventory(inventory: Inventory, console: Console) -> None:
+    """The human-readable ``kvtier inspect`` output: a table (or, on a narrow console, one block
+    of lines per namespace), totals, and the first unexpected entries."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from kvtier.cachetools import AGE_BUCKETS
+
+    rows = [(ns, _cells(ns, inventory.scanned_at)) for ns in inventory.namespaces]
+    if console.width >= _TABLE_MIN_WIDTH:
+        columns = ("namespace", "layout", "blocks", "size", *(label for label, _ in AGE_BUCKETS),
+                   "last use", "quarantine", "temp")
+        table = Table(title=f"kvtier disk cache {escape(inventory.root)}", title_justify="left", show_lines=True)
+        for column in columns:
+            table.add_column(column, justify="left" if column in ("namespace", "layout") else "right")
+        for ns, cells in rows:
+            table.add_row(*(_layout_text(ns.layout) if c == "layout" else cells[c] for c in columns))
+        console.print(table)
+    else:
+        console.print(f"[bold]kvtier disk cache {escape(inventory.root)}[/bold]")
+        for ns, cells in rows:
+            incomplete = f" (+{ns.incomplete_blocks:,} incomplete)" if ns.incomplete_blocks else ""
+            console.print(cells["namespace"].replace("\n", "  "))
+            console.print(f"  layout      {_layout_text(ns.layout, ' · ')}")
+            console.print(f"  blocks      {ns.complete_blocks:,} complete{incomplete} · {ns.block_files:,} files · "
+                          f"{fmt_bytes(ns.block_bytes)}")
+            console.print("  ages        " + " · ".join(f"{label} {count}" for label, count in ns.ages.items()))
+            console.print(f"  last use    {cells['last use']} · quarantine {cells['quarantine']} · temp {cells['temp']}")
+    total_blocks = sum(ns.complete_blocks for ns in inventory.namespaces)
+    total_bytes = sum(ns.block_bytes for ns in inventory.namespaces)
+    console.print(f"{len(inventory.namespaces)} namespace(s), {total_blocks:,} complete blocks, "
+                  f"{fmt_bytes(total_bytes)}; quarantine: {inventory.quarantine_files} file(s), "
+                  f"{fmt_bytes(inventory.quarantine_bytes)}")
+    if inventory.strays:
+        console.print(f"[yellow]{len(inventory.strays)} unexpected entr{'y' if len(inventory.strays) == 1 else 'ies'}"
+                      " (see `kvtier verify`):[/yellow]")
+        for path, reason in inventory.strays[:10]:
+            console.print(f"  {escape(_relative(path, inventory.root))}: {escape(reason)}")
+        if len(inventory.strays) > 10:
+            console.print(f"  ... and {len(inventory.strays) - 10} more (--json lists all)")
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+@click.command("verify")
+@click.argument("directory", type=_DIR, metavar="DIR")
+@click.option("--namespace", "selectors", multiple=True, metavar="DIGEST_OR_MODEL",
+              help="Only this namespace (digest, at least 4 hex digits, or model name); repeatable.")
+@click.option("--no-quarantine", is_flag=True, help="Only report bad files; do not move them to quarantine/.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def verify_command(directory: str, selectors: tuple[str, ...], no_quarantine: bool, as_json: bool) -> None:
+    """Check every block file's header, size and payload checksum, as the disk tier's reader does.
+
+    Bad files are listed and moved to DIR/quarantine/ (where the tier itself puts them) unless
+    --no-quarantine; files that are not kvtier's are reported and left in place. Payloads are
+    streamed (bounded memory). Safe while engines use the directory. Exit status 1 if anything
+    was bad.
+    """
+    from kvtier.cachetools import SelectionError, verify_cache
+
+    err = _console(stderr=True)
+    progress_bar = None
+    task = None
+
+    def progress(done: int, total: int) -> None:
+        nonlocal progress_bar, task
+        if progress_bar is None:
+            if total < _PROGRESS_MIN_FILES or not err.is_terminal:
+                return
+            from rich.progress import Progress
+
+            progress_bar = Progress(*Progress.get_default_columns(), console=err, transient=True)
+            progress_bar.start()
+            task = progress_bar.add_task("verifying", total=total)
+        progress_bar.update(task, completed=done)
+
+    start = time.perf_counter()
+    try:
+        report = verify_cache(directory, selectors=selectors, quarantine=not no_quarantine, progress=progress)
+    except SelectionError as exc:
+        raise click.UsageError(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        if progress_bar is not None:
+            progress_bar.stop()
+    if as_json:
+        _emit_json({**report.to_json(), "seconds": round(time.perf_counter() - start, 3)})
+    else:
+        render_verify(report, _console(), time.perf_counter() - start)
+    sys.exit(0 if report.ok else 1)
+
+
+def render_verify(report: VerifyReport, console: Console, seconds: float) -> None:
+    """The human-readable ``kvtier verify`` output."""
+    from rich.markup import escape
+
+    for problem in report.problems:
+        path = escape(_relative(problem.path, report.root))
+        console.print(f"[red]BAD[/red] {path}: {escape(problem.reason)} [dim]({problem.action})[/dim]")
+    bad = len(report.problems)
+    console.print(
+        f"checked {report.files_checked:,} block files ({fmt_bytes(report.bytes_checked)}) in "
+        f"{len(report.namespaces)} namespace(s) in {seconds:.1f}s: {report.files_ok:,} ok, "
+        + (f"[red]{bad} problem(s)[/red], {report.quarantined} quarantined" if bad else "no problems")
+        + (f"; {report.vanished} removed meanwhile by an engine" if report.vanished else "")
+    )
+
+
+# ---------------------------------------------------------------------------- purge
+
+
+def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> float | None:
+    if value is None:
+        return None
+    from kvtier.cachetools import parse_duration
+
+    try:
+        return parse_duration(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+@click.command("purge")
+@click.argument("directory", type=_DIR, metavar="DIR")
+@click.option("--namespace", "namespaces", multiple=True, metavar="DIGEST",
+              help="Blocks of this namespace (its digest, at least 4 hex digits, or directory name); repeatable.")
+@click.option("--model", "models", multiple=True, metavar="NAME", help="Blocks of this model's namespaces; repeatable.")
+@click.option("--older-than", callback=_duration, metavar="DURATION",
+              help="Blocks last used longer ago than this (by mtime), e.g. 30m, 12h, 7d.")
+@click.option("--quarantine", is_flag=True, help="Empty the quarantine (of the selected namespaces, if narrowed).")
+@click.option("--all", "all_", is_flag=True, help="Everything: all namespaces' blocks and the quarantine.")
+@click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+def purge_command(directory: str, namespaces: tuple[str, ...], models: tuple[str, ...], older_than: float | None,
+                  quarantine: bool, all_: bool, dry_run: bool, as_json: bool) -> None:
+    """Delete block files by namespace, model or age, and/or empty the quarantine.
+
+    Selectors combine (--model M --older-than 7d: blocks of M unused for 7 days); at least one is
+    required. Safe while engines use DIR: only block files are unlinked (a running engine sees a
+    miss), writers' temp files are never touched, emptied directories are removed only if still
+    empty, and a namespace's config.json goes only with the whole namespace (--all, --namespace,
+    --model) when no block or temp file is left in it.
+    """
+    from kvtier.cachetools import PurgeSelection, purge_cache
+
+    selection = PurgeSelection(namespaces, models, older_than, quarantine, all_)
+    try:
+        report = purge_cache(directory, selection, dry_run=dry_run)
+    except ValueError as exc:  # a bad selection, or a selector matching no namespace (SelectionError)
+        raise click.UsageError(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        _emit_json(report.to_json())
+    else:
+        render_purge(report, _console())
+    errors = report.errors + sum(ns.errors for ns in report.namespaces)
+    if errors:
+        raise click.ClickException(f"{errors} file(s) could not be removed (see the warnings above)")
+
+
+def render_purge(report: PurgeReport, console: Console) -> None:
+    """The human-readable ``kvtier purge`` output."""
+    from rich.markup import escape
+
+    verb = "would remove" if report.dry_run else "removed"
+    for ns in report.namespaces:
+        if not (ns.files or ns.skipped or ns.config_removed or ns.errors):
+            continue
+        line = f"{escape(ns.prefix)}: {verb} {ns.blocks:,} blocks, {ns.files:,} files, {fmt_bytes(ns.bytes)}"
+        if ns.skipped:
+            line += f" (kept {ns.skipped} used meanwhile)"
+        if ns.config_removed:
+            line += "; config.json " + ("would go too" if report.dry_run else "removed")
+        console.print(line)
+    if report.quarantine_files or not report.namespaces:  # --quarantine given, or no namespace at all
+        console.print(f"quarantine: {verb} {report.quarantine_files:,} files, {fmt_bytes(report.quarantine_bytes)}")
+    total = f"{report.files:,} files, {fmt_bytes(report.bytes)}"
+    console.print(f"[bold]dry run: would remove {total}; nothing was deleted[/bold]" if report.dry_run
+                  else f"[bold]removed {total}[/bold]")

@@ -1,0 +1,159 @@
+"""``kvtier doctor``: audit a serve command line (``-- vllm serve ...``) and/or measure this machine.
+
+:func:`run` is the command body: findings from :func:`kvtier.audit.audit`, measurements from
+:mod:`kvtier.measure` compared with what one context of the model needs
+(:func:`compare`), printed as text (rich) or JSON. Returns the exit code: 1 if any finding is an
+error. Never imports vLLM; torch only for ``--measure`` on a machine with an NVIDIA device.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.padding import Padding
+from rich.text import Text
+
+from kvtier.audit import Finding
+from kvtier.measure import MIB, Bandwidth
+
+_STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
+
+
+def render_findings(findings: Sequence[Finding], console: Console) -> None:
+    """Each finding: severity and title, then why and the fix; then a count per severity."""
+    for f in findings:
+        head = Text(f"{f.severity.upper():8}", style=_STYLE[f.severity])
+        head.append(f.title, style="bold").append(f"  ({f.code})", style="dim")
+        console.print(head, highlight=False)
+        for label, body in (("why", f.why), ("fix", f.fix)):
+            console.print(Padding(Text(f"{label}: {body}"), (0, 0, 0, 8), expand=False), highlight=False)
+    counts = {s: sum(f.severity == s for f in findings) for s in _STYLE}
+    console.print(", ".join(f"{n} {s}{'s' if n != 1 and s != 'info' else ''}" for s, n in counts.items()),
+                  highlight=False)
+
+
+def measure(directory: Path, dram_bytes: int = 1024 * MIB, disk_bytes: int = 512 * MIB) -> list[Bandwidth]:
+    """DRAM copy, disk write/read at ``directory`` and (with CUDA) pinned/pageable copies."""
+    from kvtier.measure import cuda_copies, disk_write_read, dram_copy
+
+    results = [dram_copy(dram_bytes)]
+    results.extend(disk_write_read(directory, disk_bytes))
+    results.extend(cuda_copies())
+    return results
+
+
+def compare(results: Sequence[Bandwidth], model: str, tp: int, context: int | None) -> dict[str, Any]:
+    """Time to load one context of ``model`` from each tier at the measured bandwidths, against
+    recomputing it, and the disk bandwidth needed to beat recomputation."""
+    from kvtier.model_source import load_model_config
+    from kvtier.sizing import PlanInputs, make_plan
+
+    by_name = {r.name: r.gbps for r in results}
+    host_bw = by_name.get("host->device (pinned)", by_name["DRAM copy (memcpy)"])
+    disk_bw = by_name["disk read"]
+    source = load_model_config(model)
+    plan = make_plan(source.name, source.config,
+                     PlanInputs(tp=tp, context=context, host_bw_gbps=host_bw, disk_bw_gbps=disk_bw))
+    needed = plan.offload_sequence_bytes_total / max(plan.recompute_s - plan.host_load_s, 1e-9) / 1e9
+    return {
+        "model": plan.model, "tp": tp, "context": plan.context, "kv_dtype": plan.kv_dtype,
+        "context_bytes_total": plan.offload_sequence_bytes_total,
+        "context_bytes_rank": plan.offload_sequence_bytes_rank,
+        "host_bw_gbps": host_bw, "disk_bw_gbps": disk_bw,
+        "host_load_s": plan.host_load_s, "disk_load_s": plan.disk_load_s, "recompute_s": plan.recompute_s,
+        "recompute_basis": plan.recompute_basis, "disk_bw_needed_gbps": needed,
+    }
+
+
+def render_measurements(
+    results: Sequence[Bandwidth], comparison: dict[str, Any] | None, console: Console
+) -> None:
+    """The measured bandwidths, then what they mean for one context of the model."""
+    from kvtier.cli.plan import fmt_bytes, fmt_seconds
+
+    for r in results:
+        detail = f"{fmt_bytes(r.bytes)} in {fmt_seconds(r.seconds)}; {r.note}"
+        console.print(f"{r.name:28} {r.gbps:8.2f} GB/s  ({detail})", highlight=False, markup=False)
+    if not any("device" in r.name for r in results):
+        console.print("host<->device               no CUDA device: skipped", highlight=False)
+    if comparison is None:
+        return
+    c = comparison
+    console.print(f"one {c['context']}-token context of {c['model']} (tp={c['tp']}, {c['kv_dtype']} KV): "
+                  f"{fmt_bytes(c['context_bytes_total'])} total, "
+                  f"{fmt_bytes(c['context_bytes_rank'])} per rank",
+                  highlight=False, markup=False)
+    for name, key in (("load from host", "host_load_s"), ("load from disk", "disk_load_s"),
+                      ("recompute (prefill)", "recompute_s")):
+        console.print(f"  {name:20} {fmt_seconds(c[key])}", highlight=False)
+    console.print(f"  recompute basis: {c['recompute_basis']} "
+                  "(kvtier plan --prefill-tps to use a measured rate)", highlight=False, markup=False)
+    verdict = "beats" if c["disk_bw_gbps"] >= c["disk_bw_needed_gbps"] else "does NOT beat"
+    console.print(f"  disk tier {verdict} recomputation here: needs {c['disk_bw_needed_gbps']:.2f} GB/s, "
+                  f"measured {c['disk_bw_gbps']:.2f} GB/s", highlight=False)
+
+
+def default_measure_dir(command: Sequence[str]) -> Path:
+    """The disk tier's directory of ``command`` if it has one, else ``<kvtier cache>/kv``."""
+    if command:
+        try:
+            from kvtier.audit import resolve_setup
+
+            dirs = resolve_setup(command).disk_dirs
+            if dirs:
+                return dirs[0]
+        except ValueError:
+            pass
+    from kvtier.model import default_cache_dir
+
+    return default_cache_dir() / "kv"
+
+
+def run(command: Sequence[str], *, do_measure: bool, directory: str | None, gpu_memory: float | None,
+        model: str | None, context: int | None, as_json: bool, dram_mib: int = 1024, disk_mib: int = 512,
+        console: Console | None = None) -> int:
+    """The ``kvtier doctor`` body; returns the exit code (1 if any finding is an error)."""
+    from kvtier.audit import audit, resolve_setup
+
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped or captured: fewer wrapped lines
+            console = Console(width=120)
+    out: dict[str, Any] = {}
+    findings: list[Finding] = []
+    if command:
+        findings = audit(command, gpu_memory_gib=gpu_memory)
+        out["command"] = list(command)
+        out["findings"] = [asdict(f) for f in findings]
+        if not as_json:
+            console.print(f"kvtier doctor: {shlex.join(command)}", highlight=False, markup=False)
+            render_findings(findings, console)
+    if do_measure:
+        target = Path(directory).expanduser() if directory else default_measure_dir(command)
+        results = measure(target, dram_mib * MIB, disk_mib * MIB)
+        tp, chosen = 1, model
+        if command and not any(f.code == "command-line" for f in findings):
+            setup = resolve_setup(command)
+            tp = setup.line.tp
+            chosen = chosen or setup.model or ("default" if setup.line.program == "kvtier" else None)
+        comparison = None
+        try:
+            comparison = compare(results, chosen or "default", tp, context)
+        except ValueError as exc:  # the model's config is not readable here
+            out["comparison_error"] = str(exc)
+        out["measurements"] = [{**asdict(r), "gbps": r.gbps} for r in results]
+        out["comparison"] = comparison
+        if not as_json:
+            console.print(f"kvtier doctor --measure (disk: {target})", highlight=False, markup=False)
+            render_measurements(results, comparison, console)
+            if "comparison_error" in out:
+                console.print(f"comparison skipped: {out['comparison_error']}", highlight=False, markup=False)
+    if as_json:
+        console.print(json.dumps(out, indent=2), markup=False, highlight=False, soft_wrap=True)
+    return 1 if any(f.severity == "error" for f in findings) else 0

