@@ -1,0 +1,57 @@
+"""The ``kvtier bench`` command (click). Importing this module is cheap (click only); the
+benchmark's modules are imported when the command runs."""
+
+from __future__ import annotations
+
+import click
+
+DEFAULT_MODES = "vllm,example,kvtier"
+EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes
+
+
+@click.command(short_help="Benchmark vLLM alone, vLLM's ExampleConnector and kvtier on the same prompts.")
+@click.option("--modes", default=DEFAULT_MODES, show_default=True,
+              help="Comma-separated modes, each run on its own fresh server, in this order: "
+                   "vllm (no connector), example (vLLM's ExampleConnector), kvtier (host + disk).")
+@click.option("--base-url", default=None, metavar="URL",
+              help="Benchmark this already-running OpenAI-compatible server instead (mode 'external').")
+@click.option("--model", default=None, help="Model to serve [default: the embedded SmolLM2-135M-Instruct].")
+@click.option("--workload", type=click.Choice(["prefix-repetition", "multi-turn", "unique"]),
+              default="prefix-repetition", show_default=True,
+              help="prefix-repetition: shared documents + unique questions, in rounds; multi-turn: chat "
+                   "sessions resending the transcript; unique: no reuse at all.")
+@click.option("--prefixes", default=6, show_default=True, help="prefix-repetition: shared documents.")
+@click.option("--prefix-tokens", default=1024, show_default=True,
+              help="prefix-repetition: tokens per document; unique: prompt tokens (plus --suffix-tokens).")
+@click.option("--suffix-tokens", default=32, show_default=True, help="prefix-repetition: tokens of each unique question.")
+@click.option("--prompts", default=24, show_default=True, help="prefix-repetition / unique: number of requests.")
+@click.option("--sessions", default=6, show_default=True, help="multi-turn: conversations.")
+@click.option("--turns", default=4, show_default=True, help="multi-turn: turns per conversation.")
+@click.option("--context-tokens", default=768, show_default=True, help="multi-turn: document opening each session.")
+@click.option("--message-tokens", default=48, show_default=True, help="multi-turn: tokens per user message.")
+@click.option("--output-tokens", default=16, show_default=True, help="Tokens generated per request (ignore_eos).")
+@click.option("--concurrency", default=2, show_default=True, help="Requests in flight at once.")
+@click.option("--seed", default=0, show_default=True, help="Workload seed (and vLLM's --seed).")
+@click.option("--kv-cache-memory-bytes", default=128 * 2**20, show_default=True,
+              help="vLLM's own KV space (small, so returning prefixes have left it).")
+@click.option("--max-model-len", default=2048, show_default=True)
+@click.option("--kv-offloading-size", default=1.0, show_default=True, metavar="GiB", help="kvtier mode: host tier.")
+@click.option("--disk-size", default=2.0, show_default=True, metavar="GiB", help="kvtier mode: disk tier (temp dir).")
+@click.option("--kv-bytes-per-token", default=EMBEDDED_KV_BYTES_PER_TOKEN, show_default=True,
+              help="KV bytes per token of the model (for the footprint check; default: embedded model).")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Output folder [default: ./bench-results/<timestamp>/].")
+@click.option("--startup-timeout", default=600.0, show_default=True, help="Seconds to wait for /health.")
+@click.option("--request-timeout", default=600.0, show_default=True, help="Seconds per request.")
+def bench(**opts) -> None:
+    """Run one workload against each mode's fresh server (same prompts, greedy, streamed) and compare
+    TTFT, latency, throughput, prompt tokens by cache source and kvtier's transfers; check that
+    every mode generated the same tokens.
+
+    \b
+    Writes results.json, bench.png and the server logs to --out, prints a table, and prints a
+    one-line JSON summary as the last line of stdout. Exit code 1 if a mode failed or outputs differ.
+    """
+    from kvtier.bench.command import run_command
+
+    raise SystemExit(run_command(opts))

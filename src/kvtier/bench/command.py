@@ -1,0 +1,126 @@
+"""The body of ``kvtier bench``: turn the flags into a workload and server settings, run the
+modes, then write results.json and bench.png, print the table and the one-line summary."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+
+from kvtier.bench import workloads
+from kvtier.bench.servers import MODES, ServerSettings
+
+
+def parse_modes(text: str) -> list[str]:
+    """``"vllm,kvtier"`` -> ``["vllm", "kvtier"]``, checked, duplicates refused."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        raise click.BadParameter(f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}",
+                                 param_hint="--modes")
+    if len(set(modes)) != len(modes):
+        raise click.BadParameter("a mode is listed twice", param_hint="--modes")
+    return modes
+
+
+def make_workload(opts: dict[str, Any]) -> workloads.Workload:
+    """The workload the flags describe."""
+    common = dict(output_tokens=opts["output_tokens"], concurrency=opts["concurrency"], seed=opts["seed"])
+    if opts["workload"] == "prefix-repetition":
+        return workloads.prefix_repetition(num_prefixes=opts["prefixes"], prefix_tokens=opts["prefix_tokens"],
+                                           suffix_tokens=opts["suffix_tokens"], num_prompts=opts["prompts"], **common)
+    if opts["workload"] == "multi-turn":
+        return workloads.multi_turn(sessions=opts["sessions"], turns=opts["turns"], context_tokens=opts["context_tokens"],
+                                    message_tokens=opts["message_tokens"], **common)
+    return workloads.unique(num_prompts=opts["prompts"], prompt_tokens=opts["prefix_tokens"] + opts["suffix_tokens"],
+                            **common)
+
+
+def footprint_notes(workload: workloads.Workload, opts: dict[str, Any]) -> list[str]:
+    """Does the workload's reusable footprint exceed vLLM's KV space (>= 2x) and fit kvtier's tiers?"""
+    if workload.reusable_tokens == 0:
+        return [f"workload {workload.name}: no reuse"]
+    footprint = workload.footprint_bytes(opts["kv_bytes_per_token"])
+    vllm_kv = opts["kv_cache_memory_bytes"]
+    tiers = (opts["kv_offloading_size"] + opts["disk_size"]) * 2**30
+    notes = [f"reusable prefixes: ~{workload.reusable_tokens:,} tokens = {footprint / 2**20:,.0f} MiB of KV "
+             f"= {footprint / vllm_kv:.1f}x vLLM's KV space ({vllm_kv / 2**20:,.0f} MiB)"]
+    if footprint < 2 * vllm_kv:
+        notes.append("note: below 2x vLLM's KV space, vLLM's own prefix cache may keep much of it")
+    if footprint > tiers:
+        notes.append("note: larger than kvtier's host + disk tiers")
+    return notes
+
+
+def _settings_json(settings: ServerSettings | None, opts: dict[str, Any]) -> dict[str, Any]:
+    data = dict(settings.__dict__) if settings else {}
+    data.update({k: opts[k] for k in ("kv_cache_memory_bytes", "max_model_len", "base_url")})
+    data["extra_vllm_args"] = list(data.get("extra_vllm_args", ()))
+    return data
+
+
+def run_command(opts: dict[str, Any]) -> int:
+    """Run ``kvtier bench``; returns the exit code (0, or 1 if a mode failed or outputs differ)."""
+    from kvtier.bench.plot import write_figure
+    from kvtier.bench.progress import Progress
+    from kvtier.bench.report import build_results, comparison_table, summary, verdict_lines, write_json
+    from kvtier.bench.runner import RunOptions, run_bench
+
+    console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+    base_url = opts["base_url"]
+    modes = ["external"] if base_url else parse_modes(opts["modes"])
+    try:
+        workload = make_workload(opts)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    out_dir = Path(opts["out_dir"] or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    settings = None
+    if not base_url:
+        model = opts["model"]
+        if model is None:
+            from kvtier.model import DefaultModelError, ensure_default_model
+
+            console.print("preparing the embedded model (SmolLM2-135M-Instruct, float32) ...")
+            try:
+                model = str(ensure_default_model("float32"))
+            except DefaultModelError as exc:
+                raise click.ClickException(str(exc)) from None
+        settings = ServerSettings(
+            model=model, kv_cache_memory_bytes=opts["kv_cache_memory_bytes"], max_model_len=opts["max_model_len"],
+            kv_offloading_size_gib=opts["kv_offloading_size"], disk_size_gib=opts["disk_size"], seed=opts["seed"],
+        )
+    console.print(f"kvtier bench: workload {workload.name}, {len(workload.requests)} requests, "
+                  f"concurrency {workload.concurrency}; modes {', '.join(modes)}; output {out_dir}")
+    for note in footprint_notes(workload, opts):
+        console.print(f"  {note}")
+
+    options = RunOptions(startup_timeout_s=opts["startup_timeout"], request_timeout_s=opts["request_timeout"])
+    runs, wall = asyncio.run(run_bench(workload, modes, settings, out_dir, Progress(console), options, base_url))
+
+    results = build_results(workload, runs, wall, _settings_json(settings, opts),
+                            opts["kv_bytes_per_token"], command=list(sys.argv))
+    results_path = out_dir / "results.json"
+    figure_path = write_figure(out_dir / "bench.png", results)
+    results["figure"] = str(figure_path) if figure_path else None
+    write_json(results_path, results)
+
+    console.print()
+    console.print(comparison_table(results))
+    for line in verdict_lines(results):
+        console.print(line, markup=False)
+    for name, mode in results["modes"].items():
+        if mode["error"]:
+            console.print(f"{name} failed: {mode['error']}", markup=False)
+    console.print(f"wall time {wall:.0f} s; results: {results_path}; figure: {figure_path}", markup=False)
+    console.file.flush()
+    click.echo(json.dumps(summary(results, results_path, figure_path), separators=(",", ":")))
+    failed = any(m["error"] for m in results["modes"].values())
+    return 1 if failed or not results["outputs"]["identical"] else 0

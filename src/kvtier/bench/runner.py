@@ -1,0 +1,146 @@
+"""Run one workload against each mode in turn: start the mode's fresh server, wait for
+``/health``, warm up (one short request, not counted), scrape ``/metrics``, run the workload,
+scrape again, stop the server. A mode that fails is recorded and the next mode still runs."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvtier.bench.client import served_model, stream_completion
+from kvtier.bench.driver import WorkloadRun, run_workload
+from kvtier.bench.metrics import CacheSummary, Key, diff, scrape, summarize
+from kvtier.bench.progress import Progress
+from kvtier.bench.servers import EXTERNAL, ServerError, ServerSettings, launch_spec, start, wait_healthy
+from kvtier.bench.workloads import Workload
+
+WARMUP_PROMPT = "Warm-up request: reply with one word."
+
+
+@dataclass
+class ModeRun:
+    """What one mode produced (``run`` and ``cache`` are None if the mode failed)."""
+
+    mode: str
+    description: str
+    base_url: str | None = None
+    model: str | None = None
+    log_path: str | None = None
+    startup_s: float | None = None
+    run: WorkloadRun | None = None
+    cache: CacheSummary | None = None
+    error: str | None = None
+
+
+@dataclass
+class RunOptions:
+    """How the runner behaves (not what the servers are started with)."""
+
+    startup_timeout_s: float = 600.0
+    request_timeout_s: float = 600.0
+    stop_grace_s: float = 30.0
+    keep_scratch: bool = False
+
+
+async def _settled_counters(client: httpx.AsyncClient, base_url: str, tries: int = 6) -> tuple[str, dict[Key, float]]:
+    """Scrape until two scrapes a second apart agree (late transfer stats arrive after the last
+    answer), at most ``tries`` times."""
+    text, counters = await scrape(client, base_url)
+    for _ in range(tries - 1):
+        await asyncio.sleep(1.0)
+        again_text, again = await scrape(client, base_url)
+        if again == counters:
+            break
+        text, counters = again_text, again
+    return text, counters
+
+
+async def measure(mode: ModeRun, workload: Workload, progress: Progress, options: RunOptions,
+                  metrics_dir: Path | None = None) -> None:
+    """Warm up, scrape, run ``workload`` against ``mode.base_url``, scrape; fills ``mode``."""
+    assert mode.base_url is not None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(options.request_timeout_s, connect=30.0)) as client:
+        mode.model = mode.model or await served_model(client, mode.base_url)
+        warm = await stream_completion(client, mode.base_url, mode.model, WARMUP_PROMPT, 2)
+        if warm.error:
+            raise ServerError(f"warm-up request failed: {warm.error}")
+        before_text, before = await _settled_counters(client, mode.base_url)
+    progress.workload_start(mode.mode, len(workload.requests))
+    mode.run = await run_workload(
+        workload, mode.base_url, mode.model, timeout_s=options.request_timeout_s,
+        on_done=lambda r: progress.request_done(mode.mode, len(workload.requests), r),
+    )
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        after_text, after = await _settled_counters(client, mode.base_url)
+    mode.cache = summarize(diff(before, after))
+    if metrics_dir is not None:
+        (metrics_dir / f"metrics-{mode.mode}-before.txt").write_text(before_text)
+        (metrics_dir / f"metrics-{mode.mode}-after.txt").write_text(after_text)
+    progress.mode_done(mode.mode, mode.run.wall_s, sum(1 for r in mode.run.results if r.error))
+
+
+async def run_server_mode(mode_name: str, workload: Workload, settings: ServerSettings, out_dir: Path,
+                          progress: Progress, options: RunOptions, index: int, total: int) -> ModeRun:
+    """One mode on its own fresh server, with its scratch folder removed afterwards."""
+    scratch = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-{mode_name}-"))
+    mode = ModeRun(mode=mode_name, description=mode_name)
+    server = None
+    try:
+        spec = launch_spec(mode_name, settings, scratch)
+        mode.description, mode.base_url = spec.summary, spec.base_url
+        log_path = out_dir / f"server-{mode_name}.log"
+        mode.log_path = str(log_path)
+        progress.mode_start(mode_name, index, total, spec.summary, mode.log_path)
+        server = start(spec, log_path)
+        mode.startup_s = await wait_healthy(server, options.startup_timeout_s,
+                                            on_wait=lambda s: progress.waiting(mode_name, s))
+        progress.ready(mode_name, mode.startup_s)
+        await measure(mode, workload, progress, options, metrics_dir=out_dir)
+        if not server.alive():
+            raise server.failure("exited during the workload")
+    except Exception as exc:  # noqa: BLE001 - one failed mode must not stop the others
+        message = str(exc) or type(exc).__name__
+        if server is not None and not isinstance(exc, ServerError):
+            message += f"\nserver log: {server.log_path}\n--- last lines ---\n{server.tail()}"
+        mode.error = message
+        progress.error(mode_name, message)
+    finally:
+        if server is not None:
+            server.stop(options.stop_grace_s)
+        if not options.keep_scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return mode
+
+
+async def run_external(base_url: str, workload: Workload, out_dir: Path, progress: Progress,
+                       options: RunOptions) -> ModeRun:
+    """The workload against an already-running server (mode ``external``)."""
+    mode = ModeRun(mode=EXTERNAL, description=f"already-running server at {base_url}", base_url=base_url.rstrip("/"))
+    progress.mode_start(EXTERNAL, 1, 1, mode.description, None)
+    try:
+        await measure(mode, workload, progress, options, metrics_dir=out_dir)
+    except Exception as exc:  # noqa: BLE001
+        mode.error = str(exc) or type(exc).__name__
+        progress.error(EXTERNAL, mode.error)
+    return mode
+
+
+async def run_bench(workload: Workload, modes: list[str], settings: ServerSettings | None, out_dir: Path,
+                    progress: Progress, options: RunOptions, base_url: str | None = None) -> tuple[list[ModeRun], float]:
+    """Every mode in order (or the one external server); returns the mode runs and the wall time."""
+    t0 = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if base_url is not None:
+        runs = [await run_external(base_url, workload, out_dir, progress, options)]
+    else:
+        assert settings is not None
+        runs = []
+        for index, name in enumerate(modes, 1):
+            runs.append(await run_server_mode(name, workload, settings, out_dir, progress, options, index, len(modes)))
+    return runs, time.perf_counter() - t0

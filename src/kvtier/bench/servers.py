@@ -1,0 +1,206 @@
+"""Launch and stop the server of one benchmark mode (a ``vllm serve`` subprocess).
+
+Modes:
+
+* ``vllm`` -- plain ``vllm serve``, no KV connector;
+* ``example`` -- vLLM's ExampleConnector (safetensors files per prompt) on a scratch folder;
+* ``kvtier`` -- the command of ``kvtier serve`` (:func:`kvtier.cli.serve.build_serve_command`) with
+  host + disk tiers, the disk tier on a scratch folder.
+
+Every mode gets the same vLLM arguments (:func:`common_vllm_args`) and environment
+(:func:`base_env`). The server runs in its own process group, so stopping it (SIGINT, then SIGKILL
+after a grace period) reaches vLLM's engine and worker processes too. This module never imports
+vLLM: the server is a subprocess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+MODES = ("vllm", "example", "kvtier")
+EXTERNAL = "external"
+
+
+class ServerError(RuntimeError):
+    """A server did not start, or died; the message names its log file and shows its last lines."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What every mode's server is started with."""
+
+    model: str
+    kv_cache_memory_bytes: int = 128 * 2**20
+    max_model_len: int = 2048
+    kv_offloading_size_gib: float = 1.0  # kvtier host tier
+    disk_size_gib: float = 2.0  # kvtier disk tier
+    eviction_policy: str = "lru"
+    seed: int = 0
+    extra_vllm_args: tuple[str, ...] = ()
+
+
+@dataclass
+class LaunchSpec:
+    """The command of one mode: argv, the full environment, and a one-paragraph description."""
+
+    mode: str
+    argv: list[str]
+    env: dict[str, str]
+    summary: str
+    port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def common_vllm_args(settings: ServerSettings, port: int) -> list[str]:
+    """``vllm serve`` arguments shared by every mode (after the model)."""
+    return [
+        "--enforce-eager", "--max-model-len", str(settings.max_model_len), "--dtype", "float32",
+        "--seed", str(settings.seed), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes),
+        *settings.extra_vllm_args,
+    ]
+
+
+def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of every mode's server: ``environ`` plus vLLM-CPU settings and scratch folders.
+
+    ``VLLM_CPU_KVCACHE_SPACE`` is removed: on vLLM-CPU it *overrides* ``--kv-cache-memory-bytes``
+    (vllm/platforms/cpu.py), which would give vLLM 1 GiB or more of KV space instead of the
+    benchmark's small one.
+    """
+    env = dict(os.environ if environ is None else environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
+    env["VLLM_CACHE_ROOT"] = str(scratch / "vllm-cache")
+    env["TMPDIR"] = str(scratch)
+    return env
+
+
+def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | None = None) -> LaunchSpec:
+    """The command that starts ``mode``'s server; ``scratch`` holds its temporary files."""
+    from kvtier.cli.serve import ServeOptions, build_serve_command, vllm_entrypoint
+
+    port = port or free_port()
+    env = base_env(scratch)
+    args = common_vllm_args(settings, port)
+    plain = [sys.executable, "-m", vllm_entrypoint(), "serve", settings.model]
+    if mode == "vllm":
+        return LaunchSpec(mode, plain + args, env, "vLLM alone (no KV connector)", port)
+    if mode == "example":
+        folder = scratch / "example-connector"
+        transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
+        argv = plain + ["--kv-transfer-config", json.dumps(transfer)] + args
+        return LaunchSpec(mode, argv, env, f"vLLM + ExampleConnector on {folder}", port)
+    if mode == "kvtier":
+        options = ServeOptions(
+            kv_offloading_size_gib=settings.kv_offloading_size_gib, disk_dir=str(scratch / "kvtier-disk"),
+            disk_size_gib=settings.disk_size_gib, no_disk=False, eviction_policy=settings.eviction_policy,
+            kv_config=None,
+        )
+        command = build_serve_command(settings.model, options, args, environ=env)
+        return LaunchSpec(mode, command.argv, {**env, **command.env}, command.summary, port)
+    raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
+
+
+@dataclass
+class Server:
+    """A running (or exited) server process of one mode."""
+
+    spec: LaunchSpec
+    log_path: Path
+    process: subprocess.Popen
+    started_at: float = field(default_factory=time.perf_counter)
+    ready_s: float | None = None
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        """The last lines of the server log."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def failure(self, what: str) -> ServerError:
+        return ServerError(f"{self.spec.mode} server {what}; log: {self.log_path}\n--- last lines ---\n{self.tail()}")
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGINT the process group, SIGKILL it after ``grace_s``; returns the exit code."""
+        if self.alive():
+            _signal_group(self.process, signal.SIGINT)
+            try:
+                self.process.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(self.process, signal.SIGKILL)
+                self.process.wait(timeout=30)
+        _signal_group(self.process, signal.SIGKILL)  # leftover children of the group, if any
+        return self.process.returncode
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)  # the server is the leader of its own process group
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def start(spec: LaunchSpec, log_path: Path) -> Server:
+    """Start ``spec``'s server in a new process group, its output to ``log_path``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(spec.argv)}\n{spec.summary}\n".encode())
+        log.flush()
+        process = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    return Server(spec, log_path, process)
+
+
+async def wait_healthy(server: Server, timeout_s: float = 600.0,
+                       on_wait: Callable[[float], None] | None = None) -> float:
+    """Poll ``/health`` until it answers 200; returns the start-up time in seconds.
+
+    Raises :class:`ServerError` (with the log's tail) if the process exits or ``timeout_s`` passes.
+    """
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while True:
+            elapsed = time.perf_counter() - server.started_at
+            if not server.alive():
+                raise server.failure(f"exited with code {server.process.returncode} during start-up")
+            try:
+                if (await client.get(f"{server.spec.base_url}/health")).status_code == 200:
+                    server.ready_s = elapsed
+                    return elapsed
+            except httpx.HTTPError:
+                pass
+            if elapsed > timeout_s:
+                raise server.failure(f"did not answer /health within {timeout_s:.0f} s")
+            if on_wait is not None:
+                on_wait(elapsed)
+            await asyncio.sleep(1.0)

@@ -1,0 +1,421 @@
+"""Unit tests of ``kvtier bench``: workloads, the streaming client's parsing, the request driver
+(against an in-process fake server), /metrics parsing on a real capture, stats, the output
+comparison, the report and the server commands. No vLLM server is started here."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvtier.bench import workloads as wl
+from kvtier.bench.client import Completion, apply_chunk, completion_body
+from kvtier.bench.driver import RequestResult, run_workload
+from kvtier.bench.metrics import CacheSummary, by_label, diff, parse_counters, summarize, total
+from kvtier.bench.stats import compare_outputs, goals, mode_stats, percentile
+
+FIXTURES = Path(__file__).parent / "fixtures"
+KV_BYTES_PER_TOKEN = 46_080
+VLLM_KV = 128 * 2**20
+
+
+# ---------------------------------------------------------------- workloads
+
+def test_workloads_are_deterministic():
+    for make in (wl.prefix_repetition, wl.multi_turn, wl.unique):
+        assert make() == make()
+        assert make(seed=1) != make(seed=0)
+    assert wl.prefix_repetition(seed=1).requests[0].prompt != wl.prefix_repetition(seed=0).requests[0].prompt
+
+
+def test_prefix_repetition_structure():
+    w = wl.prefix_repetition(num_prefixes=6, num_prompts=24, seed=3)
+    assert len(w.requests) == 24 and w.concurrency == 2
+    assert len({r.id for r in w.requests}) == 24
+    assert len({r.prompt for r in w.requests}) == 24  # unique suffixes
+    order = [r.group for r in w.requests[:6]]
+    assert sorted(order) == list(range(6))  # round 0 is a permutation of the prefixes
+    for i, r in enumerate(w.requests):
+        assert r.group == order[i % 6] and r.round == i // 6
+        assert r.returning == (i >= 6)  # every prefix's first use comes before its reuses
+        assert r.prompt.startswith(f"Document {r.group}:\n")
+        assert r.after is None and r.max_tokens == 16
+    # every use of a prefix carries the same document text
+    documents = {}
+    for r in w.requests:
+        documents.setdefault(r.group, r.prompt.split("\n\nQuestion ")[0])
+        assert r.prompt.startswith(documents[r.group])
+    assert len(set(documents.values())) == 6
+    # reuse distance: all other prefixes pass between two uses of one prefix
+    last_seen = {}
+    for i, r in enumerate(w.requests):
+        if r.group in last_seen:
+            assert i - last_seen[r.group] == 6
+        last_seen[r.group] = i
+
+
+def test_prefix_repetition_partial_last_round_and_validation():
+    w = wl.prefix_repetition(num_prefixes=4, num_prompts=6)
+    assert [r.round for r in w.requests] == [0, 0, 0, 0, 1, 1]
+    assert wl.prefix_repetition(num_prefixes=8, num_prompts=3).reusable_tokens == 3 * 1024
+    with pytest.raises(ValueError, match="num_prefixes"):
+        wl.prefix_repetition(num_prefixes=0)
+    with pytest.raises(ValueError, match="concurrency"):
+        wl.multi_turn(concurrency=0)
+
+
+def test_default_footprint_is_at_least_twice_vllm_kv_and_fits_the_tiers():
+    w = wl.prefix_repetition()
+    assert w.reusable_tokens == 6 * 1024
+    footprint = w.footprint_bytes(KV_BYTES_PER_TOKEN)
+    assert footprint == 6 * 1024 * 46_080 == 283_115_520
+    assert footprint >= 2 * VLLM_KV
+    assert footprint <= 1 * 2**30  # the default kvtier host tier (1 GiB) holds it all
+    m = wl.multi_turn()
+    assert m.footprint_bytes(KV_BYTES_PER_TOKEN) >= 2 * VLLM_KV
+    assert wl.unique().reusable_tokens == 0
+
+
+def test_words_for_tokens():
+    assert wl.words_for(1) == 1
+    assert wl.words_for(1060) == 1000
+    assert wl.words_for(0) == 1
+
+
+def test_prompt_lengths_match_the_tokenizer():
+    """The word-to-token ratio holds on SmolLM2's real tokenizer (skipped if the model is not built)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from kvtier.model import DEFAULT_MODEL_NAME, default_cache_dir
+
+    path = default_cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-float32" / "tokenizer.json"
+    if not path.is_file():
+        pytest.skip("embedded model not converted")
+    tok = tokenizers.Tokenizer.from_file(str(path))
+    w = wl.prefix_repetition(num_prefixes=2, num_prompts=2, prefix_tokens=1024, suffix_tokens=32)
+    for r in w.requests:
+        n = len(tok.encode(r.prompt).ids)
+        assert 1024 * 0.95 <= n - 32 <= 1024 * 1.1, n
+
+
+def test_multi_turn_structure():
+    w = wl.multi_turn(sessions=3, turns=4, seed=5)
+    ids = [r.id for r in w.requests]
+    assert ids[:3] == ["s000t000", "s001t000", "s002t000"]  # turn-major: sessions interleave
+    position = {r.id: i for i, r in enumerate(w.requests)}
+    for r in w.requests:
+        if r.round == 0:
+            assert r.after is None and not r.returning
+            assert r.prompt.startswith(f"Document {r.group}:\n") and r.prompt.endswith("\nAssistant:")
+        else:
+            assert r.after == f"s{r.group:03d}t{r.round - 1:03d}" and r.returning
+            assert position[r.after] < position[r.id]  # a dependency always comes earlier
+            assert r.prompt.startswith("\nUser: ") and r.prompt.endswith("\nAssistant:")
+    first, second = w.requests[0], w.requests[3]
+    assert second.after == first.id
+    transcript = wl.full_prompt(second, first.prompt, " an answer.")
+    assert transcript == first.prompt + " an answer." + second.prompt
+    assert wl.full_prompt(first, None, None) == first.prompt
+    with pytest.raises(ValueError, match="needs the prompt and answer"):
+        wl.full_prompt(second, None, None)
+
+
+def test_unique_prompts_share_no_block():
+    w = wl.unique(num_prompts=10)
+    prompts = [r.prompt for r in w.requests]
+    assert len(set(prompts)) == 10
+    assert all(not r.returning for r in w.requests)
+    # they differ within the first few characters (the document number), so no KV block is shared
+    assert len({p[:12] for p in prompts}) == 10
+
+
+def test_workload_json_leaves_prompts_out():
+    data = wl.multi_turn(sessions=2, turns=2).to_json()
+    assert data["num_requests"] == 4 and "prompt" not in data["requests"][0]
+    json.dumps(data)
+
+
+# ---------------------------------------------------------------- client and driver
+
+def test_completion_body_is_greedy_streamed_and_fixed_length():
+    body = completion_body("m", "p", 7)
+    assert body["temperature"] == 0 and body["stream"] and body["ignore_eos"] and body["max_tokens"] == 7
+    assert body["stream_options"] == {"include_usage": True} and body["return_token_ids"]
+
+
+def test_apply_chunk_real_stream():
+    # chunks as vLLM 0.32 streams them (captured), with the prompt ids chunk first
+    result = Completion(start=10.0)
+    apply_chunk(result, {"choices": [{"index": 0, "text": "", "token_ids": [], "prompt_token_ids": [1, 2]}]}, 10.5)
+    assert result.first_token is None
+    apply_chunk(result, {"choices": [{"index": 0, "text": " about", "token_ids": [563], "finish_reason": None}]}, 11.0)
+    apply_chunk(result, {"choices": [{"index": 0, "text": " a", "token_ids": [253], "finish_reason": "length"}]}, 11.2)
+    apply_chunk(result, {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                                                   "prompt_tokens_details": {"cached_tokens": 0}}}, 11.3)
+    result.end = 11.4
+    assert result.ttft_s == pytest.approx(1.0) and result.latency_s == pytest.approx(1.4)
+    assert result.text == " about a" and result.token_ids == [563, 253] and result.finish_reason == "length"
+    assert (result.prompt_tokens, result.output_tokens, result.cached_tokens) == (4, 2, 0)
+
+
+def _fake_server(log: list[str]) -> httpx.MockTransport:
+    """An OpenAI-like streaming server: the answer is ' <' + the prompt's last word + '>'."""
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        log.append(body["prompt"])
+        if "FAIL" in body["prompt"]:
+            return httpx.Response(500, text="boom")
+        word = body["prompt"].split()[-1]
+        chunks = [
+            {"choices": [{"index": 0, "text": f" <{word}>", "token_ids": [len(word)], "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1,
+                                      "prompt_tokens_details": {"cached_tokens": 3}}},
+        ]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+
+    return httpx.MockTransport(handler)
+
+
+def test_driver_multi_turn_sends_transcripts_in_dependency_order():
+    w = wl.multi_turn(sessions=3, turns=3, context_tokens=8, message_tokens=4, output_tokens=1, concurrency=2)
+    sent: list[str] = []
+    done: list[str] = []
+    run = asyncio.run(run_workload(w, "http://fake", "m", on_done=lambda r: done.append(r.id),
+                                   transport=_fake_server(sent)))
+    assert [r.id for r in run.results] == [r.id for r in w.requests]  # results in workload order
+    assert sorted(done) == sorted(r.id for r in w.requests) and len(sent) == 9
+    by_id = {r.id: r for r in run.results}
+    # the full prompt each request was sent with (each ends with its own, unique, new message)
+    full = {spec.id: next(p for p in sent if p.endswith(spec.prompt)) for spec in w.requests}
+    for spec in w.requests:
+        result = by_id[spec.id]
+        assert result.error is None and result.cached_tokens == 3 and result.output_token_ids
+        assert result.prompt_chars == len(full[spec.id])
+        if spec.after:
+            prev = by_id[spec.after]
+            assert done.index(spec.after) < done.index(spec.id)  # sent only after that answer arrived
+            assert full[spec.id] == full[spec.after] + prev.output_text + spec.prompt
+        else:
+            assert full[spec.id] == spec.prompt
+    assert run.wall_s > 0
+
+
+def test_driver_failed_turn_skips_later_turns():
+    w = wl.multi_turn(sessions=1, turns=3, context_tokens=4, message_tokens=2, output_tokens=1)
+    w = wl.Workload(w.name, (w.requests[0].__class__(**{**w.requests[0].__dict__, "prompt": "FAIL"}), *w.requests[1:]),
+                    w.concurrency, w.reusable_tokens)
+    run = asyncio.run(run_workload(w, "http://fake", "m", transport=_fake_server([])))
+    errors = [r.error for r in run.results]
+    assert errors[0].startswith("HTTP 500") and errors[1] == "skipped: s000t000 failed" and errors[2].startswith("skipped")
+
+
+# ---------------------------------------------------------------- metrics
+
+def test_parse_real_metrics_capture():
+    """Counters of a real vLLM 0.32 + kvtier server (/metrics before and after 12 requests served
+    from kvtier's host and disk tiers after a restart)."""
+    before = parse_counters((FIXTURES / "bench_metrics_kvtier_before.txt").read_text())
+    after = parse_counters((FIXTURES / "bench_metrics_kvtier_after.txt").read_text())
+    assert all(name.endswith("_total") for name, _ in after)  # no _created samples
+    delta = diff(before, after)
+    s = summarize(delta)
+    assert s.prompt_tokens == 12_865 and s.computed_tokens == 577
+    assert s.cached_by_source["host"] == 7_296 and s.cached_by_source["disk"] == 4_992
+    assert s.cached_by_source["device"] == 0 and s.cached_tokens == 12_288
+    assert list(s.cached_by_source)[:3] == ["device", "host", "disk"]
+    assert s.transfer_bytes["disk_to_host"] == 283_115_520  # 6 prefixes x 8 blocks x 5.9 MB
+    assert s.transfer_bytes["host_to_engine"] == 566_231_040
+    assert s.bandwidth()["disk_to_host"] == pytest.approx(283_115_520 / s.transfer_seconds["disk_to_host"])
+    assert "engine_to_host" not in s.bandwidth()  # nothing moved that way
+    assert total(after, "vllm:prompt_tokens_total") == total(before, "vllm:prompt_tokens_total") + 12_865
+    json.dumps(s.to_json())
+
+
+def test_metrics_helpers():
+    text = """# HELP c_total x
+# TYPE c_total counter
+c_total{engine="0",source="a"} 2.0
+c_total{engine="1",source="a"} 3.0
+c_total{engine="0",source="b"} 1.0
+c_created{engine="0",source="a"} 123.0
+# HELP g x
+# TYPE g gauge
+g 5.0
+"""
+    counters = parse_counters(text)
+    assert len(counters) == 3
+    assert total(counters, "c_total") == 6 and total(counters, "c_total", source="a") == 5
+    assert by_label(counters, "c_total", "source") == {"a": 5, "b": 1}
+    assert diff({}, counters) == counters  # a counter absent before counts from zero
+    assert summarize({}).cached_by_source["host"] == 0 and CacheSummary().bandwidth() == {}
+
+
+# ---------------------------------------------------------------- stats, comparison, goals
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([7.0], 99) == 7.0
+    assert percentile([4, 1, 3, 2], 50) == 2.5
+    assert percentile([1, 2, 3, 4], 90) == pytest.approx(3.7)
+    assert percentile(range(1, 101), 99) == pytest.approx(99.01)
+    assert percentile([1, 2], 0) == 1 and percentile([1, 2], 100) == 2
+    with pytest.raises(ValueError):
+        percentile([1], 101)
+
+
+def _result(id_: str, ttft: float | None, returning: bool, tokens=(1, 2, 3), error=None, text=None, latency=2.0):
+    return RequestResult(id=id_, group=0, round=int(returning), returning=returning, prompt_chars=10,
+                         prompt_tokens=100, cached_tokens=64 if returning else 0, output_tokens=len(tokens),
+                         output_text=text if text is not None else " ".join(map(str, tokens)),
+                         output_token_ids=list(tokens), start_s=0.0, ttft_s=ttft, latency_s=latency, error=error)
+
+
+def test_mode_stats():
+    results = [_result("a", 1.0, False), _result("b", 3.0, False), _result("c", 0.1, True),
+               _result("d", 0.3, True), _result("e", None, True, error="HTTP 500")]
+    s = mode_stats(results, wall_s=8.0)
+    assert s["requests"] == 5 and s["errors"] == 1
+    assert s["ttft_p50_s"] == pytest.approx(0.65) and s["ttft_returning_p50_s"] == pytest.approx(0.2)
+    assert s["ttft_first_use_p50_s"] == pytest.approx(2.0)
+    assert s["requests_per_s"] == pytest.approx(0.5) and s["output_tokens_per_s"] == pytest.approx(12 / 8)
+    assert s["usage_cached_tokens"] == 128 and s["usage_prompt_tokens"] == 400
+    assert s["latency_p50_s"] == 2.0 and s["output_tokens_per_s_p50"] == pytest.approx(1.5)
+
+
+def test_compare_outputs():
+    same = [_result("a", 1, False), _result("b", 1, True, tokens=(4, 5))]
+    check = compare_outputs({"vllm": same, "example": list(same), "kvtier": list(same)})
+    assert check.identical and check.compared == 4 and check.reference == "vllm"
+    differs = [_result("a", 1, False), _result("b", 1, True, tokens=(4, 6))]
+    check = compare_outputs({"vllm": same, "kvtier": differs})
+    assert not check.identical and len(check.mismatches) == 1
+    m = check.mismatches[0]
+    assert (m.id, m.mode, m.reference, m.first_difference) == ("b", "kvtier", "vllm", 1)
+    # requests in the reference's order: the first mismatch listed is the first differing request
+    many = [_result("a", 1, False, tokens=(9,)), _result("b", 1, True, tokens=(9,))]
+    assert [m.id for m in compare_outputs({"vllm": same, "kvtier": many}).mismatches] == ["a", "b"]
+    # an errored request is reported missing, not compared
+    check = compare_outputs({"vllm": same, "kvtier": [same[0], _result("b", None, True, error="x")]})
+    assert not check.identical and check.missing == ["kvtier:b"] and check.compared == 1
+    # text fallback when one server returns no token ids
+    no_ids = [_result("a", 1, False, tokens=(), text="1 2 3"), _result("b", 1, True, tokens=(), text="4 5")]
+    assert compare_outputs({"vllm": same, "external": no_ids}).identical
+    assert compare_outputs({}).identical and compare_outputs({"vllm": same}).compared == 0
+
+
+def test_goals():
+    per_mode = {"vllm": {"ttft_returning_p50_s": 4.0, "requests_per_s": 1.0},
+                "example": {"ttft_returning_p50_s": 4.4, "requests_per_s": 0.9},
+                "kvtier": {"ttft_returning_p50_s": 0.3, "requests_per_s": 0.97}}
+    g = goals("prefix-repetition", per_mode, True)
+    assert g["ttft_returning_p50_vs_vllm"] == pytest.approx(0.075) and g["ttft_returning_p50_vs_vllm_ok"]
+    assert g["ttft_returning_p50_vs_example_ok"] and g["outputs_identical"]
+    per_mode["kvtier"]["ttft_returning_p50_s"] = 0.5
+    assert not goals("multi-turn", per_mode, True)["ttft_returning_p50_vs_vllm_ok"]
+    u = goals("unique", per_mode, False)
+    assert u["throughput_vs_vllm"] == pytest.approx(0.97) and u["throughput_vs_vllm_ok"] and not u["outputs_identical"]
+    assert goals("unique", {"vllm": per_mode["vllm"]}, True) == {"outputs_identical": True}
+
+
+# ---------------------------------------------------------------- report and figure
+
+def test_report_json_table_summary_and_figure(tmp_path):
+    from rich.console import Console
+
+    from kvtier.bench.driver import WorkloadRun
+    from kvtier.bench.plot import write_figure
+    from kvtier.bench.report import build_results, comparison_table, summary, verdict_lines, write_json
+    from kvtier.bench.runner import ModeRun
+
+    w = wl.prefix_repetition(num_prefixes=2, num_prompts=4)
+    results = [_result(r.id, 3.0 if not r.returning else 2.5, r.returning) for r in w.requests]
+    fast = [_result(r.id, 3.0 if not r.returning else 0.2, r.returning) for r in w.requests]
+    runs = [
+        ModeRun("vllm", "vLLM alone", run=WorkloadRun(results, 10.0),
+                cache=CacheSummary(400, 400, {"device": 0.0, "host": 0.0})),
+        ModeRun("example", "ExampleConnector", error="example server exited with code 1 during start-up; log: x"),
+        ModeRun("kvtier", "kvtier", run=WorkloadRun(fast, 5.0),
+                cache=CacheSummary(400, 272, {"device": 0.0, "host": 128.0}, {"engine_to_host": 5.9e6},
+                                   {"engine_to_host": 0.01})),
+    ]
+    data = build_results(w, runs, 60.0, {"kv_cache_memory_bytes": VLLM_KV}, KV_BYTES_PER_TOKEN)
+    assert data["workload"]["footprint"]["reusable_bytes"] == 2 * 1024 * KV_BYTES_PER_TOKEN
+    assert data["outputs"]["identical"] and data["modes"]["example"]["stats"] is None
+    assert data["goals"]["ttft_returning_p50_vs_vllm"] == pytest.approx(0.08)
+    assert data["modes"]["kvtier"]["cache"]["bandwidth_bytes_per_s"]["engine_to_host"] == pytest.approx(5.9e8)
+    write_json(tmp_path / "results.json", data)
+    assert json.loads((tmp_path / "results.json").read_text())["modes"]["vllm"]["requests"][0]["id"] == "r0000"
+
+    console = Console(width=150, record=True)
+    console.print(comparison_table(data))
+    text = console.export_text()
+    assert "TTFT p50, returning" in text and "200 ms" in text and "failed" in text and "cached: host" in text
+    assert "engine to host" in text and "6 MB @ 0.59 GB/s" in text
+    lines = verdict_lines(data)
+    assert lines[0].startswith("outputs: identical") and any("NOT met" in line or "met" in line for line in lines)
+
+    figure = write_figure(tmp_path / "bench.png", data)
+    assert figure is not None and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    line = json.dumps(summary(data, tmp_path / "results.json", figure))
+    parsed = json.loads(line)
+    assert "\n" not in line and parsed["modes"]["kvtier"]["ttft_returning_p50_ms"] == 200.0
+    assert parsed["modes"]["example"] is None and parsed["errors"]["example"].startswith("example server exited")
+    assert parsed["modes"]["kvtier"]["cached_by_source"] == {"host": 128.0}
+
+
+# ---------------------------------------------------------------- server commands and CLI
+
+def test_launch_specs(tmp_path, monkeypatch):
+    from kvtier.bench.servers import ServerSettings, launch_spec
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
+    settings = ServerSettings(model=str(tmp_path / "model"))
+    specs = {m: launch_spec(m, settings, tmp_path / m, port=18000 + i) for i, m in enumerate(("vllm", "example", "kvtier"))}
+    for mode, spec in specs.items():
+        argv = spec.argv
+        assert argv[0] == sys.executable and "serve" in argv and settings.model in argv
+        for flag in ("--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details"):
+            assert flag in argv
+        assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(128 * 2**20)
+        assert argv[argv.index("--port") + 1] == str(spec.port) and spec.base_url.startswith("http://127.0.0.1:")
+        # VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes on vLLM-CPU
+        assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env
+        assert spec.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
+        assert spec.env["TMPDIR"] == str(tmp_path / mode) and spec.env["VLLM_CACHE_ROOT"].startswith(str(tmp_path / mode))
+    assert "--kv-transfer-config" not in specs["vllm"].argv
+    example = json.loads(specs["example"].argv[specs["example"].argv.index("--kv-transfer-config") + 1])
+    assert example["kv_connector"] == "ExampleConnector" and example["kv_role"] == "kv_both"
+    assert example["kv_connector_extra_config"]["shared_storage_path"].startswith(str(tmp_path / "example"))
+    kvtier = json.loads(specs["kvtier"].argv[specs["kvtier"].argv.index("--kv-transfer-config") + 1])
+    assert kvtier["kv_connector"] == "KVTierConnector"
+    assert json.dumps(kvtier).count(str(tmp_path / "kvtier" / "kvtier-disk")) == 1
+    with pytest.raises(ValueError, match="unknown mode"):
+        launch_spec("nope", settings, tmp_path, port=1)
+
+
+def test_cli_modes_and_help():
+    import click
+    from click.testing import CliRunner
+
+    from kvtier.bench.command import parse_modes
+    from kvtier.cli.main import main
+
+    assert parse_modes("vllm, kvtier") == ["vllm", "kvtier"]
+    for bad in ("vllm,foo", "", "kvtier,kvtier"):
+        with pytest.raises(click.BadParameter):
+            parse_modes(bad)
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0 and "--base-url" in result.output and "--workload" in result.output
+
+
+def test_bench_modules_do_not_import_vllm():
+    code = ("import sys, kvtier.cli.main, kvtier.bench.command, kvtier.bench.runner, kvtier.bench.report; "
+            "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

