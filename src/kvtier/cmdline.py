@@ -6,6 +6,9 @@ optionally preceded by ``NAME=value`` environment assignments, and also the modu
 Flags are normalized as vLLM's parser does (``_`` -> ``-``, ``--flag=value``, unique prefixes of the
 flags doctor reads, ``-tp``); the last occurrence wins. ``--kv-transfer-config`` is parsed as JSON,
 with vLLM's dotted form (``--kv-transfer-config.kv_connector X``) merged in.
+
+:func:`option_name` and :func:`short_option` (one flag's name, vLLM's spelling rules) are also how
+``kvtier serve`` reads the vLLM flags passed through it (:mod:`kvtier.cli.serve_args`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ READ_FLAGS = (
 KVTIER_FLAGS = ("--kv-offloading-size", "--disk-dir", "--disk-size", "--no-disk", "--eviction-policy",
                 "--kv-config")
 """``kvtier serve``'s own flags (before any ``--``; after it everything is vLLM's)."""
+_VLLM_CLI_MODULES = ("vllm.entrypoints.cli.main", "kvtier.cli.vllm_entry", "kvtier.cli.serve")
+"""vLLM's CLI and kvtier's shim of it (``kvtier.cli.serve`` was the shim's module before)."""
 _BOOL_LIKE = re.compile(r"^--(no-|enable-|disable-)|^--(enforce-eager|trust-remote-code|calculate-kv-scales|"
                         r"headless|skip-tokenizer-init|async-scheduling)$")
 
@@ -89,13 +94,30 @@ class ServeLine:
         return self.env.get(name, os.environ.get(name))
 
 
-def _normalize(arg: str) -> str | None:
-    """``--Flag_Name.key=v`` -> ``--flag-name``; ``-tp`` -> ``--tensor-parallel-size``; else None."""
-    if arg in _SHORT or arg.split("=", 1)[0] in _SHORT:
-        return _SHORT[arg.split("=", 1)[0]]
+def option_name(arg: str) -> str | None:
+    """The option name of a ``--long_name[.key][=value]`` argument with underscores turned into
+    dashes, as vLLM's parser does (``--long-name``; case kept, no abbreviation expanded), else None
+    (``--`` itself, a short option, a value)."""
     if not arg.startswith("--") or arg == "--":
         return None
-    name = "--" + arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-").lower()
+    return "--" + arg[2:].split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+
+
+def short_option(arg: str) -> str | None:
+    """The long name vLLM's short option ``-tp`` / ``-pp`` / ``-dp`` / ``-q`` (also ``-tp=4``)
+    stands for, else None."""
+    return _SHORT.get(arg.split("=", 1)[0])
+
+
+def _normalize(arg: str) -> str | None:
+    """``--Flag_Name.key=v`` -> ``--flag-name``; ``-tp`` -> ``--tensor-parallel-size``; else None."""
+    short = short_option(arg)
+    if short is not None:
+        return short
+    name = option_name(arg)
+    if name is None:
+        return None
+    name = name.lower()
     if name in READ_FLAGS or name in KVTIER_FLAGS or name in ("--model", "--config"):
         return name
     matches = [full for full in READ_FLAGS if full.startswith(name)]
@@ -120,7 +142,7 @@ def _program(argv: list[str]) -> tuple[str, list[str]]:
         module, rest = argv[2], argv[3:]
         if module == "vllm.entrypoints.openai.api_server":
             return "vllm", rest
-        if module in ("vllm.entrypoints.cli.main", "kvtier.cli.serve") and rest[:1] == ["serve"]:
+        if module in _VLLM_CLI_MODULES and rest[:1] == ["serve"]:
             return "vllm", rest[1:]
         if module in ("kvtier", "kvtier.cli.main") and rest[:1] == ["serve"]:
             return "kvtier", rest[1:]

