@@ -76,10 +76,10 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierConnectorMetadata)
-        self._worker.start_loads(meta)
+        self._worker.run_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are whole-request and asynchronous: vLLM schedules the request once done
+        return  # start_load_kv already copied every layer of this step's hits
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: "AttentionMetadata", **kwargs: Any
@@ -94,7 +94,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return self._worker.get_finished()
+        return self._worker.get_finished(), None  # loads are synchronous: nothing is "received" later
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -7,6 +7,8 @@ Per request it keeps the block keys of its tokens, its engine block ids, how far
 got, and its in-flight jobs. Invariants:
 
 - a request has at most one load job, and none while it has store jobs in flight;
+- loads are synchronous (the workers copy before the step's forward): only host-resident blocks
+  are ever offered, disk blocks are promoted into host slots first while vLLM is told to ask again;
 - host slots a load job reads stay pinned until every worker reported the job;
 - a finished request with store jobs in flight is freed by vLLM only after the workers report
   it in ``finished_sending`` (``request_finished`` returns True for it);
@@ -170,7 +172,9 @@ class KVTierScheduler:
         hit_tokens = (first_block + acquired.num_blocks) * block - num_computed_tokens
         state.load_first_token = num_computed_tokens
         state.hit_disk_tokens = min(hit_tokens, acquired.from_disk * block)
-        return hit_tokens, True
+        # Synchronous: the blocks are in host memory now (disk blocks were promoted first), so the
+        # copy runs in the same step that computes the rest of the prompt; no extra engine step.
+        return hit_tokens, False
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         state = self._state(request)

@@ -1,8 +1,14 @@
 """Worker-side half of the connector: runs the copy jobs the scheduler planned.
 
-Runs in each vLLM worker process; vLLM calls every hook on the worker's main thread. Copies run
-on the :class:`~kvtier.transfer.TransferRunner` thread; this class only submits, polls and, when
-vLLM is about to reuse blocks a pending store reads (preemption), waits.
+Runs in each vLLM worker process; vLLM calls every hook on the worker's main thread.
+
+- Loads (host slots -> engine blocks) are synchronous: vLLM calls ``start_load_kv`` before the
+  forward of the step that computes the rest of the request, and the copy (a memcpy of a few MB
+  per block) finishes there, so a hit costs no extra engine step. Slow tiers never reach this
+  path: the scheduler promotes disk blocks into host slots asynchronously first.
+- Stores (engine blocks -> host slots) run on the :class:`~kvtier.transfer.TransferRunner`
+  thread after the forward; this class submits and polls them and, when vLLM is about to reuse
+  blocks a pending store reads (preemption), waits.
 
 Owns rank ``r``'s host region: creates it in ``register_kv_caches`` and unlinks its name at
 shutdown (the scheduler normally unlinks it first, right after attaching).
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import time
 
 import torch
 from vllm.config import VllmConfig
@@ -32,8 +39,6 @@ class KVTierWorker:
         self.region: SharedRegion | None = None
         self.runner: TransferRunner | None = None
         self._unpin = lambda: None
-        self._load_req: dict[int, str] = {}  # load job -> request
-        self._load_blocks: dict[int, list[int]] = {}
         self._store_jobs_of: dict[str, set[int]] = {}  # request -> its stores not yet finished here
         self._store_req: dict[int, str] = {}
         self._delayed: set[str] = set()
@@ -57,12 +62,21 @@ class KVTierWorker:
         if meta.flush_job_ids and self.runner is not None:
             self.runner.wait(meta.flush_job_ids)
 
-    def start_loads(self, meta: KVTierConnectorMetadata) -> None:
+    def run_loads(self, meta: KVTierConnectorMetadata) -> None:
+        """Copy this step's hits into the engine blocks, on the calling thread, before the forward.
+        A failed copy reports its blocks as load errors, so vLLM recomputes them this step."""
         assert self.runner is not None
         for job in meta.loads:
-            self._load_req[job.job_id] = job.req_id
-            self._load_blocks[job.job_id] = [p.block_id for p in job.pages]
-            self.runner.submit(job.job_id, Direction.LOAD, job.pages)
+            start = time.perf_counter()
+            try:
+                num_bytes = self.runner.copier.copy(Direction.LOAD, job.pages)
+            except Exception:
+                logger.exception("kvtier: load job %d failed; vLLM recomputes its blocks", job.job_id)
+                self._meta.failed[job.job_id] = 1
+                self._load_errors.update(p.block_id for p in job.pages)
+            else:
+                self._meta.host_to_engine.record(num_bytes, time.perf_counter() - start)
+            self._meta.completed[job.job_id] = 1
 
     def start_stores(self, meta: KVTierConnectorMetadata) -> None:
         assert self.runner is not None
@@ -72,32 +86,24 @@ class KVTierWorker:
             self._store_jobs_of.setdefault(job.req_id, set()).add(job.job_id)
             self.runner.submit(job.job_id, Direction.STORE, job.pages)
 
-    def get_finished(self) -> tuple[set[str], set[str]]:
-        """(finished_sending, finished_recving) since the last call."""
-        finished_recving: set[str] = set()
+    def get_finished(self) -> set[str]:
+        """Requests whose delayed block frees may happen now (their stores finished here)."""
         if self.runner is None:
-            return set(), set()
+            return set()
         for done in self.runner.poll():
             self._meta.completed[done.job_id] = 1
             if not done.ok:
                 self._meta.failed[done.job_id] = 1
-            if done.direction is Direction.LOAD:
-                self._meta.host_to_engine.record(done.num_bytes, done.seconds)
-                finished_recving.add(self._load_req.pop(done.job_id))
-                blocks = self._load_blocks.pop(done.job_id)
-                if not done.ok:
-                    self._load_errors.update(blocks)
-            else:
-                self._meta.engine_to_host.record(done.num_bytes, done.seconds)
-                req_id = self._store_req.pop(done.job_id)
-                remaining = self._store_jobs_of.get(req_id)
-                if remaining is not None:
-                    remaining.discard(done.job_id)
-                    if not remaining:
-                        del self._store_jobs_of[req_id]
+            self._meta.engine_to_host.record(done.num_bytes, done.seconds)
+            req_id = self._store_req.pop(done.job_id)
+            remaining = self._store_jobs_of.get(req_id)
+            if remaining is not None:
+                remaining.discard(done.job_id)
+                if not remaining:
+                    del self._store_jobs_of[req_id]
         finished_sending = {r for r in self._delayed if r not in self._store_jobs_of}
         self._delayed -= finished_sending
-        return finished_sending, finished_recving
+        return finished_sending
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
