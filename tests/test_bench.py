@@ -399,6 +399,22 @@ def test_launch_specs(tmp_path, monkeypatch):
         launch_spec("nope", settings, tmp_path, port=1)
 
 
+def test_scratch_folder_stays_short(tmp_path):
+    from kvtier.bench.servers import MAX_SCRATCH_BASE_CHARS, make_scratch
+
+    short = make_scratch("kvtier", base=str(tmp_path) if len(str(tmp_path)) <= MAX_SCRATCH_BASE_CHARS else None)
+    long_base = tmp_path / ("x" * 60)
+    long_base.mkdir()
+    fallback = make_scratch("kvtier", base=str(long_base))
+    try:
+        assert fallback.parent == Path("/tmp") and fallback.name.startswith("kvtier-bench-kvtier-")
+        # vLLM's IPC socket: <TMPDIR>/<uuid4> must fit in sockaddr_un (107 bytes)
+        assert len(f"{fallback}/{'0' * 36}") <= 107 and len(f"{short}/{'0' * 36}") <= 107
+    finally:
+        fallback.rmdir()
+        short.rmdir()
+
+
 def test_cli_modes_and_help():
     import click
     from click.testing import CliRunner

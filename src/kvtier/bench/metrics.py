@@ -112,8 +112,8 @@ def summarize(delta: dict[Key, float]) -> CacheSummary:
         prompt_tokens=total(delta, PROMPT_TOKENS),
         computed_tokens=total(delta, BY_SOURCE, source="local_compute"),
         cached_by_source={s: cached.get(s, 0.0) for s in sorted(set(CACHE_SOURCES) | set(cached), key=_source_order)},
-        transfer_bytes={d: v for d, v in by_label(delta, TRANSFER_BYTES, "direction").items()},
-        transfer_seconds={d: v for d, v in by_label(delta, TRANSFER_SECONDS, "direction").items()},
+        transfer_bytes=by_label(delta, TRANSFER_BYTES, "direction"),
+        transfer_seconds=by_label(delta, TRANSFER_SECONDS, "direction"),
     )
 
 

@@ -66,7 +66,7 @@ def write_figure(path: Path, results: dict[str, Any]) -> Path | None:
             bottoms = [b + h for b, h in zip(bottoms, heights)]
     ax_src.set_ylabel("prompt tokens")
     ax_src.set_title("prompt tokens by source (computed or cached by tier)")
-    ax_src.legend(fontsize=8)
+    ax_src.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     workload = results["workload"]
     fig.suptitle(f"kvtier bench: {workload['name']}, {workload['num_requests']} requests, "
                  f"concurrency {workload['concurrency']}")

@@ -79,8 +79,9 @@ def _tokens(value: float | None) -> str:
 def comparison_table(results: dict[str, Any]) -> Table:
     """Rows = measures, columns = modes."""
     modes = results["modes"]
-    table = Table(title=f"kvtier bench: {results['workload']['name']} "
-                        f"({results['workload']['num_requests']} requests, concurrency {results['workload']['concurrency']})")
+    title = (f"kvtier bench: {results['workload']['name']} "
+             f"({results['workload']['num_requests']} requests, concurrency {results['workload']['concurrency']})")
+    table = Table(title=title, min_width=len(title) + 4)
     table.add_column("measure")
     for name in modes:
         table.add_column(name, justify="right")

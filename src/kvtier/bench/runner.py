@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +16,7 @@ from kvtier.bench.client import served_model, stream_completion
 from kvtier.bench.driver import WorkloadRun, run_workload
 from kvtier.bench.metrics import CacheSummary, Key, diff, scrape, summarize
 from kvtier.bench.progress import Progress
-from kvtier.bench.servers import EXTERNAL, ServerError, ServerSettings, launch_spec, start, wait_healthy
+from kvtier.bench.servers import EXTERNAL, ServerError, ServerSettings, launch_spec, make_scratch, start, wait_healthy
 from kvtier.bench.workloads import Workload
 
 WARMUP_PROMPT = "Warm-up request: reply with one word."
@@ -88,7 +87,7 @@ async def measure(mode: ModeRun, workload: Workload, progress: Progress, options
 async def run_server_mode(mode_name: str, workload: Workload, settings: ServerSettings, out_dir: Path,
                           progress: Progress, options: RunOptions, index: int, total: int) -> ModeRun:
     """One mode on its own fresh server, with its scratch folder removed afterwards."""
-    scratch = Path(tempfile.mkdtemp(prefix=f"kvtier-bench-{mode_name}-"))
+    scratch = make_scratch(mode_name)
     mode = ModeRun(mode=mode_name, description=mode_name)
     server = None
     try:

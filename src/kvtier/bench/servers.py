@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -84,6 +85,20 @@ def common_vllm_args(settings: ServerSettings, port: int) -> list[str]:
     ]
 
 
+MAX_SCRATCH_BASE_CHARS = 40
+"""vLLM puts ZeroMQ IPC sockets (a 36-character name) in ``TMPDIR``; a socket path may not exceed
+107 bytes, so the scratch folder, which becomes the server's ``TMPDIR``, must stay short."""
+
+
+def make_scratch(mode: str, base: str | None = None) -> Path:
+    """A new scratch folder for ``mode``'s server, in the temp folder, or in ``/tmp`` if the temp
+    folder's path is too long for vLLM's IPC sockets."""
+    base = base or tempfile.gettempdir()
+    if len(base) > MAX_SCRATCH_BASE_CHARS and os.access("/tmp", os.W_OK):
+        base = "/tmp"
+    return Path(tempfile.mkdtemp(prefix=f"kvtier-bench-{mode}-", dir=base))
+
+
 def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of every mode's server: ``environ`` plus vLLM-CPU settings and scratch folders.
 
@@ -102,7 +117,8 @@ def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[st
 
 def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | None = None) -> LaunchSpec:
     """The command that starts ``mode``'s server; ``scratch`` holds its temporary files."""
-    from kvtier.cli.serve import ServeOptions, build_serve_command, vllm_entrypoint
+    from kvtier.cli.serve import ServeOptions, build_serve_command
+    from kvtier.cli.vllm_entry import vllm_entrypoint  # the same vLLM CLI as kvtier serve runs
 
     port = port or free_port()
     env = base_env(scratch)
