@@ -43,10 +43,10 @@ def main() -> None:
             "kv_connector_extra_config": {"cpu_bytes_to_use": args.host_bytes},
         }
         env = {
-            **os.environ,
+            # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes on vLLM-CPU: keep it unset
+            **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
             "VLLM_CACHE_ROOT": os.path.join(tmp, "vllm"),
             "TMPDIR": tmp,
-            "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
         }
         proc = subprocess.run(

