@@ -39,7 +39,7 @@ def main() -> None:
             "rounds": [{}, {"reset_prefix_cache": True}],
             "max_tokens": args.max_tokens,
             "kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
-            "max_model_len": 4096,
+            "max_model_len": 2048,
             "kv_connector_extra_config": {"cpu_bytes_to_use": args.host_bytes},
         }
         env = {
