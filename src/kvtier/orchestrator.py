@@ -158,12 +158,10 @@ class Orchestrator:
         if previous is not None:
             for key in previous.keys:
                 self.host.unpin(key)
-        if pending:
-            hold.promoted &= set(hold.keys)
-            self._holds[owner] = hold
-            return Acquired(AcquireStatus.RETRY, len(hold.keys))
         hold.promoted &= set(hold.keys)
         self._holds[owner] = hold
+        if pending:
+            return Acquired(AcquireStatus.RETRY, len(hold.keys))
         self.host.touch(hold.keys)
         return Acquired(AcquireStatus.READY, len(hold.keys), from_disk=len(hold.promoted))
 

@@ -55,7 +55,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = KVTierScheduler(vllm_config, geometry, config)
+            self._scheduler = KVTierScheduler(geometry, config)
         else:
             self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config.num_blocks)
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -76,7 +75,7 @@ class _RequestState:
 
 
 class KVTierScheduler:
-    def __init__(self, vllm_config: VllmConfig, geometry: EngineGeometry, config: KVTierConfig):
+    def __init__(self, geometry: EngineGeometry, config: KVTierConfig):
         self.config = config
         self.geometry = geometry
         self._digest = geometry.namespace.digest
