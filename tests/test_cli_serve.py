@@ -369,12 +369,66 @@ def _http(url: str, body: dict | None = None, method: str | None = None, timeout
         return response.status, response.read().decode()
 
 
+class _KVEventSubscriber:
+    """Collects the KV events vLLM publishes on ZMQ (PUB frames: topic, sequence, msgpack batch).
+
+    Connects to ``endpoint``, which vLLM's publisher binds (an ``ipc://`` path: local only)."""
+
+    def __init__(self, endpoint: str):
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self._socket = zmq.Context.instance().socket(zmq.SUB)
+        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self._socket.connect(endpoint)
+        self.events: list = []
+
+    def drain(self, seconds: float) -> list:
+        """Receive for ``seconds``; returns every event received so far."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self._socket.poll(int(left * 1000)):
+                _topic, _seq, payload = self._socket.recv_multipart()
+                self.events.extend(self._decoder.decode(payload).events)
+        return self.events
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+
+
+def _check_kv_events(events: list, prompt_tokens: int) -> None:
+    """kvtier announces each full block of the prompt in host memory (CPU) and on disk (STORAGE)
+    with exactly the payload vLLM announced for it on the device (GPU): same hash, parent, tokens."""
+    from vllm.distributed.kv_events import BlockStored
+
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    device = {}  # hash -> (parent, tokens, block size) of each block vLLM announced on the device
+    for event in (e for e in stored if e.medium == "GPU"):
+        parent, size = event.parent_block_hash, event.block_size
+        for i, block_hash in enumerate(event.block_hashes):
+            device[block_hash] = (parent, event.token_ids[i * size : (i + 1) * size], size)
+            parent = block_hash
+    full_blocks = prompt_tokens // 128
+    for medium in ("CPU", "STORAGE"):
+        ours = [e for e in stored if e.medium == medium]
+        assert len(ours) == full_blocks, (medium, [e.medium for e in events])
+        for event in ours:
+            assert len(event.block_hashes) == 1  # kvtier block = one 128-token engine block here
+            twin = device.get(event.block_hashes[0])
+            assert twin is not None, f"{medium} event for a hash vLLM never stored on the device"
+            assert (event.parent_block_hash, event.token_ids, event.block_size) == twin
+            assert event.locality == "LOCAL"
+
+
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_serve_end_to_end(tmp_path):
     from kvtier.workloads import synthetic_text
 
     port = _free_port()
+    events_endpoint = f"ipc://{tmp_path / 'kv-events'}"
     base = f"http://127.0.0.1:{port}"
     env = {
         **os.environ,
@@ -387,7 +441,10 @@ def test_serve_end_to_end(tmp_path):
     log_path = tmp_path / "server.log"
     argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(port), "--enforce-eager",
             "--max-model-len", "2048", "--kv-offloading-size", "0.5", "--disk-dir", str(tmp_path / "kv"),
-            "--enable-prompt-tokens-details"]
+            "--enable-prompt-tokens-details", "--kv-config", '{"self_describing_kv_events": true}',
+            "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                              "endpoint": events_endpoint})]
+    subscriber = None
     start = time.monotonic()
     with open(log_path, "w") as log:
         # own session, so that a server ignoring SIGINT can be killed with its engine processes
@@ -407,12 +464,15 @@ def test_serve_end_to_end(tmp_path):
             assert time.monotonic() < deadline, f"no /health after 300 s:\n{log_tail}"
             time.sleep(1)
         print(f"server healthy after {time.monotonic() - start:.1f} s")
-        summary = [line for line in log_path.read_text().splitlines() if line.startswith("kvtier: ")][:4]
+        subscriber = _KVEventSubscriber(events_endpoint)
+        subscriber.drain(1.0)  # let the subscription reach the publisher before anything is stored
+        summary = [line for line in log_path.read_text().splitlines() if line.startswith("kvtier: ")][:5]
         assert [line[:16] for line in summary] == ["kvtier: model   ", "kvtier: host    ", "kvtier: disk    ",
-                                                  "kvtier: vllm kv "], summary
+                                                  "kvtier: config  ", "kvtier: vllm kv "], summary
         assert summary[1] == "kvtier: host    0.5 GiB total (0.5 GiB per rank x 1), lru"
         assert summary[2] == f"kvtier: disk    {tmp_path / 'kv'} (20.0 GiB)"
-        assert summary[3] == "kvtier: vllm kv VLLM_CPU_KVCACHE_SPACE=4 GiB"
+        assert summary[3] == 'kvtier: config  {"self_describing_kv_events":true}'
+        assert summary[4] == "kvtier: vllm kv VLLM_CPU_KVCACHE_SPACE=4 GiB"
 
         prompt = f"Document:\n{synthetic_text(7, 550)}\n\nSummarize the document above in one sentence:"
         model = json.loads(_http(f"{base}/v1/models")[1])["data"][0]["id"]
@@ -451,7 +511,17 @@ def test_serve_end_to_end(tmp_path):
 
         assert total("kvtier_hit_tokens_total{") == cached
         assert total("vllm:prompt_tokens_cached_by_source_total{", 'source="host"') == cached
+        full_blocks = prompt_tokens // 128
+        block_bytes = 30 * 128 * 1536  # SmolLM2 fp32: 30 layers x 128 tokens x 1,536 B
+        assert total("kvtier_tier_blocks{", 'tier="host"') == full_blocks
+        assert total("kvtier_tier_used_bytes{", 'tier="host"') == full_blocks * block_bytes
+        assert 0.5 * 2**30 - block_bytes < total("kvtier_tier_capacity_bytes{", 'tier="host"') <= 0.5 * 2**30
+        assert total("kvtier_tier_capacity_bytes{", 'tier="disk"') == 20 * 2**30
+
+        _check_kv_events(subscriber.drain(2.0), prompt_tokens)
     finally:
+        if subscriber is not None:
+            subscriber.close()
         if server.poll() is None:
             server.send_signal(signal.SIGINT)
             try:

@@ -6,6 +6,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtier.policy.base import PolicyName
+from kvtier.residency import ChangeKind
+from kvtier.tiers.base import Medium
 from kvtier.tiers.host import HostIndex
 
 
@@ -52,6 +54,29 @@ def test_lru_touch_changes_victim():
     assert evicted == [key(2)]
 
 
+def test_residency_log_reports_visibility_not_slots():
+    index = HostIndex(1)
+    index.allocate(key(1))
+    index.commit(key(1))  # before enable(): not recorded
+    index.residency.enable()
+    index.pin(key(1))
+    index.delete(key(1))  # pinned: invisible now, slot freed on unpin
+    index.unpin(key(1))
+    index.allocate(key(2))
+    index.delete(key(2))  # deleted while WRITING: never visible
+    index.commit(key(2))
+    index.allocate(key(3))
+    index.commit(key(3))
+    _, evicted = index.allocate(key(4))
+    assert evicted == [key(3)]
+    assert [(c.kind, c.key) for c in index.residency.take()] == [
+        (ChangeKind.REMOVED, key(1)),
+        (ChangeKind.STORED, key(3)),
+        (ChangeKind.REMOVED, key(3)),
+    ]
+    assert index.residency.take() == []
+
+
 @pytest.mark.parametrize("policy", list(PolicyName))
 def test_ready_run(policy):
     index = HostIndex(4, policy)
@@ -65,6 +90,8 @@ class HostIndexMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.index = HostIndex(4, PolicyName.ARC)
+        self.index.residency.enable()
+        self.visible: set[bytes] = set()  # replayed from the residency log
         self.writing: dict[bytes, int] = {}
         self.ready: dict[bytes, int] = {}
         self.pins: dict[bytes, int] = {}
@@ -133,6 +160,18 @@ class HostIndexMachine(RuleBasedStateMachine):
             assert self.index.is_ready(k) and self.index.slot_of(k) == self.ready[k]
         for k in self.writing:
             assert self.index.is_writing(k)
+
+    @invariant()
+    def residency_log_replays_to_the_ready_blocks(self):
+        for change in self.index.residency.take():
+            assert change.medium is Medium.HOST
+            if change.kind is ChangeKind.STORED:
+                assert change.key not in self.visible, "STORED twice without REMOVED"
+                self.visible.add(change.key)
+            else:
+                assert change.key in self.visible, "REMOVED without STORED"
+                self.visible.remove(change.key)
+        assert self.visible == set(self.ready)
 
 
 TestHostIndexMachine = HostIndexMachine.TestCase

@@ -149,3 +149,31 @@ def test_failed_engine_store_frees_the_slot(ok):
     orch.finish_store([key], ok=ok)
     assert orch.host.is_ready(key) is ok
     assert orch.host.used_slots == (1 if ok else 0)
+
+
+def test_residency_changes_follow_blocks_through_host_and_disk(tmp_path):
+    from kvtier.residency import ChangeKind
+    from kvtier.tiers.base import Medium
+
+    early = keys(1, seed=9)
+    orch, buffers = make(tmp_path, num_slots=2)
+    store(orch, buffers, early)  # before tracking starts: never reported
+    settle(orch)
+    orch.track_residency()
+    ks = keys(3)
+    store(orch, buffers, ks[:2])
+    settle(orch)
+    store(orch, buffers, ks[2:])  # the host tier holds 2 blocks: evicts the least recent one
+    settle(orch)
+    assert orch.disk.delete([ks[0]]) == 1
+    name = {key: i for i, key in enumerate(ks)} | {early[0]: "early"}
+    changes = [(c.kind, c.medium, name[c.key]) for c in orch.take_residency_changes()]
+    S, R, H, D = ChangeKind.STORED, ChangeKind.REMOVED, Medium.HOST, Medium.DISK
+    host = [(kind, i) for kind, medium, i in changes if medium is H]
+    disk = [(kind, i) for kind, medium, i in changes if medium is D]
+    # the early block was in the host tier when tracking began: its eviction is still reported
+    assert host == [(R, "early"), (S, 0), (S, 1), (R, 0), (S, 2)]
+    assert sorted(disk[:3]) == [(S, 0), (S, 1), (S, 2)] and disk[3:] == [(R, 0)]  # writes finish in any order
+    assert orch.media_of(ks[1]) == [H, D] and orch.media_of(ks[0]) == [] and orch.media_of(early[0]) == [D]
+    assert orch.take_residency_changes() == []
+    orch.close()

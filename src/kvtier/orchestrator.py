@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from kvtier.keys import BlockKey
 from kvtier.policy.admission import StoreAdmission
+from kvtier.residency import ResidencyChange
 from kvtier.stats import KVTierStats
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier
 from kvtier.tiers.host import HostIndex
@@ -100,6 +101,7 @@ class Orchestrator:
         self._promotion_jobs: dict[int, BlockKey] = {}
         self._info: dict[BlockKey, BlockInfo] = {}  # for blocks stored but not yet cascaded
         self._next_refresh = time.monotonic() + REFRESH_INTERVAL_S
+        self._disk_evictions_reported = 0
 
     # --- lookups (memory only) -------------------------------------------------------------
     def locate(self, key: BlockKey) -> Medium | None:
@@ -115,6 +117,13 @@ class Orchestrator:
             if self.locate(key) is None:
                 return index
         return len(keys)
+
+    def media_of(self, key: BlockKey) -> list[Medium]:
+        """Every tier ``key`` is readable from (memory only)."""
+        media = [Medium.HOST] if self.host.is_ready(key) else []
+        if self.disk is not None and self.disk.contains(key):
+            media.append(self.disk.medium)
+        return media
 
     def is_stored(self, key: BlockKey) -> bool:
         """Present or being written anywhere: a store of ``key`` would be redundant."""
@@ -291,6 +300,23 @@ class Orchestrator:
     def _count_evictions(self, evicted: list[BlockKey]) -> None:
         self.stats.host_evictions += len(evicted)
 
+    # --- residency (KV events) -------------------------------------------------------------
+    def track_residency(self) -> None:
+        """Start recording which blocks become visible in / vanish from each tier (off by
+        default). Blocks already present (e.g. found on disk at start-up) are not reported."""
+        self.host.residency.enable()
+        if self.disk is not None:
+            self.disk.residency.enable()
+
+    def take_residency_changes(self) -> list[ResidencyChange]:
+        """Changes since the last call: per tier in the order they happened (see
+        :mod:`kvtier.residency`). Collects tier completions first."""
+        self.poll()
+        changes = self.host.residency.take()
+        if self.disk is not None:
+            changes += self.disk.residency.take()
+        return changes
+
     # --- management -------------------------------------------------------------------------
     def clear(self) -> None:
         """Drop every block from every tier (blocks in flight are freed when they complete)."""
@@ -299,7 +325,22 @@ class Orchestrator:
             self.disk.clear()
 
     def take_stats(self) -> KVTierStats:
+        """The counters since the last call, with a fresh sample of every tier's usage."""
         stats, self.stats = self.stats, KVTierStats()
+        host = self.host
+        stats.host_blocks = host.used_slots
+        if self.host_bytes is not None:
+            block_bytes = self.host_bytes.slot_bytes * len(self.host_bytes.rank_views)
+            stats.host_used_bytes = host.used_slots * block_bytes
+            stats.host_capacity_bytes = host.num_slots * block_bytes
+        if self.disk is not None:
+            usage = self.disk.usage()
+            stats.disk_used_bytes = usage.used_bytes
+            stats.disk_capacity_bytes = usage.capacity_bytes
+            stats.disk_blocks = usage.num_blocks
+            evictions = self.disk.evictions
+            stats.disk_evictions = evictions - self._disk_evictions_reported
+            self._disk_evictions_reported = evictions
         return stats
 
     def close(self) -> None:

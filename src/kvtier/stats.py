@@ -1,14 +1,20 @@
-"""Counters kvtier keeps, as plain data that crosses process boundaries (pickle/msgpack-safe).
+"""Counters and gauges kvtier keeps, as plain data that crosses process boundaries (pickle/msgpack-safe).
 
 :class:`TransferCounters` is filled by workers (bytes and seconds they moved between the engine
 and the host tier) and by the orchestrator (host <-> disk). :class:`KVTierStats` is the
 interval snapshot the vLLM connector reports as its connector stats; ``as_dict`` keys are the
 stable names used in logs, JSON and (prefixed ``kvtier_``) Prometheus.
+
+Counters are additive: merging two intervals sums them. Gauges (fields marked :data:`GAUGE`:
+tier usage) are samples: merging keeps the later sample, and None means "not sampled".
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
+
+GAUGE = {"gauge": True}
+"""Field metadata of a gauge (a sample, merged by keeping the later value)."""
 
 
 @dataclass
@@ -32,7 +38,7 @@ class TransferCounters:
 
 @dataclass
 class KVTierStats:
-    """One interval of kvtier activity. All fields are additive (see :meth:`add`)."""
+    """One interval of kvtier activity: additive counters, then the latest usage sample."""
 
     lookups: int = 0
     lookup_tokens: int = 0
@@ -51,15 +57,36 @@ class KVTierStats:
     host_to_engine: TransferCounters = field(default_factory=TransferCounters)
     host_to_disk: TransferCounters = field(default_factory=TransferCounters)
     disk_to_host: TransferCounters = field(default_factory=TransferCounters)
+    disk_evictions: int = 0
+    host_used_bytes: int | None = field(default=None, metadata=GAUGE)
+    host_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
+    host_blocks: int | None = field(default=None, metadata=GAUGE)
+    disk_used_bytes: int | None = field(default=None, metadata=GAUGE)
+    disk_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
+    disk_blocks: int | None = field(default=None, metadata=GAUGE)
 
     def add(self, other: "KVTierStats") -> "KVTierStats":
+        """Merge ``other`` (a later interval) into this one: sum counters, keep later gauges."""
         for f in fields(self):
-            mine = getattr(self, f.name)
-            if isinstance(mine, TransferCounters):
-                mine.add(getattr(other, f.name))
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if f.metadata.get("gauge"):
+                if theirs is not None:
+                    setattr(self, f.name, theirs)
+            elif isinstance(mine, TransferCounters):
+                mine.add(theirs)
             else:
-                setattr(self, f.name, mine + getattr(other, f.name))
+                setattr(self, f.name, mine + theirs)
         return self
+
+    def gauges(self) -> dict[str, int | None]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("gauge")}
+
+    def has_counts(self) -> bool:
+        """Whether any counter is non-zero (gauges aside)."""
+        empty = KVTierStats()
+        return any(
+            getattr(self, f.name) != getattr(empty, f.name) for f in fields(self) if not f.metadata.get("gauge")
+        )
 
     def is_empty(self) -> bool:
         return self == KVTierStats()
@@ -84,5 +111,5 @@ class KVTierStats:
                 for sub in ("bytes", "seconds", "jobs"):
                     setattr(current, sub, flat.get(f"{f.name}_{sub}", 0))
             else:
-                setattr(stats, f.name, flat.get(f.name, 0))
+                setattr(stats, f.name, flat.get(f.name, None if f.metadata.get("gauge") else 0))
         return stats

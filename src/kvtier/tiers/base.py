@@ -19,8 +19,12 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.keys import BlockKey
+
+if TYPE_CHECKING:
+    from kvtier.residency import ResidencyLog
 
 
 class Medium(enum.Enum):
@@ -70,6 +74,7 @@ class SecondaryTier(ABC):
     """A bounded store of blocks below the host tier. See the module docstring for threading."""
 
     medium: Medium
+    residency: "ResidencyLog"  # records index inserts (STORED) and removals (REMOVED) once enabled
 
     @abstractmethod
     def contains(self, key: BlockKey) -> bool:
@@ -118,6 +123,11 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def usage(self) -> TierUsage: ...
+
+    @property
+    @abstractmethod
+    def evictions(self) -> int:
+        """Blocks this tier evicted to make room, since it was created (a running total)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -283,6 +283,10 @@ class DiskTier(DiskIndex, SecondaryTier):
         return DiskTierStats(**self._counts)
 
     @property
+    def evictions(self) -> int:
+        return int(self._counts["evictions"])
+
+    @property
     def block_bytes(self) -> int:
         """Bytes one block occupies on disk (all ranks, headers included)."""
         return self._block_bytes

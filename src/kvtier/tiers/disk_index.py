@@ -21,7 +21,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvtier.keys import BlockKey
-from kvtier.tiers.base import IoError, IoResult
+from kvtier.residency import ResidencyLog
+from kvtier.tiers.base import IoError, IoResult, Medium
 from kvtier.tiers.disk_layout import ScanResult
 
 
@@ -84,6 +85,8 @@ class DiskIndex(ABC):
         self._clear_epoch = 0  # bumped by clear(): a scan that saw the files before must not re-add them
         self._scan_epoch = 0  # _clear_epoch when the running scan started
         self._counts: dict[str, int | float] = dict.fromkeys(_STAT_FIELDS, 0)
+        # Index inserts are STORED, index removals REMOVED (recorded once enabled by the owner).
+        self.residency = ResidencyLog(Medium.DISK)
 
     @abstractmethod
     def _remove_files(self, keys: list[BlockKey] | None, earlier: Iterable[Future | None]) -> Future | None:
@@ -115,12 +118,14 @@ class DiskIndex(ABC):
         self._gen += 1
         self._index[key] = _Entry(self._block_bytes, last_use, self._gen)
         self._used += self._block_bytes
+        self.residency.stored(key)
 
     def _forget(self, key: BlockKey) -> bool:
         entry = self._index.pop(key, None)
         if entry is None:
             return False
         self._used -= entry.nbytes
+        self.residency.removed(key)
         if self._scan_running:
             self._scan_forgotten.add(key)
         if key in self._reading:

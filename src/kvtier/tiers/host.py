@@ -13,7 +13,9 @@ Invariants (checked by ``tests/test_host_index.py``):
 - a slot is handed out by :meth:`allocate` only when FREE: never twice;
 - a WRITING slot, or a READY slot with ``readers > 0`` (pinned), is never evicted or freed;
 - ``len(free) + len(slot_of) == num_slots``: usage never exceeds capacity;
-- only READY keys are visible to :meth:`is_ready` and live in the eviction policy.
+- only READY keys are visible to :meth:`is_ready` and live in the eviction policy;
+- :attr:`HostIndex.residency` records a key STORED when it turns READY and REMOVED when it stops
+  being visible (evicted, or deleted: a pinned block is invisible at once, freed on release).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from dataclasses import dataclass, field
 
 from kvtier.keys import BlockKey
 from kvtier.policy.base import EvictionPolicy, PolicyName, make_policy
+from kvtier.residency import ResidencyLog
+from kvtier.tiers.base import Medium
 
 
 class SlotState(enum.Enum):
@@ -52,6 +56,7 @@ class HostIndex:
     num_slots: int
     policy_name: PolicyName = PolicyName.LRU
     stats: HostIndexStats = field(default_factory=HostIndexStats)
+    residency: ResidencyLog = field(default_factory=lambda: ResidencyLog(Medium.HOST), init=False)
 
     def __post_init__(self) -> None:
         if self.num_slots <= 0:
@@ -107,6 +112,7 @@ class HostIndex:
                 return None, evicted
             self._free.append(self._entries.pop(victim).slot)
             self.stats.evictions += 1
+            self.residency.removed(victim)
             evicted.append(victim)
         slot = self._free.pop()
         self._entries[key] = SlotEntry(slot, SlotState.WRITING)
@@ -121,6 +127,7 @@ class HostIndex:
             self._free_entry(key)
             return
         self._policy.insert(key)
+        self.residency.stored(key)
 
     def abort(self, key: BlockKey) -> None:
         """WRITING -> FREE: the write failed or was cancelled."""
@@ -149,6 +156,8 @@ class HostIndex:
         entry = self._entries.get(key)
         if entry is None:
             return False
+        if entry.state is SlotState.READY and not entry.doomed:
+            self.residency.removed(key)
         if entry.readers or entry.state is SlotState.WRITING:
             entry.doomed = True
             self._policy.remove(key)

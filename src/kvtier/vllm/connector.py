@@ -28,7 +28,10 @@ from kvtier.vllm.scheduler_side import KVTierScheduler
 from kvtier.vllm.worker_side import KVTierWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
         KVConnectorPromMetrics,
         KVConnectorStats,
@@ -55,7 +58,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
-            self._scheduler = KVTierScheduler(geometry, config)
+            events = vllm_config.kv_events_config
+            publish = events is not None and events.enable_kv_cache_events
+            self._scheduler = KVTierScheduler(geometry, config, publish_kv_events=publish)
         else:
             self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config.num_blocks)
 
@@ -159,6 +164,9 @@ class KVTierConnector(KVConnectorBase_V1):
         from kvtier.vllm.prom import KVTierPromMetrics
 
         return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def take_events(self) -> "Iterable[KVCacheEvent]":
+        return self._scheduler.take_events() if self._scheduler is not None else ()
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None

@@ -13,7 +13,13 @@ from dataclasses import dataclass
 import blake3
 from vllm.config import VllmConfig
 from vllm.platforms import current_platform
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, MLAAttentionSpec, UniformTypeKVCacheSpecs
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    KVCacheConfig,
+    MLAAttentionSpec,
+    UniformTypeKVCacheSpecs,
+    get_kv_cache_spec_kind,
+)
 
 from kvtier.config import ConfigError, KVTierConfig
 from kvtier.keys import Namespace
@@ -50,6 +56,7 @@ class EngineGeometry:
     layout: HostSlotLayout
     world_size: int
     engine_id: str
+    kv_cache_spec_kind: str | None = None  # vLLM's name of the attention kind, for KV events
 
     @property
     def pages_per_block(self) -> int:
@@ -70,6 +77,7 @@ class EngineGeometry:
             )
         group = groups[0]
         spec = group.kv_cache_spec
+        spec_kind = get_kv_cache_spec_kind(spec).value
         if isinstance(spec, UniformTypeKVCacheSpecs):
             spec = next(iter(spec.kv_cache_specs.values()))
         if not isinstance(spec, AttentionSpec):
@@ -115,4 +123,5 @@ class EngineGeometry:
             layout=layout,
             world_size=world_size,
             engine_id=str(engine_id or "default"),
+            kv_cache_spec_kind=spec_kind,
         )

@@ -1,9 +1,11 @@
 """kvtier's Prometheus metrics, registered through vLLM's connector metrics hook, so they appear
-on vLLM's ``/metrics`` next to its own (``vllm:prompt_tokens_cached_by_source`` there already
-splits cached prompt tokens into ``host`` and ``disk`` from kvtier's answers).
+on vLLM's ``/metrics`` next to its own: counters ``kvtier_*`` and gauges ``kvtier_tier_*{tier}``
+(each tier's usage). ``vllm:prompt_tokens_cached_by_source`` there already splits cached prompt
+tokens into ``host`` and ``disk`` from kvtier's answers.
 
 vLLM calls :meth:`KVTierPromMetrics.observe` in its logging process with the ``data`` dict of
-:class:`~kvtier.vllm.metadata.KVTierConnectorStats` (one interval, additive counters).
+:class:`~kvtier.vllm.metadata.KVTierConnectorStats` (one interval: additive counters, the latest
+usage sample).
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "load_errors": ("kvtier_load_errors", "Loads into the engine that failed (recomputed by vLLM)", None, None),
     "checksum_failures": ("kvtier_checksum_failures", "Disk blocks that failed verification (quarantined)", None, None),
     "host_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "host"),
+    "disk_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "disk"),
+}
+# stats gauge field -> (metric name, help, tier label value)
+_USAGE_GAUGES: dict[str, tuple[str, str, str]] = {
+    "host_used_bytes": ("kvtier_tier_used_bytes", "Bytes held by each tier (all ranks)", "host"),
+    "disk_used_bytes": ("kvtier_tier_used_bytes", "Bytes held by each tier (all ranks)", "disk"),
+    "host_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "host"),
+    "disk_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "disk"),
+    "host_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "host"),
+    "disk_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "disk"),
 }
 _DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host")
 
@@ -66,10 +78,23 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 self._counters[(engine, f"{direction}_bytes")] = bytes_family.labels(*labels, direction)
                 self._counters[(engine, f"{direction}_seconds")] = seconds_family.labels(*labels, direction)
 
+        gauge_families: dict[str, Any] = {}
+        self._gauges: dict[tuple[int, str], Any] = {}
+        for field, (name, doc, tier) in _USAGE_GAUGES.items():
+            if name not in gauge_families:
+                gauge_families[name] = self._gauge_cls(
+                    name=name, documentation=doc, labelnames=labelnames + ["tier"], multiprocess_mode="mostrecent"
+                )
+            for engine, labels in per_engine_labelvalues.items():
+                self._gauges[(engine, field)] = gauge_families[name].labels(*labels, tier)
+
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         stats = KVTierStats.from_dict(transfer_stats_data).as_dict()
         for name, value in stats.items():
             counter = self._counters.get((engine_idx, name))
             if counter is not None and value:
                 counter.inc(value)
+            gauge = self._gauges.get((engine_idx, name))
+            if gauge is not None and value is not None:
+                gauge.set(value)
 

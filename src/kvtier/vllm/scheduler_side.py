@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm.distributed.kv_events import KVCacheEvent
 from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -41,6 +42,7 @@ from kvtier.tiers.host import HostIndex
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.transfer import PageCopy
 from kvtier.vllm.geometry import EngineGeometry
+from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
 
 logger = logging.getLogger(__name__)
@@ -56,6 +58,7 @@ class _Job:
     kind: JobKind
     req_id: str
     keys: list[BlockKey]
+    blocks: list[int]  # the request's block index of each key
     waiting_workers: int
     failed: bool = False
 
@@ -75,7 +78,7 @@ class _RequestState:
 
 
 class KVTierScheduler:
-    def __init__(self, geometry: EngineGeometry, config: KVTierConfig):
+    def __init__(self, geometry: EngineGeometry, config: KVTierConfig, *, publish_kv_events: bool = False):
         self.config = config
         self.geometry = geometry
         self._digest = geometry.namespace.digest
@@ -107,12 +110,22 @@ class KVTierScheduler:
             disk=disk,
             admission=StoreAdmission(config.store_threshold, config.max_tracker_size),
         )
+        self._events: KVEventTranslator | None = None
+        if publish_kv_events:
+            self._events = KVEventTranslator(
+                self.orchestrator,
+                block_tokens=geometry.block_tokens,
+                engine_block_tokens=geometry.engine_block_tokens,
+                self_describing=config.self_describing_kv_events,
+                kv_cache_spec_kind=geometry.kv_cache_spec_kind,
+            )
         self._requests: dict[str, _RequestState] = {}
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._step_loads: list[CopyJob] = []
         self._delayed_free: list[str] = []
         self._worker_stats = KVTierStats()
+        self._reported_gauges: dict[str, int | None] = {}
         logger.info(
             "kvtier: host tier %d slots x %.1f MiB x %d rank(s) = %.2f GiB; block %d tokens%s",
             layout.num_slots,
@@ -198,8 +211,11 @@ class KVTierScheduler:
         ]
         job_id = next(self._job_ids)
         self._step_loads.append(CopyJob(job_id, request.request_id, pages))
-        self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)
+        blocks = list(range(first_block, end_block))
+        self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, blocks, self.geometry.world_size)
         state.jobs.add(job_id)
+        if self._events is not None:
+            self._events.learn(request, zip(blocks, keys))
         stats = self.orchestrator.stats
         stats.hit_tokens_disk += state.hit_disk_tokens
         stats.hit_tokens_host += num_external_tokens - state.hit_disk_tokens
@@ -257,22 +273,26 @@ class KVTierScheduler:
             if num_full <= state.next_store_block:
                 continue
             self._extend_keys(state, num_full)
-            keys, pages = [], []
+            keys, blocks, pages, present = [], [], [], []
             for index in range(state.next_store_block, num_full):
                 key = state.keys[index]
                 parent = state.keys[index - 1] if index else self._digest
                 slot = self.orchestrator.begin_store(key, BlockInfo(parent, block))
                 if slot is None:
+                    present.append((index, key))  # stored already, or refused (learn() checks)
                     continue
                 keys.append(key)
+                blocks.append(index)
                 pages.extend(
                     PageCopy(slot, sub, state.block_ids[index * per_block + sub]) for sub in range(per_block)
                 )
             state.next_store_block = num_full
+            if present and self._events is not None:
+                self._events.learn(request, present)
             if keys:
                 job_id = next(self._job_ids)
                 jobs.append(CopyJob(job_id, req_id, pages))
-                self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size)
+                self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, blocks, self.geometry.world_size)
                 state.jobs.add(job_id)
         return jobs
 
@@ -298,6 +318,8 @@ class KVTierScheduler:
         state = self._requests.get(job.req_id)
         if job.kind is JobKind.STORE:
             self.orchestrator.finish_store(job.keys, ok=not job.failed)
+            if self._events is not None and state is not None and not job.failed:
+                self._events.learn(state.request, zip(job.blocks, job.keys))
         else:
             self.orchestrator.release(job.req_id)
             if job.failed:
@@ -327,9 +349,14 @@ class KVTierScheduler:
     def take_stats(self) -> KVTierConnectorStats | None:
         stats = self.orchestrator.take_stats().add(self._worker_stats)
         self._worker_stats = KVTierStats()
-        if stats.is_empty():
-            return None
+        gauges = stats.gauges()
+        if not stats.has_counts() and gauges == self._reported_gauges:
+            return None  # nothing happened and usage is unchanged
+        self._reported_gauges = gauges
         return KVTierConnectorStats(data=stats.as_dict())
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._events.take_events() if self._events is not None else []
 
     def reset_cache(self) -> bool:
         self.orchestrator.clear()
