@@ -77,7 +77,20 @@ def test_default_footprint_is_at_least_twice_vllm_kv_and_fits_the_tiers():
     assert footprint >= 2 * VLLM_KV
     assert footprint <= 1 * 2**30  # the default kvtier host tier (1 GiB) holds it all
     m = wl.multi_turn()
-    assert m.footprint_bytes(KV_BYTES_PER_TOKEN) >= 2 * VLLM_KV
+    assert 2 * VLLM_KV <= m.footprint_bytes(KV_BYTES_PER_TOKEN) <= 1 * 2**30
+    longest = 1536 + 4 * (48 + 16) + 64  # the last turn's prompt, with headers, plus its answer
+    assert longest <= 2048  # the bench's default --max-model-len
+
+
+def test_default_concurrency_depends_on_the_workload():
+    from kvtier.bench.command import make_workload
+
+    opts = dict(output_tokens=16, concurrency=None, seed=0, sessions=2, turns=2, context_tokens=8, message_tokens=4,
+                prefixes=2, prefix_tokens=8, suffix_tokens=4, prompts=2)
+    assert make_workload({**opts, "workload": "multi-turn"}).concurrency == 1
+    assert make_workload({**opts, "workload": "prefix-repetition"}).concurrency == 2
+    assert make_workload({**opts, "workload": "unique"}).concurrency == 2
+    assert make_workload({**opts, "workload": "multi-turn", "concurrency": 3}).concurrency == 3
     assert wl.unique().reusable_tokens == 0
 
 

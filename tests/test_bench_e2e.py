@@ -22,7 +22,7 @@ def test_bench_kvtier_mode_end_to_end(tmp_path: Path):
     # a long TMPDIR: the bench must still give vLLM a short one (IPC socket paths <= 107 bytes)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     argv = [
-        sys.executable, "-m", "kvtier.cli.main", "bench", "--modes", "kvtier",
+        sys.executable, "-m", "kvtier.cli.main", "bench", "--modes", "kvtier", "--workload", "prefix-repetition",
         "--prompts", "4", "--prefixes", "2", "--prefix-tokens", "512", "--suffix-tokens", "16",
         "--output-tokens", "4", "--kv-cache-memory-bytes", str(56 * 2**20), "--max-model-len", "1024",
         "--kv-offloading-size", "0.25", "--disk-size", "0.5", "--out", str(out),

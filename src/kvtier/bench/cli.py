@@ -16,21 +16,23 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
 @click.option("--base-url", default=None, metavar="URL",
               help="Benchmark this already-running OpenAI-compatible server instead (mode 'external').")
 @click.option("--model", default=None, help="Model to serve [default: the embedded SmolLM2-135M-Instruct].")
-@click.option("--workload", type=click.Choice(["prefix-repetition", "multi-turn", "unique"]),
-              default="prefix-repetition", show_default=True,
-              help="prefix-repetition: shared documents + unique questions, in rounds; multi-turn: chat "
-                   "sessions resending the transcript; unique: no reuse at all.")
+@click.option("--workload", type=click.Choice(["multi-turn", "prefix-repetition", "unique"]),
+              default="multi-turn", show_default=True,
+              help="multi-turn: chat sessions resending the transcript (each opens with a long document); "
+                   "prefix-repetition: shared documents + unique questions, in rounds; unique: no reuse at all.")
 @click.option("--prefixes", default=6, show_default=True, help="prefix-repetition: shared documents.")
 @click.option("--prefix-tokens", default=1024, show_default=True,
               help="prefix-repetition: tokens per document; unique: prompt tokens (plus --suffix-tokens).")
 @click.option("--suffix-tokens", default=32, show_default=True, help="prefix-repetition: tokens of each unique question.")
 @click.option("--prompts", default=24, show_default=True, help="prefix-repetition / unique: number of requests.")
-@click.option("--sessions", default=6, show_default=True, help="multi-turn: conversations.")
+@click.option("--sessions", default=5, show_default=True, help="multi-turn: conversations.")
 @click.option("--turns", default=4, show_default=True, help="multi-turn: turns per conversation.")
-@click.option("--context-tokens", default=768, show_default=True, help="multi-turn: document opening each session.")
+@click.option("--context-tokens", default=1536, show_default=True, help="multi-turn: document opening each session.")
 @click.option("--message-tokens", default=48, show_default=True, help="multi-turn: tokens per user message.")
 @click.option("--output-tokens", default=16, show_default=True, help="Tokens generated per request (ignore_eos).")
-@click.option("--concurrency", default=2, show_default=True, help="Requests in flight at once.")
+@click.option("--concurrency", default=None, type=click.IntRange(min=1),
+              help="Requests in flight at once [default: 1 for multi-turn (one conversation at a time, so "
+                   "TTFT measures the cache rather than waiting behind another prompt's prefill), 2 otherwise].")
 @click.option("--seed", default=0, show_default=True, help="Workload seed (and vLLM's --seed).")
 @click.option("--kv-cache-memory-bytes", default=128 * 2**20, show_default=True,
               help="vLLM's own KV space (small, so returning prefixes have left it).")

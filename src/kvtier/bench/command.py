@@ -29,9 +29,15 @@ def parse_modes(text: str) -> list[str]:
     return modes
 
 
+DEFAULT_CONCURRENCY = {"multi-turn": 1, "prefix-repetition": 2, "unique": 2}
+"""--concurrency when not given: chat turns one conversation at a time (on a 2-core machine a second
+conversation's prefill would dominate every TTFT), the others two requests at a time."""
+
+
 def make_workload(opts: dict[str, Any]) -> workloads.Workload:
     """The workload the flags describe."""
-    common = dict(output_tokens=opts["output_tokens"], concurrency=opts["concurrency"], seed=opts["seed"])
+    concurrency = opts["concurrency"] or DEFAULT_CONCURRENCY[opts["workload"]]
+    common = dict(output_tokens=opts["output_tokens"], concurrency=concurrency, seed=opts["seed"])
     if opts["workload"] == "prefix-repetition":
         return workloads.prefix_repetition(num_prefixes=opts["prefixes"], prefix_tokens=opts["prefix_tokens"],
                                            suffix_tokens=opts["suffix_tokens"], num_prompts=opts["prompts"], **common)

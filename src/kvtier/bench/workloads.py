@@ -161,12 +161,12 @@ def unique(
 
 
 def multi_turn(
-    sessions: int = 6,
+    sessions: int = 5,
     turns: int = 4,
-    context_tokens: int = 768,
+    context_tokens: int = 1536,
     message_tokens: int = 48,
     output_tokens: int = 16,
-    concurrency: int = 2,
+    concurrency: int = 1,
     seed: int = 0,
 ) -> Workload:
     """``sessions`` x ``turns`` chat turns; each session opens with a ``context_tokens`` document.
