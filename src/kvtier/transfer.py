@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.layout import HostSlotLayout
+from kvtier.priority import lower_current_thread_priority
 
 logger = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ class TransferRunner:
             self._thread.join(timeout=30)
 
     def _run(self) -> None:
+        lower_current_thread_priority()  # stores are background work: the forward pass goes first
         while True:
             item = self._jobs.get()
             if item is None:

@@ -1,0 +1,67 @@
+"""Background threads (stores, disk writes, scans) run at a lower priority than the engine; only
+they do: the caller's thread and the disk read threads keep theirs."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from kvtier.keys import Namespace
+from kvtier.priority import BACKGROUND_NICENESS, lower_current_thread_priority
+from kvtier.tiers.disk import DiskTier
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux-only")
+
+
+def nice_of(native_id: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, native_id)
+
+
+def test_only_the_calling_thread_gets_nicer():
+    base = nice_of(threading.get_native_id())
+    seen = {}
+
+    def background():
+        seen["ok"] = lower_current_thread_priority()
+        seen["nice"] = nice_of(threading.get_native_id())
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen == {"ok": True, "nice": min(19, base + BACKGROUND_NICENESS)}
+    assert nice_of(threading.get_native_id()) == base
+
+
+def test_disk_tier_writes_run_nicer_than_reads(tmp_path):
+    ns = Namespace("toy", "0" * 32, "float32", 2, 1, 8, "mha", 4, "test")
+    disk = DiskTier(
+        root_dir=tmp_path, model_name="toy", engine_digest=ns.digest, rank_digests=[ns.for_rank(0).digest],
+        namespace_json=ns.canonical_json(), payload_bytes=64, capacity_bytes=10**6,
+        n_read_threads=1, n_write_threads=1, max_pending_writes=4,
+    )
+    try:
+        base = nice_of(threading.get_native_id())
+        write_nice = disk._write_pool.submit(lambda: nice_of(threading.get_native_id())).result(10)
+        read_nice = disk._read_pool.submit(lambda: nice_of(threading.get_native_id())).result(10)
+        assert write_nice == min(19, base + BACKGROUND_NICENESS) and read_nice == base
+    finally:
+        disk.close()
+
+
+def test_transfer_runner_thread_runs_nicer():
+    from test_transfer import cpu_layers, make_copier
+
+    from kvtier.transfer import TransferRunner
+
+    runner = TransferRunner(make_copier(cpu_layers()))
+    try:
+        deadline = time.monotonic() + 5
+        base = nice_of(threading.get_native_id())
+        while nice_of(runner._thread.native_id) != min(19, base + BACKGROUND_NICENESS):
+            assert time.monotonic() < deadline, "the transfer thread never lowered its priority"
+            time.sleep(0.01)
+    finally:
+        runner.close()
