@@ -410,6 +410,11 @@ def test_launch_specs(tmp_path, monkeypatch):
     assert json.dumps(kvtier).count(str(tmp_path / "kvtier" / "kvtier-disk")) == 1
     with pytest.raises(ValueError, match="unknown mode"):
         launch_spec("nope", settings, tmp_path, port=1)
+    assert "--block-size" not in specs["vllm"].argv  # None: vLLM's own default
+    sized = ServerSettings(model=str(tmp_path / "model"), block_size=64)
+    for i, mode in enumerate(("vllm", "example", "kvtier")):  # the same engine block size in every mode
+        argv = launch_spec(mode, sized, tmp_path / f"b{mode}", port=18100 + i).argv
+        assert argv[argv.index("--block-size") + 1] == "64"
 
 
 def test_scratch_folder_stays_short(tmp_path):

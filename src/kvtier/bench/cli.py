@@ -37,6 +37,9 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
 @click.option("--kv-cache-memory-bytes", default=128 * 2**20, show_default=True,
               help="vLLM's own KV space (small, so returning prefixes have left it).")
 @click.option("--max-model-len", default=2048, show_default=True)
+@click.option("--block-size", default=0, type=click.IntRange(min=0),
+              help="vLLM's KV block size in tokens, the same for every mode (vLLM-CPU takes multiples of 32). "
+                   "A returning prompt recomputes its last, partial block.  [default: vLLM's, 128 on CPU]")
 @click.option("--kv-offloading-size", default=1.0, show_default=True, metavar="GiB", help="kvtier mode: host tier.")
 @click.option("--disk-size", default=2.0, show_default=True, metavar="GiB", help="kvtier mode: disk tier (temp dir).")
 @click.option("--kv-bytes-per-token", default=EMBEDDED_KV_BYTES_PER_TOKEN, show_default=True,

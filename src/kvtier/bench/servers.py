@@ -49,6 +49,7 @@ class ServerSettings:
     disk_size_gib: float = 2.0  # kvtier disk tier
     eviction_policy: str = "lru"
     seed: int = 0
+    block_size: int | None = None  # vLLM's --block-size for every mode (None: vLLM's default)
     extra_vllm_args: tuple[str, ...] = ()
 
 
@@ -81,6 +82,7 @@ def common_vllm_args(settings: ServerSettings, port: int) -> list[str]:
         "--seed", str(settings.seed), "--enable-prefix-caching", "--enable-prompt-tokens-details",
         "--host", "127.0.0.1", "--port", str(port),
         "--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes),
+        *(("--block-size", str(settings.block_size)) if settings.block_size else ()),
         *settings.extra_vllm_args,
     ]
 
