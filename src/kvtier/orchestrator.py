@@ -310,8 +310,8 @@ class Orchestrator:
 
     def take_residency_changes(self) -> list[ResidencyChange]:
         """Changes since the last call: per tier in the order they happened (see
-        :mod:`kvtier.residency`). Collects tier completions first."""
-        self.poll()
+        :mod:`kvtier.residency`). They reflect the completions :meth:`poll` has applied, as
+        :meth:`media_of` does."""
         changes = self.host.residency.take()
         if self.disk is not None:
             changes += self.disk.residency.take()

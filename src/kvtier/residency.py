@@ -41,10 +41,6 @@ class ResidencyLog:
         self.medium = medium
         self._changes: list[ResidencyChange] | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return self._changes is not None
-
     def enable(self) -> None:
         if self._changes is None:
             self._changes = []

@@ -48,11 +48,11 @@ LOCALITY = "LOCAL"  # host memory and the disk directory are this instance's own
 class _Announced:
     """What kvtier knows of one block in vLLM's terms, and where it has announced it."""
 
-    hashes: tuple[BlockHash, ...]  # vLLM hashes of the engine blocks it covers, in order
-    parent: BlockHash | None  # vLLM hash of the engine block before it
-    token_ids: array | None  # only kept for self-describing events
-    lora_id: int | None
-    lora_name: str | None
+    hashes: tuple[BlockHash, ...]  # the hashes to publish (default payload: the last one only)
+    parent: BlockHash | None = None  # the rest only for self-describing payloads
+    token_ids: array | None = None
+    lora_id: int | None = None
+    lora_name: str | None = None
     media: set[Medium] = field(default_factory=set)
 
 
@@ -135,44 +135,32 @@ class KVEventTranslator:
 
     def _announce(self, block: _Announced, medium: Medium) -> None:
         block.media.add(medium)
-        if self._self_describing:
-            event = BlockStored(
+        described = self._self_describing  # else vLLM's placeholder payload: no tokens, block size 0
+        self._events.append(
+            BlockStored(
                 block_hashes=self._published_hashes(block),
                 parent_block_hash=maybe_convert_block_hash(block.parent) if block.parent is not None else None,
                 token_ids=list(block.token_ids) if block.token_ids is not None else [],
-                block_size=self._engine_block_tokens,
+                block_size=self._engine_block_tokens if described else 0,
                 lora_id=block.lora_id,
                 medium=EVENT_MEDIUM[medium],
                 lora_name=block.lora_name,
                 group_idx=0,
-                kv_cache_spec_kind=self._spec_kind,
+                kv_cache_spec_kind=self._spec_kind if described else None,
                 locality=LOCALITY,
             )
-        else:
-            event = BlockStored(
-                block_hashes=self._published_hashes(block),
-                parent_block_hash=None,
-                token_ids=[],
-                block_size=0,
-                lora_id=None,
-                medium=EVENT_MEDIUM[medium],
-                lora_name=None,
-                group_idx=0,
-                locality=LOCALITY,
-            )
-        self._events.append(event)
+        )
 
-    def _published_hashes(self, block: _Announced) -> list:
-        if self._self_describing:
-            return [maybe_convert_block_hash(h) for h in block.hashes]
-        return [maybe_convert_block_hash(block.hashes[-1])]
+    @staticmethod
+    def _published_hashes(block: _Announced) -> list:
+        return [maybe_convert_block_hash(h) for h in block.hashes]
 
     def _snapshot(
         self, request: Request, index: int, hashes: tuple[BlockHash, ...], parent: BlockHash | None
     ) -> _Announced:
-        lora = request.lora_request
         if not self._self_describing:
-            return _Announced(hashes=hashes[-1:], parent=None, token_ids=None, lora_id=None, lora_name=None)
+            return _Announced(hashes=hashes[-1:])
+        lora = request.lora_request
         start = index * self._block_tokens
         return _Announced(
             hashes=hashes,

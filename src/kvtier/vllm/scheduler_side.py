@@ -58,9 +58,9 @@ class _Job:
     kind: JobKind
     req_id: str
     keys: list[BlockKey]
-    blocks: list[int]  # the request's block index of each key
     waiting_workers: int
     failed: bool = False
+    blocks: list[int] = field(default_factory=list)  # store jobs: the request's block index of each key
 
 
 @dataclass
@@ -211,11 +211,10 @@ class KVTierScheduler:
         ]
         job_id = next(self._job_ids)
         self._step_loads.append(CopyJob(job_id, request.request_id, pages))
-        blocks = list(range(first_block, end_block))
-        self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, blocks, self.geometry.world_size)
+        self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)
         state.jobs.add(job_id)
         if self._events is not None:
-            self._events.learn(request, zip(blocks, keys))
+            self._events.learn(request, zip(range(first_block, end_block), keys))
         stats = self.orchestrator.stats
         stats.hit_tokens_disk += state.hit_disk_tokens
         stats.hit_tokens_host += num_external_tokens - state.hit_disk_tokens
@@ -292,7 +291,7 @@ class KVTierScheduler:
             if keys:
                 job_id = next(self._job_ids)
                 jobs.append(CopyJob(job_id, req_id, pages))
-                self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, blocks, self.geometry.world_size)
+                self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size, blocks=blocks)
                 state.jobs.add(job_id)
         return jobs
 
