@@ -65,3 +65,58 @@ def test_transfer_runner_thread_runs_nicer():
             time.sleep(0.01)
     finally:
         runner.close()
+
+
+PINNED_WORKER = """
+import json, os, sys, threading
+sys.path[:0] = {paths!r}
+from kvtier.priority import become_background_thread
+compute = min(os.sched_getaffinity(0))
+os.sched_setaffinity(0, {{compute}})  # what vLLM's OpenMP binding does to a CPU worker process
+seen = {{}}
+def background():
+    become_background_thread()
+    seen["background"] = sorted(os.sched_getaffinity(0))
+thread = threading.Thread(target=background)
+thread.start()
+thread.join()
+seen["main"] = sorted(os.sched_getaffinity(0))
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2+ CPUs"
+)
+def test_background_thread_leaves_the_compute_core_of_a_pinned_worker():
+    """A worker process pinned to its compute core (vLLM's CPU backend) starts a background thread:
+    the thread moves to the cores the parent may use and the worker may not; the worker's own
+    thread stays where it was."""
+    import json
+    import subprocess
+    import sys
+
+    script = PINNED_WORKER.format(paths=[p for p in sys.path if p])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    seen = json.loads(out.stdout)
+    compute = min(os.sched_getaffinity(0))
+    assert seen["main"] == [compute]
+    assert seen["background"] == sorted(os.sched_getaffinity(0) - {compute})
+
+
+def test_background_thread_of_an_unpinned_process_stays_put():
+    from kvtier.priority import become_background_thread, spare_cpus
+
+    if os.sched_getaffinity(os.getppid()) != os.sched_getaffinity(0):
+        pytest.skip("this test process is pinned more narrowly than its parent")
+    assert spare_cpus() == frozenset()
+    seen = {}
+
+    def background():
+        become_background_thread()
+        seen["cpus"] = os.sched_getaffinity(0)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    thread.join()
+    assert seen["cpus"] == os.sched_getaffinity(0)

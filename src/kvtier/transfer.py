@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.layout import HostSlotLayout
-from kvtier.priority import lower_current_thread_priority
+from kvtier.priority import become_background_thread
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ class TransferRunner:
             self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        lower_current_thread_priority()  # stores are background work: the forward pass goes first
+        become_background_thread()  # stores are background work: the forward pass goes first
         while True:
             item = self._jobs.get()
             if item is None:

@@ -45,7 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.keys import KEY_BYTES, BlockKey
-from kvtier.priority import lower_current_thread_priority
+from kvtier.priority import become_background_thread
 from kvtier.tiers import disk_io
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier, TierUsage
 from kvtier.tiers.blockfile import HEADER_LEN
@@ -125,10 +125,10 @@ class DiskTier(DiskIndex, SecondaryTier):
         self._read_pool = ThreadPoolExecutor(n_read_threads, thread_name_prefix="kvtier-disk-read")
         # Writes and scans are background work (lower priority); reads serve waiting requests.
         self._write_pool = ThreadPoolExecutor(
-            n_write_threads, thread_name_prefix="kvtier-disk-write", initializer=lower_current_thread_priority
+            n_write_threads, thread_name_prefix="kvtier-disk-write", initializer=become_background_thread
         )
         self._scan_pool = ThreadPoolExecutor(
-            1, thread_name_prefix="kvtier-disk-scan", initializer=lower_current_thread_priority
+            1, thread_name_prefix="kvtier-disk-scan", initializer=become_background_thread
         )
 
         self._merge_scan(self._layout.scan(None, self._file_bytes), scan_gen=None)
