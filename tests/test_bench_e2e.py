@@ -36,6 +36,8 @@ def test_bench_kvtier_mode_end_to_end(tmp_path: Path):
     results = json.loads((out / "results.json").read_text())
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "server-kvtier.log").is_file()
+    assert results["settings"]["block_size"] == 64  # the bench's default engine block size reached vLLM:
+    assert "'block_size': 64" in (out / "server-kvtier.log").read_text()  # vLLM logs its non-default args
     kvtier = results["modes"]["kvtier"]
     assert kvtier["error"] is None and kvtier["stats"]["errors"] == 0
     assert [r["id"] for r in kvtier["requests"]] == ["r0000", "r0001", "r0002", "r0003"]

@@ -6,6 +6,9 @@ from __future__ import annotations
 import click
 
 DEFAULT_MODES = "vllm,example,kvtier"
+DEFAULT_BLOCK_SIZE = 64
+"""Half of vLLM-CPU's 128: a returning chat turn then recomputes ~32 tokens of the previous prompt
+instead of ~64, about 110 ms of a ~600 ms TTFT on 2 cores (docs/benchmarks.md)."""
 EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes
 
 
@@ -25,7 +28,7 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
               help="prefix-repetition: tokens per document; unique: prompt tokens (plus --suffix-tokens).")
 @click.option("--suffix-tokens", default=32, show_default=True, help="prefix-repetition: tokens of each unique question.")
 @click.option("--prompts", default=24, show_default=True, help="prefix-repetition / unique: number of requests.")
-@click.option("--sessions", default=5, show_default=True, help="multi-turn: conversations.")
+@click.option("--sessions", default=4, show_default=True, help="multi-turn: conversations.")
 @click.option("--turns", default=4, show_default=True, help="multi-turn: turns per conversation.")
 @click.option("--context-tokens", default=1536, show_default=True, help="multi-turn: document opening each session.")
 @click.option("--message-tokens", default=48, show_default=True, help="multi-turn: tokens per user message.")
@@ -37,9 +40,10 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
 @click.option("--kv-cache-memory-bytes", default=128 * 2**20, show_default=True,
               help="vLLM's own KV space (small, so returning prefixes have left it).")
 @click.option("--max-model-len", default=2048, show_default=True)
-@click.option("--block-size", default=0, type=click.IntRange(min=0),
-              help="vLLM's KV block size in tokens, the same for every mode (vLLM-CPU takes multiples of 32). "
-                   "A returning prompt recomputes its last, partial block.  [default: vLLM's, 128 on CPU]")
+@click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=click.IntRange(min=0),
+              help="vLLM's KV block size in tokens, the same for every mode (vLLM-CPU takes multiples of 32; "
+                   "0: vLLM's default, 128 on CPU). Prefix caches reuse only whole blocks, so a returning "
+                   "prompt recomputes the previous prompt's last, partial block: half a block on average.")
 @click.option("--kv-offloading-size", default=1.0, show_default=True, metavar="GiB", help="kvtier mode: host tier.")
 @click.option("--disk-size", default=2.0, show_default=True, metavar="GiB", help="kvtier mode: disk tier (temp dir).")
 @click.option("--kv-bytes-per-token", default=EMBEDDED_KV_BYTES_PER_TOKEN, show_default=True,

@@ -161,7 +161,7 @@ def unique(
 
 
 def multi_turn(
-    sessions: int = 5,
+    sessions: int = 4,
     turns: int = 4,
     context_tokens: int = 1536,
     message_tokens: int = 48,
