@@ -1,7 +1,7 @@
 """End to end: ``kvtier bench --modes kvtier`` on a tiny workload against a real vLLM-CPU server
-(about 1.5-3 minutes on 2 cores, most of it server start-up). vLLM's own KV space is 56 MiB (8
-blocks of 128 tokens), smaller than the two 512-token prefixes plus their questions, so part of
-each returning prefix is served from kvtier's tiers."""
+(about 1.5-3 minutes on 2 cores, most of it server start-up). vLLM's own KV space is 56 MiB (19
+blocks of 64 tokens, the bench's default block size), smaller than the three 512-token prefixes
+plus their questions, so part of each returning prefix is served from kvtier's tiers."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_bench_kvtier_mode_end_to_end(tmp_path: Path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     argv = [
         sys.executable, "-m", "kvtier.cli.main", "bench", "--modes", "kvtier", "--workload", "prefix-repetition",
-        "--prompts", "4", "--prefixes", "2", "--prefix-tokens", "512", "--suffix-tokens", "16",
+        "--prompts", "6", "--prefixes", "3", "--prefix-tokens", "512", "--suffix-tokens", "16",
         "--output-tokens", "4", "--kv-cache-memory-bytes", str(56 * 2**20), "--max-model-len", "1024",
         "--kv-offloading-size", "0.25", "--disk-size", "0.5", "--out", str(out),
     ]
@@ -40,7 +40,7 @@ def test_bench_kvtier_mode_end_to_end(tmp_path: Path):
     assert "'block_size': 64" in (out / "server-kvtier.log").read_text()  # vLLM logs its non-default args
     kvtier = results["modes"]["kvtier"]
     assert kvtier["error"] is None and kvtier["stats"]["errors"] == 0
-    assert [r["id"] for r in kvtier["requests"]] == ["r0000", "r0001", "r0002", "r0003"]
+    assert [r["id"] for r in kvtier["requests"]] == [f"r{i:04d}" for i in range(6)]
     for request in kvtier["requests"]:
         assert request["output_tokens"] == 4 and len(request["output_token_ids"]) == 4
         assert 0 < request["ttft_s"] <= request["latency_s"]
@@ -48,7 +48,7 @@ def test_bench_kvtier_mode_end_to_end(tmp_path: Path):
     by_source = cache["cached_by_source"]
     # vLLM keeps a returning prefix's first blocks (it evicts tails first); kvtier serves the rest
     assert by_source["host"] + by_source["disk"] >= 128, cache
-    assert by_source["device"] + by_source["host"] + by_source["disk"] == 2 * 512, cache  # whole prefixes hit
+    assert by_source["device"] + by_source["host"] + by_source["disk"] == 3 * 512, cache  # whole prefixes hit
     assert cache["transfer_bytes"]["engine_to_host"] > 0 and cache["transfer_bytes"]["host_to_engine"] > 0
     returning = [r for r in kvtier["requests"] if r["returning"]]
-    assert [r["cached_tokens"] for r in returning] == [512, 512]
+    assert [r["cached_tokens"] for r in returning] == [512, 512, 512]
