@@ -10,7 +10,13 @@ import time
 import pytest
 
 from kvtier.keys import Namespace
-from kvtier.priority import BACKGROUND_NICENESS, lower_current_thread_priority
+from kvtier.priority import (
+    BACKGROUND_NICENESS,
+    CpuTopology,
+    choose_spare_cpus,
+    lower_current_thread_priority,
+    parse_cpu_list,
+)
 from kvtier.tiers.disk import DiskTier
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux-only")
@@ -97,11 +103,17 @@ def test_background_thread_leaves_the_compute_core_of_a_pinned_worker():
     import sys
 
     script = PINNED_WORKER.format(paths=[p for p in sys.path if p])
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60)
+    argv = [sys.executable, "-c", script]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60)
     seen = json.loads(out.stdout)
     compute = min(os.sched_getaffinity(0))
     assert seen["main"] == [compute]
-    assert seen["background"] == sorted(os.sched_getaffinity(0) - {compute})
+    mine = os.sched_getaffinity(0)
+    spare = choose_spare_cpus({compute}, mine, CpuTopology.read(mine))
+    # on a machine whose other CPUs are all SMT siblings of `compute` or on other nodes, it stays
+    assert seen["background"] == sorted(spare or {compute})
+    if len(mine) == 2 and CpuTopology.read(mine).siblings.get(compute) == {compute}:
+        assert seen["background"] == sorted(mine - {compute})  # e.g. this project's 2-vCPU machines
 
 
 def test_background_thread_of_an_unpinned_process_stays_put():
@@ -120,3 +132,27 @@ def test_background_thread_of_an_unpinned_process_stays_put():
     thread.start()
     thread.join()
     assert seen["cpus"] == os.sched_getaffinity(0)
+
+
+def test_parse_cpu_list():
+    assert parse_cpu_list("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpu_list("5") == {5}
+    with pytest.raises(ValueError):
+        parse_cpu_list("0-x")
+
+
+def test_spare_cpus_are_the_reserved_cores_of_the_own_numa_node():
+    """vLLM-CPU, tp=2 on two NUMA nodes of 4 cores x 2 SMT threads (siblings c and c+16), one logical
+    CPU per core used: rank 0 computes on 0-2 and has 3 reserved; rank 1 computes on 4-7."""
+    siblings = {c: frozenset({c % 16, c % 16 + 16}) for c in list(range(8)) + list(range(16, 24))}
+    node = {c: (c % 16) // 4 for c in siblings}
+    topology = CpuTopology(siblings, node)
+    everything = set(siblings)
+    assert choose_spare_cpus({0, 1, 2}, everything, topology) == {3, 19}  # not 16-18, not node 1
+    assert choose_spare_cpus({4, 5, 6, 7}, everything, topology) == set()  # no reserved core: stays put
+    assert choose_spare_cpus(everything, everything, topology) == set()  # unpinned (a GPU worker)
+
+
+def test_spare_cpus_without_topology_information():
+    assert choose_spare_cpus({0}, {0, 1}, CpuTopology({}, {})) == {1}
+    assert choose_spare_cpus({0}, {0, 1}, CpuTopology({0: frozenset({0, 1})}, {})) == set()

@@ -10,9 +10,9 @@ cores. Threads that run them call :func:`become_background_thread` once, at star
   and keeps the other cores (``VLLM_CPU_NUM_OF_RESERVED_CPU``) for the engine-core/API processes
   and connectors. A thread started by the worker inherits the pinning, so a background thread
   there would time-share the compute core with the forward pass (and, at nice +10, crawl) while
-  the reserved core idles. It moves itself to the spare cores: those its parent process may use
-  and its own process may not. Where nothing is pinned (GPU workers, the engine-core process)
-  there are no spare cores and nothing moves.
+  the reserved core idles. It moves itself to the spare cores (:func:`choose_spare_cpus`: its
+  parent's CPUs that are neither its own compute cores nor their SMT siblings, on its own NUMA
+  node). Where nothing is pinned (GPU workers, the engine-core process) nothing moves.
 
 Loads and disk reads (a waiting request's promotion) keep normal priority and placement.
 """
@@ -22,6 +22,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterable, Mapping, Set
+from dataclasses import dataclass
+from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
@@ -46,15 +49,82 @@ def lower_current_thread_priority(increment: int = BACKGROUND_NICENESS) -> bool:
     return True
 
 
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+
+@dataclass(frozen=True)
+class CpuTopology:
+    """Which logical CPUs share a physical core (SMT siblings) and which NUMA node each is on.
+    A CPU missing from a mapping has no known siblings / node."""
+
+    siblings: Mapping[int, frozenset[int]]
+    node: Mapping[int, int]
+
+    @classmethod
+    def read(cls, cpus: Iterable[int], root: Path = SYSFS_CPU) -> CpuTopology:
+        """Read ``cpus``' topology from sysfs (Linux); unreadable entries are left out."""
+        siblings: dict[int, frozenset[int]] = {}
+        node: dict[int, int] = {}
+        for cpu in cpus:
+            folder = root / f"cpu{cpu}"
+            try:
+                siblings[cpu] = parse_cpu_list((folder / "topology" / "thread_siblings_list").read_text())
+            except (OSError, ValueError):
+                pass
+            nodes = [name[4:] for name in _names_in(folder) if name.startswith("node") and name[4:].isdigit()]
+            if len(nodes) == 1:  # sysfs links cpuN/nodeM for the CPU's one NUMA node
+                node[cpu] = int(nodes[0])
+        return cls(siblings, node)
+
+
+def _names_in(folder: Path) -> list[str]:
+    try:
+        return [entry.name for entry in folder.iterdir()]
+    except OSError:
+        return []
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """Parse a kernel CPU list such as ``"0-3,8,10-11"``. Raises ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return frozenset(cpus)
+
+
+def choose_spare_cpus(own: Set[int], parent: Set[int], topology: CpuTopology) -> frozenset[int]:
+    """The CPUs a background thread of a pinned process should use: those its parent may use,
+    minus its own (the compute cores), minus their SMT siblings (they share the compute cores'
+    execution units), and only on the NUMA nodes of its own CPUs (elsewhere run other ranks'
+    compute cores, and memory is remote). Empty when nothing qualifies: the thread stays put.
+
+    With vLLM-CPU's binding this is the rank's reserved cores (``VLLM_CPU_NUM_OF_RESERVED_CPU``
+    takes them from the end of each rank's node); an unpinned process (own == parent) gets none.
+    """
+    candidates = set(parent) - set(own)
+    for cpu in own:
+        candidates -= topology.siblings.get(cpu, frozenset())
+    own_nodes = {topology.node[cpu] for cpu in own if cpu in topology.node}
+    if own_nodes:
+        candidates = {cpu for cpu in candidates if topology.node.get(cpu) in own_nodes}
+    return frozenset(candidates)
+
+
 def spare_cpus() -> frozenset[int]:
-    """CPUs the parent process may use but the calling thread may not (empty where unsupported,
-    or where the caller is not pinned more narrowly than its parent). Never raises."""
+    """:func:`choose_spare_cpus` for the calling thread, from its and its parent process's
+    affinity and sysfs. Empty where unsupported. Never raises."""
     if not hasattr(os, "sched_getaffinity"):
         return frozenset()
     try:
-        return frozenset(os.sched_getaffinity(os.getppid()) - os.sched_getaffinity(0))
+        own, parent = os.sched_getaffinity(0), os.sched_getaffinity(os.getppid())
     except OSError:
         return frozenset()
+    if not parent - own:
+        return frozenset()
+    return choose_spare_cpus(own, parent, CpuTopology.read(own | parent))
 
 
 def move_current_thread_to_spare_cpus() -> frozenset[int]:
@@ -67,7 +137,8 @@ def move_current_thread_to_spare_cpus() -> frozenset[int]:
     try:
         os.sched_setaffinity(0, cpus)
     except OSError as exc:
-        logger.debug("kvtier: could not move thread %d to CPUs %s: %s", threading.get_native_id(), sorted(cpus), exc)
+        logger.debug("kvtier: could not move thread %d to CPUs %s: %s",
+                     threading.get_native_id(), sorted(cpus), exc)
         return frozenset()
     return cpus
 
