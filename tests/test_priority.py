@@ -1,5 +1,6 @@
-"""Background threads (stores, disk writes, scans) run at a lower priority than the engine; only
-they do: the caller's thread and the disk read threads keep theirs."""
+"""Background threads (stores, disk writes, scans) run at a lower priority than the engine and, in
+a process pinned to compute cores, on the spare cores; only they do: the caller's thread and the
+disk read threads keep their priority and placement."""
 
 from __future__ import annotations
 
