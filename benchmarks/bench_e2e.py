@@ -18,9 +18,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-from kvtier.model import ensure_default_model
-from kvtier.workloads import long_prompts
+from kvtier.bench.text import long_prompts
+from kvtier.models.default import ensure_default_model
+
+OFFLINE_RUN = Path(__file__).resolve().parents[1] / "tests" / "support" / "offline_run.py"
 
 
 def main() -> None:
@@ -50,7 +53,7 @@ def main() -> None:
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
         }
         proc = subprocess.run(
-            [sys.executable, "-m", "kvtier.vllm.offline_run", json.dumps(spec)], env=env, capture_output=True, text=True
+            [sys.executable, str(OFFLINE_RUN), json.dumps(spec)], env=env, capture_output=True, text=True
         )
         if proc.returncode:
             sys.exit(proc.stdout[-3000:] + proc.stderr[-3000:])

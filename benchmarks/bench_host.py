@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from kvtier.layout import HostSlotLayout
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
+from kvtier.core.slots import HostSlotLayout
 from kvtier.tiers.shm import SharedRegion
-from kvtier.transfer import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
 
 
 def best_seconds(fn, repeats: int) -> float:

@@ -14,10 +14,10 @@ import argparse
 import json
 import time
 
-from kvtier.keys import Namespace, chain_block_keys
-from kvtier.orchestrator import Orchestrator
+from kvtier.core.keys import Namespace, chain_block_keys
 from kvtier.policy.admission import StoreAdmission
 from kvtier.policy.base import PolicyName
+from kvtier.runtime.orchestrator import Orchestrator
 from kvtier.tiers.host import HostIndex
 
 

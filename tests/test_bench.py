@@ -103,7 +103,7 @@ def test_words_for_tokens():
 def test_prompt_lengths_match_the_tokenizer():
     """The word-to-token ratio holds on SmolLM2's real tokenizer (skipped if the model is not built)."""
     tokenizers = pytest.importorskip("tokenizers")
-    from kvtier.model import DEFAULT_MODEL_NAME, default_cache_dir
+    from kvtier.models.default import DEFAULT_MODEL_NAME, default_cache_dir
 
     path = default_cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-float32" / "tokenizer.json"
     if not path.is_file():

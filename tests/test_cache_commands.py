@@ -15,11 +15,11 @@ from click.testing import CliRunner
 
 from kvtier.cachetools import PurgeSelection, inspect_cache, parse_duration, purge_cache, verify_cache
 from kvtier.cli.main import main
-from kvtier.keys import Namespace
+from kvtier.core.keys import Namespace
 from kvtier.tiers.base import IoError, IoKind, IoResult
 from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk_layout import DiskLayout
+from kvtier.tiers.disk.layout import DiskLayout
 
 PAYLOAD = 256
 FILE_BYTES = HEADER_LEN + PAYLOAD

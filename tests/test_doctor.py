@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from kvtier.audit import audit
-from kvtier.audit_io import filesystem_type, namespaces_under
 from kvtier.cli.main import main
-from kvtier.cmdline import parse_serve_line
-from kvtier.measure import cuda_available, cuda_copies, disk_write_read, dram_copy
+from kvtier.doctor.audit import audit
+from kvtier.doctor.measure import cuda_available, cuda_copies, disk_write_read, dram_copy
+from kvtier.doctor.probes import filesystem_type, namespaces_under
+from kvtier.launch.cmdline import parse_serve_line
 
 FIXTURES = Path(__file__).parent / "fixtures" / "model_configs"
 L70 = str(FIXTURES / "llama-3.1-70b.json")
@@ -27,7 +27,7 @@ KVTIER = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier
 def gpu_semantics(tmp_path, monkeypatch):
     """kvtier serve lines as on a GPU machine (no VLLM_CPU_KVCACHE_SPACE default); the default disk
     dir in a temp cache."""
-    monkeypatch.setattr("kvtier.cli.serve.vllm_runs_on_cpu", lambda environ=None: False)
+    monkeypatch.setattr("kvtier.launch.command.vllm_runs_on_cpu", lambda environ=None: False)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
 

@@ -5,8 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvtier.core.residency import ChangeKind
 from kvtier.policy.base import PolicyName
-from kvtier.residency import ChangeKind
 from kvtier.tiers.base import Medium
 from kvtier.tiers.host import HostIndex
 

@@ -9,7 +9,7 @@ import blake3
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.keys import BlockExtras, Namespace, block_key, chain_block_keys
+from kvtier.core.keys import BlockExtras, Namespace, block_key, chain_block_keys
 
 NS = Namespace("SmolLM2-135M-Instruct", "0" * 32, "float32", 30, 3, 64, "mha", 128, "cpu:default")
 
@@ -42,7 +42,7 @@ def test_chained_keys_are_pinned():
 
 def test_keys_identical_in_a_fresh_process_with_another_hash_seed():
     code = (
-        "from kvtier.keys import *;"
+        "from kvtier.core.keys import *;"
         "ns=Namespace('SmolLM2-135M-Instruct','0'*32,'float32',30,3,64,'mha',128,'cpu:default');"
         "print(chain_block_keys(ns.digest, list(range(256)), 128)[1].hex())"
     )

@@ -12,9 +12,9 @@ from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
 from vllm.v1.request import Request
 
-from kvtier.keys import Namespace, chain_block_keys
-from kvtier.orchestrator import BlockInfo, HostBytes, Orchestrator
+from kvtier.core.keys import Namespace, chain_block_keys
 from kvtier.policy.admission import StoreAdmission
+from kvtier.runtime.orchestrator import BlockInfo, HostBytes, Orchestrator
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostIndex
 from kvtier.vllm.kv_events import KVEventTranslator

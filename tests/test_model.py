@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import kvtier.model as km
+import kvtier.models.default as km
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +108,7 @@ def test_cache_dir_precedence(monkeypatch, tmp_path):
 
 
 def test_import_is_light():
-    code = "import sys, kvtier.model; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
+    code = "import sys, kvtier.models.default; print(sorted({'torch', 'transformers', 'vllm'} & set(sys.modules)))"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

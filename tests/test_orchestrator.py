@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.keys import Namespace, chain_block_keys
-from kvtier.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
+from kvtier.core.keys import Namespace, chain_block_keys
 from kvtier.policy.admission import StoreAdmission
+from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostIndex
 
@@ -152,7 +152,7 @@ def test_failed_engine_store_frees_the_slot(ok):
 
 
 def test_residency_changes_follow_blocks_through_host_and_disk(tmp_path):
-    from kvtier.residency import ChangeKind
+    from kvtier.core.residency import ChangeKind
     from kvtier.tiers.base import Medium
 
     early = keys(1, seed=9)

@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from kvtier.cli.main import main
-from kvtier.layout import FULL, MLP_ONLY, SLIDING, STATEFUL, ModelKVGeometry, layer_kinds
-from kvtier.model_source import SMOLLM2_CONFIG, load_model_config
-from kvtier.sizing import GIB, PlanInputs, make_plan
-from kvtier.weights import count_parameters, weight_bytes
+from kvtier.planning.geometry import FULL, MLP_ONLY, SLIDING, STATEFUL, ModelKVGeometry, layer_kinds
+from kvtier.planning.model_source import SMOLLM2_CONFIG, load_model_config
+from kvtier.planning.sizing import GIB, PlanInputs, make_plan
+from kvtier.planning.weights import count_parameters, weight_bytes
 
 FIXTURES = Path(__file__).parent / "fixtures" / "model_configs"
 
@@ -266,9 +266,9 @@ def test_cli_plan_hf_cache_and_unknown_model(tmp_path, monkeypatch):
 
 
 def test_plan_and_doctor_do_not_import_vllm_or_torch():
-    code = ("import sys, kvtier.cli.main, kvtier.cli.plan, kvtier.cli.doctor, kvtier.audit_checks\n"
-            "import kvtier.measure\n"
-            "from kvtier.audit import audit\n"
+    code = ("import sys, kvtier.cli.main, kvtier.cli.plan, kvtier.cli.doctor, kvtier.doctor.checks\n"
+            "import kvtier.doctor.measure\n"
+            "from kvtier.doctor.audit import audit\n"
             "audit(['kvtier', 'serve', '-tp', '2'])\n"
             "audit(['vllm', 'serve', 'default', '--kv-offloading-size', '4'])\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'transformers')]\n"

@@ -10,9 +10,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from kvtier.keys import KEY_BYTES, BlockKey
+from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.policy import EvictionPolicy, PolicyName, make_policy
 from kvtier.policy.arc import ARCPolicy
-from kvtier.policy.base import EvictionPolicy, PolicyName, make_policy
 from kvtier.policy.lru import LRUPolicy
 
 

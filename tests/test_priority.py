@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvtier.keys import Namespace
-from kvtier.priority import (
+from kvtier.core.keys import Namespace
+from kvtier.core.priority import (
     BACKGROUND_NICENESS,
     CpuTopology,
     choose_spare_cpus,
@@ -58,26 +58,25 @@ def test_disk_tier_writes_run_nicer_than_reads(tmp_path):
         disk.close()
 
 
-def test_transfer_runner_thread_runs_nicer():
+def test_cpu_copy_engine_store_thread_runs_nicer():
+    from kvtier.copy.cpu import CpuCopyEngine
     from test_transfer import cpu_layers, make_copier
 
-    from kvtier.transfer import TransferRunner
-
-    runner = TransferRunner(make_copier(cpu_layers()))
+    engine = CpuCopyEngine(make_copier(cpu_layers()))
     try:
         deadline = time.monotonic() + 5
         base = nice_of(threading.get_native_id())
-        while nice_of(runner._thread.native_id) != min(19, base + BACKGROUND_NICENESS):
-            assert time.monotonic() < deadline, "the transfer thread never lowered its priority"
+        while nice_of(engine._thread.native_id) != min(19, base + BACKGROUND_NICENESS):
+            assert time.monotonic() < deadline, "the store copy thread never lowered its priority"
             time.sleep(0.01)
     finally:
-        runner.close()
+        engine.close()
 
 
 PINNED_WORKER = """
 import json, os, sys, threading
 sys.path[:0] = {paths!r}
-from kvtier.priority import become_background_thread
+from kvtier.core.priority import become_background_thread
 compute = min(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {{compute}})  # what vLLM's OpenMP binding does to a CPU worker process
 seen = {{}}
@@ -118,7 +117,7 @@ def test_background_thread_leaves_the_compute_core_of_a_pinned_worker():
 
 
 def test_background_thread_of_an_unpinned_process_stays_put():
-    from kvtier.priority import become_background_thread, spare_cpus
+    from kvtier.core.priority import become_background_thread, spare_cpus
 
     if os.sched_getaffinity(os.getppid()) != os.sched_getaffinity(0):
         pytest.skip("this test process is pinned more narrowly than its parent")

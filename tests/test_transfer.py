@@ -1,4 +1,4 @@
-"""Worker-side page copies: bit-exact round trips for the CPU layout and a FlashAttention-like one."""
+"""Worker-side page copies (kvtier.copy): bit-exact round trips for the CPU layout and a FlashAttention-like one."""
 
 import os
 
@@ -7,9 +7,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.layout import HostSlotLayout
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, make_copy_engine
+from kvtier.copy.pages import find_block_dim
+from kvtier.core.slots import HostSlotLayout
 from kvtier.tiers.shm import SharedRegion
-from kvtier.transfer import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, TransferRunner, find_block_dim
 
 NUM_BLOCKS = 9
 
@@ -60,23 +61,23 @@ def test_layout_mismatch_is_rejected():
         BlockCopier(kv, HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout))
 
 
-def test_runner_over_shared_memory_reports_and_waits():
+def test_cpu_engine_over_shared_memory_reports_and_waits():
     layers = cpu_layers()
     kv = PagedKV(layers, NUM_BLOCKS)
     layout = HostSlotLayout(len(layers), 1, kv.page_bytes, 1, 4)
     region = SharedRegion.create(f"kvtier-test-{os.getpid()}", layout.region_bytes)
     try:
-        runner = TransferRunner(BlockCopier(kv, HostSlots(torch.frombuffer(region.view, dtype=torch.uint8), layout)))
-        runner.submit(1, Direction.STORE, [PageCopy(0, 0, 3)])
-        runner.submit(2, Direction.STORE, [PageCopy(99, 0, 3)])  # bad slot: reported as failed, never raised
-        runner.wait([1, 2])
-        done = {d.job_id: d for d in runner.poll()}
+        engine = make_copy_engine(kv, HostSlots(torch.frombuffer(region.view, dtype=torch.uint8), layout))
+        engine.start_store(1, [PageCopy(0, 0, 3)])
+        engine.start_store(2, [PageCopy(99, 0, 3)])  # bad slot: reported as failed, never raised
+        engine.wait([1, 2])
+        done = {d.job_id: d for d in engine.poll()}
         assert done[1].ok and done[1].num_bytes == len(layers) * kv.page_bytes
         assert not done[2].ok
         # a second mapping of the same region (the scheduler's) sees the bytes
         other = SharedRegion.attach(region.path.name, layout.region_bytes)
         slot0 = torch.frombuffer(other.view, dtype=torch.uint8)[: layout.slot_bytes]
         assert torch.equal(slot0[: kv.page_bytes], layers[0][3].view(torch.uint8).reshape(-1))
-        runner.close()
+        engine.close()
     finally:
         region.unlink()

@@ -1,0 +1,24 @@
+"""kvtier: tiered KV-cache offloading (host DRAM, local disk) for vLLM.
+
+The package map (one direction of dependency, top to bottom; ``tests/test_architecture.py``
+enforces it):
+
+Runs inside the serving engine (vLLM's scheduler and worker processes):
+
+- :mod:`kvtier.vllm` -- the connector ``KVTierConnector``; the only code that imports vLLM.
+- :mod:`kvtier.runtime` -- the orchestrator: lookup across tiers, promotion, cascade (scheduler process).
+- :mod:`kvtier.copy` -- worker-side page copies engine <-> host slots (worker processes).
+- :mod:`kvtier.tiers` -- the host, disk tiers and their contract.
+- :mod:`kvtier.policy` -- eviction (LRU, ARC) and store admission.
+- :mod:`kvtier.core` -- the shared vocabulary: keys, config, slot layout, stats, residency, thread priority.
+
+Operator tools (never imported by the engine side):
+
+- :mod:`kvtier.launch` -- the ``vllm serve`` command with kvtier configured (``kvtier serve``).
+- :mod:`kvtier.planning` -- ``kvtier plan``'s arithmetic from a model's config.json.
+- :mod:`kvtier.doctor` -- ``kvtier doctor``'s audit, probes and measurements.
+- :mod:`kvtier.cachetools` -- ``kvtier inspect / verify / purge`` on a disk root.
+- :mod:`kvtier.bench` -- ``kvtier bench``: vLLM alone vs ExampleConnector vs kvtier.
+- :mod:`kvtier.models` -- the embedded default model, converted from its pip package.
+- :mod:`kvtier.cli` -- the ``kvtier`` command: argument parsing and output only.
+"""

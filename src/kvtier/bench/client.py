@@ -9,6 +9,8 @@ Every request is greedy (``temperature: 0``) and streamed, with vLLM's extension
 
 TTFT is the time from sending the request to the first chunk that carries generated text or token
 ids; latency is the time to the end of the stream.
+
+Called by :mod:`kvtier.bench.driver` on the ``kvtier bench`` process's asyncio event loop.
 """
 
 from __future__ import annotations

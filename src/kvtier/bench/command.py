@@ -92,7 +92,7 @@ def run_command(opts: dict[str, Any]) -> int:
     if not base_url:
         model = opts["model"]
         if model is None:
-            from kvtier.model import DefaultModelError, ensure_default_model
+            from kvtier.models.default import DefaultModelError, ensure_default_model
 
             console.print("preparing the embedded model (SmolLM2-135M-Instruct, float32) ...")
             try:

@@ -1,5 +1,8 @@
 """Drive one workload against one server: at most ``concurrency`` requests in flight, in the
-workload's order, a chat turn only after the turn it extends has answered."""
+workload's order, a chat turn only after the turn it extends has answered.
+
+Called by :mod:`kvtier.bench.runner` in the ``kvtier bench`` process (one asyncio event loop).
+"""
 
 from __future__ import annotations
 

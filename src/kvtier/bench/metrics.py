@@ -13,6 +13,8 @@ Counters read (real names on vLLM 0.32 with kvtier; the text format adds ``_tota
   directions ``engine_to_host``, ``host_to_engine``, ``host_to_disk``, ``disk_to_host``.
 
 Samples are summed over every other label (model name, engine index).
+
+Called by :mod:`kvtier.bench.runner` in the ``kvtier bench`` process, before and after each mode's workload.
 """
 
 from __future__ import annotations

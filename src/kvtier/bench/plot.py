@@ -1,6 +1,9 @@
 """The benchmark figure (``bench.png``): TTFT distribution per mode (empirical CDF, first uses
 dashed, returning requests solid) and prompt tokens per mode by where they came from (computed,
-or cached by source), as stacked bars. matplotlib with the Agg backend (no display needed)."""
+or cached by source), as stacked bars. matplotlib with the Agg backend (no display needed).
+
+Called once by :mod:`kvtier.bench.command` at the end of a ``kvtier bench`` run.
+"""
 
 from __future__ import annotations
 

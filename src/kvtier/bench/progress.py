@@ -1,6 +1,9 @@
 """Progress lines while the benchmark runs: one line per server event and per completed request,
 and a line every few seconds while a server starts (so a log or a terminal both show what is
-going on)."""
+going on).
+
+Called by the runner and the driver in the ``kvtier bench`` process (its one thread).
+"""
 
 from __future__ import annotations
 

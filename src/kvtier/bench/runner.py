@@ -1,6 +1,9 @@
 """Run one workload against each mode in turn: start the mode's fresh server, wait for
 ``/health``, warm up (one short request, not counted), scrape ``/metrics``, run the workload,
-scrape again, stop the server. A mode that fails is recorded and the next mode still runs."""
+scrape again, stop the server. A mode that fails is recorded and the next mode still runs.
+
+Called by :mod:`kvtier.bench.command` in the ``kvtier bench`` process; the servers are subprocesses.
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,15 @@ from kvtier.bench.client import served_model, stream_completion
 from kvtier.bench.driver import WorkloadRun, run_workload
 from kvtier.bench.metrics import CacheSummary, Key, diff, scrape, summarize
 from kvtier.bench.progress import Progress
-from kvtier.bench.servers import EXTERNAL, ServerError, ServerSettings, launch_spec, make_scratch, start, wait_healthy
+from kvtier.bench.servers import (
+    EXTERNAL,
+    ServerError,
+    ServerSettings,
+    launch_spec,
+    make_scratch,
+    start,
+    wait_healthy,
+)
 from kvtier.bench.workloads import Workload
 
 WARMUP_PROMPT = "Warm-up request: reply with one word."

@@ -4,7 +4,7 @@ Modes:
 
 * ``vllm`` -- plain ``vllm serve``, no KV connector;
 * ``example`` -- vLLM's ExampleConnector (safetensors files per prompt) on a scratch folder;
-* ``kvtier`` -- the command of ``kvtier serve`` (:func:`kvtier.cli.serve.build_serve_command`) with
+* ``kvtier`` -- the command of ``kvtier serve`` (:func:`kvtier.launch.command.build_serve_command`) with
   host + disk tiers, the disk tier on a scratch folder.
 
 Every mode gets the same vLLM arguments (:func:`common_vllm_args`) and environment
@@ -119,8 +119,8 @@ def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[st
 
 def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | None = None) -> LaunchSpec:
     """The command that starts ``mode``'s server; ``scratch`` holds its temporary files."""
-    from kvtier.cli.serve import ServeOptions, build_serve_command
-    from kvtier.cli.vllm_entry import vllm_entrypoint  # the same vLLM CLI as kvtier serve runs
+    from kvtier.launch.command import ServeOptions, build_serve_command
+    from kvtier.launch.vllm_entry import vllm_entrypoint  # the same vLLM CLI as kvtier serve runs
 
     port = port or free_port()
     env = base_env(scratch)

@@ -1,5 +1,8 @@
 """Benchmark arithmetic: percentiles, per-mode summaries, the greedy-output comparison across
-modes, and the issue's goals. Pure functions over :class:`~kvtier.bench.driver.RequestResult`."""
+modes, and the issue's goals. Pure functions over :class:`~kvtier.bench.driver.RequestResult`.
+
+Called by :mod:`kvtier.bench.report` in the ``kvtier bench`` process.
+"""
 
 from __future__ import annotations
 

@@ -16,7 +16,9 @@ Three workloads:
   help.
 
 Sizes are given in tokens and turned into words with :data:`TOKENS_PER_WORD`, measured with
-SmolLM2's tokenizer on :func:`kvtier.workloads.synthetic_text` (1.06 tokens per word).
+SmolLM2's tokenizer on :func:`kvtier.bench.text.synthetic_text` (1.06 tokens per word).
+
+Called by :mod:`kvtier.bench.command` in the ``kvtier bench`` process.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ import random
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtier.workloads import synthetic_text
+from kvtier.bench.text import synthetic_text
 
 TOKENS_PER_WORD = 1.06
-"""SmolLM2 tokens per word of :func:`~kvtier.workloads.synthetic_text` (1.03-1.09 measured)."""
+"""SmolLM2 tokens per word of :func:`~kvtier.bench.text.synthetic_text` (1.03-1.09 measured)."""
 
 _SEED_STRIDE = 1_000_003  # keeps the text seeds of different workload seeds apart
 

@@ -2,7 +2,7 @@
 
 The core of those commands, without click or rich (``kvtier.cli.cache`` renders them): plain
 functions returning dataclasses with a ``to_json()``. They reuse the disk tier's own layout,
-file format and quarantine code (:mod:`kvtier.tiers.disk_layout`, :mod:`kvtier.tiers.disk_io`)
+file format and quarantine code (:mod:`kvtier.tiers.disk.layout`, :mod:`kvtier.tiers.disk.files`)
 and are safe to run while engines use the same root. Nothing here imports vLLM or torch.
 """
 

@@ -6,6 +6,8 @@ holds a purged block sees a ``NOT_FOUND`` read, which the disk tier treats as a 
 it. Emptied directories are removed with ``rmdir`` only (it refuses a directory that a writer
 has just filled again; a writer finding its directory gone recreates it). ``config.json`` goes
 only with whole namespaces and only if no block or temp file is left in them.
+
+Called by ``kvtier purge`` (:mod:`kvtier.cli.cache`) in the command's process, one thread.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.cachetools.selection import select
-from kvtier.tiers.disk_io import rmdir_quiet
-from kvtier.tiers.disk_layout import unlink_quiet
+from kvtier.tiers.disk.files import rmdir_quiet
+from kvtier.tiers.disk.layout import unlink_quiet
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")

@@ -1,9 +1,11 @@
 """Find the namespaces and files of a disk tier root (directory entries and ``stat`` only).
 
-The names are the disk tier's (:mod:`kvtier.tiers.disk_layout`); this module only parses them
+The names are the disk tier's (:mod:`kvtier.tiers.disk.layout`); this module only parses them
 back and checks every parse by rebuilding the path with :class:`DiskLayout` itself, so a file
 is a block file exactly when the tier would read it from where it lies. Nothing here opens a
 block file or changes anything on disk.
+
+Called by inspect, verify and purge in the ``kvtier`` command's process, one thread.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from kvtier.keys import KEY_BYTES, Namespace
-from kvtier.tiers.disk_layout import QUARANTINE_DIR, DiskLayout, sanitize_model_name
+from kvtier.core.keys import KEY_BYTES, Namespace
+from kvtier.tiers.disk.layout import QUARANTINE_DIR, DiskLayout, sanitize_model_name
 
 CONFIG_NAME = "config.json"
 _HEX = frozenset("0123456789abcdef")

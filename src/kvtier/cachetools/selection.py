@@ -1,4 +1,7 @@
-"""Choosing namespaces by ``--namespace`` (digest) and ``--model`` selectors."""
+"""Choosing namespaces by ``--namespace`` (digest) and ``--model`` selectors.
+
+Called by verify and purge in the ``kvtier`` command's process.
+"""
 
 from __future__ import annotations
 

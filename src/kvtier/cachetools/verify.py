@@ -1,11 +1,13 @@
 """``kvtier verify``: check every block file as the disk tier's reader does, quarantine bad ones.
 
-Each file is checked by :func:`kvtier.tiers.disk_io.verify_file` (header, namespace and key,
+Each file is checked by :func:`kvtier.tiers.disk.files.verify_file` (header, namespace and key,
 size, payload checksum; the payload is streamed in chunks, so memory stays bounded whatever the
 block size) and a bad one is moved by the tier's own :meth:`DiskLayout.quarantine`, so it lands
 where and under the name the tier would have used. Safe while engines use the root: files are
 only read (mtimes untouched), a file that vanishes meanwhile (evicted) is skipped, and moving a
 file away is what the tier itself does on a bad read (an engine then sees a ``NOT_FOUND`` miss).
+
+Called by ``kvtier verify`` (:mod:`kvtier.cli.cache`) in the command's process, one thread.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, discover, iter_files
 from kvtier.cachetools.selection import select
 from kvtier.tiers.blockfile import CorruptBlockError
-from kvtier.tiers.disk_io import verify_file
+from kvtier.tiers.disk.files import verify_file
 
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(files_done, files_total)`` while verifying."""

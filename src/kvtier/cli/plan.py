@@ -1,7 +1,7 @@
 """``kvtier plan``: size the KV tiers of a deployment from the model's config.json.
 
-:func:`run` resolves the model (:mod:`kvtier.model_source`), computes the plan
-(:func:`kvtier.sizing.make_plan`) and prints it as a table (:func:`render`) or JSON
+:func:`run` resolves the model (:mod:`kvtier.planning.model_source`), computes the plan
+(:func:`kvtier.planning.sizing.make_plan`) and prints it as a table (:func:`render`) or JSON
 (:func:`plan_json`). Standard library, rich and kvtier's pure core only: never torch or vLLM.
 """
 
@@ -13,7 +13,7 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
-from kvtier.sizing import GIB, Plan, PlanInputs, make_plan
+from kvtier.planning.sizing import GIB, Plan, PlanInputs, make_plan
 
 
 def fmt_bytes(n: float) -> str:
@@ -116,7 +116,7 @@ def rows(plan: Plan) -> list[tuple[str, str, str]]:
 
 def commands(plan: Plan, model_arg: str) -> list[str]:
     """The flags that configure this plan, for kvtier serve and plain vllm serve."""
-    from kvtier.model_source import is_default_name
+    from kvtier.planning.model_source import is_default_name
 
     tp = f" -tp {plan.tp}" if plan.tp > 1 else ""
     if is_default_name(model_arg):
@@ -165,8 +165,8 @@ def run(model: str, inputs: PlanInputs, as_json: bool) -> None:
     """The ``kvtier plan`` command body; errors become click errors."""
     import click
 
-    from kvtier.layout import ModelConfigError
-    from kvtier.model_source import load_model_config
+    from kvtier.planning.geometry import ModelConfigError
+    from kvtier.planning.model_source import load_model_config
 
     try:
         source = load_model_config(model)

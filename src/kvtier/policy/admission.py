@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvtier.keys import BlockKey
+from kvtier.core.keys import BlockKey
 
 
 class StoreAdmission:

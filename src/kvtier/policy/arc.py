@@ -15,7 +15,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Literal, NamedTuple
 
-from kvtier.keys import BlockKey
+from kvtier.core.keys import BlockKey
 from kvtier.policy.base import EvictionPolicy
 
 _List = OrderedDict[BlockKey, None]

@@ -8,16 +8,13 @@ is not thread-safe.
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
-from kvtier.keys import BlockKey
+from kvtier.core.config import PolicyName
+from kvtier.core.keys import BlockKey
 
-
-class PolicyName(str, enum.Enum):
-    LRU = "lru"
-    ARC = "arc"
+__all__ = ["EvictionPolicy", "PolicyName"]
 
 
 class EvictionPolicy(ABC):
@@ -43,13 +40,3 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...
-
-
-def make_policy(name: PolicyName, capacity: int) -> EvictionPolicy:
-    """Build the policy ``name`` for a tier of ``capacity`` blocks."""
-    from kvtier.policy.arc import ARCPolicy
-    from kvtier.policy.lru import LRUPolicy
-
-    if name is PolicyName.LRU:
-        return LRUPolicy()
-    return ARCPolicy(capacity)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from kvtier.keys import BlockKey
+from kvtier.core.keys import BlockKey
 from kvtier.policy.base import EvictionPolicy
 
 

@@ -19,20 +19,11 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from kvtier.keys import BlockKey
+from kvtier.core.keys import BlockKey
+from kvtier.core.residency import Medium, ResidencyLog
 
-if TYPE_CHECKING:
-    from kvtier.residency import ResidencyLog
-
-
-class Medium(enum.Enum):
-    """Where a block lives. Values are the medium names KV events and metrics use."""
-
-    HOST = "CPU"
-    DISK = "DISK"
-    REMOTE = "REMOTE"
+__all__ = ["IoError", "IoKind", "IoResult", "Medium", "SecondaryTier", "TierUsage"]
 
 
 class IoKind(enum.Enum):
@@ -74,7 +65,7 @@ class SecondaryTier(ABC):
     """A bounded store of blocks below the host tier. See the module docstring for threading."""
 
     medium: Medium
-    residency: "ResidencyLog"  # records index inserts (STORED) and removals (REMOVED) once enabled
+    residency: ResidencyLog  # records index inserts (STORED) and removals (REMOVED) once enabled
 
     @abstractmethod
     def contains(self, key: BlockKey) -> bool:

@@ -24,9 +24,9 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvtier.keys import BlockKey
-from kvtier.policy.base import EvictionPolicy, PolicyName, make_policy
-from kvtier.residency import ResidencyLog
+from kvtier.core.keys import BlockKey
+from kvtier.core.residency import ResidencyLog
+from kvtier.policy import EvictionPolicy, PolicyName, make_policy
 from kvtier.tiers.base import Medium
 
 

@@ -6,6 +6,8 @@ Use it with ``--kv-transfer-config '{"kv_connector": "KVTierConnector",
 
 ``KVTierConnector`` is imported on first access (vLLM looks it up with ``getattr`` after importing
 this package), so submodules such as :mod:`kvtier.vllm.cli_shim` load without importing vLLM first.
+
+vLLM imports this package in every process it starts (API server, engine core, workers).
 """
 
 from typing import Any

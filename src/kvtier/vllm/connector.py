@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.config import KVTierConfig
+from kvtier.core.config import KVTierConfig
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
 from kvtier.vllm.scheduler_side import KVTierScheduler
@@ -81,7 +81,7 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._worker is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierConnectorMetadata)
-        self._worker.run_loads(meta)
+        self._worker.start_loads(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # start_load_kv already copied every layer of this step's hits

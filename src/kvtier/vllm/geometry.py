@@ -21,9 +21,9 @@ from vllm.v1.kv_cache_interface import (
     get_kv_cache_spec_kind,
 )
 
-from kvtier.config import ConfigError, KVTierConfig
-from kvtier.keys import Namespace
-from kvtier.layout import HostSlotLayout
+from kvtier.core.config import ConfigError, KVTierConfig
+from kvtier.core.keys import Namespace
+from kvtier.core.slots import HostSlotLayout
 
 # hf config fields that do not change KV bytes but differ between copies of one model
 _VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")

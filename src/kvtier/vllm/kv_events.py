@@ -33,9 +33,9 @@ from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved,
 from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 from vllm.v1.request import Request
 
-from kvtier.keys import BlockKey
-from kvtier.orchestrator import Orchestrator
-from kvtier.residency import ChangeKind
+from kvtier.core.keys import BlockKey
+from kvtier.core.residency import ChangeKind
+from kvtier.runtime.orchestrator import Orchestrator
 from kvtier.tiers.base import Medium
 
 EVENT_MEDIUM = {Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE}

@@ -14,8 +14,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.stats import KVTierStats, TransferCounters
-from kvtier.transfer import PageCopy
+from kvtier.copy import PageCopy
+from kvtier.core.stats import KVTierStats, TransferCounters
 
 
 @dataclass

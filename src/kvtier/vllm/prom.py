@@ -13,9 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.config import VllmConfig
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    PromMetric,
+    PromMetricT,
+)
 
-from kvtier.stats import KVTierStats
+from kvtier.core.stats import KVTierStats
 
 # stats field -> (metric name, help, extra label name, label value)
 _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {

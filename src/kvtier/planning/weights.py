@@ -8,6 +8,8 @@ vision towers and multi-token-prediction layers are left out, so the figure is a
 (within ~1-3% of the published sizes of the models in ``tests/fixtures/model_configs``).
 
 Pure Python on plain dicts: no torch, no transformers, no vLLM.
+
+Called by :mod:`kvtier.planning.sizing` for ``kvtier plan`` and ``kvtier doctor``, in the command's process.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.layout import (
-    FULL, MLP_ONLY, SLIDING, STATEFUL, ModelConfigError, dtype_bytes, layer_kinds, text_config,
+from kvtier.planning.geometry import (
+    FULL,
+    MLP_ONLY,
+    SLIDING,
+    STATEFUL,
+    ModelConfigError,
+    dtype_bytes,
+    layer_kinds,
+    text_config,
 )
 
 
@@ -115,7 +124,7 @@ def tied_embeddings(cfg: Mapping[str, Any]) -> bool:
 def count_parameters(config: Mapping[str, Any]) -> ParamCount:
     """Count the parameters of a Llama-like dense, MoE, MLA or Mamba-hybrid model from its config.
 
-    Raises :class:`~kvtier.layout.ModelConfigError` when a layer kind cannot be counted.
+    Raises :class:`~kvtier.planning.geometry.ModelConfigError` when a layer kind cannot be counted.
     """
     cfg = text_config(config)
     h = _int(cfg, "hidden_size", "n_embd", "d_model")

@@ -1,8 +1,8 @@
-"""The checks of ``kvtier doctor``: each takes a :class:`kvtier.audit.Setup` and returns findings.
+"""The checks of ``kvtier doctor``: each takes a :class:`kvtier.doctor.setup.Setup` and returns findings.
 
 Every finding says what is wrong, why it matters and the exact fix. :data:`CHECKS` lists them in
-the order they run; :func:`kvtier.audit.audit` sorts the result by severity. This module checks the
-command line and the tiers; :mod:`kvtier.audit_model` checks the model against them.
+the order they run; :func:`kvtier.doctor.audit.audit` sorts the result by severity. This module checks the
+command line and the tiers; :mod:`kvtier.doctor.model_checks` checks the model against them.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from kvtier.audit import KVTIER_CONNECTOR, Finding, Setup
-from kvtier.audit_io import RAM_FILESYSTEMS, filesystem_type, namespaces_under, validate_extra_config
-from kvtier.audit_model import check_fp8_scales, check_max_model_len, check_model_support, check_tp
-from kvtier.sizing import GIB
+from kvtier.doctor.model_checks import check_fp8_scales, check_max_model_len, check_model_support, check_tp
+from kvtier.doctor.probes import RAM_FILESYSTEMS, filesystem_type, namespaces_under, validate_extra_config
+from kvtier.doctor.setup import KVTIER_CONNECTOR, Finding, Setup
+from kvtier.planning.sizing import GIB
 
 SGLANG_NOTE = ("(SGLang's --hicache-size is per rank; vLLM's --kv-offloading-size and kvtier's size "
                "are totals.)")

@@ -1,9 +1,9 @@
-"""``kvtier doctor -- COMMAND``: audit a ``vllm serve`` / ``kvtier serve`` line without running it.
+"""What a ``vllm serve`` / ``kvtier serve`` line would configure, for ``kvtier doctor``'s checks.
 
-:func:`resolve_setup` works out what the line would configure (:class:`Setup`: the connector, the
-host buffer, the disk tier, the model's KV geometry and :func:`kvtier.sizing.make_plan`'s arithmetic
-for it); :func:`audit` runs every check of :mod:`kvtier.audit_checks` on it and returns
-:class:`Finding` s, errors first. Nothing here starts vLLM, imports torch or vLLM, or writes files.
+:func:`resolve_setup` works out the :class:`Setup` (the connector, the host buffer, the disk tier,
+the model's KV geometry and :func:`kvtier.planning.sizing.make_plan`'s arithmetic for it); each
+check (:mod:`kvtier.doctor.checks`, :mod:`kvtier.doctor.model_checks`) turns it into
+:class:`Finding` s. Nothing here starts vLLM, imports torch or vLLM, or writes files.
 """
 
 from __future__ import annotations
@@ -14,10 +14,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.cmdline import CommandLineError, ServeLine, parse_serve_line
-from kvtier.layout import ModelConfigError, ModelKVGeometry
-from kvtier.model_source import ModelSource, find_model_config, is_default_name
-from kvtier.sizing import DEFAULT_GPU_MEMORY_GIB, GIB, KV_DTYPES, Plan, PlanInputs, make_plan, model_dtype
+from kvtier.launch.cmdline import ServeLine, parse_serve_line
+from kvtier.planning.geometry import ModelConfigError, ModelKVGeometry
+from kvtier.planning.model_source import ModelSource, find_model_config, is_default_name
+from kvtier.planning.sizing import (
+    DEFAULT_GPU_MEMORY_GIB,
+    GIB,
+    KV_DTYPES,
+    Plan,
+    PlanInputs,
+    make_plan,
+    model_dtype,
+)
 
 SEVERITIES = ("error", "warning", "info")
 KVTIER_CONNECTOR = "KVTierConnector"
@@ -82,7 +90,7 @@ def _kvtier_serve_extra(setup: Setup) -> None:
     """kvtier serve's own flags -> kv_connector_extra_config, as kvtier serve builds it."""
     import json
 
-    from kvtier.cli.serve import ServeConfigError, ServeOptions, build_extra_config
+    from kvtier.launch.command import ServeConfigError, ServeOptions, build_extra_config
 
     flags = setup.line.kvtier_flags
     try:
@@ -122,7 +130,7 @@ def _connector(setup: Setup) -> None:
 
 
 def plan_inputs(setup: Setup) -> PlanInputs:
-    """The deployment the line describes, in :class:`~kvtier.sizing.PlanInputs` terms."""
+    """The deployment the line describes, in :class:`~kvtier.planning.sizing.PlanInputs` terms."""
     line = setup.line
     dtype = line.value("--dtype")
     dtype = {"half": "float16", "float": "float32"}.get(dtype or "", dtype)
@@ -138,9 +146,9 @@ def plan_inputs(setup: Setup) -> PlanInputs:
     kv_bytes = line.number("--kv-cache-memory-bytes")
     cpu = bool(cpu_space) or line.getenv("VLLM_TARGET_DEVICE") == "cpu"
     if line.program == "kvtier" and not cpu_space and not kv_bytes:
-        from kvtier.cli.serve import DEFAULT_VLLM_CPU_KVCACHE_SPACE, vllm_runs_on_cpu
-
         import os
+
+        from kvtier.launch.command import DEFAULT_VLLM_CPU_KVCACHE_SPACE, vllm_runs_on_cpu
 
         # on vLLM-CPU, kvtier serve sets VLLM_CPU_KVCACHE_SPACE itself
         if vllm_runs_on_cpu({**os.environ, **line.env}):
@@ -175,23 +183,3 @@ def resolve_setup(argv: Sequence[str], gpu_memory_gib: float | None = None) -> S
         except (ModelConfigError, ValueError) as exc:
             setup.plan_error = str(exc)
     return setup
-
-
-def audit(argv: Sequence[str], gpu_memory_gib: float | None = None) -> list[Finding]:
-    """Every finding for the command line ``argv``, errors first."""
-    from kvtier import audit_checks
-
-    try:
-        setup = resolve_setup(argv, gpu_memory_gib)
-    except CommandLineError as exc:
-        return [Finding("command-line", "error", "Not a serve command line", str(exc),
-                        "kvtier doctor -- vllm serve MODEL [ARGS...]   or   "
-                        "kvtier doctor -- kvtier serve [MODEL] ...")]
-    findings: list[Finding] = []
-    for check in audit_checks.CHECKS:
-        try:
-            findings.extend(check(setup))
-        except Exception as exc:  # a doctor must not crash on an odd command line; say what failed
-            findings.append(Finding("doctor-internal", "warning", f"Check {check.__name__} failed",
-                                    f"{type(exc).__name__}: {exc}", "Report this command line to kvtier."))
-    return sorted(findings, key=lambda f: SEVERITIES.index(f.severity))

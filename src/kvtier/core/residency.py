@@ -18,8 +18,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvtier.keys import BlockKey
-from kvtier.tiers.base import Medium
+from kvtier.core.keys import BlockKey
+
+
+class Medium(enum.Enum):
+    """Where a block lives. Values are the medium names KV events and metrics use."""
+
+    HOST = "CPU"
+    DISK = "DISK"
+    REMOTE = "REMOTE"
 
 
 class ChangeKind(enum.Enum):

@@ -1,7 +1,7 @@
 """The vLLM arguments ``kvtier serve`` passes through: where the model is, which vLLM flags it must
 refuse, and the values of the few vLLM flags it reads (``--dtype``, ``--tensor-parallel-size``...).
 
-Flag names are read with :func:`kvtier.cmdline.option_name` / :func:`kvtier.cmdline.short_option`
+Flag names are read with :func:`kvtier.launch.cmdline.option_name` / :func:`kvtier.launch.cmdline.short_option`
 (vLLM's spelling rules: ``_`` or ``-``, ``--flag=value``, dotted ``--flag.key``, ``-tp``); vLLM's
 abbreviations are matched against the minimum unambiguous prefixes below. Standard library only
 (plus ``yaml`` for a ``--config`` file, when one is given).
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.cmdline import option_name, short_option
+from kvtier.launch.cmdline import option_name, short_option
 
 
 class ServeConfigError(ValueError):

@@ -3,7 +3,7 @@
 A model is named by a Hugging Face folder, a ``config.json`` path, a Hugging Face repo id already
 in the local hub cache (never downloaded), or ``default`` / ``SmolLM2-135M-Instruct`` for kvtier's
 embedded default model, whose config is the constant :data:`SMOLLM2_CONFIG` (so planning never
-triggers the model conversion of :func:`kvtier.model.ensure_default_model`).
+triggers the model conversion of :func:`kvtier.models.default.ensure_default_model`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.layout import ModelConfigError
+from kvtier.planning.geometry import ModelConfigError
 
 DEFAULT_NAMES = ("default", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct", "smollm2")
 
@@ -35,7 +35,7 @@ SMOLLM2_CONFIG: dict[str, Any] = {
     "dtype": "float32",
 }
 """The KV- and size-relevant values of the embedded default model's config.json (float32 conversion,
-see :mod:`kvtier.model`; ``tests/fixtures/model_configs/smollm2-135m-instruct.json`` is the full file)."""
+see :mod:`kvtier.models.default`; ``tests/fixtures/model_configs/smollm2-135m-instruct.json`` is the full file)."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +90,11 @@ def _read(path: Path) -> dict[str, Any]:
 def load_model_config(model: str) -> ModelSource:
     """Resolve ``model`` (see the module docstring); raise ModelConfigError naming what was tried."""
     if is_default_name(model):
-        from kvtier.model import DEFAULT_MODEL_NAME, default_cache_dir
+        from kvtier.models.default import DEFAULT_MODEL_NAME, default_cache_dir
 
         folder = default_cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-float32"
         return ModelSource(DEFAULT_MODEL_NAME, dict(SMOLLM2_CONFIG), folder if folder.is_dir() else None,
-                           "embedded default model (kvtier.model_source.SMOLLM2_CONFIG)")
+                           "embedded default model (kvtier.planning.model_source.SMOLLM2_CONFIG)")
     path = Path(model).expanduser()
     if path.is_dir():
         config = path / "config.json"

@@ -1,9 +1,10 @@
-"""Run one offline vLLM engine (optionally with kvtier) over rounds of prompts; print JSON.
+"""Test and benchmark harness, not shipped: run one offline vLLM engine (optionally with kvtier)
+over rounds of prompts; print JSON.
 
 Used by the end-to-end tests and benchmarks, each engine in its own process so every run starts
 clean (vLLM logs to stdout too; the result is the LAST stdout line):
 
-    python -m kvtier.vllm.offline_run SPEC_JSON   ->   {"startup_seconds": ..., "rounds": [...]}
+    python tests/support/offline_run.py SPEC_JSON   ->   {"startup_seconds": ..., "rounds": [...]}
 
 SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": bool}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector).

@@ -1,15 +1,9 @@
-"""KV geometry: how many bytes a block takes and how the host tier is cut into slots; and the KV
-shape of a model read from its Hugging Face ``config.json`` (:class:`ModelKVGeometry`, for
-``kvtier plan``/``doctor``: plain dicts, no torch, no vLLM).
+"""A model's KV shape read from its Hugging Face ``config.json``, for ``kvtier plan`` and ``doctor``.
 
-One kvtier block = ``pages_per_block`` consecutive engine blocks (pages) of every layer, for one
-rank. A host slot holds exactly one block of one rank, laid out layer-major::
-
-    slot = [layer 0: page 0 | page 1 | ...][layer 1: page 0 | ...] ...
-
-so one layer's pages of a block are contiguous and a whole slot is one contiguous piece of
-``slot_bytes`` (big, contiguous transfers; see notes/peers.md lesson 5). The same slot number
-names the same block in every rank's region.
+:class:`ModelKVGeometry` says what a model's KV cache holds per token (MHA/GQA/MQA, MLA latents,
+sliding-window and stateful layers); :func:`layer_kinds` reads every layer-pattern convention the
+configs use. Plain dicts only: no torch, no vLLM. Called by the operator tools (planning, doctor),
+never by the runtime, which reads the geometry from the engine itself.
 """
 
 from __future__ import annotations
@@ -18,46 +12,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
-
-
-@dataclass(frozen=True)
-class HostSlotLayout:
-    num_layers: int
-    pages_per_block: int
-    page_bytes: int  # one engine block of one layer of one rank
-    world_size: int
-    num_slots: int
-
-    @property
-    def slot_bytes(self) -> int:
-        """Bytes of one block of one rank: the payload of one disk file."""
-        return self.num_layers * self.pages_per_block * self.page_bytes
-
-    @property
-    def region_bytes(self) -> int:
-        """Bytes of one rank's shared-memory region."""
-        return self.num_slots * self.slot_bytes
-
-    @classmethod
-    def for_budget(
-        cls, cpu_bytes_to_use: int, num_layers: int, pages_per_block: int, page_bytes: int, world_size: int
-    ) -> "HostSlotLayout":
-        """Cut ``cpu_bytes_to_use`` (total across ranks, like vLLM's flag) into whole slots.
-
-        Raises ValueError naming the minimum when the budget does not hold one block per rank.
-        """
-        per_block_all_ranks = num_layers * pages_per_block * page_bytes * world_size
-        num_slots = cpu_bytes_to_use // per_block_all_ranks
-        if num_slots < 1:
-            raise ValueError(
-                f"cpu_bytes_to_use={cpu_bytes_to_use} is smaller than one KV block across all ranks "
-                f"({per_block_all_ranks} bytes = {num_layers} layers x {pages_per_block} pages x "
-                f"{page_bytes} B x {world_size} ranks); raise it to at least {per_block_all_ranks}"
-            )
-        return cls(num_layers, pages_per_block, page_bytes, world_size, num_slots)
-
-
-# -- model-config KV geometry ----------------------------------------------------------------------
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1}
 """Bytes per element of the dtypes plan/doctor understand (fp8: every ``fp8*`` KV dtype of vLLM)."""

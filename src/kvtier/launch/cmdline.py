@@ -8,7 +8,7 @@ flags doctor reads, ``-tp``); the last occurrence wins. ``--kv-transfer-config``
 with vLLM's dotted form (``--kv-transfer-config.kv_connector X``) merged in.
 
 :func:`option_name` and :func:`short_option` (one flag's name, vLLM's spelling rules) are also how
-``kvtier serve`` reads the vLLM flags passed through it (:mod:`kvtier.cli.serve_args`).
+``kvtier serve`` reads the vLLM flags passed through it (:mod:`kvtier.launch.serve_args`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ KVTIER_FLAGS = ("--kv-offloading-size", "--disk-dir", "--disk-size", "--no-disk"
 _VLLM_CLI_MODULES = (
     "vllm.entrypoints.cli.main",
     "kvtier.vllm.cli_shim",
-    "kvtier.cli.vllm_entry",
+    "kvtier.launch.vllm_entry",
     "kvtier.cli.serve",
 )
 """vLLM's CLI and kvtier's shim of it (``kvtier.cli.serve`` was the shim's module before)."""

@@ -1,15 +1,15 @@
 """``kvtier doctor`` checks that need the model's config: what kvtier (or another connector) can
 serve (MLA, Mamba/linear-attention hybrids, sliding windows, pipeline parallelism), tensor-parallel
 head splits, fp8 KV calibration and ``--max-model-len`` against the positions and the KV budget.
-Each takes a :class:`kvtier.audit.Setup` and returns findings; :data:`kvtier.audit_checks.CHECKS`
+Each takes a :class:`kvtier.doctor.setup.Setup` and returns findings; :data:`kvtier.doctor.checks.CHECKS`
 runs them.
 """
 
 from __future__ import annotations
 
-from kvtier.audit import NATIVE_CONNECTOR, Finding, Setup
-from kvtier.audit_io import kv_scales_present
-from kvtier.sizing import GIB
+from kvtier.doctor.probes import kv_scales_present
+from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
+from kvtier.planning.sizing import GIB
 
 
 def _gib(n: float) -> str:

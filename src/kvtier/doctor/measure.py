@@ -7,6 +7,8 @@
   tier's directory.
 * :func:`cuda_copies` - pinned vs pageable host<->device copies, only when an NVIDIA device node
   exists (torch is imported lazily, only then).
+* :func:`measure` runs them all; :func:`compare` turns the figures into load-vs-recompute times
+  for one context of a model.
 
 Each returns :class:`Bandwidth` records; sizes are parameters so tests can use small ones.
 """
@@ -18,8 +20,10 @@ import glob
 import os
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 MIB = 2**20
 CHUNK = 8 * MIB
@@ -94,7 +98,7 @@ def disk_write_read(directory: Path, size_bytes: int = 512 * MIB) -> tuple[Bandw
 
 def _drop_cache(path: Path) -> bool:
     """Ask the kernel to forget ``path``'s pages; True if they may still be cached (tmpfs, no fadvise)."""
-    from kvtier.audit_io import RAM_FILESYSTEMS, filesystem_type
+    from kvtier.doctor.probes import RAM_FILESYSTEMS, filesystem_type
 
     if not hasattr(os, "posix_fadvise"):
         return True
@@ -138,3 +142,51 @@ def cuda_copies(size_bytes: int = 256 * MIB, repeats: int = 5) -> list[Bandwidth
                 best = min(best, time.perf_counter() - start)
             results.append(Bandwidth(f"{name} ({kind})", size_bytes, best, torch.cuda.get_device_name()))
     return results
+
+def measure(directory: Path, dram_bytes: int = 1024 * MIB, disk_bytes: int = 512 * MIB) -> list[Bandwidth]:
+    """DRAM copy, disk write/read at ``directory`` and (with CUDA) pinned/pageable copies."""
+    from kvtier.doctor.measure import cuda_copies, disk_write_read, dram_copy
+
+    results = [dram_copy(dram_bytes)]
+    results.extend(disk_write_read(directory, disk_bytes))
+    results.extend(cuda_copies())
+    return results
+
+
+def compare(results: Sequence[Bandwidth], model: str, tp: int, context: int | None) -> dict[str, Any]:
+    """Time to load one context of ``model`` from each tier at the measured bandwidths, against
+    recomputing it, and the disk bandwidth needed to beat recomputation."""
+    from kvtier.planning.model_source import load_model_config
+    from kvtier.planning.sizing import PlanInputs, make_plan
+
+    by_name = {r.name: r.gbps for r in results}
+    host_bw = by_name.get("host->device (pinned)", by_name["DRAM copy (memcpy)"])
+    disk_bw = by_name["disk read"]
+    source = load_model_config(model)
+    plan = make_plan(source.name, source.config,
+                     PlanInputs(tp=tp, context=context, host_bw_gbps=host_bw, disk_bw_gbps=disk_bw))
+    needed = plan.offload_sequence_bytes_total / max(plan.recompute_s - plan.host_load_s, 1e-9) / 1e9
+    return {
+        "model": plan.model, "tp": tp, "context": plan.context, "kv_dtype": plan.kv_dtype,
+        "context_bytes_total": plan.offload_sequence_bytes_total,
+        "context_bytes_rank": plan.offload_sequence_bytes_rank,
+        "host_bw_gbps": host_bw, "disk_bw_gbps": disk_bw,
+        "host_load_s": plan.host_load_s, "disk_load_s": plan.disk_load_s, "recompute_s": plan.recompute_s,
+        "recompute_basis": plan.recompute_basis, "disk_bw_needed_gbps": needed,
+    }
+
+
+def default_measure_dir(command: Sequence[str]) -> Path:
+    """The disk tier's directory of ``command`` if it has one, else ``<kvtier cache>/kv``."""
+    if command:
+        try:
+            from kvtier.doctor.setup import resolve_setup
+
+            dirs = resolve_setup(command).disk_dirs
+            if dirs:
+                return dirs[0]
+        except ValueError:
+            pass
+    from kvtier.models.default import default_cache_dir
+
+    return default_cache_dir() / "kv"

@@ -2,6 +2,8 @@
 
 Text is drawn from a fixed list of common English words with :class:`random.Random` seeded by the
 caller, so the same seed gives the same prompt on every machine and Python version.
+
+Called by the bench workloads, and by tests and benchmarks; any process, no state.
 """
 
 from __future__ import annotations

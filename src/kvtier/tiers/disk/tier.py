@@ -1,10 +1,11 @@
 """The disk tier: blocks as files under a root directory (local NVMe or a shared filesystem).
 
-Modules: :mod:`kvtier.tiers.disk_layout` (the directory layout and file names, documented there,
-and the scan that finds block files), :mod:`kvtier.tiers.disk_io` (reading, verifying, writing
-and removing block files: what the worker threads do), :mod:`kvtier.tiers.disk_index` (the
-index, capacity and LRU order, keys with jobs in flight, and how job outcomes change them) and
-this one (:class:`DiskTier`: the contract, job submission, the worker pools and :meth:`DiskTier.poll`).
+Modules: :mod:`kvtier.tiers.disk.layout` (the directory layout and file names, documented there,
+and the scan that finds block files), :mod:`kvtier.tiers.disk.files` (reading, verifying, writing
+and removing block files: what the worker threads do), :mod:`kvtier.tiers.disk.index` (the
+index, capacity and LRU order, keys with jobs in flight, and how job outcomes change them: a
+:class:`~kvtier.tiers.disk.index.DiskIndex` the tier owns) and this one (:class:`DiskTier`: the
+contract, job submission, the worker pools and :meth:`DiskTier.poll`).
 
 Threading. Every public method runs on the caller's (orchestrator's) thread and never waits for
 file I/O, except the constructor (creates directories, scans the files), :meth:`close` (waits
@@ -44,23 +45,14 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from kvtier.keys import KEY_BYTES, BlockKey
-from kvtier.priority import become_background_thread
-from kvtier.tiers import disk_io
+from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.priority import become_background_thread
+from kvtier.core.residency import ResidencyLog
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier, TierUsage
 from kvtier.tiers.blockfile import HEADER_LEN
-from kvtier.tiers.disk_index import DiskIndex, DiskTierStats
-from kvtier.tiers.disk_layout import (
-    ORPHAN_SECONDS,
-    QUARANTINE_DIR,
-    STALE_TMP_SECONDS,
-    DiskLayout,
-    ScanResult,
-    sanitize_model_name,
-)
-
-__all__ = ["DiskTier", "DiskTierStats", "sanitize_model_name"]
-__all__ += ["ORPHAN_SECONDS", "QUARANTINE_DIR", "STALE_TMP_SECONDS"]  # re-exported from disk_layout
+from kvtier.tiers.disk import files as disk_io
+from kvtier.tiers.disk.index import DiskIndex, DiskTierStats
+from kvtier.tiers.disk.layout import DiskLayout, ScanResult
 
 logger = logging.getLogger(__name__)
 
@@ -70,9 +62,9 @@ _MSG_REMOVED = 1  # (kind, keys unlinked or None for a clear() sweep, future, io
 _MSG_SCAN = 2  # (kind, ScanResult, gen at scan start)
 
 
-class DiskTier(DiskIndex, SecondaryTier):
+class DiskTier(SecondaryTier):
     """Blocks stored as files; see the module docstring for threading and sharing, and
-    :mod:`kvtier.tiers.disk_layout` for the layout."""
+    :mod:`kvtier.tiers.disk.layout` for the layout."""
 
     medium = Medium.DISK
 
@@ -116,7 +108,9 @@ class DiskTier(DiskIndex, SecondaryTier):
         self._file_bytes = HEADER_LEN + payload_bytes
         self._max_pending_writes = max_pending_writes
         # The caller-thread state (index, capacity, keys in flight): never touched by workers.
-        super().__init__(block_bytes=self._world * self._file_bytes, capacity_bytes=capacity_bytes)
+        self._state = DiskIndex(
+            block_bytes=self._world * self._file_bytes, capacity_bytes=capacity_bytes, remove_files=self._remove_files
+        )
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
 
@@ -131,7 +125,11 @@ class DiskTier(DiskIndex, SecondaryTier):
             1, thread_name_prefix="kvtier-disk-scan", initializer=become_background_thread
         )
 
-        self._merge_scan(self._layout.scan(None, self._file_bytes), scan_gen=None)
+        self._state.merge_scan(self._layout.scan(None, self._file_bytes), scan_gen=None)
+
+    @property
+    def residency(self) -> ResidencyLog:  # type: ignore[override]
+        return self._state.residency
 
     # ------------------------------------------------------------------ paths
 
@@ -153,7 +151,7 @@ class DiskTier(DiskIndex, SecondaryTier):
     # ------------------------------------------------------------------ contract
 
     def contains(self, key: BlockKey) -> bool:
-        return key in self._index
+        return key in self._state.index
 
     def submit_read(self, job_id: int, key: BlockKey, dests: Sequence[memoryview]) -> None:
         views = self._byte_views(dests, writable=True, what="dests")
@@ -162,10 +160,10 @@ class DiskTier(DiskIndex, SecondaryTier):
         if self._closed:
             self._done.put((_MSG_IO, IoResult(job_id, IoKind.READ, key, False, error=IoError.IO), None))
             return
-        entry = self._index.get(key)
-        self._reading[key] = self._reading.get(key, 0) + 1
-        if key in self._unlinking or self._clearing is not None:
-            self._removed_while_reading.add(key)  # the read may still find doomed files: never adopt them
+        entry = self._state.index.get(key)
+        self._state.reading[key] = self._state.reading.get(key, 0) + 1
+        if key in self._state.unlinking or self._state.clearing is not None:
+            self._state.removed_while_reading.add(key)  # the read may still find doomed files: never adopt them
         gen = entry.gen if entry is not None else None
         self._read_pool.submit(self._io_job, IoKind.READ, job_id, key, gen, (), disk_io.read_block, views)
 
@@ -179,23 +177,23 @@ class DiskTier(DiskIndex, SecondaryTier):
             raise ValueError(f"num_tokens must fit in a u32, got {num_tokens}")
         if self._closed:
             return False
-        if key in self._index:  # dedup: content addressed, the stored bytes are these bytes
-            self._touch_one(key, time.time())
+        if key in self._state.index:  # dedup: content addressed, the stored bytes are these bytes
+            self._state.touch_one(key, time.time())
             return self._settle_write(job_id, key)
-        if key in self._writing:  # the same bytes are on their way
-            if self._cancelled.get(key) is False:  # cancelled by clear(): cannot be revived
+        if key in self._state.writing:  # the same bytes are on their way
+            if self._state.cancelled.get(key) is False:  # cancelled by clear(): cannot be revived
                 return self._settle_write(job_id, key, IoError.DROPPED)
-            self._cancelled.pop(key, None)
+            self._state.cancelled.pop(key, None)
             return self._settle_write(job_id, key)
-        if len(self._writing) >= self._max_pending_writes:
-            self._counts["writes_dropped"] += 1
+        if len(self._state.writing) >= self._max_pending_writes:
+            self._state.counts["writes_dropped"] += 1
             return False
-        if not self._evict(self._block_bytes, all_or_nothing=True):
+        if not self._state.evict(self._state.block_bytes, all_or_nothing=True):
             return self._settle_write(job_id, key, IoError.DROPPED)
-        self._reserved += self._block_bytes
-        self._writing.add(key)
+        self._state.reserved += self._state.block_bytes
+        self._state.writing.add(key)
         # Unlinks (of this key) and a clear() sweep queued earlier must not remove the new files.
-        wait_for = _distinct((self._unlinking.get(key), self._clearing))
+        wait_for = _distinct((self._state.unlinking.get(key), self._state.clearing))
         self._write_pool.submit(
             self._io_job, IoKind.WRITE, job_id, key, True, wait_for,
             disk_io.write_block, parent, num_tokens, views,
@@ -214,32 +212,32 @@ class DiskTier(DiskIndex, SecondaryTier):
             if kind == _MSG_IO:
                 result: IoResult = msg[1]
                 if result.kind is IoKind.READ:
-                    self._finish_read(result, msg[2])
+                    self._state.finish_read(result, msg[2])
                 elif msg[2]:  # a write job that ran (not a dedup or refusal decided at submit)
-                    self._finish_write(result)
+                    self._state.finish_write(result)
                 results.append(result)
             elif kind == _MSG_REMOVED:
-                self._finish_removal(msg[1], msg[2], msg[3])
+                self._state.finish_removal(msg[1], msg[2], msg[3])
             elif kind == _MSG_SCAN:
-                self._merge_scan(msg[1], scan_gen=msg[2])
+                self._state.merge_scan(msg[1], scan_gen=msg[2])
         return results
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         now = time.time()
-        touched = [key for key in keys if self._touch_one(key, now)]
+        touched = [key for key in keys if self._state.touch_one(key, now)]
         if touched and not self._closed:
             self._write_pool.submit(disk_io.touch_blocks, self._layout, [k.hex() for k in touched])
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         removed: list[BlockKey] = []
         for key in keys:
-            if key in self._writing:
-                self._cancelled.setdefault(key, True)
-                if key in self._reading:
-                    self._removed_while_reading.add(key)
-            if self._forget(key):
+            if key in self._state.writing:
+                self._state.cancelled.setdefault(key, True)
+                if key in self._state.reading:
+                    self._state.removed_while_reading.add(key)
+            if self._state.forget(key):
                 removed.append(key)
-        self._schedule_unlink(removed)
+        self._state.schedule_unlink(removed)
         return len(removed)
 
     def clear(self) -> int:
@@ -249,25 +247,25 @@ class DiskTier(DiskIndex, SecondaryTier):
         submitted afterwards wait for it, so they survive it). Writes in flight are cancelled:
         their files are removed when they complete. Returns the number of indexed blocks.
         """
-        count = len(self._index)
-        for key in list(self._index):
-            self._forget(key)
-        self._cancelled.update(dict.fromkeys(self._writing, False))
-        self._removed_while_reading.update(self._reading)
-        self._clear_epoch += 1
+        count = len(self._state.index)
+        for key in list(self._state.index):
+            self._state.forget(key)
+        self._state.cancelled.update(dict.fromkeys(self._state.writing, False))
+        self._state.removed_while_reading.update(self._state.reading)
+        self._state.clear_epoch += 1
         # The sweep runs after every unlink queued so far (none can then hit a newer file).
-        future = self._remove_files(None, [*self._unlinking.values(), self._clearing])
+        future = self._remove_files(None, [*self._state.unlinking.values(), self._state.clearing])
         if future is not None:
-            self._clearing = future
+            self._state.clearing = future
         return count
 
     def usage(self) -> TierUsage:
         """``used_bytes`` counts indexed blocks plus space reserved by writes in flight."""
         return TierUsage(
             medium=Medium.DISK,
-            used_bytes=self._used + self._reserved,
-            capacity_bytes=self._capacity,
-            num_blocks=len(self._index),
+            used_bytes=self._state.used + self._state.reserved,
+            capacity_bytes=self._state.capacity,
+            num_blocks=len(self._state.index),
         )
 
     def close(self) -> None:
@@ -286,20 +284,20 @@ class DiskTier(DiskIndex, SecondaryTier):
 
     @property
     def stats(self) -> DiskTierStats:
-        return DiskTierStats(**self._counts)
+        return DiskTierStats(**self._state.counts)
 
     @property
     def evictions(self) -> int:
-        return int(self._counts["evictions"])
+        return int(self._state.counts["evictions"])
 
     @property
     def block_bytes(self) -> int:
         """Bytes one block occupies on disk (all ranks, headers included)."""
-        return self._block_bytes
+        return self._state.block_bytes
 
     def lru_keys(self) -> list[BlockKey]:
         """Indexed keys, least recently used first (for tests and ``kvtier inspect``)."""
-        return list(self._index)
+        return list(self._state.index)
 
     def refresh(self) -> None:
         self.rescan()
@@ -312,15 +310,15 @@ class DiskTier(DiskIndex, SecondaryTier):
         the scan thread and its result is merged by a later :meth:`poll` (``wait=True``: now,
         blocking). Only new files are ``stat``-ed. A call while a scan runs does nothing.
         """
-        if self._closed or self._scan_running or self._clearing is not None:
+        if self._closed or self._state.scan_running or self._state.clearing is not None:
             return
-        self._scan_running = True
-        self._scan_forgotten = set()
-        self._scan_epoch = self._clear_epoch
-        known = list(self._index)  # a snapshot (C speed); the worker converts it to hex
-        gen = self._gen
+        self._state.scan_running = True
+        self._state.scan_forgotten = set()
+        self._state.scan_epoch = self._state.clear_epoch
+        known = list(self._state.index)  # a snapshot (C speed); the worker converts it to hex
+        gen = self._state.gen
         if wait:
-            self._merge_scan(self._layout.scan(known, self._file_bytes), scan_gen=gen)
+            self._state.merge_scan(self._layout.scan(known, self._file_bytes), scan_gen=gen)
         else:
             self._scan_pool.submit(self._scan_job, known, gen)
 
@@ -334,7 +332,7 @@ class DiskTier(DiskIndex, SecondaryTier):
     def _settle_write(self, job_id: int, key: BlockKey, error: IoError | None = None) -> bool:
         """Complete a write decided at submit, without a job: ok, or ``error`` (counted as dropped)."""
         if error is not None:
-            self._counts["writes_dropped"] += 1
+            self._state.counts["writes_dropped"] += 1
         self._done.put((_MSG_IO, IoResult(job_id, IoKind.WRITE, key, error is None, error=error), False))
         return True
 
@@ -369,7 +367,7 @@ class DiskTier(DiskIndex, SecondaryTier):
         error = io(self._layout, self._rank_digests, key, *args)
         seconds = time.perf_counter() - start
         if error is None:
-            nbytes = self._block_bytes if kind is IoKind.WRITE else self._payload_bytes * self._world
+            nbytes = self._state.block_bytes if kind is IoKind.WRITE else self._payload_bytes * self._world
             result = IoResult(job_id, kind, key, True, nbytes, seconds)
         else:
             result = IoResult(job_id, kind, key, False, 0, seconds, error)
@@ -392,7 +390,7 @@ class DiskTier(DiskIndex, SecondaryTier):
                 errors = disk_io.unlink_blocks(self._layout, keys)
         finally:
             if future is None:
-                self._counts["io_errors"] += errors  # closed: called on the caller's thread
+                self._state.counts["io_errors"] += errors  # closed: called on the caller's thread
             else:
                 future.set_result(None)
                 self._done.put((_MSG_REMOVED, keys, future, errors))

@@ -102,13 +102,13 @@ def kv_scales_present(config: Mapping[str, Any], folder: Path | None) -> bool:
 
 def validate_extra_config(extra: Mapping[str, Any]) -> tuple[Any, str | None, list[str]]:
     """Validate kvtier's ``kv_connector_extra_config`` with
-    :meth:`kvtier.config.KVTierConfig.from_extra_config`, without creating directories.
+    :meth:`kvtier.core.config.KVTierConfig.from_extra_config`, without creating directories.
 
     Returns ``(config or None, error message or None, notes)``. A ``root_dir`` that does not exist
     yet is checked for being creatable (its nearest existing parent writable) and validated in a
     temporary stand-in, with a note; so doctor never creates the disk tier's directory.
     """
-    from kvtier.config import DEFAULT_DISK_FRACTION, ConfigError, KVTierConfig
+    from kvtier.core.config import DEFAULT_DISK_FRACTION, ConfigError, KVTierConfig
 
     extra = json.loads(json.dumps(dict(extra)))  # a deep copy, as JSON
     notes: list[str] = []

@@ -6,7 +6,7 @@ the state of a :meth:`~kvtier.tiers.disk.DiskTier.clear` and of a rescan) and th
 apply a job's outcome to it. See "Index and capacity" in :mod:`kvtier.tiers.disk`.
 
 Threading: every method runs on the caller's (orchestrator's) thread; workers never touch this
-state, so it needs no lock. Nothing here does I/O: removing files is :meth:`DiskIndex._remove_files`,
+state, so it needs no lock. Nothing here does I/O: removing files goes through the ``remove_files`` callback,
 which the tier implements by queuing a job on its write pool.
 """
 
@@ -14,16 +14,15 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from kvtier.keys import BlockKey
-from kvtier.residency import ResidencyLog
+from kvtier.core.keys import BlockKey
+from kvtier.core.residency import ResidencyLog
 from kvtier.tiers.base import IoError, IoResult, Medium
-from kvtier.tiers.disk_layout import ScanResult
+from kvtier.tiers.disk.layout import ScanResult
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,89 +61,93 @@ class _Entry:
         self.gen = gen
 
 
-class DiskIndex(ABC):
-    """The caller-thread state of a disk tier and the rules that keep it consistent (no I/O)."""
+RemoveFiles = Callable[[list[BlockKey] | None, Iterable[Future | None]], Future | None]
+"""``remove_files(keys, earlier)``: queue the removal of ``keys``' files (None: every file of the
+namespace) after the ``earlier`` removals; returns the future resolved when the files are gone,
+or None if they are gone already. Provided by the tier, which owns the I/O threads."""
 
-    def __init__(self, *, block_bytes: int, capacity_bytes: int) -> None:
-        self._block_bytes = block_bytes
-        self._capacity = capacity_bytes
-        self._index: OrderedDict[BlockKey, _Entry] = OrderedDict()
-        self._used = 0  # bytes of indexed blocks
-        self._reserved = 0  # bytes of writes in flight
-        self._writing: set[BlockKey] = set()  # keys with a write in flight
+
+class DiskIndex:
+    """The caller-thread state of a disk tier and the rules that keep it consistent (no I/O).
+
+    Owned by one :class:`~kvtier.tiers.disk.DiskTier` and used only on its caller's thread; the
+    only I/O it causes goes through the ``remove_files`` callback the tier gives it.
+    """
+
+    def __init__(self, *, block_bytes: int, capacity_bytes: int, remove_files: RemoveFiles) -> None:
+        self._remove_files = remove_files
+        self.block_bytes = block_bytes
+        self.capacity = capacity_bytes
+        self.index: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        self.used = 0  # bytes of indexed blocks
+        self.reserved = 0  # bytes of writes in flight
+        self.writing: set[BlockKey] = set()  # keys with a write in flight
         # In-flight writes deleted meanwhile (files unlinked on completion) -> whether a new submit
         # of the key may revive them: yes after delete(), no after clear() (its sweep may race them).
-        self._cancelled: dict[BlockKey, bool] = {}
-        self._reading: dict[BlockKey, int] = {}  # keys with reads in flight (never evicted)
-        self._removed_while_reading: set[BlockKey] = set()  # such keys deleted meanwhile: never adopt
-        self._unlinking: dict[BlockKey, Future] = {}  # keys whose files an unlink job will remove
-        self._gen = 0  # bumped on every index insert
-        self._scan_running = False
-        self._scan_forgotten: set[BlockKey] = set()  # keys removed while a rescan runs
-        self._clearing: Future | None = None  # the sweep of clear(), until it is done
-        self._clear_epoch = 0  # bumped by clear(): a scan that saw the files before must not re-add them
-        self._scan_epoch = 0  # _clear_epoch when the running scan started
-        self._counts: dict[str, int | float] = dict.fromkeys(_STAT_FIELDS, 0)
+        self.cancelled: dict[BlockKey, bool] = {}
+        self.reading: dict[BlockKey, int] = {}  # keys with reads in flight (never evicted)
+        self.removed_while_reading: set[BlockKey] = set()  # such keys deleted meanwhile: never adopt
+        self.unlinking: dict[BlockKey, Future] = {}  # keys whose files an unlink job will remove
+        self.gen = 0  # bumped on every index insert
+        self.scan_running = False
+        self.scan_forgotten: set[BlockKey] = set()  # keys removed while a rescan runs
+        self.clearing: Future | None = None  # the sweep of clear(), until it is done
+        self.clear_epoch = 0  # bumped by clear(): a scan that saw the files before must not re-add them
+        self.scan_epoch = 0  # _clear_epoch when the running scan started
+        self.counts: dict[str, int | float] = dict.fromkeys(_STAT_FIELDS, 0)
         # Index inserts are STORED, index removals REMOVED (recorded once enabled by the owner).
         self.residency = ResidencyLog(Medium.DISK)
 
-    @abstractmethod
-    def _remove_files(self, keys: list[BlockKey] | None, earlier: Iterable[Future | None]) -> Future | None:
-        """Remove ``keys``' files (None: every file of the namespace) after the ``earlier`` removals.
-
-        Returns the future resolved when the files are gone, or None if they are gone already.
-        """
-
-    def _finish_removal(self, keys: list[BlockKey] | None, future: Future, errors: int) -> None:
+    def finish_removal(self, keys: list[BlockKey] | None, future: Future, errors: int) -> None:
         """An unlink of ``keys`` (None: a clear() sweep) resolved ``future`` with ``errors`` failures."""
-        self._counts["io_errors"] += errors
+        self.counts["io_errors"] += errors
         if keys is None:
-            if self._clearing is future:
-                self._clearing = None
+            if self.clearing is future:
+                self.clearing = None
         else:
             for key in keys:
-                if self._unlinking.get(key) is future:
-                    del self._unlinking[key]
+                if self.unlinking.get(key) is future:
+                    del self.unlinking[key]
 
-    def _touch_one(self, key: BlockKey, now: float) -> bool:
-        entry = self._index.get(key)
+    def touch_one(self, key: BlockKey, now: float) -> bool:
+        entry = self.index.get(key)
         if entry is None:
             return False
         entry.last_use = now
-        self._index.move_to_end(key)
+        self.index.move_to_end(key)
         return True
 
-    def _insert(self, key: BlockKey, last_use: float) -> None:
-        self._gen += 1
-        self._index[key] = _Entry(self._block_bytes, last_use, self._gen)
-        self._used += self._block_bytes
+    def insert(self, key: BlockKey, last_use: float) -> None:
+        self.gen += 1
+        self.index[key] = _Entry(self.block_bytes, last_use, self.gen)
+        self.used += self.block_bytes
         self.residency.stored(key)
 
-    def _forget(self, key: BlockKey) -> bool:
-        entry = self._index.pop(key, None)
+    def forget(self, key: BlockKey) -> bool:
+        entry = self.index.pop(key, None)
         if entry is None:
             return False
-        self._used -= entry.nbytes
+        self.used -= entry.nbytes
         self.residency.removed(key)
-        if self._scan_running:
-            self._scan_forgotten.add(key)
-        if key in self._reading:
-            self._removed_while_reading.add(key)
+        if self.scan_running:
+            self.scan_forgotten.add(key)
+        if key in self.reading:
+            self.removed_while_reading.add(key)
         return True
 
-    def _evict(self, extra: int = 0, *, all_or_nothing: bool = False) -> bool:
+    def evict(self, extra: int = 0, *, all_or_nothing: bool = False) -> bool:
         """Evict LRU blocks (not being read) until ``extra`` more bytes fit in the capacity.
 
         With ``all_or_nothing``, evicts nothing and returns False when that is impossible;
         otherwise evicts as many as it can.
         """
-        if extra > self._capacity:
+        if extra > self.capacity:
             return False
-        over = self._used + self._reserved + extra - self._capacity
+        over = self.used + self.reserved + extra - self.capacity
         victims: list[BlockKey] = []
         if over > 0:
-            for key, entry in self._index.items():
-                if key not in self._reading:
+            for key, entry in self.index.items():
+                if key not in self.reading:
                     victims.append(key)
                     over -= entry.nbytes
                     if over <= 0:
@@ -153,49 +156,49 @@ class DiskIndex(ABC):
                 if all_or_nothing:
                     return False  # not enough evictable blocks: evict nothing
         for key in victims:
-            self._forget(key)
-        self._counts["evictions"] += len(victims)
-        self._schedule_unlink(victims)
+            self.forget(key)
+        self.counts["evictions"] += len(victims)
+        self.schedule_unlink(victims)
         return True
 
-    def _schedule_unlink(self, keys: list[BlockKey]) -> None:
+    def schedule_unlink(self, keys: list[BlockKey]) -> None:
         if not keys:
             return
-        reading = self._reading
-        self._removed_while_reading.update(key for key in keys if key in reading)
+        reading = self.reading
+        self.removed_while_reading.update(key for key in keys if key in reading)
         # Earlier unlinks of these keys still pending: this one runs after them, so a write that
         # waits for the latest unlink of its key (see submit_write) waits for all of them.
-        future = self._remove_files(keys, map(self._unlinking.get, keys))
+        future = self._remove_files(keys, map(self.unlinking.get, keys))
         if future is not None:
             for key in keys:
-                self._unlinking[key] = future
+                self.unlinking[key] = future
 
-    def _finish_read(self, result: IoResult, gen: int | None) -> None:
+    def finish_read(self, result: IoResult, gen: int | None) -> None:
         key = result.key
-        left = self._reading.get(key, 0) - 1
-        removed_meanwhile = key in self._removed_while_reading
+        left = self.reading.get(key, 0) - 1
+        removed_meanwhile = key in self.removed_while_reading
         if left > 0:
-            self._reading[key] = left
+            self.reading[key] = left
         else:
-            self._reading.pop(key, None)
-            self._removed_while_reading.discard(key)
-        counts = self._counts
+            self.reading.pop(key, None)
+            self.removed_while_reading.discard(key)
+        counts = self.counts
         if result.ok:
             counts["reads_ok"] += 1
             counts["bytes_read"] += result.num_bytes
             counts["read_seconds"] += result.seconds
             if (
-                not self._touch_one(key, time.time())
+                not self.touch_one(key, time.time())
                 and gen is None
                 and not removed_meanwhile
-                and key not in self._writing
-                and key not in self._unlinking
-                and self._clearing is None
+                and key not in self.writing
+                and key not in self.unlinking
+                and self.clearing is None
             ):
                 # Not indexed at submit, found on disk: written by another process. Adopt it.
                 # (Indexed at submit and gone now, or deleted since: it was removed on purpose.)
-                self._insert(key, time.time())
-                self._evict()
+                self.insert(key, time.time())
+                self.evict()
             return
         if result.error is IoError.NOT_FOUND:
             counts["read_misses"] += 1
@@ -204,49 +207,49 @@ class DiskIndex(ABC):
         else:
             counts["io_errors"] += 1
             return  # maybe transient: keep the block
-        entry = self._index.get(key)
+        entry = self.index.get(key)
         if entry is not None and entry.gen == gen:  # not rewritten since the read was submitted
-            self._forget(key)
+            self.forget(key)
             if result.error is IoError.CORRUPT:
-                self._schedule_unlink([key])  # the other ranks' files are useless now
+                self.schedule_unlink([key])  # the other ranks' files are useless now
 
-    def _finish_write(self, result: IoResult) -> None:
+    def finish_write(self, result: IoResult) -> None:
         key = result.key
-        self._writing.discard(key)
-        self._reserved -= self._block_bytes
-        counts = self._counts
+        self.writing.discard(key)
+        self.reserved -= self.block_bytes
+        counts = self.counts
         if not result.ok:
             counts["io_errors"] += 1
-            self._cancelled.pop(key, None)
+            self.cancelled.pop(key, None)
             return
         counts["writes_ok"] += 1
         counts["bytes_written"] += result.num_bytes
         counts["write_seconds"] += result.seconds
-        if key in self._cancelled:
-            del self._cancelled[key]
-            self._schedule_unlink([key])
+        if key in self.cancelled:
+            del self.cancelled[key]
+            self.schedule_unlink([key])
             return
-        if key not in self._index:
-            self._insert(key, time.time())
-        self._evict()
+        if key not in self.index:
+            self.insert(key, time.time())
+        self.evict()
 
-    def _merge_scan(self, result: ScanResult, scan_gen: int | None) -> None:
+    def merge_scan(self, result: ScanResult, scan_gen: int | None) -> None:
         """Apply a scan. ``scan_gen`` None: the start-up scan (the index is empty)."""
-        self._counts["corrupt_quarantined"] += result.quarantined
-        self._counts["io_errors"] += result.io_errors
-        forgotten = self._scan_forgotten
-        self._scan_running = False
-        self._scan_forgotten = set()
-        index = self._index
-        if scan_gen is not None and (self._scan_epoch != self._clear_epoch or self._clearing is not None):
+        self.counts["corrupt_quarantined"] += result.quarantined
+        self.counts["io_errors"] += result.io_errors
+        forgotten = self.scan_forgotten
+        self.scan_running = False
+        self.scan_forgotten = set()
+        index = self.index
+        if scan_gen is not None and (self.scan_epoch != self.clear_epoch or self.clearing is not None):
             return  # clear() ran since the scan started: what it saw is being swept
         if scan_gen is not None:
             # Indexed before the scan started, no longer complete on disk: another process removed it.
             for hex_key in result.vanished:
                 key = bytes.fromhex(hex_key)
                 entry = index.get(key)
-                if entry is not None and entry.gen <= scan_gen and key not in self._reading:
-                    self._forget(key)
+                if entry is not None and entry.gen <= scan_gen and key not in self.reading:
+                    self.forget(key)
         # New blocks go to the MRU end in mtime order (at start-up: the whole index, oldest first).
         result.new.sort()
         fromhex = bytes.fromhex
@@ -256,8 +259,8 @@ class DiskIndex(ABC):
             except ValueError:  # not a name kvtier writes: leave the file alone
                 continue
             if scan_gen is not None and (
-                key in index or key in self._writing or key in self._unlinking or key in forgotten
+                key in index or key in self.writing or key in self.unlinking or key in forgotten
             ):
                 continue
-            self._insert(key, mtime_ns / 1e9)
-        self._evict()
+            self.insert(key, mtime_ns / 1e9)
+        self.evict()

@@ -1,13 +1,13 @@
 """Capacity planning for KV offloading: the arithmetic behind ``kvtier plan`` (and ``doctor``).
 
-From a model's ``config.json`` (:class:`~kvtier.layout.ModelKVGeometry`, :mod:`kvtier.weights`)
+From a model's ``config.json`` (:class:`~kvtier.planning.geometry.ModelKVGeometry`, :mod:`kvtier.planning.weights`)
 and a deployment (:class:`PlanInputs`), :func:`make_plan` derives the KV bytes per token, the
 accelerator's KV budget after weights, how many sequences fit there, the host tier size to
 configure (``cpu_bytes_to_use`` / ``--kv-offloading-size``: TOTAL across tensor-parallel ranks),
 a disk tier size, and the time to load one context from each tier against recomputing it.
 
 Every assumption is a named constant below and is repeated in :attr:`Plan.assumptions`.
-Pure Python: no torch, no vLLM (:mod:`kvtier.model_source` finds model configs).
+Pure Python: no torch, no vLLM (:mod:`kvtier.planning.model_source` finds model configs).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtier.layout import ModelConfigError, ModelKVGeometry, dtype_bytes, text_config
-from kvtier.weights import ParamCount, count_parameters, weight_bytes
+from kvtier.planning.geometry import ModelConfigError, ModelKVGeometry, dtype_bytes, text_config
+from kvtier.planning.weights import ParamCount, count_parameters, weight_bytes
 
 GIB = 2**30
 DEFAULT_GPU_MEMORY_GIB = 80.0
@@ -143,7 +143,7 @@ def prefill_flops(
 def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan:
     """The plan for ``config`` (a Hugging Face config dict) under ``inputs``.
 
-    Raises :class:`~kvtier.layout.ModelConfigError` for configs it cannot read and ``ValueError``
+    Raises :class:`~kvtier.planning.geometry.ModelConfigError` for configs it cannot read and ``ValueError``
     for impossible inputs.
     """
     if inputs.tp < 1 or inputs.concurrency < 1 or inputs.block_size < 1:

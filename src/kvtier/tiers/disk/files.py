@@ -1,6 +1,6 @@
 """Block file I/O of the disk tier: what its worker threads do with the files.
 
-Pure functions on paths (a :class:`~kvtier.tiers.disk_layout.DiskLayout`) and buffers. They
+Pure functions on paths (a :class:`~kvtier.tiers.disk.layout.DiskLayout`) and buffers. They
 never touch the tier's in-memory index or completion queue and never raise for an I/O failure:
 they return what happened (an :class:`~kvtier.tiers.base.IoError`, or a count of failed
 unlinks) and the tier posts it for :meth:`~kvtier.tiers.disk.DiskTier.poll` to apply.
@@ -17,7 +17,7 @@ import os
 import secrets
 from collections.abc import Sequence
 
-from kvtier.keys import BlockKey
+from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError
 from kvtier.tiers.blockfile import (
     HEADER_LEN,
@@ -28,7 +28,7 @@ from kvtier.tiers.blockfile import (
     payload_checksum,
     payload_hasher,
 )
-from kvtier.tiers.disk_layout import DiskLayout, unlink_quiet
+from kvtier.tiers.disk.layout import DiskLayout, unlink_quiet
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,42 @@
+"""Worker-side copies between the engine's paged KV tensors and the host tier's slots.
+
+Runs inside each vLLM worker process (one engine per rank). :mod:`~kvtier.copy.base` is the
+contract (:class:`CopyEngine` and its ordering rules), :mod:`~kvtier.copy.pages` the byte-page
+views and the page copy, :mod:`~kvtier.copy.cpu` the implementation for KV in host memory.
+:func:`make_copy_engine` picks the implementation for the KV tensors' device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
+from kvtier.copy.pages import BlockCopier, HostSlots, PagedKV
+
+__all__ = [
+    "BlockCopier", "CopyDone", "CopyEngine", "Direction", "HostSlots", "PageCopy", "PagedKV",
+    "make_copy_engine", "pin_host_memory",
+]
+
+
+def make_copy_engine(kv: PagedKV, host: HostSlots) -> CopyEngine:
+    """The copy engine for the engine's paged KV ``kv`` and one rank's ``host`` slots."""
+    from kvtier.copy.cpu import CpuCopyEngine
+
+    return CpuCopyEngine(BlockCopier(kv, host))
+
+
+def pin_host_memory(buffer: torch.Tensor):
+    """Page-lock ``buffer`` for async device copies on CUDA; returns the undo. No-op elsewhere."""
+    import logging
+
+    if not torch.cuda.is_available():
+        return lambda: None
+    cudart = torch.cuda.cudart()
+    ptr, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    err = cudart.cudaHostRegister(ptr, size, 0)
+    if err != 0:
+        logging.getLogger(__name__).warning(
+            "kvtier: cudaHostRegister of %d bytes failed (%s); copies stay pageable", size, err)
+        return lambda: None
+    return lambda: cudart.cudaHostUnregister(ptr)

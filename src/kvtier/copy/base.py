@@ -1,0 +1,83 @@
+"""The worker-side copy contract: whole pages between the engine's paged KV and one rank's host slots.
+
+This is the counterpart of the tier contract (:mod:`kvtier.tiers.base`) on the worker side. A
+vLLM worker process builds one :class:`CopyEngine` per rank when vLLM registers its KV caches
+(:func:`kvtier.copy.make_copy_engine` picks the implementation for the KV tensors' device) and
+drives it from the worker's main thread only:
+
+- :meth:`CopyEngine.start_load` before the step's forward: host slots -> engine pages;
+- :meth:`CopyEngine.start_store` after the forward queued its KV writes: engine pages -> host slots;
+- :meth:`CopyEngine.poll` every step: the jobs whose copies have completed;
+- :meth:`CopyEngine.wait` only when vLLM is about to reuse engine blocks a store still reads.
+
+Ordering contract (what makes a hit bit-exact on any device):
+
+- a load's bytes are visible to every engine operation issued after ``start_load`` returns (on
+  CPU the copy is done on return; on CUDA the compute stream waits for the copy's event);
+- a store copies the engine pages as they are once every engine write issued before
+  ``start_store`` has completed (on CUDA the copy stream first waits for an event recorded on the
+  compute stream at the call);
+- a job is reported by :meth:`~CopyEngine.poll` only once its copies have completed: only then
+  may the scheduler unpin a load's host slots, or publish a store's slots as READY.
+
+Buffers: the engine owns the KV tensors, the host tier owns the slots; the caller keeps the
+pages of a job untouched (engine blocks not reused, host slots pinned) until the job is polled.
+A failed copy is a :class:`CopyDone` with ``ok=False``, never an exception into the engine.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+
+class Direction(enum.Enum):
+    STORE = "engine_to_host"
+    LOAD = "host_to_engine"
+
+
+@dataclass(frozen=True, slots=True)
+class PageCopy:
+    """One page: engine block ``block_id`` <-> page ``sub`` of the kvtier block in host ``slot``."""
+
+    slot: int
+    sub: int
+    block_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class CopyDone:
+    """Completion of one job: bytes moved and the seconds from start to observed completion."""
+
+    job_id: int
+    direction: Direction
+    ok: bool
+    num_bytes: int
+    seconds: float
+
+
+class CopyEngine(ABC):
+    """Moves pages of one rank. See the module docstring for the ordering contract."""
+
+    @abstractmethod
+    def start_load(self, job_id: int, pages: Sequence[PageCopy]) -> None:
+        """Copy host slots into engine pages, ordered before any engine work issued afterwards."""
+
+    @abstractmethod
+    def start_store(self, job_id: int, pages: Sequence[PageCopy]) -> None:
+        """Copy engine pages into host slots, ordered after every engine write issued before."""
+
+    @abstractmethod
+    def poll(self) -> list[CopyDone]:
+        """Jobs completed since the last call, loads and stores. Never blocks."""
+
+    @abstractmethod
+    def wait(self, job_ids: Iterable[int] | None = None) -> None:
+        """Block until ``job_ids`` (default: every started job) have completed; they are still
+        reported by the next :meth:`poll`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish every started job, then release threads and streams. Idempotent."""
