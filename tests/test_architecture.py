@@ -27,7 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "runtime": {"core", "policy", "tiers"},
     "vllm": {"core", "policy", "tiers", "copy", "runtime"},
     # operator side
-    "models": set(),
+    "models": {"core"},
     "planning": {"models"},
     "launch": {"core", "models"},
     "doctor": {"core", "planning", "launch", "models"},

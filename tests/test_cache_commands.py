@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.namespaces import toy_namespace
 
 from kvtier.cachetools import PurgeSelection, inspect_cache, parse_duration, purge_cache, verify_cache
 from kvtier.cli.main import main
@@ -28,20 +29,19 @@ BLOCKS = {"smol": 6, "qwen": 4}
 DAY = 86400.0
 
 
-def make_namespace(model: str, layers: int) -> Namespace:
-    return Namespace(model_name=model, model_digest="ab" * 16, kv_dtype="bfloat16", num_layers=layers,
-                     num_kv_heads=3, head_size=64, attention_kind="mha", block_tokens=16,
-                     page_format="cpu:default", tp_size=WORLD)
+def make_namespace(layers: int) -> Namespace:
+    return toy_namespace(layers=layers, kv_heads=3, head_size=64, block_tokens=16, kv_dtype="bfloat16", tp_size=WORLD)
 
 
-NAMESPACES = {"smol": make_namespace("SmolLM2-135M-Instruct", 30), "qwen": make_namespace("Qwen3-0.6B", 28)}
+NAMESPACES = {"smol": make_namespace(30), "qwen": make_namespace(28)}
+MODEL_NAMES = {"smol": "SmolLM2-135M-Instruct", "qwen": "Qwen3-0.6B"}
 
 
-def open_tier(root: Path, ns: Namespace) -> DiskTier:
+def open_tier(root: Path, ns: Namespace, model_name: str) -> DiskTier:
     """A tier as the connector builds it (scheduler_side.py), on a small payload."""
     return DiskTier(
-        root_dir=root, model_name=ns.model_name, engine_digest=ns.digest,
-        rank_digests=[ns.for_rank(rank).digest for rank in range(WORLD)], namespace_json=ns.canonical_json(),
+        root_dir=root, model_name=model_name, engine_digest=ns.digest,
+        rank_digests=ns.rank_digests(), namespace_json=ns.config_json(model_name),
         payload_bytes=PAYLOAD, capacity_bytes=1 << 20, n_read_threads=1, n_write_threads=1, max_pending_writes=64,
     )
 
@@ -73,7 +73,7 @@ class Cache:
 
     def layout(self, name: str) -> DiskLayout:
         ns = NAMESPACES[name]
-        return DiskLayout(self.root, ns.model_name, ns.digest, WORLD, 0)
+        return DiskLayout(self.root, MODEL_NAMES[name], ns.digest, WORLD, 0)
 
     def prefix(self, name: str) -> str:
         return self.layout(name).prefix
@@ -95,7 +95,7 @@ class Cache:
 def cache(tmp_path: Path) -> Cache:
     """Two namespaces of two ranks, written through DiskTier; block i of each is i days old."""
     for name, count in BLOCKS.items():
-        tier = open_tier(tmp_path, NAMESPACES[name])
+        tier = open_tier(tmp_path, NAMESPACES[name], MODEL_NAMES[name])
         for i in range(count):
             sources = [memoryview(os.urandom(PAYLOAD)) for _ in range(WORLD)]
             assert tier.submit_write(i, key_of(name, i), NAMESPACES[name].digest, 16, sources)
@@ -141,9 +141,11 @@ def test_inspect_counts_bytes_ages_without_reading_blocks(cache: Cache, monkeypa
     smol, qwen = sorted(inventory.namespaces, key=lambda ns: ns.model != "SmolLM2-135M-Instruct")
     assert (smol.prefix, qwen.prefix) == (cache.prefix("smol"), cache.prefix("qwen"))
     assert smol.digest16 == NAMESPACES["smol"].digest.hex()[:16] and smol.config_problem is None
-    assert smol.layout == {"kv_dtype": "bfloat16", "num_layers": 30, "num_kv_heads": 3, "head_size": 64,
-                           "block_tokens": 16, "tp_size": 2, "pp_size": 1, "attention_kind": "mha",
-                           "page_format": "cpu:default"}
+    assert smol.layout == {"spec_version": "kvtier/2", "kv_dtype": "bfloat16", "num_layers": 30, "num_kv_heads": 3,
+                           "head_size": 64, "block_tokens": 16, "engine_block_tokens": 16, "tp_size": 2,
+                           "pp_size": 1, "attention_kind": "full_attention", "backends": ["CPU_ATTN"],
+                           "weights": "blake3:0000000000000000", "dtype": "bfloat16"}
+    assert not smol.older_spec
     assert (smol.complete_blocks, smol.incomplete_blocks, smol.block_files) == (5, 1, 11)
     assert smol.block_bytes == 11 * FILE_BYTES
     assert smol.ages == {"<1h": 1, "<1d": 0, "<7d": 5, "<30d": 0, "older": 0}  # days 0 | 1,2,3,4(r1),5
@@ -296,7 +298,7 @@ def test_purge_refuses_without_or_with_bad_selectors(cache: Cache) -> None:
 
 
 def test_purge_while_a_tier_is_open(cache: Cache) -> None:
-    tier = open_tier(cache.root, NAMESPACES["smol"])
+    tier = open_tier(cache.root, NAMESPACES["smol"], MODEL_NAMES["smol"])
     try:
         key = key_of("smol", 2)
         assert tier.contains(key) and tier.usage().num_blocks == 6
@@ -319,3 +321,32 @@ def test_purge_while_a_tier_is_open(cache: Cache) -> None:
     writer_tmp.unlink()
     code, out = run("purge", cache.root, "--namespace", cache.prefix("smol"))
     assert code == 0 and "removed 1 blocks, 2 files" in out and "config.json removed" in out
+
+
+KVTIER1_CONFIG = {  # what a "kvtier/1" root's config.json held
+    "attention_kind": "mha", "block_tokens": 128, "head_size": 64, "kv_dtype": "float32",
+    "model_digest": "0" * 32, "model_name": "SmolLM2-135M-Instruct", "num_kv_heads": 3, "num_layers": 30,
+    "page_format": "cpu:default", "pp_rank": 0, "pp_size": 1, "spec_version": "kvtier/1", "tp_rank": 0, "tp_size": 1,
+}
+
+
+def test_older_spec_roots_are_shown_and_purged(cache: Cache) -> None:
+    """A root written by kvtier/1 is never read by this spec: inspect says so; purge --older-spec removes it."""
+    old = DiskLayout(cache.root, "SmolLM2-135M-Instruct", bytes.fromhex("71b2536663476fda"), 1, 0)
+    old.create(json.dumps(KVTIER1_CONFIG))
+    hex_key = "ab" * 32
+    path = Path(old.path(hex_key, 0))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(b"x" * FILE_BYTES)
+    inventory = inspect_cache(cache.root)
+    (older,) = [ns for ns in inventory.namespaces if ns.prefix == old.prefix]
+    assert older.older_spec and older.layout["spec_version"] == "kvtier/1" and older.complete_blocks == 1
+    assert not any(ns.older_spec for ns in inventory.namespaces if ns.prefix != old.prefix)
+    code, out = run("inspect", cache.root)
+    assert code == 0 and "older key spec" in out
+    code, out = run("purge", cache.root, "--older-spec", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert [ns["prefix"] for ns in data["namespaces"]] == [old.prefix] and data["namespaces"][0]["config_removed"]
+    assert not path.exists() and not os.path.exists(old.ns_dir)
+    assert {ns.prefix for ns in inspect_cache(cache.root).namespaces} == {cache.prefix("smol"), cache.prefix("qwen")}

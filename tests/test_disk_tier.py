@@ -459,9 +459,10 @@ def test_write_io_error_leaves_no_files(tmp_path, tiers):
 def test_config_mismatch_names_the_directory(tmp_path, tiers):
     tiers(tmp_path).close()
     with pytest.raises(ValueError, match=f"SmolLM2-135M_{ENGINE.hex()[:16]}"):
-        make_tier(tmp_path, namespace_json='{"model_name":"other"}')
-    # Same JSON, other formatting: accepted.
+        make_tier(tmp_path, namespace_json='{"model_name":"test","tp_size":3}')
+    # Same JSON, other formatting: accepted; so is another display name (not part of the identity).
     tiers(tmp_path, namespace_json='{"model_name": "test", "tp_size": 2}').close()
+    tiers(tmp_path, namespace_json='{"model_name": "renamed", "tp_size": 2}').close()
 
 
 def test_stale_temp_files(tmp_path, tiers):

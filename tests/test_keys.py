@@ -1,27 +1,48 @@
-"""Key spec "kvtier/1": pinned vectors so the spec cannot drift silently."""
+"""Key spec "kvtier/2": pinned vectors so the spec cannot drift silently."""
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 
 import blake3
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvtier.core.keys import BlockExtras, Namespace, block_key, chain_block_keys
+from kvtier.core.keys import (
+    KEY_SPEC_VERSION,
+    BlockExtras,
+    ModelIdentity,
+    Namespace,
+    PageFormat,
+    SpecVersionError,
+    block_key,
+    chain_block_keys,
+)
 
-NS = Namespace("SmolLM2-135M-Instruct", "0" * 32, "float32", 30, 3, 64, "mha", 128, "cpu:default")
+NS = Namespace(
+    model=ModelIdentity(weights="blake3:" + "0" * 64, config="c" * 32, dtype="float32"),
+    ranks=(PageFormat(128, "float32", "LBHNC", "full_attention", ("CPU_ATTN",), 30, 3, 64, 196608, "d" * 32),),
+    block_tokens=128,
+)
+NS_DIGEST = "aeec42fa5ab2e5d95ba5d02b9cfaa2ca53f19cefac7a98d8f46a566e8506d521"
+CHAINED = "85547d7c796189f7af4f5c045c80f87f18bccec238a0ef2b102547655a0a558b"  # key of block 1 of 0..255
+SALTED = "c81e322b3ec8cfa359e79927bf012978f36f61e078a0397060414f342888e7e2"  # lora "blake3:a", salt "t"
+MULTIMODAL = "dab40bc4ce386b909a3f12d67ee20b67ba71acca0cfa77aa7975c1c7ece25e26"  # mm hash "h1"
 
 
 def test_namespace_canonical_json_and_digest_are_pinned():
     assert NS.canonical_json() == (
-        '{"attention_kind":"mha","block_tokens":128,"head_size":64,"kv_dtype":"float32",'
-        '"model_digest":"00000000000000000000000000000000","model_name":"SmolLM2-135M-Instruct",'
-        '"num_kv_heads":3,"num_layers":30,"page_format":"cpu:default","pp_rank":0,"pp_size":1,'
-        '"spec_version":"kvtier/1","tp_rank":0,"tp_size":1}'
+        '{"block_tokens":128,"model":{"config":"cccccccccccccccccccccccccccccccc","dtype":"float32",'
+        '"overrides":"","quantization":"","weights":"blake3:0000000000000000000000000000000000000000000000000000000000000000"},'
+        '"pp_size":1,"rank":0,"ranks":[{"attention":"full_attention","backends":["CPU_ATTN"],'
+        '"engine_block_tokens":128,"head_size":64,"kv_dtype":"float32","kv_scales":"","layout":"LBHNC",'
+        '"num_kv_heads":3,"num_layers":30,"page_bytes":196608,"pages":"dddddddddddddddddddddddddddddddd"}],'
+        '"spec_version":"kvtier/2","tp_size":1}'
     )
-    assert NS.digest.hex() == "71b2536663476fda1334024fdab208f840bd56aa959598e22636f147f0a4767e"
+    assert NS.digest.hex() == NS_DIGEST
 
 
 def test_block_key_is_blake3_of_parent_tokens_le_u32_and_extras():
@@ -32,23 +53,22 @@ def test_block_key_is_blake3_of_parent_tokens_le_u32_and_extras():
 
 def test_chained_keys_are_pinned():
     keys = chain_block_keys(NS.digest, list(range(256)), 128)
-    assert keys[1].hex() == "13f0e80649984bd3a9bc178fded7c40db882833c7f46a4c43b2fffbb49e0eb58"
+    assert keys[1].hex() == CHAINED
     assert keys[1] == block_key(keys[0], list(range(128, 256)))
-    salted = chain_block_keys(NS.digest, list(range(128)), 128, BlockExtras(lora_name="a", cache_salt="t"))
-    assert salted[0].hex() == "11b74d867946ec88471d6722230e35cc110ed4571085bd0390220fb881e2380f"
+    salted = chain_block_keys(NS.digest, list(range(128)), 128, BlockExtras(lora="blake3:a", cache_salt="t"))
+    assert salted[0].hex() == SALTED
     mm = chain_block_keys(NS.digest, list(range(128)), 128, BlockExtras(mm_hashes=("h1",)))
-    assert mm[0].hex() == "12b87f37748d328149bdca9a2bb40df5f50979f071f63f9045c6178a710b61a5"
+    assert mm[0].hex() == MULTIMODAL
 
 
 def test_keys_identical_in_a_fresh_process_with_another_hash_seed():
     code = (
-        "from kvtier.core.keys import *;"
-        "ns=Namespace('SmolLM2-135M-Instruct','0'*32,'float32',30,3,64,'mha',128,'cpu:default');"
-        "print(chain_block_keys(ns.digest, list(range(256)), 128)[1].hex())"
+        "import sys; sys.path.insert(0, %r); from test_keys import NS; from kvtier.core.keys import chain_block_keys;"
+        "print(chain_block_keys(NS.digest, list(range(256)), 128)[1].hex())" % os.path.dirname(__file__)
     )
     env = {**os.environ, "PYTHONHASHSEED": "12345"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "13f0e80649984bd3a9bc178fded7c40db882833c7f46a4c43b2fffbb49e0eb58"
+    assert out.stdout.strip() == CHAINED
 
 
 def test_partial_block_gets_no_key_and_incremental_extension_matches():
@@ -60,17 +80,58 @@ def test_partial_block_gets_no_key_and_incremental_extension_matches():
     assert first + rest == full
 
 
-def test_every_namespace_field_changes_the_digest():
-    for f in dataclasses.fields(NS):
-        value = getattr(NS, f.name)
-        changed = value + 1 if isinstance(value, int) else value + "x"
-        assert dataclasses.replace(NS, **{f.name: changed}).digest != NS.digest, f.name
+def _changed(value):
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, tuple):
+        return value + ("x",)
+    return value + "x"
+
+
+def test_every_identity_field_changes_the_digest():
+    """The weights, the config, every page-format field, the block size, the parallel layout."""
+    for f in dataclasses.fields(NS.model):
+        model = dataclasses.replace(NS.model, **{f.name: _changed(getattr(NS.model, f.name))})
+        assert dataclasses.replace(NS, model=model).digest != NS.digest, f"model.{f.name}"
+    page = NS.ranks[0]
+    for f in dataclasses.fields(page):
+        other = dataclasses.replace(page, **{f.name: _changed(getattr(page, f.name))})
+        assert dataclasses.replace(NS, ranks=(other,)).digest != NS.digest, f"page.{f.name}"
+    assert dataclasses.replace(NS, block_tokens=256).digest != NS.digest
+    assert dataclasses.replace(NS, tp_size=2, ranks=(page, page)).digest != NS.digest
+    assert dataclasses.replace(NS, spec_version="kvtier/1").digest != NS.digest
+
+
+def test_engine_block_size_alone_changes_the_namespace():
+    """The hole of kvtier/1: 64- and 128-token engine pages behind one 256-token offload block."""
+    page = NS.ranks[0]
+    small = dataclasses.replace(page, engine_block_tokens=64, page_bytes=page.page_bytes // 2)
+    big = dataclasses.replace(page, engine_block_tokens=128)
+    ns64 = dataclasses.replace(NS, block_tokens=256, ranks=(small,))
+    ns128 = dataclasses.replace(NS, block_tokens=256, ranks=(big,))
+    assert ns64.digest != ns128.digest
+    assert chain_block_keys(ns64.digest, list(range(256)), 256) != chain_block_keys(ns128.digest, list(range(256)), 256)
 
 
 def test_rank_namespaces_differ_but_share_the_engine_digest():
-    tp = dataclasses.replace(NS, tp_size=2)
+    page = NS.ranks[0]
+    tp = dataclasses.replace(NS, tp_size=2, ranks=(page, page))
     assert tp.for_rank(0).digest != tp.for_rank(1).digest
-    assert tp.for_rank(1).rank_independent_digest == tp.digest
+    assert tp.for_rank(1).engine_digest == tp.digest == tp.rank_digests()[0]
+
+
+def test_config_json_round_trip_and_display_name_outside_the_digest():
+    data = json.loads(NS.config_json("SmolLM2-135M-Instruct"))
+    assert data["model_name"] == "SmolLM2-135M-Instruct"
+    assert Namespace.from_dict(data) == NS
+    assert json.loads(NS.config_json("other name"))["spec_version"] == KEY_SPEC_VERSION == "kvtier/2"
+
+
+def test_older_spec_is_refused_by_name():
+    with pytest.raises(SpecVersionError, match="kvtier/1"):
+        Namespace.from_dict({"spec_version": "kvtier/1", "model_name": "x", "model_digest": "0" * 32})
 
 
 @given(
@@ -81,10 +142,10 @@ def test_rank_namespaces_differ_but_share_the_engine_digest():
 )
 def test_extras_encoding_is_injective_enough(tokens, lora, salt, mm):
     base = chain_block_keys(NS.digest, tokens, 8)[0]
-    extras = BlockExtras(lora_name=lora, cache_salt=salt, mm_hashes=tuple(mm))
+    extras = BlockExtras(lora=lora, cache_salt=salt, mm_hashes=tuple(mm))
     keyed = chain_block_keys(NS.digest, tokens, 8, extras)[0]
     assert (keyed == base) == (extras.encode() == b"")
     # swapping the lora name into the salt field must give another key
     if lora is not None and lora != salt:
-        swapped = BlockExtras(lora_name=salt, cache_salt=lora, mm_hashes=tuple(mm))
+        swapped = BlockExtras(lora=salt, cache_salt=lora, mm_hashes=tuple(mm))
         assert chain_block_keys(NS.digest, tokens, 8, swapped)[0] != keyed

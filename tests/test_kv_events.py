@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 
 import pytest
+from support.namespaces import toy_namespace
 from vllm import SamplingParams
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, maybe_convert_block_hash
 from vllm.v1.request import Request
 
-from kvtier.core.keys import Namespace, chain_block_keys
+from kvtier.core.keys import chain_block_keys
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.orchestrator import BlockInfo, HostBytes, Orchestrator
 from kvtier.tiers.disk import DiskTier
@@ -23,7 +24,7 @@ ENGINE_BLOCK = 4
 PAGES = 2  # kvtier block = 2 engine blocks
 BLOCK = ENGINE_BLOCK * PAGES
 SLOT = 256
-NS = Namespace("toy", "0" * 32, "float32", 2, 1, 8, "mha", BLOCK, "test")
+NS = toy_namespace(block_tokens=BLOCK)
 
 
 def published(hashes) -> list:
@@ -44,7 +45,7 @@ def make_orchestrator(tmp_path, num_slots: int) -> Orchestrator:
     if tmp_path is not None:
         disk = DiskTier(
             root_dir=tmp_path, model_name="toy", engine_digest=NS.digest, rank_digests=[NS.for_rank(0).digest],
-            namespace_json=NS.canonical_json(), payload_bytes=SLOT, capacity_bytes=10**7,
+            namespace_json=NS.config_json("toy"), payload_bytes=SLOT, capacity_bytes=10**7,
             n_read_threads=1, n_write_threads=1, max_pending_writes=16,
         )
     host_bytes = HostBytes([memoryview(bytearray(SLOT * num_slots))], SLOT)

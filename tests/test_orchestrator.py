@@ -4,15 +4,16 @@ import time
 from pathlib import Path
 
 import pytest
+from support.namespaces import toy_namespace
 
-from kvtier.core.keys import Namespace, chain_block_keys
+from kvtier.core.keys import chain_block_keys
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostIndex
 
 SLOT = 4096
-NS = Namespace("toy", "0" * 32, "float32", 2, 1, 8, "mha", 4, "test")
+NS = toy_namespace(block_tokens=4)
 
 
 def keys(n: int, seed: int = 0) -> list[bytes]:
@@ -23,9 +24,10 @@ def make(tmp_path: Path | None, num_slots=4, threshold=0, ranks=1) -> tuple[Orch
     buffers = [bytearray(SLOT * num_slots) for _ in range(ranks)]
     disk = None
     if tmp_path is not None:
+        ns = toy_namespace(block_tokens=4, tp_size=ranks)
         disk = DiskTier(
-            root_dir=tmp_path, model_name="toy", engine_digest=NS.digest,
-            rank_digests=[NS.for_rank(r).digest for r in range(ranks)], namespace_json=NS.canonical_json(),
+            root_dir=tmp_path, model_name="toy", engine_digest=ns.digest,
+            rank_digests=ns.rank_digests(), namespace_json=ns.config_json("toy"),
             payload_bytes=SLOT, capacity_bytes=10**8, n_read_threads=2, n_write_threads=2, max_pending_writes=64,
         )
     orch = Orchestrator(

@@ -9,8 +9,8 @@ import threading
 import time
 
 import pytest
+from support.namespaces import toy_namespace
 
-from kvtier.core.keys import Namespace
 from kvtier.core.priority import (
     BACKGROUND_NICENESS,
     CpuTopology,
@@ -43,10 +43,10 @@ def test_only_the_calling_thread_gets_nicer():
 
 
 def test_disk_tier_writes_run_nicer_than_reads(tmp_path):
-    ns = Namespace("toy", "0" * 32, "float32", 2, 1, 8, "mha", 4, "test")
+    ns = toy_namespace()
     disk = DiskTier(
         root_dir=tmp_path, model_name="toy", engine_digest=ns.digest, rank_digests=[ns.for_rank(0).digest],
-        namespace_json=ns.canonical_json(), payload_bytes=64, capacity_bytes=10**6,
+        namespace_json=ns.config_json("toy"), payload_bytes=64, capacity_bytes=10**6,
         n_read_threads=1, n_write_threads=1, max_pending_writes=4,
     )
     try:
@@ -59,8 +59,9 @@ def test_disk_tier_writes_run_nicer_than_reads(tmp_path):
 
 
 def test_cpu_copy_engine_store_thread_runs_nicer():
-    from kvtier.copy.cpu import CpuCopyEngine
     from test_transfer import cpu_layers, make_copier
+
+    from kvtier.copy.cpu import CpuCopyEngine
 
     engine = CpuCopyEngine(make_copier(cpu_layers()))
     try:

@@ -75,6 +75,7 @@ def test_cpu_engine_over_shared_memory_reports_and_waits():
         assert done[1].ok and done[1].num_bytes == len(layers) * kv.page_bytes
         assert not done[2].ok
         # a second mapping of the same region (the scheduler's) sees the bytes
+        region.publish(b"{}")  # the worker publishes its page description before anyone attaches
         other = SharedRegion.attach(region.path.name, layout.region_bytes)
         slot0 = torch.frombuffer(other.view, dtype=torch.uint8)[: layout.slot_bytes]
         assert torch.equal(slot0[: kv.page_bytes], layers[0][3].view(torch.uint8).reshape(-1))

@@ -40,30 +40,38 @@ def parse_duration(text: str) -> float:
 @dataclass(frozen=True, slots=True)
 class PurgeSelection:
     """What to delete. ``namespaces``/``models`` narrow to namespaces (digest or model; any value
-    of a kind), ``older_than`` to blocks last used more than that many seconds ago; ``quarantine``
-    empties the quarantine (of the selected namespaces when narrowed); ``all`` is everything,
-    quarantine included, and combines with nothing else."""
+    of a kind), ``older_spec`` to namespaces written under another key spec (engines of this
+    kvtier never read them), ``older_than`` to blocks last used more than that many seconds ago;
+    ``quarantine`` empties the quarantine (of the selected namespaces when narrowed); ``all`` is
+    everything, quarantine included, and combines with nothing else."""
 
     namespaces: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
     older_than: float | None = None
     quarantine: bool = False
     all: bool = False
+    older_spec: bool = False
+
+    @property
+    def narrowed(self) -> bool:
+        """Whether namespace selectors narrow the namespaces (else: all of them)."""
+        return bool(self.namespaces or self.models or self.older_spec)
 
     def validate(self) -> None:
         """Raise ValueError for an empty selection, or ``all`` with another selector."""
-        narrowing = bool(self.namespaces or self.models or self.older_than is not None or self.quarantine)
+        narrowing = self.narrowed or self.older_than is not None or self.quarantine
         if self.all and narrowing:
             raise ValueError("--all selects everything: do not combine it with other selectors")
         if not (self.all or narrowing):
-            raise ValueError("nothing selected: give --namespace, --model, --older-than, --quarantine or --all")
+            raise ValueError(
+                "nothing selected: give --namespace, --model, --older-spec, --older-than, --quarantine or --all")
         if self.older_than is not None and self.older_than < 0:
             raise ValueError("--older-than must not be negative")
 
     @property
     def blocks(self) -> bool:
         """Whether blocks are deleted (not just the quarantine)."""
-        return self.all or bool(self.namespaces or self.models) or self.older_than is not None
+        return self.all or self.narrowed or self.older_than is not None
 
     @property
     def whole_namespaces(self) -> bool:
@@ -122,13 +130,15 @@ def purge_cache(
     now = time.time() if now is None else now
     cache = discover(root_dir)
     chosen = select(cache, namespaces=selection.namespaces, models=selection.models)
+    if selection.older_spec:
+        chosen = [ns for ns in chosen if ns.older_spec]
     report = PurgeReport(cache.root, dry_run)
     cutoff_ns = None if selection.older_than is None else int((now - selection.older_than) * 1e9)
     if selection.blocks:
         for ns in chosen:
             report.namespaces.append(_purge_namespace(ns, cutoff_ns, selection.whole_namespaces, dry_run))
     if selection.quarantine or selection.all:
-        narrowed = bool(selection.namespaces or selection.models)
+        narrowed = selection.narrowed
         prefixes = {ns.prefix for ns in chosen}
         for qfile in iter_quarantine(cache):
             if narrowed and qfile.prefix not in prefixes:

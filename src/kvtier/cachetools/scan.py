@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.keys import KEY_BYTES, Namespace
+from kvtier.core.keys import KEY_BYTES, KEY_SPEC_VERSION, Namespace, SpecVersionError
 from kvtier.tiers.disk.layout import QUARANTINE_DIR, DiskLayout, sanitize_model_name
 
 CONFIG_NAME = "config.json"
@@ -63,6 +63,7 @@ class CacheNamespace:
     config: dict[str, Any] | None = None  # parsed config.json; None when missing or unreadable
     config_problem: str | None = None  # why config.json is unusable, or does not match the name
     namespace: Namespace | None = None  # config.json as a kvtier Namespace, when it is one
+    spec_version: str | None = None  # the key spec config.json names (None: none named)
     rank_dirs: dict[int, str] = field(default_factory=dict)
     _layouts: dict[int, DiskLayout] = field(default_factory=dict)
 
@@ -98,7 +99,13 @@ class CacheNamespace:
         or None when config.json is not a kvtier Namespace."""
         if self.namespace is None:
             return None
-        return [self.namespace.for_rank(rank).digest for rank in range(self.world)]
+        return self.namespace.rank_digests()
+
+    @property
+    def older_spec(self) -> bool:
+        """Written under another key spec than this kvtier's: never read by engines running it
+        (shown by ``kvtier inspect``; ``kvtier purge --older-spec`` removes it)."""
+        return self.spec_version is not None and self.spec_version != KEY_SPEC_VERSION
 
     def matches_digest(self, selector: str) -> bool:
         """True if ``selector`` is this namespace's directory name or digest (at least 4 of the 16
@@ -190,11 +197,15 @@ def _load_config(ns: CacheNamespace) -> None:
         ns.config_problem = f"{CONFIG_NAME} is not a JSON object"
         return
     ns.config = config
+    version = config.get("spec_version")
+    ns.spec_version = version if isinstance(version, str) else None
     try:
-        ns.namespace = Namespace(**config)
-    except TypeError:
-        return  # not a kvtier Namespace (hand-written or older): shown, but headers not cross-checked
-    if ns.namespace.rank_independent_digest.hex()[:_DIGEST16] != ns.digest16:
+        ns.namespace = Namespace.from_dict(config)
+    except SpecVersionError:
+        return  # an older (or newer) key spec: shown as such, headers not cross-checked
+    except (TypeError, ValueError, KeyError, AttributeError):
+        return  # not a kvtier Namespace (hand-written): shown, but headers not cross-checked
+    if ns.namespace.engine_digest.hex()[:_DIGEST16] != ns.digest16:
         ns.config_problem = f"{CONFIG_NAME} digest does not match the directory name"
 
 

@@ -91,7 +91,7 @@ def _layout_text(layout: dict[str, Any] | None, sep: str = "\n") -> str:
     if layout is None:
         return "-"
     get = layout.get
-    return sep.join((f"{get('kv_dtype', '?')} · {get('attention_kind', '?')}",
+    return sep.join((f"{get('spec_version', '?')} · {get('kv_dtype', '?')} · {get('attention_kind', '?')}",
                      f"{get('num_layers', '?')} layers · {get('num_kv_heads', '?')}×{get('head_size', '?')}",
                      f"{get('block_tokens', '?')} tok/block · tp {get('tp_size', '?')}"))
 
@@ -103,6 +103,8 @@ def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
     name = f"{escape(ns.model_name or ns.model)}\n[dim]{ns.digest16}[/dim]"
     if ns.config_problem:
         name += f"\n[red]{escape(ns.config_problem)}[/red]"
+    if ns.older_spec:
+        name += "\n[yellow]older key spec: never read (kvtier purge --older-spec)[/yellow]"
     incomplete = f"\n[yellow]+{ns.incomplete_blocks:,} incomplete[/]" if ns.incomplete_blocks else ""
     return {
         "namespace": name,
@@ -244,14 +246,16 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--namespace", "namespaces", multiple=True, metavar="DIGEST",
               help="Blocks of this namespace (its digest, at least 4 hex digits, or directory name); repeatable.")
 @click.option("--model", "models", multiple=True, metavar="NAME", help="Blocks of this model's namespaces; repeatable.")
+@click.option("--older-spec", is_flag=True,
+              help="Namespaces written under an older key spec (kvtier inspect marks them): never read again.")
 @click.option("--older-than", callback=_duration, metavar="DURATION",
               help="Blocks last used longer ago than this (by mtime), e.g. 30m, 12h, 7d.")
 @click.option("--quarantine", is_flag=True, help="Empty the quarantine (of the selected namespaces, if narrowed).")
 @click.option("--all", "all_", is_flag=True, help="Everything: all namespaces' blocks and the quarantine.")
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def purge_command(directory: str, namespaces: tuple[str, ...], models: tuple[str, ...], older_than: float | None,
-                  quarantine: bool, all_: bool, dry_run: bool, as_json: bool) -> None:
+def purge_command(directory: str, namespaces: tuple[str, ...], models: tuple[str, ...], older_spec: bool,
+                  older_than: float | None, quarantine: bool, all_: bool, dry_run: bool, as_json: bool) -> None:
     """Delete block files by namespace, model or age, and/or empty the quarantine.
 
     Selectors combine (--model M --older-than 7d: blocks of M unused for 7 days); at least one is
@@ -262,7 +266,7 @@ def purge_command(directory: str, namespaces: tuple[str, ...], models: tuple[str
     """
     from kvtier.cachetools import PurgeSelection, purge_cache
 
-    selection = PurgeSelection(namespaces, models, older_than, quarantine, all_)
+    selection = PurgeSelection(namespaces, models, older_than, quarantine, all_, older_spec)
     try:
         report = purge_cache(directory, selection, dry_run=dry_run)
     except ValueError as exc:  # a bad selection, or a selector matching no namespace (SelectionError)

@@ -74,6 +74,7 @@ class KVTierConfig:
     spec_name: SpecName = SpecName.CPU
     secondary_tiers: tuple[DiskTierConfig, ...] = field(default_factory=tuple)
     self_describing_kv_events: bool = False
+    model_identity: str | None = None
 
     @property
     def disk(self) -> DiskTierConfig | None:
@@ -128,6 +129,7 @@ class KVTierConfig:
             spec_name=spec_name,
             secondary_tiers=tiers,
             self_describing_kv_events=_bool(extra, "self_describing_kv_events", default=False),
+            model_identity=_text(extra, "model_identity"),
         )
 
     def offload_block_tokens(self, engine_block_size: int) -> int:
@@ -154,6 +156,7 @@ _TOP_LEVEL_KEYS = frozenset(
         "spec_name",
         "secondary_tiers",
         "self_describing_kv_events",
+        "model_identity",
     }
 )
 _FS_KEYS = frozenset(
@@ -228,6 +231,15 @@ def _int(raw: Mapping[str, Any], key: str, minimum: int, default: int | None = N
     if value < minimum:
         raise ConfigError(f"kv_connector_extra_config: '{name}' must be >= {minimum}, got {value}.")
     return value
+
+
+def _text(raw: Mapping[str, Any], key: str) -> str | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"kv_connector_extra_config: '{key}' must be a non-empty string, got {value!r}.")
+    return value.strip()
 
 
 def _bool(raw: Mapping[str, Any], key: str, default: bool) -> bool:

@@ -1,4 +1,4 @@
-"""Content addressing, key spec "kvtier/1".
+"""Content addressing, key spec "kvtier/2".
 
 A *block* is ``block_tokens`` consecutive tokens. Its key chains the key of the block before it,
 so a key names the whole prefix up to and including that block::
@@ -11,8 +11,14 @@ so a key names the whole prefix up to and including that block::
 ``tests/test_keys.py`` pins known keys for known inputs; any change to this module that moves
 those keys is a new spec version, not a bug fix.
 
-The namespace digest covers everything that makes KV bytes incompatible (model, dtype, layout,
-block size, parallel rank), so blocks of different namespaces can never match.
+The namespace digest covers everything that makes KV bytes incompatible (the weights themselves,
+the model config and math-changing options, the byte order of the engine's pages as its workers
+saw them, the block size, the parallel rank), so blocks of different namespaces can never match.
+Spec history: "kvtier/1" (until 2026-11) named the model by its config and folder name and the
+page format by the device type only; roots written by it are never read by this spec.
+
+Pure computation, no I/O: used by the scheduler-side connector (keys of every request) and by
+the operator tools (``kvtier inspect/verify`` read namespaces back from ``config.json``).
 """
 
 from __future__ import annotations
@@ -22,45 +28,96 @@ import struct
 import sys
 from array import array
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import blake3
 
-KEY_SPEC_VERSION = "kvtier/1"
+KEY_SPEC_VERSION = "kvtier/2"
 KEY_BYTES = 32
 
 BlockKey = bytes
 """A 32-byte block key. Raw bytes, never tuples: cheap to hash, compare and store."""
 
 
-@dataclass(frozen=True)
-class Namespace:
-    """Everything that makes two caches' KV bytes incompatible.
+class SpecVersionError(ValueError):
+    """A stored namespace was written under another key spec version (named in the message)."""
 
-    ``page_format`` names the engine's in-memory page layout (e.g. ``"vllm-cpu"``): pages of
-    different attention backends hold the same numbers in different orders.
-    ``tp_rank``/``tp_size`` matter because each tensor-parallel rank holds different KV heads;
-    the namespace of one engine therefore differs per rank (see :meth:`for_rank`).
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What makes a model compute different KV for the same tokens.
+
+    ``weights`` fingerprints the weight files themselves (``blake3:<hex>``, see
+    :mod:`kvtier.runtime.fingerprint`), so two checkpoints with the same ``config.json`` and folder
+    name differ; an operator-given identity is ``operator:<text>``. ``config`` digests the model
+    config as the engine loaded it (overrides applied, paths and versions left out); ``dtype`` is
+    the compute dtype, ``quantization`` the weight quantization method ("" for none),
+    ``overrides`` the canonical JSON of config overrides ("" for none).
     """
 
-    model_name: str
-    model_digest: str
+    weights: str
+    config: str
+    dtype: str
+    quantization: str = ""
+    overrides: str = ""
+
+
+@dataclass(frozen=True)
+class PageFormat:
+    """The byte order of one rank's slot: how the engine's pages hold the numbers.
+
+    Filled in from what the worker of that rank saw when vLLM registered its KV tensors (the
+    attention backends it picked, the page shape and dtype of every layer, folded into ``pages``),
+    plus the engine's block size, KV dtype and layout. ``kv_scales`` says where quantized KV gets
+    its scales: "" (no scaling) or ``checkpoint`` (per-layer scales from the weights, covered by
+    :attr:`ModelIdentity.weights`).
+    """
+
+    engine_block_tokens: int
     kv_dtype: str
+    layout: str
+    attention: str
+    backends: tuple[str, ...]
     num_layers: int
     num_kv_heads: int
     head_size: int
-    attention_kind: str
+    page_bytes: int
+    pages: str
+    kv_scales: str = ""
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that makes two caches' KV bytes incompatible; blocks of different namespaces
+    never match. Its :attr:`digest` seeds every key chain (``k_{-1}``) and is stored in every
+    block's header, which readers check.
+
+    ``ranks`` holds one :class:`PageFormat` per rank (``tp_size * pp_size``); ``rank`` is the rank
+    this namespace names: each tensor-parallel rank holds other KV heads, so every rank has its
+    own digest (:meth:`for_rank`); rank 0's is the engine's (its directory name on disk).
+    A display name for operators is kept beside it (config.json's ``model_name``), never in it.
+    """
+
+    model: ModelIdentity
+    ranks: tuple[PageFormat, ...]
     block_tokens: int
-    page_format: str
     tp_size: int = 1
     pp_size: int = 1
-    tp_rank: int = 0
-    pp_rank: int = 0
+    rank: int = 0
     spec_version: str = field(default=KEY_SPEC_VERSION)
+
+    def __post_init__(self) -> None:
+        if len(self.ranks) != self.tp_size * self.pp_size:
+            raise ValueError(f"namespace has {len(self.ranks)} page formats for {self.tp_size * self.pp_size} ranks")
+        if not 0 <= self.rank < len(self.ranks):
+            raise ValueError(f"rank {self.rank} out of range for {len(self.ranks)} ranks")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
     def canonical_json(self) -> str:
         """Sorted-key, whitespace-free JSON: the exact bytes the digest is taken over."""
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     @property
     def digest(self) -> bytes:
@@ -68,32 +125,67 @@ class Namespace:
         return blake3.blake3(self.canonical_json().encode()).digest()
 
     @property
-    def rank_independent_digest(self) -> bytes:
-        """Digest with the rank fields zeroed: names one engine configuration on disk."""
-        return Namespace(**{**asdict(self), "tp_rank": 0, "pp_rank": 0}).digest
+    def page(self) -> PageFormat:
+        """The page format of the rank this namespace names."""
+        return self.ranks[self.rank]
 
-    def for_rank(self, tp_rank: int, pp_rank: int = 0) -> "Namespace":
-        return Namespace(**{**asdict(self), "tp_rank": tp_rank, "pp_rank": pp_rank})
+    @property
+    def engine_digest(self) -> bytes:
+        """Rank 0's digest: names one engine configuration (its directory on disk)."""
+        return self.for_rank(0).digest
+
+    def for_rank(self, rank: int) -> "Namespace":
+        return replace(self, rank=rank)
+
+    def config_json(self, model_name: str) -> str:
+        """What a disk root's ``config.json`` holds: the namespace and, for operators, a display name
+        (``model_name``, not part of the digest)."""
+        return json.dumps({"model_name": model_name, **self.to_dict()}, sort_keys=True, indent=1)
+
+    def rank_digests(self) -> list[bytes]:
+        return [self.for_rank(rank).digest for rank in range(len(self.ranks))]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Namespace":
+        """The inverse of :meth:`to_dict` (extra keys such as ``model_name`` are ignored).
+
+        Raises :class:`SpecVersionError` for another spec version and ValueError/TypeError/KeyError
+        for anything that is not a namespace.
+        """
+        version = data.get("spec_version")
+        if version != KEY_SPEC_VERSION:
+            raise SpecVersionError(f"key spec {version!r}, this kvtier reads {KEY_SPEC_VERSION!r}")
+        ranks = tuple(PageFormat(**{**rank, "backends": tuple(rank["backends"])}) for rank in data["ranks"])
+        return cls(
+            model=ModelIdentity(**data["model"]),
+            ranks=ranks,
+            block_tokens=int(data["block_tokens"]),
+            tp_size=int(data["tp_size"]),
+            pp_size=int(data["pp_size"]),
+            rank=int(data.get("rank", 0)),
+        )
 
 
 @dataclass(frozen=True)
 class BlockExtras:
     """Per-block inputs besides tokens that change the KV bytes or must isolate tenants.
 
+    ``lora`` is the fingerprint of the LoRA adapter's weights (not its name: a name re-registered
+    with other weights must not hit the old adapter's KV). ``cache_salt`` isolates tenants.
     ``mm_hashes`` are the content hashes of multimodal inputs whose placeholder tokens overlap
-    this block. ``lora_name`` and ``cache_salt`` apply to every block of a request.
+    this block. ``lora`` and ``cache_salt`` apply to every block of a request.
     """
 
-    lora_name: str | None = None
+    lora: str | None = None
     cache_salt: str | None = None
     mm_hashes: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         """Unambiguous encoding: a tag byte and a u32 length before every present field."""
-        if self.lora_name is None and self.cache_salt is None and not self.mm_hashes:
+        if self.lora is None and self.cache_salt is None and not self.mm_hashes:
             return b""
         out = bytearray()
-        for tag, value in ((b"L", self.lora_name), (b"S", self.cache_salt)):
+        for tag, value in ((b"L", self.lora), (b"S", self.cache_salt)):
             if value is not None:
                 raw = value.encode()
                 out += tag + struct.pack("<I", len(raw)) + raw

@@ -52,6 +52,7 @@ class KVTierStats:
     promotion_failures: int = 0
     load_errors: int = 0
     checksum_failures: int = 0
+    uncacheable_requests: int = 0
     host_evictions: int = 0
     engine_to_host: TransferCounters = field(default_factory=TransferCounters)
     host_to_engine: TransferCounters = field(default_factory=TransferCounters)

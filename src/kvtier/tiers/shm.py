@@ -13,17 +13,27 @@ Ownership and lifetime:
 
 The region is pre-faulted at creation so the first stores do not pay page faults. On CUDA the
 worker additionally page-locks it (``cudaHostRegister``) so copies can run asynchronously; that
-lives with the worker's transfer code, not here. This module never imports torch.
+lives with the worker's copy code, not here. This module never imports torch.
+
+The file starts with a header of :data:`HEADER_BYTES`: the creator publishes
+a description there (the worker: what its KV pages look like, which the scheduler folds into the
+namespace), and :meth:`~SharedRegion.attach` returns only once it is published. The slots follow
+(:attr:`SharedRegion.view` covers them only, page-aligned).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import struct
 import time
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
+HEADER_BYTES = 64 * 2**10
+"""Bytes before the slots: the published description (a multiple of the page size)."""
+_MAGIC = b"KVTR"
+_LENGTH = struct.Struct("<I")
 
 
 def region_name(engine_id: str, rank: int) -> str:
@@ -33,14 +43,16 @@ def region_name(engine_id: str, rank: int) -> str:
 
 
 class SharedRegion:
-    """A mapped shared-memory file of exactly ``size`` bytes. Not thread-safe to close."""
+    """A mapped shared-memory file: a header, then exactly ``size`` bytes of slots (:attr:`view`).
+    Not thread-safe to close."""
 
     def __init__(self, path: Path, mapping: mmap.mmap, size: int, owner: bool):
         self.path = path
         self.size = size
         self.owner = owner
         self._mmap: mmap.mmap | None = mapping
-        self.view = memoryview(mapping)
+        self._whole = memoryview(mapping)
+        self.view = self._whole[HEADER_BYTES:]
 
     @classmethod
     def create(cls, name: str, size: int, directory: Path = SHM_DIR) -> "SharedRegion":
@@ -48,46 +60,77 @@ class SharedRegion:
         if size <= 0:
             raise ValueError(f"shared region size must be positive, got {size}")
         path = directory / name
+        total = HEADER_BYTES + size
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, size)
+            os.ftruncate(fd, total)
             try:
-                os.posix_fallocate(fd, 0, size)  # fail now, not with SIGBUS later, if /dev/shm is too small
+                os.posix_fallocate(fd, 0, total)  # fail now, not with SIGBUS later, if /dev/shm is too small
             except OSError as exc:
                 os.unlink(path)
                 raise OSError(
                     exc.errno,
-                    f"cannot reserve {size / 2**30:.2f} GiB in {directory} for the kvtier host tier "
+                    f"cannot reserve {total / 2**30:.2f} GiB in {directory} for the kvtier host tier "
                     f"({exc.strerror}); lower cpu_bytes_to_use or enlarge {directory}",
                 ) from exc
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         return cls(path, mapping, size, owner=True)
+
+    def publish(self, description: bytes) -> None:
+        """Write ``description`` into the header (the creator, once, before anyone may attach)."""
+        room = HEADER_BYTES - len(_MAGIC) - _LENGTH.size
+        if len(description) > room:
+            raise ValueError(f"region description is {len(description)} bytes; the header holds {room}")
+        header = self._whole[:HEADER_BYTES]
+        start = len(_MAGIC) + _LENGTH.size
+        header[start : start + len(description)] = description
+        _LENGTH.pack_into(header, len(_MAGIC), len(description))
+        header[: len(_MAGIC)] = _MAGIC  # last: an attacher that sees the magic sees the rest
+
+    @property
+    def description(self) -> bytes:
+        """What the creator published (empty before)."""
+        header = self._whole[:HEADER_BYTES]
+        if bytes(header[: len(_MAGIC)]) != _MAGIC:
+            return b""
+        (length,) = _LENGTH.unpack_from(header, len(_MAGIC))
+        start = len(_MAGIC) + _LENGTH.size
+        return bytes(header[start : start + length])
 
     @classmethod
     def attach(
         cls, name: str, size: int, directory: Path = SHM_DIR, timeout_s: float = 120.0
     ) -> "SharedRegion":
-        """Map an existing region, waiting up to ``timeout_s`` for its creator to finish sizing it."""
+        """Map an existing region, waiting up to ``timeout_s`` for its creator to size it and
+        publish its description."""
         path = directory / name
+        total = HEADER_BYTES + size
         deadline = time.monotonic() + timeout_s
+        region: SharedRegion | None = None
         while True:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
-                fd = -1
-            if fd >= 0:
+            if region is None:
                 try:
-                    if os.fstat(fd).st_size == size:
-                        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-                        return cls(path, mapping, size, owner=False)
-                finally:
-                    os.close(fd)
+                    fd = os.open(path, os.O_RDWR)
+                except FileNotFoundError:
+                    fd = -1
+                if fd >= 0:
+                    try:
+                        if os.fstat(fd).st_size == total:
+                            mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+                            region = cls(path, mapping, size, owner=False)
+                    finally:
+                        os.close(fd)
+            if region is not None and region.description:
+                return region
             if time.monotonic() > deadline:
+                if region is not None:
+                    region.close()
                 raise TimeoutError(
-                    f"kvtier host region {path} did not appear with size {size} within {timeout_s:.0f} s; "
-                    "the worker that creates it may have failed (see its log)"
+                    f"kvtier host region {path} did not appear with size {total} and a published "
+                    f"description within {timeout_s:.0f} s; the worker that creates it may have "
+                    "failed (see its log)"
                 )
             time.sleep(0.05)
 
@@ -103,6 +146,7 @@ class SharedRegion:
         if self._mmap is None:
             return
         self.view.release()
+        self._whole.release()
         try:
             self._mmap.close()
         except BufferError:

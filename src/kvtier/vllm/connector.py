@@ -23,6 +23,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm.geometry import EngineGeometry
+from kvtier.vllm.identity import model_identity
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
 from kvtier.vllm.scheduler_side import KVTierScheduler
 from kvtier.vllm.worker_side import KVTierWorker
@@ -58,11 +59,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
         if role is KVConnectorRole.SCHEDULER:
+            _recompute_failed_loads(vllm_config)
             events = vllm_config.kv_events_config
             publish = events is not None and events.enable_kv_cache_events
-            self._scheduler = KVTierScheduler(geometry, config, publish_kv_events=publish)
+            model = model_identity(vllm_config, config)
+            self._scheduler = KVTierScheduler(geometry, config, model, publish_kv_events=publish)
         else:
-            self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config.num_blocks)
+            self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -170,6 +173,19 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool | None:
         return self._scheduler.reset_cache() if self._scheduler is not None else None
+
+
+def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
+    """A block kvtier fails to load is a cache miss: vLLM must recompute it, not fail the request
+    (vLLM 0.32's default ``kv_load_failure_policy`` is "fail"). vLLM's scheduler reads the policy
+    right after it builds this connector, so setting it here takes effect."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer.kv_load_failure_policy != "recompute":
+        logging.getLogger(__name__).info(
+            "kvtier: kv_load_failure_policy %r -> 'recompute' (a block kvtier fails to load is recomputed)",
+            transfer.kv_load_failure_policy,
+        )
+        transfer.kv_load_failure_policy = "recompute"
 
 
 def _share_vllm_log_handlers() -> None:

@@ -1,46 +1,31 @@
-"""Derive kvtier's namespace and host layout from vLLM's config, identically in every process.
+"""Derive kvtier's slot layout from vLLM's config, identically in every process.
 
 The scheduler and each worker build :class:`EngineGeometry` from the same ``vllm_config`` and
-``kv_cache_config``, so they agree on slot sizes and keys without talking to each other.
+``kv_cache_config``, so they agree on slot sizes without talking to each other. The namespace
+(what blocks may be shared with) is the scheduler's alone: it adds the model identity
+(:mod:`kvtier.vllm.identity`) and what every worker reports of its pages
+(:mod:`kvtier.vllm.page_format`).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
-import blake3
 from vllm.config import VllmConfig
-from vllm.platforms import current_platform
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,
-    MLAAttentionSpec,
     UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
 )
 
 from kvtier.core.config import ConfigError, KVTierConfig
-from kvtier.core.keys import Namespace
 from kvtier.core.slots import HostSlotLayout
-
-# hf config fields that do not change KV bytes but differ between copies of one model
-_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")
-
-
-def model_digest(vllm_config: VllmConfig) -> str:
-    """Digest of the model's config (minus volatile fields) and revision: the model identity."""
-    model_config = vllm_config.model_config
-    hf = model_config.hf_config.to_dict()
-    for key in list(hf):
-        if key.startswith(_VOLATILE_CONFIG_KEYS):
-            del hf[key]
-    payload = json.dumps({"config": hf, "revision": model_config.revision}, sort_keys=True, default=str)
-    return blake3.blake3(payload.encode()).hexdigest()[:32]
 
 
 def model_name(vllm_config: VllmConfig) -> str:
+    """The display name of the served model (the last part of a path or repo id)."""
     model = vllm_config.model_config.served_model_name or vllm_config.model_config.model
     if isinstance(model, list | tuple):
         model = model[0]
@@ -49,21 +34,31 @@ def model_name(vllm_config: VllmConfig) -> str:
 
 @dataclass(frozen=True)
 class EngineGeometry:
-    namespace: Namespace  # rank-independent (rank fields 0); use namespace.for_rank(r) per rank
+    model_name: str
     layer_names: tuple[str, ...]
     engine_block_tokens: int
     block_tokens: int  # kvtier block = pages_per_block engine blocks
     layout: HostSlotLayout
-    world_size: int
+    tp_size: int
+    pp_size: int
     engine_id: str
-    kv_cache_spec_kind: str | None = None  # vLLM's name of the attention kind, for KV events
+    attention: str  # vLLM's name of the attention kind ("full_attention", "mla", ...)
+    kv_dtype: str  # as stored in the pages ("float32", "fp8_e4m3", ...)
+    num_kv_heads: int  # per rank
+    head_size: int
+    kv_scales: str = ""  # "" or "checkpoint" (quantized KV: scales from the weights)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
 
     @property
     def pages_per_block(self) -> int:
         return self.block_tokens // self.engine_block_tokens
 
-    def rank_digests(self) -> list[bytes]:
-        return [self.namespace.for_rank(rank).digest for rank in range(self.world_size)]
+    @property
+    def kv_cache_spec_kind(self) -> str:
+        return self.attention
 
     @classmethod
     def from_vllm(
@@ -85,43 +80,34 @@ class EngineGeometry:
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError("kvtier does not support pipeline parallelism yet (pipeline_parallel_size must be 1)")
-        world_size = parallel.world_size
         engine_block_tokens = spec.block_size
         block_tokens = config.offload_block_tokens(engine_block_tokens)
         pages_per_block = block_tokens // engine_block_tokens
-        dtype = str(spec.dtype).removeprefix("torch.")
-        attention_kind = "mla" if isinstance(spec, MLAAttentionSpec) else "mha"
-        namespace = Namespace(
-            model_name=model_name(vllm_config),
-            model_digest=model_digest(vllm_config),
-            kv_dtype=dtype if vllm_config.cache_config.cache_dtype == "auto" else vllm_config.cache_config.cache_dtype,
-            num_layers=len(group.layer_names),
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            attention_kind=attention_kind,
-            block_tokens=block_tokens,
-            page_format=f"{current_platform.device_type}:{vllm_config.cache_config.kv_cache_layout or 'default'}",
-            tp_size=parallel.tensor_parallel_size,
-            pp_size=parallel.pipeline_parallel_size,
-        )
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
         try:
             layout = HostSlotLayout.for_budget(
                 config.cpu_bytes_to_use,
                 num_layers=len(group.layer_names),
                 pages_per_block=pages_per_block,
                 page_bytes=spec.page_size_bytes,
-                world_size=world_size,
+                world_size=parallel.world_size,
             )
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
         engine_id = vllm_config.kv_transfer_config.engine_id if vllm_config.kv_transfer_config else None
         return cls(
-            namespace=namespace,
+            model_name=model_name(vllm_config),
             layer_names=tuple(group.layer_names),
             engine_block_tokens=engine_block_tokens,
             block_tokens=block_tokens,
             layout=layout,
-            world_size=world_size,
+            tp_size=parallel.tensor_parallel_size,
+            pp_size=parallel.pipeline_parallel_size,
             engine_id=str(engine_id or "default"),
-            kv_cache_spec_kind=spec_kind,
+            attention=spec_kind,
+            kv_dtype=kv_dtype,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            kv_scales="checkpoint" if kv_dtype.startswith("fp8") else "",
         )

@@ -34,9 +34,10 @@ from vllm.v1.request import Request
 
 from kvtier.copy import PageCopy
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
-from kvtier.core.keys import BlockExtras, BlockKey, chain_block_keys
+from kvtier.core.keys import BlockExtras, BlockKey, ModelIdentity, Namespace, chain_block_keys
 from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
+from kvtier.runtime.fingerprint import AdapterFingerprints
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostIndex
@@ -44,6 +45,7 @@ from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
+from kvtier.vllm.page_format import page_format
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,13 @@ logger = logging.getLogger(__name__)
 class JobKind(enum.Enum):
     LOAD = "load"
     STORE = "store"
+
+
+class Uncacheable(enum.Enum):
+    """Why a request bypasses kvtier (its token ids do not say what its KV holds)."""
+
+    PROMPT_EMBEDS = "requests with prompt embeddings (their token ids are placeholders)"
+    LORA_UNIDENTIFIED = "requests of a LoRA adapter whose weights are not (yet) fingerprinted"
 
 
 @dataclass
@@ -75,13 +84,20 @@ class _RequestState:
     load_first_token: int = 0  # locally computed tokens when the hit was counted
     hit_disk_tokens: int = 0
     finished: bool = False
+    cacheable: bool = True  # False: never loaded nor stored (see KVTierScheduler._request_identity)
 
 
 class KVTierScheduler:
-    def __init__(self, geometry: EngineGeometry, config: KVTierConfig, *, publish_kv_events: bool = False):
+    def __init__(
+        self,
+        geometry: EngineGeometry,
+        config: KVTierConfig,
+        model: ModelIdentity,
+        *,
+        publish_kv_events: bool = False,
+    ):
         self.config = config
         self.geometry = geometry
-        self._digest = geometry.namespace.digest
         layout = geometry.layout
         self._regions = [
             SharedRegion.attach(region_name(geometry.engine_id, rank), layout.region_bytes)
@@ -89,15 +105,24 @@ class KVTierScheduler:
         ]
         for region in self._regions:
             region.unlink()  # mapped by the workers and us: nothing can leak from here on
+        self.namespace = Namespace(
+            model=model,
+            ranks=tuple(page_format(geometry, region.description) for region in self._regions),
+            block_tokens=geometry.block_tokens,
+            tp_size=geometry.tp_size,
+            pp_size=geometry.pp_size,
+        )
+        self._digest = self.namespace.engine_digest
+        self._adapters = AdapterFingerprints()
         disk = None
         if config.disk is not None:
             disk_config = config.disk
             disk = DiskTier(
                 root_dir=Path(disk_config.root_dir),
-                model_name=geometry.namespace.model_name,
+                model_name=geometry.model_name,
                 engine_digest=self._digest,
-                rank_digests=geometry.rank_digests(),
-                namespace_json=geometry.namespace.canonical_json(),
+                rank_digests=self.namespace.rank_digests(),
+                namespace_json=self.namespace.config_json(geometry.model_name),
                 payload_bytes=layout.slot_bytes,
                 capacity_bytes=disk_config.capacity_bytes,
                 n_read_threads=disk_config.n_read_threads,
@@ -126,6 +151,7 @@ class KVTierScheduler:
         self._delayed_free: list[str] = []
         self._worker_stats = KVTierStats()
         self._reported_gauges: dict[str, int | None] = {}
+        self._said_uncacheable: set[Uncacheable] = set()
         logger.info(
             "kvtier: host tier %d slots x %.1f MiB x %d rank(s) = %.2f GiB; block %d tokens%s",
             layout.num_slots,
@@ -140,13 +166,35 @@ class KVTierScheduler:
     def _state(self, request: Request) -> _RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
+            lora, uncacheable = self._request_identity(request)
             state = _RequestState(
                 request=request,
-                extras=_block_extras(request, self.geometry.block_tokens),
+                extras=_block_extras(request, self.geometry.block_tokens, lora),
                 max_offload_tokens=parse_max_offload_tokens(request.kv_transfer_params, request.request_id),
+                cacheable=uncacheable is None,
             )
+            if uncacheable is not None:
+                self.orchestrator.stats.uncacheable_requests += 1
+                if uncacheable not in self._said_uncacheable:
+                    self._said_uncacheable.add(uncacheable)
+                    logger.info("kvtier: %s: such requests are neither loaded from nor stored in kvtier "
+                                "(counted in kvtier_uncacheable_requests)", uncacheable.value)
             self._requests[request.request_id] = state
         return state
+
+    def _request_identity(self, request: Request) -> tuple[str | None, Uncacheable | None]:
+        """The request's adapter fingerprint, and why the request cannot use the cache (or None).
+
+        Token ids describe a request's KV only when nothing else feeds the model: prompt embeddings
+        replace tokens by placeholders, and an adapter is known only by its weights' fingerprint,
+        which is computed in the background (until then its requests are misses)."""
+        if getattr(request, "prompt_embeds", None) is not None:
+            return None, Uncacheable.PROMPT_EMBEDS
+        lora = request.lora_request
+        if lora is None:
+            return None, None
+        digest = self._adapters.get(lora.lora_int_id, lora.lora_path)
+        return digest, (Uncacheable.LORA_UNIDENTIFIED if digest is None else None)
 
     def _extend_keys(self, state: _RequestState, num_blocks: int) -> None:
         """Make ``state.keys`` cover the first ``num_blocks`` blocks (tokens permitting)."""
@@ -164,6 +212,8 @@ class KVTierScheduler:
     # --- lookups -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
+        if not state.cacheable:
+            return 0, False
         if state.jobs:
             return None, False  # stores of an earlier run of this request are still in flight
         block = self.geometry.block_tokens
@@ -260,7 +310,7 @@ class KVTierScheduler:
         per_block = self.geometry.pages_per_block
         for req_id, before in computed_before.items():
             state = self._requests.get(req_id)
-            if state is None:
+            if state is None or not state.cacheable:
                 continue
             request = state.request
             limit = min(before + scheduled.get(req_id, 0), len(request.all_token_ids))
@@ -362,19 +412,19 @@ class KVTierScheduler:
         return True
 
     def shutdown(self) -> None:
+        self._adapters.close()
         self.orchestrator.close()
         for region in self._regions:
             region.close()
 
 
-def _block_extras(request: Request, block_tokens: int) -> BlockExtras | list[BlockExtras]:
-    """Per-block key extras: LoRA name and cache salt on every block, multimodal hashes where
-    their placeholder tokens overlap the block."""
-    lora = request.lora_request.lora_name if request.lora_request is not None else None
+def _block_extras(request: Request, block_tokens: int, lora: str | None) -> BlockExtras | list[BlockExtras]:
+    """Per-block key extras: the adapter's fingerprint and the cache salt on every block,
+    multimodal hashes where their placeholder tokens overlap the block."""
     salt = getattr(request, "cache_salt", None)
     features = getattr(request, "mm_features", None) or []
     if not features:
-        return BlockExtras(lora_name=lora, cache_salt=salt)
+        return BlockExtras(lora=lora, cache_salt=salt)
     num_blocks = len(request.all_token_ids) // block_tokens + 1
     extras: list[BlockExtras] = []
     for index in range(num_blocks):
@@ -384,5 +434,5 @@ def _block_extras(request: Request, block_tokens: int) -> BlockExtras | list[Blo
             for f in features
             if f.mm_position.offset < end and f.mm_position.offset + f.mm_position.length > start
         )
-        extras.append(BlockExtras(lora_name=lora, cache_salt=salt, mm_hashes=hashes))
+        extras.append(BlockExtras(lora=lora, cache_salt=salt, mm_hashes=hashes))
     return extras

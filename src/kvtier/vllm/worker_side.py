@@ -22,20 +22,24 @@ import logging
 
 import torch
 from vllm.config import VllmConfig
+from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvtier.copy import CopyEngine, Direction, HostSlots, PagedKV, make_copy_engine, pin_host_memory
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.vllm.page_format import attention_backends, describe_pages, encode_description
 
 logger = logging.getLogger(__name__)
 
 
 class KVTierWorker:
-    def __init__(self, vllm_config: VllmConfig, geometry: EngineGeometry, num_blocks: int):
+    def __init__(self, vllm_config: VllmConfig, geometry: EngineGeometry, kv_cache_config: KVCacheConfig):
+        self.vllm_config = vllm_config
         self.geometry = geometry
         self.rank = vllm_config.parallel_config.rank
-        self.num_blocks = num_blocks
+        self.num_blocks = kv_cache_config.num_blocks
+        self.kv_cache_layout = kv_cache_config.kv_cache_layout
         self.region: SharedRegion | None = None
         self.copies: CopyEngine | None = None
         self._unpin = lambda: None
@@ -53,8 +57,13 @@ class KVTierWorker:
             raise RuntimeError(
                 f"kvtier: engine KV page is {paged.page_bytes} B but the KV cache spec says {layout.page_bytes} B"
             )
+        names = self.geometry.layer_names
+        description = describe_pages(
+            kv_caches, names, self.num_blocks, attention_backends(self.vllm_config, names), self.kv_cache_layout
+        )
         self.region = SharedRegion.create(region_name(self.geometry.engine_id, self.rank), layout.region_bytes)
         atexit.register(self.region.unlink)  # in case no scheduler ever attached and unlinked it
+        self.region.publish(encode_description(description))  # the scheduler folds it into the namespace
         buffer = torch.frombuffer(self.region.view, dtype=torch.uint8)
         self._unpin = pin_host_memory(buffer)
         self.copies = make_copy_engine(paged, HostSlots(buffer, layout))

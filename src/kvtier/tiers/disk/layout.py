@@ -148,8 +148,8 @@ class DiskLayout:
         if existing == namespace_json:
             return
         try:
-            same = json.loads(existing) == json.loads(namespace_json)
-        except ValueError:
+            same = _identity(json.loads(existing)) == _identity(json.loads(namespace_json))
+        except (ValueError, AttributeError):
             same = False
         if not same:
             raise ValueError(
@@ -248,6 +248,11 @@ class DiskLayout:
                         result.io_errors += not unlink_quiet(path)
         result.vanished = list(known_hex.difference(complete))
         return result
+
+
+def _identity(config: dict) -> dict:
+    """A config.json without its display name (``model_name`` is for operators, not identity)."""
+    return {key: value for key, value in config.items() if key != "model_name"}
 
 
 def _mtimes(paths: Sequence[str]) -> list[int]:

@@ -1,0 +1,1 @@
+"""Test and benchmark helpers (not shipped): namespaces for unit tests, the offline vLLM runner."""

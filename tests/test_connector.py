@@ -1,0 +1,352 @@
+"""The connector's scheduler and worker sides under vLLM's real scheduler (tests/support/engine_sim.py).
+
+Every case compares the generated tokens with vLLM alone's (the fake model's tokens hash every KV
+byte it reads) and checks the KV pages directly, so a wrong, stale or partial load fails here.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+from support.engine_sim import (
+    SimEngine,
+    prompts_of,
+    reference_outputs,
+    tokens_of,
+    write_model,
+)
+
+from kvtier.copy import Direction
+from kvtier.tiers.blockfile import HEADER_LEN
+
+HOST = {"cpu_bytes_to_use": 2 * 2**20}  # 64 slots of 2 layers x 16 tokens x 8 floats x 4 B
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return write_model(tmp_path / "model", seed=7)
+
+
+def disk_config(root: Path, host_bytes: int = 2 * 2**20, **extra) -> dict:
+    """Host + disk tier config; ``extra`` are more top-level keys."""
+    return {"cpu_bytes_to_use": host_bytes, **extra,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}]}
+
+
+def renamed(prompts: dict[str, list[int]], suffix: str) -> dict[str, list[int]]:
+    return {req_id + suffix: tokens for req_id, tokens in prompts.items()}
+
+
+def by_prompt(results, suffix: str) -> dict[str, list[int]]:
+    return {req_id.removesuffix(suffix): f.tokens for req_id, f in results.items()}
+
+
+def external(results) -> list[int]:
+    return [f.external_cached for f in results.values()]
+
+
+def settle(sim: SimEngine, timeout: float = 10.0) -> None:
+    """Wait for kvtier's background tier I/O (disk writes of stored blocks) to finish."""
+    import time
+
+    orchestrator = sim.kvtier_scheduler.orchestrator
+    deadline = time.monotonic() + timeout
+    while orchestrator.has_pending_io():
+        assert time.monotonic() < deadline, "tier I/O did not finish"
+        time.sleep(0.01)
+        orchestrator.poll()
+
+
+def store_copies(sim: SimEngine):
+    """The worker's copy engine of ``sim`` (to gate or break copies in a test)."""
+    return sim.worker._worker.copies  # noqa: SLF001
+
+
+def test_round_two_is_served_from_the_host_tier_bit_exact(model):
+    prompts = prompts_of(1, 4, 100, shared_prefix=40)
+    ref = reference_outputs(model, prompts, 4)
+    with SimEngine(model, kvtier=HOST) as sim:
+        assert tokens_of(sim.generate(prompts, 4)) == ref
+        assert sim.reset_prefix_cache()
+        second = sim.generate(renamed(prompts, "-2"), 4)
+        assert by_prompt(second, "-2") == ref
+        assert sum(external(second)) >= 4 * 64  # full blocks of every prompt came from kvtier
+        assert sim.model.kv_mismatches == []
+
+
+def test_negative_control_a_load_that_copies_nothing_is_caught(model):
+    """Claiming a hit without copying its bytes changes the outputs: the harness can fail."""
+    prompts = prompts_of(2, 3, 100)
+    ref = reference_outputs(model, prompts, 4)
+    with SimEngine(model, kvtier=HOST) as sim:
+        sim.generate(prompts, 4)
+        assert sim.reset_prefix_cache()
+        copies = store_copies(sim)
+        copies.copier.copy = lambda direction, pages: 0 if direction is Direction.LOAD else real(direction, pages)
+        real = type(copies.copier).copy.__get__(copies.copier)
+        second = sim.generate(renamed(prompts, "-2"), 4)
+        assert by_prompt(second, "-2") != ref
+        assert sim.model.kv_mismatches
+
+
+def test_a_fresh_engine_is_served_from_disk_bit_exact(model, tmp_path):
+    prompts = prompts_of(3, 3, 90)
+    ref = reference_outputs(model, prompts, 3)
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as first:
+        assert tokens_of(first.generate(prompts, 3)) == ref
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as second:  # a restart on the same root
+        results = second.generate(renamed(prompts, "-r"), 3)
+        assert by_prompt(results, "-r") == ref
+        assert all(n >= 80 for n in external(results))
+        assert second.model.kv_mismatches == []
+
+
+def test_a_fine_tune_with_the_same_config_and_folder_name_never_hits(model, tmp_path):
+    """Same config.json, same folder name, other weights: a miss on a shared root, bit-exact."""
+    prompts = prompts_of(4, 3, 90)
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as base:
+        base.generate(prompts, 3)
+    tuned = write_model(tmp_path / "runs" / "model", seed=8)  # same basename, same config, new weights
+    assert (tuned / "config.json").read_text() == (model / "config.json").read_text()
+    ref = reference_outputs(tuned, prompts, 3)
+    with SimEngine(tuned, kvtier=disk_config(tmp_path / "kv")) as sim:
+        results = sim.generate(renamed(prompts, "-t"), 3)
+        assert by_prompt(results, "-t") == ref
+        assert external(results) == [0, 0, 0]
+
+
+def test_another_engine_block_size_on_the_same_root_never_hits(model, tmp_path):
+    """Offload blocks of 64 tokens over 16- vs 32-token engine pages: same slot size, other byte order."""
+    prompts = prompts_of(5, 3, 140)
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv", block_size=64), block_size=16) as small:
+        small.generate(prompts, 3)
+    ref = reference_outputs(model, prompts, 3, block_size=32)
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv", block_size=64), block_size=32) as big:
+        results = big.generate(renamed(prompts, "-b"), 3)
+        assert by_prompt(results, "-b") == ref
+        assert external(results) == [0, 0, 0]
+
+
+def test_a_block_file_of_another_namespace_copied_into_place_is_a_counted_miss(model, tmp_path):
+    prompts = prompts_of(6, 1, 90)
+    other = write_model(tmp_path / "other" / "model", seed=9)
+    with SimEngine(other, kvtier=disk_config(tmp_path / "kv-other")) as sim:
+        sim.generate(prompts, 3)
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as sim:
+        sim.generate(prompts, 3)
+    mine = sorted((tmp_path / "kv").glob("model_*_r0/*/*/*.bin"))
+    theirs = {p.name: p for p in (tmp_path / "kv-other").glob("model_*_r0/*/*/*.bin")}
+    assert mine and theirs
+    # Same token ids, another model: other keys. Copy a foreign file over ours under our name.
+    foreign = next(iter(theirs.values()))
+    for path in mine:
+        shutil.copyfile(foreign, path)
+    ref = reference_outputs(model, prompts, 3)
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as sim:
+        results = sim.generate(renamed(prompts, "-f"), 3)
+        assert by_prompt(results, "-f") == ref and external(results) == [0]
+        disk = sim.kvtier_scheduler.orchestrator.disk
+        assert disk.stats.corrupt_quarantined >= 1
+    assert list((tmp_path / "kv" / "quarantine").iterdir())
+
+
+def test_preemptions_in_the_middle_of_loads_and_stores_stay_bit_exact(model):
+    """8 concurrent requests growing by 48 decode tokens each in 20 engine blocks of 16 tokens:
+    vLLM preempts running requests (their stores flushed first) and resumes them (loads from kvtier)."""
+    prompts = prompts_of(7, 8, 64, shared_prefix=16)
+    engine = {"num_blocks": 20, "max_num_seqs": 16, "max_num_batched_tokens": 128}
+    with SimEngine(model, kvtier=None, **engine) as alone:
+        ref = tokens_of(alone.generate(prompts, 48))
+    config = {**HOST, "offload_prompt_only": False}
+    with SimEngine(model, kvtier=config, **engine) as sim:
+        preempted = []
+        results = sim.generate(prompts, 48, before_forward=lambda so: preempted.extend(so.preempted_req_ids))
+        assert tokens_of(results) == ref
+        assert preempted, "the workload should force preemptions"
+        # resumed requests reloaded what kvtier held instead of recomputing it
+        assert sim.model.forward_tokens < alone.model.forward_tokens
+        second = sim.generate(renamed(prompts, "-2"), 48, before_forward=lambda so: preempted.extend(so.preempted_req_ids))
+        assert by_prompt(second, "-2") == ref
+        assert sum(external(second)) > 0
+        assert sim.model.kv_mismatches == []
+        host = sim.kvtier_scheduler.orchestrator.host
+        assert host.pinned_slots() == 0  # nothing leaked
+
+
+class StoreGate:
+    """Holds the worker's store copies until released (a slow store, for real)."""
+
+    def __init__(self, sim: SimEngine):
+        self.open = threading.Event()
+        copier = store_copies(sim).copier
+        real = copier.copy
+
+        def gated(direction, pages):
+            if direction is Direction.STORE:
+                self.open.wait(30)
+            return real(direction, pages)
+
+        copier.copy = gated
+
+    def release(self) -> None:
+        self.open.set()
+
+
+def test_delayed_free_keeps_finished_blocks_until_their_stores_are_done(model):
+    """A request finishes while its stores are held: vLLM must not reuse its blocks before the store
+    copied them (other requests need every block meanwhile); the stored blocks then serve bit-exact."""
+    prompts = prompts_of(8, 1, 96)
+    others = prompts_of(9, 6, 90)
+    engine = {"num_blocks": 16, "max_num_seqs": 8}
+    ref = reference_outputs(model, prompts, 2, **engine)
+    with SimEngine(model, kvtier=HOST, **engine) as sim:
+        gate = StoreGate(sim)
+        sim.generate(prompts, 2, max_steps=20) if False else None
+        for req_id, tokens in prompts.items():
+            sim.add(req_id, tokens, 2)
+        for _ in range(6):
+            sim.step()
+        assert prompts.keys() <= sim.finished.keys()
+        # The finished request's blocks are still held by vLLM (delayed free) while others wait.
+        for req_id, tokens in others.items():
+            sim.add(req_id, tokens, 2)
+        for _ in range(5):
+            sim.step()
+        gate.release()
+        sim.run()
+        assert sim.reset_prefix_cache()
+        results = sim.generate(renamed(prompts, "-2"), 2)
+        assert by_prompt(results, "-2") == ref and external(results)[0] >= 80
+        assert sim.model.kv_mismatches == []
+
+
+def test_abort_while_stores_are_in_flight(model):
+    prompts = prompts_of(10, 2, 96)
+    ref = reference_outputs(model, prompts, 3)
+    with SimEngine(model, kvtier=HOST) as sim:
+        gate = StoreGate(sim)
+        for req_id, tokens in prompts.items():
+            sim.add(req_id, tokens, 50)
+        sim.step()  # prefill: stores of every full block start (and are held)
+        for req_id in prompts:
+            sim.abort(req_id)
+        sim.step()
+        gate.release()
+        sim.run()
+        settle(sim)
+        assert sim.kvtier_scheduler.orchestrator.host.pinned_slots() == 0
+        assert not sim.kvtier_scheduler.has_pending_jobs()
+        assert sim.reset_prefix_cache()
+        results = sim.generate(renamed(prompts, "-2"), 3)
+        assert by_prompt(results, "-2") == ref and all(n >= 80 for n in external(results))
+
+
+def test_a_partial_load_failure_recomputes_exactly_the_failed_blocks_and_after(model):
+    prompts = prompts_of(11, 1, 130)
+    ref = reference_outputs(model, prompts, 3)
+    with SimEngine(model, kvtier=HOST) as sim:
+        sim.generate(prompts, 3)
+        assert sim.reset_prefix_cache()
+        copies = store_copies(sim)
+        real = copies.copier.copy
+        failed: list[int] = []
+
+        def broken(direction, pages):
+            pages = list(pages)
+            if direction is Direction.LOAD and not failed:
+                failed.append(pages[3].block_id)
+                raise OSError("injected: host memory read failed")
+            return real(direction, pages)
+
+        copies.copier.copy = broken
+        results = sim.generate(renamed(prompts, "-2"), 3)
+        assert by_prompt(results, "-2") == ref
+        assert failed
+
+
+def test_reset_prefix_cache_while_a_promotion_is_in_flight(model, tmp_path, monkeypatch):
+    """reset_prefix_cache(reset_connector) clears kvtier while disk reads are running (held until
+    after the reset): the reads' completions must not resurrect or pin cleared blocks."""
+    from kvtier.tiers.disk import files
+
+    prompts = prompts_of(12, 2, 100)
+    ref = reference_outputs(model, prompts, 2)
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as sim:
+        sim.generate(prompts, 2)
+    reads_may_finish = threading.Event()
+    real_read = files.read_block
+
+    def held_read(*args):
+        reads_may_finish.wait(30)
+        return real_read(*args)
+
+    monkeypatch.setattr(files, "read_block", held_read)
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as sim:  # blocks only on disk now
+        orchestrator = sim.kvtier_scheduler.orchestrator
+        for req_id, tokens in renamed(prompts, "-2").items():
+            sim.add(req_id, tokens, 2)
+        sim.step()  # lookups start promotions and answer "ask again"
+        assert orchestrator.has_pending_io()
+        assert sim.reset_prefix_cache(reset_connector=True)
+        reads_may_finish.set()
+        sim.run()
+        assert {k.removesuffix("-2"): v.tokens for k, v in sim.finished.items()} == ref
+        settle(sim)
+        assert orchestrator.host.pinned_slots() == 0
+
+
+def test_every_host_slot_pinned_drops_stores_without_stalling(model):
+    """A host tier of 3 slots under 8 concurrent requests: stores are dropped (counted), never waited for."""
+    prompts = prompts_of(13, 8, 100, shared_prefix=64)
+    host = {"cpu_bytes_to_use": 3 * 2 * 16 * 8 * 4}
+    ref = reference_outputs(model, prompts, 3)
+    with SimEngine(model, kvtier=host) as sim:
+        assert tokens_of(sim.generate(prompts, 3)) == ref
+        results = sim.generate(renamed(prompts, "-2"), 3)
+        assert by_prompt(results, "-2") == ref
+        assert sim.kvtier_scheduler.orchestrator.host.pinned_slots() == 0
+
+
+def test_prompt_embeds_requests_are_never_loaded_or_stored(model):
+    import torch
+
+    with SimEngine(model, kvtier=HOST) as sim:
+        embeds = torch.zeros(64, 16)
+        for i in range(2):
+            sim.scheduler.add_request(sim.add.__self__ and _embeds_request(sim, f"e{i}", embeds))
+        sim.run()
+        scheduler = sim.kvtier_scheduler
+        assert scheduler.orchestrator.host.used_slots == 0  # nothing stored
+        assert [sim.prefill[f"e{i}"][1] for i in range(2)] == [0, 0]  # nothing loaded
+
+
+def _embeds_request(sim: SimEngine, req_id: str, embeds):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(request_id=req_id, prompt_token_ids=None, prompt_embeds=embeds,
+                   sampling_params=SamplingParams(max_tokens=2, ignore_eos=True), pooling_params=None,
+                   block_hasher=sim._hasher)  # noqa: SLF001
+
+
+def test_failed_loads_are_recomputed_not_failed(model):
+    """vLLM 0.32's default kv_load_failure_policy is "fail"; kvtier switches it to "recompute"."""
+    with SimEngine(model, kvtier=HOST) as sim:
+        assert sim.vllm_config.kv_transfer_config.kv_load_failure_policy == "recompute"
+        assert sim.scheduler.recompute_kv_load_failures
+
+
+def test_namespace_names_the_workers_page_format(model, tmp_path):
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as sim:
+        namespace = sim.kvtier_scheduler.namespace
+        page = namespace.page
+        assert page.engine_block_tokens == 16 and page.kv_dtype == "float32" and page.num_layers == 2
+        assert namespace.model.weights.startswith("blake3:")
+        config = json.loads(next((tmp_path / "kv").glob("model_*/config.json")).read_text())
+        assert config["model_name"] == "model" and config["spec_version"] == "kvtier/2"
+        files = list((tmp_path / "kv").glob("model_*_r0/*/*/*.bin"))
+        assert not files or files[0].stat().st_size == HEADER_LEN + sim.kvtier_scheduler.geometry.layout.slot_bytes
