@@ -39,15 +39,17 @@ def prompts() -> list[str]:
     return long_prompts(NUM_PROMPTS, PROMPT_WORDS, seed=2)
 
 
-def run_engine(tmp: Path, model: str, prompts, rounds, extra_config=None, multiprocess=True) -> dict:
+def run_engine(tmp: Path, model: str, prompts, rounds, extra_config=None, multiprocess=True,
+               kv_bytes: int = KV_BYTES, **spec_extra) -> dict:
     spec = {
         "model": model,
         "prompts": prompts,
         "rounds": rounds,
         "max_tokens": MAX_TOKENS,
-        "kv_cache_memory_bytes": KV_BYTES,
+        "kv_cache_memory_bytes": kv_bytes,
         "max_model_len": 2048,
         "kv_connector_extra_config": extra_config,
+        **spec_extra,
     }
     run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
     run_dir.mkdir()
@@ -145,3 +147,23 @@ def flip_byte(path: Path, offset: int) -> None:
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_preemptions_under_a_tiny_kv_space_stay_bit_exact(tmp_path, model_path, prompts):
+    """4 long prompts at once, each growing by 160 tokens, in a vLLM KV space of 17 blocks (room for
+    about 1.7 of them); 256-token prefill chunks let several run at once, and running requests need
+    new blocks while they grow, so vLLM preempts the others
+    (kvtier flushes their stores first) and resumes them later (loading what kvtier holds). Outputs
+    equal vLLM alone's (sequential, ample KV space), request by request; a second batched round
+    after a prefix-cache reset is served from kvtier and equal too."""
+    long = {"max_tokens": 160, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+    alone = run_engine(tmp_path, model_path, prompts[:4], [{}], multiprocess=False, **long)
+    result = run_engine(
+        tmp_path, model_path, prompts[:4], [{"batch": True}, {"reset_prefix_cache": True, "batch": True}],
+        {"cpu_bytes_to_use": 1_000_000_000}, kv_bytes=96 * 2**20, **long,
+    )
+    expected = token_ids(alone["rounds"][0])
+    assert result["num_preemptions"] > 0, "the workload should force preemptions"
+    assert token_ids(result["rounds"][0]) == expected
+    assert token_ids(result["rounds"][1]) == expected
+    assert sum(r["num_cached_tokens"] for r in result["rounds"][1]) > 0

@@ -6,8 +6,11 @@ clean (vLLM logs to stdout too; the result is the LAST stdout line):
 
     python tests/support/offline_run.py SPEC_JSON   ->   {"startup_seconds": ..., "rounds": [...]}
 
-SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": bool}),
-max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector).
+SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": bool, "batch": bool}),
+max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
+optional: block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
+embeddings, looked up in the model's own embedding matrix, instead of token ids).
+The result also holds ``num_preemptions`` (vLLM's counter over the whole run).
 Multiprocess mode is vLLM's default; the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for one process.
 """
 
@@ -32,6 +35,12 @@ def main() -> None:
             "kv_connector_extra_config": spec["kv_connector_extra_config"],
         }
     started = time.perf_counter()
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
+    if spec.get("max_num_batched_tokens"):
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
+    if spec.get("prompt_embeds"):
+        kwargs["enable_prompt_embeds"] = True
     llm = LLM(
         model=spec["model"],
         dtype="float32",
@@ -41,6 +50,7 @@ def main() -> None:
         max_model_len=spec["max_model_len"],
         max_num_seqs=spec.get("max_num_seqs", 4),
         seed=0,
+        disable_log_stats=False,
         **kwargs,
     )
     startup_seconds = time.perf_counter() - started
@@ -52,6 +62,8 @@ def main() -> None:
         results = []
         batch = round_spec.get("batch", False)
         prompts = spec["prompts"]
+        if spec.get("prompt_embeds"):
+            prompts = [{"prompt_embeds": embed(llm, spec["model"], p)} for p in prompts]
         groups = [prompts] if batch else [[p] for p in prompts]
         for group in groups:
             start = time.perf_counter()
@@ -68,8 +80,21 @@ def main() -> None:
                     }
                 )
         rounds.append(results)
+    preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     del llm
-    print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds}), flush=True)
+    print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions}),
+          flush=True)
+
+
+def embed(llm, model: str, prompt: str):
+    """The prompt's token embeddings, from the checkpoint's embedding matrix."""
+    import torch
+    from safetensors import safe_open
+
+    ids = llm.get_tokenizer()(prompt)["input_ids"]
+    with safe_open(os.path.join(model, "model.safetensors"), "pt") as weights:
+        table = weights.get_tensor("model.embed_tokens.weight")
+    return table[torch.tensor(ids)].to(torch.float32)
 
 
 def reset_prefix_cache(llm, attempts: int = 200) -> None:

@@ -130,4 +130,4 @@ def run_command(opts: dict[str, Any]) -> int:
     console.file.flush()
     click.echo(json.dumps(summary(results, results_path, figure_path), separators=(",", ":")))
     failed = any(m["error"] for m in results["modes"].values())
-    return 1 if failed or not results["outputs"]["identical"] else 0
+    return 1 if failed or results["outputs"]["identical"] is False else 0

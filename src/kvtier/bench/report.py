@@ -125,8 +125,8 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     """Human-readable outcome of the output check and the goals."""
     lines = []
     outputs = results["outputs"]
-    if outputs["reference"] is None or outputs["compared"] == 0 and not outputs["missing"]:
-        lines.append("outputs: nothing to compare (one mode)")
+    if outputs["identical"] is None:
+        lines.append("outputs: not compared (fewer than two modes produced outputs)")
     elif outputs["identical"]:
         lines.append(f"outputs: identical in every mode ({outputs['compared']} comparisons against {outputs['reference']})")
     else:

@@ -84,8 +84,12 @@ class OutputCheck:
     missing: list[str] = field(default_factory=list)  # "mode:id" without an output (errors)
 
     @property
-    def identical(self) -> bool:
-        return not self.mismatches and not self.missing
+    def identical(self) -> bool | None:
+        """True only when at least one output was compared and all matched; None when nothing was
+        compared (one mode, or no request succeeded in two modes); False otherwise."""
+        if self.mismatches or self.missing:
+            return False
+        return True if self.compared else None
 
     def to_json(self) -> dict[str, Any]:
         return {"identical": self.identical, "reference": self.reference, "compared": self.compared,
@@ -139,7 +143,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def goals(workload: str, per_mode: Mapping[str, Mapping[str, Any]], outputs_identical: bool) -> dict[str, Any]:
+def goals(workload: str, per_mode: Mapping[str, Mapping[str, Any]], outputs_identical: bool | None) -> dict[str, Any]:
     """The issue's goals that this run can judge (a goal needs its modes and workload)."""
     out: dict[str, Any] = {"outputs_identical": outputs_identical}
     kv = per_mode.get("kvtier")
