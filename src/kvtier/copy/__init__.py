@@ -2,7 +2,7 @@
 
 Runs inside each vLLM worker process (one engine per rank). :mod:`~kvtier.copy.base` is the
 contract (:class:`CopyEngine` and its ordering rules), :mod:`~kvtier.copy.pages` the byte-page
-views and the page copy, :mod:`~kvtier.copy.cpu` the implementation for KV in host memory.
+views and the batched page copy, :mod:`~kvtier.copy.cpu` the implementation for KV in host memory.
 :func:`make_copy_engine` picks the implementation for the KV tensors' device.
 """
 
@@ -11,19 +11,22 @@ from __future__ import annotations
 import torch
 
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
-from kvtier.copy.pages import BlockCopier, HostSlots, PagedKV
+from kvtier.copy.pages import BlockCopier, CopyPlan, HostSlots, PagedKV
 
 __all__ = [
-    "BlockCopier", "CopyDone", "CopyEngine", "Direction", "HostSlots", "PageCopy", "PagedKV",
-    "make_copy_engine", "pin_host_memory",
+    "BlockCopier", "CopyDone", "CopyEngine", "CopyPlan", "Direction", "HostSlots",
+    "PageCopy", "PagedKV", "make_copy_engine", "pin_host_memory",
 ]
 
 
 def make_copy_engine(kv: PagedKV, host: HostSlots) -> CopyEngine:
-    """The copy engine for the engine's paged KV ``kv`` and one rank's ``host`` slots."""
-    from kvtier.copy.cpu import CpuCopyEngine
+    """The copy engine for the engine's paged KV ``kv`` and one rank's ``host`` slots: the CPU
+    engine for KV in host memory. Raises ValueError naming the device type for any other device."""
+    if kv.device.type == "cpu":
+        from kvtier.copy.cpu import CpuCopyEngine
 
-    return CpuCopyEngine(BlockCopier(kv, host))
+        return CpuCopyEngine(BlockCopier(kv, host))
+    raise ValueError(f"kvtier: no copy engine for device type {kv.device.type!r}")
 
 
 def pin_host_memory(buffer: torch.Tensor):
