@@ -219,11 +219,16 @@ def host_for(kv, num_slots=2):
     return HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout)
 
 
-def test_make_copy_engine_picks_the_cpu_engine_for_host_kv():
+def test_make_copy_engine_picks_the_engine_for_the_kv_device():
+    from kvtier.copy.cuda import CudaCopyEngine
+    from sim_device import SimDevice
+
     kv = PagedKV(cpu_layers(), NUM_BLOCKS)
     engine = make_copy_engine(kv, host_for(kv))
     assert isinstance(engine, CpuCopyEngine)
     engine.close()
+    kv.device = torch.device("cuda", 0)  # as vLLM's CUDA KV would be (the copies go to the simulated device)
+    assert isinstance(make_copy_engine(kv, host_for(kv), device=SimDevice()), CudaCopyEngine)
 
 
 def test_make_copy_engine_names_an_unsupported_device():
