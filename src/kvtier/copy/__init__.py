@@ -2,8 +2,10 @@
 
 Runs inside each vLLM worker process (one engine per rank). :mod:`~kvtier.copy.base` is the
 contract (:class:`CopyEngine` and its ordering rules), :mod:`~kvtier.copy.pages` the byte-page
-views and the page copy, :mod:`~kvtier.copy.cpu` the implementation for KV in host memory.
-:func:`make_copy_engine` picks the implementation for the KV tensors' device.
+views and the batched page copy, :mod:`~kvtier.copy.cpu` the implementation for KV in host memory,
+:mod:`~kvtier.copy.cuda` the one for KV on a CUDA device (its device calls behind
+:mod:`~kvtier.copy.streams`). :func:`make_copy_engine` picks the implementation for the KV
+tensors' device.
 """
 
 from __future__ import annotations
@@ -11,19 +13,30 @@ from __future__ import annotations
 import torch
 
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
-from kvtier.copy.pages import BlockCopier, HostSlots, PagedKV
+from kvtier.copy.pages import BlockCopier, CopyPlan, HostSlots, PagedKV
+from kvtier.copy.streams import DeviceStreams
 
 __all__ = [
-    "BlockCopier", "CopyDone", "CopyEngine", "Direction", "HostSlots", "PageCopy", "PagedKV",
-    "make_copy_engine", "pin_host_memory",
+    "BlockCopier", "CopyDone", "CopyEngine", "CopyPlan", "DeviceStreams", "Direction", "HostSlots",
+    "PageCopy", "PagedKV", "make_copy_engine", "pin_host_memory",
 ]
 
 
-def make_copy_engine(kv: PagedKV, host: HostSlots) -> CopyEngine:
-    """The copy engine for the engine's paged KV ``kv`` and one rank's ``host`` slots."""
-    from kvtier.copy.cpu import CpuCopyEngine
+def make_copy_engine(kv: PagedKV, host: HostSlots, device: DeviceStreams | None = None) -> CopyEngine:
+    """The copy engine for the engine's paged KV ``kv`` and one rank's ``host`` slots: the CPU
+    engine for KV in host memory, the CUDA engine for KV on a CUDA device (its device calls on
+    ``torch.cuda`` unless ``device`` is given: the tests' simulated device). Raises ValueError
+    naming the device type for any other device."""
+    if kv.device.type == "cpu":
+        from kvtier.copy.cpu import CpuCopyEngine
 
-    return CpuCopyEngine(BlockCopier(kv, host))
+        return CpuCopyEngine(BlockCopier(kv, host))
+    if kv.device.type == "cuda":
+        from kvtier.copy.cuda import CudaCopyEngine
+        from kvtier.copy.streams import TorchCudaStreams
+
+        return CudaCopyEngine(BlockCopier(kv, host), device if device is not None else TorchCudaStreams(kv.device))
+    raise ValueError(f"kvtier: no copy engine for device type {kv.device.type!r}")
 
 
 def pin_host_memory(buffer: torch.Tensor):

@@ -1,6 +1,8 @@
 """The CPU copy engine: loads copied on the caller's thread, stores on one background thread.
 
-On vLLM's CPU backend the engine's KV tensors live in DRAM, so a copy is a memcpy:
+For KV tensors in host memory only (vLLM's CPU backend; :func:`kvtier.copy.make_copy_engine`
+picks the engine for the KV tensors' device). The engine's KV tensors live in DRAM, so a copy is a
+memcpy, one batched ``torch._foreach_copy_`` per job (:meth:`~kvtier.copy.pages.BlockCopier.copy`):
 
 - :meth:`CpuCopyEngine.start_load` copies at once, on the worker's main thread, before the forward
   (a few MB per block: milliseconds), and reports the job done on the next :meth:`~CpuCopyEngine.poll`;
@@ -21,8 +23,6 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-import torch
-
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
 from kvtier.copy.pages import BlockCopier
 from kvtier.core.priority import become_background_thread
@@ -32,9 +32,9 @@ logger = logging.getLogger(__name__)
 
 class CpuCopyEngine(CopyEngine):
     def __init__(self, copier: BlockCopier):
+        if copier.kv.device.type != "cpu":
+            raise ValueError(f"kvtier: the CPU copy engine needs KV in host memory, not on {copier.kv.device}")
         self.copier = copier
-        device = copier.kv.device
-        self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._jobs: queue.SimpleQueue[tuple[int, Direction, list[PageCopy]] | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[CopyDone] = queue.SimpleQueue()
         self._pending: set[int] = set()
@@ -86,7 +86,7 @@ class CpuCopyEngine(CopyEngine):
             start = time.perf_counter()
             ok, num_bytes = True, 0
             try:
-                num_bytes = self._copy(direction, pages)
+                num_bytes = self.copier.copy(direction, pages)
             except Exception:  # a failed copy is reported, never raised into the engine
                 logger.exception("kvtier: %s copy of job %d failed", direction.value, job_id)
                 ok = False
@@ -94,11 +94,3 @@ class CpuCopyEngine(CopyEngine):
             with self._cond:
                 self._pending.discard(job_id)
                 self._cond.notify_all()
-
-    def _copy(self, direction: Direction, pages: list[PageCopy]) -> int:
-        if self._stream is None:
-            return self.copier.copy(direction, pages)
-        with torch.cuda.stream(self._stream):
-            num_bytes = self.copier.copy(direction, pages)
-        self._stream.synchronize()
-        return num_bytes

