@@ -149,17 +149,18 @@ def flip_byte(path: Path, offset: int) -> None:
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_preemptions_under_a_tiny_kv_space_stay_bit_exact(tmp_path, model_path, prompts):
-    """4 long prompts at once, each growing by 160 tokens, in a vLLM KV space of 17 blocks (room for
-    about 1.7 of them); 256-token prefill chunks let several run at once, and running requests need
-    new blocks while they grow, so vLLM preempts the others
-    (kvtier flushes their stores first) and resumes them later (loading what kvtier holds). Outputs
-    equal vLLM alone's (sequential, ample KV space), request by request; a second batched round
-    after a prefix-cache reset is served from kvtier and equal too."""
-    long = {"max_tokens": 160, "max_num_seqs": 4, "max_num_batched_tokens": 256}
-    alone = run_engine(tmp_path, model_path, prompts[:4], [{}], multiprocess=False, **long)
+def test_preemptions_under_a_tiny_kv_space_stay_bit_exact(tmp_path, model_path):
+    """6 prompts of ~260 tokens at once, each growing by 160 tokens, in a vLLM KV space of 17 blocks
+    of 128 tokens. vLLM 0.32 admits a request only when its whole prompt fits, but decoding growth is
+    not reserved: once the running requests outgrow the space, vLLM preempts one (kvtier flushes its
+    stores first) and resumes it later, loading what kvtier holds. Outputs equal vLLM alone's
+    (sequential, ample KV space), request by request; a second batched round after a prefix-cache
+    reset is served from kvtier and equal too."""
+    prompts = long_prompts(6, 240, seed=5)
+    long = {"max_tokens": 160, "max_num_seqs": 6}
+    alone = run_engine(tmp_path, model_path, prompts, [{}], multiprocess=False, **long)
     result = run_engine(
-        tmp_path, model_path, prompts[:4], [{"batch": True}, {"reset_prefix_cache": True, "batch": True}],
+        tmp_path, model_path, prompts, [{"batch": True}, {"reset_prefix_cache": True, "batch": True}],
         {"cpu_bytes_to_use": 1_000_000_000}, kv_bytes=96 * 2**20, **long,
     )
     expected = token_ids(alone["rounds"][0])
