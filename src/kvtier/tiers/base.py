@@ -1,9 +1,16 @@
 """The contract every secondary tier (disk, Redis, ...) implements.
 
 Threading: every method here is called from ONE thread, the orchestrator's (in vLLM: the
-scheduler's). Methods never block on I/O: ``contains`` answers from an in-memory index;
+scheduler's). Methods never block on I/O: ``presence``/``contains`` answer from memory (an index,
+or for a remote tier a cache of what background probes found); ``probe``,
 ``submit_read``/``submit_write`` hand work to the tier's own threads and return at once;
 completions are collected by polling :meth:`SecondaryTier.poll`.
+
+Presence: a local tier knows its contents (:attr:`Presence.PRESENT` or :attr:`Presence.ABSENT`).
+A shared remote tier cannot, without asking the server: for a key it has not asked about recently
+it answers :attr:`Presence.UNKNOWN`; the orchestrator then calls :meth:`~SecondaryTier.probe` and
+asks again later (vLLM: "ask again next step"). A tier that cannot find out (server down) answers
+ABSENT: a miss, never a wait.
 
 Buffers: a tier reads into and writes from caller-owned buffers (host slots, one per rank).
 The caller keeps those buffers pinned (neither evicted nor reused) from ``submit_*`` until the
@@ -23,7 +30,15 @@ from dataclasses import dataclass
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import Medium, ResidencyLog
 
-__all__ = ["IoError", "IoKind", "IoResult", "Medium", "SecondaryTier", "TierUsage"]
+__all__ = ["IoError", "IoKind", "IoResult", "Medium", "Presence", "SecondaryTier", "TierUsage"]
+
+
+class Presence(enum.Enum):
+    """What a tier knows, from memory, about whether it holds a block."""
+
+    PRESENT = "present"
+    ABSENT = "absent"
+    UNKNOWN = "unknown"  # a remote tier has not asked its server yet: probe, then ask again
 
 
 class IoKind(enum.Enum):
@@ -55,10 +70,12 @@ class IoResult:
 
 @dataclass(frozen=True, slots=True)
 class TierUsage:
+    """A tier's usage; a remote tier reports its server's memory (``num_blocks`` None: unknown)."""
+
     medium: Medium
     used_bytes: int
     capacity_bytes: int
-    num_blocks: int
+    num_blocks: int | None
 
 
 class SecondaryTier(ABC):
@@ -69,7 +86,15 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def contains(self, key: BlockKey) -> bool:
-        """Whether a complete copy of ``key`` (all ranks) is indexed. Memory only, never I/O."""
+        """Whether a complete copy of ``key`` (all ranks) is known to be here. Memory only, never I/O."""
+
+    def presence(self, key: BlockKey) -> Presence:
+        """What this tier knows of ``key`` from memory (never I/O). Local tiers know."""
+        return Presence.PRESENT if self.contains(key) else Presence.ABSENT
+
+    def probe(self, keys: Sequence[BlockKey]) -> None:
+        """Find out in the background whether ``keys`` are here (a remote tier asks its server);
+        the answers show in :meth:`presence` after a later :meth:`poll`. Local tiers: nothing."""
 
     def leading_run(self, keys: Sequence[BlockKey]) -> int:
         """Length of the leading run of ``keys`` present here."""

@@ -1,0 +1,238 @@
+"""The ``secondary_tiers`` entries: ``type: fs`` (disk) and ``type: redis`` (Redis / Valkey).
+
+Validated at start-up (:func:`parse_secondary_tiers`), in every vLLM process that builds the
+connector: unknown keys, wrong types and impossible values raise
+:class:`~kvtier.core.values.ConfigError` naming the key. A disk tier's directory is created
+here; a Redis server is not contacted here (the tier connects when it starts, in the scheduler
+process). Secrets: a Redis password may come from the URL or from an environment variable named
+by ``password_env``; it is never printed (:meth:`RedisTierConfig.redacted_url`, the config's
+``repr``).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kvtier.core.values import (
+    PREFIX,
+    ConfigError,
+    bool_value,
+    check_keys,
+    float_value,
+    int_value,
+    text_value,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class TierType(str, enum.Enum):
+    FS = "fs"
+    REDIS = "redis"
+
+
+DEFAULT_DISK_FRACTION = 0.5
+"""Without ``capacity_bytes``, a disk tier may use this fraction of the free space at start-up."""
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    """``secondary_tiers`` entry of ``type: fs``."""
+
+    root_dir: Path
+    capacity_bytes: int
+    n_read_threads: int = 16
+    n_write_threads: int = 16
+    max_pending_writes: int = 256
+
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+_KEY_PREFIX = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+@dataclass(frozen=True, repr=False)
+class RedisTierConfig:
+    """``secondary_tiers`` entry of ``type: redis``: a Redis / Valkey server or cluster shared by
+    engines. ``url`` may hold credentials; ``repr`` and :meth:`redacted_url` never show them."""
+
+    url: str
+    username: str | None = None
+    password_env: str | None = None
+    key_prefix: str = "kvtier"
+    ttl_seconds: int | None = None
+    cluster: bool = False
+    nodes: tuple[str, ...] = ()
+    max_connections: int = 8
+    connect_timeout_s: float = 1.0
+    timeout_s: float = 2.0
+    max_pending_writes: int = 64
+
+    def redacted_url(self) -> str:
+        """``url`` with any password replaced by ``***``."""
+        return redact_url(self.url)
+
+    def password(self) -> str | None:
+        """The password from ``password_env`` (read now), else None (the URL's, if any, applies)."""
+        if self.password_env is None:
+            return None
+        value = os.environ.get(self.password_env)
+        if value is None:
+            raise ConfigError(
+                f"{PREFIX}: Redis 'password_env' names the environment variable {self.password_env!r}, "
+                "which is not set in this process. Export it where vLLM runs."
+            )
+        return value
+
+    def __repr__(self) -> str:
+        return (f"RedisTierConfig(url={self.redacted_url()!r}, username={self.username!r}, "
+                f"password_env={self.password_env!r}, key_prefix={self.key_prefix!r}, "
+                f"ttl_seconds={self.ttl_seconds!r}, cluster={self.cluster!r}, nodes={self.nodes!r})")
+
+
+SecondaryTierConfig = DiskTierConfig | RedisTierConfig
+
+
+def redact_url(url: str) -> str:
+    """A URL with its password (if any) replaced by ``***``."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+_FS_KEYS = frozenset({"type", "root_dir", "capacity_bytes", "n_read_threads", "n_write_threads", "max_pending_writes"})
+_REDIS_KEYS = frozenset({
+    "type", "url", "username", "password_env", "key_prefix", "ttl_seconds", "cluster", "nodes",
+    "max_connections", "connect_timeout_s", "timeout_s", "max_pending_writes",
+})
+
+
+def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
+    """The validated ``secondary_tiers`` list: at most one disk tier, then at most one Redis tier
+    (disk first when both: blocks are looked up and promoted in that order)."""
+    if not isinstance(raw, list | tuple):
+        raise ConfigError(
+            f"{PREFIX}: 'secondary_tiers' must be a list of tier objects, e.g. "
+            '[{"type": "fs", "root_dir": "/var/cache/kvtier"}, {"type": "redis", "url": "redis://host:6379"}]'
+        )
+    tiers: list[SecondaryTierConfig] = []
+    for index, entry in enumerate(raw):
+        where = f"secondary_tiers[{index}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(f"{PREFIX}: '{where}' must be an object like " '{"type": "fs", ...}')
+        tier_type = entry.get("type")
+        if tier_type == TierType.FS.value:
+            tiers.append(_disk_tier(entry, where))
+        elif tier_type == TierType.REDIS.value:
+            tiers.append(_redis_tier(entry, where))
+        else:
+            raise ConfigError(
+                f"{PREFIX}: '{where}.type' is {tier_type!r}; kvtier supports 'fs' (local or shared "
+                "filesystem) and 'redis' (Redis or Valkey). Set \"type\" to one of them."
+            )
+    kinds = [type(t) for t in tiers]
+    if kinds.count(DiskTierConfig) > 1 or kinds.count(RedisTierConfig) > 1:
+        raise ConfigError(f"{PREFIX}: 'secondary_tiers' holds more than one tier of a type; kvtier supports one "
+                          "disk tier and one Redis tier. Keep one of each.")
+    if kinds == [RedisTierConfig, DiskTierConfig]:
+        raise ConfigError(f"{PREFIX}: 'secondary_tiers' lists the Redis tier before the disk tier; put the fs "
+                          "entry first (the local disk is looked up before the shared remote).")
+    return tuple(tiers)
+
+
+def _disk_tier(raw: Mapping[str, Any], where: str) -> DiskTierConfig:
+    check_keys(raw, _FS_KEYS, where, '{"type": "fs", "root_dir": "/var/cache/kvtier"}')
+    root = text_value(raw, "root_dir", where=where)
+    if root is None:
+        raise ConfigError(f"{PREFIX}: '{where}.root_dir' is required: a directory path string.")
+    root_dir = Path(root).expanduser()
+    _check_writable_dir(root_dir, f"{where}.root_dir")
+    if "capacity_bytes" in raw:
+        capacity = int_value(raw, "capacity_bytes", minimum=1, where=where)
+    else:
+        capacity = int(shutil.disk_usage(root_dir).free * DEFAULT_DISK_FRACTION)
+        logger.info("kvtier: %s.capacity_bytes not set; using %.1f GiB (%.0f%% of the free space of %s)",
+                    where, capacity / 2**30, DEFAULT_DISK_FRACTION * 100, root_dir)
+    return DiskTierConfig(
+        root_dir=root_dir,
+        capacity_bytes=capacity,
+        n_read_threads=int_value(raw, "n_read_threads", minimum=1, default=16, where=where),
+        n_write_threads=int_value(raw, "n_write_threads", minimum=1, default=16, where=where),
+        max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=256, where=where),
+    )
+
+
+def _check_writable_dir(path: Path, key: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{PREFIX}: '{key}' = {str(path)!r} cannot be created: {exc}") from exc
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{PREFIX}: '{key}' = {str(path)!r} is not a writable directory. Point it at a directory this user can write."
+        )
+
+
+def _redis_tier(raw: Mapping[str, Any], where: str) -> RedisTierConfig:
+    check_keys(raw, _REDIS_KEYS, where, '{"type": "redis", "url": "redis://host:6379/0"}')
+    url = text_value(raw, "url", where=where)
+    if url is None:
+        raise ConfigError(f"{PREFIX}: '{where}.url' is required, e.g. redis://host:6379/0, rediss://host:6380 "
+                          "(TLS) or unix:///run/redis.sock.")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} is not a URL ({exc}).") from None
+    if parts.scheme not in REDIS_SCHEMES:
+        raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} must start with redis://, rediss:// (TLS) "
+                          "or unix:// (a socket path).")
+    if parts.scheme == "unix" and not parts.path:
+        raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} names no socket path (unix:///path/redis.sock).")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} names no host (redis://host:6379/0).")
+    del port
+    prefix = text_value(raw, "key_prefix", where=where) or "kvtier"
+    if not _KEY_PREFIX.match(prefix):
+        raise ConfigError(f"{PREFIX}: '{where}.key_prefix' {prefix!r} must be 1-64 characters of [A-Za-z0-9._:-].")
+    nodes = raw.get("nodes", [])
+    if not isinstance(nodes, Sequence) or isinstance(nodes, str) or not all(
+            isinstance(n, str) and re.match(r"^[^\s:]+:\d+$", n) for n in nodes):
+        raise ConfigError(f"{PREFIX}: '{where}.nodes' must be a list of \"host:port\" strings (Redis Cluster nodes).")
+    cluster = bool_value(raw, "cluster", default=bool(nodes), where=where)
+    if nodes and not cluster:
+        raise ConfigError(f"{PREFIX}: '{where}.nodes' lists cluster nodes but 'cluster' is false; drop one of them.")
+    if cluster and parts.scheme == "unix":
+        raise ConfigError(f"{PREFIX}: '{where}': Redis Cluster needs TCP nodes, not a unix socket URL.")
+    password_env = text_value(raw, "password_env", where=where)
+    if password_env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", password_env):
+        raise ConfigError(f"{PREFIX}: '{where}.password_env' must be the NAME of an environment variable "
+                          "holding the password (not the password itself).")
+    return RedisTierConfig(
+        url=url,
+        username=text_value(raw, "username", where=where),
+        password_env=password_env,
+        key_prefix=prefix,
+        ttl_seconds=int_value(raw, "ttl_seconds", minimum=1, default=None, where=where),
+        cluster=cluster,
+        nodes=tuple(nodes),
+        max_connections=int_value(raw, "max_connections", minimum=1, default=8, where=where),
+        connect_timeout_s=float_value(raw, "connect_timeout_s", 1.0, where=where),
+        timeout_s=float_value(raw, "timeout_s", 2.0, where=where),
+        max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=64, where=where),
+    )
