@@ -350,3 +350,46 @@ def test_namespace_names_the_workers_page_format(model, tmp_path):
         assert config["model_name"] == "model" and config["spec_version"] == "kvtier/2"
         files = list((tmp_path / "kv").glob("model_*_r0/*/*/*.bin"))
         assert not files or files[0].stat().st_size == HEADER_LEN + sim.kvtier_scheduler.geometry.layout.slot_bytes
+
+
+def test_lora_adapters_are_identified_by_their_weights_not_their_name(model, tmp_path):
+    """A re-registered adapter name with new weights gets other keys; until an adapter's weights
+    are fingerprinted (in the background) its requests are neither loaded nor stored."""
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.request import RequestStatus
+
+    def adapter(folder: Path, value: float) -> Path:
+        folder.mkdir(parents=True)
+        (folder / "adapter_config.json").write_text('{"r": 8}')
+        save_file({"lora_A": torch.full((8, 4), value)}, str(folder / "adapter_model.safetensors"))
+        return folder
+
+    first = adapter(tmp_path / "v1" / "support-bot", 1.0)
+    second = adapter(tmp_path / "v2" / "support-bot", 2.0)  # same name, other weights
+    with SimEngine(model, kvtier=HOST) as sim:
+        scheduler = sim.kvtier_scheduler
+
+        def identity(req_id: str, path: Path, int_id: int):
+            request = sim.add(req_id, list(range(40)), 1, lora_request=LoRARequest("support-bot", int_id, str(path)))
+            sim.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+            return scheduler._request_identity(request)  # noqa: SLF001
+
+        lora, why = identity("a", first, 1)
+        assert lora is None and why is not None  # not fingerprinted yet: a miss, never a guess
+        deadline = time.monotonic() + 10
+        while (result := identity("b", first, 1))[0] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        first_id, why = result
+        assert why is None and first_id.startswith("blake3:")
+        while (result := identity("c", second, 2))[0] is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert result[0] != first_id
+        for attempt in range(20):  # an adapter that cannot be fingerprinted stays a miss for good
+            assert identity(f"d{attempt}", tmp_path / "missing", 3)[0] is None
+            time.sleep(0.01)
