@@ -44,7 +44,7 @@ def main() -> None:
     for key in filler + keys:
         host.allocate(key)
         host.commit(key)
-    orchestrator = Orchestrator(host, None, None, StoreAdmission(0, 1))
+    orchestrator = Orchestrator(host, None, [], StoreAdmission(0, 1))
 
     def acquire_release() -> None:
         orchestrator.acquire("req", keys)

@@ -49,7 +49,7 @@ def make_orchestrator(tmp_path, num_slots: int) -> Orchestrator:
             n_read_threads=1, n_write_threads=1, max_pending_writes=16,
         )
     host_bytes = HostBytes([memoryview(bytearray(SLOT * num_slots))], SLOT)
-    return Orchestrator(HostIndex(num_slots), host_bytes, disk, StoreAdmission(0, 10))
+    return Orchestrator(HostIndex(num_slots), host_bytes, [disk] if disk is not None else [], StoreAdmission(0, 10))
 
 
 def store_blocks(orch: Orchestrator, keys: list[bytes]) -> None:

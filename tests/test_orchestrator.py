@@ -31,7 +31,8 @@ def make(tmp_path: Path | None, num_slots=4, threshold=0, ranks=1) -> tuple[Orch
             payload_bytes=SLOT, capacity_bytes=10**8, n_read_threads=2, n_write_threads=2, max_pending_writes=64,
         )
     orch = Orchestrator(
-        HostIndex(num_slots), HostBytes([memoryview(b) for b in buffers], SLOT), disk, StoreAdmission(threshold, 100)
+        HostIndex(num_slots), HostBytes([memoryview(b) for b in buffers], SLOT), [disk] if disk else [],
+        StoreAdmission(threshold, 100),
     )
     return orch, buffers
 

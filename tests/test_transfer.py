@@ -221,8 +221,9 @@ def host_for(kv, num_slots=2):
 
 
 def test_make_copy_engine_picks_the_engine_for_the_kv_device():
-    from kvtier.copy.cuda import CudaCopyEngine
     from sim_device import SimDevice
+
+    from kvtier.copy.cuda import CudaCopyEngine
 
     kv = PagedKV(cpu_layers(), NUM_BLOCKS)
     engine = make_copy_engine(kv, host_for(kv))

@@ -47,7 +47,13 @@ def model(dtype: str, cache_dir: str | None) -> None:
                    "[default: $KVTIER_CACHE_DIR/kv, else ~/.cache/kvtier/kv]")
 @click.option("--disk-size", type=float, default=20.0, show_default=True, metavar="GiB",
               help="Disk tier capacity in GiB (all ranks); least recently used blocks are deleted beyond it.")
-@click.option("--no-disk", is_flag=True, help="Host tier only: no disk tier.")
+@click.option("--no-disk", is_flag=True, help="No disk tier (host only, or host + --redis-url).")
+@click.option("--redis-url", default=None, metavar="URL",
+              help="A Redis / Valkey server shared by engines as the remote tier: redis://host:6379/0, "
+                   "rediss:// (TLS), unix:///path.sock (docs/distributed.md). A password in the URL is "
+                   "never printed; better, pass it in an environment variable (--redis-password-env).")
+@click.option("--redis-password-env", default=None, metavar="NAME",
+              help="Name of the environment variable holding the Redis password (with --redis-url).")
 @click.option("--eviction-policy", type=click.Choice(["lru", "arc"]), default="lru", show_default=True,
               help="Host tier eviction policy; arc resists one-off scans.")
 @click.option("--kv-config", default=None, metavar="JSON",
@@ -56,7 +62,8 @@ def model(dtype: str, cache_dir: str | None) -> None:
                    "Example: '{\"store_threshold\": 2}'.")
 @click.pass_context
 def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, disk_dir: str | None,
-          disk_size: float, no_disk: bool, eviction_policy: str, kv_config: str | None) -> None:
+          disk_size: float, no_disk: bool, redis_url: str | None, redis_password_env: str | None,
+          eviction_policy: str, kv_config: str | None) -> None:
     """Start vLLM's OpenAI-compatible server (vllm serve) with kvtier as its KV connector.
 
     \b
@@ -88,9 +95,12 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
         flag for name, flag in (("disk_dir", "--disk-dir"), ("disk_size", "--disk-size"))
         if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
     ]
+    if redis_password_env is not None and redis_url is None:
+        raise click.UsageError("--redis-password-env needs --redis-url.")
     options = ServeOptions(
         kv_offloading_size_gib=kv_offloading_size, disk_dir=disk_dir, disk_size_gib=disk_size,
-        no_disk=no_disk, eviction_policy=eviction_policy,
+        no_disk=no_disk, eviction_policy=eviction_policy, redis_url=redis_url,
+        redis_password_env=redis_password_env,
     )
     run(args, options, disk_flags_given=given, kv_config_text=kv_config)
 

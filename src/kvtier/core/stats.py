@@ -13,8 +13,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from kvtier.core.residency import Medium
+
 GAUGE = {"gauge": True}
 """Field metadata of a gauge (a sample, merged by keeping the later value)."""
+
+
+_TIER_NAMES = {Medium.HOST: "host", Medium.DISK: "disk", Medium.REMOTE: "remote"}
+"""How each tier is named in the field names below (and in metric labels)."""
 
 
 @dataclass
@@ -42,12 +48,15 @@ class KVTierStats:
 
     lookups: int = 0
     lookup_tokens: int = 0
+    lookups_retried: int = 0  # "ask again": promotions or remote probes under way
     hit_tokens_host: int = 0
     hit_tokens_disk: int = 0
+    hit_tokens_remote: int = 0
     stores_submitted: int = 0
     stores_dropped: int = 0
     stores_skipped_threshold: int = 0
     disk_writes_dropped: int = 0
+    remote_writes_dropped: int = 0
     promotions: int = 0
     promotion_failures: int = 0
     load_errors: int = 0
@@ -58,6 +67,8 @@ class KVTierStats:
     host_to_engine: TransferCounters = field(default_factory=TransferCounters)
     host_to_disk: TransferCounters = field(default_factory=TransferCounters)
     disk_to_host: TransferCounters = field(default_factory=TransferCounters)
+    host_to_remote: TransferCounters = field(default_factory=TransferCounters)
+    remote_to_host: TransferCounters = field(default_factory=TransferCounters)
     disk_evictions: int = 0
     host_used_bytes: int | None = field(default=None, metadata=GAUGE)
     host_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
@@ -65,6 +76,32 @@ class KVTierStats:
     disk_used_bytes: int | None = field(default=None, metadata=GAUGE)
     disk_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
     disk_blocks: int | None = field(default=None, metadata=GAUGE)
+    remote_used_bytes: int | None = field(default=None, metadata=GAUGE)
+    remote_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
+
+    def written_to(self, medium: Medium) -> TransferCounters:
+        """Host -> ``medium`` transfers (a secondary tier's writes)."""
+        return getattr(self, f"host_to_{_TIER_NAMES[medium]}")
+
+    def read_from(self, medium: Medium) -> TransferCounters:
+        """``medium`` -> host transfers (promotions)."""
+        return getattr(self, f"{_TIER_NAMES[medium]}_to_host")
+
+    def count_write_dropped(self, medium: Medium) -> None:
+        name = f"{_TIER_NAMES[medium]}_writes_dropped"
+        setattr(self, name, getattr(self, name) + 1)
+
+    def count_hit_tokens(self, medium: Medium, tokens: int) -> None:
+        name = f"hit_tokens_{_TIER_NAMES.get(medium, 'host')}"
+        setattr(self, name, getattr(self, name) + tokens)
+
+    def set_usage(self, medium: Medium, used_bytes: int, capacity_bytes: int, blocks: int | None) -> None:
+        """Record a tier's usage sample (gauges)."""
+        name = _TIER_NAMES.get(medium, "host")
+        setattr(self, f"{name}_used_bytes", used_bytes)
+        setattr(self, f"{name}_capacity_bytes", capacity_bytes)
+        if hasattr(self, f"{name}_blocks"):
+            setattr(self, f"{name}_blocks", blocks)
 
     def add(self, other: "KVTierStats") -> "KVTierStats":
         """Merge ``other`` (a later interval) into this one: sum counters, keep later gauges."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.tier_config import redact_url
 from kvtier.launch.serve_args import (  # noqa: F401  (ServeConfigError is part of this API)
     ServeConfigError,
     check_passthrough,
@@ -63,6 +64,10 @@ class ServeOptions:
     """Host tier only (``disk_dir`` and ``disk_size_gib`` are then ignored)."""
     eviction_policy: str = DEFAULT_EVICTION_POLICY
     """Host tier eviction: ``lru`` or ``arc``."""
+    redis_url: str | None = None
+    """A shared Redis / Valkey remote tier (after the disk tier, or alone with ``no_disk``)."""
+    redis_password_env: str | None = None
+    """Name of the environment variable holding the Redis password."""
     kv_config: Mapping[str, Any] | None = None
     """Extra ``kv_connector_extra_config`` keys, merged last (top-level keys replace)."""
 
@@ -102,14 +107,20 @@ def build_extra_config(options: ServeOptions) -> dict:
             f"--eviction-policy {options.eviction_policy}: unknown policy; "
             f"use one of {', '.join(EVICTION_POLICIES)}.",
         )
+    tiers: list[dict[str, Any]] = []
     if not options.no_disk:
-        extra["secondary_tiers"] = [
-            {
-                "type": "fs",
-                "root_dir": str(resolve_disk_dir(options)),
-                "capacity_bytes": _bytes(options.disk_size_gib, "--disk-size"),
-            }
-        ]
+        tiers.append({
+            "type": "fs",
+            "root_dir": str(resolve_disk_dir(options)),
+            "capacity_bytes": _bytes(options.disk_size_gib, "--disk-size"),
+        })
+    if options.redis_url is not None:
+        remote: dict[str, Any] = {"type": "redis", "url": options.redis_url}
+        if options.redis_password_env is not None:
+            remote["password_env"] = options.redis_password_env
+        tiers.append(remote)
+    if tiers:
+        extra["secondary_tiers"] = tiers
     if options.kv_config is not None:
         if not isinstance(options.kv_config, Mapping):
             raise ServeConfigError(
@@ -255,6 +266,7 @@ _FLAG_OF_KEY = {
     "eviction_policy": "--eviction-policy",
     "root_dir": "--disk-dir",
     "capacity_bytes": "--disk-size",
+    "url": "--redis-url",
 }
 _MESSAGE = re.compile(
     r"^kv_connector_extra_config: '(?P<key>[^']+)'(?: = '(?:[^']*)')? (?P<reason>.*)$", re.DOTALL
@@ -282,6 +294,7 @@ def _flag_error(message: str, extra: Mapping[str, Any], options: ServeOptions) -
         "--eviction-policy": options.eviction_policy,
         "--disk-dir": extra.get("secondary_tiers", [{}])[0].get("root_dir") if not options.no_disk else None,
         "--disk-size": options.disk_size_gib,
+        "--redis-url": redact_url(options.redis_url or ""),
     }[flag]
     value = f"{value:g}" if isinstance(value, float) else value
     reason = match.group("reason")
@@ -309,6 +322,8 @@ def _summary(model, options, config, vllm_args, cpu_backend, kv_memory_flag, env
         lines.append("kvtier: disk    off")
     else:
         lines.append(f"kvtier: disk    {disk.root_dir} ({_gib(disk.capacity_bytes / GIB)} GiB)")
+    if config.remote is not None:
+        lines.append(f"kvtier: remote  {config.remote.redacted_url()}")
     if options.kv_config:
         lines.append(f"kvtier: config  {json.dumps(dict(options.kv_config), separators=(',', ':'))}")
     if kv_memory_flag is not None:

@@ -3,13 +3,21 @@
 It lives in one process (vLLM's scheduler process) and is driven by ONE thread; it never blocks
 on I/O. Tier I/O runs on the tiers' own threads and is collected by :meth:`Orchestrator.poll`.
 
+Tiers: the host tier, then the secondary tiers in order (a local disk, then a shared remote).
+
 Block flow::
 
     store:   begin_store (host slot WRITING) -> [engine copies bytes in] -> finish_store
-             -> READY in host -> cascade: disk write (slot pinned while it runs)
-    load:    acquire (host READY blocks pinned for the owner; disk-only blocks are promoted
-             into host slots first and the caller is told to ask again) -> [engine copies bytes
-             out] -> release (unpin)
+             -> READY in host -> cascade: a write to every secondary tier that lacks the block
+             (the slot is pinned while any of them runs)
+    load:    acquire (host READY blocks pinned for the owner; blocks only in a secondary tier are
+             promoted into host slots first, from the first tier that holds them, and the caller
+             is told to ask again) -> [engine copies bytes out] -> release (unpin)
+    promotion from a slower tier is also cascaded to the faster tiers before it (a remote hit
+    is kept on the local disk).
+
+A remote tier may not know yet whether it holds a block (:attr:`Presence.UNKNOWN`): the lookup
+asks it to probe (in the background) and answers "ask again"; the next lookup sees the answer.
 
 Ownership of host slots: a slot is written only by its WRITING owner (the engine's store job or
 a promotion); a READY slot may be read by any number of pinned readers; unpinned READY slots
@@ -29,7 +37,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ResidencyChange
 from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
-from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier
+from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, SecondaryTier
 from kvtier.tiers.host import HostIndex
 
 logger = logging.getLogger(__name__)
@@ -49,14 +57,18 @@ class HostBytes:
 
 class AcquireStatus(enum.Enum):
     READY = "ready"  # the returned run is pinned in host slots for the owner
-    RETRY = "retry"  # promotions are running; ask again later (never wait)
+    RETRY = "retry"  # promotions or presence probes are running; ask again later (never wait)
 
 
 @dataclass(frozen=True)
 class Acquired:
     status: AcquireStatus
     num_blocks: int = 0
-    from_disk: int = 0  # of num_blocks, how many were promoted from disk for this owner
+    promoted: dict[Medium, int] = field(default_factory=dict)  # of num_blocks: promoted for this owner, by source
+
+    @property
+    def from_disk(self) -> int:
+        return self.promoted.get(Medium.DISK, 0)
 
 
 @dataclass
@@ -64,15 +76,29 @@ class _Hold:
     """Host blocks pinned for one owner (a request) while it loads them."""
 
     keys: list[BlockKey] = field(default_factory=list)
-    promoted: set[BlockKey] = field(default_factory=set)
+    promoted: dict[BlockKey, Medium] = field(default_factory=dict)  # held keys promoted for it, by source
 
 
 @dataclass(frozen=True, slots=True)
 class BlockInfo:
-    """What the disk format needs besides the bytes: the chain parent and the token count."""
+    """What the stored format needs besides the bytes: the chain parent and the token count."""
 
     parent: BlockKey
     num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Promotion:
+    key: BlockKey
+    tier: SecondaryTier
+    owner: str
+    info: BlockInfo | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Cascade:
+    key: BlockKey
+    tier: SecondaryTier
 
 
 REFRESH_INTERVAL_S = 30.0
@@ -84,66 +110,83 @@ class Orchestrator:
         self,
         host: HostIndex,
         host_bytes: HostBytes | None,
-        disk: SecondaryTier | None,
+        tiers: Sequence[SecondaryTier],
         admission: StoreAdmission,
     ):
-        if disk is not None and host_bytes is None:
-            raise ValueError("a disk tier needs the scheduler to map the host tier's bytes")
+        """``tiers``: the secondary tiers, fastest first (lookups and promotions go in this order)."""
+        if tiers and host_bytes is None:
+            raise ValueError("secondary tiers need the scheduler to map the host tier's bytes")
         self.host = host
         self.host_bytes = host_bytes
-        self.disk = disk
+        self.tiers: tuple[SecondaryTier, ...] = tuple(tiers)
         self.admission = admission
         self.stats = KVTierStats()
         self._job_ids = itertools.count(1)
         self._holds: dict[str, _Hold] = {}
         self._promoting: dict[BlockKey, str] = {}  # key -> owner that asked
-        self._cascading: dict[int, BlockKey] = {}  # disk write job -> key (slot pinned)
-        self._promotion_jobs: dict[int, BlockKey] = {}
+        self._promotion_jobs: dict[int, _Promotion] = {}
+        self._cascading: dict[int, _Cascade] = {}  # write job -> what it writes (host slot pinned)
         self._info: dict[BlockKey, BlockInfo] = {}  # for blocks stored but not yet cascaded
         self._next_refresh = time.monotonic() + REFRESH_INTERVAL_S
-        self._disk_evictions_reported = 0
+        self._evictions_reported: dict[Medium, int] = {}
+
+    @property
+    def disk(self) -> SecondaryTier | None:
+        return self.tier(Medium.DISK)
+
+    def tier(self, medium: Medium) -> SecondaryTier | None:
+        return next((t for t in self.tiers if t.medium is medium), None)
 
     # --- lookups (memory only) -------------------------------------------------------------
     def locate(self, key: BlockKey) -> Medium | None:
+        """The fastest tier known to hold ``key`` (memory only; UNKNOWN counts as not known)."""
         if self.host.is_ready(key):
             return Medium.HOST
-        if self.disk is not None and self.disk.contains(key):
-            return Medium.DISK
+        for tier in self.tiers:
+            if tier.contains(key):
+                return tier.medium
         return None
 
     def leading_run(self, keys: Sequence[BlockKey]) -> int:
-        """Blocks at the start of ``keys`` present in some tier (memory only)."""
+        """Blocks at the start of ``keys`` known to be in some tier (memory only)."""
         for index, key in enumerate(keys):
             if self.locate(key) is None:
                 return index
         return len(keys)
 
     def media_of(self, key: BlockKey) -> list[Medium]:
-        """Every tier ``key`` is readable from (memory only)."""
+        """Every tier ``key`` is known to be readable from (memory only)."""
         media = [Medium.HOST] if self.host.is_ready(key) else []
-        if self.disk is not None and self.disk.contains(key):
-            media.append(self.disk.medium)
+        media += [tier.medium for tier in self.tiers if tier.contains(key)]
         return media
 
     def is_stored(self, key: BlockKey) -> bool:
-        """Present or being written anywhere: a store of ``key`` would be redundant."""
-        return key in self.host or (self.disk is not None and self.disk.contains(key))
+        """Present or being written anywhere known: a store of ``key`` would be redundant."""
+        return key in self.host or any(tier.contains(key) for tier in self.tiers)
 
     # --- loads ------------------------------------------------------------------------------
-    def acquire(self, owner: str, keys: Sequence[BlockKey]) -> Acquired:
+    def acquire(
+        self, owner: str, keys: Sequence[BlockKey], first_parent: BlockKey | None = None, block_tokens: int = 0
+    ) -> Acquired:
         """Pin the longest available run of ``keys`` in host slots for ``owner``.
 
-        Replaces any earlier hold of ``owner``. Disk-only blocks of the run are promoted into
-        host slots (asynchronously): then the answer is RETRY and nothing is pinned yet except
-        finished promotions, which stay held for ``owner`` so they cannot be evicted before it
-        asks again. A run is cut at the first block that is missing, being stored, or cannot get
-        a host slot.
+        Replaces any earlier hold of ``owner``. Blocks only in a secondary tier are promoted into
+        host slots (asynchronously, from the first tier that holds them): then the answer is
+        RETRY and nothing is pinned yet except finished promotions, which stay held for
+        ``owner`` so they cannot be evicted before it asks again. A tier that does not know yet
+        whether it holds a block is asked to probe the rest of the run, and the answer is RETRY
+        too. A run is cut at the first block that no tier holds, that is being stored, or that
+        cannot get a host slot. ``first_parent`` (the key before ``keys[0]``, or the namespace
+        digest) and ``block_tokens`` let promoted blocks be written to the faster tiers too.
         """
         self.poll()
         previous = self._holds.pop(owner, None)
-        hold = _Hold(promoted=previous.promoted if previous else set())
+        hold = _Hold(promoted=dict(previous.promoted) if previous else {})
         pending = False
-        for key in keys:
+        parent = first_parent
+        for index, key in enumerate(keys):
+            info = BlockInfo(parent, block_tokens) if parent is not None and block_tokens else None
+            parent = key
             if self.host.is_ready(key):
                 self.host.pin(key)
                 hold.keys.append(key)
@@ -151,7 +194,13 @@ class Orchestrator:
             if key in self._promoting:
                 pending = True
                 break
-            if self.disk is None or key in self.host or not self.disk.contains(key):
+            if key in self.host:  # being stored by the engine right now
+                break
+            source, unknown = self._source_of(key)
+            if source is None:
+                if unknown is not None:  # a remote tier has not looked yet: look, then ask again
+                    unknown.probe(keys[index:])
+                    pending = True
                 break
             slot, evicted = self.host.allocate(key)
             self._count_evictions(evicted)
@@ -159,20 +208,36 @@ class Orchestrator:
                 break
             job_id = next(self._job_ids)
             self._promoting[key] = owner
-            self._promotion_jobs[job_id] = key
+            self._promotion_jobs[job_id] = _Promotion(key, source, owner, info)
             assert self.host_bytes is not None
-            self.disk.submit_read(job_id, key, self.host_bytes.slot(slot))
+            source.submit_read(job_id, key, self.host_bytes.slot(slot))
             pending = True
             # keep walking: start the whole run's reads at once
         if previous is not None:
             for key in previous.keys:
                 self.host.unpin(key)
-        hold.promoted &= set(hold.keys)
+        held = set(hold.keys)
+        hold.promoted = {key: medium for key, medium in hold.promoted.items() if key in held}
         self._holds[owner] = hold
         if pending:
+            self.stats.lookups_retried += 1
             return Acquired(AcquireStatus.RETRY, len(hold.keys))
         self.host.touch(hold.keys)
-        return Acquired(AcquireStatus.READY, len(hold.keys), from_disk=len(hold.promoted))
+        promoted: dict[Medium, int] = {}
+        for medium in hold.promoted.values():
+            promoted[medium] = promoted.get(medium, 0) + 1
+        return Acquired(AcquireStatus.READY, len(hold.keys), promoted=promoted)
+
+    def _source_of(self, key: BlockKey) -> tuple[SecondaryTier | None, SecondaryTier | None]:
+        """The first tier that holds ``key`` (or None), and the first tier that does not know yet."""
+        unknown = None
+        for tier in self.tiers:
+            presence = tier.presence(key)
+            if presence is Presence.PRESENT:
+                return tier, None
+            if presence is Presence.UNKNOWN and unknown is None:
+                unknown = tier
+        return None, unknown
 
     def held(self, owner: str) -> list[BlockKey]:
         hold = self._holds.get(owner)
@@ -185,7 +250,7 @@ class Orchestrator:
             return
         for key in hold.keys[num_blocks:]:
             self.host.unpin(key)
-            hold.promoted.discard(key)
+            hold.promoted.pop(key, None)
         del hold.keys[num_blocks:]
 
     def release(self, owner: str) -> None:
@@ -203,15 +268,17 @@ class Orchestrator:
     def begin_store(self, key: BlockKey, info: BlockInfo) -> int | None:
         """Reserve a host slot to receive ``key`` from the engine, or None (skipped/dropped).
 
-        None when the block is already stored anywhere (it is touched instead), when admission
-        refuses it (``store_threshold``), or when every host slot is pinned (counted as dropped).
+        None when the block is already stored anywhere known (it is touched instead), when
+        admission refuses it (``store_threshold``), or when every host slot is pinned (counted
+        as dropped).
         """
         if key in self.host:
             self.host.touch((key,))
             return None
-        if self.disk is not None and self.disk.contains(key):
-            self.disk.touch((key,))
-            return None
+        for tier in self.tiers:
+            if tier.contains(key):
+                tier.touch((key,))
+                return None
         if not self.admission.offer(key):
             self.stats.stores_skipped_threshold += 1
             return None
@@ -227,74 +294,91 @@ class Orchestrator:
     def finish_store(self, keys: Sequence[BlockKey], ok: bool) -> None:
         """The engine finished (or failed) copying ``keys`` into their slots on every rank."""
         for key in keys:
+            info = self._info.pop(key, None)
             if not ok:
                 self.host.abort(key)
-                self._info.pop(key, None)
                 continue
             self.host.commit(key)
-            self._cascade(key)
+            if info is not None:
+                self._cascade(key, info, self.tiers)
 
-    def _cascade(self, key: BlockKey) -> None:
-        info = self._info.pop(key, None)
-        if self.disk is None or info is None or not self.host.is_ready(key) or self.disk.contains(key):
+    def _cascade(self, key: BlockKey, info: BlockInfo, tiers: Sequence[SecondaryTier]) -> None:
+        """Write the READY host block ``key`` to each of ``tiers`` that lacks it (slot pinned per write)."""
+        if not self.host.is_ready(key):
             return
         assert self.host_bytes is not None
-        self.host.pin(key)
-        job_id = next(self._job_ids)
-        if self.disk.submit_write(job_id, key, info.parent, info.num_tokens, self.host_bytes.slot(self.host.slot_of(key))):
-            self._cascading[job_id] = key
-        else:
-            self.host.unpin(key)
-            self.stats.disk_writes_dropped += 1
+        sources = None
+        for tier in tiers:
+            if tier.contains(key):
+                continue
+            if sources is None:
+                sources = self.host_bytes.slot(self.host.slot_of(key))
+            self.host.pin(key)
+            job_id = next(self._job_ids)
+            if tier.submit_write(job_id, key, info.parent, info.num_tokens, sources):
+                self._cascading[job_id] = _Cascade(key, tier)
+            else:
+                self.host.unpin(key)
+                self.stats.count_write_dropped(tier.medium)
 
     # --- completions ------------------------------------------------------------------------
     def poll(self) -> None:
         """Collect tier completions. Cheap when idle; call it every step."""
-        if self.disk is None:
+        if not self.tiers:
             return
         now = time.monotonic()
-        if now >= self._next_refresh:
+        refresh = now >= self._next_refresh
+        if refresh:
             self._next_refresh = now + REFRESH_INTERVAL_S
-            self.disk.refresh()
-        for result in self.disk.poll():
-            if result.kind is IoKind.WRITE:
-                self._on_write_done(result)
-            else:
-                self._on_read_done(result)
+        for tier in self.tiers:
+            if refresh:
+                tier.refresh()
+            for result in tier.poll():
+                if result.kind is IoKind.WRITE:
+                    self._on_write_done(result)
+                else:
+                    self._on_read_done(result)
 
     def _on_write_done(self, result: IoResult) -> None:
-        key = self._cascading.pop(result.job_id, None)
-        if key is None:
+        cascade = self._cascading.pop(result.job_id, None)
+        if cascade is None:
             return
-        self.host.unpin(key)
+        self.host.unpin(cascade.key)
+        medium = cascade.tier.medium
         if result.ok:
-            self.stats.host_to_disk.record(result.num_bytes, result.seconds)
+            self.stats.written_to(medium).record(result.num_bytes, result.seconds)
         elif result.error is IoError.DROPPED:
-            self.stats.disk_writes_dropped += 1
+            self.stats.count_write_dropped(medium)
 
     def _on_read_done(self, result: IoResult) -> None:
-        key = self._promotion_jobs.pop(result.job_id, None)
-        if key is None:
+        promotion = self._promotion_jobs.pop(result.job_id, None)
+        if promotion is None:
             return
+        key = promotion.key
         owner = self._promoting.pop(key, None)
+        medium = promotion.tier.medium
         if not result.ok:
             self.host.abort(key)
             self.stats.promotion_failures += 1
             if result.error is IoError.CORRUPT:
                 self.stats.checksum_failures += 1
-            logger.warning("kvtier: disk block %s unreadable (%s): it is a miss", key.hex()[:16], result.error)
+            logger.warning("kvtier: %s block %s unreadable (%s): it is a miss", medium.value.lower(),
+                           key.hex()[:16], result.error)
             return
         self.host.commit(key)
         self.stats.promotions += 1
-        self.stats.disk_to_host.record(result.num_bytes, result.seconds)
+        self.stats.read_from(medium).record(result.num_bytes, result.seconds)
         if not self.host.is_ready(key):
             return  # deleted while the read ran (clear(), reset_prefix_cache): commit freed the slot
+        faster = self.tiers[: self.tiers.index(promotion.tier)]
+        if faster and promotion.info is not None:
+            self._cascade(key, promotion.info, faster)  # keep a remote hit on the local disk
         hold = self._holds.get(owner) if owner is not None else None
         if hold is not None:
             # Held for the owner until it asks again, so the promotion cannot be evicted first.
             self.host.pin(key)
             hold.keys.append(key)
-            hold.promoted.add(key)
+            hold.promoted[key] = medium
 
     def has_pending_io(self) -> bool:
         return bool(self._promotion_jobs or self._cascading)
@@ -307,24 +391,27 @@ class Orchestrator:
         """Start recording which blocks become visible in / vanish from each tier (off by
         default). Blocks already present (e.g. found on disk at start-up) are not reported."""
         self.host.residency.enable()
-        if self.disk is not None:
-            self.disk.residency.enable()
+        for tier in self.tiers:
+            tier.residency.enable()
 
     def take_residency_changes(self) -> list[ResidencyChange]:
         """Changes since the last call: per tier in the order they happened (see
         :mod:`kvtier.core.residency`). They reflect the completions :meth:`poll` has applied, as
         :meth:`media_of` does."""
         changes = self.host.residency.take()
-        if self.disk is not None:
-            changes += self.disk.residency.take()
+        for tier in self.tiers:
+            changes += tier.residency.take()
         return changes
 
     # --- management -------------------------------------------------------------------------
     def clear(self) -> None:
-        """Drop every block from every tier (blocks in flight are freed when they complete)."""
+        """Drop every block from the host tier and the local secondary tiers (blocks in flight are
+        freed when they complete). A shared remote tier is left alone: one engine's reset must not
+        wipe the fleet's cache (``kvtier purge`` clears it)."""
         self.host.clear()
-        if self.disk is not None:
-            self.disk.clear()
+        for tier in self.tiers:
+            if tier.medium is not Medium.REMOTE:
+                tier.clear()
 
     def take_stats(self) -> KVTierStats:
         """The counters since the last call, with a fresh sample of every tier's usage."""
@@ -333,18 +420,16 @@ class Orchestrator:
         stats.host_blocks = host.used_slots
         if self.host_bytes is not None:
             block_bytes = self.host_bytes.slot_bytes * len(self.host_bytes.rank_views)
-            stats.host_used_bytes = host.used_slots * block_bytes
-            stats.host_capacity_bytes = host.num_slots * block_bytes
-        if self.disk is not None:
-            usage = self.disk.usage()
-            stats.disk_used_bytes = usage.used_bytes
-            stats.disk_capacity_bytes = usage.capacity_bytes
-            stats.disk_blocks = usage.num_blocks
-            evictions = self.disk.evictions
-            stats.disk_evictions = evictions - self._disk_evictions_reported
-            self._disk_evictions_reported = evictions
+            stats.set_usage(Medium.HOST, host.used_slots * block_bytes, host.num_slots * block_bytes, host.used_slots)
+        for tier in self.tiers:
+            usage = tier.usage()
+            stats.set_usage(tier.medium, usage.used_bytes, usage.capacity_bytes, usage.num_blocks)
+            evictions = tier.evictions
+            if tier.medium is Medium.DISK:
+                stats.disk_evictions = evictions - self._evictions_reported.get(Medium.DISK, 0)
+            self._evictions_reported[tier.medium] = evictions
         return stats
 
     def close(self) -> None:
-        if self.disk is not None:
-            self.disk.close()
+        for tier in self.tiers:
+            tier.close()

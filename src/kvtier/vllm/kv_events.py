@@ -38,7 +38,10 @@ from kvtier.core.residency import ChangeKind
 from kvtier.runtime.orchestrator import Orchestrator
 from kvtier.tiers.base import Medium
 
-EVENT_MEDIUM = {Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE}
+MEDIUM_REMOTE = "REMOTE"
+"""kvtier's medium name for its shared remote tier (vLLM defines none): the block is in the fleet's
+Redis, readable by any engine of the same namespace."""
+EVENT_MEDIUM = {Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE, Medium.REMOTE: MEDIUM_REMOTE}
 """kvtier tier -> the medium name in vLLM's KV events."""
 
 LOCALITY = "LOCAL"  # host memory and the disk directory are this instance's own

@@ -72,10 +72,12 @@ class KVTierConnectorStats(KVConnectorStats):
             "lookups": stats.lookups,
             "hit_tokens_host": stats.hit_tokens_host,
             "hit_tokens_disk": stats.hit_tokens_disk,
+            "hit_tokens_remote": stats.hit_tokens_remote,
             "stores_dropped": stats.stores_dropped,
             "checksum_failures": stats.checksum_failures,
         }
-        for direction in ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host"):
+        for direction in ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote",
+                          "remote_to_host"):
             counters: TransferCounters = getattr(stats, direction)
             reduced[f"{direction}_MB"] = round(counters.bytes / 1e6, 1)
             if counters.seconds > 0:

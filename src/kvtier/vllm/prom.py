@@ -27,10 +27,16 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "lookup_tokens": ("kvtier_lookup_tokens", "Prompt tokens kvtier was asked about", None, None),
     "hit_tokens_host": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "host"),
     "hit_tokens_disk": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "disk"),
+    "hit_tokens_remote": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "remote"),
+    "lookups_retried": ("kvtier_lookups_retried",
+                        "Lookups answered 'ask again' (promotions or remote presence probes under way)", None, None),
     "stores_submitted": ("kvtier_stores", "Blocks stored into the host tier", None, None),
     "stores_dropped": ("kvtier_stores_dropped", "Blocks not stored because every host slot was pinned", None, None),
     "stores_skipped_threshold": ("kvtier_stores_skipped_threshold", "Stores skipped by store_threshold", None, None),
-    "disk_writes_dropped": ("kvtier_disk_writes_dropped", "Disk writes dropped (queue full or no room)", None, None),
+    "disk_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
+                            "server down or full), by tier", "tier", "disk"),
+    "remote_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
+                              "server down or full), by tier", "tier", "remote"),
     "promotions": ("kvtier_promotions", "Blocks promoted from disk into the host tier", None, None),
     "promotion_failures": ("kvtier_promotion_failures", "Disk reads that failed (block became a miss)", None, None),
     "load_errors": ("kvtier_load_errors", "Loads into the engine that failed (recomputed by vLLM)", None, None),
@@ -47,10 +53,12 @@ _USAGE_GAUGES: dict[str, tuple[str, str, str]] = {
     "disk_used_bytes": ("kvtier_tier_used_bytes", "Bytes held by each tier (all ranks)", "disk"),
     "host_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "host"),
     "disk_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "disk"),
+    "remote_used_bytes": ("kvtier_tier_used_bytes", "Bytes held by each tier (all ranks)", "remote"),
+    "remote_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "remote"),
     "host_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "host"),
     "disk_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "disk"),
 }
-_DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host")
+_DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):

@@ -39,6 +39,7 @@ from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.fingerprint import AdapterFingerprints
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
+from kvtier.tiers.base import Medium
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostIndex
 from kvtier.tiers.shm import SharedRegion, region_name
@@ -82,7 +83,7 @@ class _RequestState:
     next_store_block: int = 0
     jobs: set[int] = field(default_factory=set)
     load_first_token: int = 0  # locally computed tokens when the hit was counted
-    hit_disk_tokens: int = 0
+    hit_tokens_from: dict[Medium, int] = field(default_factory=dict)  # the hit's tokens by source tier
     finished: bool = False
     cacheable: bool = True  # False: never loaded nor stored (see KVTierScheduler._request_identity)
 
@@ -114,10 +115,10 @@ class KVTierScheduler:
         )
         self._digest = self.namespace.engine_digest
         self._adapters = AdapterFingerprints()
-        disk = None
+        tiers: list = []
         if config.disk is not None:
             disk_config = config.disk
-            disk = DiskTier(
+            tiers.append(DiskTier(
                 root_dir=Path(disk_config.root_dir),
                 model_name=geometry.model_name,
                 engine_digest=self._digest,
@@ -128,11 +129,21 @@ class KVTierScheduler:
                 n_read_threads=disk_config.n_read_threads,
                 n_write_threads=disk_config.n_write_threads,
                 max_pending_writes=disk_config.max_pending_writes,
-            )
+            ))
+        if config.remote is not None:
+            from kvtier.tiers.redis import RedisTier  # imports redis-py only when configured
+
+            tiers.append(RedisTier(
+                config.remote,
+                engine_digest=self._digest,
+                rank_digests=self.namespace.rank_digests(),
+                namespace_json=self.namespace.config_json(geometry.model_name),
+                payload_bytes=layout.slot_bytes,
+            ))
         self.orchestrator = Orchestrator(
             host=HostIndex(layout.num_slots, config.eviction_policy),
             host_bytes=HostBytes([r.view for r in self._regions], layout.slot_bytes),
-            disk=disk,
+            tiers=tiers,
             admission=StoreAdmission(config.store_threshold, config.max_tracker_size),
         )
         self._events: KVEventTranslator | None = None
@@ -223,7 +234,10 @@ class KVTierScheduler:
             return 0, False
         self._extend_keys(state, max_blocks)
         stats = self.orchestrator.stats
-        acquired = self.orchestrator.acquire(request.request_id, state.keys[first_block:max_blocks])
+        first_parent = state.keys[first_block - 1] if first_block else self._digest
+        acquired = self.orchestrator.acquire(
+            request.request_id, state.keys[first_block:max_blocks], first_parent, block
+        )
         if acquired.status is AcquireStatus.RETRY:
             return None, False
         stats.lookups += 1
@@ -233,7 +247,7 @@ class KVTierScheduler:
             return 0, False
         hit_tokens = (first_block + acquired.num_blocks) * block - num_computed_tokens
         state.load_first_token = num_computed_tokens
-        state.hit_disk_tokens = min(hit_tokens, acquired.from_disk * block)
+        state.hit_tokens_from = _tokens_by_source(hit_tokens, acquired.promoted, block)
         # Synchronous: the blocks are in host memory now (disk blocks were promoted first), so the
         # copy runs in the same step that computes the rest of the prompt; no extra engine step.
         return hit_tokens, False
@@ -266,13 +280,19 @@ class KVTierScheduler:
         if self._events is not None:
             self._events.learn(request, zip(range(first_block, end_block), keys))
         stats = self.orchestrator.stats
-        stats.hit_tokens_disk += state.hit_disk_tokens
-        stats.hit_tokens_host += num_external_tokens - state.hit_disk_tokens
+        for medium, tokens in _clip_sources(state.hit_tokens_from, num_external_tokens).items():
+            stats.count_hit_tokens(medium, tokens)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """Where vLLM's ``prompt_tokens_cached_by_source`` should count this request's external
+        tokens: host, disk, or (Redis) vLLM's "external_unspecified", its name for a remote store."""
         state = self._requests.get(request.request_id)
-        disk = min(state.hit_disk_tokens, num_external_tokens) if state else 0
-        sources = {CacheHitSource.HOST: num_external_tokens - disk, CacheHitSource.DISK: disk}
+        if state is None:
+            return {CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {}
+        sources: dict[CacheHitSource, int] = {}
+        for medium, tokens in _clip_sources(state.hit_tokens_from, num_external_tokens).items():
+            source = _HIT_SOURCES[medium]
+            sources[source] = sources.get(source, 0) + tokens
         return {source: tokens for source, tokens in sources.items() if tokens}
 
     # --- per step ------------------------------------------------------------------------
@@ -416,6 +436,34 @@ class KVTierScheduler:
         self.orchestrator.close()
         for region in self._regions:
             region.close()
+
+
+_HIT_SOURCES = {
+    Medium.HOST: CacheHitSource.HOST,
+    Medium.DISK: CacheHitSource.DISK,
+    Medium.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,
+}
+
+
+def _tokens_by_source(hit_tokens: int, promoted: dict[Medium, int], block_tokens: int) -> dict[Medium, int]:
+    """A hit's tokens by the tier they came from: promoted blocks from their source, the rest
+    from the host tier (the promoted blocks are the run's last ones)."""
+    by_source = {medium: count * block_tokens for medium, count in promoted.items()}
+    by_source[Medium.HOST] = max(0, hit_tokens - sum(by_source.values()))
+    return by_source
+
+
+def _clip_sources(by_source: dict[Medium, int], num_tokens: int) -> dict[Medium, int]:
+    """``by_source`` cut to ``num_tokens`` (vLLM may accept fewer than offered): host first."""
+    clipped, left = {}, num_tokens
+    for medium in (Medium.HOST, Medium.DISK, Medium.REMOTE):
+        take = min(by_source.get(medium, 0), left)
+        if take:
+            clipped[medium] = take
+            left -= take
+    if left:
+        clipped[Medium.HOST] = clipped.get(Medium.HOST, 0) + left
+    return clipped
 
 
 def _block_extras(request: Request, block_tokens: int, lora: str | None) -> BlockExtras | list[BlockExtras]:
