@@ -205,7 +205,6 @@ def test_delayed_free_keeps_finished_blocks_until_their_stores_are_done(model):
     ref = reference_outputs(model, prompts, 2, **engine)
     with SimEngine(model, kvtier=HOST, **engine) as sim:
         gate = StoreGate(sim)
-        sim.generate(prompts, 2, max_steps=20) if False else None
         for req_id, tokens in prompts.items():
             sim.add(req_id, tokens, 2)
         for _ in range(6):

@@ -28,6 +28,7 @@ import itertools
 import json
 import logging
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -319,13 +320,27 @@ class SimEngine:
                         list(self.outputs[out.request_id]), local, external, str(out.finish_reason))
         return so
 
-    def run(self, max_steps: int = 2000, before_forward=None) -> None:
-        """Step until no request is left (and the connector has nothing in flight)."""
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests() and not self._connector_busy():
-                return
-            self.step(before_forward)
-        raise AssertionError(f"engine did not drain in {max_steps} steps (a deadlock?)")
+    def run(self, max_steps: int = 2000, before_forward=None, idle_timeout: float = 60.0) -> None:
+        """Step until no request is left (and the connector has nothing in flight).
+
+        Bounded twice, as a deadlock detector: at most ``max_steps`` steps that schedule tokens,
+        and at most ``idle_timeout`` seconds of steps that schedule none (the engine waiting for
+        the connector's background copies, which a loaded machine may make slow)."""
+        busy_steps = 0
+        idle_since: float | None = None
+        while self.scheduler.has_requests() or self._connector_busy():
+            so = self.step(before_forward)
+            if so.total_num_scheduled_tokens:
+                busy_steps += 1
+                idle_since = None
+                if busy_steps > max_steps:
+                    raise AssertionError(f"engine did not drain in {max_steps} steps (a deadlock?)")
+                continue
+            now = time.monotonic()
+            idle_since = now if idle_since is None else idle_since
+            if now - idle_since > idle_timeout:
+                raise AssertionError(f"engine waited {idle_timeout:.0f} s for the connector (a deadlock?)")
+            time.sleep(0.001)
 
     def generate(self, prompts: dict[str, list[int]], max_tokens: int = 4, **kwargs) -> dict[str, Finished]:
         """Add ``prompts`` at once, run to completion, return their results."""
