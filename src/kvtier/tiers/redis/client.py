@@ -32,6 +32,7 @@ constructor, which connects). Never by the caller's thread after start-up.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from urllib.parse import urlsplit
@@ -60,11 +61,24 @@ def is_connection_failure(exc: BaseException) -> bool:
     return isinstance(exc, (redis.exceptions.ClusterError, redis.exceptions.RedisClusterException))
 
 
+_BYTES_REPR = re.compile(r"b'(?:[^'\\]|\\.)*'|b\"(?:[^\"\\]|\\.)*\"")
+
+
+def safe_text(text: str, limit: int = 200) -> str:
+    """``text`` fit for a log: byte reprs (``b'...'``, e.g. a bad magic) replaced by ``<bytes>``,
+    cut where Redis starts echoing arguments (``... with args beginning with: 'key' 'value'``),
+    newlines removed, at most ``limit`` characters. Never a value byte, whatever the message."""
+    text = _BYTES_REPR.sub("<bytes>", text.replace("\n", " "))
+    cut = text.find("args beginning with")
+    if cut >= 0:
+        text = text[:cut] + "args ..."
+    return text[:limit]
+
+
 def describe(exc: BaseException) -> str:
-    """A short, safe description of ``exc`` for logs: its class and the first 200 characters of
-    its message (the data path never puts value bytes in a message; this also caps long ones)."""
-    text = str(exc).replace("\n", " ")
-    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+    """A short, safe description of ``exc`` for logs: its class and :func:`safe_text` of its message."""
+    text = safe_text(str(exc))
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class Replies(list):

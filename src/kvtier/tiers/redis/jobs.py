@@ -35,7 +35,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError, IoKind, IoResult
 from kvtier.tiers.redis import wire
 from kvtier.tiers.redis.breaker import CircuitBreaker
-from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure
+from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
 from kvtier.tiers.redis.codec import HEADER_LEN, CorruptBlockError, KeySpace, encode_value, verify_value
 
 logger = logging.getLogger(__name__)
@@ -157,7 +157,9 @@ class DataPath:
             self.remove(corrupt)
 
     def _corrupt(self, key: BlockKey, reason: str, corrupt: list[BlockKey]) -> IoError:
-        logger.warning("kvtier redis: corrupt value for block %s (%s); deleting it", key.hex()[:16], reason)
+        logger.warning(
+            "kvtier redis: corrupt value for block %s (%s); deleting it", key.hex()[:16], safe_text(reason)
+        )
         corrupt.append(key)
         return IoError.CORRUPT
 
@@ -205,7 +207,7 @@ class DataPath:
                     self._oom_logged = True
                     logger.warning(
                         "kvtier redis: the server is full (%s); dropping writes until it has room",
-                        reply.message[:200],
+                        safe_text(reply.message),
                     )
                 result = IoResult(job.job_id, IoKind.WRITE, job.key, False, 0, seconds, IoError.DROPPED)
                 posts.append((MSG_IO, result, "oom", job))
@@ -320,7 +322,7 @@ class DataPath:
             kind = f"{what}:{type(reply).__name__}"
             text = describe(reply)
         elif isinstance(reply, wire.ReplyError):
-            kind, text = f"{what}:{reply.code}", reply.message[:200]
+            kind, text = f"{what}:{reply.code}", safe_text(reply.message)
         else:
             kind, text = f"{what}:{type(reply).__name__}", f"unexpected reply of type {type(reply).__name__}"
         if kind not in self._errors_logged:

@@ -18,7 +18,9 @@ EXPIREs, clear sweeps; background priority), ``kvtier-redis-probe`` (EXISTS prob
 (presence cache, counters, writes in flight): they post outcomes on a :class:`queue.SimpleQueue`
 and :meth:`poll` applies them, so that state needs no lock. Threads per pool:
 ``max(1, min(4, (max_connections - 2) // 2))`` readers and as many writers, so that every
-thread can hold a connection (3 + 3 + 1 + 1 = 8 with the default ``max_connections`` 8).
+thread can hold a connection (3 + 3 + 1 + 1 = 8 with the default ``max_connections`` 8). Below
+4 connections threads wait for one (up to ``timeout_s``; a cluster node's pool refuses instead,
+which counts as a failed batch), so keep ``max_connections`` >= 4.
 
 Batching. Jobs submitted together are coalesced by the worker into one batch, bounded by
 ``batch_bytes`` (64 MiB of values; one value larger than that goes alone), so a lookup's run of
@@ -64,7 +66,7 @@ from kvtier.tiers.disk.files import byte_views
 from kvtier.tiers.redis import wire
 from kvtier.tiers.redis.batcher import Batcher, WorkerPool
 from kvtier.tiers.redis.breaker import CircuitBreaker
-from kvtier.tiers.redis.client import RedisClient, describe
+from kvtier.tiers.redis.client import RedisClient, describe, safe_text
 from kvtier.tiers.redis.codec import KeySpace, value_bytes
 from kvtier.tiers.redis.jobs import (
     MSG_BATCH,
@@ -467,7 +469,7 @@ class RedisTier(SecondaryTier):
         if isinstance(reply, wire.ReplyError):
             if reply.code == "NOPERM":
                 raise self._client.config_error(reply, f"SET {self._keys.config.decode()}")
-            logger.warning("kvtier redis: storing the namespace key failed: %s", reply.message[:200])
+            logger.warning("kvtier redis: storing the namespace key failed: %s", safe_text(reply.message))
 
     def _after_recovery(self) -> None:
         """On the monitor thread, once the breaker closed again: (re)store the namespace key (the
