@@ -4,9 +4,9 @@ One daemon thread, ``kvtier-redis-monitor`` (background priority), per tier:
 
 - Recovery: while the circuit breaker is open, once its back-off has passed it runs ONE trial
   (:meth:`~kvtier.tiers.redis.client.RedisClient.connect`: build the client if start-up could
-  not, reload a cluster's topology, PING every server). Success closes the breaker (and, if
-  start-up could not, writes the namespace's config key); failure doubles the back-off (1 s up
-  to 30 s). The caller's thread never waits for any of this.
+  not, reload a cluster's topology, PING every server). Success stores the namespace's config
+  key again (the server may have restarted empty) and closes the breaker; failure doubles the
+  back-off (1 s up to 30 s). The caller's thread never waits for any of this.
 - Usage: every ``usage_interval`` seconds (and right after recovery) ``INFO memory`` on every
   server, posted for :meth:`~kvtier.tiers.redis.RedisTier.poll` to apply (``used_memory``,
   ``maxmemory``).
@@ -92,6 +92,8 @@ class Monitor:
                 self._stop.wait(1.0)
 
     def _trial(self) -> bool:
+        """HALF_OPEN: connect and PING; on success run ``on_recovered`` (re-store the namespace
+        key) BEFORE closing the breaker, so that a closed breaker implies it is stored."""
         try:
             self._client.connect()
             ok = True
@@ -101,16 +103,17 @@ class Monitor:
         except Exception as exc:
             logger.debug("kvtier redis: reconnect trial failed: %s", describe(exc))
             ok = False
+        if ok:
+            try:
+                self._on_recovered()
+            except Exception as exc:
+                logger.warning("kvtier redis: after reconnecting: %s", describe(exc))
         self._breaker.end_trial(ok)
         if ok:
             logger.warning(
                 "kvtier redis: %s answers again; the Redis tier is back on",
                 self._client.config.redacted_url(),
             )
-            try:
-                self._on_recovered()
-            except Exception as exc:
-                logger.warning("kvtier redis: after reconnecting: %s", describe(exc))
         else:
             logger.debug("kvtier redis: next reconnect trial in %.0f s", self._breaker.backoff)
         return ok

@@ -472,8 +472,8 @@ class RedisTier(SecondaryTier):
             logger.warning("kvtier redis: storing the namespace key failed: %s", safe_text(reply.message))
 
     def _after_recovery(self) -> None:
-        """On the monitor thread, once the breaker closed again: (re)store the namespace key (the
-        server may have restarted empty, or start-up could not store it)."""
+        """On the monitor thread, when the server answers again (before the breaker closes): store the
+        namespace key again (the server may have restarted empty, or start-up could not store it)."""
         try:
             self._write_config()
         except Exception as exc:
