@@ -1,16 +1,17 @@
 """RedisTier against real redis-server processes (tests/support/redis_server.py; no mocks of Redis),
-plus its pure parts (value codec, RESP reader, circuit breaker, presence cache) on their own."""
+plus its pure parts (value codec, circuit breaker, presence cache) on their own and its redis-py
+client (pipelines, error replies as exceptions, the Python packer) against a real server."""
 
 from __future__ import annotations
 
 import logging
 import os
 import random
-import socket
 import sys
 import time
 
 import pytest
+import redis
 from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
 
 from kvtier.core.residency import ChangeKind
@@ -18,8 +19,15 @@ from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import ConfigError
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, encode_header, payload_checksum
-from kvtier.tiers.redis import KeySpace, RedisTier, decode_value, encode_value, wire
+from kvtier.tiers.redis import KeySpace, RedisTier, decode_value, encode_value
 from kvtier.tiers.redis.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.redis.client import (
+    COMMAND_PACKER,
+    RedisClient,
+    error_code,
+    is_connection_failure,
+    safe_text,
+)
 from kvtier.tiers.redis.presence import PresenceCache
 
 PAYLOAD = 4096
@@ -108,8 +116,15 @@ def write_all(tier: RedisTier, keys, world: int = 1, payload: int = PAYLOAD) -> 
 def read_one(tier: RedisTier, key: bytes, world: int = 1, fill: int = 0xEE) -> tuple[IoResult, list[bytes]]:
     dests = [bytearray([fill]) * PAYLOAD for _ in range(world)]
     tier.submit_read(7, key, [memoryview(d) for d in dests])
-    (result,) = wait_results(tier, 1)
-    assert result.kind is IoKind.READ and result.key == key and result.job_id == 7
+    deadline = time.monotonic() + 5.0
+    while True:  # completions of jobs an earlier step left in flight are not this read's
+        mine = [r for r in tier.poll() if r.kind is IoKind.READ and r.job_id == 7]
+        if mine:
+            break
+        assert time.monotonic() < deadline, "the read did not complete in 5 s"
+        time.sleep(0.001)
+    (result,) = mine
+    assert result.key == key
     return result, [bytes(d) for d in dests]
 
 
@@ -144,10 +159,10 @@ def test_value_is_the_disk_block_file_bytes_rank_by_rank_and_every_check_bites()
     assert [bytes(d) for d in dests] == payloads
 
     def broken(mutated: bytes, message: str, *, digests=digests, key=key) -> None:
+        dests = [bytearray(b"\xee" * PAYLOAD) for _ in range(2)]
         with pytest.raises(CorruptBlockError, match=message):
-            decode_value(
-                mutated, [memoryview(bytearray(PAYLOAD)) for _ in range(2)], rank_digests=digests, key=key
-            )
+            decode_value(mutated, [memoryview(d) for d in dests], rank_digests=digests, key=key)
+        assert dests == [bytearray(b"\xee" * PAYLOAD)] * 2  # verified before it is copied
 
     broken(value[:-1], "value is")
     broken(value + b"x", "value is")
@@ -165,40 +180,6 @@ def test_value_is_the_disk_block_file_bytes_rank_by_rank_and_every_check_bites()
     assert space.block(key) == b"kvtier:" + ENGINE.hex()[:16].encode() + b":" + key.hex().encode()
     assert space.config == b"kvtier:0001020304050607:config"
     assert space.block_key_of(space.block(key)) == key and space.block_key_of(space.config) is None
-
-
-def test_reply_reader_lands_exact_lengths_and_discards_the_rest():
-    a, b = socket.socketpair()
-    try:
-        a.sendall(
-            b"$6\r\nabcdef\r\n$3\r\nxyz\r\n$-1\r\n_\r\n-OOM no room\r\n:7\r\n+OK\r\n*2\r\n:1\r\n$1\r\nz\r\n"
-        )
-        reader = wire.ReplyReader(b)
-        head, body = bytearray(2), bytearray(4)
-        landing = wire.Landing([memoryview(head), memoryview(body)])
-        assert reader.read(landing) is landing and (bytes(head), bytes(body)) == (b"ab", b"cdef")
-        wrong = reader.read(wire.Landing([memoryview(bytearray(6))]))
-        assert isinstance(wrong, wire.WrongLength) and wrong.nbytes == 3
-        assert reader.read() is None and reader.read() is None
-        error = reader.read()
-        assert isinstance(error, wire.ReplyError) and error.code == "OOM"
-        assert reader.read() == 7 and reader.read() == b"OK" and reader.read() == [1, b"z"]
-        reader.finish()
-        a.sendall(b"+OK\r\n+EXTRA\r\n")
-        assert reader.read() == b"OK"
-        with pytest.raises(wire.ProtocolError):
-            reader.finish()
-        a.sendall(b"?what\r\n")
-        with pytest.raises(wire.ProtocolError):
-            wire.ReplyReader(b).read()
-    finally:
-        a.close()
-        b.close()
-    packed = b"".join(
-        bytes(c) for c in wire.pack([(b"SET", b"k", wire.Gather([b"ab", memoryview(b"c" * 70000)]))])
-    )
-    assert packed == b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$70002\r\nab" + b"c" * 70000 + b"\r\n"
-    assert "c" not in repr(wire.Gather([b"ccc"]))
 
 
 def test_breaker_opens_after_consecutive_failures_and_backs_off_exponentially():
@@ -253,6 +234,68 @@ def test_presence_cache_ttls_lru_bound_and_residency():
         (ChangeKind.STORED, c),
         (ChangeKind.REMOVED, a),
     ]
+
+
+# ---------------------------------------------------------------- redis-py client
+
+
+def test_client_runs_one_pipeline_per_batch_with_error_replies_in_place(server, monkeypatch):
+    client = RedisClient(config_for(server))
+    client.connect()
+    executes: list[int] = []
+    execute = redis.client.Pipeline.execute
+
+    def counting_execute(self, raise_on_error=True):
+        executes.append(len(self.command_stack))
+        assert raise_on_error is False  # one bad command must not fail the batch
+        return execute(self, raise_on_error)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", counting_execute)
+    admin = server.client()
+    admin.rpush(b"kvtier:list", b"x")
+    value = os.urandom(70000)
+    try:
+        replies = client.run(
+            [
+                (b"SET", b"kvtier:a", value),
+                (b"GET", b"kvtier:a"),
+                (b"GET", b"kvtier:missing"),
+                (b"GET", b"kvtier:list"),
+                (b"EXISTS", b"kvtier:a"),
+                (b"EXPIRE", b"kvtier:a", 100),
+                (b"UNLINK", b"kvtier:missing"),
+            ]
+        )
+        assert executes == [7] and replies.round_trips == 1
+        ok, got, missing, wrongtype, exists, expire, unlinked = replies
+        assert ok == b"OK" and got == value and missing is None and exists == 1 and expire and unlinked == 0
+        assert isinstance(wrongtype, redis.exceptions.ResponseError) and error_code(wrongtype) == "WRONGTYPE"
+        assert not is_connection_failure(wrongtype)
+        # The value went out as its own buffer (redis-py's Python packer does not copy it).
+        pool = client.node_clients()[0].connection_pool
+        conn = pool.get_connection()
+        try:
+            assert conn._command_packer is COMMAND_PACKER
+            assert any(chunk is value for chunk in conn.pack_commands([(b"SET", b"kvtier:a", value)]))
+        finally:
+            pool.release(conn)
+        # A server that is gone: every command's reply is the connection failure, nothing raises.
+        server.kill()
+        replies = client.run([(b"GET", b"kvtier:a"), (b"EXISTS", b"kvtier:b")])
+        assert all(
+            isinstance(r, redis.exceptions.ConnectionError) and is_connection_failure(r) for r in replies
+        )
+    finally:
+        client.close()
+
+
+def test_logged_error_texts_never_carry_arguments():
+    quoted = "Command # 1 (SET kvtier:ab \x01secret) of pipeline) of pipeline caused error: OOM no room"
+    assert safe_text(quoted) == "Command # 1 of pipeline caused error: OOM no room"
+    echoed = "ERR unknown command 'FOO', with args beginning with: 'secret'"
+    assert "secret" not in safe_text(echoed)
+    assert safe_text("bad magic b'\\x00KV' here") == "bad magic <bytes> here"
+    assert error_code(redis.exceptions.OutOfMemoryError("no room", status_code="OOM")) == "OOM"
 
 
 # ---------------------------------------------------------------- round trips
@@ -312,16 +355,26 @@ def test_round_trip_bit_exact_into_caller_buffers(server, tiers, world):
     wait_for(tier, lambda: admin.exists(tier.keys.block(keys[1])) == 0, what="UNLINK")
 
 
-def test_one_round_trip_per_batch_bounded_by_bytes(server, tiers):
+def test_one_round_trip_per_batch_bounded_by_bytes(server, tiers, monkeypatch):
     tier = tiers(config_for(server))
     calls: list[int] = []
     run = tier._client.run
 
-    def counting_run(commands, landings=None):
+    def counting_run(commands):
         calls.append(len(commands))
-        return run(commands, landings)
+        return run(commands)
 
     tier._client.run = counting_run
+    executes: list[int] = []  # pipelines run (one round trip each), and their commands
+    execute = redis.client.Pipeline.execute
+    monkeypatch.setattr(
+        redis.client.Pipeline,
+        "execute",
+        lambda self, raise_on_error=True: (
+            executes.append(len(self.command_stack)),
+            execute(self, raise_on_error),
+        )[1],
+    )
     keys = [key_of(n) for n in range(8)]
     interval = sys.getswitchinterval()
     sys.setswitchinterval(
@@ -331,13 +384,14 @@ def test_one_round_trip_per_batch_bounded_by_bytes(server, tiers):
         for job, key in enumerate(keys):
             assert tier.submit_write(job, key, PARENT, 1, [memoryview(payload_of(key, 0))])
         wait_results(tier, 8)
-        assert calls == [8]
+        assert calls == [8] and executes[-1:] == [8]
         before = server.client().info("commandstats").get("cmdstat_get", {}).get("calls", 0)
         dests = [bytearray(PAYLOAD) for _ in keys]
         for job, key in enumerate(keys):
             tier.submit_read(job, key, [memoryview(dests[job])])
         assert all(r.ok for r in wait_results(tier, 8))
         assert calls == [8, 8] and tier.stats.read_batches == 1 and tier.stats.write_batches == 1
+        assert executes[-2:] == [8, 8]  # one pipeline each: the writes, then the reads
         after = server.client().info("commandstats")["cmdstat_get"]["calls"]
         assert after - before == 8 and dests == [bytearray(payload_of(k, 0)) for k in keys]
     finally:
@@ -345,10 +399,8 @@ def test_one_round_trip_per_batch_bounded_by_bytes(server, tiers):
 
     small = tiers(config_for(server), batch_bytes=3 * tier.value_bytes)  # at most 3 values per batch
     calls.clear()
-    small._client.run = lambda commands, landings=None: (
-        calls.append(len(commands)),
-        run(commands, landings),
-    )[1]
+    small._client.run = lambda commands: (calls.append(len(commands)), run(commands))[1]
+    executes.clear()
     sys.setswitchinterval(1.0)
     try:
         for job, key in enumerate(keys):
@@ -356,7 +408,7 @@ def test_one_round_trip_per_batch_bounded_by_bytes(server, tiers):
         assert all(r.ok for r in wait_results(small, 8))
     finally:
         sys.setswitchinterval(interval)
-    assert sorted(calls) == [2, 3, 3] and small.stats.read_batches == 3
+    assert sorted(calls) == [2, 3, 3] and small.stats.read_batches == 3 and sorted(executes) == [2, 3, 3]
 
 
 def test_presence_unknown_then_probe_then_present_or_absent(server, tiers):
@@ -424,8 +476,7 @@ def test_corrupt_values_are_never_served_counted_and_deleted(server, tiers, muta
         result, data = read_one(tier, key, fill=0xEE)
     assert "corrupt value for block" in caplog.text and "\\x" not in caplog.text  # no value bytes
     assert not result.ok and result.error is IoError.CORRUPT
-    if mutate in (_truncated, "list"):
-        assert data == [bytes([0xEE]) * PAYLOAD]  # a value of the wrong length is never copied in
+    assert data == [bytes([0xEE]) * PAYLOAD]  # a value that fails a check is never copied in
     assert tier.stats.corrupt == 1 and tier.presence(key) is Presence.ABSENT
     assert [(c.kind, c.key) for c in tier.residency.take()] == [(ChangeKind.REMOVED, key)]
     wait_for(tier, lambda: admin.exists(name) == 0, what="corrupt value deleted")
@@ -673,6 +724,15 @@ def test_cluster_round_trip_across_slots_and_nodes(redis_factory, tiers):  # noq
     tier = tiers(config, world=2)
     keys = [key_of(n) for n in range(12)]
     assert all(r.ok for r in write_all(tier, keys, world=2))
+    nodes = tier._client.node_clients()
+    assert len(nodes) == 3  # every node's pool sends values with redis-py's Python packer (uncopied)
+    for node in nodes:
+        conn = node.connection_pool.get_connection()
+        try:
+            value = bytes(7000)
+            assert any(chunk is value for chunk in conn.pack_commands([(b"SET", b"k", value)]))
+        finally:
+            node.connection_pool.release(conn)
     per_node = [node.client().dbsize() for node in cluster.nodes]
     assert sum(per_node) == 13 and sum(1 for n in per_node if n) >= 2  # 12 blocks + the config key, spread
     batches = tier.stats.read_batches

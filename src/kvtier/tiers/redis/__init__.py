@@ -5,9 +5,10 @@ tier's own threads. :mod:`~kvtier.tiers.redis.tier` is the tier (:class:`RedisTi
 docstring for threading, batching and failures), :mod:`~kvtier.tiers.redis.codec` the key names
 and the value format (one self-describing, checksummed value per block: the disk tier's block
 file bytes, rank by rank), :mod:`~kvtier.tiers.redis.presence` what the tier answers without
-asking the server, :mod:`~kvtier.tiers.redis.client` and :mod:`~kvtier.tiers.redis.wire` the
-connections and the data path, :mod:`~kvtier.tiers.redis.breaker` and
-:mod:`~kvtier.tiers.redis.monitor` what happens when the server does not answer.
+asking the server, :mod:`~kvtier.tiers.redis.client` the connections (redis-py pools and
+pipelines: all Redis traffic goes through redis-py's public API), :mod:`~kvtier.tiers.redis.jobs`
+the data path, :mod:`~kvtier.tiers.redis.breaker` and :mod:`~kvtier.tiers.redis.monitor` what
+happens when the server does not answer.
 """
 
 from kvtier.tiers.redis.codec import KeySpace, decode_value, encode_value, verify_value

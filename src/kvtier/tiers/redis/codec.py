@@ -19,7 +19,8 @@ namespace digest of ITS rank, the key, the payload length and the payload checks
 pickle or other code-loading format anywhere: a value is bytes that are checked, then copied.
 
 Threading: pure functions and immutable objects, no I/O. Key names are made on the caller's
-thread; :func:`encode_value` runs on the write pool, :func:`verify_value` on the read pool.
+thread; :func:`encode_value` runs on the write pool, :func:`decode_value` (which calls
+:func:`verify_value`) on the read pool.
 """
 
 from __future__ import annotations
@@ -102,7 +103,8 @@ def encode_value(
 ) -> list[bytes | memoryview]:
     """The value of a block as its parts, in order: ``[header 0, payload 0, header 1, ...]``.
 
-    The payloads are the caller's buffers themselves (not copied): the value is sent from them.
+    The payloads are the caller's buffers themselves (not copied); the write path joins the parts
+    into the one bytes value it sends (one copy).
     """
     parts: list[bytes | memoryview] = []
     for namespace, source in zip(rank_digests, sources, strict=True):
@@ -158,21 +160,17 @@ def decode_value(
     rank_digests: Sequence[bytes],
     key: BlockKey,
 ) -> None:
-    """Copy a whole value's payloads into ``dests`` (one per rank) and verify them there; raise
-    :class:`CorruptBlockError` on any mismatch (``dests`` then hold nothing valid).
-
-    The tier's reads land replies in place (:mod:`kvtier.tiers.redis.wire`) and call
-    :func:`verify_value`; this is the same check for a value held in memory (tests, tools).
-    """
+    """Verify a whole value (a GET reply) where it is, then copy its payloads into ``dests`` (one
+    per rank): the tier's read path, one copy. Raise :class:`CorruptBlockError` (the reason) on
+    any mismatch, the total length first; ``dests`` are then untouched."""
     view = memoryview(value).cast("B")
     payload_bytes = dests[0].nbytes if dests else 0
     expected = value_bytes(len(rank_digests), payload_bytes)
     if view.nbytes != expected:
         raise CorruptBlockError(f"value is {view.nbytes} bytes, expected {expected}")
-    headers = []
     record = HEADER_LEN + payload_bytes
-    for rank, dest in enumerate(dests):
-        start = rank * record
-        headers.append(view[start : start + HEADER_LEN])
-        dest[:] = view[start + HEADER_LEN : start + record]
-    verify_value(headers, dests, rank_digests=rank_digests, key=key)
+    headers = [view[r * record : r * record + HEADER_LEN] for r in range(len(dests))]
+    payloads = [view[r * record + HEADER_LEN : (r + 1) * record] for r in range(len(dests))]
+    verify_value(headers, payloads, rank_digests=rank_digests, key=key)
+    for dest, payload in zip(dests, payloads):
+        dest[:] = payload

@@ -1,18 +1,22 @@
 """What the Redis tier's worker threads do: batches of reads, writes, probes and removals.
 
 :class:`DataPath` turns a batch of jobs into ONE :meth:`~kvtier.tiers.redis.client.RedisClient.run`
-(one round trip per server), classifies every reply, reports the batch's outcome to the circuit
-breaker and posts what happened on the tier's completion queue (``post``) for
-:meth:`~kvtier.tiers.redis.RedisTier.poll` to apply on the caller's thread. It never touches the
-tier's caller-side state and never raises.
+(one redis-py pipeline, so one round trip, per server), classifies every reply, reports the
+batch's outcome to the circuit breaker and posts what happened on the tier's completion queue
+(``post``) for :meth:`~kvtier.tiers.redis.RedisTier.poll` to apply on the caller's thread. It
+never touches the tier's caller-side state and never raises.
 
-- Reads: ``GET``; a reply of exactly the value's length lands in the caller's buffers (headers in
-  a per-job scratch buffer) and is verified there (:func:`~kvtier.tiers.redis.codec.verify_value`).
-  A missing key is NOT_FOUND; a wrong length, a failed check or a non-string value is CORRUPT:
-  counted, never served, and the key is UNLINKed right after the batch's results are posted.
-- Writes: ``SET name value [EX ttl]``, the value sent from the caller's buffers. ``OOM`` (server
-  full under ``noeviction``) is DROPPED and counted as such: the server answered, so it is not a
-  breaker failure. Any other error reply is IO.
+- Reads: ``GET``; the reply (``bytes``, parsed by redis-py) is verified where it is, then its
+  payloads are copied into the caller's buffers (:func:`~kvtier.tiers.redis.codec.decode_value`:
+  one copy, the least a maintained client allows). A missing key (nil) is NOT_FOUND; a wrong
+  length, a failed check or a non-string value (``WRONGTYPE``) is CORRUPT: counted, never
+  served, the caller's buffers untouched, and the key is UNLINKed right after the batch's results
+  are posted. A read batch holds its replies (at most ``batch_bytes``) until they are copied.
+- Writes: ``SET name value [EX ttl]``, the value ONE bytes argument: the records joined
+  (``b"".join`` of header and payload per rank: one copy; measured faster than filling a
+  ``bytearray``, which is zeroed first), sent uncopied by redis-py's Python packer. ``OOM``
+  (``OutOfMemoryError``: server full under ``noeviction``) is DROPPED and counted as such: the
+  server answered, so it is not a breaker failure. Any other error reply is IO.
 - Probes: ``EXISTS`` per key. Removals and TTL refreshes: ``UNLINK`` / ``EXPIRE`` per key.
   ``clear``: ``SCAN MATCH {prefix}:{ns}:*`` per server, then UNLINK in batches of 1000.
 
@@ -31,12 +35,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from redis.exceptions import OutOfMemoryError, ResponseError
+
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError, IoKind, IoResult
-from kvtier.tiers.redis import wire
 from kvtier.tiers.redis.breaker import CircuitBreaker
-from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
-from kvtier.tiers.redis.codec import HEADER_LEN, CorruptBlockError, KeySpace, encode_value, verify_value
+from kvtier.tiers.redis.client import RedisClient, describe, error_code, is_connection_failure, safe_text
+from kvtier.tiers.redis.codec import HEADER_LEN, CorruptBlockError, KeySpace, decode_value, encode_value
 
 logger = logging.getLogger(__name__)
 
@@ -110,46 +115,36 @@ class DataPath:
                 )
             return
         start = time.perf_counter()
-        headers = [bytearray(HEADER_LEN * self.world) for _ in jobs]
-        landings = []
-        for job, scratch in zip(jobs, headers):
-            view = memoryview(scratch)
-            segments: list[memoryview] = []
-            for rank, dest in enumerate(job.dests):
-                segments.append(view[rank * HEADER_LEN : (rank + 1) * HEADER_LEN])
-                segments.append(dest)
-            landings.append(wire.Landing(segments))
-        replies = self.client.run([(b"GET", self.keys.block(job.key)) for job in jobs], landings)
+        replies = self.client.run([(b"GET", self.keys.block(job.key)) for job in jobs])
         self.post((MSG_BATCH, "read", replies.round_trips))
-        seconds = (time.perf_counter() - start) / len(jobs)
         failed = False
         corrupt: list[BlockKey] = []
         results = []
-        for job, scratch, landing, reply in zip(jobs, headers, landings, replies):
+        for index, (job, reply) in enumerate(zip(jobs, replies)):
+            replies[index] = None  # each value is freed once copied
             error: IoError | None = None
-            if reply is landing:
+            if isinstance(reply, bytes):
                 try:
-                    records = [scratch[r * HEADER_LEN : (r + 1) * HEADER_LEN] for r in range(self.world)]
-                    verify_value(records, job.dests, rank_digests=self.rank_digests, key=job.key)
+                    decode_value(reply, job.dests, rank_digests=self.rank_digests, key=job.key)
                 except CorruptBlockError as exc:
                     error = self._corrupt(job.key, str(exc), corrupt)
             elif reply is None:
                 error = IoError.NOT_FOUND
-            elif isinstance(reply, wire.WrongLength):
-                error = self._corrupt(
-                    job.key, f"value is {reply.nbytes} bytes, expected {landing.nbytes}", corrupt
-                )
-            elif isinstance(reply, wire.ReplyError) and reply.code == "WRONGTYPE":
+            elif isinstance(reply, ResponseError) and error_code(reply) == "WRONGTYPE":
                 error = self._corrupt(job.key, "not a string value", corrupt)
             else:
                 error = IoError.IO
                 failed |= self._note_error("read", reply)
-            if error is None:
-                results.append(
-                    IoResult(job.job_id, IoKind.READ, job.key, True, self.world * self.payload_bytes, seconds)
-                )
-            else:
-                results.append(IoResult(job.job_id, IoKind.READ, job.key, False, 0, seconds, error))
+            del reply
+            results.append((job, error))
+        seconds = (time.perf_counter() - start) / len(jobs)
+        nbytes = self.world * self.payload_bytes
+        results = [
+            IoResult(job.job_id, IoKind.READ, job.key, True, nbytes, seconds)
+            if error is None
+            else IoResult(job.job_id, IoKind.READ, job.key, False, 0, seconds, error)
+            for job, error in results
+        ]
         self._report(failed)
         for result in results:
             self.post((MSG_IO, result, None))
@@ -183,31 +178,27 @@ class DataPath:
             return
         start = time.perf_counter()
         expire: tuple = (b"EX", self.ttl_seconds) if self.ttl_seconds else ()
-        commands = []
-        for job in jobs:
-            value = wire.Gather(
-                encode_value(self.rank_digests, job.key, job.parent, job.num_tokens, job.sources)
-            )
-            commands.append((b"SET", self.keys.block(job.key), value, *expire))
+        commands = [(b"SET", self.keys.block(job.key), self._value(job), *expire) for job in jobs]
         replies = self.client.run(commands)
+        commands.clear()  # the values were sent: free them now
         self.post((MSG_BATCH, "write", replies.round_trips))
         seconds = (time.perf_counter() - start) / len(jobs)
         nbytes = self.world * (HEADER_LEN + self.payload_bytes)
         failed = False
         posts = []
         for job, reply in zip(jobs, replies):
-            if reply == b"OK":
+            if reply == b"OK" or reply is True:  # SET's reply (True if a response callback parsed it)
                 self._oom_logged = False
                 posts.append(
                     (MSG_IO, IoResult(job.job_id, IoKind.WRITE, job.key, True, nbytes, seconds), None, job)
                 )
                 continue
-            if isinstance(reply, wire.ReplyError) and reply.code == "OOM":
+            if isinstance(reply, OutOfMemoryError):
                 if not self._oom_logged:
                     self._oom_logged = True
                     logger.warning(
-                        "kvtier redis: the server is full (%s); dropping writes until it has room",
-                        safe_text(reply.message),
+                        "kvtier redis: the server is full (OOM %s); dropping writes until it has room",
+                        safe_text(str(reply)),
                     )
                 result = IoResult(job.job_id, IoKind.WRITE, job.key, False, 0, seconds, IoError.DROPPED)
                 posts.append((MSG_IO, result, "oom", job))
@@ -224,6 +215,10 @@ class DataPath:
         self._report(failed)
         for message in posts:
             self.post(message)
+
+    def _value(self, job: WriteJob) -> bytes:
+        """The value of ``job``'s block: every rank's header and payload, joined (one copy)."""
+        return b"".join(encode_value(self.rank_digests, job.key, job.parent, job.num_tokens, job.sources))
 
     # ------------------------------------------------------------------ probes
 
@@ -319,10 +314,9 @@ class DataPath:
             if is_connection_failure(reply):
                 logger.debug("kvtier redis: %s batch failed: %s", what, describe(reply))
                 return True
-            kind = f"{what}:{type(reply).__name__}"
+            code = error_code(reply) if isinstance(reply, ResponseError) else type(reply).__name__
+            kind = f"{what}:{code}"
             text = describe(reply)
-        elif isinstance(reply, wire.ReplyError):
-            kind, text = f"{what}:{reply.code}", safe_text(reply.message)
         else:
             kind, text = f"{what}:{type(reply).__name__}", f"unexpected reply of type {type(reply).__name__}"
         if kind not in self._errors_logged:

@@ -1,8 +1,7 @@
 """The Redis tier: :class:`RedisTier`, blocks in a Redis / Valkey server or cluster shared by engines.
 
 Modules: :mod:`~kvtier.tiers.redis.codec` (key names, the value format and its verification),
-:mod:`~kvtier.tiers.redis.wire` (commands sent from, and replies read into, the caller's
-buffers), :mod:`~kvtier.tiers.redis.client` (redis-py connections; one round trip per server
+:mod:`~kvtier.tiers.redis.client` (redis-py connections and pipelines; one round trip per server
 and batch), :mod:`~kvtier.tiers.redis.breaker` (the circuit breaker),
 :mod:`~kvtier.tiers.redis.presence` (what the tier knows without asking),
 :mod:`~kvtier.tiers.redis.batcher` (jobs submitted together go out together),
@@ -26,9 +25,12 @@ Batching. Jobs submitted together are coalesced by the worker into one batch, bo
 ``batch_bytes`` (64 MiB of values; one value larger than that goes alone), so a lookup's run of
 reads is one pipeline: one round trip per server. See :mod:`~kvtier.tiers.redis.batcher`.
 
-Buffers. Reads land in the caller's buffers (one per rank, each exactly ``payload_bytes``) and
-are verified there; writes are sent from the caller's buffers. A read that is not ``ok`` may have
-left anything in its buffers. ``submit_write`` returns False (nothing queued, counted in
+Buffers. A read's value arrives as one ``bytes`` reply (redis-py), is verified there and its
+payloads are copied into the caller's buffers (one per rank, each exactly ``payload_bytes``); a
+write's value is its records joined into one ``bytes`` (one copy of the caller's buffers) and
+sent as it is. So a batch in flight holds up to ``batch_bytes`` of values in memory (per worker
+thread). A read that is not ``ok`` has not written its buffers (a value is verified before it
+is copied), though the contract allows anything there. ``submit_write`` returns False (nothing queued, counted in
 ``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the breaker is
 open.
 
@@ -56,6 +58,8 @@ import queue
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from redis.exceptions import NoPermissionError
+
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.core.priority import become_background_thread
 from kvtier.core.residency import ResidencyLog
@@ -63,10 +67,9 @@ from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import ConfigError
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, SecondaryTier, TierUsage
 from kvtier.tiers.disk.files import byte_views
-from kvtier.tiers.redis import wire
 from kvtier.tiers.redis.batcher import Batcher, WorkerPool
 from kvtier.tiers.redis.breaker import CircuitBreaker
-from kvtier.tiers.redis.client import RedisClient, describe, safe_text
+from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
 from kvtier.tiers.redis.codec import KeySpace, value_bytes
 from kvtier.tiers.redis.jobs import (
     MSG_BATCH,
@@ -464,12 +467,16 @@ class RedisTier(SecondaryTier):
     def _write_config(self) -> None:
         """Store the namespace's config.json under the config key (start-up; after a recovery)."""
         (reply,) = self._client.run([(b"SET", self._keys.config, self._namespace_json.encode())])
+        if isinstance(reply, NoPermissionError):
+            raise self._client.config_error(reply, f"SET {self._keys.config.decode()}")
         if isinstance(reply, BaseException):
-            raise reply
-        if isinstance(reply, wire.ReplyError):
-            if reply.code == "NOPERM":
-                raise self._client.config_error(reply, f"SET {self._keys.config.decode()}")
-            logger.warning("kvtier redis: storing the namespace key failed: %s", safe_text(reply.message))
+            if is_connection_failure(reply):
+                raise reply
+            logger.warning("kvtier redis: storing the namespace key failed: %s", describe(reply))
+        elif reply != b"OK" and reply is not True:
+            logger.warning(
+                "kvtier redis: storing the namespace key: unexpected reply %s", safe_text(repr(reply))
+            )
 
     def _after_recovery(self) -> None:
         """On the monitor thread, when the server answers again (before the breaker closes): store the
