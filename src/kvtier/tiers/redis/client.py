@@ -117,7 +117,8 @@ def safe_text(text: str, limit: int = 200) -> str:
     """``text`` fit for a log: byte reprs (``b'...'``, e.g. a bad magic) replaced by ``<bytes>``,
     cut where Redis starts echoing arguments (``... with args beginning with: 'key' 'value'``),
     the command redis-py quotes in a pipeline's error (``Command # 1 (SET key value) of
-    pipeline caused error: ...``, the arguments decoded as text) removed, newlines removed, at most ``limit`` characters. Never a value byte, whatever the message."""
+    pipeline caused error: ...``, the arguments decoded as text) removed, newlines removed, at
+    most ``limit`` characters. Never a value byte, whatever the message."""
     text = _PIPELINE_COMMAND.sub(r"\1", text.replace("\n", " "))
     text = _BYTES_REPR.sub("<bytes>", text)
     cut = text.find("args beginning with")
