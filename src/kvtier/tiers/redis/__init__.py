@@ -1,0 +1,17 @@
+"""The Redis tier: blocks in a Redis / Valkey server or cluster shared by engines (medium REMOTE).
+
+Lives in vLLM's scheduler process, driven by the orchestrator's thread; network I/O runs on the
+tier's own threads. :mod:`~kvtier.tiers.redis.tier` is the tier (:class:`RedisTier`; read its
+docstring for threading, batching and failures), :mod:`~kvtier.tiers.redis.codec` the key names
+and the value format (one self-describing, checksummed value per block: the disk tier's block
+file bytes, rank by rank), :mod:`~kvtier.tiers.redis.presence` what the tier answers without
+asking the server, :mod:`~kvtier.tiers.redis.client` the connections (redis-py pools and
+pipelines: all Redis traffic goes through redis-py's public API), :mod:`~kvtier.tiers.redis.jobs`
+the data path, :mod:`~kvtier.tiers.redis.breaker` and :mod:`~kvtier.tiers.redis.monitor` what
+happens when the server does not answer.
+"""
+
+from kvtier.tiers.redis.codec import KeySpace, decode_value, encode_value, verify_value
+from kvtier.tiers.redis.tier import RedisTier, RedisTierStats
+
+__all__ = ["KeySpace", "RedisTier", "RedisTierStats", "decode_value", "encode_value", "verify_value"]

@@ -1,0 +1,337 @@
+"""What the Redis tier's worker threads do: batches of reads, writes, probes and removals.
+
+:class:`DataPath` turns a batch of jobs into ONE :meth:`~kvtier.tiers.redis.client.RedisClient.run`
+(one redis-py pipeline, so one round trip, per server), classifies every reply, reports the
+batch's outcome to the circuit breaker and posts what happened on the tier's completion queue
+(``post``) for :meth:`~kvtier.tiers.redis.RedisTier.poll` to apply on the caller's thread. It
+never touches the tier's caller-side state and never raises.
+
+- Reads: ``GET``; the reply (``bytes``, parsed by redis-py) is verified where it is, then its
+  payloads are copied into the caller's buffers (:func:`~kvtier.tiers.redis.codec.decode_value`:
+  one copy, the least a maintained client allows). A missing key (nil) is NOT_FOUND; a wrong
+  length, a failed check or a non-string value (``WRONGTYPE``) is CORRUPT: counted, never
+  served, the caller's buffers untouched, and the key is UNLINKed right after the batch's results
+  are posted. A read batch holds its replies (at most ``batch_bytes``) until they are copied.
+- Writes: ``SET name value [EX ttl]``, the value ONE bytes argument: the records joined
+  (``b"".join`` of header and payload per rank: one copy; measured faster than filling a
+  ``bytearray``, which is zeroed first), sent uncopied by redis-py's Python packer. ``OOM``
+  (``OutOfMemoryError``: server full under ``noeviction``) is DROPPED and counted as such: the
+  server answered, so it is not a breaker failure. Any other error reply is IO.
+- Probes: ``EXISTS`` per key. Removals and TTL refreshes: ``UNLINK`` / ``EXPIRE`` per key.
+  ``clear``: ``SCAN MATCH {prefix}:{ns}:*`` per server, then UNLINK in batches of 1000.
+
+A batch that could not reach a server (refused, reset, timed out) is one breaker failure; a batch
+that got answers is a success. While the breaker is not closed, batches fail at once without
+touching the network (reads IO, writes DROPPED, probes ABSENT).
+
+Threading: every method runs on one of the tier's worker threads (reads on the read pool,
+writes/removals on the write pool, probes on the probe thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import OutOfMemoryError, ResponseError
+
+from kvtier.core.keys import BlockKey
+from kvtier.tiers.base import IoError, IoKind, IoResult
+from kvtier.tiers.redis.breaker import CircuitBreaker
+from kvtier.tiers.redis.client import RedisClient, describe, error_code, is_connection_failure, safe_text
+from kvtier.tiers.redis.codec import HEADER_LEN, CorruptBlockError, KeySpace, decode_value, encode_value
+
+logger = logging.getLogger(__name__)
+
+# Messages posted on the completion queue.
+MSG_IO = "io"  # (MSG_IO, IoResult, detail: None | "oom" | "breaker"[, the WriteJob for a write])
+MSG_BATCH = "batch"  # (MSG_BATCH, "read" | "write" | "probe", round trips)
+MSG_PROBE = "probe"  # (MSG_PROBE, keys, found: list[bool | None]  (None: the probe of that key failed))
+MSG_USAGE = "usage"  # (MSG_USAGE, used_bytes, capacity_bytes)
+MSG_REMOVED = "removed"  # (MSG_REMOVED, keys removed (count), failed commands (count))
+
+SCAN_BATCH = 1000
+
+
+@dataclass(slots=True)
+class ReadJob:
+    job_id: int
+    key: BlockKey
+    dests: list[memoryview]
+
+
+@dataclass(slots=True)
+class WriteJob:
+    job_id: int
+    key: BlockKey
+    parent: BlockKey
+    num_tokens: int
+    sources: list[memoryview]
+    epoch: int = 0  # the tier's clear() count when it was submitted
+
+
+class DataPath:
+    """The tier's batches, run on its worker threads; outcomes go to ``post``."""
+
+    def __init__(
+        self,
+        *,
+        client: RedisClient,
+        keys: KeySpace,
+        rank_digests: Sequence[bytes],
+        payload_bytes: int,
+        ttl_seconds: int | None,
+        breaker: CircuitBreaker,
+        post: Callable[[tuple], None],
+    ) -> None:
+        self.client = client
+        self.keys = keys
+        self.rank_digests = tuple(rank_digests)
+        self.world = len(self.rank_digests)
+        self.payload_bytes = payload_bytes
+        self.ttl_seconds = ttl_seconds
+        self.breaker = breaker
+        self.post = post
+        self._oom_logged = False
+        self._errors_logged: set[str] = set()
+
+    # ------------------------------------------------------------------ reads
+
+    def read_batch(self, jobs: list[ReadJob]) -> None:
+        try:
+            self._read_batch(jobs)
+        except Exception:  # a bug: every job must still complete
+            logger.exception("kvtier redis: read batch failed")
+            for job in jobs:
+                self.post((MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), None))
+
+    def _read_batch(self, jobs: list[ReadJob]) -> None:
+        if not self.breaker.closed:
+            for job in jobs:
+                self.post(
+                    (MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), "breaker")
+                )
+            return
+        start = time.perf_counter()
+        replies = self.client.run([(b"GET", self.keys.block(job.key)) for job in jobs])
+        self.post((MSG_BATCH, "read", replies.round_trips))
+        failed = False
+        corrupt: list[BlockKey] = []
+        results = []
+        for index, (job, reply) in enumerate(zip(jobs, replies)):
+            replies[index] = None  # each value is freed once copied
+            error: IoError | None = None
+            if isinstance(reply, bytes):
+                try:
+                    decode_value(reply, job.dests, rank_digests=self.rank_digests, key=job.key)
+                except CorruptBlockError as exc:
+                    error = self._corrupt(job.key, str(exc), corrupt)
+            elif reply is None:
+                error = IoError.NOT_FOUND
+            elif isinstance(reply, ResponseError) and error_code(reply) == "WRONGTYPE":
+                error = self._corrupt(job.key, "not a string value", corrupt)
+            else:
+                error = IoError.IO
+                failed |= self._note_error("read", reply)
+            del reply
+            results.append((job, error))
+        seconds = (time.perf_counter() - start) / len(jobs)
+        nbytes = self.world * self.payload_bytes
+        results = [
+            IoResult(job.job_id, IoKind.READ, job.key, True, nbytes, seconds)
+            if error is None
+            else IoResult(job.job_id, IoKind.READ, job.key, False, 0, seconds, error)
+            for job, error in results
+        ]
+        self._report(failed)
+        for result in results:
+            self.post((MSG_IO, result, None))
+        if corrupt:
+            self.remove(corrupt)
+
+    def _corrupt(self, key: BlockKey, reason: str, corrupt: list[BlockKey]) -> IoError:
+        logger.warning(
+            "kvtier redis: corrupt value for block %s (%s); deleting it", key.hex()[:16], safe_text(reason)
+        )
+        corrupt.append(key)
+        return IoError.CORRUPT
+
+    # ------------------------------------------------------------------ writes
+
+    def write_batch(self, jobs: list[WriteJob]) -> None:
+        try:
+            self._write_batch(jobs)
+        except Exception:
+            logger.exception("kvtier redis: write batch failed")
+            for job in jobs:
+                self.post(
+                    (MSG_IO, IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.IO), None, job)
+                )
+
+    def _write_batch(self, jobs: list[WriteJob]) -> None:
+        if not self.breaker.closed:
+            for job in jobs:
+                result = IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED)
+                self.post((MSG_IO, result, "breaker", job))
+            return
+        start = time.perf_counter()
+        expire: tuple = (b"EX", self.ttl_seconds) if self.ttl_seconds else ()
+        commands = [(b"SET", self.keys.block(job.key), self._value(job), *expire) for job in jobs]
+        replies = self.client.run(commands)
+        commands.clear()  # the values were sent: free them now
+        self.post((MSG_BATCH, "write", replies.round_trips))
+        seconds = (time.perf_counter() - start) / len(jobs)
+        nbytes = self.world * (HEADER_LEN + self.payload_bytes)
+        failed = False
+        posts = []
+        for job, reply in zip(jobs, replies):
+            if reply == b"OK" or reply is True:  # SET's reply (True if a response callback parsed it)
+                self._oom_logged = False
+                posts.append(
+                    (MSG_IO, IoResult(job.job_id, IoKind.WRITE, job.key, True, nbytes, seconds), None, job)
+                )
+                continue
+            if isinstance(reply, OutOfMemoryError):
+                if not self._oom_logged:
+                    self._oom_logged = True
+                    logger.warning(
+                        "kvtier redis: the server is full (OOM %s); dropping writes until it has room",
+                        safe_text(str(reply)),
+                    )
+                result = IoResult(job.job_id, IoKind.WRITE, job.key, False, 0, seconds, IoError.DROPPED)
+                posts.append((MSG_IO, result, "oom", job))
+                continue
+            failed |= self._note_error("write", reply)
+            posts.append(
+                (
+                    MSG_IO,
+                    IoResult(job.job_id, IoKind.WRITE, job.key, False, 0, seconds, IoError.IO),
+                    None,
+                    job,
+                )
+            )
+        self._report(failed)
+        for message in posts:
+            self.post(message)
+
+    def _value(self, job: WriteJob) -> bytes:
+        """The value of ``job``'s block: every rank's header and payload, joined (one copy)."""
+        return b"".join(encode_value(self.rank_digests, job.key, job.parent, job.num_tokens, job.sources))
+
+    # ------------------------------------------------------------------ probes
+
+    def probe_batch(self, groups: list[list[BlockKey]]) -> None:
+        keys = [key for group in groups for key in group]
+        try:
+            found = self._probe(keys)
+        except Exception:
+            logger.exception("kvtier redis: probe batch failed")
+            found = [None] * len(keys)
+        self.post((MSG_PROBE, keys, found))
+
+    def _probe(self, keys: list[BlockKey]) -> list[bool | None]:
+        if not self.breaker.closed:
+            return [None] * len(keys)
+        replies = self.client.run([(b"EXISTS", self.keys.block(key)) for key in keys])
+        self.post((MSG_BATCH, "probe", replies.round_trips))
+        found: list[bool | None] = []
+        failed = False
+        for reply in replies:
+            if isinstance(reply, int):
+                found.append(reply > 0)
+            else:
+                found.append(None)
+                failed |= self._note_error("probe", reply)
+        self._report(failed)
+        return found
+
+    # ------------------------------------------------------------------ removals, TTLs
+
+    def remove(self, keys: Sequence[BlockKey]) -> None:
+        """UNLINK ``keys``' values."""
+        self._per_key(b"UNLINK", keys, removal=True)
+
+    def expire(self, keys: Sequence[BlockKey]) -> None:
+        """Refresh ``keys``' TTL (EXPIRE ttl_seconds); nothing without a TTL."""
+        if self.ttl_seconds:
+            self._per_key(b"EXPIRE", keys, removal=False, extra=(self.ttl_seconds,))
+
+    def _per_key(self, command: bytes, keys: Sequence[BlockKey], *, removal: bool, extra: tuple = ()) -> None:
+        if not keys:
+            return
+        if not self.breaker.closed:
+            self.post((MSG_REMOVED, 0, len(keys)) if removal else (MSG_REMOVED, 0, 0))
+            return
+        try:
+            replies = self.client.run([(command, self.keys.block(key), *extra) for key in keys])
+        except Exception:
+            logger.exception("kvtier redis: %s batch failed", command.decode())
+            replies = [RuntimeError("bug")] * len(keys)
+        done = sum(1 for r in replies if isinstance(r, int) and r > 0)
+        errors = sum(1 for r in replies if not isinstance(r, int))
+        self._report(any(is_connection_failure(r) for r in replies if isinstance(r, BaseException)))
+        self.post((MSG_REMOVED, done if removal else 0, errors))
+
+    def sweep(self) -> None:
+        """Remove every block of this namespace (``clear``): SCAN every server, UNLINK in batches.
+        The config key stays (it names the namespace for operators)."""
+        removed = errors = 0
+        try:
+            if not self.breaker.closed:
+                raise ConnectionError("circuit breaker open")
+            batch: list[bytes] = []
+            config = self.keys.config
+            for name in self.client.scan(self.keys.pattern, count=SCAN_BATCH):
+                if name != config:
+                    batch.append(name)
+                if len(batch) >= SCAN_BATCH:
+                    r, e = self._unlink_names(batch)
+                    removed, errors, batch = removed + r, errors + e, []
+            if batch:
+                r, e = self._unlink_names(batch)
+                removed, errors = removed + r, errors + e
+        except Exception as exc:
+            errors += 1
+            logger.warning("kvtier redis: clear() stopped early: %s", describe(exc))
+            if is_connection_failure(exc):
+                self._report(True)
+        self.post((MSG_REMOVED, removed, errors))
+
+    def _unlink_names(self, names: list[bytes]) -> tuple[int, int]:
+        replies = self.client.run([(b"UNLINK", name) for name in names])
+        errors = [r for r in replies if not isinstance(r, int)]
+        if errors:
+            self._report(any(is_connection_failure(r) for r in errors if isinstance(r, BaseException)))
+        return sum(1 for r in replies if isinstance(r, int) and r > 0), len(errors)
+
+    # ------------------------------------------------------------------ outcome bookkeeping
+
+    def _note_error(self, what: str, reply: object) -> bool:
+        """Log an unexpected reply (once per kind); True if it is a connection failure."""
+        if isinstance(reply, BaseException):
+            if is_connection_failure(reply):
+                logger.debug("kvtier redis: %s batch failed: %s", what, describe(reply))
+                return True
+            code = error_code(reply) if isinstance(reply, ResponseError) else type(reply).__name__
+            kind = f"{what}:{code}"
+            text = describe(reply)
+        else:
+            kind, text = f"{what}:{type(reply).__name__}", f"unexpected reply of type {type(reply).__name__}"
+        if kind not in self._errors_logged:
+            self._errors_logged.add(kind)
+            logger.warning("kvtier redis: %s failed: %s (logged once)", what, text)
+        return False
+
+    def _report(self, failed: bool) -> None:
+        if not failed:
+            self.breaker.success()
+        elif self.breaker.failure():
+            logger.warning(
+                "kvtier redis: %s did not answer %d times in a row; the Redis tier is off (misses) "
+                "and retries in %.0f s",
+                self.client.config.redacted_url(),
+                self.breaker.threshold,
+                self.breaker.backoff,
+            )

@@ -1,0 +1,491 @@
+"""The Redis tier: :class:`RedisTier`, blocks in a Redis / Valkey server or cluster shared by engines.
+
+Modules: :mod:`~kvtier.tiers.redis.codec` (key names, the value format and its verification),
+:mod:`~kvtier.tiers.redis.client` (redis-py connections and pipelines; one round trip per server
+and batch), :mod:`~kvtier.tiers.redis.breaker` (the circuit breaker),
+:mod:`~kvtier.tiers.redis.presence` (what the tier knows without asking),
+:mod:`~kvtier.tiers.redis.batcher` (jobs submitted together go out together),
+:mod:`~kvtier.tiers.redis.jobs` (what the worker threads do), :mod:`~kvtier.tiers.redis.monitor`
+(recovery and usage) and this one (the contract, submission, :meth:`RedisTier.poll`).
+
+Threading. Every public method runs on the caller's (orchestrator's) thread and never does
+network I/O, except the constructor (connects, PINGs and writes the namespace's config key) and
+:meth:`close` (waits for the batches in flight, each bounded by ``timeout_s``). The I/O runs on
+the tier's own threads: ``kvtier-redis-read`` (reads), ``kvtier-redis-write`` (writes, UNLINKs,
+EXPIREs, clear sweeps; background priority), ``kvtier-redis-probe`` (EXISTS probes) and
+``kvtier-redis-monitor`` (recovery, ``INFO memory``). Workers never touch the caller-side state
+(presence cache, counters, writes in flight): they post outcomes on a :class:`queue.SimpleQueue`
+and :meth:`poll` applies them, so that state needs no lock. Threads per pool:
+``max(1, min(4, (max_connections - 2) // 2))`` readers and as many writers, so that every
+thread can hold a connection (3 + 3 + 1 + 1 = 8 with the default ``max_connections`` 8). Below
+4 connections threads wait for one (up to ``timeout_s``; a cluster node's pool refuses instead,
+which counts as a failed batch), so keep ``max_connections`` >= 4.
+
+Batching. Jobs submitted together are coalesced by the worker into one batch, bounded by
+``batch_bytes`` (64 MiB of values; one value larger than that goes alone), so a lookup's run of
+reads is one pipeline: one round trip per server. See :mod:`~kvtier.tiers.redis.batcher`.
+
+Buffers. A read's value arrives as one ``bytes`` reply (redis-py), is verified there and its
+payloads are copied into the caller's buffers (one per rank, each exactly ``payload_bytes``); a
+write's value is its records joined into one ``bytes`` (one copy of the caller's buffers) and
+sent as it is. So a batch in flight holds up to ``batch_bytes`` of values in memory (per worker
+thread). A read that is not ``ok`` has not written its buffers (a value is verified before it
+is copied), though the contract allows anything there. ``submit_write`` returns False (nothing queued, counted in
+``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the breaker is
+open.
+
+Failures never raise into the caller and never stall it: see :mod:`~kvtier.tiers.redis.breaker`
+(3 consecutive failed batches open it; presence is then ABSENT, reads and probes fail at once,
+writes are dropped; back-off 1 s doubling to 30 s, then one PING from the monitor thread) and
+:mod:`~kvtier.tiers.redis.client` (timeouts, no retries, reconnects). A server unreachable at
+start-up is not an error: the tier starts with the breaker open and connects when it can. A
+server that is full (``maxmemory`` with ``noeviction``: OOM) drops writes (``writes_oom``); reads
+still work and the breaker stays closed. Logs never contain value bytes or passwords.
+
+What the tier does not see: the server evicts and expires blocks by itself (``maxmemory-policy``,
+``ttl_seconds``); ``evictions`` stays 0 and no REMOVED change is recorded for them until a read or
+probe finds the block gone. ``usage()`` is the server's ``used_memory`` and ``maxmemory``
+(summed over a cluster's primaries), refreshed every 5 s; the tier keeps no byte accounting of
+its own. Writes that race a :meth:`~RedisTier.delete` or :meth:`~RedisTier.clear` of the same
+key are removed again when they complete; a write from another engine is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from redis.exceptions import NoPermissionError
+
+from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.priority import become_background_thread
+from kvtier.core.residency import ResidencyLog
+from kvtier.core.tier_config import RedisTierConfig
+from kvtier.core.values import ConfigError
+from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, SecondaryTier, TierUsage
+from kvtier.tiers.disk.files import byte_views
+from kvtier.tiers.redis.batcher import Batcher, WorkerPool
+from kvtier.tiers.redis.breaker import CircuitBreaker
+from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
+from kvtier.tiers.redis.codec import KeySpace, value_bytes
+from kvtier.tiers.redis.jobs import (
+    MSG_BATCH,
+    MSG_IO,
+    MSG_PROBE,
+    MSG_REMOVED,
+    MSG_USAGE,
+    DataPath,
+    ReadJob,
+    WriteJob,
+)
+from kvtier.tiers.redis.monitor import USAGE_INTERVAL, Monitor
+from kvtier.tiers.redis.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL, PresenceCache
+
+logger = logging.getLogger(__name__)
+
+BATCH_BYTES = 64 << 20
+"""Most value bytes in one batch (replies of a read batch, values of a write batch)."""
+PROBE_BATCH_KEYS = 4096
+"""Most keys in one EXISTS batch."""
+REMOVE_BATCH_KEYS = 1000
+"""Most keys in one UNLINK / EXPIRE batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTierStats:
+    """Counters of one :class:`RedisTier` (a snapshot; read ``RedisTier.stats`` again).
+
+    Reads: ``reads_ok``; ``read_misses`` (NOT_FOUND); ``corrupt`` (values that failed a check:
+    never served, deleted); ``io_errors`` (reads, writes and removals that failed, including
+    ``breaker_rejects``: reads refused at once while the breaker was open). Writes:
+    ``writes_ok``; ``writes_dropped`` (not stored: queue full, breaker open, or server full;
+    ``writes_oom`` of them refused by a full server); ``writes_deduped`` (completed at once: the
+    block was known present or already being written). ``probes``: keys probed (``probe_failures``
+    of them without an answer). ``removed``: values that UNLINK removed (deletes, clears,
+    corrupt values). ``*_batches``: round trips (per server) of each kind. ``breaker_opens``: how
+    often the circuit breaker opened.
+    """
+
+    reads_ok: int = 0
+    read_misses: int = 0
+    corrupt: int = 0
+    io_errors: int = 0
+    breaker_rejects: int = 0
+    writes_ok: int = 0
+    writes_dropped: int = 0
+    writes_oom: int = 0
+    writes_deduped: int = 0
+    probes: int = 0
+    probe_failures: int = 0
+    removed: int = 0
+    read_batches: int = 0
+    write_batches: int = 0
+    probe_batches: int = 0
+    breaker_opens: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+_COUNTED = tuple(f.name for f in dataclasses.fields(RedisTierStats) if f.name != "breaker_opens")
+
+
+class RedisTier(SecondaryTier):
+    """Blocks in Redis / Valkey; see the module docstring for threading, batching and failures."""
+
+    medium = Medium.REMOTE
+
+    def __init__(
+        self,
+        config: RedisTierConfig,
+        *,
+        engine_digest: bytes,
+        rank_digests: Sequence[bytes],
+        namespace_json: str,
+        payload_bytes: int,
+        presence_ttl: float = PRESENT_TTL,
+        absent_ttl: float = ABSENT_TTL,
+        presence_entries: int = MAX_ENTRIES,
+        batch_bytes: int = BATCH_BYTES,
+        usage_interval: float = USAGE_INTERVAL,
+    ) -> None:
+        if not rank_digests:
+            raise ValueError("rank_digests must name at least one rank (one digest per rank)")
+        for rank, digest in enumerate(rank_digests):
+            if len(digest) != KEY_BYTES:
+                raise ValueError(f"rank_digests[{rank}] must be {KEY_BYTES} bytes, got {len(digest)}")
+        if not isinstance(payload_bytes, int) or payload_bytes < 1:
+            raise ValueError(f"payload_bytes must be an int >= 1, got {payload_bytes!r}")
+        self.config = config
+        self._keys = KeySpace.of(config.key_prefix, engine_digest)
+        self._rank_digests = tuple(bytes(d) for d in rank_digests)
+        self._world = len(self._rank_digests)
+        self._payload_bytes = payload_bytes
+        self._value_bytes = value_bytes(self._world, payload_bytes)
+        self._namespace_json = namespace_json
+        self._closed = False
+
+        # Caller-thread state: changed only here and in poll().
+        self._residency = ResidencyLog(Medium.REMOTE)
+        self._presence = PresenceCache(
+            self._residency, present_ttl=presence_ttl, absent_ttl=absent_ttl, max_entries=presence_entries
+        )
+        self._counts: dict[str, float] = dict.fromkeys(_COUNTED, 0)
+        self._writing: dict[BlockKey, int] = {}  # key -> writes in flight
+        self._pending_writes = 0
+        self._cancelled: set[BlockKey] = set()  # deleted while a write of it was in flight
+        self._clear_epoch = 0
+        self._usage = (0, 0)
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+
+        self._monitor: Monitor | None = None
+        self._breaker = CircuitBreaker(on_open=self._wake_monitor)
+        self._seen_generation = self._breaker.generation
+        self._client = RedisClient(config)  # ConfigError if password_env names an unset variable
+        self._path = DataPath(
+            client=self._client,
+            keys=self._keys,
+            rank_digests=self._rank_digests,
+            payload_bytes=payload_bytes,
+            ttl_seconds=config.ttl_seconds,
+            breaker=self._breaker,
+            post=self._done.put,
+        )
+        try:
+            self._client.connect()
+            self._write_config()
+        except ConfigError:
+            self._client.close()
+            raise
+        except Exception as exc:
+            logger.warning(
+                "kvtier redis: %s is not reachable at start-up (%s); starting with the Redis tier off "
+                "(misses), reconnecting in the background",
+                config.redacted_url(),
+                describe(exc),
+            )
+            self._breaker.trip()
+
+        n_threads = max(1, min(4, (config.max_connections - 2) // 2))
+        self._read_pool = WorkerPool(n_threads, "kvtier-redis-read")
+        self._write_pool = WorkerPool(n_threads, "kvtier-redis-write", initializer=become_background_thread)
+        self._probe_pool = WorkerPool(1, "kvtier-redis-probe")
+        self._reads = Batcher(self._read_pool, self._path.read_batch, max_bytes=batch_bytes)
+        self._writes = Batcher(self._write_pool, self._path.write_batch, max_bytes=batch_bytes)
+        self._probes = Batcher(self._probe_pool, self._path.probe_batch, max_bytes=PROBE_BATCH_KEYS)
+        self._unlinks = Batcher(self._write_pool, self._path.remove, max_bytes=REMOVE_BATCH_KEYS)
+        self._expires = Batcher(self._write_pool, self._path.expire, max_bytes=REMOVE_BATCH_KEYS)
+        self._monitor = Monitor(
+            client=self._client,
+            breaker=self._breaker,
+            post=self._done.put,
+            on_recovered=self._after_recovery,
+            usage_interval=usage_interval,
+        )
+        self._monitor.start()
+
+    # ------------------------------------------------------------------ contract
+
+    @property
+    def residency(self) -> ResidencyLog:  # type: ignore[override]
+        return self._residency
+
+    def presence(self, key: BlockKey) -> Presence:
+        """From memory only (see :mod:`~kvtier.tiers.redis.presence`); ABSENT while the breaker is open."""
+        if self._closed or not self._breaker.closed:
+            return Presence.ABSENT
+        if self._breaker.generation != self._seen_generation:
+            self._sync_breaker()
+        return self._presence.get(key)
+
+    def contains(self, key: BlockKey) -> bool:
+        return self.presence(key) is Presence.PRESENT
+
+    def probe(self, keys: Sequence[BlockKey]) -> None:
+        """Queue one EXISTS batch for the keys without a fresh answer and no probe in flight."""
+        if self._closed or not self._breaker.closed:
+            return
+        wanted = self._presence.to_probe(keys)
+        if wanted:
+            self._probes.submit(wanted, len(wanted))
+
+    def submit_read(self, job_id: int, key: BlockKey, dests: Sequence[memoryview]) -> None:
+        views = byte_views(dests, count=self._world, nbytes=self._payload_bytes, writable=True, what="dests")
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
+        if self._closed or not self._breaker.closed:
+            self._done.put((MSG_IO, IoResult(job_id, IoKind.READ, key, False, error=IoError.IO), "breaker"))
+            return
+        self._reads.submit(ReadJob(job_id, key, views), self._value_bytes)
+
+    def submit_write(
+        self, job_id: int, key: BlockKey, parent: BlockKey, num_tokens: int, sources: Sequence[memoryview]
+    ) -> bool:
+        views = byte_views(
+            sources, count=self._world, nbytes=self._payload_bytes, writable=False, what="sources"
+        )
+        if len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
+            raise ValueError(f"key and parent must be {KEY_BYTES} bytes, got {len(key)} and {len(parent)}")
+        if not 0 <= num_tokens < 2**32:
+            raise ValueError(f"num_tokens must fit in a u32, got {num_tokens}")
+        if self._closed or not self._breaker.closed or self._pending_writes >= self.config.max_pending_writes:
+            self._counts["writes_dropped"] += 1
+            return False
+        if (key in self._writing and key not in self._cancelled) or self._presence.get(
+            key
+        ) is Presence.PRESENT:
+            # Content addressed: the bytes stored (or on their way) are these bytes.
+            self._done.put((MSG_IO, IoResult(job_id, IoKind.WRITE, key, True), "dedup"))
+            return True
+        self._writing[key] = self._writing.get(key, 0) + 1
+        self._pending_writes += 1
+        self._writes.submit(
+            WriteJob(job_id, key, parent, num_tokens, views, self._clear_epoch), self._value_bytes
+        )
+        return True
+
+    def poll(self) -> list[IoResult]:
+        results: list[IoResult] = []
+        done = self._done
+        counts = self._counts
+        while True:
+            try:
+                msg = done.get_nowait()
+            except queue.Empty:
+                break
+            kind = msg[0]
+            if kind == MSG_IO:
+                result: IoResult = msg[1]
+                if result.kind is IoKind.READ:
+                    self._finish_read(result, msg[2])
+                else:
+                    self._finish_write(result, msg[2], msg[3] if len(msg) > 3 else None)
+                results.append(result)
+            elif kind == MSG_PROBE:
+                keys, found = msg[1], msg[2]
+                self._presence.probed(keys, found)
+                counts["probes"] += len(keys)
+                counts["probe_failures"] += sum(1 for f in found if f is None)
+            elif kind == MSG_BATCH:
+                counts[f"{msg[1]}_batches"] += msg[2]
+            elif kind == MSG_REMOVED:
+                counts["removed"] += msg[1]
+                counts["io_errors"] += msg[2]
+            elif kind == MSG_USAGE:
+                self._usage = (msg[1], msg[2])
+        if self._breaker.generation != self._seen_generation:
+            self._sync_breaker()
+        return results
+
+    def touch(self, keys: Sequence[BlockKey]) -> None:
+        """Refresh the keys' TTL (EXPIRE, in the background) when ``ttl_seconds`` is set; else nothing."""
+        if not self.config.ttl_seconds or self._closed or not self._breaker.closed:
+            return
+        for key in keys:
+            self._expires.submit(key, 1)
+
+    def delete(self, keys: Sequence[BlockKey]) -> int:
+        """UNLINK ``keys`` in the background. Returns how many of them were known PRESENT (an
+        UNLINK is queued for every key: one may exist without this process knowing)."""
+        present = 0
+        for key in keys:
+            present += self._presence.get(key) is Presence.PRESENT
+            self._presence.missing(key)
+            if key in self._writing:
+                self._cancelled.add(key)
+            if not self._closed:
+                self._unlinks.submit(key, 1)
+        return present
+
+    def clear(self) -> int:
+        """Remove every block of this namespace, whoever stored it: SCAN + UNLINK on every server,
+        in the background (the config key stays). Returns how many blocks were known PRESENT; the
+        number actually removed is added to ``stats.removed`` when the sweep is done. Writes in
+        flight are removed again when they complete."""
+        count = self._presence.forget_all()
+        self._clear_epoch += 1
+        if not self._closed:
+            self._write_pool.submit(self._path.sweep)
+        return count
+
+    def usage(self) -> TierUsage:
+        """The server's ``used_memory`` and ``maxmemory`` (0: unlimited) as of the last refresh."""
+        used, capacity = self._usage
+        return TierUsage(medium=Medium.REMOTE, used_bytes=used, capacity_bytes=capacity, num_blocks=None)
+
+    @property
+    def evictions(self) -> int:
+        """Always 0: the server evicts (``maxmemory-policy``) and expires blocks; the tier cannot see it."""
+        return 0
+
+    def refresh(self) -> None:
+        """Nothing: a remote tier learns about other engines' blocks by probing."""
+
+    def close(self) -> None:
+        """Stop the threads (batches in flight finish, each within about ``timeout_s``; queued
+        jobs complete as failed), then disconnect. Idempotent. Results can still be polled."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._monitor is not None:
+            self._monitor.stop()
+        for pool in (self._probe_pool, self._read_pool, self._write_pool):
+            pool.shutdown()
+        for job in self._reads.cancel():
+            self._done.put(
+                (MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), None)
+            )
+        for job in self._writes.cancel():
+            self._done.put(
+                (MSG_IO, IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.IO), None, job)
+            )
+        for keys in self._probes.cancel():
+            self._done.put((MSG_PROBE, keys, [None] * len(keys)))
+        self._client.close()
+
+    # ------------------------------------------------------------------ extras
+
+    @property
+    def stats(self) -> RedisTierStats:
+        return RedisTierStats(**self._counts, breaker_opens=self._breaker.opens)
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        """The circuit breaker (state, back-off; for tests and metrics)."""
+        return self._breaker
+
+    @property
+    def keys(self) -> KeySpace:
+        """This namespace's Redis key names."""
+        return self._keys
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one stored value (every rank's header and payload)."""
+        return self._value_bytes
+
+    # ------------------------------------------------------------------ caller-thread helpers
+
+    def _sync_breaker(self) -> None:
+        """The breaker opened or closed since we last looked."""
+        self._seen_generation = self._breaker.generation
+        if self._breaker.closed:  # back after an outage: the server may have lost everything
+            self._presence.invalidate()
+
+    def _finish_read(self, result: IoResult, detail: str | None) -> None:
+        counts = self._counts
+        if result.ok:
+            counts["reads_ok"] += 1
+            counts["bytes_read"] += result.num_bytes
+            counts["read_seconds"] += result.seconds
+            self._presence.found(result.key)
+        elif result.error is IoError.NOT_FOUND:
+            counts["read_misses"] += 1
+            self._presence.missing(result.key)
+        elif result.error is IoError.CORRUPT:
+            counts["corrupt"] += 1
+            self._presence.missing(result.key)
+        else:
+            counts["io_errors"] += 1
+            counts["breaker_rejects"] += detail == "breaker"
+            self._presence.failed(result.key)
+
+    def _finish_write(self, result: IoResult, detail: str | None, job: WriteJob | None) -> None:
+        counts = self._counts
+        if detail == "dedup":
+            counts["writes_deduped"] += 1
+            return
+        key = result.key
+        if job is not None:
+            self._pending_writes -= 1
+            left = self._writing.get(key, 1) - 1
+            if left:
+                self._writing[key] = left
+            else:
+                self._writing.pop(key, None)
+        if result.ok:
+            counts["writes_ok"] += 1
+            counts["bytes_written"] += result.num_bytes
+            counts["write_seconds"] += result.seconds
+            if key in self._cancelled or (job is not None and job.epoch != self._clear_epoch):
+                if not self._closed:
+                    self._unlinks.submit(key, 1)  # deleted or cleared while it was being written
+            else:
+                self._presence.found(key)
+        elif result.error is IoError.DROPPED:
+            counts["writes_dropped"] += 1
+            counts["writes_oom"] += detail == "oom"
+        else:
+            counts["io_errors"] += 1
+        if key not in self._writing:
+            self._cancelled.discard(key)
+
+    def _write_config(self) -> None:
+        """Store the namespace's config.json under the config key (start-up; after a recovery)."""
+        (reply,) = self._client.run([(b"SET", self._keys.config, self._namespace_json.encode())])
+        if isinstance(reply, NoPermissionError):
+            raise self._client.config_error(reply, f"SET {self._keys.config.decode()}")
+        if isinstance(reply, BaseException):
+            if is_connection_failure(reply):
+                raise reply
+            logger.warning("kvtier redis: storing the namespace key failed: %s", describe(reply))
+        elif reply != b"OK" and reply is not True:
+            logger.warning(
+                "kvtier redis: storing the namespace key: unexpected reply %s", safe_text(repr(reply))
+            )
+
+    def _after_recovery(self) -> None:
+        """On the monitor thread, when the server answers again (before the breaker closes): store the
+        namespace key again (the server may have restarted empty, or start-up could not store it)."""
+        try:
+            self._write_config()
+        except Exception as exc:
+            logger.warning("kvtier redis: storing the namespace key failed: %s", describe(exc))
+
+    def _wake_monitor(self) -> None:
+        if self._monitor is not None:
+            self._monitor.wake()
