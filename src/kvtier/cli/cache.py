@@ -1,4 +1,5 @@
-"""``kvtier inspect | verify | purge DIR``: manage a disk tier root (see docs/disk-format.md).
+"""``kvtier inspect | verify | purge DIR_OR_URL``: manage a disk tier root (docs/disk-format.md) or a
+Redis / Valkey remote tier (docs/distributed.md).
 
 Only click is imported here at module level; the work (:mod:`kvtier.cachetools`) and rich are
 imported when a command runs, so registering these commands keeps ``kvtier --help`` instant.
@@ -19,8 +20,41 @@ if TYPE_CHECKING:
 
     from kvtier.cachetools import Inventory, NamespaceInventory, PurgeReport, VerifyReport
 
-_DIR = click.Path(exists=True, file_okay=False, dir_okay=True)
 _PROGRESS_MIN_FILES = 200  # show a progress bar from this many files on (on a terminal)
+
+
+def _target_options(command):
+    """The TARGET argument (a directory or a Redis URL) and the options a Redis URL may need."""
+    command = click.option("--key-prefix", default="kvtier", show_default=True,
+                           help="Redis only: the tier's key_prefix.")(command)
+    command = click.option("--password-env", default=None, metavar="NAME",
+                           help="Redis only: environment variable holding the password.")(command)
+    command = click.option("--username", default=None, help="Redis only: the ACL user.")(command)
+    return click.argument("target", metavar="DIR_OR_URL")(command)
+
+
+def _remote(target: str, username: str | None, password_env: str | None, key_prefix: str):
+    """A :class:`~kvtier.cachetools.remote.RemoteTarget` for a Redis URL, else None (a directory,
+    which must exist)."""
+    from kvtier.cachetools.remote import RemoteTarget, is_remote
+
+    if is_remote(target):
+        password = None
+        if password_env is not None:
+            password = os.environ.get(password_env)
+            if password is None:
+                raise click.UsageError(f"--password-env {password_env}: that environment variable is not set.")
+        return RemoteTarget(target, username, password, key_prefix)
+    if not os.path.isdir(target):
+        raise click.UsageError(f"{target!r} is neither a directory nor a redis://, rediss:// or unix:// URL.")
+    return None
+
+
+def _remote_errors():
+    """redis-py's errors, shown as click errors (never a traceback, never a password)."""
+    import redis
+
+    return (redis.RedisError, OSError)
 
 
 def fmt_bytes(n: float) -> str:
@@ -63,21 +97,31 @@ def _emit_json(data: dict[str, Any]) -> None:
 
 
 @click.command("inspect")
-@click.argument("directory", type=_DIR, metavar="DIR")
+@_target_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def inspect_command(directory: str, as_json: bool) -> None:
-    """Show the namespaces of a disk tier directory: model, layout, blocks, bytes, ages, last use.
+def inspect_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
+                    as_json: bool) -> None:
+    """Show the namespaces of a disk tier directory or a Redis remote tier: model, layout, blocks,
+    bytes, ages, last use.
 
-    Reads directory entries, file sizes and mtimes and each namespace's config.json only (never a
-    block's payload), so it is fast and safe while engines use the directory. A block is
+    A directory: reads directory entries, file sizes and mtimes and each namespace's config.json
+    only (never a block's payload), so it is fast and safe while engines use it. A block is
     complete when every tensor-parallel rank's file is present; ages are by last use (mtime).
+    A Redis URL (redis://, rediss://, unix://): SCAN, STRLEN and OBJECT IDLETIME, never KEYS.
     """
     from kvtier.cachetools import inspect_cache
 
+    remote = _remote(target, username, password_env, key_prefix)
+    failures = _remote_errors() if remote is not None else (OSError,)
     try:
-        inventory = inspect_cache(directory)
-    except OSError as exc:  # e.g. a directory that cannot be listed
-        raise click.ClickException(str(exc)) from None
+        if remote is None:
+            inventory = inspect_cache(target)
+        else:
+            from kvtier.cachetools.remote import inspect_remote
+
+            inventory = inspect_remote(remote)
+    except failures as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     if as_json:
         _emit_json(inventory.to_json())
     else:
@@ -163,21 +207,41 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
 
 
 @click.command("verify")
-@click.argument("directory", type=_DIR, metavar="DIR")
+@_target_options
 @click.option("--namespace", "selectors", multiple=True, metavar="DIGEST_OR_MODEL",
               help="Only this namespace (digest, at least 4 hex digits, or model name); repeatable.")
-@click.option("--no-quarantine", is_flag=True, help="Only report bad files; do not move them to quarantine/.")
+@click.option("--no-quarantine", is_flag=True,
+              help="Only report bad files (values); do not move them to quarantine/ (delete them, on Redis).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def verify_command(directory: str, selectors: tuple[str, ...], no_quarantine: bool, as_json: bool) -> None:
-    """Check every block file's header, size and payload checksum, as the disk tier's reader does.
+def verify_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
+                   selectors: tuple[str, ...], no_quarantine: bool, as_json: bool) -> None:
+    """Check every block's header, size and payload checksum, as the tier's reader does.
 
-    Bad files are listed and moved to DIR/quarantine/ (where the tier itself puts them) unless
-    --no-quarantine; files that are not kvtier's are reported and left in place. Payloads are
-    streamed (bounded memory). Safe while engines use the directory. Exit status 1 if anything
-    was bad.
+    A directory: bad files are listed and moved to DIR/quarantine/ (where the tier itself puts
+    them) unless --no-quarantine; files that are not kvtier's are reported and left in place;
+    payloads are streamed (bounded memory). A Redis URL: every value is read (in batches of at
+    most 64 MiB) and bad ones are deleted unless --no-quarantine. Safe while engines run. Exit
+    status 1 if anything was bad.
     """
     from kvtier.cachetools import SelectionError, verify_cache
 
+    remote = _remote(target, username, password_env, key_prefix)
+    if remote is not None:
+        from kvtier.cachetools.remote import verify_remote
+
+        start = time.perf_counter()
+        try:
+            report = verify_remote(remote, selectors, delete=not no_quarantine)
+        except SelectionError as exc:
+            raise click.UsageError(str(exc)) from None
+        except _remote_errors() as exc:
+            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+        if as_json:
+            _emit_json({**report.to_json(), "seconds": round(time.perf_counter() - start, 3)})
+        else:
+            render_verify(report, _console(), time.perf_counter() - start)
+        sys.exit(0 if report.ok else 1)
+    directory = target
     err = _console(stderr=True)
     progress_bar = None
     task = None
@@ -242,37 +306,46 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 @click.command("purge")
-@click.argument("directory", type=_DIR, metavar="DIR")
+@_target_options
 @click.option("--namespace", "namespaces", multiple=True, metavar="DIGEST",
               help="Blocks of this namespace (its digest, at least 4 hex digits, or directory name); repeatable.")
 @click.option("--model", "models", multiple=True, metavar="NAME", help="Blocks of this model's namespaces; repeatable.")
 @click.option("--older-spec", is_flag=True,
               help="Namespaces written under an older key spec (kvtier inspect marks them): never read again.")
 @click.option("--older-than", callback=_duration, metavar="DURATION",
-              help="Blocks last used longer ago than this (by mtime), e.g. 30m, 12h, 7d.")
+              help="Blocks last used longer ago than this (by mtime; on Redis by OBJECT IDLETIME), e.g. 30m, 12h, 7d.")
 @click.option("--quarantine", is_flag=True, help="Empty the quarantine (of the selected namespaces, if narrowed).")
 @click.option("--all", "all_", is_flag=True, help="Everything: all namespaces' blocks and the quarantine.")
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def purge_command(directory: str, namespaces: tuple[str, ...], models: tuple[str, ...], older_spec: bool,
+def purge_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
+                  namespaces: tuple[str, ...], models: tuple[str, ...], older_spec: bool,
                   older_than: float | None, quarantine: bool, all_: bool, dry_run: bool, as_json: bool) -> None:
-    """Delete block files by namespace, model or age, and/or empty the quarantine.
+    """Delete blocks by namespace, model or age, and/or empty the quarantine.
 
     Selectors combine (--model M --older-than 7d: blocks of M unused for 7 days); at least one is
     required. Safe while engines use DIR: only block files are unlinked (a running engine sees a
     miss), writers' temp files are never touched, emptied directories are removed only if still
     empty, and a namespace's config.json goes only with the whole namespace (--all, --namespace,
-    --model) when no block or temp file is left in it.
+    --model) when no block or temp file is left in it. On a Redis URL the selected keys are
+    UNLINKed (SCAN, never KEYS); there is no quarantine there.
     """
     from kvtier.cachetools import PurgeSelection, purge_cache
 
+    remote = _remote(target, username, password_env, key_prefix)
+    failures = _remote_errors() if remote is not None else (OSError,)
     selection = PurgeSelection(namespaces, models, older_than, quarantine, all_, older_spec)
     try:
-        report = purge_cache(directory, selection, dry_run=dry_run)
+        if remote is None:
+            report = purge_cache(target, selection, dry_run=dry_run)
+        else:
+            from kvtier.cachetools.remote import purge_remote
+
+            report = purge_remote(remote, selection, dry_run=dry_run)
     except ValueError as exc:  # a bad selection, or a selector matching no namespace (SelectionError)
         raise click.UsageError(str(exc)) from None
-    except OSError as exc:
-        raise click.ClickException(str(exc)) from None
+    except failures as exc:
+        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     if as_json:
         _emit_json(report.to_json())
     else:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 from kvtier.doctor.model_checks import check_fp8_scales, check_max_model_len, check_model_support, check_tp
 from kvtier.doctor.probes import RAM_FILESYSTEMS, filesystem_type, namespaces_under, validate_extra_config
+from kvtier.doctor.remote import Reach, probe_remote
 from kvtier.doctor.setup import KVTIER_CONNECTOR, Finding, Setup
 from kvtier.planning.sizing import GIB
 
@@ -194,6 +195,58 @@ def check_disk(s: Setup) -> list[Finding]:
     return out
 
 
+def check_remote(s: Setup) -> list[Finding]:
+    """The remote tier of a kvtier line: reachable, logged in, keeping blocks without evicting other data."""
+    if not s.is_kvtier or s.extra is None:
+        return []
+    config, error, _ = validate_extra_config(s.extra)
+    if error or config is None or config.remote is None:
+        return []
+    remote = config.remote
+    where = remote.redacted_url()
+    found = probe_remote(remote)
+    if found.reach is Reach.REFUSED:
+        return [Finding(
+            "remote-auth", "error", f"Redis at {where} refuses kvtier", found.detail,
+            "Give the ACL user and password the server expects (username, password_env in the redis tier "
+            "entry); the user needs +@read +@write +@keyspace +ping +info on keys '<key_prefix>:*'. "
+            "kvtier stops at start-up on this.")]
+    if found.reach is Reach.UNREACHABLE:
+        return [Finding(
+            "remote-unreachable", "warning", f"Redis at {where} does not answer", found.detail,
+            "Check the host, port, TLS (rediss://) and firewall. kvtier starts anyway: the remote tier "
+            "counts misses and connects by itself once the server answers.")]
+    out = [Finding("remote-ok", "info", f"Redis {found.version} at {where}",
+                   f"used_memory {found.used_memory / GIB:.2f} GiB, maxmemory "
+                   f"{found.maxmemory / GIB:.2f} GiB, maxmemory-policy {found.policy}.", "None needed.")]
+    if found.maxmemory == 0:
+        out.append(Finding(
+            "remote-no-maxmemory", "warning", f"Redis at {where} has no maxmemory",
+            "Without it the server grows with every block until the machine runs out of memory.",
+            "Set maxmemory (e.g. CONFIG SET maxmemory 64gb, and in redis.conf) with maxmemory-policy "
+            "allkeys-lru on a server dedicated to kvtier."))
+    if found.policy == "noeviction":
+        out.append(Finding(
+            "remote-noeviction", "warning", f"Redis at {where} never evicts (noeviction)",
+            "Once full it refuses every new block: kvtier drops those stores (counted) and the cache "
+            "stops learning.",
+            "Use maxmemory-policy allkeys-lru on a dedicated server, or volatile-lru with ttl_seconds."))
+    elif found.policy.startswith("allkeys") and found.foreign_keys:
+        out.append(Finding(
+            "remote-evicts-other-data", "warning", f"Redis at {where} evicts any key ({found.policy}) and holds other data",
+            f"Keys outside '{remote.key_prefix}:' are there (e.g. {', '.join(found.foreign_keys[:3])}): to make "
+            "room for KV blocks the server will evict them too.",
+            "Give kvtier its own server or database, or use maxmemory-policy volatile-lru and set "
+            "ttl_seconds so only kvtier's keys (which carry a TTL) are evicted."))
+    elif found.policy.startswith("volatile") and remote.ttl_seconds is None:
+        out.append(Finding(
+            "remote-volatile-without-ttl", "warning", f"Redis at {where} evicts only keys with a TTL ({found.policy})",
+            "kvtier's blocks carry no TTL unless ttl_seconds is set, so they are never evicted: the server "
+            "fills up and then refuses new blocks.",
+            "Set ttl_seconds in the redis tier entry (e.g. 86400), or use allkeys-lru on a dedicated server."))
+    return out
+
+
 def check_kv_events(s: Setup) -> list[Finding]:
     raw = s.line.value("--kv-events-config")
     try:
@@ -225,5 +278,5 @@ def check_kv_events(s: Setup) -> list[Finding]:
 CHECKS: tuple[Callable[[Setup], list[Finding]], ...] = (
     check_model, check_connector, check_kvtier_config, check_host_size, check_cpu_offload,
     check_prefix_caching, check_model_support, check_tp, check_fp8_scales, check_max_model_len, check_disk,
-    check_kv_events,
+    check_remote, check_kv_events,
 )

@@ -1,0 +1,343 @@
+"""``kvtier inspect / verify / purge`` on a Redis / Valkey remote tier (a URL instead of a directory).
+
+The same reports as for a disk root (:class:`~kvtier.cachetools.inventory.Inventory`,
+:class:`~kvtier.cachetools.verify.VerifyReport`, :class:`~kvtier.cachetools.purge.PurgeReport`), from
+the tier's own key names and value format (:mod:`kvtier.tiers.redis.codec`): a namespace is the
+``<key_prefix>:<digest16>:config`` key and the block keys beside it. Keys are listed with ``SCAN``
+(never ``KEYS``), sizes with ``STRLEN``, ages with ``OBJECT IDLETIME`` (not available under an
+LFU eviction policy: then ages are not reported), all pipelined in batches. Verify reads every
+value and deletes (``UNLINK``) the bad ones unless told not to; purge unlinks what it selects.
+Safe while engines use the server: an engine that loses a block to verify or purge sees a miss.
+
+Called by :mod:`kvtier.cli.cache` in the ``kvtier`` command's process, one thread. Passwords come
+from an environment variable or the URL and are never printed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvtier.cachetools.inventory import AGE_BUCKETS, Inventory, NamespaceInventory, age_bucket, layout_of
+from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
+from kvtier.cachetools.selection import SelectionError
+from kvtier.cachetools.verify import Problem, VerifyReport
+from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, SpecVersionError
+from kvtier.core.tier_config import REDIS_SCHEMES, redact_url
+from kvtier.tiers.blockfile import CorruptBlockError
+from kvtier.tiers.redis.codec import KeySpace, decode_value
+
+BATCH = 256
+"""Keys per pipelined batch of STRLEN / OBJECT IDLETIME / UNLINK."""
+READ_BATCH_BYTES = 64 * 2**20
+"""Verify reads at most this many bytes of values per round trip."""
+
+
+def is_remote(target: str) -> bool:
+    """Whether ``target`` names a Redis server (a URL) rather than a directory."""
+    return urlsplit(target).scheme in REDIS_SCHEMES
+
+
+@dataclass(frozen=True)
+class RemoteTarget:
+    """How to reach a remote tier: the URL, optional user and password (from an environment
+    variable's value, already read), and the tier's ``key_prefix``."""
+
+    url: str
+    username: str | None = None
+    password: str | None = None
+    key_prefix: str = "kvtier"
+
+    def client(self):
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        kwargs: dict[str, Any] = {
+            "socket_connect_timeout": 5,
+            "socket_timeout": 30,
+            "retry": Retry(NoBackoff(), 0),
+        }
+        if self.username:
+            kwargs["username"] = self.username
+        if self.password is not None:
+            kwargs["password"] = self.password
+        return redis.Redis.from_url(self.url, **kwargs)
+
+    @property
+    def shown(self) -> str:
+        return redact_url(self.url)
+
+
+@dataclass
+class _RemoteNamespace:
+    space: KeySpace
+    digest16: str
+    config: dict[str, Any] | None
+    namespace: Namespace | None
+    spec_version: str | None
+    blocks: list[bytes]  # Redis key names of the blocks
+
+    @property
+    def prefix(self) -> str:
+        return self.space.base.decode().rstrip(":")
+
+    @property
+    def model_name(self) -> str | None:
+        name = (self.config or {}).get("model_name")
+        return name if isinstance(name, str) else None
+
+    @property
+    def world(self) -> int:
+        try:
+            return max(
+                1, int((self.config or {}).get("tp_size", 1)) * int((self.config or {}).get("pp_size", 1))
+            )
+        except (TypeError, ValueError):
+            return 1
+
+    @property
+    def older_spec(self) -> bool:
+        return self.spec_version is not None and self.spec_version != KEY_SPEC_VERSION
+
+    def matches(self, selector: str, by_model: bool) -> bool:
+        sel = selector.strip().lower()
+        if by_model:
+            base = selector.strip().rstrip("/").rsplit("/", 1)[-1]
+            return self.model_name in (selector.strip(), base)
+        return sel == self.prefix.lower() or (len(sel) >= 4 and self.digest16.startswith(sel))
+
+
+def _scan(client, pattern: bytes) -> Iterator[bytes]:
+    yield from client.scan_iter(match=pattern, count=1000)
+
+
+def _discover(client, key_prefix: str) -> list[_RemoteNamespace]:
+    """Every namespace under ``key_prefix`` (by its config key, or by its blocks alone)."""
+    by_digest: dict[str, list[bytes]] = defaultdict(list)
+    configs: dict[str, bytes] = {}
+    head = (key_prefix + ":").encode()
+    for name in _scan(client, head + b"*"):
+        parts = name[len(head) :].split(b":", 1)
+        if len(parts) != 2 or len(parts[0]) != 16:
+            continue
+        digest16 = parts[0].decode("ascii", errors="replace")
+        if parts[1] == b"config":
+            configs[digest16] = name
+        else:
+            by_digest[digest16].append(name)
+    found = []
+    for digest16 in sorted(set(by_digest) | set(configs)):
+        space = KeySpace(head + digest16.encode() + b":")
+        config = namespace = version = None
+        if digest16 in configs:
+            try:
+                config = json.loads(client.get(configs[digest16]) or b"null")
+            except ValueError:
+                config = None
+            if isinstance(config, dict):
+                version = config.get("spec_version") if isinstance(config.get("spec_version"), str) else None
+                try:
+                    namespace = Namespace.from_dict(config)
+                except (SpecVersionError, TypeError, ValueError, KeyError, AttributeError):
+                    namespace = None
+            else:
+                config = None
+        blocks = [n for n in by_digest.get(digest16, []) if space.block_key_of(n) is not None]
+        found.append(_RemoteNamespace(space, digest16, config, namespace, version, sorted(blocks)))
+    return found
+
+
+def _select(
+    spaces: list[_RemoteNamespace], namespaces: Sequence[str], models: Sequence[str], where: str
+) -> list[_RemoteNamespace]:
+    chosen = list(spaces)
+    for selectors, by_model in ((namespaces, False), (models, True)):
+        for sel in selectors:
+            if not any(ns.matches(sel, by_model) for ns in spaces):
+                known = ", ".join(ns.prefix for ns in spaces) or "none"
+                raise SelectionError(f"no namespace at {where} matches {sel!r} (namespaces: {known})")
+        if selectors:
+            chosen = [ns for ns in chosen if any(ns.matches(sel, by_model) for sel in selectors)]
+    return chosen
+
+
+def _batches(items: Sequence[bytes], size: int = BATCH) -> Iterator[Sequence[bytes]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _idle_seconds(client, names: Sequence[bytes]) -> list[int | None]:
+    """``OBJECT IDLETIME`` of each key (None where the server refuses it, e.g. under LFU)."""
+    out: list[int | None] = []
+    for batch in _batches(names):
+        pipe = client.pipeline(transaction=False)
+        for name in batch:
+            pipe.object("idletime", name)
+        out += [value if isinstance(value, int) else None for value in pipe.execute(raise_on_error=False)]
+    return out
+
+
+def inspect_remote(target: RemoteTarget, *, now: float | None = None) -> Inventory:
+    now = time.time() if now is None else now
+    client = target.client()
+    inventory = Inventory(root=target.shown, scanned_at=now, namespaces=[])
+    for ns in _discover(client, target.key_prefix):
+        summary = NamespaceInventory(
+            prefix=ns.prefix,
+            model=ns.model_name or "?",
+            digest16=ns.digest16,
+            model_name=ns.model_name,
+            layout=layout_of(ns.config) if ns.config is not None else None,
+            config_problem=None if ns.config is not None else "config key missing or unreadable",
+            world=ns.world,
+            older_spec=ns.older_spec,
+        )
+        summary.complete_blocks = len(ns.blocks)
+        summary.block_files = len(ns.blocks)
+        for batch in _batches(ns.blocks):
+            pipe = client.pipeline(transaction=False)
+            for name in batch:
+                pipe.strlen(name)
+            summary.block_bytes += sum(n for n in pipe.execute(raise_on_error=False) if isinstance(n, int))
+        idle = [s for s in _idle_seconds(client, ns.blocks) if s is not None]
+        for seconds in idle:
+            summary.ages[age_bucket(seconds)] += 1
+        if idle:
+            summary.last_use = now - min(idle)
+        inventory.namespaces.append(summary)
+    return inventory
+
+
+def verify_remote(
+    target: RemoteTarget, selectors: Sequence[str] = (), *, delete: bool = True
+) -> VerifyReport:
+    """Read and check every block value of the selected namespaces (by digest or model); delete
+    the bad ones unless ``delete`` is False. Values of namespaces without a readable config of
+    this key spec cannot be checked: reported, left alone."""
+    client = target.client()
+    spaces = _discover(client, target.key_prefix)
+    chosen = (
+        spaces
+        if not selectors
+        else [ns for ns in spaces if any(ns.matches(s, False) or ns.matches(s, True) for s in selectors)]
+    )
+    if selectors and not chosen:
+        raise SelectionError(f"no namespace at {target.shown} matches {list(selectors)}")
+    report = VerifyReport(root=target.shown, namespaces=[ns.prefix for ns in chosen])
+    for ns in chosen:
+        if ns.namespace is None:
+            why = "written under an older key spec" if ns.older_spec else "config key missing or unreadable"
+            report.problems.append(
+                Problem(
+                    ns.prefix,
+                    f"{why}: its {len(ns.blocks)} values cannot be checked (left in place)",
+                    "reported",
+                )
+            )
+            continue
+        rank_digests = ns.namespace.rank_digests()
+        bad: list[bytes] = []
+        for batch in _read_batches(client, ns.blocks):
+            for name, value in batch:
+                if value is None:
+                    report.vanished += 1
+                    continue
+                report.files_checked += 1
+                report.bytes_checked += len(value)
+                reason = _check(value, rank_digests, ns.space.block_key_of(name), ns.world)
+                if reason is None:
+                    report.files_ok += 1
+                    continue
+                bad.append(name)
+                report.problems.append(Problem(name.decode(), reason, "deleted" if delete else "reported"))
+        if delete and bad:
+            for chunk in _batches(bad):
+                client.unlink(*chunk)
+    return report
+
+
+def _read_batches(client, names: Sequence[bytes]) -> Iterator[list[tuple[bytes, bytes | None]]]:
+    """GET the values of ``names`` a few at a time (sizes from STRLEN), bounded in bytes per trip."""
+    for batch in _batches(names, 64):
+        pipe = client.pipeline(transaction=False)
+        for name in batch:
+            pipe.strlen(name)
+        sizes = [n if isinstance(n, int) else 0 for n in pipe.execute(raise_on_error=False)]
+        group: list[bytes] = []
+        total = 0
+        for name, size in zip(batch, sizes):
+            if group and total + size > READ_BATCH_BYTES:
+                yield list(zip(group, client.mget(group)))
+                group, total = [], 0
+            group.append(name)
+            total += size
+        if group:
+            yield list(zip(group, client.mget(group)))
+
+
+def _check(value: bytes, rank_digests: list[bytes], key: bytes | None, world: int) -> str | None:
+    from kvtier.tiers.blockfile import HEADER_LEN
+
+    if key is None:
+        return "not a block key"
+    if len(value) % world or len(value) // world <= HEADER_LEN:
+        return f"value of {len(value)} bytes is not {world} block records"
+    payload = len(value) // world - HEADER_LEN
+    scratch = [memoryview(bytearray(payload)) for _ in range(world)]
+    try:
+        decode_value(value, scratch, rank_digests=rank_digests, key=key)
+    except CorruptBlockError as exc:
+        return str(exc)
+    return None
+
+
+def purge_remote(
+    target: RemoteTarget, selection: PurgeSelection, *, dry_run: bool = False, now: float | None = None
+) -> PurgeReport:
+    """Unlink what ``selection`` selects (the quarantine does not exist remotely: bad values are
+    deleted where they are found)."""
+    selection.validate()
+    client = target.client()
+    spaces = _discover(client, target.key_prefix)
+    chosen = _select(spaces, selection.namespaces, selection.models, target.shown)
+    if selection.older_spec:
+        chosen = [ns for ns in chosen if ns.older_spec]
+    report = PurgeReport(target.shown, dry_run)
+    if not selection.blocks:
+        return report
+    for ns in chosen:
+        result = NamespacePurge(ns.prefix)
+        victims = list(ns.blocks)
+        if selection.older_than is not None:
+            idle = _idle_seconds(client, victims)
+            victims = [
+                name
+                for name, seconds in zip(victims, idle)
+                if seconds is not None and seconds > selection.older_than
+            ]
+        sizes: list[int] = []
+        for batch in _batches(victims):
+            pipe = client.pipeline(transaction=False)
+            for name in batch:
+                pipe.strlen(name)
+            sizes += [n if isinstance(n, int) else 0 for n in pipe.execute(raise_on_error=False)]
+        if not dry_run:
+            for batch in _batches(victims):
+                client.unlink(*batch)
+        result.blocks = result.files = len(victims)
+        result.bytes = sum(sizes)
+        if selection.whole_namespaces and len(victims) == len(ns.blocks):
+            result.config_removed = ns.config is not None
+            if not dry_run and ns.config is not None:
+                client.unlink(ns.space.config)
+        report.namespaces.append(result)
+    return report
+
+
+__all__ = ["AGE_BUCKETS", "RemoteTarget", "inspect_remote", "is_remote", "purge_remote", "verify_remote"]
