@@ -6,7 +6,8 @@ clean (vLLM logs to stdout too; the result is the LAST stdout line):
 
     python tests/support/offline_run.py SPEC_JSON   ->   {"startup_seconds": ..., "rounds": [...]}
 
-SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": bool, "batch": bool}),
+SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": bool, "batch": bool,
+"cache_salt": str (the round's prompts carry this tenant salt)}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
 optional: block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
 embeddings, looked up in the model's own embedding matrix, instead of token ids).
@@ -64,6 +65,8 @@ def main() -> None:
         prompts = spec["prompts"]
         if spec.get("prompt_embeds"):
             prompts = [{"prompt_embeds": embed(llm, spec["model"], p)} for p in prompts]
+        if round_spec.get("cache_salt"):  # a tenant: vLLM and kvtier keep its blocks apart
+            prompts = [{"prompt": p, "cache_salt": round_spec["cache_salt"]} for p in prompts]
         groups = [prompts] if batch else [[p] for p in prompts]
         for group in groups:
             start = time.perf_counter()

@@ -105,6 +105,10 @@ REFRESH_INTERVAL_S = 30.0
 """How often secondary tiers look for blocks other engines stored (shared disk roots)."""
 
 
+DRAIN_TIMEOUT_S = 10.0
+"""How long :meth:`Orchestrator.close` waits for block writes in flight to reach their tiers."""
+
+
 class Orchestrator:
     def __init__(
         self,
@@ -430,6 +434,17 @@ class Orchestrator:
             self._evictions_reported[tier.medium] = evictions
         return stats
 
-    def close(self) -> None:
+    def close(self, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
+        """Shut down (the engine is stopping; caller's thread). Blocks in flight to a secondary
+        tier (and the cascades they start) are given up to ``drain_timeout_s`` to land, so a
+        graceful shutdown keeps what the engine stored for the next start and for other engines;
+        then every tier closes (in-flight writes finish, queued ones fail)."""
+        deadline = time.monotonic() + drain_timeout_s
+        while self.has_pending_io() and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.005)
+        if self.has_pending_io():
+            logger.warning("%s: shutting down with %d block writes not done after %.0f s (dropped)",
+                           "kvtier", len(self._cascading), drain_timeout_s)
         for tier in self.tiers:
             tier.close()

