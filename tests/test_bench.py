@@ -336,6 +336,39 @@ def test_goals():
     u = goals("unique", per_mode, False)
     assert u["throughput_vs_vllm"] == pytest.approx(0.97) and u["throughput_vs_vllm_ok"] and not u["outputs_identical"]
     assert goals("unique", {"vllm": per_mode["vllm"]}, True) == {"outputs_identical": True}
+    per_mode["kvtier-redis"] = {"ttft_returning_p50_s": 0.7}
+    fleet = goals("multi-turn", per_mode, True)
+    assert fleet["ttft_redis_vs_host_p50"] == pytest.approx(1.4) and fleet["ttft_redis_vs_host_p50_ok"]
+    per_mode["kvtier-redis"] = {"ttft_returning_p50_s": 0.8}
+    assert not goals("multi-turn", per_mode, True)["ttft_redis_vs_host_p50_ok"]
+
+
+def test_fleet_workload_is_the_first_use_of_every_prefix_all_returning():
+    from kvtier.bench.workloads import fleet_workload
+
+    for workload in (wl.multi_turn(sessions=3, turns=3, context_tokens=64, message_tokens=8, output_tokens=2),
+                     wl.prefix_repetition(num_prefixes=2, prefix_tokens=64, suffix_tokens=8, num_prompts=6,
+                                          output_tokens=2)):
+        fleet = fleet_workload(workload)
+        assert [r.id for r in fleet.requests] == [r.id for r in workload.requests if r.round == 0]
+        assert len({r.group for r in fleet.requests}) == len(fleet.requests) and all(r.returning for r in fleet.requests)
+        assert all(r.after is None for r in fleet.requests)
+
+
+def test_bench_redis_server_starts_on_loopback_with_lru_and_stops(tmp_path):
+    import redis
+
+    from kvtier.bench.redis_server import LocalRedis
+
+    server = LocalRedis.start(tmp_path / "redis", 64 * 2**20)
+    try:
+        client = redis.Redis.from_url(server.url)
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+        assert client.config_get("bind")["bind"] == "127.0.0.1" and client.config_get("save")["save"] == ""
+        assert int(client.config_get("maxmemory")["maxmemory"]) == 64 * 2**20
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
 
 
 # ---------------------------------------------------------------- report and figure
@@ -413,6 +446,11 @@ def test_launch_specs(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown mode"):
         launch_spec("nope", settings, tmp_path, port=1)
     assert "--block-size" not in specs["vllm"].argv  # None: vLLM's own default
+    fleet = launch_spec("kvtier-redis", settings, tmp_path / "fleet", port=18050, redis_url="redis://127.0.0.1:7/0")
+    fleet_config = json.loads(fleet.argv[fleet.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert fleet_config["secondary_tiers"] == [{"type": "redis", "url": "redis://127.0.0.1:7/0"}]
+    with pytest.raises(ValueError, match="URL of its redis-server"):
+        launch_spec("kvtier-redis", settings, tmp_path / "fleet2", port=18051)
     sized = ServerSettings(model=str(tmp_path / "model"), block_size=64)
     for i, mode in enumerate(("vllm", "example", "kvtier")):  # the same engine block size in every mode
         argv = launch_spec(mode, sized, tmp_path / f"b{mode}", port=18100 + i).argv

@@ -17,23 +17,23 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.timeout(840)
+@pytest.mark.timeout(1200)
 def test_bench_kvtier_mode_end_to_end(tmp_path: Path):
     out = tmp_path / "out"
     # a long TMPDIR: the bench must still give vLLM a short one (IPC socket paths <= 107 bytes)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     argv = [
-        sys.executable, "-m", "kvtier.cli.main", "bench", "--modes", "vllm,kvtier", "--workload", "prefix-repetition",
+        sys.executable, "-m", "kvtier.cli.main", "bench", "--modes", "vllm,kvtier,kvtier-redis", "--workload", "prefix-repetition",
         "--prompts", "6", "--prefixes", "3", "--prefix-tokens", "512", "--suffix-tokens", "16",
         "--output-tokens", "4", "--kv-cache-memory-bytes", str(56 * 2**20), "--max-model-len", "1024",
         "--kv-offloading-size", "0.25", "--disk-size", "0.5", "--out", str(out),
     ]
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=800)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line is the JSON summary
     assert summary["results"] == str(out / "results.json") and summary["figure"] == str(out / "bench.png")
     assert summary["errors"] == {} and summary["outputs_identical"] is True
-    assert json.loads((out / "results.json").read_text())["outputs"]["compared"] == 6  # kvtier vs vLLM alone
+    assert json.loads((out / "results.json").read_text())["outputs"]["compared"] == 6 + 3  # kvtier, kvtier-redis vs vLLM alone
 
     results = json.loads((out / "results.json").read_text())
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -54,3 +54,13 @@ def test_bench_kvtier_mode_end_to_end(tmp_path: Path):
     assert cache["transfer_bytes"]["engine_to_host"] > 0 and cache["transfer_bytes"]["host_to_engine"] > 0
     returning = [r for r in kvtier["requests"] if r["returning"]]
     assert [r["cached_tokens"] for r in returning] == [512, 512, 512]
+
+    # kvtier-redis: a fresh engine whose only warm tier is the Redis a first engine filled; it gets
+    # the first use of each prefix (3 requests), every one served from Redis, outputs as vLLM's.
+    fleet = results["modes"]["kvtier-redis"]
+    assert fleet["error"] is None and fleet["stats"]["errors"] == 0
+    assert [r["cached_tokens"] for r in fleet["requests"]] == [512, 512, 512]
+    assert fleet["cache"]["cached_by_source"]["external_unspecified"] == 3 * 512, fleet["cache"]
+    assert fleet["cache"]["transfer_bytes"]["remote_to_host"] > 0
+    assert "ttft_redis_vs_host_p50" in summary["goals"]
+    assert (out / "server-kvtier-redis-seed.log").is_file()

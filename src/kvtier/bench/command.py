@@ -102,7 +102,7 @@ def run_command(opts: dict[str, Any]) -> int:
         settings = ServerSettings(
             model=model, kv_cache_memory_bytes=opts["kv_cache_memory_bytes"], max_model_len=opts["max_model_len"],
             kv_offloading_size_gib=opts["kv_offloading_size"], disk_size_gib=opts["disk_size"], seed=opts["seed"],
-            block_size=opts["block_size"] or None,
+            block_size=opts["block_size"] or None, redis_size_gib=opts["redis_size"],
         )
     console.print(f"kvtier bench: workload {workload.name}, {len(workload.requests)} requests, "
                   f"concurrency {workload.concurrency}; modes {', '.join(modes)}; output {out_dir}")

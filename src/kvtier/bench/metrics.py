@@ -7,10 +7,11 @@ Counters read (real names on vLLM 0.32 with kvtier; the text format adds ``_tota
 * ``vllm:prompt_tokens_by_source{source=local_compute|local_cache_hit|external_kv_transfer}``;
 * ``vllm:prompt_tokens_cached_by_source{source=device|host|p2p|disk|external_unspecified}`` --
   cached prompt tokens by the tier that supplied them (vLLM's own prefix cache is ``device``,
-  kvtier reports ``host`` and ``disk``, an uninstrumented connector such as ExampleConnector
-  ``external_unspecified``);
+  kvtier reports ``host``, ``disk`` and, for its Redis tier, ``external_unspecified`` (vLLM has
+  no remote source), as does an uninstrumented connector such as ExampleConnector);
 * ``kvtier_transfer_bytes{direction=...}`` / ``kvtier_transfer_seconds{direction=...}`` (kvtier only),
-  directions ``engine_to_host``, ``host_to_engine``, ``host_to_disk``, ``disk_to_host``.
+  directions ``engine_to_host``, ``host_to_engine``, ``host_to_disk``, ``disk_to_host``,
+  ``host_to_remote``, ``remote_to_host``.
 
 Samples are summed over every other label (model name, engine index).
 
@@ -35,7 +36,7 @@ CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 TRANSFER_BYTES = "kvtier_transfer_bytes_total"
 TRANSFER_SECONDS = "kvtier_transfer_seconds_total"
 CACHE_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
-DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host")
+DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
 
 
 def parse_counters(text: str) -> dict[Key, float]:

@@ -21,6 +21,7 @@ from kvtier.bench.metrics import CacheSummary, Key, diff, scrape, summarize
 from kvtier.bench.progress import Progress
 from kvtier.bench.servers import (
     EXTERNAL,
+    FLEET_MODE,
     ServerError,
     ServerSettings,
     launch_spec,
@@ -128,6 +129,62 @@ async def run_server_mode(mode_name: str, workload: Workload, settings: ServerSe
     return mode
 
 
+async def run_fleet_mode(workload: Workload, settings: ServerSettings, out_dir: Path, progress: Progress,
+                         options: RunOptions, index: int, total: int) -> ModeRun:
+    """The ``kvtier-redis`` mode: a loopback redis-server; a seeding engine serves ``workload`` into
+    it and stops (gracefully: its block writes land); a fresh engine with host + Redis tiers (no
+    disk) is then measured on :func:`~kvtier.bench.workloads.fleet_workload`."""
+    from kvtier.bench.redis_server import LocalRedis
+    from kvtier.bench.workloads import fleet_workload
+
+    name = FLEET_MODE
+    scratches = [make_scratch(f"{name}-seed"), make_scratch(name)]
+    mode = ModeRun(mode=name, description=name)
+    redis = server = None
+    try:
+        redis = LocalRedis.start(scratches[0] / "redis", int(settings.redis_size_gib * 2**30))
+        seed_spec = launch_spec(name, settings, scratches[0], redis_url=redis.url)
+        spec = launch_spec(name, settings, scratches[1], redis_url=redis.url)
+        mode.description = (f"{spec.summary}; a fresh engine after a first engine served the workload "
+                            f"into a loopback redis-server: the first use of every prefix comes from Redis")
+        mode.base_url = spec.base_url
+        mode.log_path = str(out_dir / f"server-{name}.log")
+        progress.mode_start(name, index, total, mode.description, mode.log_path)
+        server = start(seed_spec, out_dir / f"server-{name}-seed.log")
+        await wait_healthy(server, options.startup_timeout_s, on_wait=lambda s: progress.waiting(name, s))
+        model = await _served(seed_spec.base_url)
+        progress.workload_start(f"{name} (seeding engine)", len(workload.requests))
+        seeded = await run_workload(workload, seed_spec.base_url, model, timeout_s=options.request_timeout_s)
+        failed = sum(1 for r in seeded.results if r.error)
+        if failed:
+            raise ServerError(f"the seeding engine failed {failed} requests; log: {server.log_path}")
+        server.stop(options.stop_grace_s)
+        server = start(spec, Path(mode.log_path))
+        mode.startup_s = await wait_healthy(server, options.startup_timeout_s,
+                                            on_wait=lambda s: progress.waiting(name, s))
+        progress.ready(name, mode.startup_s)
+        await measure(mode, fleet_workload(workload), progress, options, metrics_dir=out_dir)
+        if not server.alive():
+            raise server.failure("exited during the workload")
+    except Exception as exc:  # noqa: BLE001 - one failed mode must not stop the others
+        mode.error = str(exc) or type(exc).__name__
+        progress.error(name, mode.error)
+    finally:
+        if server is not None:
+            server.stop(options.stop_grace_s)
+        if redis is not None:
+            redis.stop()
+        if not options.keep_scratch:
+            for scratch in scratches:
+                shutil.rmtree(scratch, ignore_errors=True)
+    return mode
+
+
+async def _served(base_url: str) -> str:
+    async with httpx.AsyncClient(timeout=30.0) as client:
+        return await served_model(client, base_url)
+
+
 async def run_external(base_url: str, workload: Workload, out_dir: Path, progress: Progress,
                        options: RunOptions) -> ModeRun:
     """The workload against an already-running server (mode ``external``)."""
@@ -152,5 +209,9 @@ async def run_bench(workload: Workload, modes: list[str], settings: ServerSettin
         assert settings is not None
         runs = []
         for index, name in enumerate(modes, 1):
-            runs.append(await run_server_mode(name, workload, settings, out_dir, progress, options, index, len(modes)))
+            if name == FLEET_MODE:
+                runs.append(await run_fleet_mode(workload, settings, out_dir, progress, options, index, len(modes)))
+            else:
+                runs.append(await run_server_mode(name, workload, settings, out_dir, progress, options, index,
+                                                  len(modes)))
     return runs, time.perf_counter() - t0

@@ -5,7 +5,11 @@ Modes:
 * ``vllm`` -- plain ``vllm serve``, no KV connector;
 * ``example`` -- vLLM's ExampleConnector (safetensors files per prompt) on a scratch folder;
 * ``kvtier`` -- the command of ``kvtier serve`` (:func:`kvtier.launch.command.build_serve_command`) with
-  host + disk tiers, the disk tier on a scratch folder.
+  host + disk tiers, the disk tier on a scratch folder;
+* ``kvtier-redis`` -- ``kvtier serve`` with host + Redis tiers (no disk): a new node joining a fleet.
+  The runner starts a loopback redis-server (:mod:`kvtier.bench.redis_server`), lets a first engine
+  serve the workload into it, then measures a second, fresh engine whose only warm tier is Redis
+  (:func:`kvtier.bench.workloads.fleet_workload`).
 
 Every mode gets the same vLLM arguments (:func:`common_vllm_args`) and environment
 (:func:`base_env`). The server runs in its own process group, so stopping it (SIGINT, then SIGKILL
@@ -30,7 +34,8 @@ from pathlib import Path
 
 import httpx
 
-MODES = ("vllm", "example", "kvtier")
+MODES = ("vllm", "example", "kvtier", "kvtier-redis")
+FLEET_MODE = "kvtier-redis"
 EXTERNAL = "external"
 
 
@@ -47,6 +52,7 @@ class ServerSettings:
     max_model_len: int = 2048
     kv_offloading_size_gib: float = 1.0  # kvtier host tier
     disk_size_gib: float = 2.0  # kvtier disk tier
+    redis_size_gib: float = 2.0  # kvtier-redis mode: the redis-server's maxmemory
     eviction_policy: str = "lru"
     seed: int = 0
     block_size: int | None = None  # vLLM's --block-size for every mode (None: vLLM's default)
@@ -117,8 +123,10 @@ def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[st
     return env
 
 
-def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | None = None) -> LaunchSpec:
-    """The command that starts ``mode``'s server; ``scratch`` holds its temporary files."""
+def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | None = None,
+                redis_url: str | None = None) -> LaunchSpec:
+    """The command that starts ``mode``'s server; ``scratch`` holds its temporary files;
+    ``redis_url`` is the shared tier of the ``kvtier-redis`` mode."""
     from kvtier.launch.command import ServeOptions, build_serve_command
     from kvtier.launch.vllm_entry import vllm_entrypoint  # the same vLLM CLI as kvtier serve runs
 
@@ -139,6 +147,15 @@ def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | 
             kv_offloading_size_gib=settings.kv_offloading_size_gib, disk_dir=str(scratch / "kvtier-disk"),
             disk_size_gib=settings.disk_size_gib, no_disk=False, eviction_policy=settings.eviction_policy,
             kv_config=None,
+        )
+        command = build_serve_command(settings.model, options, args, environ=env)
+        return LaunchSpec(mode, command.argv, {**env, **command.env}, command.summary, port)
+    if mode == FLEET_MODE:
+        if redis_url is None:
+            raise ValueError("the kvtier-redis mode needs the URL of its redis-server")
+        options = ServeOptions(
+            kv_offloading_size_gib=settings.kv_offloading_size_gib, no_disk=True, redis_url=redis_url,
+            eviction_policy=settings.eviction_policy, kv_config=None,
         )
         command = build_serve_command(settings.model, options, args, environ=env)
         return LaunchSpec(mode, command.argv, {**env, **command.env}, command.summary, port)

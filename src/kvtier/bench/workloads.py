@@ -24,7 +24,7 @@ Called by :mod:`kvtier.bench.command` in the ``kvtier bench`` process.
 from __future__ import annotations
 
 import random
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from kvtier.bench.text import synthetic_text
@@ -198,3 +198,15 @@ def multi_turn(
 
 
 WORKLOADS = ("prefix-repetition", "multi-turn", "unique")
+
+
+def fleet_workload(workload: Workload) -> Workload:
+    """What the ``kvtier-redis`` mode measures on its second engine: the first use of every prefix
+    of ``workload`` (round 0 / the first turn of each session), each one ``returning`` because a
+    first engine of the fleet already served the whole workload into the shared tier. Their TTFT
+    is the TTFT of prompts a new node finds in Redis only."""
+    first_uses = tuple(replace(r, returning=True) for r in workload.requests if r.round == 0 and r.after is None)
+    return Workload(
+        name=workload.name, requests=first_uses, concurrency=workload.concurrency,
+        reusable_tokens=workload.reusable_tokens, params={**workload.params, "fleet_first_uses": True},
+    )

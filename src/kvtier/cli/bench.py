@@ -15,7 +15,9 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
 @click.command(short_help="Benchmark vLLM alone, vLLM's ExampleConnector and kvtier on the same prompts.")
 @click.option("--modes", default=DEFAULT_MODES, show_default=True,
               help="Comma-separated modes, each run on its own fresh server, in this order: "
-                   "vllm (no connector), example (vLLM's ExampleConnector), kvtier (host + disk).")
+                   "vllm (no connector), example (vLLM's ExampleConnector), kvtier (host + disk), "
+                   "kvtier-redis (a fresh engine with host + Redis after a first engine filled a loopback "
+                   "redis-server: a new node joining a fleet; needs redis-server installed).")
 @click.option("--base-url", default=None, metavar="URL",
               help="Benchmark this already-running OpenAI-compatible server instead (mode 'external').")
 @click.option("--model", default=None, help="Model to serve [default: the embedded SmolLM2-135M-Instruct].")
@@ -46,6 +48,8 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
                    "prompt recomputes the previous prompt's last, partial block: half a block on average.")
 @click.option("--kv-offloading-size", default=1.0, show_default=True, metavar="GiB", help="kvtier mode: host tier.")
 @click.option("--disk-size", default=2.0, show_default=True, metavar="GiB", help="kvtier mode: disk tier (temp dir).")
+@click.option("--redis-size", default=2.0, show_default=True, metavar="GiB",
+              help="kvtier-redis mode: maxmemory of its loopback redis-server (allkeys-lru).")
 @click.option("--kv-bytes-per-token", default=EMBEDDED_KV_BYTES_PER_TOKEN, show_default=True,
               help="KV bytes per token of the model (for the footprint check; default: embedded model).")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
