@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
+from kvtier.core.keys import describe_config
 
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
     ("<1h", 3600.0),
@@ -22,29 +23,6 @@ AGE_BUCKETS: tuple[tuple[str, float], ...] = (
 )
 """Age histogram buckets: (label, upper bound in seconds). A block's age is now minus the newest
 mtime of its files (the tier refreshes mtimes on every hit, so this is the time since last use)."""
-
-OLD_LAYOUT_FIELDS = ("kv_dtype", "num_layers", "num_kv_heads", "head_size", "block_tokens", "tp_size",
-                     "pp_size", "attention_kind", "page_format")
-"""The flat fields of a "kvtier/1" config.json that describe its layout."""
-
-
-def layout_of(config: dict[str, Any]) -> dict[str, Any]:
-    """What an operator wants to see of a namespace's config.json: the key spec, the KV layout and
-    the model identity in short. Reads the current spec's structure and, for older roots, the flat
-    fields "kvtier/1" wrote."""
-    try:
-        page, model = config["ranks"][0], config["model"]
-        return {
-            "spec_version": config.get("spec_version"),
-            "kv_dtype": page["kv_dtype"], "attention_kind": page["attention"], "num_layers": page["num_layers"],
-            "num_kv_heads": page["num_kv_heads"], "head_size": page["head_size"],
-            "block_tokens": config["block_tokens"], "engine_block_tokens": page["engine_block_tokens"],
-            "tp_size": config["tp_size"], "pp_size": config["pp_size"], "backends": list(page["backends"]),
-            "weights": str(model["weights"])[:23], "dtype": model["dtype"],
-        }
-    except (KeyError, IndexError, TypeError):
-        return {"spec_version": config.get("spec_version"), **{k: config[k] for k in OLD_LAYOUT_FIELDS if k in config}}
-
 
 def age_bucket(age_seconds: float) -> str:
     """The :data:`AGE_BUCKETS` label of a block last used ``age_seconds`` ago."""
@@ -62,7 +40,7 @@ class NamespaceInventory:
     model: str
     digest16: str
     model_name: str | None  # as in config.json
-    layout: dict[str, Any] | None  # :func:`layout_of` config.json
+    layout: dict[str, Any] | None  # :func:`kvtier.core.keys.describe_config` of config.json
     config_problem: str | None
     world: int
     older_spec: bool = False  # written under an older key spec: engines of this kvtier never read it
@@ -129,7 +107,7 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]]) ->
         model=ns.model,
         digest16=ns.digest16,
         model_name=config.get("model_name") if isinstance(config.get("model_name"), str) else None,
-        layout=layout_of(config) if ns.config is not None else None,
+        layout=describe_config(config) if ns.config is not None else None,
         config_problem=ns.config_problem,
         older_spec=ns.older_spec,
         world=ns.world,

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvtier.cachetools.inventory import AGE_BUCKETS, Inventory, NamespaceInventory, age_bucket, layout_of
+from kvtier.cachetools.inventory import AGE_BUCKETS, Inventory, NamespaceInventory, age_bucket
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
 from kvtier.cachetools.selection import SelectionError
 from kvtier.cachetools.verify import Problem, VerifyReport
-from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, SpecVersionError
+from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, SpecVersionError, describe_config
 from kvtier.core.tier_config import REDIS_SCHEMES, redact_url
 from kvtier.tiers.blockfile import CorruptBlockError
 from kvtier.tiers.redis.codec import KeySpace, decode_value
@@ -193,7 +193,7 @@ def inspect_remote(target: RemoteTarget, *, now: float | None = None) -> Invento
             model=ns.model_name or "?",
             digest16=ns.digest16,
             model_name=ns.model_name,
-            layout=layout_of(ns.config) if ns.config is not None else None,
+            layout=describe_config(ns.config) if ns.config is not None else None,
             config_problem=None if ns.config is not None else "config key missing or unreadable",
             world=ns.world,
             older_spec=ns.older_spec,

@@ -237,3 +237,26 @@ def chain_block_keys(
         parent = block_key(parent, token_ids[index * block_tokens : (index + 1) * block_tokens], block_extras)
         keys.append(parent)
     return keys
+
+
+OLDER_SPEC_FIELDS = ("kv_dtype", "num_layers", "num_kv_heads", "head_size", "block_tokens", "tp_size",
+                     "pp_size", "attention_kind", "page_format")
+"""The flat fields of a "kvtier/1" config.json that describe its layout."""
+
+
+def describe_config(config: dict) -> dict:
+    """What an operator wants to see of a namespace's ``config.json`` (any spec version): the key
+    spec, the KV layout and the model identity in short. Reads this spec's structure and, for older
+    roots, the flat fields "kvtier/1" wrote; unknown content gives what it can."""
+    try:
+        page, model = config["ranks"][0], config["model"]
+        return {
+            "spec_version": config.get("spec_version"),
+            "kv_dtype": page["kv_dtype"], "attention_kind": page["attention"], "num_layers": page["num_layers"],
+            "num_kv_heads": page["num_kv_heads"], "head_size": page["head_size"],
+            "block_tokens": config["block_tokens"], "engine_block_tokens": page["engine_block_tokens"],
+            "tp_size": config["tp_size"], "pp_size": config["pp_size"], "backends": list(page["backends"]),
+            "weights": str(model["weights"])[:23], "dtype": model["dtype"],
+        }
+    except (KeyError, IndexError, TypeError):
+        return {"spec_version": config.get("spec_version"), **{k: config[k] for k in OLDER_SPEC_FIELDS if k in config}}

@@ -53,6 +53,7 @@ class DiskTierConfig:
     n_read_threads: int = 16
     n_write_threads: int = 16
     max_pending_writes: int = 256
+    group_access: bool = False  # directories 2770 / files 0660 instead of 0700 / 0600
 
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -115,7 +116,9 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-_FS_KEYS = frozenset({"type", "root_dir", "capacity_bytes", "n_read_threads", "n_write_threads", "max_pending_writes"})
+_FS_KEYS = frozenset({
+    "type", "root_dir", "capacity_bytes", "n_read_threads", "n_write_threads", "max_pending_writes", "group_access",
+})
 _REDIS_KEYS = frozenset({
     "type", "url", "username", "password_env", "key_prefix", "ttl_seconds", "cluster", "nodes",
     "max_connections", "connect_timeout_s", "timeout_s", "max_pending_writes",
@@ -174,6 +177,7 @@ def _disk_tier(raw: Mapping[str, Any], where: str) -> DiskTierConfig:
         n_read_threads=int_value(raw, "n_read_threads", minimum=1, default=16, where=where),
         n_write_threads=int_value(raw, "n_write_threads", minimum=1, default=16, where=where),
         max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=256, where=where),
+        group_access=bool_value(raw, "group_access", default=False, where=where),
     )
 
 

@@ -11,7 +11,13 @@ import json
 from collections.abc import Callable
 
 from kvtier.doctor.model_checks import check_fp8_scales, check_max_model_len, check_model_support, check_tp
-from kvtier.doctor.probes import RAM_FILESYSTEMS, filesystem_type, namespaces_under, validate_extra_config
+from kvtier.doctor.probes import (
+    RAM_FILESYSTEMS,
+    filesystem_type,
+    namespaces_under,
+    validate_extra_config,
+    world_writable,
+)
 from kvtier.doctor.remote import Reach, probe_remote
 from kvtier.doctor.setup import KVTIER_CONNECTOR, Finding, Setup
 from kvtier.planning.sizing import GIB
@@ -181,6 +187,15 @@ def check_disk(s: Setup) -> list[Finding]:
                 "memory, swaps or OOMs instead of spilling, and vanishes at reboot.",
                 "Point the disk tier (--disk-dir / root_dir) at a local NVMe filesystem, or drop it "
                 "(--no-disk) and give that memory to the host tier."))
+        if world_writable(root):
+            out.append(Finding(
+                "disk-world-writable", "warning", f"Disk tier {root} is writable by every user",
+                "Any local user can then plant or replace block files or symlinks there. kvtier checks "
+                "every block's checksum and namespace and never writes through a symlink out of the root, "
+                "but another user can still fill the disk or delete the cache; and the cached KV (which "
+                "reveals what prompts were served) is open to them.",
+                f"chmod 700 {root} (or 2770 and a group for engines of several users, with "
+                "group_access: true in the fs tier config)."))
         spaces = namespaces_under(root)
         if spaces:
             names = "; ".join(

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.keys import describe_config
+
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 _NS_DIR = re.compile(r"^(?P<model>[A-Za-z0-9._-]+)_(?P<digest>[0-9a-f]{16})$")
 _SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale", "k_proj.output_scale", "v_proj.output_scale")
@@ -55,7 +57,8 @@ def filesystem_type(path: Path, mounts_file: str = "/proc/mounts") -> tuple[str,
 
 def namespaces_under(root: Path) -> list[dict[str, Any]]:
     """The disk-tier namespaces in ``root``: one dict per ``<model>_<digest16>/config.json`` (the
-    namespace JSON kvtier writes), with ``dir`` added. Unreadable ones get ``error``."""
+    namespace JSON kvtier writes, summarized by :func:`kvtier.core.keys.describe_config`), with
+    ``dir`` added. Unreadable ones get ``error``."""
     found: list[dict[str, Any]] = []
     try:
         entries = sorted(os.listdir(root))
@@ -71,10 +74,19 @@ def namespaces_under(root: Path) -> list[dict[str, Any]]:
             data = json.loads(config.read_text())
             if not isinstance(data, dict):
                 raise ValueError("not an object")
+            data = {"model_name": data.get("model_name"), **describe_config(data)}
         except (OSError, ValueError) as exc:
             data = {"error": str(exc)}
         found.append({"dir": name, **data})
     return found
+
+
+def world_writable(path: Path) -> bool:
+    """Whether ``path`` (or, if missing, its nearest existing parent) is writable by anyone."""
+    try:
+        return bool(existing_ancestor(path).stat().st_mode & 0o002)
+    except OSError:
+        return False
 
 
 def kv_scales_present(config: Mapping[str, Any], folder: Path | None) -> bool:

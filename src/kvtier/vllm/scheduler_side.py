@@ -41,6 +41,7 @@ from kvtier.runtime.fingerprint import AdapterFingerprints
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
 from kvtier.tiers.base import Medium
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.layout import Access
 from kvtier.tiers.host import HostIndex
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.geometry import EngineGeometry
@@ -129,6 +130,7 @@ class KVTierScheduler:
                 n_read_threads=disk_config.n_read_threads,
                 n_write_threads=disk_config.n_write_threads,
                 max_pending_writes=disk_config.max_pending_writes,
+                access=Access.GROUP if disk_config.group_access else Access.OWNER,
             ))
         if config.remote is not None:
             from kvtier.tiers.redis import RedisTier  # imports redis-py only when configured

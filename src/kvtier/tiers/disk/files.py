@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _O_BINARY = getattr(os, "O_BINARY", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a planted symlink is never followed (ELOOP: an I/O error)
 
 
 def byte_views(
@@ -97,7 +98,7 @@ def read_block(
 
 
 def _read_file(path: str, namespace: bytes, rank: int, key: BlockKey, dest: memoryview) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_CLOEXEC | _O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
         header = decode_header(os.pread(fd, HEADER_LEN, 0))
@@ -197,7 +198,7 @@ def write_block(
                 checksum=payload_checksum(source),
             )
             tmp = f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            _write_file(tmp, header, source)
+            _write_file(layout, tmp, header, source)
             os.rename(tmp, final)
             tmp = ""
             written.append(final)
@@ -214,17 +215,21 @@ def write_block(
     return None
 
 
-def _write_file(tmp: str, header: bytes, payload: memoryview) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_CLOEXEC
+def _write_file(layout: DiskLayout, tmp: str, header: bytes, payload: memoryview) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_CLOEXEC | _O_NOFOLLOW
+    directory = os.path.dirname(tmp)
     for attempt in range(3):  # the leaf directory may be missing, or removed by an unlink job
         try:
-            fd = os.open(tmp, flags, 0o644)
+            layout.check_inside(directory)
+            fd = os.open(tmp, flags, layout.access.file_mode)
             break
         except FileNotFoundError:
             if attempt == 2:
                 raise
-            os.makedirs(os.path.dirname(tmp), exist_ok=True)
+            layout.forget_checked(directory)
+            layout.make_dir(directory)
     try:
+        os.fchmod(fd, layout.access.file_mode)  # the umask must not change it
         buffers = [memoryview(header), payload]
         while buffers:
             n = os.writev(fd, buffers)
@@ -251,6 +256,7 @@ def unlink_blocks(layout: DiskLayout, keys: Sequence[BlockKey]) -> int:
             # Drop the leaf directory if that emptied it, so that churn does not leave up
             # to 4096*256 empty directories per rank for the start-up scan to walk.
             rmdir_quiet(os.path.dirname(path))
+            layout.forget_checked(os.path.dirname(path))
     return errors
 
 
@@ -270,6 +276,7 @@ def sweep_blocks(layout: DiskLayout) -> int:
                 if name.endswith(".bin"):
                     errors += not unlink_quiet(f"{leaf}/{name}")
             rmdir_quiet(leaf)
+            layout.forget_checked(leaf)
     return errors
 
 

@@ -12,6 +12,12 @@ the block key in hex, ``<hhh>``/``<hh>`` its first 3 and next 2 hex digits. Each
 "kvtier block file v1" (:mod:`kvtier.tiers.blockfile`). A block is present only when the file
 of every rank exists. Writers publish a file by renaming ``<hash_hex>.bin.<pid>.<random>.tmp``.
 
+Access: directories kvtier creates are owner-only (0700) and files 0600, unless the operator
+asks for group access (:attr:`Access.GROUP`: 2770 and 0660, the set-gid bit keeping the group of
+the root). Nothing is written outside the root: before a file is created its directory's real
+path (symlinks resolved) must lie under the root's, and files are opened with ``O_NOFOLLOW``, so a
+symlink planted in a shared root cannot redirect a write.
+
 Threads: :class:`DiskLayout` is immutable and every function here does file-system work only,
 never touching the tier's in-memory index, so any thread may call it. The tier calls
 :meth:`DiskLayout.create` and the start-up :meth:`DiskLayout.scan` from its constructor, later
@@ -20,6 +26,7 @@ scans from its scan thread, and merges each :class:`ScanResult` itself on its ca
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
@@ -35,8 +42,28 @@ from kvtier.core.keys import KEY_BYTES, BlockKey
 logger = logging.getLogger(__name__)
 
 QUARANTINE_DIR = "quarantine"
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 STALE_TMP_SECONDS = 3600.0  # a temp file this old is removed even if its writer's pid looks alive
 ORPHAN_SECONDS = 600.0  # files of a block missing some rank's file, this old, are removed by a scan
+
+class Access(enum.Enum):
+    """Who may read and write what the disk tier creates: (directory mode, file mode)."""
+
+    OWNER = (0o700, 0o600)
+    GROUP = (0o2770, 0o660)
+
+    @property
+    def dir_mode(self) -> int:
+        return self.value[0]
+
+    @property
+    def file_mode(self) -> int:
+        return self.value[1]
+
+
+class OutsideRootError(PermissionError):
+    """A path kvtier would write resolves outside the disk tier's root (a planted symlink)."""
+
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _HEX = frozenset("0123456789abcdef")
@@ -85,12 +112,17 @@ class ScanResult:
 class DiskLayout:
     """The directories and file names of one namespace, world size and group (see the module docstring)."""
 
-    __slots__ = ("root", "prefix", "ns_dir", "rank_dirs", "quarantine_dir", "group_suffix", "world")
+    __slots__ = ("root", "prefix", "ns_dir", "rank_dirs", "quarantine_dir", "group_suffix", "world", "access",
+                 "_real_root", "_checked")
 
     def __init__(
-        self, root_dir: Path | str, model_name: str, engine_digest: bytes, world: int, group: int
+        self, root_dir: Path | str, model_name: str, engine_digest: bytes, world: int, group: int,
+        access: Access = Access.OWNER,
     ) -> None:
         self.root = str(Path(root_dir))
+        self.access = access
+        self._real_root = os.path.realpath(self.root)
+        self._checked: set[str] = set()  # directories already found inside the root
         self.prefix = f"{sanitize_model_name(model_name)}_{bytes(engine_digest).hex()[:16]}"
         self.ns_dir = os.path.join(self.root, self.prefix)
         self.rank_dirs = tuple(os.path.join(self.root, f"{self.prefix}_r{rank}") for rank in range(world))
@@ -105,6 +137,36 @@ class DiskLayout:
     def paths(self, hex_key: str) -> list[str]:
         """The files of block ``hex_key``, one per rank."""
         return [self.path(hex_key, rank) for rank in range(self.world)]
+
+    def make_dir(self, path: str) -> None:
+        """Create ``path`` and its missing parents with the access mode, then check it lies inside the
+        root. Raises :class:`OutsideRootError` if it does not. Any thread."""
+        missing = []
+        current = path
+        while current not in ("", "/") and not os.path.isdir(current):
+            missing.append(current)
+            current = os.path.dirname(current)
+        for directory in reversed(missing):
+            try:
+                os.mkdir(directory, self.access.dir_mode)
+                os.chmod(directory, self.access.dir_mode)  # the umask must not narrow (or widen) it
+            except FileExistsError:
+                pass
+        self.check_inside(path)
+
+    def check_inside(self, directory: str) -> None:
+        """Raise :class:`OutsideRootError` unless ``directory``'s real path is inside the root."""
+        if directory in self._checked:
+            return
+        real = os.path.realpath(directory)
+        if real != self._real_root and not real.startswith(self._real_root + os.sep):
+            raise OutsideRootError(f"{directory} resolves to {real}, outside the disk tier root {self._real_root}")
+        if len(self._checked) < 100_000:
+            self._checked.add(directory)
+
+    def forget_checked(self, directory: str) -> None:
+        """A directory was removed (it may come back as something else): check it again next time."""
+        self._checked.discard(directory)
 
     def quarantine_path(self, hex_key: str, rank: int) -> str:
         return f"{self.quarantine_dir}/{self.prefix}_r{rank}__{hex_key}.bin"
@@ -122,7 +184,7 @@ class DiskLayout:
             except FileNotFoundError:
                 if not os.path.exists(src):
                     return False
-                os.makedirs(self.quarantine_dir, exist_ok=True)
+                self.make_dir(self.quarantine_dir)
                 os.rename(src, dst)
         except OSError as exc:
             logger.warning("kvtier disk: cannot quarantine %s: %s; removing it", src, exc)
@@ -132,16 +194,18 @@ class DiskLayout:
 
     def create(self, namespace_json: str) -> None:
         """Create the directories and ``config.json``; refuse a directory of another namespace."""
-        os.makedirs(self.ns_dir, exist_ok=True)
+        self.make_dir(self.ns_dir)
         for rank_dir in self.rank_dirs:
-            os.makedirs(rank_dir, exist_ok=True)
+            self.make_dir(rank_dir)
         path = os.path.join(self.ns_dir, "config.json")
         try:
             with open(path, encoding="utf-8") as fh:
                 existing = fh.read()
         except FileNotFoundError:
             tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            with open(tmp, "w", encoding="utf-8") as fh:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, self.access.file_mode)
+            os.fchmod(fd, self.access.file_mode)
+            with open(fd, "w", encoding="utf-8") as fh:
                 fh.write(namespace_json)
             os.replace(tmp, path)  # atomic; a concurrent start-up writes the same bytes
             return

@@ -52,7 +52,7 @@ from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier, 
 from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import files as disk_io
 from kvtier.tiers.disk.index import DiskIndex, DiskTierStats
-from kvtier.tiers.disk.layout import DiskLayout, ScanResult
+from kvtier.tiers.disk.layout import Access, DiskLayout, ScanResult
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,7 @@ class DiskTier(SecondaryTier):
         n_write_threads: int,
         max_pending_writes: int,
         group: int = 0,
+        access: Access = Access.OWNER,
     ) -> None:
         if len(engine_digest) < 8:
             raise ValueError(f"engine_digest must be at least 8 bytes, got {len(engine_digest)}")
@@ -101,7 +102,7 @@ class DiskTier(SecondaryTier):
             if not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
-        self._layout = DiskLayout(root_dir, model_name, engine_digest, len(rank_digests), group)
+        self._layout = DiskLayout(root_dir, model_name, engine_digest, len(rank_digests), group, access)
         self._rank_digests = tuple(bytes(d) for d in rank_digests)
         self._world = len(self._rank_digests)
         self._payload_bytes = payload_bytes
