@@ -28,6 +28,7 @@ import io
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -93,14 +94,16 @@ def kvtier_run(
                 raise RuntimeError("write refused")
         drain(depth)
     put_s = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     start = time.perf_counter()
     for _ in range(rounds):
         for i in range(depth):
             tier.submit_read(i, keys[i], [slots[i]])
         drain(depth)
     get_s = time.perf_counter() - start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     moved = rounds * depth * size / 1e6
-    return {"put": moved / put_s, "get": moved / get_s}
+    return {"put": moved / put_s, "get": moved / get_s, "minor_faults_per_get": faults / (rounds * depth)}
 
 
 def main() -> None:
@@ -172,6 +175,9 @@ def main() -> None:
                         "kvtier_runs": [round(r[direction], 1) for r in runs["kvtier"]],
                         "redis_benchmark_runs": [round(r[direction], 1) for r in runs["redis_benchmark"]],
                     }
+                cell["kvtier_minor_faults_per_get"] = round(
+                    statistics.median(r["minor_faults_per_get"] for r in runs["kvtier"]), 1
+                )
                 cell["kvtier_corrupt"] = stats.corrupt
                 cell["kvtier_read_batches"] = stats.read_batches
                 cells.append(cell)

@@ -71,6 +71,7 @@ from kvtier.tiers.redis.batcher import Batcher, WorkerPool
 from kvtier.tiers.redis.breaker import CircuitBreaker
 from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
 from kvtier.tiers.redis.codec import KeySpace, value_bytes
+from kvtier.tiers.redis.heap import raise_mmap_threshold
 from kvtier.tiers.redis.jobs import (
     MSG_BATCH,
     MSG_IO,
@@ -166,6 +167,7 @@ class RedisTier(SecondaryTier):
         self._world = len(self._rank_digests)
         self._payload_bytes = payload_bytes
         self._value_bytes = value_bytes(self._world, payload_bytes)
+        raise_mmap_threshold(self._value_bytes)  # replies on the heap, not one mmap each (heap.py)
         self._namespace_json = namespace_json
         self._closed = False
 
