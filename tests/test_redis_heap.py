@@ -8,7 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kvtier.tiers.redis.heap import GLIBC_MAX_DYNAMIC_THRESHOLD, READER_SLACK, raise_mmap_threshold
+from kvtier.tiers.redis.heap import READER_SLACK, WARM_UP_BYTES, raise_mmap_threshold
 
 VALUE = 5_898_240 + 136  # one SmolLM2 fp32 128-token block and its header
 PAGES = VALUE // 4096
@@ -40,8 +40,8 @@ def faults_per_reply(state: str) -> float:
 
 
 def test_size_and_cap():
-    assert raise_mmap_threshold(VALUE) == VALUE + READER_SLACK
-    assert raise_mmap_threshold(GLIBC_MAX_DYNAMIC_THRESHOLD) == 0  # too big for the heap to help
+    assert raise_mmap_threshold(VALUE) == WARM_UP_BYTES
+    assert raise_mmap_threshold(WARM_UP_BYTES - READER_SLACK) == 0  # too big for the heap to help
 
 
 def test_replies_stop_page_faulting_after_the_warm_up():
