@@ -82,6 +82,11 @@ def namespace_dirs(root: Path) -> set[str]:
     return {p.name for p in root.iterdir() if p.is_dir() and p.name != "quarantine" and "_r" not in p.name[-4:]}
 
 
+def engine_block_tokens(namespace_dir: Path) -> int:
+    """The engine page size a namespace was written with (its config.json)."""
+    return json.loads((namespace_dir / "config.json").read_text())["ranks"][0]["engine_block_tokens"]
+
+
 def make_fine_tune(base: str, runs: Path) -> str:
     """A copy of the model under the same folder name with its value projections changed: the
     same config.json, other weights, other KV (what two checkpoints of one run look like)."""
@@ -113,16 +118,16 @@ def test_engines_that_compute_other_kv_never_share_a_block(tmp_path, model_path,
     assert len(namespace_dirs(root)) == 2
 
     # A valid block file of A's namespace copied over each of B's block files: a miss, quarantined.
-    a_dir, b_dir = sorted(namespace_dirs(root), key=lambda name: len(list((root / f"{name}_r0").rglob("*.bin"))))
+    by_engine_block = {engine_block_tokens(root / name): name for name in namespace_dirs(root)}
+    a_dir, b_dir = by_engine_block[64], by_engine_block[128]  # (both hold 6 files: pick by config)
     b_files = sorted((root / f"{b_dir}_r0").rglob("*.bin"))
-    a_file = next((root / f"{a_dir}_r0").rglob("*.bin")) if a_dir != b_dir else None
-    foreign_source = a_file if a_file is not None else b_files[0]
-    b_files = [p for p in b_files if p != foreign_source]
+    foreign_source = next((root / f"{a_dir}_r0").rglob("*.bin"))
     assert b_files
     for path in b_files:
         shutil.copyfile(foreign_source, path)
     engine_c = run(tmp_path, model_path, prompts, block_size=128, root=root)
     assert tokens(engine_c) == expected
+    assert cached(engine_c) == [0, 0, 0], "C loaded a block file of another namespace"
     assert len(list((root / "quarantine").glob("*.bin"))) >= 1
 
     # A fine-tune with the same config.json and folder name on the same root.
