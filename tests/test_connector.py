@@ -14,8 +14,12 @@ from pathlib import Path
 import pytest
 from support.engine_sim import (
     SimEngine,
+    by_prompt,
+    external,
     prompts_of,
     reference_outputs,
+    renamed,
+    settle,
     tokens_of,
     write_model,
 )
@@ -35,30 +39,6 @@ def disk_config(root: Path, host_bytes: int = 2 * 2**20, **extra) -> dict:
     """Host + disk tier config; ``extra`` are more top-level keys."""
     return {"cpu_bytes_to_use": host_bytes, **extra,
             "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}]}
-
-
-def renamed(prompts: dict[str, list[int]], suffix: str) -> dict[str, list[int]]:
-    return {req_id + suffix: tokens for req_id, tokens in prompts.items()}
-
-
-def by_prompt(results, suffix: str) -> dict[str, list[int]]:
-    return {req_id.removesuffix(suffix): f.tokens for req_id, f in results.items()}
-
-
-def external(results) -> list[int]:
-    return [f.external_cached for f in results.values()]
-
-
-def settle(sim: SimEngine, timeout: float = 10.0) -> None:
-    """Wait for kvtier's background tier I/O (disk writes of stored blocks) to finish."""
-    import time
-
-    orchestrator = sim.kvtier_scheduler.orchestrator
-    deadline = time.monotonic() + timeout
-    while orchestrator.has_pending_io():
-        assert time.monotonic() < deadline, "tier I/O did not finish"
-        time.sleep(0.01)
-        orchestrator.poll()
 
 
 def store_copies(sim: SimEngine):

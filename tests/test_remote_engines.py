@@ -12,7 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
-from support.engine_sim import SimEngine, prompts_of, reference_outputs, tokens_of, write_model
+from support.engine_sim import (
+    SimEngine,
+    by_prompt,
+    external,
+    prompts_of,
+    reference_outputs,
+    renamed,
+    settle,
+    tokens_of,
+    write_model,
+)
 from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
 
 from kvtier.core.values import ConfigError
@@ -37,30 +47,8 @@ def remote_config(url: str, *, disk: Path | None = None, **redis_keys) -> dict:
     return {"cpu_bytes_to_use": HOST_BYTES, "secondary_tiers": [*tiers, entry]}
 
 
-def renamed(prompts: dict[str, list[int]], suffix: str) -> dict[str, list[int]]:
-    return {req_id + suffix: tokens for req_id, tokens in prompts.items()}
-
-
-def by_prompt(results, suffix: str) -> dict[str, list[int]]:
-    return {req_id.removesuffix(suffix): f.tokens for req_id, f in results.items()}
-
-
-def external(results) -> list[int]:
-    return [f.external_cached for f in results.values()]
-
-
 def redis_tier(sim: SimEngine):
     return sim.kvtier_scheduler.orchestrator.tier(Medium.REMOTE)
-
-
-def settle(sim: SimEngine, timeout: float = 15.0) -> None:
-    """Wait until every stored block has reached every tier (Redis included)."""
-    orchestrator = sim.kvtier_scheduler.orchestrator
-    deadline = time.monotonic() + timeout
-    while orchestrator.has_pending_io():
-        assert time.monotonic() < deadline, "tier I/O did not finish"
-        time.sleep(0.01)
-        orchestrator.poll()
 
 
 def generate_salted(sim: SimEngine, prompts: dict[str, list[int]], max_tokens: int, salt: str | None):

@@ -13,19 +13,16 @@ One process per engine (tests/support/offline_run.py, one-process vLLM mode for 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.offline_run import cached, launch, tokens
 
 from kvtier.bench.text import long_prompts
 
 pytestmark = pytest.mark.e2e
 
-OFFLINE_RUN = Path(__file__).resolve().parents[1] / "support" / "offline_run.py"
 MAX_TOKENS = 16
 OFFLOAD_BLOCK = 256
 
@@ -53,29 +50,7 @@ def run(tmp: Path, model: str, prompts: list[str], *, block_size: int, root: Pat
         },
         **spec_extra,
     }
-    run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
-    run_dir.mkdir()
-    env = {
-        **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
-        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"), "TMPDIR": str(run_dir),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    }
-    proc = subprocess.run([sys.executable, str(OFFLINE_RUN), json.dumps(spec)], env=env,
-                          capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
-    (run_dir / "engine.log").write_text(log)
-    assert proc.returncode == 0, log[-5000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["log"] = log
-    return result
-
-
-def tokens(result: dict, round_index: int = 0) -> list[list[int]]:
-    return [r["token_ids"] for r in result["rounds"][round_index]]
-
-
-def cached(result: dict, round_index: int = 0) -> list[int]:
-    return [r["num_cached_tokens"] for r in result["rounds"][round_index]]
+    return launch(spec, tmp)
 
 
 def namespace_dirs(root: Path) -> set[str]:

@@ -7,13 +7,10 @@ so vLLM's own prefix cache cannot serve round 2: the hits come from kvtier.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support.offline_run import launch
 
 from kvtier.bench.text import long_prompts
 
@@ -24,7 +21,6 @@ PROMPT_WORDS = 1000
 MAX_TOKENS = 24
 KV_BYTES = 128 * 2**20
 BLOCK = 128
-OFFLINE_RUN = Path(__file__).resolve().parents[1] / "support" / "offline_run.py"
 
 
 @pytest.fixture(scope="module")
@@ -51,25 +47,8 @@ def run_engine(tmp: Path, model: str, prompts, rounds, extra_config=None, multip
         "kv_connector_extra_config": extra_config,
         **spec_extra,
     }
-    run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
-    run_dir.mkdir()
-    env = {
-        # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes on vLLM-CPU: keep it unset
-        **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
-        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
-        "TMPDIR": str(run_dir),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
-    }
-    proc = subprocess.run(
-        [sys.executable, str(OFFLINE_RUN), json.dumps(spec)],
-        env=env, capture_output=True, text=True, timeout=900,
-    )
-    log = proc.stdout + proc.stderr  # vLLM (and kvtier through it) logs to stdout
-    (run_dir / "engine.log").write_text(log)
-    assert proc.returncode == 0, log[-5000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    result["log"] = log
+    result = launch(spec, tmp, multiprocess=multiprocess)
+    run_dir = Path(result["run_dir"])
     print(
         f"{run_dir.name}: start-up {result['startup_seconds']:.1f} s, rounds "
         + ", ".join(f"{sum(r['seconds'] for r in rnd):.1f} s" for rnd in result["rounds"])

@@ -395,6 +395,31 @@ def tokens_of(results: dict[str, Finished]) -> dict[str, list[int]]:
     return {req_id: f.tokens for req_id, f in results.items()}
 
 
+def renamed(prompts: dict[str, list[int]], suffix: str) -> dict[str, list[int]]:
+    """The same prompts under new request ids (``suffix`` appended): a second round."""
+    return {req_id + suffix: tokens for req_id, tokens in prompts.items()}
+
+
+def by_prompt(results: dict[str, Finished], suffix: str) -> dict[str, list[int]]:
+    """Generated tokens keyed by the original request ids (``suffix`` removed)."""
+    return {req_id.removesuffix(suffix): f.tokens for req_id, f in results.items()}
+
+
+def external(results: dict[str, Finished]) -> list[int]:
+    """Prompt tokens each request loaded through the connector."""
+    return [f.external_cached for f in results.values()]
+
+
+def settle(sim: SimEngine, timeout: float = 15.0) -> None:
+    """Wait until kvtier's background tier I/O (blocks on their way to disk or Redis) is done."""
+    orchestrator = sim.kvtier_scheduler.orchestrator
+    deadline = time.monotonic() + timeout
+    while orchestrator.has_pending_io():
+        assert time.monotonic() < deadline, "tier I/O did not finish"
+        time.sleep(0.01)
+        orchestrator.poll()
+
+
 def iter_blocks(tokens: list[int], block_size: int) -> Iterable[list[int]]:
     for start in range(0, len(tokens) - block_size + 1, block_size):
         yield tokens[start : start + block_size]

@@ -13,6 +13,7 @@ optional: block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embe
 embeddings, looked up in the model's own embedding matrix, instead of token ids).
 The result also holds ``num_preemptions`` (vLLM's counter over the whole run).
 Multiprocess mode is vLLM's default; the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for one process.
+Tests start it with :func:`launch` (imported as ``support.offline_run``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,42 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+
+def launch(spec: dict, tmp: Path, *, multiprocess: bool = False, timeout: float = 900) -> dict:
+    """Run this harness on ``spec`` in a subprocess (a fresh engine) with its own folder
+    ``tmp/runN`` (vLLM cache, TMPDIR, ``engine.log``); returns the result JSON with the log under
+    ``"log"``. Fails the calling test, with the log's tail, if the engine fails."""
+    import subprocess
+
+    run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
+    run_dir.mkdir()
+    env = {
+        # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes on vLLM-CPU: keep it unset
+        **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
+        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"), "TMPDIR": str(run_dir),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+    }
+    proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    log = proc.stdout + proc.stderr  # vLLM (and kvtier through it) logs to stdout
+    (run_dir / "engine.log").write_text(log)
+    assert proc.returncode == 0, log[-5000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["log"] = log
+    result["run_dir"] = str(run_dir)
+    return result
+
+
+def tokens(result: dict, round_index: int = 0) -> list[list[int]]:
+    """Generated token ids of each prompt in one round of a :func:`launch` result."""
+    return [r["token_ids"] for r in result["rounds"][round_index]]
+
+
+def cached(result: dict, round_index: int = 0) -> list[int]:
+    """vLLM's cached prompt tokens (its own prefix cache plus kvtier's loads) per prompt."""
+    return [r["num_cached_tokens"] for r in result["rounds"][round_index]]
 
 
 def main() -> None:
