@@ -372,3 +372,21 @@ def test_lora_adapters_are_identified_by_their_weights_not_their_name(model, tmp
         for attempt in range(20):  # an adapter that cannot be fingerprinted stays a miss for good
             assert identity(f"d{attempt}", tmp_path / "missing", 3)[0] is None
             time.sleep(0.01)
+
+
+def test_an_engine_without_prefix_caching_gets_an_inactive_connector(model, tmp_path, caplog):
+    """Prefix caching off: vLLM does not resume from cached KV, so kvtier neither loads nor stores
+    (no host region, no files) and says so once; outputs stay vLLM's own."""
+    prompts = prompts_of(3, 3, 80)
+    ref = reference_outputs(model, prompts, 4, enable_prefix_caching=False)
+    root = tmp_path / "kv"
+    with caplog.at_level("WARNING", logger="kvtier"), \
+            SimEngine(model, kvtier=disk_config(root), enable_prefix_caching=False) as sim:
+        assert tokens_of(sim.generate(prompts, 4)) == ref
+        second = sim.generate(renamed(prompts, "-2"), 4)
+        assert by_prompt(second, "-2") == ref
+        assert external(second) == [0, 0, 0]
+        assert sim.worker._worker is None and sim.connector._scheduler is None  # noqa: SLF001
+    assert not list(root.rglob("*.bin"))
+    assert sum("kvtier is INACTIVE" in r.getMessage() for r in caplog.records) == 1
+    assert "prefix caching is off" in caplog.text

@@ -133,7 +133,10 @@ def test_kv_events_config():
     assert codes(vllm70("--kv-events-config", "{nope"))["kv-events-config"] == "error"
 
 
-def test_mla_with_kvtier():
+def test_mla_with_kvtier(monkeypatch):
+    from kvtier.doctor import probes
+
+    monkeypatch.setattr(probes, "vllm_cpu_mla_without_prefix_caching", lambda: False)  # a GPU build of vLLM
     big = {"gpu_memory_gib": 141}
     tc = kvtier_tc({"cpu_bytes_to_use": 2**40})
     line = ["vllm", "serve", DSV3, "--max-model-len", "8192", "--kv-transfer-config", tc]
@@ -145,6 +148,31 @@ def test_mla_with_kvtier():
     lmcache = json.dumps({"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"})
     other = codes(["vllm", "serve", DSV3, "-tp", "8", "--kv-transfer-config", lmcache], **big)
     assert other["mla-connector"] == "info"
+
+
+def test_kvtier_inactive_without_prefix_caching(monkeypatch, tmp_path):
+    from kvtier.doctor import probes
+
+    tc = kvtier_tc({"cpu_bytes_to_use": 2**40})
+    found = codes(vllm70("--kv-transfer-config", tc, "--no-enable-prefix-caching"))
+    assert found["kvtier-inactive"] == "error" and "prefix-caching-disabled" not in found
+    # MLA on vLLM's CPU build without AMX: vLLM forces prefix caching off, kvtier stays inactive
+    line = ["vllm", "serve", DSV3, "--max-model-len", "8192", "--kv-transfer-config", tc]
+    monkeypatch.setattr(probes, "vllm_cpu_mla_without_prefix_caching", lambda: True)
+    assert codes(line, gpu_memory_gib=141)["kvtier-inactive"] == "error"
+    monkeypatch.undo()
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu sse avx2 amx_bf16 amx_tile amx_int8\n")
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+        cpu_build = True
+    except importlib.metadata.PackageNotFoundError:
+        cpu_build = False
+    assert probes.vllm_cpu_mla_without_prefix_caching(str(cpuinfo)) is False  # AMX MLA kernels run
+    cpuinfo.write_text("flags\t\t: fpu sse avx2\n")
+    assert probes.vllm_cpu_mla_without_prefix_caching(str(cpuinfo)) is cpu_build
 
 
 def test_hybrid_and_sliding_models_with_kvtier():

@@ -11,6 +11,7 @@ SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": 
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
 optional: block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
 embeddings, looked up in the model's own embedding matrix, instead of token ids).
+engine (dict): more ``LLM(...)`` arguments, overriding the defaults (e.g. a model family's dtype).
 The result also holds ``num_preemptions`` (vLLM's counter over the whole run).
 Multiprocess mode is vLLM's default; the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for one process.
 Tests start it with :func:`launch` (imported as ``support.offline_run``).
@@ -79,18 +80,19 @@ def main() -> None:
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("prompt_embeds"):
         kwargs["enable_prompt_embeds"] = True
-    llm = LLM(
-        model=spec["model"],
-        dtype="float32",
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        kv_cache_memory_bytes=spec["kv_cache_memory_bytes"],
-        max_model_len=spec["max_model_len"],
-        max_num_seqs=spec.get("max_num_seqs", 4),
-        seed=0,
-        disable_log_stats=False,
+    llm = LLM(**{
+        "model": spec["model"],
+        "dtype": "float32",
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": spec["kv_cache_memory_bytes"],
+        "max_model_len": spec["max_model_len"],
+        "max_num_seqs": spec.get("max_num_seqs", 4),
+        "seed": 0,
+        "disable_log_stats": False,
         **kwargs,
-    )
+        **spec.get("engine", {}),
+    })
     startup_seconds = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     rounds = []

@@ -168,6 +168,12 @@ def check_cpu_offload(s: Setup) -> list[Finding]:
 def check_prefix_caching(s: Setup) -> list[Finding]:
     if s.line.prefix_caching:
         return []
+    if s.is_kvtier:
+        return [Finding(
+            "kvtier-inactive", "error", "kvtier will be inactive: prefix caching is disabled",
+            "Without prefix caching vLLM does not resume requests from cached KV, so kvtier neither loads "
+            "nor stores blocks (it logs 'kvtier is INACTIVE' at start-up).",
+            "Remove --no-enable-prefix-caching (vLLM enables prefix caching by default).")]
     return [Finding(
         "prefix-caching-disabled", "warning" if s.offloading else "info",
         "Prefix caching is disabled (--no-enable-prefix-caching)",

@@ -7,6 +7,7 @@ runs them.
 
 from __future__ import annotations
 
+from kvtier.doctor import probes
 from kvtier.doctor.probes import kv_scales_present
 from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
 from kvtier.planning.sizing import GIB
@@ -20,7 +21,14 @@ def check_model_support(s: Setup) -> list[Finding]:
     geo, tp, out = s.geometry, s.line.tp, []
     if geo is None or not s.offloading:
         return []
-    if geo.is_mla and s.is_kvtier and tp > 1:
+    if geo.is_mla and s.is_kvtier and probes.vllm_cpu_mla_without_prefix_caching():
+        out.append(Finding(
+            "kvtier-inactive", "error", "kvtier will be inactive: vLLM-CPU runs MLA without prefix caching",
+            "vLLM's CPU build (here without AMX MLA kernels) forces prefix caching and chunked prefill off "
+            "for MLA models and cannot compute on a cached context, so kvtier neither loads nor stores "
+            "blocks for this model (loading would serve wrong KV).",
+            "Serve this model on a GPU (or a CPU with AMX) to use kvtier, or serve it without kvtier."))
+    elif geo.is_mla and s.is_kvtier and tp > 1:
         out.append(Finding(
             "mla-kvtier", "warning", f"MLA model with kvtier at tp={tp}",
             "kvtier handles MLA as one full-attention KV group, but stores the latent once per rank "
@@ -33,7 +41,8 @@ def check_model_support(s: Setup) -> list[Finding]:
         out.append(Finding(
             "mla-kvtier", "info", "MLA model with kvtier",
             "kvtier supports one full-attention KV group, which covers MLA (one latent vector per "
-            "token); this path is not tested end to end yet.", "None needed."))
+            "token); on GPUs this path is not tested end to end yet (vLLM-CPU runs MLA without prefix "
+            "caching, where kvtier stays inactive).", "None needed."))
     elif geo.is_mla and s.connector != NATIVE_CONNECTOR:
         out.append(Finding(
             "mla-connector", "info", f"MLA model with {s.connector}",

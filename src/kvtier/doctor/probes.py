@@ -89,6 +89,22 @@ def world_writable(path: Path) -> bool:
         return False
 
 
+def vllm_cpu_mla_without_prefix_caching(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Would the vLLM installed here run an MLA model with prefix caching forced off? vLLM's CPU
+    build does that unless the AMX MLA kernels run (x86 with AMX tiles), see vllm/platforms/cpu.py."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    try:
+        flags = Path(cpuinfo).read_text()
+    except OSError:
+        return True  # cannot tell: vLLM's reference CPU MLA path (prefix caching off) is the default
+    return "amx_tile" not in flags
+
+
 def kv_scales_present(config: Mapping[str, Any], folder: Path | None) -> bool:
     """Does the checkpoint ship calibrated fp8 KV scales? Looks at ``quantization_config``
     (``kv_cache_scheme``, ``kv_cache_quant_algo``), ``hf_quant_config.json`` (ModelOpt) and the

@@ -5,6 +5,10 @@ vLLM builds one instance per process and role: in the scheduler process with
 ``KVConnectorRole.SCHEDULER`` (hooks delegate to :class:`KVTierScheduler`) and in each worker with
 ``KVConnectorRole.WORKER`` (hooks delegate to :class:`KVTierWorker`). The configuration is
 validated in both, so a bad key fails at start-up with a message naming it.
+
+An engine that cannot resume a request from external KV (:mod:`kvtier.vllm.resumability`) gets
+an INACTIVE connector: no host region, no tiers, no loads, no stores; every hook answers "nothing"
+and the scheduler logs why once.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.config import KVTierConfig
-from kvtier.vllm.geometry import EngineGeometry
+from kvtier.vllm.geometry import EngineGeometry, model_name
 from kvtier.vllm.identity import model_identity
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
+from kvtier.vllm.resumability import resume_blocker
 from kvtier.vllm.scheduler_side import KVTierScheduler
 from kvtier.vllm.worker_side import KVTierWorker
 
@@ -55,9 +60,14 @@ class KVTierConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _share_vllm_log_handlers()
         config = KVTierConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
-        geometry = EngineGeometry.from_vllm(vllm_config, kv_cache_config, config)
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
+        blocker = resume_blocker(vllm_config)
+        if blocker is not None:  # fail closed: both halves stay None, every hook answers "nothing"
+            if role is KVConnectorRole.SCHEDULER:
+                logging.getLogger(__name__).warning("%s", blocker.message(model_name(vllm_config)))
+            return
+        geometry = EngineGeometry.from_vllm(vllm_config, kv_cache_config, config)
         if role is KVConnectorRole.SCHEDULER:
             _recompute_failed_loads(vllm_config)
             events = vllm_config.kv_events_config
@@ -73,15 +83,17 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # --- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        if self._worker is not None:
+            self._worker.register_kv_caches(kv_caches)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert self._worker is not None and isinstance(kv_connector_metadata, KVTierConnectorMetadata)
-        self._worker.handle_preemptions(kv_connector_metadata)
+        if self._worker is not None:
+            assert isinstance(kv_connector_metadata, KVTierConnectorMetadata)
+            self._worker.handle_preemptions(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierConnectorMetadata)
         self._worker.start_loads(meta)
@@ -95,22 +107,22 @@ class KVTierConnector(KVConnectorBase_V1):
         return  # stores copy whole blocks after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
-        assert self._worker is not None
+        if self._worker is None:
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierConnectorMetadata)
         self._worker.start_stores(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self._worker is not None
+        if self._worker is None:
+            return None, None
         return self._worker.get_finished(), None  # loads are synchronous: nothing is "received" later
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self._worker is not None
-        return self._worker.take_load_errors()
+        return self._worker.take_load_errors() if self._worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        assert self._worker is not None
-        return self._worker.take_worker_meta()
+        return self._worker.take_worker_meta() if self._worker is not None else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -120,30 +132,33 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # --- scheduler side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return
         block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
         self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(
         self, request: "Request", num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        assert self._scheduler is not None
-        return self._scheduler.hit_sources(request, num_external_tokens)
+        return self._scheduler.hit_sources(request, num_external_tokens) if self._scheduler is not None else {}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return KVTierConnectorMetadata()
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_connector_output(connector_output)
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._scheduler is not None
+        if self._scheduler is None:
+            return False, None
         return self._scheduler.request_finished(request)
 
     def has_pending_push_work(self) -> bool:

