@@ -26,10 +26,12 @@ import time
 from pathlib import Path
 
 
-def launch(spec: dict, tmp: Path, *, multiprocess: bool = False, timeout: float = 900) -> dict:
+def launch(spec: dict, tmp: Path, *, multiprocess: bool = False, timeout: float = 900,
+           env: dict[str, str] | None = None) -> dict:
     """Run this harness on ``spec`` in a subprocess (a fresh engine) with its own folder
     ``tmp/runN`` (vLLM cache, TMPDIR, ``engine.log``); returns the result JSON with the log under
-    ``"log"``. Fails the calling test, with the log's tail, if the engine fails."""
+    ``"log"``. Fails the calling test, with the log's tail, if the engine fails. ``env``: more
+    environment variables for the engine."""
     import subprocess
 
     run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
@@ -39,6 +41,7 @@ def launch(spec: dict, tmp: Path, *, multiprocess: bool = False, timeout: float 
         **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
         "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"), "TMPDIR": str(run_dir),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        **(env or {}),
     }
     proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], env=env, capture_output=True,
                           text=True, timeout=timeout)
