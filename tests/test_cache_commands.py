@@ -252,7 +252,7 @@ def test_purge_by_namespace_and_model(cache: Cache) -> None:
     assert code == 0
     assert f"removed 4 blocks, 8 files, {8 * FILE_BYTES / 1024:.1f} KiB; config.json removed" in out
     assert not any(p.name.startswith("Qwen3") for p in cache.root.iterdir())  # emptied dirs gone too
-    assert len(cache.files()) == 1 + 12  # smol's config and blocks untouched
+    assert len(cache.files()) == 1 + 12 + 1  # smol's config, blocks and index snapshot untouched
     code, out = run("purge", cache.root, "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--json")
     data = json.loads(out)
     assert code == 0 and data["files"] == 12 and data["bytes"] == 12 * FILE_BYTES
@@ -280,7 +280,7 @@ def test_purge_quarantine_and_all(cache: Cache) -> None:
     assert code == 0 and f"quarantine: removed 1 files, {FILE_BYTES} B" in out and "removed 4 blocks, 7 files" in out
     assert os.listdir(cache.root / "quarantine") == [os.path.basename(
         cache.layout("smol").quarantine_path(key_of("smol", 0).hex(), 0))]
-    assert len(cache.files()) == 1 + 11 + 1
+    assert len(cache.files()) == 1 + 11 + 1 + 1  # smol: config, blocks, snapshot; 1 quarantined
     code, out = run("purge", cache.root, "--all")
     assert code == 0 and "removed 12 files" in out
     assert cache.files() == {} and os.listdir(cache.root) == ["quarantine"]

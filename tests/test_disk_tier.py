@@ -323,12 +323,28 @@ def test_bounded_write_queue(tmp_path, tiers):
     assert wait_results(tier, 1)[0].ok and tier.usage().num_blocks == 4
 
 
+def drop_snapshot(root: Path) -> None:
+    """Remove the index snapshot close() wrote: the next start-up scans the files (as after a
+    crash before the first snapshot)."""
+    (root / PREFIX / "index_g0.snapshot").unlink()
+
+
+def settle_scan(tier: DiskTier, timeout: float = 10.0) -> None:
+    """Wait for the tier's running rescan (the one a snapshot start-up begins) to be merged."""
+    deadline = time.monotonic() + timeout
+    while tier._state.scan_running:  # noqa: SLF001
+        assert time.monotonic() < deadline, "rescan did not finish"
+        tier.poll()
+        time.sleep(0.005)
+
+
 def test_restart_rebuilds_index_in_mtime_order(tmp_path, tiers):
     tier = tiers(tmp_path, world=2)
     keys = [key_of(i) for i in range(5)]
     for key in keys:
         write(tier, key, world=2)
     tier.close()
+    drop_snapshot(tmp_path)
     # Give the files distinct mtimes in a known order (ranks may differ: the newest counts).
     order = [keys[3], keys[0], keys[4], keys[1], keys[2]]
     base = time.time_ns() - 10**9 * 100
@@ -343,6 +359,9 @@ def test_restart_rebuilds_index_in_mtime_order(tmp_path, tiers):
         assert_reads_back(again, key, world=2)
         time.sleep(0.02)  # more than one tick of the filesystem's timestamp clock
     assert again.lru_keys() == keys
+    again.close()
+    drop_snapshot(tmp_path)
+    assert tiers(tmp_path, world=2).lru_keys() == keys
     again.close()
     assert tiers(tmp_path, world=2).lru_keys() == keys
 
@@ -424,6 +443,7 @@ def test_wrong_size_file_is_quarantined_at_startup(tmp_path, tiers):
     tier.close()
     with open(tier.block_path(key, 0), "ab") as fh:
         fh.write(b"junk")
+    drop_snapshot(tmp_path)
     again = tiers(tmp_path)
     assert not again.contains(key) and again.contains(good)
     assert again.stats.corrupt_quarantined == 1
@@ -479,6 +499,7 @@ def test_stale_temp_files(tmp_path, tiers):
         path.write_bytes(b"partial")
     os.utime(old_live, (time.time() - 7200, time.time() - 7200))
     again = tiers(tmp_path)
+    settle_scan(again)  # started from the snapshot: the rescan in the background cleans up
     assert not dead.exists() and live.exists() and not old_live.exists()
     assert again.contains(key)
 

@@ -5,7 +5,8 @@ renamed or truncated, and writers' temp files are never touched. An engine whose
 holds a purged block sees a ``NOT_FOUND`` read, which the disk tier treats as a miss, and forgets
 it. Emptied directories are removed with ``rmdir`` only (it refuses a directory that a writer
 has just filled again; a writer finding its directory gone recreates it). ``config.json`` goes
-only with whole namespaces and only if no block or temp file is left in them.
+only with whole namespaces and only if no block or temp file is left in them. Removing blocks also
+removes the namespace's index snapshots (the next start-up then scans the files).
 
 Called by ``kvtier purge`` (:mod:`kvtier.cli.cache`) in the command's process, one thread.
 """
@@ -23,6 +24,7 @@ from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, i
 from kvtier.cachetools.selection import select
 from kvtier.tiers.disk.files import rmdir_quiet
 from kvtier.tiers.disk.layout import unlink_quiet
+from kvtier.tiers.disk.snapshot import remove_snapshots
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
@@ -177,6 +179,8 @@ def _purge_namespace(ns: CacheNamespace, cutoff_ns: int | None, whole: bool, dry
     for leaf in leaves:
         rmdir_quiet(leaf)
         rmdir_quiet(os.path.dirname(leaf))
+    if leaves:  # a restart must not start from a snapshot that names the removed blocks
+        remove_snapshots(ns.ns_dir)
     if whole and others == 0 and result.blocks == len(blocks) and not result.errors:
         if dry_run:
             result.config_removed = os.path.exists(ns.config_path)

@@ -13,7 +13,7 @@ which the tier implements by queuing a job on its write pool.
 from __future__ import annotations
 
 import dataclasses
-import time
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
@@ -52,15 +52,6 @@ class DiskTierStats:
 _STAT_FIELDS = tuple(f.name for f in dataclasses.fields(DiskTierStats))
 
 
-class _Entry:
-    __slots__ = ("nbytes", "last_use", "gen")
-
-    def __init__(self, nbytes: int, last_use: float, gen: int) -> None:
-        self.nbytes = nbytes
-        self.last_use = last_use
-        self.gen = gen
-
-
 RemoveFiles = Callable[[list[BlockKey] | None, Iterable[Future | None]], Future | None]
 """``remove_files(keys, earlier)``: queue the removal of ``keys``' files (None: every file of the
 namespace) after the ``earlier`` removals; returns the future resolved when the files are gone,
@@ -78,7 +69,9 @@ class DiskIndex:
         self._remove_files = remove_files
         self.block_bytes = block_bytes
         self.capacity = capacity_bytes
-        self.index: OrderedDict[BlockKey, _Entry] = OrderedDict()
+        # key -> its generation (``gen`` when it was indexed), least recently used first. Every
+        # block costs ``block_bytes``, so nothing else is kept per key (a million keys: ~100 MB).
+        self.index: OrderedDict[BlockKey, int] = OrderedDict()
         self.used = 0  # bytes of indexed blocks
         self.reserved = 0  # bytes of writes in flight
         self.writing: set[BlockKey] = set()  # keys with a write in flight
@@ -109,25 +102,36 @@ class DiskIndex:
                 if self.unlinking.get(key) is future:
                     del self.unlinking[key]
 
-    def touch_one(self, key: BlockKey, now: float) -> bool:
-        entry = self.index.get(key)
-        if entry is None:
+    def touch_one(self, key: BlockKey) -> bool:
+        """Mark ``key`` most recently used; False if it is not indexed."""
+        if key not in self.index:
             return False
-        entry.last_use = now
         self.index.move_to_end(key)
         return True
 
-    def insert(self, key: BlockKey, last_use: float) -> None:
+    def insert(self, key: BlockKey) -> None:
+        """Index ``key`` as the most recently used block."""
         self.gen += 1
-        self.index[key] = _Entry(self.block_bytes, last_use, self.gen)
+        self.index[key] = self.gen
         self.used += self.block_bytes
         self.residency.stored(key)
 
+    def load(self, keys: list[BlockKey]) -> None:
+        """Start-up: index ``keys`` (least recently used first) in one go, as one generation.
+
+        Only into an empty index (a snapshot, see :mod:`kvtier.tiers.disk.snapshot`); evicts what
+        exceeds the capacity. Not recorded in the residency log (neither is the start-up scan)."""
+        if self.index:
+            raise RuntimeError("DiskIndex.load: the index is not empty")
+        self.gen += 1
+        self.index.update(zip(keys, itertools.repeat(self.gen)))
+        self.used = len(self.index) * self.block_bytes
+        self.evict()
+
     def forget(self, key: BlockKey) -> bool:
-        entry = self.index.pop(key, None)
-        if entry is None:
+        if self.index.pop(key, None) is None:
             return False
-        self.used -= entry.nbytes
+        self.used -= self.block_bytes
         self.residency.removed(key)
         if self.scan_running:
             self.scan_forgotten.add(key)
@@ -146,10 +150,10 @@ class DiskIndex:
         over = self.used + self.reserved + extra - self.capacity
         victims: list[BlockKey] = []
         if over > 0:
-            for key, entry in self.index.items():
+            for key in self.index:
                 if key not in self.reading:
                     victims.append(key)
-                    over -= entry.nbytes
+                    over -= self.block_bytes
                     if over <= 0:
                         break
             else:
@@ -188,7 +192,7 @@ class DiskIndex:
             counts["bytes_read"] += result.num_bytes
             counts["read_seconds"] += result.seconds
             if (
-                not self.touch_one(key, time.time())
+                not self.touch_one(key)
                 and gen is None
                 and not removed_meanwhile
                 and key not in self.writing
@@ -197,7 +201,7 @@ class DiskIndex:
             ):
                 # Not indexed at submit, found on disk: written by another process. Adopt it.
                 # (Indexed at submit and gone now, or deleted since: it was removed on purpose.)
-                self.insert(key, time.time())
+                self.insert(key)
                 self.evict()
             return
         if result.error is IoError.NOT_FOUND:
@@ -207,8 +211,7 @@ class DiskIndex:
         else:
             counts["io_errors"] += 1
             return  # maybe transient: keep the block
-        entry = self.index.get(key)
-        if entry is not None and entry.gen == gen:  # not rewritten since the read was submitted
+        if gen is not None and self.index.get(key) == gen:  # not rewritten since the read was submitted
             self.forget(key)
             if result.error is IoError.CORRUPT:
                 self.schedule_unlink([key])  # the other ranks' files are useless now
@@ -230,7 +233,7 @@ class DiskIndex:
             self.schedule_unlink([key])
             return
         if key not in self.index:
-            self.insert(key, time.time())
+            self.insert(key)
         self.evict()
 
     def merge_scan(self, result: ScanResult, scan_gen: int | None) -> None:
@@ -247,8 +250,8 @@ class DiskIndex:
             # Indexed before the scan started, no longer complete on disk: another process removed it.
             for hex_key in result.vanished:
                 key = bytes.fromhex(hex_key)
-                entry = index.get(key)
-                if entry is not None and entry.gen <= scan_gen and key not in self.reading:
+                key_gen = index.get(key)
+                if key_gen is not None and key_gen <= scan_gen and key not in self.reading:
                     self.forget(key)
         # New blocks go to the MRU end in mtime order (at start-up: the whole index, oldest first).
         result.new.sort()
@@ -262,5 +265,5 @@ class DiskIndex:
                 key in index or key in self.writing or key in self.unlinking or key in forgotten
             ):
                 continue
-            self.insert(key, mtime_ns / 1e9)
+            self.insert(key)
         self.evict()

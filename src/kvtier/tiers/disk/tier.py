@@ -17,7 +17,7 @@ renaming corrupt files into quarantine and unlinking orphans found by a scan) an
 outcome on a :class:`queue.SimpleQueue`. :meth:`poll` drains it and applies every index change
 on the caller's thread, so the index needs no lock.
 
-Index and capacity. ``key -> (bytes, last use, generation)`` in an ``OrderedDict`` kept in LRU
+Index and capacity. ``key -> generation`` in an ``OrderedDict`` kept in LRU
 order. Every valid file has the same size (header + ``payload_bytes``), so a block costs
 ``world_size * (HEADER_LEN + payload_bytes)`` bytes. Space for a write is reserved (evicting
 LRU blocks) when it is submitted, so indexed plus in-flight bytes never exceed
@@ -53,6 +53,7 @@ from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import files as disk_io
 from kvtier.tiers.disk.index import DiskIndex, DiskTierStats
 from kvtier.tiers.disk.layout import Access, DiskLayout, ScanResult
+from kvtier.tiers.disk.snapshot import read_snapshot, write_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ logger = logging.getLogger(__name__)
 _MSG_IO = 0  # (kind, IoResult, read: key generation at submit or None; write: True if a job ran)
 _MSG_REMOVED = 1  # (kind, keys unlinked or None for a clear() sweep, future, io_errors)
 _MSG_SCAN = 2  # (kind, ScanResult, gen at scan start)
+
+SNAPSHOT_INTERVAL_S = 120.0
+"""At most one index snapshot per interval while running (after a rescan, if the index changed)."""
 
 
 class DiskTier(SecondaryTier):
@@ -113,6 +117,7 @@ class DiskTier(SecondaryTier):
             block_bytes=self._world * self._file_bytes, capacity_bytes=capacity_bytes, remove_files=self._remove_files
         )
         self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._applied: list[IoResult] = []  # results applied by close(), not yet returned by poll()
         self._closed = False
 
         self._layout.create(namespace_json)
@@ -126,7 +131,16 @@ class DiskTier(SecondaryTier):
             1, thread_name_prefix="kvtier-disk-scan", initializer=become_background_thread
         )
 
-        self._state.merge_scan(self._layout.scan(None, self._file_bytes), scan_gen=None)
+        self._snapshot_taken = (0.0, -1)  # (monotonic time, index signature) of the last snapshot
+        keys = read_snapshot(self._layout, self._file_bytes)
+        if keys is None:
+            self._state.merge_scan(self._layout.scan(None, self._file_bytes), scan_gen=None)
+        else:
+            # Serve from the snapshot now; the files written after it, or gone since, are found
+            # by a rescan in the background (and any block read is verified anyway).
+            self._state.load(keys)
+            self._snapshot_taken = (time.monotonic(), self._index_signature())
+            self.rescan()
 
     @property
     def residency(self) -> ResidencyLog:  # type: ignore[override]
@@ -161,11 +175,10 @@ class DiskTier(SecondaryTier):
         if self._closed:
             self._done.put((_MSG_IO, IoResult(job_id, IoKind.READ, key, False, error=IoError.IO), None))
             return
-        entry = self._state.index.get(key)
+        gen = self._state.index.get(key)
         self._state.reading[key] = self._state.reading.get(key, 0) + 1
         if key in self._state.unlinking or self._state.clearing is not None:
             self._state.removed_while_reading.add(key)  # the read may still find doomed files: never adopt them
-        gen = entry.gen if entry is not None else None
         self._read_pool.submit(self._io_job, IoKind.READ, job_id, key, gen, (), disk_io.read_block, views)
 
     def submit_write(
@@ -179,7 +192,7 @@ class DiskTier(SecondaryTier):
         if self._closed:
             return False
         if key in self._state.index:  # dedup: content addressed, the stored bytes are these bytes
-            self._state.touch_one(key, time.time())
+            self._state.touch_one(key)
             return self._settle_write(job_id, key)
         if key in self._state.writing:  # the same bytes are on their way
             if self._state.cancelled.get(key) is False:  # cancelled by clear(): cannot be revived
@@ -202,7 +215,15 @@ class DiskTier(SecondaryTier):
         return True
 
     def poll(self) -> list[IoResult]:
-        results: list[IoResult] = []
+        results, self._applied = self._applied, []
+        self._apply_finished(results)
+        return results
+
+    def _apply_finished(self, results: list[IoResult] | None = None) -> None:
+        """Apply every finished job to the index; their results go to ``results`` (None: kept
+        for the next :meth:`poll`, as :meth:`close` does before its final snapshot)."""
+        if results is None:
+            results = self._applied
         done = self._done
         while True:
             try:
@@ -221,11 +242,10 @@ class DiskTier(SecondaryTier):
                 self._state.finish_removal(msg[1], msg[2], msg[3])
             elif kind == _MSG_SCAN:
                 self._state.merge_scan(msg[1], scan_gen=msg[2])
-        return results
+                self._snapshot_if_due()
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        now = time.time()
-        touched = [key for key in keys if self._state.touch_one(key, now)]
+        touched = [key for key in keys if self._state.touch_one(key)]
         if touched and not self._closed:
             self._write_pool.submit(disk_io.touch_blocks, self._layout, [k.hex() for k in touched])
 
@@ -280,6 +300,24 @@ class DiskTier(SecondaryTier):
         self._scan_pool.shutdown(wait=True, cancel_futures=True)
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
+        self._apply_finished()
+        write_snapshot(self._layout, b"".join(self._state.index), self._file_bytes)
+
+    # ------------------------------------------------------------------ index snapshots
+
+    def _index_signature(self) -> tuple[int, int]:
+        return self._state.gen, len(self._state.index)
+
+    def _snapshot_if_due(self) -> None:
+        """Queue a snapshot of the index on the scan thread if the last one is older than
+        :data:`SNAPSHOT_INTERVAL_S` and the index changed since (copying the keys here costs
+        about 30 ms per million blocks on the caller's thread)."""
+        taken_at, signature = self._snapshot_taken
+        now = time.monotonic()
+        if self._closed or now - taken_at < SNAPSHOT_INTERVAL_S or signature == self._index_signature():
+            return
+        self._snapshot_taken = (now, self._index_signature())
+        self._scan_pool.submit(write_snapshot, self._layout, b"".join(self._state.index), self._file_bytes)
 
     # ------------------------------------------------------------------ extras
 
