@@ -256,6 +256,10 @@ def _notes(geo: ModelKVGeometry, config: Mapping[str, Any], dtype: str, kv_dtype
     if geo.is_mla and tp > 1:
         notes.append(f"MLA: the latent is replicated on each of the {tp} ranks; kvtier stores one copy per "
                      "rank, so the host tier holds tp copies (the totals above count them).")
+    if geo.is_mla:
+        notes.append("MLA on vLLM's CPU build (without AMX): vLLM runs it with prefix caching off and cannot "
+                     "resume from cached KV, so kvtier stays inactive there (kvtier doctor checks the machine); "
+                     "these figures are for accelerators.")
     if not geo.is_mla and tp > geo.num_kv_heads:
         notes.append(f"tp={tp} > {geo.num_kv_heads} KV heads: each rank holds a replicated KV head.")
     if mixed:
