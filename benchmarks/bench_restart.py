@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_disk import drop_caches  # (this folder is on sys.path when run as a script)
+
 from kvtier.tiers.base import IoKind
 from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import DiskTier
@@ -37,16 +39,6 @@ from kvtier.tiers.disk.snapshot import snapshot_path
 
 PAYLOAD = 512
 REAL_BLOCKS = 256
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as fh:
-            fh.write("3\n")
-    except OSError:
-        return False
-    return True
 
 
 def open_tier(root: Path, blocks: int) -> DiskTier:
