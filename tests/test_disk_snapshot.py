@@ -151,3 +151,18 @@ def test_decode_never_raises_anything_but_value_error(data, world, file_bytes):
 @given(st.lists(st.binary(min_size=32, max_size=32), max_size=20), st.integers(1, 8), st.integers(1, 2**20))
 def test_encode_decode_round_trip(keys, world, file_bytes):
     assert decode(encode(b"".join(keys), world, file_bytes), world, file_bytes) == keys
+
+
+def test_inspect_reports_the_snapshot(tmp_path):
+    from kvtier.cachetools.inventory import inspect_cache
+
+    tier = make_tier(tmp_path)
+    for i in range(3):
+        write(tier, key_of(i))
+    tier.close()
+    (ns,) = inspect_cache(tmp_path).namespaces
+    assert ns.snapshot_blocks == 3 and ns.snapshot_written is not None
+    data = snapshot_file(tmp_path).read_bytes()
+    snapshot_file(tmp_path).write_bytes(data[:10] + b"x" + data[11:])  # header damaged: unusable
+    (ns,) = inspect_cache(tmp_path).namespaces
+    assert ns.snapshot_blocks is None

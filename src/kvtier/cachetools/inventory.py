@@ -6,6 +6,8 @@ page cache), whatever the blocks' size.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.core.keys import describe_config
+from kvtier.tiers.disk.snapshot import peek_count, snapshot_files
 
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
     ("<1h", 3600.0),
@@ -56,6 +59,8 @@ class NamespaceInventory:
     temp_files: int = 0
     temp_bytes: int = 0
     stray_files: int = 0
+    snapshot_blocks: int | None = None  # keys its index snapshot(s) name (None: no usable snapshot)
+    snapshot_written: float | None = None  # newest snapshot's mtime (seconds since the epoch)
 
 
 @dataclass(slots=True)
@@ -136,4 +141,10 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]]) ->
         summary.ages[age_bucket(now - mtime_ns / 1e9)] += 1
         newest = max(newest, mtime_ns)
     summary.last_use = newest / 1e9 if newest else None
+    for path in snapshot_files(ns.ns_dir):
+        count = peek_count(path)
+        if count is not None:
+            summary.snapshot_blocks = (summary.snapshot_blocks or 0) + count
+            with contextlib.suppress(OSError):
+                summary.snapshot_written = max(summary.snapshot_written or 0.0, os.stat(path).st_mtime)
     return summary

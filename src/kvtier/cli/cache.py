@@ -150,6 +150,8 @@ def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
     if ns.older_spec:
         name += "\n[yellow]older key spec: never read (kvtier purge --older-spec)[/yellow]"
     incomplete = f"\n[yellow]+{ns.incomplete_blocks:,} incomplete[/]" if ns.incomplete_blocks else ""
+    if ns.snapshot_blocks is not None:
+        incomplete += f"\n[dim]snapshot {ns.snapshot_blocks:,}[/dim]"
     return {
         "namespace": name,
         "blocks": f"{ns.complete_blocks:,}{incomplete}",
@@ -189,6 +191,8 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
                           f"{fmt_bytes(ns.block_bytes)}")
             console.print("  ages        " + " · ".join(f"{label} {count}" for label, count in ns.ages.items()))
             console.print(f"  last use    {cells['last use']} · quarantine {cells['quarantine']} · temp {cells['temp']}")
+            if ns.snapshot_blocks is not None:
+                console.print(f"  snapshot    index of {ns.snapshot_blocks:,} blocks (a restart serves from it)")
     total_blocks = sum(ns.complete_blocks for ns in inventory.namespaces)
     total_bytes = sum(ns.block_bytes for ns in inventory.namespaces)
     console.print(f"{len(inventory.namespaces)} namespace(s), {total_blocks:,} complete blocks, "

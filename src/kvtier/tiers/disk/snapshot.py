@@ -48,18 +48,36 @@ def snapshot_path(layout: DiskLayout) -> str:
     return os.path.join(layout.ns_dir, f"index{layout.group_suffix}.snapshot")
 
 
-def remove_snapshots(ns_dir: str) -> int:
-    """Remove every group's snapshot of a namespace (``kvtier purge`` does after removing blocks,
-    so a restart does not promise blocks that are gone); returns how many were removed."""
-    removed = 0
+def snapshot_files(ns_dir: str) -> list[str]:
+    """The snapshot files of a namespace directory (one per group), sorted."""
     try:
         names = os.listdir(ns_dir)
     except OSError:
-        return 0
-    for name in names:
-        if name.startswith("index_g") and name.endswith(".snapshot"):
-            removed += unlink_quiet(os.path.join(ns_dir, name))
-    return removed
+        return []
+    return sorted(os.path.join(ns_dir, n) for n in names if n.startswith("index_g") and n.endswith(".snapshot"))
+
+
+def peek_count(path: str) -> int | None:
+    """How many keys a snapshot file names, from its (checked) header; None if it is unusable.
+    For ``kvtier inspect``: reads 48 bytes, not the keys."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEADER_BYTES)
+    except OSError:
+        return None
+    if len(head) < HEADER_BYTES:
+        return None
+    magic, version, _, _, count, _ = _HEAD.unpack_from(head)
+    (header_sum,) = _HEADER_SUM.unpack_from(head, _HEAD.size)
+    if magic != MAGIC or version != VERSION or header_sum != xxhash.xxh3_64_intdigest(head[: _HEAD.size]):
+        return None
+    return count
+
+
+def remove_snapshots(ns_dir: str) -> int:
+    """Remove every group's snapshot of a namespace (``kvtier purge`` does after removing blocks,
+    so a restart does not promise blocks that are gone); returns how many were removed."""
+    return sum(unlink_quiet(path) for path in snapshot_files(ns_dir))
 
 
 def encode(keys_blob: bytes, world: int, file_bytes: int) -> bytes:
