@@ -175,15 +175,21 @@ def test_kvtier_inactive_without_prefix_caching(monkeypatch, tmp_path):
     assert probes.vllm_cpu_mla_without_prefix_caching(str(cpuinfo)) is cpu_build
 
 
-def test_hybrid_and_sliding_models_with_kvtier():
+def test_hybrid_and_sliding_models_with_kvtier(monkeypatch):
+    from kvtier.doctor import probes
+
     tc = kvtier_tc({"cpu_bytes_to_use": 2**40})
     jamba = str(FIXTURES / "jamba-v0.1.json")
     assert codes(["vllm", "serve", jamba, "-tp", "2", "--kv-transfer-config", tc])["hybrid-kvtier"] == "error"
     assert "hybrid-kvtier" not in codes(["vllm", "serve", jamba, "-tp", "2", "--kv-offloading-size", "100"])
-    gemma = str(FIXTURES / "gemma-2-9b.json")
-    assert codes(["vllm", "serve", gemma, "--kv-transfer-config", tc])["sliding-kvtier"] == "warning"
-    mistral = str(FIXTURES / "mistral-7b-v0.1.json")
-    assert "sliding-kvtier" not in codes(["vllm", "serve", mistral, "--kv-transfer-config", tc])
+    gemma = ["vllm", "serve", str(FIXTURES / "gemma-2-9b.json"), "--kv-transfer-config", tc]
+    mistral = ["vllm", "serve", str(FIXTURES / "mistral-7b-v0.1.json"), "--kv-transfer-config", tc]
+    for cpu_build in (True, False):
+        monkeypatch.setattr(probes, "vllm_cpu_build", lambda cpu_build=cpu_build: cpu_build)
+        found = codes(gemma)  # sliding + global layers: inactive on vLLM-CPU, full-size layers on GPUs
+        assert (found.get("kvtier-inactive"), found.get("sliding-kvtier")) == (
+            ("error", None) if cpu_build else (None, "warning"))
+        assert codes(mistral)["kvtier-inactive"] == "error"  # every layer sliding: inactive everywhere
 
 
 def test_fp8_kv_without_calibrated_scales(tmp_path):

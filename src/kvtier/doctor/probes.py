@@ -89,14 +89,21 @@ def world_writable(path: Path) -> bool:
         return False
 
 
-def vllm_cpu_mla_without_prefix_caching(cpuinfo: str = "/proc/cpuinfo") -> bool:
-    """Would the vLLM installed here run an MLA model with prefix caching forced off? vLLM's CPU
-    build does that unless the AMX MLA kernels run (x86 with AMX tiles), see vllm/platforms/cpu.py."""
+def vllm_cpu_build() -> bool:
+    """Is the vLLM installed here the CPU build (the ``vllm-cpu`` distribution)?"""
     import importlib.metadata
 
     try:
         importlib.metadata.version("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def vllm_cpu_mla_without_prefix_caching(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Would the vLLM installed here run an MLA model with prefix caching forced off? vLLM's CPU
+    build does that unless the AMX MLA kernels run (x86 with AMX tiles), see vllm/platforms/cpu.py."""
+    if not vllm_cpu_build():
         return False
     try:
         flags = Path(cpuinfo).read_text()

