@@ -435,6 +435,8 @@ def _check_kv_events(events: list, prompt_tokens: int) -> None:
 @pytest.mark.timeout(600)
 def test_serve_end_to_end(tmp_path):
     from kvtier.bench.text import synthetic_text
+    from kvtier.tiers.blockfile import HEADER_LEN
+    from kvtier.tiers.disk.snapshot import decode
 
     port = _free_port()
     events_endpoint = f"ipc://{tmp_path / 'kv-events'}"
@@ -528,6 +530,19 @@ def test_serve_end_to_end(tmp_path):
         assert total("kvtier_tier_capacity_bytes{", 'tier="disk"') == 20 * 2**30
 
         _check_kv_events(subscriber.drain(2.0), prompt_tokens)
+
+        # Stopped as a service manager stops it: SIGTERM. The engine's teardown runs kvtier's
+        # shutdown (block writes flushed, then the disk index snapshot written); with vLLM's
+        # default --shutdown-timeout 0 the engine would be killed at once (kvtier serve passes 30).
+        stopped_at = time.time()
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+        log_tail = log_path.read_text()[-3000:]
+        (snapshot,) = (tmp_path / "kv").glob("*/index_g0.snapshot")
+        assert snapshot.stat().st_mtime >= stopped_at - 0.5, f"no snapshot written at shutdown:\n{log_tail}"
+        keys = decode(snapshot.read_bytes(), 1, HEADER_LEN + block_bytes)
+        on_disk = {p.stem for p in (tmp_path / "kv").rglob("*.bin")}
+        assert len(keys) == full_blocks and {k.hex() for k in keys} == on_disk, (len(keys), len(on_disk))
     finally:
         if subscriber is not None:
             subscriber.close()
