@@ -405,7 +405,7 @@ def test_windowed_layers_make_the_connector_inactive(model):
         UniformTypeKVCacheSpecs,
     )
 
-    from kvtier.vllm.resumability import InactiveReason, inactive_reason
+    from kvtier.vllm.inactive import InactiveReason, inactive_reason
 
     with SimEngine(model, kvtier=None) as sim:
         vllm_config = sim.vllm_config

@@ -5,7 +5,7 @@
   ``reset_prefix_cache`` is served from kvtier, a fresh engine is served from disk; all outputs
   equal vLLM alone's.
 - Sliding-window + global layers on vLLM-CPU (tiny, and Gemma 3 270M with real weights): kvtier
-  stays inactive (see kvtier.vllm.resumability), outputs equal vLLM alone's.
+  stays inactive (see kvtier.vllm.inactive), outputs equal vLLM alone's.
 - MLA on vLLM-CPU: vLLM forces prefix caching off (it cannot compute on a cached context there),
   so kvtier must fail closed: no loads, no stores, one clear message. Without that, round 2 was
   served wrong KV (outputs differed from the 12th token on).

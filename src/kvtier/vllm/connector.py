@@ -6,7 +6,7 @@ vLLM builds one instance per process and role: in the scheduler process with
 ``KVConnectorRole.WORKER`` (hooks delegate to :class:`KVTierWorker`). The configuration is
 validated in both, so a bad key fails at start-up with a message naming it.
 
-An engine kvtier must not touch (:mod:`kvtier.vllm.resumability`: it cannot resume from external
+An engine kvtier must not touch (:mod:`kvtier.vllm.inactive`: it cannot resume from external
 KV, or its windowed layers are not handled yet) gets an INACTIVE connector: no host region, no
 tiers, no loads, no stores; every hook answers "nothing" and the scheduler logs why once.
 """
@@ -28,8 +28,8 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvtier.core.config import KVTierConfig
 from kvtier.vllm.geometry import EngineGeometry, model_name
 from kvtier.vllm.identity import model_identity
+from kvtier.vllm.inactive import inactive_reason
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
-from kvtier.vllm.resumability import inactive_reason
 from kvtier.vllm.scheduler_side import KVTierScheduler
 from kvtier.vllm.worker_side import KVTierWorker
 

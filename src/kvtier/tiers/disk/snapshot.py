@@ -44,8 +44,11 @@ _HEADER_SUM = struct.Struct("<Q")
 HEADER_BYTES = _HEAD.size + _HEADER_SUM.size  # 48
 
 
+_NAME_PREFIX, _NAME_SUFFIX = "index_g", ".snapshot"  # index_g<group>.snapshot
+
+
 def snapshot_path(layout: DiskLayout) -> str:
-    return os.path.join(layout.ns_dir, f"index{layout.group_suffix}.snapshot")
+    return os.path.join(layout.ns_dir, f"index{layout.group_suffix}{_NAME_SUFFIX}")
 
 
 def snapshot_files(ns_dir: str) -> list[str]:
@@ -54,7 +57,24 @@ def snapshot_files(ns_dir: str) -> list[str]:
         names = os.listdir(ns_dir)
     except OSError:
         return []
-    return sorted(os.path.join(ns_dir, n) for n in names if n.startswith("index_g") and n.endswith(".snapshot"))
+    return sorted(os.path.join(ns_dir, n) for n in names if n.startswith(_NAME_PREFIX) and n.endswith(_NAME_SUFFIX))
+
+
+def _parse_header(data: bytes) -> tuple[int, int, int, int]:
+    """(world, file_bytes, count, keys_sum) of a snapshot's first :data:`HEADER_BYTES` bytes;
+    ValueError if they are not a valid header of this version."""
+    if len(data) < HEADER_BYTES:
+        raise ValueError(f"{len(data)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    head = data[: _HEAD.size]
+    magic, version, world, file_bytes, count, keys_sum = _HEAD.unpack(head)
+    (header_sum,) = _HEADER_SUM.unpack_from(data, _HEAD.size)
+    if magic != MAGIC:
+        raise ValueError("not a kvtier index snapshot (bad magic)")
+    if header_sum != xxhash.xxh3_64_intdigest(head):
+        raise ValueError("header checksum mismatch")
+    if version != VERSION:
+        raise ValueError(f"version {version}, this kvtier reads {VERSION}")
+    return world, file_bytes, count, keys_sum
 
 
 def peek_count(path: str) -> int | None:
@@ -62,16 +82,9 @@ def peek_count(path: str) -> int | None:
     For ``kvtier inspect``: reads 48 bytes, not the keys."""
     try:
         with open(path, "rb") as f:
-            head = f.read(HEADER_BYTES)
-    except OSError:
+            return _parse_header(f.read(HEADER_BYTES))[2]
+    except (OSError, ValueError):
         return None
-    if len(head) < HEADER_BYTES:
-        return None
-    magic, version, _, _, count, _ = _HEAD.unpack_from(head)
-    (header_sum,) = _HEADER_SUM.unpack_from(head, _HEAD.size)
-    if magic != MAGIC or version != VERSION or header_sum != xxhash.xxh3_64_intdigest(head[: _HEAD.size]):
-        return None
-    return count
 
 
 def remove_snapshots(ns_dir: str) -> int:
@@ -92,17 +105,7 @@ def encode(keys_blob: bytes, world: int, file_bytes: int) -> bytes:
 def decode(data: bytes, world: int, file_bytes: int) -> list[BlockKey]:
     """The keys of a snapshot's bytes; ValueError naming what is wrong (wrong world or block
     size: written by another configuration of this namespace, which cannot happen by design)."""
-    if len(data) < HEADER_BYTES:
-        raise ValueError(f"{len(data)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    head = data[: _HEAD.size]
-    magic, version, snap_world, snap_file_bytes, count, keys_sum = _HEAD.unpack(head)
-    (header_sum,) = _HEADER_SUM.unpack_from(data, _HEAD.size)
-    if magic != MAGIC:
-        raise ValueError("not a kvtier index snapshot (bad magic)")
-    if header_sum != xxhash.xxh3_64_intdigest(head):
-        raise ValueError("header checksum mismatch")
-    if version != VERSION:
-        raise ValueError(f"version {version}, this kvtier reads {VERSION}")
+    snap_world, snap_file_bytes, count, keys_sum = _parse_header(data)
     if (snap_world, snap_file_bytes) != (world, file_bytes):
         raise ValueError(f"written for {snap_world} rank(s) x {snap_file_bytes} B files, "
                          f"this tier has {world} x {file_bytes} B")
@@ -149,8 +152,5 @@ def write_snapshot(layout: DiskLayout, keys_blob: bytes, file_bytes: int) -> boo
         return True
     except OSError as exc:
         logger.warning("kvtier disk: could not write the index snapshot %s (%s)", path, exc)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        unlink_quiet(tmp)
         return False

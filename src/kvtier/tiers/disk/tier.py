@@ -219,11 +219,8 @@ class DiskTier(SecondaryTier):
         self._apply_finished(results)
         return results
 
-    def _apply_finished(self, results: list[IoResult] | None = None) -> None:
-        """Apply every finished job to the index; their results go to ``results`` (None: kept
-        for the next :meth:`poll`, as :meth:`close` does before its final snapshot)."""
-        if results is None:
-            results = self._applied
+    def _apply_finished(self, results: list[IoResult]) -> None:
+        """Apply every finished job to the index and append its result to ``results``."""
         done = self._done
         while True:
             try:
@@ -300,7 +297,7 @@ class DiskTier(SecondaryTier):
         self._scan_pool.shutdown(wait=True, cancel_futures=True)
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
-        self._apply_finished()
+        self._apply_finished(self._applied)  # returned by the next poll()
         write_snapshot(self._layout, b"".join(self._state.index), self._file_bytes)
 
     # ------------------------------------------------------------------ index snapshots
