@@ -166,3 +166,17 @@ def test_inspect_reports_the_snapshot(tmp_path):
     snapshot_file(tmp_path).write_bytes(data[:10] + b"x" + data[11:])  # header damaged: unusable
     (ns,) = inspect_cache(tmp_path).namespaces
     assert ns.snapshot_blocks is None
+
+
+def test_temp_files_of_dead_snapshot_writers_are_removed_at_start_up(tmp_path, closing):
+    tier = make_tier(tmp_path)
+    write(tier, key_of(1))
+    tier.close()
+    dead_pid = 2**22 + 12345  # above pid_max's default: never alive
+    dead = snapshot_file(tmp_path).with_name(f"index_g0.snapshot.{dead_pid}.abcd1234.tmp")
+    live = snapshot_file(tmp_path).with_name(f"index_g0.snapshot.{os.getpid()}.abcd1234.tmp")
+    for path in (dead, live):
+        path.write_bytes(b"partial")
+    again = make_tier(tmp_path)
+    closing(again)
+    assert not dead.exists() and live.exists() and again.contains(key_of(1))

@@ -248,7 +248,7 @@ class DiskLayout:
 
         ``known``: keys indexed when the scan started; their files are not ``stat``-ed (None:
         start-up, stat everything). Quarantines files that are not ``file_bytes`` long, removes
-        stale temp files (:func:`_remove_stale_tmp`) and the files of blocks missing some rank's
+        stale temp files (:func:`remove_stale_tmp`) and the files of blocks missing some rank's
         file for more than :data:`ORPHAN_SECONDS`.
         """
         known_hex = frozenset(key.hex() for key in known) if known is not None else frozenset()
@@ -288,7 +288,7 @@ class DiskLayout:
                             continue
                         found[hex_key] = st.st_mtime_ns
                     elif name.endswith(".tmp"):
-                        _remove_stale_tmp(f"{leaf}/{name}", name, now)
+                        remove_stale_tmp(f"{leaf}/{name}", name, now)
             per_rank.append(found)
 
         first = per_rank[0]
@@ -329,7 +329,7 @@ def _mtimes(paths: Sequence[str]) -> list[int]:
     return stamps
 
 
-def _remove_stale_tmp(path: str, name: str, now: float) -> None:
+def remove_stale_tmp(path: str, name: str, now: float) -> None:
     """Remove a temp file whose writer died, or any temp file older than :data:`STALE_TMP_SECONDS`.
 
     Temp names are ``<hash>.bin.<pid>.<random>.tmp``. A pid from another PID namespace can

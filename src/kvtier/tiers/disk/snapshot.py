@@ -29,11 +29,12 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
-from kvtier.tiers.disk.layout import DiskLayout, unlink_quiet
+from kvtier.tiers.disk.layout import DiskLayout, remove_stale_tmp, unlink_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +119,10 @@ def decode(data: bytes, world: int, file_bytes: int) -> list[BlockKey]:
 
 
 def read_snapshot(layout: DiskLayout, file_bytes: int) -> list[BlockKey] | None:
-    """The keys of this namespace's snapshot, or None (absent or unusable: said in the log)."""
+    """The keys of this namespace's snapshot, or None (absent or unusable: said in the log).
+    Also removes the temp files of snapshot writers that died (a crash while writing one)."""
     path = snapshot_path(layout)
+    _remove_stale_temps(layout.ns_dir, os.path.basename(path))
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
@@ -154,3 +157,16 @@ def write_snapshot(layout: DiskLayout, keys_blob: bytes, file_bytes: int) -> boo
         logger.warning("kvtier disk: could not write the index snapshot %s (%s)", path, exc)
         unlink_quiet(tmp)
         return False
+
+
+def _remove_stale_temps(ns_dir: str, snapshot_name: str) -> None:
+    """Remove ``<snapshot_name>.<pid>.<random>.tmp`` files of dead writers (or old ones), as the
+    scan does for block temp files (:func:`~kvtier.tiers.disk.layout.remove_stale_tmp`)."""
+    try:
+        names = os.listdir(ns_dir)
+    except OSError:
+        return
+    now = time.time()
+    for name in names:
+        if name.startswith(snapshot_name + ".") and name.endswith(".tmp"):
+            remove_stale_tmp(os.path.join(ns_dir, name), name, now)
