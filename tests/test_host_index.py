@@ -39,9 +39,9 @@ def test_delete_of_pinned_block_frees_it_on_unpin():
     index.commit(key(1))
     index.pin(key(1))
     assert index.delete(key(1))
-    assert not index.is_ready(key(1)) and index.used_slots == 1
+    assert not index.is_ready(key(1)) and index.used_slots == 1 and index.pinned_slots() == 1
     index.unpin(key(1))
-    assert index.used_slots == 0 and key(1) not in index
+    assert index.used_slots == 0 and key(1) not in index and index.pinned_slots() == 0
 
 
 def test_lru_touch_changes_victim():
@@ -160,6 +160,8 @@ class HostIndexMachine(RuleBasedStateMachine):
             assert self.index.is_ready(k) and self.index.slot_of(k) == self.ready[k]
         for k in self.writing:
             assert self.index.is_writing(k)
+        pinned = len(self.writing) + sum(1 for k in self.ready if self.pins.get(k))
+        assert self.index.pinned_slots() == pinned
 
     @invariant()
     def residency_log_replays_to_the_ready_blocks(self):

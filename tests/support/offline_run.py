@@ -7,12 +7,17 @@ clean (vLLM logs to stdout too; the result is the LAST stdout line):
     python tests/support/offline_run.py SPEC_JSON   ->   {"startup_seconds": ..., "rounds": [...]}
 
 SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": bool, "batch": bool,
-"cache_salt": str (the round's prompts carry this tenant salt)}),
+"cache_salt": str (the round's prompts carry this tenant salt), "file_size_limit": int or null (the
+engine process's RLIMIT_FSIZE from this round on, SIGXFSZ ignored: writes past it fail with EFBIG;
+null lifts it), "pause": bool (before the round the
+harness creates ``$TMPDIR/paused<i>`` and waits for ``$TMPDIR/resume<i>``: the test injects a fault
+into the running engine's tiers meanwhile, see :func:`launch`'s ``before_round``)}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
-optional: block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
+optional: engine_id (kv_transfer_config's: names the host tier's shared-memory regions), block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
 embeddings, looked up in the model's own embedding matrix, instead of token ids).
 engine (dict): more ``LLM(...)`` arguments, overriding the defaults (e.g. a model family's dtype).
-The result also holds ``num_preemptions`` (vLLM's counter over the whole run).
+The result also holds ``num_preemptions`` (vLLM's counter over the whole run) and, per round,
+the ``kvtier_*`` metrics vLLM's registry holds after it (``round_metrics``: name{labels} -> value).
 Multiprocess mode is vLLM's default; the caller sets VLLM_ENABLE_V1_MULTIPROCESSING=0 for one process.
 Tests start it with :func:`launch` (imported as ``support.offline_run``).
 """
@@ -23,15 +28,14 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
-def launch(spec: dict, tmp: Path, *, multiprocess: bool = False, timeout: float = 900,
-           env: dict[str, str] | None = None) -> dict:
-    """Run this harness on ``spec`` in a subprocess (a fresh engine) with its own folder
-    ``tmp/runN`` (vLLM cache, TMPDIR, ``engine.log``); returns the result JSON with the log under
-    ``"log"``. Fails the calling test, with the log's tail, if the engine fails. ``env``: more
-    environment variables for the engine."""
+def start(spec: dict, tmp: Path, *, multiprocess: bool = False, env: dict[str, str] | None = None):
+    """Start this harness on ``spec`` in a subprocess (a fresh engine, its own process group) with
+    its own folder ``tmp/runN`` (vLLM cache, TMPDIR, ``engine.log``: stdout and stderr).
+    Returns ``(Popen, run_dir)``; :func:`finish` collects it."""
     import subprocess
 
     run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
@@ -43,15 +47,51 @@ def launch(spec: dict, tmp: Path, *, multiprocess: bool = False, timeout: float 
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         **(env or {}),
     }
-    proc = subprocess.run([sys.executable, __file__, json.dumps(spec)], env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    log = proc.stdout + proc.stderr  # vLLM (and kvtier through it) logs to stdout
-    (run_dir / "engine.log").write_text(log)
+    log = open(run_dir / "engine.log", "w")  # noqa: SIM115 (the child writes it; closed by finish)
+    proc = subprocess.Popen([sys.executable, __file__, json.dumps(spec)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    log.close()
+    return proc, run_dir
+
+
+def finish(proc, run_dir: Path, *, timeout: float = 900,
+           before_round: dict[int, Callable[[], None]] | None = None) -> dict:
+    """Wait for a :func:`start`-ed harness; returns the result JSON with the log under ``"log"``.
+    ``before_round``: round index -> a callable run while the engine waits before that round (the
+    round must have ``"pause": true``). Fails the calling test, with the log's tail, if the engine
+    fails or outlives ``timeout`` (then its whole process group is killed)."""
+    import signal
+
+    deadline = time.monotonic() + timeout
+    pending = dict(before_round or {})
+    while proc.poll() is None:
+        for index in [i for i in pending if (run_dir / f"paused{i}").exists()]:
+            pending.pop(index)()
+            (run_dir / f"resume{index}").touch()
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError(f"engine outlived {timeout:.0f} s: " + engine_log(run_dir)[-5000:])
+        time.sleep(0.05)
+    log = engine_log(run_dir)
     assert proc.returncode == 0, log[-5000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not pending, f"rounds {sorted(pending)} never paused"
+    result = json.loads(log.strip().splitlines()[-1])
     result["log"] = log
     result["run_dir"] = str(run_dir)
     return result
+
+
+def launch(spec: dict, tmp: Path, *, multiprocess: bool = False, timeout: float = 900,
+           env: dict[str, str] | None = None, before_round: dict[int, Callable[[], None]] | None = None) -> dict:
+    """:func:`start` then :func:`finish`: run ``spec`` on a fresh engine and return its result.
+    ``env``: more environment variables for the engine."""
+    proc, run_dir = start(spec, tmp, multiprocess=multiprocess, env=env)
+    return finish(proc, run_dir, timeout=timeout, before_round=before_round)
+
+
+def engine_log(run_dir: Path) -> str:
+    return (Path(run_dir) / "engine.log").read_text(errors="replace")
 
 
 def tokens(result: dict, round_index: int = 0) -> list[list[int]]:
@@ -76,6 +116,8 @@ def main() -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["kv_connector_extra_config"],
         }
+        if spec.get("engine_id"):
+            kwargs["kv_transfer_config"]["engine_id"] = spec["engine_id"]
     started = time.perf_counter()
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
@@ -98,8 +140,12 @@ def main() -> None:
     })
     startup_seconds = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    rounds = []
-    for round_spec in spec["rounds"]:
+    rounds, round_metrics = [], []
+    for index, round_spec in enumerate(spec["rounds"]):
+        if round_spec.get("pause"):
+            wait_for_resume(index)
+        if "file_size_limit" in round_spec:
+            limit_file_size(round_spec["file_size_limit"])
         if round_spec.get("reset_prefix_cache"):
             reset_prefix_cache(llm)
         results = []
@@ -125,10 +171,44 @@ def main() -> None:
                     }
                 )
         rounds.append(results)
+        round_metrics.append(kvtier_metrics(llm))
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     del llm
-    print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions}),
+    print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions,
+                      "round_metrics": round_metrics}),
           flush=True)
+
+
+def limit_file_size(limit: int | None) -> None:
+    """Set this process's RLIMIT_FSIZE soft limit (None: back to the hard limit); a write past it
+    fails with EFBIG instead of killing the process."""
+    import resource
+    import signal
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (hard if limit is None else limit, hard))
+
+
+def wait_for_resume(index: int, timeout: float = 600) -> None:
+    """Tell the test the engine waits before round ``index``; return once it says resume."""
+    tmp = Path(os.environ.get("TMPDIR", "/tmp"))
+    (tmp / f"paused{index}").touch()
+    deadline = time.monotonic() + timeout
+    while not (tmp / f"resume{index}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no resume{index} in {tmp} within {timeout:.0f} s")
+        time.sleep(0.05)
+
+
+def kvtier_metrics(llm) -> dict[str, float]:
+    """The ``kvtier_*`` metrics in vLLM's metrics registry now (empty when vLLM keeps none)."""
+    values = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("kvtier_") and hasattr(metric, "value"):
+            labels = ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items()) if k not in ("engine", "model_name"))
+            values[f"{metric.name}{{{labels}}}"] = metric.value
+    return values
 
 
 def embed(llm, model: str, prompt: str):

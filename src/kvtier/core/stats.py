@@ -73,6 +73,7 @@ class KVTierStats:
     host_used_bytes: int | None = field(default=None, metadata=GAUGE)
     host_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
     host_blocks: int | None = field(default=None, metadata=GAUGE)
+    host_pinned_blocks: int | None = field(default=None, metadata=GAUGE)  # being written or read: 0 at rest
     disk_used_bytes: int | None = field(default=None, metadata=GAUGE)
     disk_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
     disk_blocks: int | None = field(default=None, metadata=GAUGE)

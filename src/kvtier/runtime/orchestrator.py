@@ -422,6 +422,7 @@ class Orchestrator:
         stats, self.stats = self.stats, KVTierStats()
         host = self.host
         stats.host_blocks = host.used_slots
+        stats.host_pinned_blocks = host.pinned_slots()
         if self.host_bytes is not None:
             block_bytes = self.host_bytes.slot_bytes * len(self.host_bytes.rank_views)
             stats.set_usage(Medium.HOST, host.used_slots * block_bytes, host.num_slots * block_bytes, host.used_slots)

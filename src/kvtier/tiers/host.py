@@ -64,6 +64,7 @@ class HostIndex:
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: dict[BlockKey, SlotEntry] = {}
         self._policy: EvictionPolicy = make_policy(self.policy_name, self.num_slots)
+        self._pinned = 0  # entries WRITING or with readers (kept by every transition: O(1) to read)
 
     # --- queries (memory only) -------------------------------------------------------------
     def is_ready(self, key: BlockKey) -> bool:
@@ -94,7 +95,8 @@ class HostIndex:
         return self.num_slots - len(self._free)
 
     def pinned_slots(self) -> int:
-        return sum(1 for e in self._entries.values() if e.readers or e.state is SlotState.WRITING)
+        """Slots being written or read (never evictable): 0 whenever no job is in flight."""
+        return self._pinned
 
     # --- mutations ------------------------------------------------------------------------
     def allocate(self, key: BlockKey) -> tuple[int | None, list[BlockKey]]:
@@ -116,6 +118,7 @@ class HostIndex:
             evicted.append(victim)
         slot = self._free.pop()
         self._entries[key] = SlotEntry(slot, SlotState.WRITING)
+        self._pinned += 1
         return slot, evicted
 
     def commit(self, key: BlockKey) -> None:
@@ -123,6 +126,7 @@ class HostIndex:
         entry = self._entries[key]
         assert entry.state is SlotState.WRITING
         entry.state = SlotState.READY
+        self._pinned -= 1  # no reader can have pinned a WRITING slot
         if entry.doomed and entry.readers == 0:
             self._free_entry(key)
             return
@@ -134,17 +138,20 @@ class HostIndex:
         entry = self._entries[key]
         assert entry.state is SlotState.WRITING and entry.readers == 0
         self._free.append(self._entries.pop(key).slot)
+        self._pinned -= 1
 
     def pin(self, key: BlockKey) -> None:
         """Add a reader to a READY block: it cannot be evicted until :meth:`unpin`."""
         entry = self._entries[key]
         assert entry.state is SlotState.READY
         entry.readers += 1
+        self._pinned += entry.readers == 1
 
     def unpin(self, key: BlockKey) -> None:
         entry = self._entries[key]
         assert entry.readers > 0, "unpin() without pin()"
         entry.readers -= 1
+        self._pinned -= entry.readers == 0
         if entry.doomed and entry.readers == 0:
             self._free_entry(key)
 

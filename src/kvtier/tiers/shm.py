@@ -10,6 +10,13 @@ Ownership and lifetime:
   name at exit in case no scheduler ever attached.
 - With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` both roles are one process and map the file twice;
   that is harmless.
+- The creator holds an exclusive ``flock`` on the file for as long as it lives (released by the
+  kernel when it dies, however it dies). A name whose file nobody holds locked is a leftover of a
+  dead engine (killed between creating the region and the scheduler attaching it, with a fixed
+  ``engine_id`` so the restart picks the same name): :meth:`SharedRegion.create` removes it and
+  creates the region anew (never a start-up failure), and :meth:`SharedRegion.attach` never maps
+  it (it would see the dead engine's slots, not the live worker's). A name a live process holds
+  is another running engine with the same ``engine_id``: :class:`RegionInUseError`.
 
 The region is pre-faulted at creation so the first stores do not pay page faults. On CUDA the
 worker additionally page-locks it (``cudaHostRegister``) so copies can run asynchronously; that
@@ -23,6 +30,8 @@ namespace), and :meth:`~SharedRegion.attach` returns only once it is published. 
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import mmap
 import os
 import struct
@@ -36,6 +45,47 @@ _MAGIC = b"KVTR"
 _LENGTH = struct.Struct("<I")
 
 
+class RegionInUseError(FileExistsError):
+    """The region's name is held by a live process: another engine runs with the same engine_id."""
+
+
+def _locked_by_someone(fd: int) -> bool:
+    """Whether some open file description (a live creator) holds a ``flock`` on ``fd``'s file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return True
+        raise
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+def remove_if_abandoned(path: Path) -> bool:
+    """Unlink the region file ``path`` if no live process holds it; True if it was removed (or
+    already gone). Raises :class:`RegionInUseError` if a live process holds it."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    try:
+        if _locked_by_someone(fd):
+            raise RegionInUseError(
+                errno.EEXIST,
+                f"kvtier host region {path} is held by a running process: another engine uses the same "
+                "kv_transfer_config.engine_id; give each engine instance its own engine_id (or leave it "
+                "unset: vLLM then picks a unique one)",
+            )
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # hold it while unlinking: no new owner meanwhile
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return True
+    finally:
+        os.close(fd)
+
+
 def region_name(engine_id: str, rank: int) -> str:
     """File name of rank ``rank``'s region for the engine ``engine_id`` (unique per engine instance)."""
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in engine_id)
@@ -46,22 +96,32 @@ class SharedRegion:
     """A mapped shared-memory file: a header, then exactly ``size`` bytes of slots (:attr:`view`).
     Not thread-safe to close."""
 
-    def __init__(self, path: Path, mapping: mmap.mmap, size: int, owner: bool):
+    def __init__(self, path: Path, mapping: mmap.mmap, size: int, owner: bool, lock_fd: int = -1):
         self.path = path
         self.size = size
         self.owner = owner
+        self._lock_fd = lock_fd  # the creator's: holds the flock that marks the region live
         self._mmap: mmap.mmap | None = mapping
         self._whole = memoryview(mapping)
         self.view = self._whole[HEADER_BYTES:]
 
     @classmethod
     def create(cls, name: str, size: int, directory: Path = SHM_DIR) -> "SharedRegion":
-        """Create (exclusively) and pre-fault a region. Raises FileExistsError if it exists."""
+        """Create (exclusively) and pre-fault a region, replacing a dead engine's leftover of the
+        same name. Raises :class:`RegionInUseError` if a live process holds that name."""
         if size <= 0:
             raise ValueError(f"shared region size must be positive, got {size}")
         path = directory / name
         total = HEADER_BYTES + size
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        for attempt in range(3):
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                break
+            except FileExistsError:
+                if attempt == 2:
+                    raise
+                remove_if_abandoned(path)
+        fcntl.flock(fd, fcntl.LOCK_EX)  # ours alone: O_EXCL created it; held until close() or death
         try:
             os.ftruncate(fd, total)
             try:
@@ -74,9 +134,10 @@ class SharedRegion:
                     f"({exc.strerror}); lower cpu_bytes_to_use or enlarge {directory}",
                 ) from exc
             mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
+        except BaseException:
             os.close(fd)
-        return cls(path, mapping, size, owner=True)
+            raise
+        return cls(path, mapping, size, owner=True, lock_fd=fd)
 
     def publish(self, description: bytes) -> None:
         """Write ``description`` into the header (the creator, once, before anyone may attach)."""
@@ -103,8 +164,8 @@ class SharedRegion:
     def attach(
         cls, name: str, size: int, directory: Path = SHM_DIR, timeout_s: float = 120.0
     ) -> "SharedRegion":
-        """Map an existing region, waiting up to ``timeout_s`` for its creator to size it and
-        publish its description."""
+        """Map an existing region, waiting up to ``timeout_s`` for its live creator to size it and
+        publish its description (a file no live process holds is a dead engine's: never mapped)."""
         path = directory / name
         total = HEADER_BYTES + size
         deadline = time.monotonic() + timeout_s
@@ -117,7 +178,7 @@ class SharedRegion:
                     fd = -1
                 if fd >= 0:
                     try:
-                        if os.fstat(fd).st_size == total:
+                        if os.fstat(fd).st_size == total and _locked_by_someone(fd):
                             mapping = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
                             region = cls(path, mapping, size, owner=False)
                     finally:
@@ -153,3 +214,6 @@ class SharedRegion:
             # A tensor still exports the buffer; the OS unmaps it at process exit.
             pass
         self._mmap = None
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)  # releases the flock: the region no longer counts as live
+            self._lock_fd = -1

@@ -56,6 +56,9 @@ _USAGE_GAUGES: dict[str, tuple[str, str, str]] = {
     "remote_used_bytes": ("kvtier_tier_used_bytes", "Bytes held by each tier (all ranks)", "remote"),
     "remote_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "remote"),
     "host_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "host"),
+    "host_pinned_blocks": ("kvtier_tier_pinned_blocks",
+                           "Blocks being written or read (not evictable); 0 whenever no transfer is in flight",
+                           "host"),
     "disk_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "disk"),
 }
 _DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
