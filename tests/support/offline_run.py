@@ -171,7 +171,7 @@ def main() -> None:
                     }
                 )
         rounds.append(results)
-        round_metrics.append(kvtier_metrics(llm))
+        round_metrics.append(kvtier_metrics())
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     del llm
     print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions,
@@ -201,13 +201,21 @@ def wait_for_resume(index: int, timeout: float = 600) -> None:
         time.sleep(0.05)
 
 
-def kvtier_metrics(llm) -> dict[str, float]:
-    """The ``kvtier_*`` metrics in vLLM's metrics registry now (empty when vLLM keeps none)."""
+def kvtier_metrics() -> dict[str, float]:
+    """kvtier's Prometheus samples now, as ``name{label=value,...}`` -> value (counters as
+    ``..._total``; vLLM's own labels left out). Read from prometheus_client's registry, where vLLM's
+    stat logger (in this front-end process) keeps them: ``LLM.get_metrics()`` lists only ``vllm:*``."""
+    from prometheus_client import REGISTRY
+
     values = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("kvtier_") and hasattr(metric, "value"):
-            labels = ",".join(f"{k}={v}" for k, v in sorted(metric.labels.items()) if k not in ("engine", "model_name"))
-            values[f"{metric.name}{{{labels}}}"] = metric.value
+    for family in REGISTRY.collect():
+        if not family.name.startswith("kvtier_"):
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_created"):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("engine", "model_name"))
+            values[f"{sample.name}{{{labels}}}"] = sample.value
     return values
 
 
