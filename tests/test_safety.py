@@ -21,7 +21,13 @@ from kvtier.cli import serve as serve_mod
 from kvtier.cli.main import main
 from kvtier.core.config import ConfigError, KVTierConfig
 from kvtier.tiers.base import IoError
-from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header, encode_header, payload_checksum
+from kvtier.tiers.blockfile import (
+    HEADER_LEN,
+    CorruptBlockError,
+    decode_header,
+    encode_header,
+    payload_checksum,
+)
 from kvtier.tiers.disk import DiskTier, sanitize_model_name
 from kvtier.tiers.disk import files as disk_files
 from kvtier.tiers.disk.layout import Access, DiskLayout

@@ -35,9 +35,10 @@ class DiskTierStats:
     counts writes refused because the queue was full (``submit_write`` returned False) or that
     completed ``DROPPED``: block larger than the capacity, no evictable space, a re-store of a
     block whose write :meth:`~kvtier.tiers.disk.DiskTier.clear` cancelled while it was in flight,
-    and the two counted apart as well: ``writes_no_room`` (the namespace's usage ledger was full:
-    the processes sharing the root hold ``capacity_bytes``) and ``writes_no_space`` (the
-    filesystem refused: ``ENOSPC``, ``EDQUOT``, ``EFBIG``).
+    and the two counted apart as well: ``writes_no_room`` (the namespace's usage ledger stayed
+    full: the processes sharing the root hold ``capacity_bytes``) and ``writes_no_space`` (the
+    filesystem refused: ``ENOSPC``, ``EDQUOT``, ``EFBIG``). ``no_room_retries``: writes the ledger
+    refused that were tried again after this process evicted a block to make room.
     """
 
     reads_ok: int = 0
@@ -48,6 +49,7 @@ class DiskTierStats:
     writes_dropped: int = 0
     writes_no_room: int = 0
     writes_no_space: int = 0
+    no_room_retries: int = 0
     evictions: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
@@ -173,14 +175,30 @@ class DiskIndex:
         earlier = [self.unlinking.get(key), self.clearing, *map(self.unlinking.get, victims)]
         return tuple({id(f): f for f in earlier if f is not None}.values())
 
-    def give_way(self) -> None:
+    def give_way(self) -> Future | None:
         """The usage ledger had no room for a write: the processes sharing the root fill the
         namespace. Evict this process's least recently used block (not being read), so that every
-        writer gives way under shared pressure and the namespace keeps turning over."""
+        writer gives way under shared pressure and the namespace keeps turning over. Returns the
+        future of its unlink (None: nothing to evict)."""
         for key in self.index:
             if key not in self.reading:
                 self._evict_keys([key])
-                return
+                return self.unlinking.get(key)
+        return None
+
+    def retry_after_no_room(self, key: BlockKey) -> tuple[Future, ...] | None:
+        """A write of ``key`` found no room in the usage ledger: give way (one block) and return
+        what its retry must wait for (that unlink, and as at submit an earlier unlink of ``key``
+        and a pending clear() sweep); None when it is not retried (deleted or cleared meanwhile,
+        or nothing to evict). The write stays in flight, its space reserved."""
+        if key in self.cancelled:
+            return None
+        freed = self.give_way()
+        if freed is None:
+            return None
+        self.counts["no_room_retries"] += 1
+        earlier = (self.unlinking.get(key), self.clearing, freed)
+        return tuple({id(f): f for f in earlier if f is not None}.values())
 
     def _victims(self, extra: int, *, all_or_nothing: bool) -> list[BlockKey] | None:
         """LRU keys (not being read) to evict so that ``extra`` more bytes fit; None when that is

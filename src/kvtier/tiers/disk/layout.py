@@ -343,9 +343,8 @@ class DiskLayout:
                                 result.to_quarantine.append((hex_key, rank))
                             continue
                         found[hex_key] = st.st_mtime_ns
-                    elif name.endswith(".tmp"):
-                        if not remove_stale_tmp(f"{leaf}/{name}", name, now) and is_unit(name, prefix):
-                            units += 1
+                    elif name.endswith(".tmp") and not remove_stale_tmp(f"{leaf}/{name}", name, now):
+                        units += is_unit(name, prefix)
             per_rank.append(found)
         result.units = units
 

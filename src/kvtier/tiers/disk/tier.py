@@ -61,6 +61,7 @@ import queue
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
@@ -73,12 +74,18 @@ from kvtier.tiers.disk.index import DiskIndex, DiskTierStats
 from kvtier.tiers.disk.layout import Access, DiskLayout, ScanResult
 from kvtier.tiers.disk.ledger import Ledger, Sharing
 from kvtier.tiers.disk.snapshot import read_snapshot, write_snapshot
-from kvtier.tiers.disk.writer import NoSpaceLog, write_block
+from kvtier.tiers.disk.writer import NoSpaceLog, WriteOutcome, write_block
 
 logger = logging.getLogger(__name__)
 
 # Messages a worker posts to the completion queue.
 _MSG_IO = 0  # (kind, IoResult, read: key generation at submit or None; write: WriteOutcome, None if no job ran)
+_MSG_NO_ROOM = 3  # (kind, _WriteJob): the usage ledger refused a write that may be retried
+
+NO_ROOM_RETRIES = 4
+"""How often a write the usage ledger refuses is retried, each time after this process evicted its
+least recently used block (engines sharing a root evict the same blocks from their shared view
+of it, so one eviction of a pair often frees nothing)."""
 _MSG_REMOVED = 1  # (kind, keys unlinked or None for a clear() sweep, future, io_errors)
 _MSG_SCAN = 2  # (kind, ScanResult, gen at scan start)
 
@@ -229,7 +236,7 @@ class DiskTier(SecondaryTier):
         wait_for = self._state.reserve_write(key)
         if wait_for is None:
             return self._settle_write(job_id, key, IoError.DROPPED)
-        self._write_pool.submit(self._write_job, job_id, key, wait_for, parent, num_tokens, views)
+        self._write_pool.submit(self._write_job, _WriteJob(job_id, key, parent, num_tokens, views), wait_for)
         return True
 
     def poll(self) -> list[IoResult]:
@@ -253,6 +260,8 @@ class DiskTier(SecondaryTier):
                 elif msg[2] is not None:  # a write job that ran (not a dedup or refusal decided at submit)
                     self._state.finish_write(result, msg[2])
                 results.append(result)
+            elif kind == _MSG_NO_ROOM:
+                self._retry_or_drop(msg[1], results)
             elif kind == _MSG_REMOVED:
                 self._state.finish_removal(msg[1], msg[2], msg[3])
             elif kind == _MSG_SCAN:
@@ -384,6 +393,20 @@ class DiskTier(SecondaryTier):
 
     # ------------------------------------------------------------------ submission helpers (caller thread)
 
+    def _retry_or_drop(self, job: _WriteJob, results: list[IoResult]) -> None:
+        """The usage ledger refused ``job``: give way and retry it, or (retries spent, nothing to
+        evict, deleted meanwhile, closed) complete it ``DROPPED``."""
+        wait_for = None
+        if job.attempt < NO_ROOM_RETRIES and not self._closed:
+            wait_for = self._state.retry_after_no_room(job.key)
+        if wait_for is not None:
+            job.attempt += 1
+            self._write_pool.submit(self._write_job, job, wait_for)
+            return
+        result = IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED)
+        self._state.finish_write(result, WriteOutcome.NO_ROOM)
+        results.append(result)
+
     def _byte_views(self, buffers: Sequence[memoryview], *, writable: bool, what: str) -> list[memoryview]:
         return disk_io.byte_views(
             buffers, count=self._world, nbytes=self._payload_bytes, writable=writable, what=what
@@ -418,26 +441,23 @@ class DiskTier(SecondaryTier):
         nbytes = 0 if error is not None else self._payload_bytes * self._world
         self._done.put((_MSG_IO, IoResult(job_id, IoKind.READ, key, error is None, nbytes, seconds, error), gen))
 
-    def _write_job(
-        self,
-        job_id: int,
-        key: BlockKey,
-        wait_for: tuple[Future, ...],
-        parent: BlockKey,
-        num_tokens: int,
-        sources: list[memoryview],
-    ) -> None:
-        """Write ``key``'s files once the removals in ``wait_for`` are done; post the outcome."""
+    def _write_job(self, job: _WriteJob, wait_for: tuple[Future, ...]) -> None:
+        """Write ``job``'s files once the removals in ``wait_for`` are done; post the outcome."""
         for future in wait_for:  # queued before this job, so already running or done: no deadlock
             future.result()
         start = time.perf_counter()
         outcome = write_block(
-            self._layout, self._ledger, self._no_space, self._rank_digests, key, parent, num_tokens, sources
+            self._layout, self._ledger, self._no_space, self._rank_digests,
+            job.key, job.parent, job.num_tokens, job.sources,
         )
+        if outcome is WriteOutcome.NO_ROOM:
+            self._done.put((_MSG_NO_ROOM, job))
+            return
         seconds = time.perf_counter() - start
         error = outcome.error
         nbytes = self._state.block_bytes if error is None else 0
-        self._done.put((_MSG_IO, IoResult(job_id, IoKind.WRITE, key, error is None, nbytes, seconds, error), outcome))
+        result = IoResult(job.job_id, IoKind.WRITE, job.key, error is None, nbytes, seconds, error)
+        self._done.put((_MSG_IO, result, outcome))
 
     def _removal_job(
         self, keys: list[BlockKey] | None, future: Future | None, earlier: tuple[Future, ...]
@@ -481,6 +501,18 @@ class DiskTier(SecondaryTier):
         result = self._layout.scan(known, self._file_bytes)
         disk_io.settle_scan(self._layout, self._ledger, result, since)
         return result
+
+
+@dataclass(slots=True)
+class _WriteJob:
+    """A write in flight: what a retry needs (``sources`` stay valid until its result is returned)."""
+
+    job_id: int
+    key: BlockKey
+    parent: BlockKey
+    num_tokens: int
+    sources: list[memoryview]
+    attempt: int = 0  # retries after the usage ledger refused it
 
 
 def _distinct(futures: Iterable[Future | None]) -> tuple[Future, ...]:

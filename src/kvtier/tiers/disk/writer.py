@@ -109,7 +109,7 @@ def write_block(
                 published.append(temp.final)
             else:
                 surplus.append(temp)
-    except Exception as exc:  # OSError (ENOSPC, EIO, ...) or a bug: the job must still complete
+    except Exception as exc:  # noqa: BLE001 - OSError (ENOSPC, EIO, ...) or a bug: the job must still complete
         _roll_back(ledger, temps, published, charged, file_bytes)
         return _failed(layout, hex_key, exc, no_space)
     if surplus:
