@@ -165,6 +165,7 @@ def test_inspect_counts_bytes_ages_without_reading_blocks(cache: Cache, monkeypa
     assert (qwen.complete_blocks, qwen.temp_files, qwen.temp_bytes) == (4, 1, 10)
     assert (qwen.quarantine_files, qwen.quarantine_bytes, smol.quarantine_files) == (1, 100, 0)
     assert (inventory.quarantine_files, inventory.strays) == (1, [])
+    assert (smol.ledger_bytes, qwen.ledger_bytes) == (12 * FILE_BYTES, 8 * FILE_BYTES)  # as the tier charged
 
     cache.age("smol", 1, 100 * DAY)
     code, out = run("inspect", cache.root, "--json")

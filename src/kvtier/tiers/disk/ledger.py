@@ -117,6 +117,16 @@ def decode(data: bytes) -> tuple[int, int, int]:
     return unit_bytes, nbytes, version
 
 
+def peek_bytes(path: str) -> int | None:
+    """The bytes a ledger file charges, read without its lock (for ``kvtier inspect``; a record
+    caught mid-update fails its checksum); None if it is missing or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            return decode(f.read(RECORD_BYTES + 1))[1]
+    except (OSError, ValueError):
+        return None
+
+
 @dataclass(slots=True)
 class Usage:
     """The ledger's content while its lock is held (``tracked`` False: no usable ledger, changes
