@@ -3,6 +3,7 @@
 Layout (the one vLLM's fs tier documents, so operators know it)::
 
     <root>/<model>_<digest16>/config.json                 the namespace, as JSON
+    <root>/<model>_<digest16>/usage_g<group>              the usage ledger (kvtier.tiers.disk.ledger)
     <root>/<model>_<digest16>_r<rank>/<hhh>/<hh>_g<group>/<hash_hex>.bin
     <root>/quarantine/<model>_<digest16>_r<rank>__<hash_hex>.bin
 
@@ -10,7 +11,8 @@ Layout (the one vLLM's fs tier documents, so operators know it)::
 ``<digest16>`` the first 16 hex digits of the rank-independent namespace digest, ``<hash_hex>``
 the block key in hex, ``<hhh>``/``<hh>`` its first 3 and next 2 hex digits. Each ``.bin`` is a
 "kvtier block file v1" (:mod:`kvtier.tiers.blockfile`). A block is present only when the file
-of every rank exists. Writers publish a file by renaming ``<hash_hex>.bin.<pid>.<random>.tmp``.
+of every rank exists. Writers publish a file by linking ``<hash_hex>.bin.<pid>.<random>.tmp`` to its
+final name (:mod:`kvtier.tiers.disk.writer`).
 
 Access: directories kvtier creates are owner-only (0700) and files 0600, unless the operator
 asks for group access (:attr:`Access.GROUP`: 2770 and 0660, the set-gid bit keeping the group of

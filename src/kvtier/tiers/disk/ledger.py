@@ -28,10 +28,13 @@ Invariants, kept by every writer and remover of those files:
 - A charge is given back only under the lock, and before the file it paid for disappears: temp
   files are removed after their charge is given back; block files are removed (unlinked, renamed
   into quarantine) while holding the lock, together with giving back exactly the files removed.
-- Hence the ledger never counts less than the charged files present (absent tampering), so the
-  block files of the namespace never exceed ``capacity_bytes`` on disk. It may count more (drift:
-  a writer killed between its charge and its clean-up, a file deleted by hand): a scan of the files
-  sets it to what it counted when no update happened during its walk (:func:`Ledger.reconcile`).
+- Hence the ledger never counts less than the charged files present (absent tampering, such as
+  block files copied in by hand), so the block files of the namespace never exceed
+  ``capacity_bytes`` on disk. It may count more (drift: a writer killed between its charge and its
+  clean-up, a file deleted by hand, or temp files a scan counted before their writer charged them,
+  at most one block per write in flight): a scan of the files sets it to what it counted when no
+  update happened during its walk (:meth:`Ledger.reconcile`), which needs a moment when no engine
+  writes; until then the namespace holds that much less.
 - A missing or unreadable ledger is rebuilt by the next engine update, from the files, under the
   lock (temp files included, so charges of writes in flight are kept).
 

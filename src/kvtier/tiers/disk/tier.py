@@ -27,7 +27,8 @@ LRU blocks) when it is submitted, so indexed plus in-flight bytes never exceed
 ``capacity_bytes``. A key with a read in flight is never evicted. An evicted or deleted key
 leaves the index at once, before its files are unlinked on the write pool; a later write of the
 same key waits for that unlink (and for a pending :meth:`clear` sweep) first, so an unlink can
-never remove a newer file.
+never remove a newer file. A write also waits for the unlink of the blocks evicted to make room for
+it, so that their bytes are back in the usage ledger (below) before it charges its own.
 
 Sharing a root. ``capacity_bytes`` bounds the block files of the namespace and group on disk,
 however many processes write them: they share its usage ledger (:mod:`kvtier.tiers.disk.ledger`,
