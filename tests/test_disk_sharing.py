@@ -302,7 +302,7 @@ def test_files_deleted_by_hand_are_given_back_by_a_rescan(tier):
     assert ledger_bytes(layout) == 7 * BLOCK == bin_bytes(layout)
 
 
-@pytest.mark.parametrize("damage", ["garbage", "removed", "truncated", "too_low"])
+@pytest.mark.parametrize("damage", ["garbage", "removed", "truncated", "too_long", "too_low"])
 def test_a_damaged_ledger_is_rebuilt_from_the_files(tier, damage):
     fill(tier, 6)
     layout = layout_of(tier)
@@ -313,10 +313,12 @@ def test_a_damaged_ledger_is_rebuilt_from_the_files(tier, damage):
         path.unlink()
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:17])
+    elif damage == "too_long":
+        path.write_bytes(path.read_bytes() + b"\n")
     else:  # a valid record that counts less than is there (edited by hand)
         path.write_bytes(encode(HEADER_LEN + PAYLOAD, 0, 12345))
     tier.rescan(wait=True)
-    assert ledger_bytes(layout) == 6 * BLOCK == bin_bytes(layout)
+    assert ledger_bytes(layout) == 6 * BLOCK == bin_bytes(layout) and path.stat().st_size == 40
     assert write(tier, key_for(4, 0)).ok
     assert ledger_bytes(layout) == 7 * BLOCK == bin_bytes(layout)
 

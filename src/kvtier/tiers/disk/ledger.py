@@ -34,7 +34,10 @@ Invariants, kept by every writer and remover of those files:
   clean-up, a file deleted by hand, or temp files a scan counted before their writer charged them,
   at most one block per write in flight): a scan of the files sets it to what it counted when no
   update happened during its walk (:meth:`Ledger.reconcile`), which needs a moment when no engine
-  writes; until then the namespace holds that much less.
+  writes; until then the namespace holds that much less. (That walk relies on listing a leaf
+  directory being atomic with respect to a ``link`` + ``unlink`` in it, as on local filesystems for
+  directories this small; a network filesystem may rarely let a walk miss a file being published,
+  and the ledger then counts that file less until the next reconcile.)
 - A missing or unreadable ledger is rebuilt by the next engine update, from the files, under the
   lock (temp files included, so charges of writes in flight are kept).
 
@@ -286,6 +289,8 @@ class Ledger:
                 data = encode(usage.unit_bytes, usage.bytes, usage.version)
                 if os.pwrite(fd, data, 0) != len(data):
                     raise OSError(errno.EIO, f"short write to {self.path}")
+                if os.fstat(fd).st_size != len(data):  # a rebuilt file that was longer
+                    os.ftruncate(fd, len(data))
         finally:
             os.close(fd)  # releases the lock
 

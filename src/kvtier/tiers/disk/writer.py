@@ -153,7 +153,11 @@ def _create_temp(layout: DiskLayout, hex_key: str, rank: int) -> _Temp:
                 raise
             layout.forget_checked(directory)
             layout.make_dir(directory)
-    os.fchmod(temp.fd, layout.access.file_mode)  # the umask must not change it
+    try:
+        os.fchmod(temp.fd, layout.access.file_mode)  # the umask must not change it
+    except BaseException:
+        _remove_temps([temp])
+        raise
     return temp
 
 
