@@ -21,6 +21,7 @@ from kvtier.tiers.base import IoError, IoKind, IoResult
 from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.layout import DiskLayout
+from kvtier.tiers.disk.ledger import decode, ledger_path
 
 PAYLOAD = 256
 FILE_BYTES = HEADER_LEN + PAYLOAD
@@ -85,6 +86,16 @@ class Cache:
         stamp = time.time() - seconds
         for rank in ranks:
             os.utime(self.path(name, i, rank), (stamp, stamp))
+
+    def ledger_bytes(self, name: str) -> int:
+        """The bytes the namespace's usage ledger charges."""
+        with open(ledger_path(self.layout(name)), "rb") as f:
+            return decode(f.read())[1]
+
+    def block_bytes(self, name: str) -> int:
+        """The bytes of the namespace's block files in their place (what its ledger must charge)."""
+        layout = self.layout(name)
+        return sum(os.path.getsize(p) for rank in range(WORLD) for p in Path(layout.rank_dirs[rank]).rglob("*.bin"))
 
     def files(self) -> dict[str, int]:
         """Every file under the root with its size (to check that nothing changed)."""
@@ -154,6 +165,7 @@ def test_inspect_counts_bytes_ages_without_reading_blocks(cache: Cache, monkeypa
     assert (qwen.complete_blocks, qwen.temp_files, qwen.temp_bytes) == (4, 1, 10)
     assert (qwen.quarantine_files, qwen.quarantine_bytes, smol.quarantine_files) == (1, 100, 0)
     assert (inventory.quarantine_files, inventory.strays) == (1, [])
+    assert (smol.ledger_bytes, qwen.ledger_bytes) == (12 * FILE_BYTES, 8 * FILE_BYTES)  # as the tier charged
 
     cache.age("smol", 1, 100 * DAY)
     code, out = run("inspect", cache.root, "--json")
@@ -251,8 +263,8 @@ def test_purge_by_namespace_and_model(cache: Cache) -> None:
     code, out = run("purge", cache.root, "--namespace", digest)
     assert code == 0
     assert f"removed 4 blocks, 8 files, {8 * FILE_BYTES / 1024:.1f} KiB; config.json removed" in out
-    assert not any(p.name.startswith("Qwen3") for p in cache.root.iterdir())  # emptied dirs gone too
-    assert len(cache.files()) == 1 + 12 + 1  # smol's config, blocks and index snapshot untouched
+    assert not any(p.name.startswith("Qwen3") for p in cache.root.iterdir())  # emptied dirs, ledger gone too
+    assert len(cache.files()) == 1 + 12 + 1 + 1  # smol's config, blocks, index snapshot and ledger untouched
     code, out = run("purge", cache.root, "--model", "HuggingFaceTB/SmolLM2-135M-Instruct", "--json")
     data = json.loads(out)
     assert code == 0 and data["files"] == 12 and data["bytes"] == 12 * FILE_BYTES
@@ -280,10 +292,18 @@ def test_purge_quarantine_and_all(cache: Cache) -> None:
     assert code == 0 and f"quarantine: removed 1 files, {FILE_BYTES} B" in out and "removed 4 blocks, 7 files" in out
     assert os.listdir(cache.root / "quarantine") == [os.path.basename(
         cache.layout("smol").quarantine_path(key_of("smol", 0).hex(), 0))]
-    assert len(cache.files()) == 1 + 11 + 1 + 1  # smol: config, blocks, snapshot; 1 quarantined
+    assert len(cache.files()) == 1 + 11 + 1 + 1 + 1  # smol: config, blocks, snapshot, ledger; 1 quarantined
+    assert cache.ledger_bytes("smol") == cache.block_bytes("smol") == 11 * FILE_BYTES  # verify gave one back
     code, out = run("purge", cache.root, "--all")
     assert code == 0 and "removed 12 files" in out
     assert cache.files() == {} and os.listdir(cache.root) == ["quarantine"]
+
+
+def test_purge_older_than_gives_the_bytes_back_to_the_ledger(cache: Cache) -> None:
+    assert cache.ledger_bytes("smol") == cache.block_bytes("smol") == 2 * 6 * FILE_BYTES
+    purge_cache(cache.root, PurgeSelection(older_than=parse_duration("2d12h")))
+    assert cache.ledger_bytes("smol") == cache.block_bytes("smol") == 2 * 3 * FILE_BYTES
+    assert cache.ledger_bytes("qwen") == cache.block_bytes("qwen") == 2 * 3 * FILE_BYTES
 
 
 def test_purge_refuses_without_or_with_bad_selectors(cache: Cache) -> None:
@@ -306,6 +326,9 @@ def test_purge_while_a_tier_is_open(cache: Cache) -> None:
         writer_tmp.write_bytes(b"partial")  # a write in progress: never touched
         code, out = run("purge", cache.root, "--namespace", cache.prefix("smol"))
         assert code == 0 and "removed 6 blocks, 12 files" in out and "config.json" not in out
+        # The room is there for the engines at once; a writer's temp file is charged too, if the
+        # start-up rescan (in the background) counted it.
+        assert cache.ledger_bytes("smol") in (0, FILE_BYTES)
         assert writer_tmp.read_bytes() == b"partial" and os.path.exists(cache.layout("smol").ns_dir + "/config.json")
 
         result = read(tier, key)  # still indexed: the read finds no file, a miss

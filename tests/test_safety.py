@@ -21,10 +21,17 @@ from kvtier.cli import serve as serve_mod
 from kvtier.cli.main import main
 from kvtier.core.config import ConfigError, KVTierConfig
 from kvtier.tiers.base import IoError
-from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header, encode_header, payload_checksum
+from kvtier.tiers.blockfile import (
+    HEADER_LEN,
+    CorruptBlockError,
+    decode_header,
+    encode_header,
+    payload_checksum,
+)
 from kvtier.tiers.disk import DiskTier, sanitize_model_name
 from kvtier.tiers.disk import files as disk_files
 from kvtier.tiers.disk.layout import Access, DiskLayout
+from kvtier.tiers.disk.ledger import Ledger
 
 KEY = bytes(range(32))
 NS = b"\xab" * 32
@@ -112,7 +119,7 @@ def test_a_damaged_block_file_is_never_served(tmp_path, data):
             return
     path.write_bytes(bad)
     dest = memoryview(bytearray(PAYLOAD))
-    error = disk_files.read_block(layout, [NS], KEY, [dest])
+    error = disk_files.read_block(layout, Ledger.for_tool(layout), [NS], KEY, [dest])
     assert error in (IoError.CORRUPT, IoError.NOT_FOUND)
 
 
@@ -122,7 +129,9 @@ def test_a_valid_file_is_read(tmp_path):
     path.parent.mkdir(parents=True)
     path.write_bytes(valid_file())
     dest = bytearray(PAYLOAD)
-    assert disk_files.read_block(layout, [NS], KEY, [memoryview(dest)]) is None and bytes(dest) == bytes(range(PAYLOAD))
+    ledger = Ledger.for_tool(layout)  # no ledger file: reads need none
+    assert disk_files.read_block(layout, ledger, [NS], KEY, [memoryview(dest)]) is None
+    assert bytes(dest) == bytes(range(PAYLOAD))
 
 
 @settings(max_examples=500, deadline=None)
@@ -211,7 +220,8 @@ def test_a_symlinked_block_file_is_not_read(tmp_path):
         path = Path(disk.block_path(KEY, 0))
         path.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(target, path)
-        assert disk_files.read_block(disk._layout, [NS], KEY, [memoryview(bytearray(PAYLOAD))]) is IoError.IO  # noqa: SLF001
+        layout, ledger = disk._layout, disk._ledger  # noqa: SLF001
+        assert disk_files.read_block(layout, ledger, [NS], KEY, [memoryview(bytearray(PAYLOAD))]) is IoError.IO
     finally:
         disk.close()
 

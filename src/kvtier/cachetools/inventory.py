@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.core.keys import describe_config
+from kvtier.tiers.disk.ledger import ledger_files, peek_bytes
 from kvtier.tiers.disk.snapshot import peek_count, snapshot_files
 
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (
@@ -61,6 +62,7 @@ class NamespaceInventory:
     stray_files: int = 0
     snapshot_blocks: int | None = None  # keys its index snapshot(s) name (None: no usable snapshot)
     snapshot_written: float | None = None  # newest snapshot's mtime (seconds since the epoch)
+    ledger_bytes: int | None = None  # what its usage ledgers charge (None: no readable ledger)
 
 
 @dataclass(slots=True)
@@ -141,6 +143,9 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]]) ->
         summary.ages[age_bucket(now - mtime_ns / 1e9)] += 1
         newest = max(newest, mtime_ns)
     summary.last_use = newest / 1e9 if newest else None
+    charged = [peek_bytes(path) for path in ledger_files(ns.ns_dir)]
+    if any(c is not None for c in charged):
+        summary.ledger_bytes = sum(c for c in charged if c is not None)
     for path in snapshot_files(ns.ns_dir):
         count = peek_count(path)
         if count is not None:

@@ -5,8 +5,11 @@ renamed or truncated, and writers' temp files are never touched. An engine whose
 holds a purged block sees a ``NOT_FOUND`` read, which the disk tier treats as a miss, and forgets
 it. Emptied directories are removed with ``rmdir`` only (it refuses a directory that a writer
 has just filled again; a writer finding its directory gone recreates it). ``config.json`` goes
-only with whole namespaces and only if no block or temp file is left in them. Removing blocks also
-removes the namespace's index snapshots (the next start-up then scans the files).
+only with whole namespaces and only if no block or temp file is left in them (the index snapshots
+and usage ledgers go with it). Removing blocks also removes the namespace's index snapshots (the next
+start-up then scans the files). Block files are unlinked under the lock of their group's usage ledger
+(:mod:`kvtier.tiers.disk.ledger`), which gives back exactly the bytes of the files removed, so the
+engines sharing the root see the room at once.
 
 Called by ``kvtier purge`` (:mod:`kvtier.cli.cache`) in the command's process, one thread.
 """
@@ -20,10 +23,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
+from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.cachetools.selection import select
 from kvtier.tiers.disk.files import rmdir_quiet
-from kvtier.tiers.disk.layout import unlink_quiet
+from kvtier.tiers.disk.layout import Removal, remove_file, unlink_quiet
+from kvtier.tiers.disk.ledger import Ledger, ledger_files
 from kvtier.tiers.disk.snapshot import remove_snapshots
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
@@ -155,27 +159,27 @@ def purge_cache(
 
 def _purge_namespace(ns: CacheNamespace, cutoff_ns: int | None, whole: bool, dry_run: bool) -> NamespacePurge:
     result = NamespacePurge(ns.prefix)
-    blocks: dict[tuple[int, str], list[tuple[str, int, int]]] = {}  # (group, key) -> [(path, size, mtime_ns)]
+    blocks: dict[tuple[int, str], list[CacheFile]] = {}  # (group, key) -> its files
     others = 0  # temp files and other entries that keep config.json in place
     for f in iter_files(ns, stat=True):
         if f.hex_key is not None and f.kind is not Kind.TEMP:
-            blocks.setdefault((f.group or 0, f.hex_key), []).append((f.path, f.size, f.mtime_ns))
+            blocks.setdefault((f.group or 0, f.hex_key), []).append(f)
         else:
             others += 1
-    leaves: set[str] = set()
+    doomed: list[CacheFile] = []
     for files in blocks.values():
-        if cutoff_ns is not None and max(mtime for _, _, mtime in files) >= cutoff_ns:
+        if cutoff_ns is not None and max(f.mtime_ns for f in files) >= cutoff_ns:
             continue
-        if not dry_run:
-            if cutoff_ns is not None and _used_since(files, cutoff_ns):
-                result.skipped += 1
-                continue
-            for path, _, _ in files:
-                result.errors += not unlink_quiet(path)
-                leaves.add(os.path.dirname(path))
+        if not dry_run and cutoff_ns is not None and _used_since(files, cutoff_ns):
+            result.skipped += 1
+            continue
+        doomed += files
         result.blocks += 1
         result.files += len(files)
-        result.bytes += sum(size for _, size, _ in files)
+        result.bytes += sum(f.size for f in files)
+    if not dry_run:
+        result.errors += _remove_files(ns, doomed)
+    leaves = {os.path.dirname(f.path) for f in doomed} if not dry_run else set()
     for leaf in leaves:
         rmdir_quiet(leaf)
         rmdir_quiet(os.path.dirname(leaf))
@@ -189,11 +193,27 @@ def _purge_namespace(ns: CacheNamespace, cutoff_ns: int | None, whole: bool, dry
     return result
 
 
-def _used_since(files: list[tuple[str, int, int]], cutoff_ns: int) -> bool:
+def _remove_files(ns: CacheNamespace, files: list[CacheFile]) -> int:
+    """Unlink ``files``; those the engines' usage ledgers charge (block files in their place, of a
+    rank the namespace has) under their group's ledger lock. Returns how many unlinks failed."""
+    charged: dict[int, list[str]] = {}
+    errors = 0
+    for f in files:
+        if f.kind is Kind.BLOCK and f.rank < ns.world:
+            charged.setdefault(f.group or 0, []).append(f.path)
+        else:
+            errors += remove_file(f.path) is Removal.FAILED
+    for group, paths in charged.items():
+        outcomes = Ledger.for_tool(ns.layout(group)).remove(paths)
+        errors += sum(outcome is Removal.FAILED for outcome in outcomes)
+    return errors
+
+
+def _used_since(files: list[CacheFile], cutoff_ns: int) -> bool:
     """Whether a file of the block was read or rewritten since it was selected (re-``stat``)."""
-    for path, _, _ in files:
+    for f in files:
         try:
-            if os.stat(path).st_mtime_ns >= cutoff_ns:
+            if os.stat(f.path).st_mtime_ns >= cutoff_ns:
                 return True
         except OSError:
             pass
@@ -201,11 +221,13 @@ def _used_since(files: list[tuple[str, int, int]], cutoff_ns: int) -> bool:
 
 
 def _drop_namespace(ns: CacheNamespace) -> bool:
-    """Remove config.json (True if it was there) and the emptied directories, unless a block or
-    temp file appeared meanwhile."""
+    """Remove config.json (True if it was there), the usage ledgers and the emptied directories,
+    unless a block or temp file appeared meanwhile."""
     if next(iter_files(ns, stat=False), None) is not None:
         return False
     removed = os.path.exists(ns.config_path) and unlink_quiet(ns.config_path)
+    for path in ledger_files(ns.ns_dir):  # an engine still writing recreates its own from the files
+        unlink_quiet(path)
     for rank_dir in ns.rank_dirs.values():
         for dirpath, _, _ in os.walk(rank_dir, topdown=False):
             rmdir_quiet(dirpath)

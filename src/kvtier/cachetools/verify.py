@@ -6,6 +6,8 @@ block size) and a bad one is moved by the tier's own :meth:`DiskLayout.quarantin
 where and under the name the tier would have used. Safe while engines use the root: files are
 only read (mtimes untouched), a file that vanishes meanwhile (evicted) is skipped, and moving a
 file away is what the tier itself does on a bad read (an engine then sees a ``NOT_FOUND`` miss).
+A block file moved from its place is moved under the lock of its group's usage ledger
+(:mod:`kvtier.tiers.disk.ledger`), which gives its bytes back.
 
 Called by ``kvtier verify`` (:mod:`kvtier.cli.cache`) in the command's process, one thread.
 """
@@ -22,6 +24,8 @@ from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, discover, it
 from kvtier.cachetools.selection import select
 from kvtier.tiers.blockfile import CorruptBlockError
 from kvtier.tiers.disk.files import verify_file
+from kvtier.tiers.disk.layout import Removal
+from kvtier.tiers.disk.ledger import Ledger
 
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(files_done, files_total)`` while verifying."""
@@ -140,6 +144,15 @@ def _settle(ns: CacheNamespace, f: CacheFile, reason: str, quarantine: bool) -> 
     """Quarantine a bad block-named file (as the tier names it); leave anything else in place."""
     if not quarantine or f.hex_key is None or reason.startswith("I/O error"):
         return Problem(f.path, reason, "left in place", ns.prefix)
-    moved = ns.layout(f.group or 0).quarantine(f.hex_key, f.rank, src=f.path)
-    action = "quarantined" if moved else ("left in place" if os.path.exists(f.path) else "gone")
+    layout = ns.layout(f.group or 0)
+    hex_key, rank = f.hex_key, f.rank
+
+    def move(path: str) -> Removal:
+        return layout.quarantine(hex_key, rank, src=path)
+
+    if f.kind is Kind.BLOCK and f.rank < ns.world:  # charged by the engines' usage ledger
+        (outcome,) = Ledger.for_tool(layout).remove([f.path], move)
+    else:
+        outcome = move(f.path)
+    action = "quarantined" if outcome is Removal.MOVED else ("left in place" if os.path.exists(f.path) else "gone")
     return Problem(f.path, reason, action, ns.prefix)

@@ -152,10 +152,11 @@ def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
     incomplete = f"\n[yellow]+{ns.incomplete_blocks:,} incomplete[/]" if ns.incomplete_blocks else ""
     if ns.snapshot_blocks is not None:
         incomplete += f"\n[dim]snapshot {ns.snapshot_blocks:,}[/dim]"
+    ledger = f"\n[dim]ledger {fmt_bytes(ns.ledger_bytes)}[/dim]" if ns.ledger_bytes is not None else ""
     return {
         "namespace": name,
         "blocks": f"{ns.complete_blocks:,}{incomplete}",
-        "size": f"{fmt_bytes(ns.block_bytes)}\n[dim]{ns.block_files:,} files[/dim]",
+        "size": f"{fmt_bytes(ns.block_bytes)}\n[dim]{ns.block_files:,} files[/dim]{ledger}",
         **{label: str(count or "-") for label, count in ns.ages.items()},
         "last use": fmt_ago(now - ns.last_use) if ns.last_use is not None else "-",
         "quarantine": f"{ns.quarantine_files} · {fmt_bytes(ns.quarantine_bytes)}" if ns.quarantine_files else "-",
@@ -193,6 +194,8 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
             console.print(f"  last use    {cells['last use']} · quarantine {cells['quarantine']} · temp {cells['temp']}")
             if ns.snapshot_blocks is not None:
                 console.print(f"  snapshot    index of {ns.snapshot_blocks:,} blocks (a restart serves from it)")
+            if ns.ledger_bytes is not None:
+                console.print(f"  ledger      {fmt_bytes(ns.ledger_bytes)} charged (bounded by capacity_bytes)")
     total_blocks = sum(ns.complete_blocks for ns in inventory.namespaces)
     total_bytes = sum(ns.block_bytes for ns in inventory.namespaces)
     console.print(f"{len(inventory.namespaces)} namespace(s), {total_blocks:,} complete blocks, "

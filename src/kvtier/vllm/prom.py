@@ -34,9 +34,9 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "stores_dropped": ("kvtier_stores_dropped", "Blocks not stored because every host slot was pinned", None, None),
     "stores_skipped_threshold": ("kvtier_stores_skipped_threshold", "Stores skipped by store_threshold", None, None),
     "disk_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
-                            "server down or full), by tier", "tier", "disk"),
+                            "disk full, server down or full), by tier", "tier", "disk"),
     "remote_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
-                              "server down or full), by tier", "tier", "remote"),
+                              "disk full, server down or full), by tier", "tier", "remote"),
     "promotions": ("kvtier_promotions", "Blocks promoted from disk into the host tier", None, None),
     "promotion_failures": ("kvtier_promotion_failures", "Disk reads that failed (block became a miss)", None, None),
     "load_errors": ("kvtier_load_errors", "Loads into the engine that failed (recomputed by vLLM)", None, None),

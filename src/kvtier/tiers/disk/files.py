@@ -1,9 +1,12 @@
-"""Block file I/O of the disk tier: what its worker threads do with the files.
+"""Block file I/O of the disk tier: what its worker threads do with the files (writes:
+:mod:`kvtier.tiers.disk.writer`).
 
-Pure functions on paths (a :class:`~kvtier.tiers.disk.layout.DiskLayout`) and buffers. They
-never touch the tier's in-memory index or completion queue and never raise for an I/O failure:
-they return what happened (an :class:`~kvtier.tiers.base.IoError`, or a count of failed
-unlinks) and the tier posts it for :meth:`~kvtier.tiers.disk.DiskTier.poll` to apply.
+Pure functions on paths (a :class:`~kvtier.tiers.disk.layout.DiskLayout`), buffers and the
+namespace's usage ledger (:mod:`kvtier.tiers.disk.ledger`: every file they remove from its place
+is removed under its lock, which gives its bytes back). They never touch the tier's in-memory
+index or completion queue and never raise for an I/O failure: they return what happened (an
+:class:`~kvtier.tiers.base.IoError`, or a count of failed removals) and the tier posts it for
+:meth:`~kvtier.tiers.disk.DiskTier.poll` to apply.
 :func:`byte_views` is the exception: the tier calls it on the caller's thread when a job is
 submitted. :func:`check_header` and :func:`verify_file` (shared with ``kvtier verify``) raise
 :class:`~kvtier.tiers.blockfile.CorruptBlockError` for their callers to handle.
@@ -11,11 +14,10 @@ submitted. :func:`check_header` and :func:`verify_file` (shared with ``kvtier ve
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import secrets
 from collections.abc import Sequence
+from functools import partial
 
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError
@@ -24,11 +26,11 @@ from kvtier.tiers.blockfile import (
     BlockHeader,
     CorruptBlockError,
     decode_header,
-    encode_header,
     payload_checksum,
     payload_hasher,
 )
-from kvtier.tiers.disk.layout import DiskLayout, unlink_quiet
+from kvtier.tiers.disk.layout import DiskLayout, Removal, ScanResult, is_unit, remove_file
+from kvtier.tiers.disk.ledger import Ledger, Reconciled
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +70,7 @@ def _as_byte_view(buf: memoryview, *, writable: bool, what: str) -> memoryview:
 
 
 def read_block(
-    layout: DiskLayout, namespaces: Sequence[bytes], key: BlockKey, dests: Sequence[memoryview]
+    layout: DiskLayout, ledger: Ledger, namespaces: Sequence[bytes], key: BlockKey, dests: Sequence[memoryview]
 ) -> IoError | None:
     """Read and verify every rank's file of ``key`` into ``dests``; None when all are valid.
 
@@ -83,7 +85,7 @@ def read_block(
             _read_file(path, namespaces[rank], rank, key, dest)
     except CorruptBlockError as exc:
         logger.warning("kvtier disk: corrupt block file %s (%s); quarantined", paths[rank], exc)
-        layout.quarantine(hex_key, rank)
+        ledger.remove([paths[rank]], lambda _: layout.quarantine(hex_key, rank))
         return IoError.CORRUPT
     except FileNotFoundError:
         return IoError.NOT_FOUND
@@ -167,117 +169,68 @@ def verify_file(
         os.close(fd)
 
 
-# ---------------------------------------------------------------------- writes
-
-
-def write_block(
-    layout: DiskLayout,
-    namespaces: Sequence[bytes],
-    key: BlockKey,
-    parent: BlockKey,
-    num_tokens: int,
-    sources: Sequence[memoryview],
-) -> IoError | None:
-    """Write every rank's file of ``key``, each published by renaming a unique temp file.
-
-    None on success. On a failure nothing of the block is left behind (ranks already published
-    are useless without the rest) and the result is ``IoError.IO``.
-    """
-    hex_key = key.hex()
-    written: list[str] = []
-    tmp = ""
-    try:
-        for rank, source in enumerate(sources):
-            final = layout.path(hex_key, rank)
-            header = encode_header(
-                namespace=namespaces[rank],
-                key=key,
-                parent=parent,
-                num_tokens=num_tokens,
-                payload_len=source.nbytes,
-                checksum=payload_checksum(source),
-            )
-            tmp = f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            _write_file(layout, tmp, header, source)
-            os.rename(tmp, final)
-            tmp = ""
-            written.append(final)
-    except Exception as exc:  # OSError (ENOSPC, EIO, ...) or a bug: the job must still complete
-        if isinstance(exc, OSError):
-            logger.warning("kvtier disk: writing block %s failed: %s", hex_key, exc)
-        else:
-            logger.exception("kvtier disk: writing block %s failed", hex_key)
-        if tmp:
-            unlink_quiet(tmp)
-        for path in written:
-            unlink_quiet(path)
-        return IoError.IO
-    return None
-
-
-def _write_file(layout: DiskLayout, tmp: str, header: bytes, payload: memoryview) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_CLOEXEC | _O_NOFOLLOW
-    directory = os.path.dirname(tmp)
-    for attempt in range(3):  # the leaf directory may be missing, or removed by an unlink job
-        try:
-            layout.check_inside(directory)
-            fd = os.open(tmp, flags, layout.access.file_mode)
-            break
-        except FileNotFoundError:
-            if attempt == 2:
-                raise
-            layout.forget_checked(directory)
-            layout.make_dir(directory)
-    try:
-        os.fchmod(fd, layout.access.file_mode)  # the umask must not change it
-        buffers = [memoryview(header), payload]
-        while buffers:
-            n = os.writev(fd, buffers)
-            if n <= 0:
-                raise OSError(errno.EIO, "writev wrote nothing")
-            while buffers and n >= buffers[0].nbytes:
-                n -= buffers[0].nbytes
-                buffers.pop(0)
-            if n:
-                buffers[0] = buffers[0][n:]
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------- removal and mtimes
 
 
-def unlink_blocks(layout: DiskLayout, keys: Sequence[BlockKey]) -> int:
-    """Unlink every rank's file of ``keys``; returns how many unlinks failed."""
-    errors = 0
-    for key in keys:
-        for path in layout.paths(key.hex()):
-            errors += not unlink_quiet(path)
-            # Drop the leaf directory if that emptied it, so that churn does not leave up
-            # to 4096*256 empty directories per rank for the start-up scan to walk.
-            rmdir_quiet(os.path.dirname(path))
-            layout.forget_checked(os.path.dirname(path))
+def unlink_blocks(layout: DiskLayout, ledger: Ledger, keys: Sequence[BlockKey]) -> int:
+    """Unlink every rank's file of ``keys`` under the ledger's lock; returns how many unlinks failed."""
+    paths = [path for key in keys for path in layout.paths(key.hex())]
+    errors = sum(outcome is Removal.FAILED for outcome in ledger.remove(paths))
+    for leaf in dict.fromkeys(os.path.dirname(path) for path in paths):
+        # Drop the leaf directory if that emptied it, so that churn does not leave up
+        # to 4096*256 empty directories per rank for the start-up scan to walk.
+        rmdir_quiet(leaf)
+        layout.forget_checked(leaf)
     return errors
 
 
-def sweep_blocks(layout: DiskLayout) -> int:
-    """Unlink every ``.bin`` of the layout's namespace and group, dropping emptied leaf directories.
-
-    Returns how many unlinks failed.
-    """
+def sweep_blocks(layout: DiskLayout, ledger: Ledger) -> int:
+    """Unlink every ``.bin`` of the layout's namespace and group (those in their place under the
+    ledger's lock, a batch of directories at a time), dropping emptied leaf directories. Returns how
+    many unlinks failed."""
     errors = 0
     for rank_dir in layout.rank_dirs:
-        for leaf in layout.leaf_dirs(rank_dir):
-            try:
-                names = os.listdir(leaf)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            for name in names:
-                if name.endswith(".bin"):
-                    errors += not unlink_quiet(f"{leaf}/{name}")
-            rmdir_quiet(leaf)
-            layout.forget_checked(leaf)
+        leaves = layout.leaves(rank_dir)
+        for start in range(0, len(leaves), 64):
+            batch = leaves[start : start + 64]
+            charged: list[str] = []
+            for leaf, prefix in batch:
+                try:
+                    names = os.listdir(leaf)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                for name in names:
+                    if not name.endswith(".bin"):
+                        continue
+                    if is_unit(name, prefix):
+                        charged.append(f"{leaf}/{name}")
+                    else:  # not in its place: never charged
+                        errors += remove_file(f"{leaf}/{name}") is Removal.FAILED
+            errors += sum(outcome is Removal.FAILED for outcome in ledger.remove(charged))
+            for leaf, _ in batch:
+                rmdir_quiet(leaf)
+                layout.forget_checked(leaf)
     return errors
+
+
+def settle_scan(layout: DiskLayout, ledger: Ledger, result: ScanResult, since: int | None) -> None:
+    """Finish a scan that began at ledger version ``since``: quarantine the wrong-sized files and
+    remove the orphans it listed, and reconcile the ledger with the files it counted (all under
+    the ledger's lock; see :meth:`Ledger.reconcile`). Fills in ``result.quarantined`` and
+    ``io_errors``. Worker threads (the scan thread; the constructor at start-up)."""
+    removals = [partial(layout.quarantine, hex_key, rank) for hex_key, rank in result.to_quarantine]
+    removals += [partial(remove_file, path) for path in result.orphans]
+    try:
+        done = ledger.reconcile(since, result.units, removals)
+    except OSError as exc:  # the ledger is unusable: remove anyway (it then counts more than is there)
+        logger.warning("kvtier disk: usage ledger %s: %s", ledger.path, exc)
+        done = Reconciled([remove() for remove in removals])
+    quarantines = done.removals[: len(result.to_quarantine)]
+    result.quarantined += sum(outcome is Removal.MOVED for outcome in quarantines)
+    result.io_errors += sum(outcome is Removal.FAILED for outcome in done.removals[len(quarantines) :])
+    if done.before is not None and done.before != done.after:
+        logger.info("kvtier disk: usage ledger %s corrected from %d to the %d bytes of files on disk",
+                    ledger.path, done.before, done.after)
 
 
 def touch_blocks(layout: DiskLayout, hex_keys: Sequence[str]) -> None:

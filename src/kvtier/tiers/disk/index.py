@@ -23,6 +23,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ResidencyLog
 from kvtier.tiers.base import IoError, IoResult, Medium
 from kvtier.tiers.disk.layout import ScanResult
+from kvtier.tiers.disk.writer import WriteOutcome
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +33,12 @@ class DiskTierStats:
     ``read_misses`` counts ``NOT_FOUND`` reads, ``corrupt_quarantined`` files moved to quarantine
     (by reads or by scans), ``io_errors`` failed reads, writes and unlinks. ``writes_dropped``
     counts writes refused because the queue was full (``submit_write`` returned False) or that
-    completed ``DROPPED`` (block larger than the capacity, no evictable space, or a re-store of
-    a block whose write :meth:`~kvtier.tiers.disk.DiskTier.clear` cancelled while it was in flight).
+    completed ``DROPPED``: block larger than the capacity, no evictable space, a re-store of a
+    block whose write :meth:`~kvtier.tiers.disk.DiskTier.clear` cancelled while it was in flight,
+    and the two counted apart as well: ``writes_no_room`` (the namespace's usage ledger stayed
+    full: the processes sharing the root hold ``capacity_bytes``) and ``writes_no_space`` (the
+    filesystem refused: ``ENOSPC``, ``EDQUOT``, ``EFBIG``). ``no_room_retries``: writes the ledger
+    refused that were tried again after this process evicted a block to make room.
     """
 
     reads_ok: int = 0
@@ -42,6 +47,9 @@ class DiskTierStats:
     io_errors: int = 0
     writes_ok: int = 0
     writes_dropped: int = 0
+    writes_no_room: int = 0
+    writes_no_space: int = 0
+    no_room_retries: int = 0
     evictions: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
@@ -50,6 +58,7 @@ class DiskTierStats:
 
 
 _STAT_FIELDS = tuple(f.name for f in dataclasses.fields(DiskTierStats))
+_DROP_COUNTERS = {WriteOutcome.NO_ROOM: "writes_no_room", WriteOutcome.NO_SPACE: "writes_no_space"}
 
 
 RemoveFiles = Callable[[list[BlockKey] | None, Iterable[Future | None]], Future | None]
@@ -145,8 +154,57 @@ class DiskIndex:
         With ``all_or_nothing``, evicts nothing and returns False when that is impossible;
         otherwise evicts as many as it can.
         """
-        if extra > self.capacity:
+        victims = self._victims(extra, all_or_nothing=all_or_nothing)
+        if victims is None:
             return False
+        self._evict_keys(victims)
+        return True
+
+    def reserve_write(self, key: BlockKey) -> tuple[Future, ...] | None:
+        """Reserve a block's space for a write of ``key``, evicting LRU blocks (not being read) to
+        fit the capacity; None (nothing evicted) when impossible. Returns the removals the write must
+        wait for: an earlier unlink of ``key`` and a pending clear() sweep (they must not remove the
+        new files), and the unlink of the blocks evicted for it (so their bytes are given back to the
+        usage ledger before the write charges its own)."""
+        victims = self._victims(self.block_bytes, all_or_nothing=True)
+        if victims is None:
+            return None
+        self._evict_keys(victims)
+        self.reserved += self.block_bytes
+        self.writing.add(key)
+        earlier = [self.unlinking.get(key), self.clearing, *map(self.unlinking.get, victims)]
+        return tuple({id(f): f for f in earlier if f is not None}.values())
+
+    def give_way(self) -> Future | None:
+        """The usage ledger had no room for a write: the processes sharing the root fill the
+        namespace. Evict this process's least recently used block (not being read), so that every
+        writer gives way under shared pressure and the namespace keeps turning over. Returns the
+        future of its unlink (None: nothing to evict)."""
+        for key in self.index:
+            if key not in self.reading:
+                self._evict_keys([key])
+                return self.unlinking.get(key)
+        return None
+
+    def retry_after_no_room(self, key: BlockKey) -> tuple[Future, ...] | None:
+        """A write of ``key`` found no room in the usage ledger: give way (one block) and return
+        what its retry must wait for (that unlink, and as at submit an earlier unlink of ``key``
+        and a pending clear() sweep); None when it is not retried (deleted or cleared meanwhile,
+        or nothing to evict). The write stays in flight, its space reserved."""
+        if key in self.cancelled:
+            return None
+        freed = self.give_way()
+        if freed is None:
+            return None
+        self.counts["no_room_retries"] += 1
+        earlier = (self.unlinking.get(key), self.clearing, freed)
+        return tuple({id(f): f for f in earlier if f is not None}.values())
+
+    def _victims(self, extra: int, *, all_or_nothing: bool) -> list[BlockKey] | None:
+        """LRU keys (not being read) to evict so that ``extra`` more bytes fit; None when that is
+        impossible and ``all_or_nothing`` (else as many as there are)."""
+        if extra > self.capacity:
+            return None
         over = self.used + self.reserved + extra - self.capacity
         victims: list[BlockKey] = []
         if over > 0:
@@ -158,12 +216,14 @@ class DiskIndex:
                         break
             else:
                 if all_or_nothing:
-                    return False  # not enough evictable blocks: evict nothing
+                    return None  # not enough evictable blocks: evict nothing
+        return victims
+
+    def _evict_keys(self, victims: list[BlockKey]) -> None:
         for key in victims:
             self.forget(key)
         self.counts["evictions"] += len(victims)
         self.schedule_unlink(victims)
-        return True
 
     def schedule_unlink(self, keys: list[BlockKey]) -> None:
         if not keys:
@@ -216,14 +276,21 @@ class DiskIndex:
             if result.error is IoError.CORRUPT:
                 self.schedule_unlink([key])  # the other ranks' files are useless now
 
-    def finish_write(self, result: IoResult) -> None:
+    def finish_write(self, result: IoResult, outcome: WriteOutcome) -> None:
+        """A write job ended with ``outcome`` (``result`` reports it to the caller)."""
         key = result.key
         self.writing.discard(key)
         self.reserved -= self.block_bytes
         counts = self.counts
-        if not result.ok:
-            counts["io_errors"] += 1
+        if outcome is not WriteOutcome.WRITTEN:
             self.cancelled.pop(key, None)
+            if outcome is WriteOutcome.FAILED:
+                counts["io_errors"] += 1
+                return
+            counts["writes_dropped"] += 1
+            counts[_DROP_COUNTERS[outcome]] += 1
+            if outcome is WriteOutcome.NO_ROOM:
+                self.give_way()
             return
         counts["writes_ok"] += 1
         counts["bytes_written"] += result.num_bytes

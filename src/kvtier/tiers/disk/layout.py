@@ -3,6 +3,7 @@
 Layout (the one vLLM's fs tier documents, so operators know it)::
 
     <root>/<model>_<digest16>/config.json                 the namespace, as JSON
+    <root>/<model>_<digest16>/usage_g<group>              the usage ledger (kvtier.tiers.disk.ledger)
     <root>/<model>_<digest16>_r<rank>/<hhh>/<hh>_g<group>/<hash_hex>.bin
     <root>/quarantine/<model>_<digest16>_r<rank>__<hash_hex>.bin
 
@@ -10,7 +11,8 @@ Layout (the one vLLM's fs tier documents, so operators know it)::
 ``<digest16>`` the first 16 hex digits of the rank-independent namespace digest, ``<hash_hex>``
 the block key in hex, ``<hhh>``/``<hh>`` its first 3 and next 2 hex digits. Each ``.bin`` is a
 "kvtier block file v1" (:mod:`kvtier.tiers.blockfile`). A block is present only when the file
-of every rank exists. Writers publish a file by renaming ``<hash_hex>.bin.<pid>.<random>.tmp``.
+of every rank exists. Writers publish a file by linking ``<hash_hex>.bin.<pid>.<random>.tmp`` to its
+final name (:mod:`kvtier.tiers.disk.writer`).
 
 Access: directories kvtier creates are owner-only (0700) and files 0600, unless the operator
 asks for group access (:attr:`Access.GROUP`: 2770 and 0660, the set-gid bit keeping the group of
@@ -34,7 +36,7 @@ import re
 import secrets
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
@@ -89,24 +91,52 @@ def sanitize_model_name(model_name: str) -> str:
 
 def unlink_quiet(path: str) -> bool:
     """Unlink ``path``; False only on an error other than "already gone"."""
+    return remove_file(path) is not Removal.FAILED
+
+
+class Removal(enum.Enum):
+    """What removing a block file from its place did. The usage ledger
+    (:mod:`kvtier.tiers.disk.ledger`) gives back a file's bytes only when this call removed it."""
+
+    UNLINKED = "unlinked"
+    MOVED = "moved"  # renamed into quarantine
+    ABSENT = "absent"  # already gone: whoever removed it gave its bytes back
+    FAILED = "failed"  # still there (logged)
+
+    @property
+    def removed(self) -> bool:
+        """Whether this call took the file away from its place."""
+        return self is Removal.UNLINKED or self is Removal.MOVED
+
+
+def remove_file(path: str) -> Removal:
+    """Unlink ``path``: UNLINKED, ABSENT (already gone) or FAILED (logged)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass
+        return Removal.ABSENT
     except OSError as exc:
         logger.warning("kvtier disk: cannot remove %s: %s", path, exc)
-        return False
-    return True
+        return Removal.FAILED
+    return Removal.UNLINKED
 
 
 @dataclass(slots=True)
 class ScanResult:
-    """What a scan of the rank directories found (built on a worker thread)."""
+    """What a scan of the rank directories found (built on a worker thread).
+
+    The walk itself removes only dead writers' temp files; the files it found bad are listed in
+    ``to_quarantine`` and ``orphans`` and removed afterwards under the usage ledger's lock
+    (:func:`kvtier.tiers.disk.files.settle_scan`, which fills in ``quarantined``).
+    """
 
     new: list[tuple[int, str]]  # (newest mtime_ns over ranks, hex key) of complete blocks not known
     vanished: list[str]  # known hex keys not complete on disk any more
     quarantined: int = 0
     io_errors: int = 0
+    units: int = 0  # files the usage ledger charges that the walk saw (see DiskLayout.count_units)
+    to_quarantine: list[tuple[str, int]] = field(default_factory=list)  # (hex key, rank): wrong size
+    orphans: list[str] = field(default_factory=list)  # files of blocks missing a rank for ORPHAN_SECONDS
 
 
 class DiskLayout:
@@ -171,10 +201,13 @@ class DiskLayout:
     def quarantine_path(self, hex_key: str, rank: int) -> str:
         return f"{self.quarantine_dir}/{self.prefix}_r{rank}__{hex_key}.bin"
 
-    def quarantine(self, hex_key: str, rank: int, src: str | None = None) -> bool:
-        """Move a bad file aside (worker threads). True if it was moved.
+    def quarantine(self, hex_key: str, rank: int, src: str | None = None) -> Removal:
+        """Move a bad file aside (worker threads): MOVED, or UNLINKED when it cannot be moved,
+        ABSENT when it is gone already, FAILED when it stays (logged).
 
         ``src``: where the file is when not at :meth:`path` (``kvtier verify`` moves misplaced files).
+        Callers that remove a file the usage ledger charges do it through
+        :meth:`kvtier.tiers.disk.ledger.Ledger.remove`, which gives its bytes back.
         """
         src = self.path(hex_key, rank) if src is None else src
         dst = self.quarantine_path(hex_key, rank)
@@ -183,14 +216,13 @@ class DiskLayout:
                 os.rename(src, dst)
             except FileNotFoundError:
                 if not os.path.exists(src):
-                    return False
+                    return Removal.ABSENT
                 self.make_dir(self.quarantine_dir)
                 os.rename(src, dst)
         except OSError as exc:
             logger.warning("kvtier disk: cannot quarantine %s: %s; removing it", src, exc)
-            unlink_quiet(src)
-            return False
-        return True
+            return remove_file(src)
+        return Removal.MOVED
 
     def create(self, namespace_json: str) -> None:
         """Create the directories and ``config.json``; refuse a directory of another namespace."""
@@ -224,9 +256,14 @@ class DiskLayout:
 
     def leaf_dirs(self, rank_dir: str) -> list[str]:
         """The ``<hhh>/<hh>_g<group>`` directories under ``rank_dir``."""
+        return [leaf for leaf, _ in self.leaves(rank_dir)]
+
+    def leaves(self, rank_dir: str) -> list[tuple[str, str]]:
+        """``(directory, name prefix)`` of every ``<hhh>/<hh>_g<group>`` directory under ``rank_dir``:
+        the files that belong there start with the prefix ``<hhh><hh>``."""
         suffix = self.group_suffix
         sub_len = 2 + len(suffix)
-        leaves: list[str] = []
+        leaves: list[tuple[str, str]] = []
         listdir = os.listdir
         try:
             tops = listdir(rank_dir)
@@ -240,33 +277,53 @@ class DiskLayout:
                 subs = listdir(top_dir)
             except (FileNotFoundError, NotADirectoryError):
                 continue
-            leaves.extend(f"{top_dir}/{sub}" for sub in subs if len(sub) == sub_len and sub.endswith(suffix))
+            leaves.extend(
+                (f"{top_dir}/{sub}", top + sub[:2]) for sub in subs if len(sub) == sub_len and sub.endswith(suffix)
+            )
         return leaves
+
+    def count_units(self) -> int:
+        """How many files the usage ledger charges are on disk: every ``<hash>.bin`` in its place
+        and every block writer's temp file (``<hash>.bin.<pid>.<random>.tmp``), over this layout's
+        ranks and group. Names only (no ``stat``): the ledger rebuilds itself from this, under its lock.
+        """
+        units = 0
+        for rank_dir in self.rank_dirs:
+            for leaf, prefix in self.leaves(rank_dir):
+                try:
+                    names = os.listdir(leaf)
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
+                units += sum(1 for name in names if is_unit(name, prefix))
+        return units
 
     def scan(self, known: Sequence[BlockKey] | None, file_bytes: int) -> ScanResult:
         """Walk the rank directories (file I/O only, no index access).
 
         ``known``: keys indexed when the scan started; their files are not ``stat``-ed (None:
-        start-up, stat everything). Quarantines files that are not ``file_bytes`` long, removes
-        stale temp files (:func:`remove_stale_tmp`) and the files of blocks missing some rank's
-        file for more than :data:`ORPHAN_SECONDS`.
+        start-up, stat everything). Removes stale temp files (:func:`remove_stale_tmp`); lists files
+        that are not ``file_bytes`` long (to quarantine) and the files of blocks missing some rank's
+        file for more than :data:`ORPHAN_SECONDS` (to remove), and counts the files the usage
+        ledger charges (``units``, those listed included). Files not in their place are ignored.
         """
         known_hex = frozenset(key.hex() for key in known) if known is not None else frozenset()
         result = ScanResult(new=[], vanished=[])
         now = time.time()
         stat, listdir = os.stat, os.listdir
         per_rank: list[dict[str, int]] = []  # hex key -> mtime_ns (0 for known keys, not stat-ed)
+        units = 0
         for rank, rank_dir in enumerate(self.rank_dirs):
             found: dict[str, int] = {}
-            for leaf in self.leaf_dirs(rank_dir):
+            for leaf, prefix in self.leaves(rank_dir):
                 try:
                     names = listdir(leaf)
                 except (FileNotFoundError, NotADirectoryError):
                     continue
                 for name in names:
                     if name.endswith(".bin"):
-                        if len(name) != _BIN_NAME_LEN:
+                        if len(name) != _BIN_NAME_LEN or not name.startswith(prefix):
                             continue
+                        units += 1
                         hex_key = name[:-4]
                         if hex_key in known_hex:
                             found[hex_key] = 0
@@ -274,6 +331,7 @@ class DiskLayout:
                         try:
                             st = stat(f"{leaf}/{name}")
                         except FileNotFoundError:
+                            units -= 1
                             continue
                         except OSError:
                             result.io_errors += 1
@@ -284,12 +342,13 @@ class DiskLayout:
                                     "kvtier disk: %s/%s is %d bytes, expected %d; quarantined",
                                     leaf, name, st.st_size, file_bytes,
                                 )
-                                result.quarantined += self.quarantine(hex_key, rank)
+                                result.to_quarantine.append((hex_key, rank))
                             continue
                         found[hex_key] = st.st_mtime_ns
-                    elif name.endswith(".tmp"):
-                        remove_stale_tmp(f"{leaf}/{name}", name, now)
+                    elif name.endswith(".tmp") and not remove_stale_tmp(f"{leaf}/{name}", name, now):
+                        units += is_unit(name, prefix)
             per_rank.append(found)
+        result.units = units
 
         first = per_rank[0]
         if len(per_rank) == 1:
@@ -308,10 +367,19 @@ class DiskLayout:
                 paths = [self.path(hex_key, rank) for rank, found in enumerate(per_rank) if hex_key in found]
                 stamps = _mtimes(paths)
                 if stamps and now - max(stamps) / 1e9 > ORPHAN_SECONDS:
-                    for path in paths:
-                        result.io_errors += not unlink_quiet(path)
+                    result.orphans.extend(paths)
         result.vanished = list(known_hex.difference(complete))
         return result
+
+
+def is_unit(name: str, prefix: str) -> bool:
+    """Whether a file named ``name`` in a leaf directory whose files start with ``prefix`` is one the
+    usage ledger charges: a block file in its place, or a block writer's temp file."""
+    if not name.startswith(prefix):
+        return False
+    if len(name) == _BIN_NAME_LEN:
+        return name.endswith(".bin")
+    return name.endswith(".tmp") and name[_BIN_NAME_LEN - 4 : _BIN_NAME_LEN] == ".bin"
 
 
 def _identity(config: dict) -> dict:
@@ -329,8 +397,9 @@ def _mtimes(paths: Sequence[str]) -> list[int]:
     return stamps
 
 
-def remove_stale_tmp(path: str, name: str, now: float) -> None:
-    """Remove a temp file whose writer died, or any temp file older than :data:`STALE_TMP_SECONDS`.
+def remove_stale_tmp(path: str, name: str, now: float) -> bool:
+    """Remove a temp file whose writer died, or any temp file older than :data:`STALE_TMP_SECONDS`;
+    True if it is gone.
 
     Temp names are ``<hash>.bin.<pid>.<random>.tmp``. A pid from another PID namespace can
     look dead while its writer lives; removing its temp file then only fails that write.
@@ -338,14 +407,16 @@ def remove_stale_tmp(path: str, name: str, now: float) -> None:
     parts = name.split(".")
     pid = int(parts[-3]) if len(parts) >= 5 and parts[-3].isdigit() else -1
     if pid > 0 and not _pid_alive(pid):
-        unlink_quiet(path)
-        return
+        return unlink_quiet(path)
     try:
         age = now - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return True
     except OSError:
-        return
+        return False
     if age > STALE_TMP_SECONDS:
-        unlink_quiet(path)
+        return unlink_quiet(path)
+    return False
 
 
 def _pid_alive(pid: int) -> bool:

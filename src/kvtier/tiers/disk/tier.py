@@ -1,8 +1,10 @@
 """The disk tier: blocks as files under a root directory (local NVMe or a shared filesystem).
 
 Modules: :mod:`kvtier.tiers.disk.layout` (the directory layout and file names, documented there,
-and the scan that finds block files), :mod:`kvtier.tiers.disk.files` (reading, verifying, writing
-and removing block files: what the worker threads do), :mod:`kvtier.tiers.disk.index` (the
+and the scan that finds block files), :mod:`kvtier.tiers.disk.ledger` (the usage ledger shared by
+the processes writing a namespace), :mod:`kvtier.tiers.disk.writer` (writing a block) and
+:mod:`kvtier.tiers.disk.files` (reading, verifying and removing block files: what the worker
+threads do), :mod:`kvtier.tiers.disk.index` (the
 index, capacity and LRU order, keys with jobs in flight, and how job outcomes change them: a
 :class:`~kvtier.tiers.disk.index.DiskIndex` the tier owns) and this one (:class:`DiskTier`: the
 contract, job submission, the worker pools and :meth:`DiskTier.poll`).
@@ -13,9 +15,10 @@ for the jobs in flight) and ``rescan(wait=True)``. Three private executors do th
 ``kvtier-disk-read`` (reads; a pool of its own so they never queue behind writes),
 ``kvtier-disk-write`` (writes, unlinks, clear sweeps, mtime updates) and ``kvtier-disk-scan``
 (one thread, :meth:`rescan`). Workers never touch the in-memory index: they do file I/O only (including
-renaming corrupt files into quarantine and unlinking orphans found by a scan) and post their
-outcome on a :class:`queue.SimpleQueue`. :meth:`poll` drains it and applies every index change
-on the caller's thread, so the index needs no lock.
+renaming corrupt files into quarantine, unlinking orphans found by a scan and updating the usage
+ledger under its file lock, which may wait briefly for another process) and post their outcome on
+a :class:`queue.SimpleQueue`. :meth:`poll` drains it and applies every index change on the
+caller's thread, so the index needs no lock. The caller's thread never takes the ledger's lock.
 
 Index and capacity. ``key -> generation`` in an ``OrderedDict`` kept in LRU
 order. Every valid file has the same size (header + ``payload_bytes``), so a block costs
@@ -24,13 +27,29 @@ LRU blocks) when it is submitted, so indexed plus in-flight bytes never exceed
 ``capacity_bytes``. A key with a read in flight is never evicted. An evicted or deleted key
 leaves the index at once, before its files are unlinked on the write pool; a later write of the
 same key waits for that unlink (and for a pending :meth:`clear` sweep) first, so an unlink can
-never remove a newer file.
+never remove a newer file. A write also waits for the unlink of the blocks evicted to make room for
+it, so that their bytes are back in the usage ledger (below) before it charges its own.
 
-Sharing a root. Files are content addressed and published by ``rename`` from a unique temp
-name, so two processes writing the same key write identical bytes and the last rename wins. A
-file another process deleted is a ``NOT_FOUND`` miss. :meth:`rescan` merges files written by
-other processes into the index and forgets indexed blocks whose files vanished. Each process
-enforces its own ``capacity_bytes`` over what its index knows.
+Sharing a root. ``capacity_bytes`` bounds the block files of the namespace and group on disk,
+however many processes write them: they share its usage ledger (:mod:`kvtier.tiers.disk.ledger`,
+a small file updated under ``flock``). A write charges its block's bytes there before writing
+anything and is refused when that would exceed ``capacity_bytes``: a ``DROPPED`` result counted in
+``writes_no_room``, on which this process evicts its own least recently used block (not being
+read), so that every writer gives way and the namespace keeps turning over. Files are content
+addressed and published with ``link`` from a unique temp name: when another process published the
+same file first (``EEXIST``, identical bytes) the charge is given back, so each file is paid for
+once. Every removal (eviction, delete, clear, quarantine, orphans, ``kvtier purge``) gives back
+exactly the files it removed. A file another process deleted is a ``NOT_FOUND`` miss.
+:meth:`rescan` merges files written by other processes into the index, forgets indexed blocks
+whose files vanished and reconciles the ledger with the files it counted (drift: a writer killed
+mid-write, files deleted by hand). Each process also keeps its own index within ``capacity_bytes``
+(the reservation above). On a filesystem that cannot lock (:attr:`DiskTier.sharing` is
+``PER_PROCESS``, logged) only that per-process bound holds.
+
+Disk full. A write the filesystem refuses for lack of space (``ENOSPC``, ``EDQUOT``, ``EFBIG``)
+leaves nothing behind, gives its charge back and completes ``DROPPED`` (``writes_no_space``); the
+first one is logged as a warning, later ones in at most one line a minute. Writes succeed again
+by themselves once there is space.
 
 Order across restarts: the scan orders blocks by file mtime; writes set it, and read hits and
 :meth:`touch` refresh it (``os.utime``, off the caller's thread).
@@ -41,8 +60,9 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
@@ -53,12 +73,20 @@ from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import files as disk_io
 from kvtier.tiers.disk.index import DiskIndex, DiskTierStats
 from kvtier.tiers.disk.layout import Access, DiskLayout, ScanResult
+from kvtier.tiers.disk.ledger import Ledger, Sharing
 from kvtier.tiers.disk.snapshot import read_snapshot, write_snapshot
+from kvtier.tiers.disk.writer import NoSpaceLog, WriteOutcome, write_block
 
 logger = logging.getLogger(__name__)
 
 # Messages a worker posts to the completion queue.
-_MSG_IO = 0  # (kind, IoResult, read: key generation at submit or None; write: True if a job ran)
+_MSG_IO = 0  # (kind, IoResult, read: key generation at submit or None; write: WriteOutcome, None if no job ran)
+_MSG_NO_ROOM = 3  # (kind, _WriteJob): the usage ledger refused a write that may be retried
+
+NO_ROOM_RETRIES = 4
+"""How often a write the usage ledger refuses is retried, each time after this process evicted its
+least recently used block (engines sharing a root evict the same blocks from their shared view
+of it, so one eviction of a pair often frees nothing)."""
 _MSG_REMOVED = 1  # (kind, keys unlinked or None for a clear() sweep, future, io_errors)
 _MSG_SCAN = 2  # (kind, ScanResult, gen at scan start)
 
@@ -119,8 +147,12 @@ class DiskTier(SecondaryTier):
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._applied: list[IoResult] = []  # results applied by close(), not yet returned by poll()
         self._closed = False
+        self._no_space = NoSpaceLog(self._layout.root)
 
         self._layout.create(namespace_json)
+        # Shared by every process writing this namespace and group: the bound on its files on disk.
+        self._ledger = Ledger.for_engine(self._layout, self._file_bytes, capacity_bytes)
+        self._ledger.attach()
 
         self._read_pool = ThreadPoolExecutor(n_read_threads, thread_name_prefix="kvtier-disk-read")
         # Writes and scans are background work (lower priority); reads serve waiting requests.
@@ -134,7 +166,7 @@ class DiskTier(SecondaryTier):
         self._snapshot_taken = (0.0, -1)  # (monotonic time, index signature) of the last snapshot
         keys = read_snapshot(self._layout, self._file_bytes)
         if keys is None:
-            self._state.merge_scan(self._layout.scan(None, self._file_bytes), scan_gen=None)
+            self._state.merge_scan(self._scan_files(None), scan_gen=None)
         else:
             # Serve from the snapshot now; the files written after it, or gone since, are found
             # by a rescan in the background (and any block read is verified anyway).
@@ -179,7 +211,7 @@ class DiskTier(SecondaryTier):
         self._state.reading[key] = self._state.reading.get(key, 0) + 1
         if key in self._state.unlinking or self._state.clearing is not None:
             self._state.removed_while_reading.add(key)  # the read may still find doomed files: never adopt them
-        self._read_pool.submit(self._io_job, IoKind.READ, job_id, key, gen, (), disk_io.read_block, views)
+        self._read_pool.submit(self._read_job, job_id, key, gen, views)
 
     def submit_write(
         self, job_id: int, key: BlockKey, parent: BlockKey, num_tokens: int, sources: Sequence[memoryview]
@@ -202,16 +234,10 @@ class DiskTier(SecondaryTier):
         if len(self._state.writing) >= self._max_pending_writes:
             self._state.counts["writes_dropped"] += 1
             return False
-        if not self._state.evict(self._state.block_bytes, all_or_nothing=True):
+        wait_for = self._state.reserve_write(key)
+        if wait_for is None:
             return self._settle_write(job_id, key, IoError.DROPPED)
-        self._state.reserved += self._state.block_bytes
-        self._state.writing.add(key)
-        # Unlinks (of this key) and a clear() sweep queued earlier must not remove the new files.
-        wait_for = _distinct((self._state.unlinking.get(key), self._state.clearing))
-        self._write_pool.submit(
-            self._io_job, IoKind.WRITE, job_id, key, True, wait_for,
-            disk_io.write_block, parent, num_tokens, views,
-        )
+        self._write_pool.submit(self._write_job, _WriteJob(job_id, key, parent, num_tokens, views), wait_for)
         return True
 
     def poll(self) -> list[IoResult]:
@@ -232,9 +258,11 @@ class DiskTier(SecondaryTier):
                 result: IoResult = msg[1]
                 if result.kind is IoKind.READ:
                     self._state.finish_read(result, msg[2])
-                elif msg[2]:  # a write job that ran (not a dedup or refusal decided at submit)
-                    self._state.finish_write(result)
+                elif msg[2] is not None:  # a write job that ran (not a dedup or refusal decided at submit)
+                    self._state.finish_write(result, msg[2])
                 results.append(result)
+            elif kind == _MSG_NO_ROOM:
+                self._retry_or_drop(msg[1], results)
             elif kind == _MSG_REMOVED:
                 self._state.finish_removal(msg[1], msg[2], msg[3])
             elif kind == _MSG_SCAN:
@@ -327,6 +355,12 @@ class DiskTier(SecondaryTier):
         return int(self._state.counts["evictions"])
 
     @property
+    def sharing(self) -> Sharing:
+        """Whether ``capacity_bytes`` bounds the namespace across processes (the usage ledger) or,
+        on a filesystem that cannot lock, only what this process indexes."""
+        return self._ledger.sharing
+
+    @property
     def block_bytes(self) -> int:
         """Bytes one block occupies on disk (all ranks, headers included)."""
         return self._state.block_bytes
@@ -354,11 +388,25 @@ class DiskTier(SecondaryTier):
         known = list(self._state.index)  # a snapshot (C speed); the worker converts it to hex
         gen = self._state.gen
         if wait:
-            self._state.merge_scan(self._layout.scan(known, self._file_bytes), scan_gen=gen)
+            self._state.merge_scan(self._scan_files(known), scan_gen=gen)
         else:
             self._scan_pool.submit(self._scan_job, known, gen)
 
     # ------------------------------------------------------------------ submission helpers (caller thread)
+
+    def _retry_or_drop(self, job: _WriteJob, results: list[IoResult]) -> None:
+        """The usage ledger refused ``job``: give way and retry it, or (retries spent, nothing to
+        evict, deleted meanwhile, closed) complete it ``DROPPED``."""
+        wait_for = None
+        if job.attempt < NO_ROOM_RETRIES and not self._closed:
+            wait_for = self._state.retry_after_no_room(job.key)
+        if wait_for is not None:
+            job.attempt += 1
+            self._write_pool.submit(self._write_job, job, wait_for)
+            return
+        result = IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED)
+        self._state.finish_write(result, WriteOutcome.NO_ROOM)
+        results.append(result)
 
     def _byte_views(self, buffers: Sequence[memoryview], *, writable: bool, what: str) -> list[memoryview]:
         return disk_io.byte_views(
@@ -369,7 +417,7 @@ class DiskTier(SecondaryTier):
         """Complete a write decided at submit, without a job: ok, or ``error`` (counted as dropped)."""
         if error is not None:
             self._state.counts["writes_dropped"] += 1
-        self._done.put((_MSG_IO, IoResult(job_id, IoKind.WRITE, key, error is None, error=error), False))
+        self._done.put((_MSG_IO, IoResult(job_id, IoKind.WRITE, key, error is None, error=error), None))
         return True
 
     def _remove_files(self, keys: list[BlockKey] | None, earlier: Iterable[Future | None]) -> Future | None:
@@ -386,28 +434,31 @@ class DiskTier(SecondaryTier):
 
     # ------------------------------------------------------------------ worker threads (no index access)
 
-    def _io_job(
-        self,
-        kind: IoKind,
-        job_id: int,
-        key: BlockKey,
-        tag: int | bool | None,
-        wait_for: tuple[Future, ...],
-        io: Callable[..., IoError | None],
-        *args: object,
-    ) -> None:
-        """Run one read or write (``io``, from :mod:`disk_io`) and post its result (``tag``: see _MSG_IO)."""
+    def _read_job(self, job_id: int, key: BlockKey, gen: int | None, dests: list[memoryview]) -> None:
+        """Read every rank's file of ``key`` into ``dests`` and post the result (``gen``: see _MSG_IO)."""
+        start = time.perf_counter()
+        error = disk_io.read_block(self._layout, self._ledger, self._rank_digests, key, dests)
+        seconds = time.perf_counter() - start
+        nbytes = 0 if error is not None else self._payload_bytes * self._world
+        self._done.put((_MSG_IO, IoResult(job_id, IoKind.READ, key, error is None, nbytes, seconds, error), gen))
+
+    def _write_job(self, job: _WriteJob, wait_for: tuple[Future, ...]) -> None:
+        """Write ``job``'s files once the removals in ``wait_for`` are done; post the outcome."""
         for future in wait_for:  # queued before this job, so already running or done: no deadlock
             future.result()
         start = time.perf_counter()
-        error = io(self._layout, self._rank_digests, key, *args)
+        outcome = write_block(
+            self._layout, self._ledger, self._no_space, self._rank_digests,
+            job.key, job.parent, job.num_tokens, job.sources,
+        )
+        if outcome is WriteOutcome.NO_ROOM:
+            self._done.put((_MSG_NO_ROOM, job))
+            return
         seconds = time.perf_counter() - start
-        if error is None:
-            nbytes = self._state.block_bytes if kind is IoKind.WRITE else self._payload_bytes * self._world
-            result = IoResult(job_id, kind, key, True, nbytes, seconds)
-        else:
-            result = IoResult(job_id, kind, key, False, 0, seconds, error)
-        self._done.put((_MSG_IO, result, tag))
+        error = outcome.error
+        nbytes = self._state.block_bytes if error is None else 0
+        result = IoResult(job.job_id, IoKind.WRITE, job.key, error is None, nbytes, seconds, error)
+        self._done.put((_MSG_IO, result, outcome))
 
     def _removal_job(
         self, keys: list[BlockKey] | None, future: Future | None, earlier: tuple[Future, ...]
@@ -421,9 +472,9 @@ class DiskTier(SecondaryTier):
             for previous in earlier:  # queued before this job: started already, maybe not done
                 previous.result()
             if keys is None:
-                errors = disk_io.sweep_blocks(self._layout)
+                errors = disk_io.sweep_blocks(self._layout, self._ledger)
             else:
-                errors = disk_io.unlink_blocks(self._layout, keys)
+                errors = disk_io.unlink_blocks(self._layout, self._ledger, keys)
         finally:
             if future is None:
                 self._state.counts["io_errors"] += errors  # closed: called on the caller's thread
@@ -433,12 +484,36 @@ class DiskTier(SecondaryTier):
 
     def _scan_job(self, known: list[BlockKey], gen: int) -> None:
         try:
-            result = self._layout.scan(known, self._file_bytes)
+            result = self._scan_files(known)
         except Exception:  # never lose the "scan finished" message
             logger.exception("kvtier disk: rescan failed")
             self._done.put((_MSG_SCAN, ScanResult(new=[], vanished=[], io_errors=1), None))
             return
         self._done.put((_MSG_SCAN, result, gen))
+
+    def _scan_files(self, known: list[BlockKey] | None) -> ScanResult:
+        """Walk the files, then settle what the walk found with the usage ledger (the scan thread;
+        the constructor and ``rescan(wait=True)`` on the caller's thread, where blocking is allowed)."""
+        try:
+            since = self._ledger.version()
+        except OSError as exc:  # not reconciled this time; removals still happen (see settle_scan)
+            logger.warning("kvtier disk: usage ledger %s: %s", self._ledger.path, exc)
+            since = None
+        result = self._layout.scan(known, self._file_bytes)
+        disk_io.settle_scan(self._layout, self._ledger, result, since)
+        return result
+
+
+@dataclass(slots=True)
+class _WriteJob:
+    """A write in flight: what a retry needs (``sources`` stay valid until its result is returned)."""
+
+    job_id: int
+    key: BlockKey
+    parent: BlockKey
+    num_tokens: int
+    sources: list[memoryview]
+    attempt: int = 0  # retries after the usage ledger refused it
 
 
 def _distinct(futures: Iterable[Future | None]) -> tuple[Future, ...]:

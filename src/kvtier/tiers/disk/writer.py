@@ -1,0 +1,278 @@
+"""Writing one block's files: what a disk tier write job does on the write pool.
+
+:func:`write_block` keeps the usage ledger's invariants (:mod:`kvtier.tiers.disk.ledger`):
+
+1. create every rank's temp file ``<hash>.bin.<pid>.<random>.tmp`` in its final directory;
+2. charge the block's bytes to the ledger (refused: :attr:`WriteOutcome.NO_ROOM`, nothing written);
+3. write each temp file and publish it with ``link(temp, final)`` then unlink the temp. ``EEXIST``:
+   another process published that file first (content addressed: the same bytes), so its charge is
+   given back and the temp removed. Filesystems without hard links (some FUSE ones: ``EPERM``,
+   ``ENOTSUP``, ``ENOSYS``) get ``rename`` instead, once the final name is found free; a file
+   published between that check and the rename is then paid for twice (the ledger counts more
+   than is there until a scan reconciles it, never less);
+4. on any failure nothing of the block stays: the files it published are unlinked under the
+   ledger's lock and its whole remaining charge given back, then the temps are removed.
+
+Outcomes: ``WRITTEN``; ``NO_ROOM`` (the namespace is full across the processes sharing the root);
+``NO_SPACE`` (``ENOSPC``, ``EDQUOT``, ``EFBIG``: the filesystem, a quota or a file-size limit;
+reported through :class:`NoSpaceLog`, rate-limited); ``FAILED`` (any other error, logged).
+
+Threads: the write pool's workers only (file I/O; may wait for the ledger's lock). Never touches
+the tier's index.
+"""
+
+from __future__ import annotations
+
+import enum
+import errno
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.core.keys import BlockKey
+from kvtier.tiers.base import IoError
+from kvtier.tiers.blockfile import HEADER_LEN, encode_header, payload_checksum
+from kvtier.tiers.disk.layout import DiskLayout, Removal, remove_file, unlink_quiet
+from kvtier.tiers.disk.ledger import Ledger
+
+logger = logging.getLogger(__name__)
+
+_O_BINARY = getattr(os, "O_BINARY", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a planted symlink is never followed (ELOOP: an I/O error)
+
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""Write errors meaning "no space": a full filesystem, an exhausted quota, a file-size limit."""
+_NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+"""``link`` errors meaning the filesystem has no hard links: publish with ``rename`` instead."""
+_RENAME_ROOTS: set[str] = set()  # roots found without hard links (checked once per root and process)
+
+
+class WriteOutcome(enum.Enum):
+    """How a block write ended (see the module docstring)."""
+
+    WRITTEN = "written"
+    NO_ROOM = "no_room"
+    NO_SPACE = "no_space"
+    FAILED = "failed"
+
+    @property
+    def error(self) -> IoError | None:
+        """The error a tier result reports: the refusals are ``DROPPED``, other failures ``IO``."""
+        if self is WriteOutcome.WRITTEN:
+            return None
+        return IoError.IO if self is WriteOutcome.FAILED else IoError.DROPPED
+
+
+@dataclass(slots=True)
+class _Temp:
+    path: str
+    final: str
+    fd: int = -1
+
+
+def write_block(
+    layout: DiskLayout,
+    ledger: Ledger,
+    no_space: NoSpaceLog,
+    namespaces: Sequence[bytes],
+    key: BlockKey,
+    parent: BlockKey,
+    num_tokens: int,
+    sources: Sequence[memoryview],
+) -> WriteOutcome:
+    """Write every rank's file of ``key`` from ``sources`` (see the module docstring)."""
+    hex_key = key.hex()
+    file_bytes = HEADER_LEN + sources[0].nbytes  # every rank's payload has the same size
+    temps: list[_Temp] = []
+    published: list[str] = []  # final files this call created
+    charged = 0
+    try:
+        for rank in range(len(sources)):
+            temps.append(_create_temp(layout, hex_key, rank))
+        if not ledger.charge(file_bytes * len(sources)):
+            _remove_temps(temps)
+            return WriteOutcome.NO_ROOM
+        charged = file_bytes * len(sources)
+        surplus: list[_Temp] = []  # files another process published first
+        for rank, (temp, source) in enumerate(zip(temps, sources)):
+            header = encode_header(
+                namespace=namespaces[rank], key=key, parent=parent, num_tokens=num_tokens,
+                payload_len=source.nbytes, checksum=payload_checksum(source),
+            )
+            _fill(temp, header, source)
+            if _publish(layout, temp):
+                published.append(temp.final)
+            else:
+                surplus.append(temp)
+    except Exception as exc:  # noqa: BLE001 - OSError (ENOSPC, EIO, ...) or a bug: the job must still complete
+        _roll_back(ledger, temps, published, charged, file_bytes)
+        return _failed(layout, hex_key, exc, no_space)
+    if surplus:
+        _give_back_surplus(ledger, surplus, file_bytes)
+    no_space.written()
+    return WriteOutcome.WRITTEN
+
+
+def _give_back_surplus(ledger: Ledger, surplus: list[_Temp], file_bytes: int) -> None:
+    """Give back the charge of files another process published first, then remove their temps."""
+    try:
+        ledger.give_back(file_bytes * len(surplus))
+    except OSError as exc:  # the ledger keeps counting them until a scan reconciles it (more, never less)
+        logger.warning("kvtier disk: usage ledger %s: %s", ledger.path, exc)
+    _remove_temps(surplus)
+
+
+def _failed(layout: DiskLayout, hex_key: str, exc: Exception, no_space: NoSpaceLog) -> WriteOutcome:
+    if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+        no_space.dropped(exc)
+        return WriteOutcome.NO_SPACE
+    if isinstance(exc, OSError):
+        logger.warning("kvtier disk: writing block %s under %s failed: %s", hex_key, layout.root, exc)
+    else:
+        logger.exception("kvtier disk: writing block %s failed", hex_key)
+    return WriteOutcome.FAILED
+
+
+def _create_temp(layout: DiskLayout, hex_key: str, rank: int) -> _Temp:
+    final = layout.path(hex_key, rank)
+    temp = _Temp(f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp", final)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_CLOEXEC | _O_NOFOLLOW
+    directory = os.path.dirname(final)
+    for attempt in range(3):  # the leaf directory may be missing, or removed by an unlink job
+        try:
+            layout.check_inside(directory)
+            temp.fd = os.open(temp.path, flags, layout.access.file_mode)
+            break
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+            layout.forget_checked(directory)
+            layout.make_dir(directory)
+    try:
+        os.fchmod(temp.fd, layout.access.file_mode)  # the umask must not change it
+    except BaseException:
+        _remove_temps([temp])
+        raise
+    return temp
+
+
+def _fill(temp: _Temp, header: bytes, payload: memoryview) -> None:
+    """Write header + payload into the temp file and close it."""
+    buffers = [memoryview(header), payload]
+    while buffers:
+        n = os.writev(temp.fd, buffers)
+        if n <= 0:
+            raise OSError(errno.EIO, "writev wrote nothing")
+        while buffers and n >= buffers[0].nbytes:
+            n -= buffers[0].nbytes
+            buffers.pop(0)
+        if n:
+            buffers[0] = buffers[0][n:]
+    fd, temp.fd = temp.fd, -1
+    os.close(fd)
+
+
+def _publish(layout: DiskLayout, temp: _Temp) -> bool:
+    """Give the temp file its final name; False if another process published that file first
+    (the temp is then still there)."""
+    if layout.root not in _RENAME_ROOTS:
+        try:
+            os.link(temp.path, temp.final)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in _NO_LINK_ERRNOS:
+                raise
+            _RENAME_ROOTS.add(layout.root)
+            logger.warning(
+                "kvtier disk: %s has no hard links (%s); publishing block files by rename, so a block "
+                "two engines write at the same moment may be charged twice to the usage ledger until "
+                "a rescan", layout.root, exc.strerror or exc,
+            )
+        else:
+            unlink_quiet(temp.path)
+            return True
+    if os.path.lexists(temp.final):
+        return False
+    os.rename(temp.path, temp.final)
+    return True
+
+
+def _roll_back(ledger: Ledger, temps: list[_Temp], published: list[str], charged: int, file_bytes: int) -> None:
+    """Undo a failed write: unlink the files it published and give back its charge (under the
+    ledger's lock), then remove its temps (after: a charged temp never disappears first)."""
+    for temp in temps:
+        if temp.fd >= 0:
+            os.close(temp.fd)
+            temp.fd = -1
+    if charged:
+        try:
+            with ledger.locked() as usage:
+                kept = sum(remove_file(path) is Removal.FAILED for path in published)
+                published = []
+                usage.give_back(charged - kept * file_bytes)
+        except OSError as exc:  # the ledger is unusable: its charge stays (more than is there)
+            logger.warning("kvtier disk: usage ledger %s: %s", ledger.path, exc)
+    for path in published:
+        remove_file(path)
+    _remove_temps(temps)
+
+
+def _remove_temps(temps: list[_Temp]) -> None:
+    for temp in temps:
+        if temp.fd >= 0:
+            os.close(temp.fd)
+            temp.fd = -1
+        unlink_quiet(temp.path)
+
+
+class NoSpaceLog:
+    """Reports writes dropped for lack of space without a line per block (thread-safe).
+
+    The first drop logs a warning naming the root, the error and that stores are being dropped;
+    later drops at most one summary line per ``interval`` seconds with their count. The first
+    write that succeeds afterwards says so, and the next drop warns again.
+    """
+
+    def __init__(self, root: str, interval: float = 60.0) -> None:
+        self.root = root
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._active = False
+        self._last_line = 0.0
+        self._since_line = 0  # drops not yet reported
+        self._episode = 0  # drops since the first warning
+
+    def dropped(self, exc: OSError) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._episode += 1
+            if not self._active:
+                self._active, self._last_line, self._since_line = True, now, 0
+                logger.warning(
+                    "kvtier disk: no space to write under %s (%s): dropping stores to the disk tier until "
+                    "space returns (counted in writes_dropped; summarized at most every %.0f s)",
+                    self.root, exc.strerror or exc, self.interval,
+                )
+                return
+            self._since_line += 1
+            if now - self._last_line >= self.interval:
+                logger.warning(
+                    "kvtier disk: still no space under %s (%s): %d more stores dropped in the last %.0f s",
+                    self.root, exc.strerror or exc, self._since_line, now - self._last_line,
+                )
+                self._last_line, self._since_line = now, 0
+
+    def written(self) -> None:
+        if not self._active:  # the common case: no lock
+            return
+        with self._lock:
+            if self._active:
+                logger.warning("kvtier disk: writes under %s succeed again (%d stores were dropped for lack "
+                               "of space)", self.root, self._episode)
+                self._active, self._episode, self._since_line = False, 0, 0
