@@ -2,7 +2,8 @@
 names cannot escape the disk root; what kvtier creates is owner-only by default.
 
 Fuzzed (hypothesis): the connector config, the block-file header reader, whole block files on
-disk, model names that reach the filesystem, and ``kvtier serve``'s size and path flags.
+disk, whole Redis values, model names that reach the filesystem, and ``kvtier serve``'s size and
+path flags.
 """
 
 from __future__ import annotations
@@ -105,22 +106,47 @@ def test_a_damaged_block_file_is_never_served(tmp_path, data):
     path = Path(layout.path(KEY.hex(), 0))
     path.parent.mkdir(parents=True, exist_ok=True)
     good = valid_file()
-    mode = data.draw(st.sampled_from(["flip", "truncate", "append", "random"]))
-    if mode == "flip":
-        at = data.draw(st.integers(0, len(good) - 1))
-        bad = good[:at] + bytes([good[at] ^ data.draw(st.integers(1, 255))]) + good[at + 1:]
-    elif mode == "truncate":
-        bad = good[: data.draw(st.integers(0, len(good) - 1))]
-    elif mode == "append":
-        bad = good + data.draw(st.binary(min_size=1, max_size=8))
-    else:
-        bad = data.draw(st.binary(max_size=len(good) + 8))
-        if bad == good:
-            return
+    bad = damaged(data, good)
+    if bad == good:
+        return
     path.write_bytes(bad)
     dest = memoryview(bytearray(PAYLOAD))
     error = disk_files.read_block(layout, Ledger.for_tool(layout), [NS], KEY, [dest])
     assert error in (IoError.CORRUPT, IoError.NOT_FOUND)
+
+
+def damaged(data, good: bytes) -> bytes:
+    """``good`` changed one way hypothesis picks: a byte flipped, cut short, bytes appended, or
+    replaced by arbitrary bytes (possibly equal to ``good``)."""
+    mode = data.draw(st.sampled_from(["flip", "truncate", "append", "random"]))
+    if mode == "flip":
+        at = data.draw(st.integers(0, len(good) - 1))
+        return good[:at] + bytes([good[at] ^ data.draw(st.integers(1, 255))]) + good[at + 1:]
+    if mode == "truncate":
+        return good[: data.draw(st.integers(0, len(good) - 1))]
+    if mode == "append":
+        return good + data.draw(st.binary(min_size=1, max_size=8))
+    return data.draw(st.binary(max_size=len(good) + 8))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_damaged_redis_value_is_never_served(data):
+    """The Redis tier's value reader: a value of two ranks, damaged any way, raises
+    CorruptBlockError and leaves the destination buffers untouched; only the intact value is read."""
+    from kvtier.tiers.redis.codec import decode_value, encode_value
+
+    digests = [NS, b"\xcd" * 32]
+    payloads = [memoryview(bytes(range(PAYLOAD))), memoryview(bytes(reversed(range(PAYLOAD))))]
+    good = b"".join(bytes(part) for part in encode_value(digests, KEY, b"\0" * 32, 4, payloads))
+    value = damaged(data, good)
+    dests = [memoryview(bytearray(b"\x77" * PAYLOAD)) for _ in digests]
+    try:
+        decode_value(value, dests, rank_digests=digests, key=KEY)
+    except CorruptBlockError:
+        assert all(bytes(d) == b"\x77" * PAYLOAD for d in dests), "a damaged value reached the buffers"
+        return
+    assert value == good and [bytes(d) for d in dests] == [bytes(p) for p in payloads]
 
 
 def test_a_valid_file_is_read(tmp_path):
