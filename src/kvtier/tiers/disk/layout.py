@@ -89,6 +89,20 @@ def sanitize_model_name(model_name: str) -> str:
     return name
 
 
+def per_group_files(ns_dir: str, prefix: str, suffix: str = "") -> list[str]:
+    """Files ``<prefix><group digits><suffix>`` of a namespace directory (one per group), sorted;
+    none if the directory cannot be listed."""
+    try:
+        names = os.listdir(ns_dir)
+    except OSError:
+        return []
+    return sorted(
+        os.path.join(ns_dir, name) for name in names
+        if name.startswith(prefix) and name.endswith(suffix)
+        and name[len(prefix) : len(name) - len(suffix)].isdigit()
+    )
+
+
 def unlink_quiet(path: str) -> bool:
     """Unlink ``path``; False only on an error other than "already gone"."""
     return remove_file(path) is not Removal.FAILED

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.tiers.disk.layout import DiskLayout, Removal, remove_file
+from kvtier.tiers.disk.layout import DiskLayout, Removal, per_group_files, remove_file
 
 logger = logging.getLogger(__name__)
 
@@ -99,11 +99,7 @@ def ledger_path(layout: DiskLayout) -> str:
 
 def ledger_files(ns_dir: str) -> list[str]:
     """The ledger files of a namespace directory (one per group), sorted."""
-    try:
-        names = os.listdir(ns_dir)
-    except OSError:
-        return []
-    return sorted(os.path.join(ns_dir, n) for n in names if n.startswith(_NAME_PREFIX) and n[7:].isdigit())
+    return per_group_files(ns_dir, _NAME_PREFIX)
 
 
 def encode(unit_bytes: int, nbytes: int, version: int) -> bytes:

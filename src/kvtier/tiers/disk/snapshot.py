@@ -34,7 +34,7 @@ import time
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
-from kvtier.tiers.disk.layout import DiskLayout, remove_stale_tmp, unlink_quiet
+from kvtier.tiers.disk.layout import DiskLayout, per_group_files, remove_stale_tmp, unlink_quiet
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +54,7 @@ def snapshot_path(layout: DiskLayout) -> str:
 
 def snapshot_files(ns_dir: str) -> list[str]:
     """The snapshot files of a namespace directory (one per group), sorted."""
-    try:
-        names = os.listdir(ns_dir)
-    except OSError:
-        return []
-    return sorted(os.path.join(ns_dir, n) for n in names if n.startswith(_NAME_PREFIX) and n.endswith(_NAME_SUFFIX))
+    return per_group_files(ns_dir, _NAME_PREFIX, _NAME_SUFFIX)
 
 
 def _parse_header(data: bytes) -> tuple[int, int, int, int]:
