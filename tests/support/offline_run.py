@@ -64,15 +64,18 @@ def finish(proc, run_dir: Path, *, timeout: float = 900,
 
     deadline = time.monotonic() + timeout
     pending = dict(before_round or {})
-    while proc.poll() is None:
-        for index in [i for i in pending if (run_dir / f"paused{i}").exists()]:
-            pending.pop(index)()
-            (run_dir / f"resume{index}").touch()
-        if time.monotonic() > deadline:
+    try:
+        while proc.poll() is None:
+            for index in [i for i in pending if (run_dir / f"paused{i}").exists()]:
+                pending.pop(index)()
+                (run_dir / f"resume{index}").touch()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"engine outlived {timeout:.0f} s: " + engine_log(run_dir)[-5000:])
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:  # a hook or the deadline failed the test: never leave the engine running
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise AssertionError(f"engine outlived {timeout:.0f} s: " + engine_log(run_dir)[-5000:])
-        time.sleep(0.05)
     log = engine_log(run_dir)
     assert proc.returncode == 0, log[-5000:]
     assert not pending, f"rounds {sorted(pending)} never paused"
