@@ -449,8 +449,8 @@ class Orchestrator:
                            "kvtier", len(self._cascading), drain_timeout_s)
         for tier in self.tiers:
             tier.close()
-        held = "".join(f", {tier.medium.value} tier {tier.usage().num_blocks} blocks"
-                       for tier in self.tiers if tier.usage().num_blocks is not None)
+        usages = [tier.usage() for tier in self.tiers]
+        held = "".join(f", {u.medium.value} tier {u.num_blocks} blocks" for u in usages if u.num_blocks is not None)
         # pinned: blocks still being written or read. 0 once every request finished: more is a leak.
         logger.info("kvtier: stopped; host tier %d blocks (%d pinned)%s",
                     self.host.used_slots, self.host.pinned_slots(), held)
