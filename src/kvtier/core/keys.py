@@ -6,6 +6,15 @@ so a key names the whole prefix up to and including that block::
     k_{-1} = namespace digest
     k_i    = H(k_{i-1} || tokens_i as little-endian u32 || extras_i)
 
+A *tail* is the partial block a finished request leaves after its last full block (``1 ..
+block_tokens - 1`` tokens). It hangs under the key of the block before it and is never a parent::
+
+    t(k_{i-1}, tokens) = H(k_{i-1} || u32 0xFFFFFFFF || u32 len(extras) || extras || tokens as u32)
+
+No token id is 0xFFFFFFFF, so a tail's input never equals a block's; the length-prefixed extras
+come before the tokens, so tails of different lengths never share an input either, and the
+candidate tails of one prefix are hashed incrementally (:func:`tail_keys`).
+
 ``H`` is BLAKE3 with a 32-byte output. Nothing here depends on process state (no Python
 ``hash``, no PYTHONHASHSEED): keys are identical across processes, restarts and machines.
 ``tests/test_keys.py`` pins known keys for known inputs; any change to this module that moves
@@ -236,6 +245,38 @@ def chain_block_keys(
         block_extras = extras if isinstance(extras, BlockExtras) else extras[index]
         parent = block_key(parent, token_ids[index * block_tokens : (index + 1) * block_tokens], block_extras)
         keys.append(parent)
+    return keys
+
+
+TAIL_MARK = struct.pack("<I", 0xFFFFFFFF)
+"""Starts a tail's hash input where a block's first token would be (no token id is 2**32 - 1)."""
+
+
+def _tail_hasher(parent: bytes, extras: BlockExtras) -> "blake3.blake3":
+    encoded = extras.encode()
+    hasher = blake3.blake3(parent)
+    hasher.update(TAIL_MARK + struct.pack("<I", len(encoded)) + encoded)
+    return hasher
+
+
+def tail_key(parent: bytes, tokens: Sequence[int], extras: BlockExtras = NO_EXTRAS) -> BlockKey:
+    """Key of the tail ``tokens`` (fewer than a block) after the block whose key is ``parent``."""
+    if not tokens:
+        raise ValueError("a tail holds at least one token")
+    hasher = _tail_hasher(parent, extras)
+    hasher.update(_u32_le(tokens))
+    return hasher.digest()
+
+
+def tail_keys(parent: bytes, tokens: Sequence[int], extras: BlockExtras = NO_EXTRAS) -> list[BlockKey]:
+    """``[tail_key(parent, tokens[:n]) for n in 1..len(tokens)]``, hashed incrementally: the
+    candidates a lookup tries, longest first from the end of the list."""
+    hasher = _tail_hasher(parent, extras)
+    keys: list[BlockKey] = []
+    packed = _u32_le(tokens)
+    for offset in range(0, len(packed), 4):
+        hasher.update(packed[offset : offset + 4])
+        keys.append(hasher.copy().digest())
     return keys
 
 

@@ -16,6 +16,10 @@ Block flow::
     promotion from a slower tier is also cascaded to the faster tiers before it (a remote hit
     is kept on the local disk).
 
+Tails (the partial block a finished request leaves, :func:`kvtier.core.keys.tail_key`) flow like
+blocks through the host and disk tiers, are evicted before blocks, and stay local: they are never
+written to a shared remote tier (a lookup there would have to probe every candidate length).
+
 A remote tier may not know yet whether it holds a block (:attr:`Presence.UNKNOWN`): the lookup
 asks it to probe (in the background) and answers "ask again"; the next lookup sees the answer.
 
@@ -81,10 +85,12 @@ class _Hold:
 
 @dataclass(frozen=True, slots=True)
 class BlockInfo:
-    """What the stored format needs besides the bytes: the chain parent and the token count."""
+    """What the stored format needs besides the bytes: the chain parent and the token count;
+    ``tail``: a partial block (fewer tokens than a block, never a parent)."""
 
     parent: BlockKey
     num_tokens: int
+    tail: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +176,13 @@ class Orchestrator:
 
     # --- loads ------------------------------------------------------------------------------
     def acquire(
-        self, owner: str, keys: Sequence[BlockKey], first_parent: BlockKey | None = None, block_tokens: int = 0
+        self,
+        owner: str,
+        keys: Sequence[BlockKey],
+        first_parent: BlockKey | None = None,
+        block_tokens: int = 0,
+        *,
+        tail_tokens: int = 0,
     ) -> Acquired:
         """Pin the longest available run of ``keys`` in host slots for ``owner``.
 
@@ -182,14 +194,18 @@ class Orchestrator:
         too. A run is cut at the first block that no tier holds, that is being stored, or that
         cannot get a host slot. ``first_parent`` (the key before ``keys[0]``, or the namespace
         digest) and ``block_tokens`` let promoted blocks be written to the faster tiers too.
+        ``tail_tokens`` > 0: the last of ``keys`` is a tail of that many tokens.
         """
         self.poll()
         previous = self._holds.pop(owner, None)
         hold = _Hold(promoted=dict(previous.promoted) if previous else {})
         pending = False
         parent = first_parent
+        last = len(keys) - 1
         for index, key in enumerate(keys):
-            info = BlockInfo(parent, block_tokens) if parent is not None and block_tokens else None
+            is_tail = bool(tail_tokens) and index == last
+            tokens = tail_tokens if is_tail else block_tokens
+            info = BlockInfo(parent, tokens, is_tail) if parent is not None and tokens else None
             parent = key
             if self.host.is_ready(key):
                 self.host.pin(key)
@@ -206,7 +222,7 @@ class Orchestrator:
                     unknown.probe(keys[index:])
                     pending = True
                 break
-            slot, evicted = self.host.allocate(key)
+            slot, evicted = self.host.allocate(key, tail=is_tail)
             self._count_evictions(evicted)
             if slot is None:
                 break
@@ -242,6 +258,11 @@ class Orchestrator:
             if presence is Presence.UNKNOWN and unknown is None:
                 unknown = tier
         return None, unknown
+
+    def promoted_source(self, owner: str, key: BlockKey) -> Medium | None:
+        """The tier ``owner``'s held ``key`` was promoted from for it (None: it was in the host tier)."""
+        hold = self._holds.get(owner)
+        return hold.promoted.get(key) if hold else None
 
     def held(self, owner: str) -> list[BlockKey]:
         hold = self._holds.get(owner)
@@ -286,7 +307,7 @@ class Orchestrator:
         if not self.admission.offer(key):
             self.stats.stores_skipped_threshold += 1
             return None
-        slot, evicted = self.host.allocate(key)
+        slot, evicted = self.host.allocate(key, tail=info.tail)
         self._count_evictions(evicted)
         if slot is None:
             self.stats.stores_dropped += 1
@@ -313,13 +334,13 @@ class Orchestrator:
         assert self.host_bytes is not None
         sources = None
         for tier in tiers:
-            if tier.contains(key):
+            if tier.contains(key) or (info.tail and tier.medium is Medium.REMOTE):
                 continue
             if sources is None:
                 sources = self.host_bytes.slot(self.host.slot_of(key))
             self.host.pin(key)
             job_id = next(self._job_ids)
-            if tier.submit_write(job_id, key, info.parent, info.num_tokens, sources):
+            if tier.submit_write(job_id, key, info.parent, info.num_tokens, sources, tail=info.tail):
                 self._cascading[job_id] = _Cascade(key, tier)
             else:
                 self.host.unpin(key)

@@ -109,9 +109,17 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def submit_write(
-        self, job_id: int, key: BlockKey, parent: BlockKey, num_tokens: int, sources: Sequence[memoryview]
+        self,
+        job_id: int,
+        key: BlockKey,
+        parent: BlockKey,
+        num_tokens: int,
+        sources: Sequence[memoryview],
+        *,
+        tail: bool = False,
     ) -> bool:
-        """Store ``sources`` (one payload per rank) under ``key``.
+        """Store ``sources`` (one payload per rank) under ``key``; ``tail``: a partial block
+        (``num_tokens`` short of a block), which the tier may evict before blocks.
 
         Returns False, without queuing anything, when the tier's write queue is full: the caller
         counts a dropped store and unpins the sources at once.

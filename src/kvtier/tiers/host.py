@@ -14,6 +14,8 @@ Invariants (checked by ``tests/test_host_index.py``):
 - a WRITING slot, or a READY slot with ``readers > 0`` (pinned), is never evicted or freed;
 - ``len(free) + len(slot_of) == num_slots``: usage never exceeds capacity;
 - only READY keys are visible to :meth:`is_ready` and live in the eviction policy;
+- tails (partial blocks, see :func:`kvtier.core.keys.tail_key`) live in their own LRU order and
+  are evicted before any full block: a tail saves less than a block and is cheaper to lose;
 - :attr:`HostIndex.residency` records a key STORED when it turns READY and REMOVED when it stops
   being visible (evicted, or deleted: a pinned block is invisible at once, freed on release).
 """
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ResidencyLog
 from kvtier.policy import EvictionPolicy, PolicyName, make_policy
+from kvtier.policy.lru import LRUPolicy
 from kvtier.tiers.base import Medium
 
 
@@ -41,6 +44,7 @@ class SlotEntry:
     state: SlotState
     readers: int = 0
     doomed: bool = False  # deleted while pinned: freed when the last reader unpins
+    tail: bool = False  # a partial block: evicted before full blocks
 
 
 @dataclass
@@ -64,6 +68,7 @@ class HostIndex:
         self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
         self._entries: dict[BlockKey, SlotEntry] = {}
         self._policy: EvictionPolicy = make_policy(self.policy_name, self.num_slots)
+        self._tails = LRUPolicy()  # READY tails, evicted before anything in _policy
         self._pinned = 0  # entries WRITING or with readers (kept by every transition: O(1) to read)
 
     # --- queries (memory only) -------------------------------------------------------------
@@ -99,8 +104,9 @@ class HostIndex:
         return self._pinned
 
     # --- mutations ------------------------------------------------------------------------
-    def allocate(self, key: BlockKey) -> tuple[int | None, list[BlockKey]]:
-        """Reserve a slot for writing ``key``; evicts unpinned READY blocks if needed.
+    def allocate(self, key: BlockKey, *, tail: bool = False) -> tuple[int | None, list[BlockKey]]:
+        """Reserve a slot for writing ``key`` (a tail if ``tail``); evicts unpinned READY blocks
+        if needed, tails first.
 
         Returns ``(slot, evicted_keys)``; ``slot`` is None when every slot is pinned (the
         caller drops the store). ``key`` must not be in the index.
@@ -108,7 +114,9 @@ class HostIndex:
         assert key not in self._entries, "allocate() of a key already in the host tier"
         evicted: list[BlockKey] = []
         if not self._free:
-            victim = self._policy.evict(self._evictable)
+            victim = self._tails.evict(self._evictable)
+            if victim is None:
+                victim = self._policy.evict(self._evictable)
             if victim is None:
                 self.stats.allocation_failures += 1
                 return None, evicted
@@ -117,7 +125,7 @@ class HostIndex:
             self.residency.removed(victim)
             evicted.append(victim)
         slot = self._free.pop()
-        self._entries[key] = SlotEntry(slot, SlotState.WRITING)
+        self._entries[key] = SlotEntry(slot, SlotState.WRITING, tail=tail)
         self._pinned += 1
         return slot, evicted
 
@@ -130,7 +138,7 @@ class HostIndex:
         if entry.doomed and entry.readers == 0:
             self._free_entry(key)
             return
-        self._policy.insert(key)
+        (self._tails if entry.tail else self._policy).insert(key)
         self.residency.stored(key)
 
     def abort(self, key: BlockKey) -> None:
@@ -156,7 +164,13 @@ class HostIndex:
             self._free_entry(key)
 
     def touch(self, keys: Iterable[BlockKey]) -> None:
+        keys = list(keys)
         self._policy.touch(keys)
+        self._tails.touch(keys)
+
+    def is_tail(self, key: BlockKey) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.tail
 
     def delete(self, key: BlockKey) -> bool:
         """Remove ``key``; a pinned or in-flight block is freed once released. True if present."""
@@ -168,6 +182,7 @@ class HostIndex:
         if entry.readers or entry.state is SlotState.WRITING:
             entry.doomed = True
             self._policy.remove(key)
+            self._tails.remove(key)
         else:
             self._free_entry(key)
         return True
@@ -187,4 +202,5 @@ class HostIndex:
     def _free_entry(self, key: BlockKey) -> None:
         entry = self._entries.pop(key)
         self._policy.remove(key)
+        self._tails.remove(key)
         self._free.append(entry.slot)

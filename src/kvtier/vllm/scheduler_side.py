@@ -13,7 +13,12 @@ got, and its in-flight jobs. Invariants:
 - a finished request with store jobs in flight is freed by vLLM only after the workers report
   it in ``finished_sending`` (``request_finished`` returns True for it);
 - a preempted request's pending stores are flushed (the workers wait for them) before vLLM
-  reuses its blocks in the same step.
+  reuses its blocks in the same step;
+- a finished request's tail (its tokens after the last full block, see
+  :func:`kvtier.core.keys.tail_key`) is stored from the engine block that holds it, which vLLM
+  frees only once that store is done; a lookup that ends its run of full blocks where a stored
+  tail continues the prompt loads the longest such tail, and vLLM computes from the middle of
+  the block (its scheduler takes an external token count that is not block-aligned).
 """
 
 from __future__ import annotations
@@ -34,7 +39,15 @@ from vllm.v1.request import Request
 
 from kvtier.copy import PageCopy
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
-from kvtier.core.keys import BlockExtras, BlockKey, ModelIdentity, Namespace, chain_block_keys
+from kvtier.core.keys import (
+    BlockExtras,
+    BlockKey,
+    ModelIdentity,
+    Namespace,
+    chain_block_keys,
+    tail_key,
+    tail_keys,
+)
 from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.fingerprint import AdapterFingerprints
@@ -161,6 +174,7 @@ class KVTierScheduler:
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._step_loads: list[CopyJob] = []
+        self._tail_stores: list[CopyJob] = []  # stores of finished requests' tails, sent next step
         self._delayed_free: list[str] = []
         self._worker_stats = KVTierStats()
         self._reported_gauges: dict[str, int | None] = {}
@@ -222,6 +236,29 @@ class KVTierScheduler:
             extras = extras + [extras[-1] if extras else BlockExtras()] * (num_blocks - len(extras))
         state.keys.extend(chain_block_keys(parent, tokens, block, extras, start_block=have))
 
+    def _parent_of(self, state: _RequestState, block_index: int) -> BlockKey:
+        return state.keys[block_index - 1] if block_index else self._digest
+
+    @staticmethod
+    def _extras_of(state: _RequestState, block_index: int) -> BlockExtras:
+        extras = state.extras
+        if isinstance(extras, BlockExtras):
+            return extras
+        return extras[min(block_index, len(extras) - 1)] if extras else BlockExtras()
+
+    def _find_tail(self, state: _RequestState, block_index: int, max_tokens: int) -> tuple[BlockKey, int] | None:
+        """The longest stored tail (key, tokens) that continues the request's tokens at block
+        ``block_index`` with at most ``max_tokens`` tokens (memory only)."""
+        if max_tokens <= 0 or not self.config.offload_partial_blocks:
+            return None
+        start = block_index * self.geometry.block_tokens
+        tokens = state.request.all_token_ids[start : start + min(max_tokens, self.geometry.block_tokens - 1)]
+        candidates = tail_keys(self._parent_of(state, block_index), tokens, self._extras_of(state, block_index))
+        for length in range(len(candidates), 0, -1):
+            if self.orchestrator.locate(candidates[length - 1]) is not None:
+                return candidates[length - 1], length
+        return None
+
     # --- lookups -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
@@ -232,24 +269,37 @@ class KVTierScheduler:
         block = self.geometry.block_tokens
         max_blocks = (request.num_tokens - 1) // block  # vLLM must compute at least one token
         first_block = num_computed_tokens // block
-        if first_block >= max_blocks:
+        if first_block > max_blocks or (first_block == max_blocks and not self.config.offload_partial_blocks):
             return 0, False
         self._extend_keys(state, max_blocks)
         stats = self.orchestrator.stats
-        first_parent = state.keys[first_block - 1] if first_block else self._digest
+        keys = state.keys[first_block:max_blocks]
+        run_end = first_block + self.orchestrator.leading_run(keys)
+        tail = self._find_tail(state, run_end, request.num_tokens - 1 - run_end * block)
+        if tail is not None:
+            keys = keys[: run_end - first_block] + [tail[0]]
         acquired = self.orchestrator.acquire(
-            request.request_id, state.keys[first_block:max_blocks], first_parent, block
+            request.request_id, keys, self._parent_of(state, first_block), block,
+            tail_tokens=tail[1] if tail is not None else 0,
         )
         if acquired.status is AcquireStatus.RETRY:
             return None, False
         stats.lookups += 1
-        stats.lookup_tokens += max_blocks * block - num_computed_tokens
+        stats.lookup_tokens += request.num_tokens - 1 - num_computed_tokens
         if acquired.num_blocks == 0:
             self.orchestrator.release(request.request_id)
             return 0, False
         hit_tokens = (first_block + acquired.num_blocks) * block - num_computed_tokens
+        tail_promoted_from = None
+        if tail is not None and acquired.num_blocks == len(keys):
+            hit_tokens -= block - tail[1]  # the run ends with the tail
+            tail_promoted_from = self.orchestrator.promoted_source(request.request_id, tail[0])
         state.load_first_token = num_computed_tokens
         state.hit_tokens_from = _tokens_by_source(hit_tokens, acquired.promoted, block)
+        if tail_promoted_from is not None:  # counted as a whole block above
+            state.hit_tokens_from[tail_promoted_from] -= block - tail[1]
+            state.hit_tokens_from[Medium.HOST] = hit_tokens - sum(
+                t for m, t in state.hit_tokens_from.items() if m is not Medium.HOST)
         # Synchronous: the blocks are in host memory now (disk blocks were promoted first), so the
         # copy runs in the same step that computes the rest of the prompt; no extra engine step.
         return hit_tokens, False
@@ -279,8 +329,8 @@ class KVTierScheduler:
         self._step_loads.append(CopyJob(job_id, request.request_id, pages))
         self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)
         state.jobs.add(job_id)
-        if self._events is not None:
-            self._events.learn(request, zip(range(first_block, end_block), keys))
+        if self._events is not None:  # full blocks only: a tail is no block of vLLM's
+            self._events.learn(request, zip(range(first_block, end_token // block), keys))
         stats = self.orchestrator.stats
         for medium, tokens in _clip_sources(state.hit_tokens_from, num_external_tokens).items():
             stats.count_hit_tokens(medium, tokens)
@@ -315,11 +365,11 @@ class KVTierScheduler:
                 flush |= {j for j in state.jobs if self._jobs[j].kind is JobKind.STORE}
         meta = KVTierConnectorMetadata(
             loads=self._step_loads,
-            stores=self._build_stores(scheduler_output),
+            stores=self._tail_stores + self._build_stores(scheduler_output),
             flush_job_ids=flush,
             delayed_free_req_ids=self._delayed_free,
         )
-        self._step_loads, self._delayed_free = [], []
+        self._step_loads, self._delayed_free, self._tail_stores = [], [], []
         return meta
 
     def _build_stores(self, scheduler_output: SchedulerOutput) -> list[CopyJob]:
@@ -400,11 +450,43 @@ class KVTierScheduler:
             if state.finished and not state.jobs:
                 del self._requests[job.req_id]
 
+    def _store_tail(self, state: _RequestState) -> None:
+        """Store the finished request's tail: its computed tokens after the last full block
+        (within the same limits as blocks), read from the engine block that holds them."""
+        request = state.request
+        block = self.geometry.block_tokens
+        limit = min(request.num_computed_tokens - request.num_in_flight_tokens, len(request.all_token_ids))
+        if self.config.offload_prompt_only:
+            limit = min(limit, request.num_prompt_tokens)
+        if state.max_offload_tokens is not None:
+            limit = min(limit, state.max_offload_tokens)
+        num_full, tail_tokens = divmod(limit, block)
+        engine_block = self.geometry.engine_block_tokens
+        first_page = num_full * self.geometry.pages_per_block
+        num_pages = -(-tail_tokens // engine_block)
+        if tail_tokens == 0 or len(state.block_ids) < first_page + num_pages:
+            return
+        self._extend_keys(state, num_full)
+        if len(state.keys) < num_full:
+            return
+        parent = self._parent_of(state, num_full)
+        key = tail_key(parent, request.all_token_ids[num_full * block : limit], self._extras_of(state, num_full))
+        slot = self.orchestrator.begin_store(key, BlockInfo(parent, tail_tokens, tail=True))
+        if slot is None:
+            return
+        pages = [PageCopy(slot, sub, state.block_ids[first_page + sub]) for sub in range(num_pages)]
+        job_id = next(self._job_ids)
+        self._tail_stores.append(CopyJob(job_id, request.request_id, pages))
+        self._jobs[job_id] = _Job(JobKind.STORE, request.request_id, [key], self.geometry.world_size)
+        state.jobs.add(job_id)
+
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         state = self._requests.get(request.request_id)
         if state is None:
             return False, None
         state.finished = True
+        if state.cacheable and self.config.offload_partial_blocks:
+            self._store_tail(state)
         if not any(self._jobs[j].kind is JobKind.LOAD for j in state.jobs):
             self.orchestrator.release(request.request_id)
         if any(self._jobs[j].kind is JobKind.STORE for j in state.jobs):

@@ -81,6 +81,10 @@ class DiskIndex:
         # key -> its generation (``gen`` when it was indexed), least recently used first. Every
         # block costs ``block_bytes``, so nothing else is kept per key (a million keys: ~100 MB).
         self.index: OrderedDict[BlockKey, int] = OrderedDict()
+        # The indexed tails (partial blocks written by this process), least recently used first:
+        # evicted before any block. Tails found by a scan (after a restart) are plain index entries.
+        self.tails: OrderedDict[BlockKey, None] = OrderedDict()
+        self.tail_writes: set[BlockKey] = set()  # writes in flight that are tails
         self.used = 0  # bytes of indexed blocks
         self.reserved = 0  # bytes of writes in flight
         self.writing: set[BlockKey] = set()  # keys with a write in flight
@@ -116,12 +120,16 @@ class DiskIndex:
         if key not in self.index:
             return False
         self.index.move_to_end(key)
+        if key in self.tails:
+            self.tails.move_to_end(key)
         return True
 
-    def insert(self, key: BlockKey) -> None:
-        """Index ``key`` as the most recently used block."""
+    def insert(self, key: BlockKey, *, tail: bool = False) -> None:
+        """Index ``key`` as the most recently used block (a tail if ``tail``)."""
         self.gen += 1
         self.index[key] = self.gen
+        if tail:
+            self.tails[key] = None
         self.used += self.block_bytes
         self.residency.stored(key)
 
@@ -140,6 +148,7 @@ class DiskIndex:
     def forget(self, key: BlockKey) -> bool:
         if self.index.pop(key, None) is None:
             return False
+        self.tails.pop(key, None)
         self.used -= self.block_bytes
         self.residency.removed(key)
         if self.scan_running:
@@ -180,7 +189,7 @@ class DiskIndex:
         namespace. Evict this process's least recently used block (not being read), so that every
         writer gives way under shared pressure and the namespace keeps turning over. Returns the
         future of its unlink (None: nothing to evict)."""
-        for key in self.index:
+        for key in itertools.chain(self.tails, self.index):
             if key not in self.reading:
                 self._evict_keys([key])
                 return self.unlinking.get(key)
@@ -208,7 +217,8 @@ class DiskIndex:
         over = self.used + self.reserved + extra - self.capacity
         victims: list[BlockKey] = []
         if over > 0:
-            for key in self.index:
+            tails = self.tails
+            for key in itertools.chain(tails, (k for k in self.index if k not in tails)):
                 if key not in self.reading:
                     victims.append(key)
                     over -= self.block_bytes
@@ -280,6 +290,8 @@ class DiskIndex:
         """A write job ended with ``outcome`` (``result`` reports it to the caller)."""
         key = result.key
         self.writing.discard(key)
+        is_tail = key in self.tail_writes
+        self.tail_writes.discard(key)
         self.reserved -= self.block_bytes
         counts = self.counts
         if outcome is not WriteOutcome.WRITTEN:
@@ -300,7 +312,7 @@ class DiskIndex:
             self.schedule_unlink([key])
             return
         if key not in self.index:
-            self.insert(key)
+            self.insert(key, tail=is_tail)
         self.evict()
 
     def merge_scan(self, result: ScanResult, scan_gen: int | None) -> None:

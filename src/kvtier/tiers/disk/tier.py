@@ -214,7 +214,14 @@ class DiskTier(SecondaryTier):
         self._read_pool.submit(self._read_job, job_id, key, gen, views)
 
     def submit_write(
-        self, job_id: int, key: BlockKey, parent: BlockKey, num_tokens: int, sources: Sequence[memoryview]
+        self,
+        job_id: int,
+        key: BlockKey,
+        parent: BlockKey,
+        num_tokens: int,
+        sources: Sequence[memoryview],
+        *,
+        tail: bool = False,
     ) -> bool:
         views = self._byte_views(sources, writable=False, what="sources")
         if len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
@@ -237,6 +244,8 @@ class DiskTier(SecondaryTier):
         wait_for = self._state.reserve_write(key)
         if wait_for is None:
             return self._settle_write(job_id, key, IoError.DROPPED)
+        if tail:
+            self._state.tail_writes.add(key)
         self._write_pool.submit(self._write_job, _WriteJob(job_id, key, parent, num_tokens, views), wait_for)
         return True
 

@@ -265,7 +265,14 @@ class RedisTier(SecondaryTier):
         self._reads.submit(ReadJob(job_id, key, views), self._value_bytes)
 
     def submit_write(
-        self, job_id: int, key: BlockKey, parent: BlockKey, num_tokens: int, sources: Sequence[memoryview]
+        self,
+        job_id: int,
+        key: BlockKey,
+        parent: BlockKey,
+        num_tokens: int,
+        sources: Sequence[memoryview],
+        *,
+        tail: bool = False,  # the orchestrator never sends tails to a remote tier
     ) -> bool:
         views = byte_views(
             sources, count=self._world, nbytes=self._payload_bytes, writable=False, what="sources"

@@ -1,0 +1,185 @@
+"""Partial-block reuse ("tails") and decode-block offload under vLLM's real scheduler
+(tests/support/engine_sim.py: the fake model's tokens hash every KV byte it reads, and every
+computed position's KV is checked before each forward).
+
+A returning chat turn resends the transcript: the previous prompt, the answer, a new message.
+With tails, kvtier serves everything the engine computed before (all but the answer's last token,
+whose KV was never computed), and vLLM computes from the middle of a block.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from support.engine_sim import SimEngine, reference_outputs, settle, write_model
+
+from kvtier.core.keys import BlockExtras, block_key, tail_key, tail_keys
+from kvtier.tiers.blockfile import HEADER_LEN, decode_header
+from kvtier.tiers.disk.index import DiskIndex
+from kvtier.tiers.host import HostIndex
+
+BLOCK = 16
+HOST = {"cpu_bytes_to_use": 2 * 2**20}
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return write_model(tmp_path / "model", seed=11)
+
+
+def sessions(seed: int, count: int, length: int) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"s{i}": [rng.randrange(3, 500) for _ in range(length)] for i in range(count)}
+
+
+def next_turn(first: dict[str, list[int]], answers: dict[str, list[int]], seed: int, message: int = 7):
+    """Each session's transcript (prompt + answer) plus a new message, under a new request id."""
+    rng = random.Random(seed)
+    return {f"{sid}-t2": first[sid] + answers[sid] + [rng.randrange(3, 500) for _ in range(message)] for sid in first}
+
+
+def run_two_turns(model: Path, config: dict | None, first: dict[str, list[int]], max_tokens: int, **engine):
+    with SimEngine(model, kvtier=config, **engine) as sim:
+        turn1 = sim.generate(first, max_tokens)
+        answers = {sid: f.tokens for sid, f in turn1.items()}
+        if config is not None and config.get("secondary_tiers"):
+            settle(sim)
+        sim.reset_prefix_cache()  # vLLM's own cache forgets: what comes back comes from kvtier
+        second = next_turn(first, answers, seed=5)
+        turn2 = sim.generate(second, max_tokens)
+        assert sim.model.kv_mismatches == []
+    return answers, second, turn2
+
+
+@pytest.mark.parametrize("prompt_only", [False, True])
+def test_a_returning_turn_loads_everything_computed_before(model, prompt_only):
+    first = sessions(1, 3, 100)  # 6 full blocks + a tail of 4
+    config = {**HOST, "offload_prompt_only": prompt_only}
+    answers, second, turn2 = run_two_turns(model, config, first, max_tokens=12)
+    assert {rid: f.tokens for rid, f in turn2.items()} == reference_outputs(model, second, 12)
+    for sid, prompt in first.items():
+        served = turn2[f"{sid}-t2"].external_cached
+        # the engine computed the prompt and all answer tokens but the last one
+        expected = len(prompt) if prompt_only else len(prompt) + len(answers[sid]) - 1
+        assert served == expected, (sid, served, expected)
+
+
+def test_without_partial_blocks_a_returning_turn_loads_whole_blocks_only(model):
+    """Negative control: ``offload_partial_blocks: false`` is what every prefix cache does."""
+    first = sessions(2, 2, 100)
+    config = {**HOST, "offload_prompt_only": False, "offload_partial_blocks": False}
+    answers, second, turn2 = run_two_turns(model, config, first, max_tokens=12)
+    assert {rid: f.tokens for rid, f in turn2.items()} == reference_outputs(model, second, 12)
+    for sid, prompt in first.items():
+        computed = len(prompt) + len(answers[sid]) - 1
+        assert turn2[f"{sid}-t2"].external_cached == computed // BLOCK * BLOCK
+
+
+def test_the_longest_stored_tail_that_continues_the_prompt_is_loaded(model):
+    rng = random.Random(3)
+    base = [rng.randrange(3, 500) for _ in range(6 * BLOCK)]
+    more = [rng.randrange(3, 500) for _ in range(14)]
+    other = [rng.randrange(3, 500) for _ in range(10)]
+    stored = {"a": base + more[:3], "b": base + more[:9]}  # tails of 3 and 9 tokens under one block
+    asked = {
+        "longer": base + more[:12],  # continues both: the 9-token tail
+        "diverges": base + more[:5] + other,  # continues only the 3-token one
+        "equal": base + more[:9],  # the 9-token tail would leave nothing to compute: 3 tokens
+        "none": base + other,
+    }
+    expected = {"longer": 96 + 9, "diverges": 96 + 3, "equal": 96 + 3, "none": 96}
+    with SimEngine(model, kvtier=HOST) as sim:
+        sim.generate(stored, 1)
+        sim.reset_prefix_cache()
+        results = sim.generate(asked, 3)
+        assert sim.model.kv_mismatches == []
+    # (the first request's blocks land in vLLM's own prefix cache: count both caches' tokens)
+    assert {rid: f.local_cached + f.external_cached for rid, f in results.items()} == expected
+    assert {rid: f.tokens for rid, f in results.items()} == reference_outputs(model, asked, 3)
+
+
+def test_tails_come_back_from_disk_in_a_fresh_engine(model, tmp_path):
+    root = tmp_path / "kv"
+    config = {**HOST, "offload_prompt_only": False,
+              "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}]}
+    first = sessions(4, 2, 100)
+    with SimEngine(model, kvtier=config) as sim:
+        answers = {sid: f.tokens for sid, f in sim.generate(first, 12).items()}
+        settle(sim)
+    headers = [decode_header(p.read_bytes()[:HEADER_LEN]) for p in root.rglob("*.bin")]
+    tails = sorted(h.num_tokens for h in headers if h.num_tokens < BLOCK)
+    assert tails == [(100 + 12 - 1) % BLOCK] * 2, "one tail per session, with its token count"
+    second = next_turn(first, answers, seed=6)
+    with SimEngine(model, kvtier=config) as sim:  # a restart: the host tier is empty
+        turn2 = sim.generate(second, 12)
+        assert sim.model.kv_mismatches == []
+    assert {rid: f.tokens for rid, f in turn2.items()} == reference_outputs(model, second, 12)
+    assert [f.external_cached for f in turn2.values()] == [100 + 12 - 1] * 2
+
+
+def test_a_tail_of_another_tenant_never_matches(model):
+    first = sessions(5, 1, 100)
+    with SimEngine(model, kvtier=HOST) as sim:
+        for rid, prompt in first.items():
+            sim.add(rid, prompt, 1, cache_salt="tenant-a")
+        sim.run()
+        sim.reset_prefix_cache()
+        for rid, prompt in first.items():
+            sim.add(rid + "-b", prompt + [7, 8, 9], 1, cache_salt="tenant-b")
+            sim.add(rid + "-a", prompt + [7, 8, 9], 1, cache_salt="tenant-a")
+        sim.run()
+        got = {rid: f.external_cached for rid, f in sim.finished.items() if rid.endswith(("-a", "-b"))}
+    assert got == {"s0-b": 0, "s0-a": 100}
+
+
+# --- keys and eviction (no engine) ---------------------------------------------------------
+def test_tail_keys_are_pinned_and_never_equal_a_block_key():
+    assert tail_key(b"", [1, 2, 3]).hex() == "81aedfc9387c86d1c4a9ba821d10a1891606ea470a353716706c0cd7e863736d"
+    parent = bytes(32)
+    tokens = list(range(BLOCK))
+    assert tail_key(parent, tokens) != block_key(parent, tokens)
+    candidates = tail_keys(parent, tokens[:5], BlockExtras(cache_salt="t"))
+    assert candidates == [tail_key(parent, tokens[:n], BlockExtras(cache_salt="t")) for n in range(1, 6)]
+    assert len(set(candidates)) == 5
+    assert tail_key(parent, [5]) != tail_key(parent, [5], BlockExtras(cache_salt="t"))
+    with pytest.raises(ValueError):
+        tail_key(parent, [])
+
+
+def test_host_tier_evicts_tails_before_blocks_even_recent_ones():
+    host = HostIndex(4)
+    keys = [bytes([i]) * 32 for i in range(6)]
+    for key, tail in zip(keys[:4], [False, True, False, True]):
+        host.allocate(key, tail=tail)
+        host.commit(key)
+    host.touch([keys[1], keys[3]])  # the tails are the most recently used
+    assert host.allocate(keys[4])[1] == [keys[1]]
+    host.commit(keys[4])
+    assert host.allocate(keys[5])[1] == [keys[3]]
+    host.commit(keys[5])
+    host.pin(keys[0])
+    assert host.allocate(bytes([99]) * 32)[1] == [keys[2]], "then blocks, least recently used first"
+
+
+def test_disk_index_evicts_tails_before_blocks():
+    removed: list = []
+
+    def remove_files(keys, earlier):
+        removed.append(keys)
+        return None
+
+    index = DiskIndex(block_bytes=10, capacity_bytes=40, remove_files=remove_files)
+    keys = [bytes([i]) * 32 for i in range(5)]
+    for key, tail in zip(keys[:4], [True, False, True, False]):
+        index.insert(key, tail=tail)
+    index.touch_one(keys[0])
+    assert isinstance(index.tails, OrderedDict)
+    index.insert(keys[4])
+    index.evict()
+    assert removed == [[keys[2]]], "the least recently used tail goes first"
+    assert index.give_way() is None and removed[-1] == [keys[0]]
+    index.evict(20)  # room for two more blocks: one must go
+    assert removed[-1] == [keys[1]], "no tails left: the least recently used block"
