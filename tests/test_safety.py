@@ -43,7 +43,8 @@ json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
 json_value = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=4)
                           | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12)
 TOP_KEYS = ["cpu_bytes_to_use", "block_size", "eviction_policy", "store_threshold", "max_tracker_size",
-            "offload_prompt_only", "spec_name", "secondary_tiers", "self_describing_kv_events", "model_identity"]
+            "offload_prompt_only", "offload_partial_blocks", "spec_name", "secondary_tiers", "self_describing_kv_events",
+            "model_identity"]
 TIER_KEYS = ["type", "root_dir", "capacity_bytes", "n_read_threads", "n_write_threads", "max_pending_writes",
              "group_access", "url", "username", "password_env", "key_prefix", "ttl_seconds", "cluster", "nodes",
              "max_connections", "connect_timeout_s", "timeout_s"]

@@ -9,7 +9,10 @@ whose KV was never computed), and vLLM computes from the middle of a block.
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from collections import OrderedDict
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from kvtier.tiers.disk.index import DiskIndex
 from kvtier.tiers.host import HostIndex
 
 BLOCK = 16
+KVTIER = str(Path(sys.executable).with_name("kvtier"))
 HOST = {"cpu_bytes_to_use": 2 * 2**20}
 
 
@@ -112,6 +116,10 @@ def test_tails_come_back_from_disk_in_a_fresh_engine(model, tmp_path):
     headers = [decode_header(p.read_bytes()[:HEADER_LEN]) for p in root.rglob("*.bin")]
     tails = sorted(h.num_tokens for h in headers if h.num_tokens < BLOCK)
     assert tails == [(100 + 12 - 1) % BLOCK] * 2, "one tail per session, with its token count"
+    report = subprocess.run([KVTIER, "inspect", str(root), "--tails", "--json"], capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    (namespace,) = json.loads(report.stdout)["namespaces"]
+    assert namespace["tail_blocks"] == 2 and namespace["complete_blocks"] == len(headers)
     second = next_turn(first, answers, seed=6)
     with SimEngine(model, kvtier=config) as sim:  # a restart: the host tier is empty
         turn2 = sim.generate(second, 12)

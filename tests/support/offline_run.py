@@ -6,7 +6,9 @@ clean (vLLM logs to stdout too; the result is the LAST stdout line):
 
     python tests/support/offline_run.py SPEC_JSON   ->   {"startup_seconds": ..., "rounds": [...]}
 
-SPEC keys: model, prompts (list of str), rounds (list of {"reset_prefix_cache": bool, "batch": bool,
+SPEC keys: model, prompts (list of str; or "chat": a list of sessions, each a list of user messages,
+one per round: round i sends each session's transcript so far through the chat template, with the
+answers the engine gave in the earlier rounds, and results then hold ``prompt_token_ids``), rounds (list of {"reset_prefix_cache": bool, "batch": bool,
 "cache_salt": str (the round's prompts carry this tenant salt), "file_size_limit": int or null (the
 engine process's RLIMIT_FSIZE from this round on, SIGXFSZ ignored: writes past it fail with EFBIG;
 null lifts it), "pause": bool (before the round the
@@ -153,7 +155,7 @@ def main() -> None:
             reset_prefix_cache(llm)
         results = []
         batch = round_spec.get("batch", False)
-        prompts = spec["prompts"]
+        prompts = spec["prompts"] if not spec.get("chat") else chat_turn(llm, spec["chat"], rounds, index)
         if spec.get("prompt_embeds"):
             prompts = [{"prompt_embeds": embed(llm, spec["model"], p)} for p in prompts]
         if round_spec.get("cache_salt"):  # a tenant: vLLM and kvtier keep its blocks apart
@@ -169,6 +171,7 @@ def main() -> None:
                         "token_ids": list(out.outputs[0].token_ids),
                         "text": out.outputs[0].text,
                         "prompt_tokens": len(out.prompt_token_ids),
+                        "prompt_token_ids": list(out.prompt_token_ids) if spec.get("chat") else None,
                         "num_cached_tokens": out.num_cached_tokens or 0,
                         "seconds": seconds,
                     }
@@ -180,6 +183,23 @@ def main() -> None:
     print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions,
                       "round_metrics": round_metrics}),
           flush=True)
+
+
+def chat_turn(llm, sessions: list[list[str]], rounds: list[list[dict]], turn: int) -> list[dict]:
+    """Turn ``turn`` of every chat session as a client sends it: the whole transcript (the user's
+    messages so far and the answers of the earlier rounds, as text) through the model's chat
+    template, tokenized by the model's tokenizer."""
+    tokenizer = llm.get_tokenizer()
+    prompts = []
+    for number, messages in enumerate(sessions):
+        transcript = []
+        for earlier in range(turn):
+            transcript += [{"role": "user", "content": messages[earlier]},
+                           {"role": "assistant", "content": rounds[earlier][number]["text"]}]
+        transcript.append({"role": "user", "content": messages[turn]})
+        text = tokenizer.apply_chat_template(transcript, add_generation_prompt=True, tokenize=False)
+        prompts.append({"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
+    return prompts
 
 
 def limit_file_size(limit: int | None) -> None:

@@ -6,6 +6,11 @@ Modes:
 * ``example`` -- vLLM's ExampleConnector (safetensors files per prompt) on a scratch folder;
 * ``kvtier`` -- the command of ``kvtier serve`` (:func:`kvtier.launch.command.build_serve_command`) with
   host + disk tiers, the disk tier on a scratch folder;
+* ``floor`` -- a timing reference, not a competitor: vLLM alone with a KV space that holds the whole
+  workload (:data:`FLOOR_KV_BYTES`) and the smallest block vLLM-CPU takes (:data:`FLOOR_BLOCK_SIZE`),
+  so its own prefix cache keeps every transcript and a returning turn recomputes only its new
+  tokens plus less than one small block: about the physical floor of a returning turn. Its block
+  size differs from the other modes', so its outputs are not compared with theirs;
 * ``kvtier-redis`` -- ``kvtier serve`` with host + Redis tiers (no disk): a new node joining a fleet.
   The runner starts a loopback redis-server (:mod:`kvtier.bench.redis_server`), lets a first engine
   serve the workload into it, then measures a second, fresh engine whose only warm tier is Redis
@@ -29,13 +34,18 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
 
-MODES = ("vllm", "example", "kvtier", "kvtier-redis")
+MODES = ("vllm", "example", "kvtier", "kvtier-redis", "floor")
 FLEET_MODE = "kvtier-redis"
+FLOOR_MODE = "floor"
+FLOOR_KV_BYTES = 2 * 2**30
+"""The floor mode's KV space: all of the default workloads' transcripts (SmolLM2: 46 KB per token)."""
+FLOOR_BLOCK_SIZE = 32
+"""The smallest block vLLM-CPU takes (a multiple of 32): the floor mode recomputes < 32 cached tokens."""
 EXTERNAL = "external"
 
 
@@ -136,6 +146,12 @@ def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | 
     plain = [sys.executable, "-m", vllm_entrypoint(), "serve", settings.model]
     if mode == "vllm":
         return LaunchSpec(mode, plain + args, env, "vLLM alone (no KV connector)", port)
+    if mode == FLOOR_MODE:
+        floor = replace(settings, kv_cache_memory_bytes=max(settings.kv_cache_memory_bytes, FLOOR_KV_BYTES),
+                        block_size=FLOOR_BLOCK_SIZE)
+        return LaunchSpec(mode, plain + common_vllm_args(floor, port), env,
+                          f"vLLM alone, {floor.kv_cache_memory_bytes / 2**30:.0f} GiB KV space, block "
+                          f"{FLOOR_BLOCK_SIZE} (reference: a returning turn computes only its new tokens)", port)
     if mode == "example":
         folder = scratch / "example-connector"
         transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",

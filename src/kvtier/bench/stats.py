@@ -17,6 +17,7 @@ TTFT_GOAL_VS_VLLM = 0.10  # kvtier TTFT p50 on returning prefixes <= 10% of vLLM
 TTFT_GOAL_VS_EXAMPLE = 0.50  # ... and <= half of ExampleConnector's
 THROUGHPUT_GOAL_VS_VLLM = 0.95  # no reuse: kvtier throughput >= 95% of vLLM alone
 TTFT_GOAL_REDIS_VS_HOST = 1.5  # a new node's prompts from Redis: TTFT p50 <= 1.5x kvtier's host-tier hits
+TTFT_GOAL_VS_FLOOR = 1.3  # returning turns: TTFT p50 <= 1.3x the floor mode's (only new tokens computed)
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:
@@ -160,7 +161,7 @@ def goals(workload: str, per_mode: Mapping[str, Mapping[str, Any]], outputs_iden
         ratio = _ratio(per_mode["kvtier-redis"].get("ttft_returning_p50_s"), kv.get("ttft_returning_p50_s"))
         out["ttft_redis_vs_host_p50"] = ratio
         out["ttft_redis_vs_host_p50_ok"] = ratio is not None and ratio <= TTFT_GOAL_REDIS_VS_HOST
-    for peer, limit in (("vllm", TTFT_GOAL_VS_VLLM), ("example", TTFT_GOAL_VS_EXAMPLE)):
+    for peer, limit in (("vllm", TTFT_GOAL_VS_VLLM), ("example", TTFT_GOAL_VS_EXAMPLE), ("floor", TTFT_GOAL_VS_FLOOR)):
         if peer in per_mode:
             ratio = _ratio(kv.get("ttft_returning_p50_s"), per_mode[peer].get("ttft_returning_p50_s"))
             out[f"ttft_returning_p50_vs_{peer}"] = ratio

@@ -1,7 +1,8 @@
 """``kvtier inspect``: what a disk tier root holds, from directory entries and ``stat`` alone.
 
-Never opens a block file: cost is one ``stat`` per file (about 1 s per 100,000 files with a warm
-page cache), whatever the blocks' size.
+Never opens a block file unless asked to count tails (``count_tails``: one header read of rank 0's
+file per block): cost is one ``stat`` per file (about 1 s per 100,000 files with a warm page
+cache), whatever the blocks' size.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.core.keys import describe_config
+from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.ledger import ledger_files, peek_bytes
 from kvtier.tiers.disk.snapshot import peek_count, snapshot_files
 
@@ -63,6 +65,7 @@ class NamespaceInventory:
     snapshot_blocks: int | None = None  # keys its index snapshot(s) name (None: no usable snapshot)
     snapshot_written: float | None = None  # newest snapshot's mtime (seconds since the epoch)
     ledger_bytes: int | None = None  # what its usage ledgers charge (None: no readable ledger)
+    tail_blocks: int | None = None  # complete blocks that are tails (partial blocks); None: not counted
 
 
 @dataclass(slots=True)
@@ -87,14 +90,15 @@ class Inventory:
         }
 
 
-def inspect_cache(root_dir: str | Path, *, now: float | None = None) -> Inventory:
-    """Survey every namespace under ``root_dir`` (see :class:`NamespaceInventory`)."""
+def inspect_cache(root_dir: str | Path, *, now: float | None = None, count_tails: bool = False) -> Inventory:
+    """Survey every namespace under ``root_dir`` (see :class:`NamespaceInventory`); with
+    ``count_tails``, read each block's header (rank 0) to count the tails among them."""
     now = time.time() if now is None else now
     cache = discover(root_dir)
     inventory = Inventory(cache.root, now, [], strays=[(f.path, f.reason) for f in cache.strays])
     by_prefix: dict[str, NamespaceInventory] = {}
     for ns in cache.namespaces:
-        summary = _summarize(ns, now, inventory.strays)
+        summary = _summarize(ns, now, inventory.strays, count_tails)
         by_prefix[ns.prefix] = summary
         inventory.namespaces.append(summary)
     for qfile in iter_quarantine(cache):
@@ -107,7 +111,7 @@ def inspect_cache(root_dir: str | Path, *, now: float | None = None) -> Inventor
     return inventory
 
 
-def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]]) -> NamespaceInventory:
+def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]], count_tails: bool) -> NamespaceInventory:
     config = ns.config or {}
     summary = NamespaceInventory(
         prefix=ns.prefix,
@@ -120,6 +124,7 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]]) ->
         world=ns.world,
     )
     blocks: dict[tuple[int, str], list[int]] = {}  # (group, hex key) -> [bit mask of ranks, newest mtime_ns]
+    rank0_paths: dict[tuple[int, str], str] = {}
     for f in iter_files(ns, stat=True):
         if f.kind is Kind.TEMP:
             summary.temp_files += 1
@@ -133,11 +138,18 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]]) ->
             seen = blocks.setdefault((f.group or 0, f.hex_key or ""), [0, 0])
             seen[0] |= 1 << f.rank
             seen[1] = max(seen[1], f.mtime_ns)
+            if f.rank == 0:
+                rank0_paths[(f.group or 0, f.hex_key or "")] = f.path
     summary.groups = sorted({group for group, _ in blocks})
     newest, all_ranks = 0, (1 << summary.world) - 1
-    for ranks, mtime_ns in blocks.values():
+    block_tokens = config.get("block_tokens") if isinstance(config.get("block_tokens"), int) else None
+    if count_tails and block_tokens is not None:
+        summary.tail_blocks = 0
+    for block, (ranks, mtime_ns) in blocks.items():
         if ranks & all_ranks == all_ranks:
             summary.complete_blocks += 1
+            if summary.tail_blocks is not None:
+                summary.tail_blocks += _is_tail(rank0_paths[block], block_tokens)
         else:
             summary.incomplete_blocks += 1
         summary.ages[age_bucket(now - mtime_ns / 1e9)] += 1
@@ -153,3 +165,12 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]]) ->
             with contextlib.suppress(OSError):
                 summary.snapshot_written = max(summary.snapshot_written or 0.0, os.stat(path).st_mtime)
     return summary
+
+
+def _is_tail(path: str, block_tokens: int) -> bool:
+    """Whether the block file at ``path`` holds a tail (fewer tokens than a block); unreadable: no."""
+    try:
+        with open(path, "rb") as f:
+            return decode_header(f.read(HEADER_LEN)).num_tokens < block_tokens
+    except (OSError, CorruptBlockError):
+        return False

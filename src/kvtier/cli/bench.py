@@ -17,7 +17,9 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
               help="Comma-separated modes, each run on its own fresh server, in this order: "
                    "vllm (no connector), example (vLLM's ExampleConnector), kvtier (host + disk), "
                    "kvtier-redis (a fresh engine with host + Redis after a first engine filled a loopback "
-                   "redis-server: a new node joining a fleet; needs redis-server installed).")
+                   "redis-server: a new node joining a fleet; needs redis-server installed), floor (vLLM "
+                   "alone with a KV space holding the whole workload and 32-token blocks: the TTFT of a "
+                   "returning turn that computes only its new tokens; a timing reference, outputs not compared).")
 @click.option("--base-url", default=None, metavar="URL",
               help="Benchmark this already-running OpenAI-compatible server instead (mode 'external').")
 @click.option("--model", default=None, help="Model to serve [default: the embedded SmolLM2-135M-Instruct].")

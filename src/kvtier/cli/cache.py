@@ -99,8 +99,11 @@ def _emit_json(data: dict[str, Any]) -> None:
 @click.command("inspect")
 @_target_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--tails", "count_tails", is_flag=True,
+              help="Also count tails (partial blocks a finished request left): reads each block's header "
+                   "(rank 0), one small read per block. Directories only.")
 def inspect_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
-                    as_json: bool) -> None:
+                    as_json: bool, count_tails: bool) -> None:
     """Show the namespaces of a disk tier directory or a Redis remote tier: model, layout, blocks,
     bytes, ages, last use.
 
@@ -115,7 +118,7 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
     failures = _remote_errors() if remote is not None else (OSError,)
     try:
         if remote is None:
-            inventory = inspect_cache(target)
+            inventory = inspect_cache(target, count_tails=count_tails)
         else:
             from kvtier.cachetools.remote import inspect_remote
 
@@ -152,6 +155,8 @@ def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
     incomplete = f"\n[yellow]+{ns.incomplete_blocks:,} incomplete[/]" if ns.incomplete_blocks else ""
     if ns.snapshot_blocks is not None:
         incomplete += f"\n[dim]snapshot {ns.snapshot_blocks:,}[/dim]"
+    if ns.tail_blocks is not None:
+        incomplete += f"\n[dim]of which tails {ns.tail_blocks:,}[/dim]"
     ledger = f"\n[dim]ledger {fmt_bytes(ns.ledger_bytes)}[/dim]" if ns.ledger_bytes is not None else ""
     return {
         "namespace": name,
@@ -192,6 +197,8 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
                           f"{fmt_bytes(ns.block_bytes)}")
             console.print("  ages        " + " · ".join(f"{label} {count}" for label, count in ns.ages.items()))
             console.print(f"  last use    {cells['last use']} · quarantine {cells['quarantine']} · temp {cells['temp']}")
+            if ns.tail_blocks is not None:
+                console.print(f"  tails       {ns.tail_blocks:,} of the complete blocks are tails (partial blocks)")
             if ns.snapshot_blocks is not None:
                 console.print(f"  snapshot    index of {ns.snapshot_blocks:,} blocks (a restart serves from it)")
             if ns.ledger_bytes is not None:
