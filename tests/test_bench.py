@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import click
 import httpx
 import pytest
 
@@ -341,6 +342,9 @@ def test_goals():
     assert fleet["ttft_redis_vs_host_p50"] == pytest.approx(1.4) and fleet["ttft_redis_vs_host_p50_ok"]
     per_mode["kvtier-redis"] = {"ttft_returning_p50_s": 0.8}
     assert not goals("multi-turn", per_mode, True)["ttft_redis_vs_host_p50_ok"]
+    per_mode["floor"] = {"ttft_returning_p50_s": 0.4}
+    floor = goals("multi-turn", per_mode, True)
+    assert floor["ttft_returning_p50_vs_floor"] == pytest.approx(1.25) and floor["ttft_returning_p50_vs_floor_ok"]
 
 
 def test_fleet_workload_is_the_first_use_of_every_prefix_all_returning():
@@ -455,6 +459,25 @@ def test_launch_specs(tmp_path, monkeypatch):
     for i, mode in enumerate(("vllm", "example", "kvtier")):  # the same engine block size in every mode
         argv = launch_spec(mode, sized, tmp_path / f"b{mode}", port=18100 + i).argv
         assert argv[argv.index("--block-size") + 1] == "64"
+    floor = launch_spec("floor", sized, tmp_path / "floor", port=18200).argv
+    assert floor[floor.index("--block-size") + 1] == "32" and "--kv-transfer-config" not in floor
+    assert floor[floor.index("--kv-cache-memory-bytes") + 1] == str(2 * 2**30)
+    configured = ServerSettings(model=str(tmp_path / "model"), kv_config={"offload_prompt_only": True})
+    argv = launch_spec("kvtier", configured, tmp_path / "configured", port=18300).argv
+    extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+    assert extra["offload_prompt_only"] is True
+    assert json.loads(specs["kvtier"].argv[specs["kvtier"].argv.index("--kv-transfer-config") + 1])[
+        "kv_connector_extra_config"]["offload_prompt_only"] is False  # kvtier serve's default
+
+
+def test_kv_config_flag_is_a_json_object():
+    from kvtier.bench.command import parse_kv_config
+
+    assert parse_kv_config(None) is None
+    assert parse_kv_config('{"offload_partial_blocks": false}') == {"offload_partial_blocks": False}
+    for bad in ("[1]", "{nope"):
+        with pytest.raises(click.BadParameter, match="--kv-config|JSON"):
+            parse_kv_config(bad)
 
 
 def test_scratch_folder_stays_short(tmp_path):

@@ -253,17 +253,17 @@ def embed(llm, model: str, prompt: str):
     return table[torch.tensor(ids)].to(torch.float32)
 
 
-def reset_prefix_cache(llm, attempts: int = 200) -> None:
+def reset_prefix_cache(llm, attempts: int = 1000) -> None:
     """Reset vLLM's own prefix cache. vLLM refuses while blocks are still held, which is the case
     for a few milliseconds after a request finished with kvtier stores in flight (its blocks are
-    freed once the stores are done), so step the engine and retry."""
+    freed once the stores are done; a finished request's tail store is only issued in the next
+    step), so step the engine and retry, giving the copy threads time between steps."""
     for _ in range(attempts):
         if llm.reset_prefix_cache():
             return
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             llm.llm_engine.step()  # one process: the engine only advances when we step it
-        else:
-            time.sleep(0.01)  # the engine core process keeps stepping by itself
+        time.sleep(0.01)  # multiprocess: the engine core process keeps stepping by itself
     raise RuntimeError("vLLM refused to reset its prefix cache: blocks are still held")
 
 

@@ -34,6 +34,20 @@ DEFAULT_CONCURRENCY = {"multi-turn": 1, "prefix-repetition": 2, "unique": 2}
 conversation's prefill would dominate every TTFT), the others two requests at a time."""
 
 
+def parse_kv_config(text: str | None) -> dict[str, Any] | None:
+    """``--kv-config``: a JSON object of kvtier keys (validated with the server's config later)."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise click.BadParameter(f"not JSON: {exc}", param_hint="--kv-config") from None
+    if not isinstance(value, dict):
+        raise click.BadParameter("must be a JSON object like '{\"offload_prompt_only\": true}'",
+                                 param_hint="--kv-config")
+    return value
+
+
 def make_workload(opts: dict[str, Any]) -> workloads.Workload:
     """The workload the flags describe."""
     concurrency = opts["concurrency"] or DEFAULT_CONCURRENCY[opts["workload"]]
@@ -103,6 +117,7 @@ def run_command(opts: dict[str, Any]) -> int:
             model=model, kv_cache_memory_bytes=opts["kv_cache_memory_bytes"], max_model_len=opts["max_model_len"],
             kv_offloading_size_gib=opts["kv_offloading_size"], disk_size_gib=opts["disk_size"], seed=opts["seed"],
             block_size=opts["block_size"] or None, redis_size_gib=opts["redis_size"],
+            kv_config=parse_kv_config(opts.get("kv_config")),
         )
     console.print(f"kvtier bench: workload {workload.name}, {len(workload.requests)} requests, "
                   f"concurrency {workload.concurrency}; modes {', '.join(modes)}; output {out_dir}")

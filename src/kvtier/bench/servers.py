@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -66,6 +67,7 @@ class ServerSettings:
     eviction_policy: str = "lru"
     seed: int = 0
     block_size: int | None = None  # vLLM's --block-size for every mode (None: vLLM's default)
+    kv_config: Mapping[str, Any] | None = None  # kvtier modes: more kvtier keys (kvtier serve --kv-config)
     extra_vllm_args: tuple[str, ...] = ()
 
 
@@ -162,7 +164,7 @@ def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | 
         options = ServeOptions(
             kv_offloading_size_gib=settings.kv_offloading_size_gib, disk_dir=str(scratch / "kvtier-disk"),
             disk_size_gib=settings.disk_size_gib, no_disk=False, eviction_policy=settings.eviction_policy,
-            kv_config=None,
+            kv_config=settings.kv_config,
         )
         command = build_serve_command(settings.model, options, args, environ=env)
         return LaunchSpec(mode, command.argv, {**env, **command.env}, command.summary, port)
@@ -171,7 +173,7 @@ def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | 
             raise ValueError("the kvtier-redis mode needs the URL of its redis-server")
         options = ServeOptions(
             kv_offloading_size_gib=settings.kv_offloading_size_gib, no_disk=True, redis_url=redis_url,
-            eviction_policy=settings.eviction_policy, kv_config=None,
+            eviction_policy=settings.eviction_policy, kv_config=settings.kv_config,
         )
         command = build_serve_command(settings.model, options, args, environ=env)
         return LaunchSpec(mode, command.argv, {**env, **command.env}, command.summary, port)

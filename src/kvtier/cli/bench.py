@@ -52,6 +52,9 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
 @click.option("--disk-size", default=2.0, show_default=True, metavar="GiB", help="kvtier mode: disk tier (temp dir).")
 @click.option("--redis-size", default=2.0, show_default=True, metavar="GiB",
               help="kvtier-redis mode: maxmemory of its loopback redis-server (allkeys-lru).")
+@click.option("--kv-config", default=None, metavar="JSON",
+              help="kvtier modes: more kvtier keys, as `kvtier serve --kv-config` takes them "
+                   "(e.g. '{\"offload_prompt_only\": true}').")
 @click.option("--kv-bytes-per-token", default=EMBEDDED_KV_BYTES_PER_TOKEN, show_default=True,
               help="KV bytes per token of the model (for the footprint check; default: embedded model).")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
