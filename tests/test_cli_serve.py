@@ -67,11 +67,10 @@ def test_defaults(cache_dir):
     assert extra == {
         "cpu_bytes_to_use": 4 * GIB,
         "eviction_policy": "lru",
-        "offload_prompt_only": False,  # chat turns resend the answers
         "secondary_tiers": [{"type": "fs", "root_dir": str(cache_dir / "kv"), "capacity_bytes": 20 * GIB}],
     }
-    overridden = build_extra_config(ServeOptions(kv_config={"offload_prompt_only": True}))
-    assert overridden["offload_prompt_only"] is True
+    overridden = build_extra_config(ServeOptions(kv_config={"offload_prompt_only": False}))
+    assert overridden["offload_prompt_only"] is False
 
 
 def test_command_shape():

@@ -26,7 +26,7 @@ from kvtier.tiers.host import HostIndex
 
 BLOCK = 16
 KVTIER = str(Path(sys.executable).with_name("kvtier"))
-HOST = {"cpu_bytes_to_use": 2 * 2**20}
+HOST = {"cpu_bytes_to_use": 2 * 2**20, "offload_partial_blocks": True}
 
 
 @pytest.fixture

@@ -59,7 +59,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_returning_turns_compute_only_the_new_message(model_path, tmp_path: Path):
-    config = {"cpu_bytes_to_use": 48 * BLOCK_BYTES, "offload_prompt_only": False,
+    config = {"cpu_bytes_to_use": 48 * BLOCK_BYTES, "offload_prompt_only": False, "offload_partial_blocks": True,
               "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": 2**30}]}
     alone = launch(chat_spec(model_path, None), tmp_path)
     result = launch(chat_spec(model_path, config), tmp_path)

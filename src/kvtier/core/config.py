@@ -64,7 +64,7 @@ class KVTierConfig:
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     offload_prompt_only: bool = True
-    offload_partial_blocks: bool = True
+    offload_partial_blocks: bool = False
     spec_name: SpecName = SpecName.CPU
     secondary_tiers: tuple[SecondaryTierConfig, ...] = field(default_factory=tuple)
     self_describing_kv_events: bool = False
@@ -110,7 +110,7 @@ class KVTierConfig:
             store_threshold=int_value(extra, "store_threshold", minimum=0, default=0),
             max_tracker_size=int_value(extra, "max_tracker_size", minimum=1, default=64_000),
             offload_prompt_only=bool_value(extra, "offload_prompt_only", default=True),
-            offload_partial_blocks=bool_value(extra, "offload_partial_blocks", default=True),
+            offload_partial_blocks=bool_value(extra, "offload_partial_blocks", default=False),
             spec_name=spec_name,
             secondary_tiers=tiers,
             self_describing_kv_events=bool_value(extra, "self_describing_kv_events", default=False),

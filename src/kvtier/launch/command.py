@@ -100,11 +100,6 @@ engine process is killed this many seconds after SIGTERM at the latest (vLLM's d
 at once)."""
 
 
-SERVE_OFFLOAD_PROMPT_ONLY = False
-"""``offload_prompt_only`` under ``kvtier serve`` unless ``--kv-config`` sets it: also keep the KV of
-generated tokens, which a returning chat turn or agent step resends."""
-
-
 def build_extra_config(options: ServeOptions) -> dict:
     """``kv_connector_extra_config`` for ``options``. Checks the flag values themselves (sizes > 0,
     known policy, ``kv_config`` an object) and raises :class:`ServeConfigError`; the full validation
@@ -112,9 +107,6 @@ def build_extra_config(options: ServeOptions) -> dict:
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": _bytes(options.kv_offloading_size_gib, "--kv-offloading-size"),
         "eviction_policy": options.eviction_policy,
-        # Chat and agent traffic resends the answers: their KV is worth keeping (docs/benchmarks.md,
-        # "Returning turns"). The connector's own default stays true, as vLLM's OffloadingConnector's.
-        "offload_prompt_only": SERVE_OFFLOAD_PROMPT_ONLY,
     }
     if options.eviction_policy not in EVICTION_POLICIES:
         raise ServeConfigError(
