@@ -285,21 +285,19 @@ class KVTierScheduler:
         if acquired.status is AcquireStatus.RETRY:
             return None, False
         stats.lookups += 1
-        stats.lookup_tokens += request.num_tokens - 1 - num_computed_tokens
+        servable_end = request.num_tokens - 1 if self.config.offload_partial_blocks else max_blocks * block
+        stats.lookup_tokens += servable_end - num_computed_tokens
         if acquired.num_blocks == 0:
             self.orchestrator.release(request.request_id)
             return 0, False
         hit_tokens = (first_block + acquired.num_blocks) * block - num_computed_tokens
-        tail_promoted_from = None
+        tail_source = None
         if tail is not None and acquired.num_blocks == len(keys):
             hit_tokens -= block - tail[1]  # the run ends with the tail
-            tail_promoted_from = self.orchestrator.promoted_source(request.request_id, tail[0])
+            tail_source = self.orchestrator.promoted_source(request.request_id, tail[0])
         state.load_first_token = num_computed_tokens
-        state.hit_tokens_from = _tokens_by_source(hit_tokens, acquired.promoted, block)
-        if tail_promoted_from is not None:  # counted as a whole block above
-            state.hit_tokens_from[tail_promoted_from] -= block - tail[1]
-            state.hit_tokens_from[Medium.HOST] = hit_tokens - sum(
-                t for m, t in state.hit_tokens_from.items() if m is not Medium.HOST)
+        short = (tail_source, block - tail[1]) if tail_source is not None else None
+        state.hit_tokens_from = _tokens_by_source(hit_tokens, acquired.promoted, block, short)
         # Synchronous: the blocks are in host memory now (disk blocks were promoted first), so the
         # copy runs in the same step that computes the rest of the prompt; no extra engine step.
         return hit_tokens, False
@@ -385,11 +383,7 @@ class KVTierScheduler:
             if state is None or not state.cacheable:
                 continue
             request = state.request
-            limit = min(before + scheduled.get(req_id, 0), len(request.all_token_ids))
-            if self.config.offload_prompt_only:
-                limit = min(limit, request.num_prompt_tokens)
-            if state.max_offload_tokens is not None:
-                limit = min(limit, state.max_offload_tokens)
+            limit = self._offload_limit(state, before + scheduled.get(req_id, 0))
             num_full = min(limit // block, len(state.block_ids) // per_block)
             if num_full <= state.next_store_block:
                 continue
@@ -450,16 +444,23 @@ class KVTierScheduler:
             if state.finished and not state.jobs:
                 del self._requests[job.req_id]
 
+    def _offload_limit(self, state: _RequestState, computed: int) -> int:
+        """How many of the request's first tokens may be stored once ``computed`` have their KV:
+        capped by its tokens, ``offload_prompt_only`` and its ``max_offload_tokens``."""
+        request = state.request
+        limit = min(computed, len(request.all_token_ids))
+        if self.config.offload_prompt_only:
+            limit = min(limit, request.num_prompt_tokens)
+        if state.max_offload_tokens is not None:
+            limit = min(limit, state.max_offload_tokens)
+        return limit
+
     def _store_tail(self, state: _RequestState) -> None:
         """Store the finished request's tail: its computed tokens after the last full block
         (within the same limits as blocks), read from the engine block that holds them."""
         request = state.request
         block = self.geometry.block_tokens
-        limit = min(request.num_computed_tokens - request.num_in_flight_tokens, len(request.all_token_ids))
-        if self.config.offload_prompt_only:
-            limit = min(limit, request.num_prompt_tokens)
-        if state.max_offload_tokens is not None:
-            limit = min(limit, state.max_offload_tokens)
+        limit = self._offload_limit(state, request.num_computed_tokens - request.num_in_flight_tokens)
         num_full, tail_tokens = divmod(limit, block)
         engine_block = self.geometry.engine_block_tokens
         first_page = num_full * self.geometry.pages_per_block
@@ -529,10 +530,15 @@ _HIT_SOURCES = {
 }
 
 
-def _tokens_by_source(hit_tokens: int, promoted: dict[Medium, int], block_tokens: int) -> dict[Medium, int]:
+def _tokens_by_source(
+    hit_tokens: int, promoted: dict[Medium, int], block_tokens: int, short: tuple[Medium, int] | None = None
+) -> dict[Medium, int]:
     """A hit's tokens by the tier they came from: promoted blocks from their source, the rest
-    from the host tier (the promoted blocks are the run's last ones)."""
+    from the host tier (the promoted blocks are the run's last ones). ``short``: a promoted tail's
+    source and the tokens it lacks of a whole block."""
     by_source = {medium: count * block_tokens for medium, count in promoted.items()}
+    if short is not None:
+        by_source[short[0]] -= short[1]
     by_source[Medium.HOST] = max(0, hit_tokens - sum(by_source.values()))
     return by_source
 
