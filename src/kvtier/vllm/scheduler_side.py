@@ -39,28 +39,21 @@ from vllm.v1.request import Request
 
 from kvtier.copy import PageCopy
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
-from kvtier.core.keys import (
-    BlockExtras,
-    BlockKey,
-    ModelIdentity,
-    Namespace,
-    chain_block_keys,
-    tail_key,
-    tail_keys,
-)
+from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, tail_key
 from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.fingerprint import AdapterFingerprints
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
-from kvtier.tiers.base import Medium
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.layout import Access
 from kvtier.tiers.host import HostIndex
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.geometry import EngineGeometry
+from kvtier.vllm.hit_sources import clip_sources, tokens_by_source, vllm_sources
 from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
 from kvtier.vllm.page_format import page_format
+from kvtier.vllm.request_state import RequestState, Uncacheable, block_extras
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +61,6 @@ logger = logging.getLogger(__name__)
 class JobKind(enum.Enum):
     LOAD = "load"
     STORE = "store"
-
-
-class Uncacheable(enum.Enum):
-    """Why a request bypasses kvtier (its token ids do not say what its KV holds)."""
-
-    PROMPT_EMBEDS = "requests with prompt embeddings (their token ids are placeholders)"
-    LORA_UNIDENTIFIED = "requests of a LoRA adapter whose weights are not (yet) fingerprinted"
 
 
 @dataclass
@@ -85,21 +71,6 @@ class _Job:
     waiting_workers: int
     failed: bool = False
     blocks: list[int] = field(default_factory=list)  # store jobs: the request's block index of each key
-
-
-@dataclass
-class _RequestState:
-    request: Request
-    extras: BlockExtras | list[BlockExtras]
-    max_offload_tokens: int | None
-    keys: list[BlockKey] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    next_store_block: int = 0
-    jobs: set[int] = field(default_factory=set)
-    load_first_token: int = 0  # locally computed tokens when the hit was counted
-    hit_tokens_from: dict[Medium, int] = field(default_factory=dict)  # the hit's tokens by source tier
-    finished: bool = False
-    cacheable: bool = True  # False: never loaded nor stored (see KVTierScheduler._request_identity)
 
 
 class KVTierScheduler:
@@ -170,7 +141,7 @@ class KVTierScheduler:
                 self_describing=config.self_describing_kv_events,
                 kv_cache_spec_kind=geometry.kv_cache_spec_kind,
             )
-        self._requests: dict[str, _RequestState] = {}
+        self._requests: dict[str, RequestState] = {}
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._step_loads: list[CopyJob] = []
@@ -190,13 +161,15 @@ class KVTierScheduler:
         )
 
     # --- request bookkeeping -------------------------------------------------------------
-    def _state(self, request: Request) -> _RequestState:
+    def _state(self, request: Request) -> RequestState:
         state = self._requests.get(request.request_id)
         if state is None:
             lora, uncacheable = self._request_identity(request)
-            state = _RequestState(
+            state = RequestState(
                 request=request,
-                extras=_block_extras(request, self.geometry.block_tokens, lora),
+                root=self._digest,
+                block_tokens=self.geometry.block_tokens,
+                extras=block_extras(request, self.geometry.block_tokens, lora),
                 max_offload_tokens=parse_max_offload_tokens(request.kv_transfer_params, request.request_id),
                 cacheable=uncacheable is None,
             )
@@ -223,37 +196,12 @@ class KVTierScheduler:
         digest = self._adapters.get(lora.lora_int_id, lora.lora_path)
         return digest, (Uncacheable.LORA_UNIDENTIFIED if digest is None else None)
 
-    def _extend_keys(self, state: _RequestState, num_blocks: int) -> None:
-        """Make ``state.keys`` cover the first ``num_blocks`` blocks (tokens permitting)."""
-        have = len(state.keys)
-        if num_blocks <= have:
-            return
-        block = self.geometry.block_tokens
-        tokens = state.request.all_token_ids[: num_blocks * block]
-        parent = state.keys[-1] if state.keys else self._digest
-        extras = state.extras
-        if isinstance(extras, list) and len(extras) < num_blocks:
-            extras = extras + [extras[-1] if extras else BlockExtras()] * (num_blocks - len(extras))
-        state.keys.extend(chain_block_keys(parent, tokens, block, extras, start_block=have))
-
-    def _parent_of(self, state: _RequestState, block_index: int) -> BlockKey:
-        return state.keys[block_index - 1] if block_index else self._digest
-
-    @staticmethod
-    def _extras_of(state: _RequestState, block_index: int) -> BlockExtras:
-        extras = state.extras
-        if isinstance(extras, BlockExtras):
-            return extras
-        return extras[min(block_index, len(extras) - 1)] if extras else BlockExtras()
-
-    def _find_tail(self, state: _RequestState, block_index: int, max_tokens: int) -> tuple[BlockKey, int] | None:
+    def _find_tail(self, state: RequestState, block_index: int, max_tokens: int) -> tuple[BlockKey, int] | None:
         """The longest stored tail (key, tokens) that continues the request's tokens at block
         ``block_index`` with at most ``max_tokens`` tokens (memory only)."""
         if max_tokens <= 0 or not self.config.offload_partial_blocks:
             return None
-        start = block_index * self.geometry.block_tokens
-        tokens = state.request.all_token_ids[start : start + min(max_tokens, self.geometry.block_tokens - 1)]
-        candidates = tail_keys(self._parent_of(state, block_index), tokens, self._extras_of(state, block_index))
+        candidates = state.tail_candidates(block_index, max_tokens)
         for length in range(len(candidates), 0, -1):
             if self.orchestrator.locate(candidates[length - 1]) is not None:
                 return candidates[length - 1], length
@@ -271,7 +219,7 @@ class KVTierScheduler:
         first_block = num_computed_tokens // block
         if first_block > max_blocks or (first_block == max_blocks and not self.config.offload_partial_blocks):
             return 0, False
-        self._extend_keys(state, max_blocks)
+        state.extend_keys(max_blocks)
         stats = self.orchestrator.stats
         keys = state.keys[first_block:max_blocks]
         run_end = first_block + self.orchestrator.leading_run(keys)
@@ -279,7 +227,7 @@ class KVTierScheduler:
         if tail is not None:
             keys = keys[: run_end - first_block] + [tail[0]]
         acquired = self.orchestrator.acquire(
-            request.request_id, keys, self._parent_of(state, first_block), block,
+            request.request_id, keys, state.parent_of(first_block), block,
             tail_tokens=tail[1] if tail is not None else 0,
         )
         if acquired.status is AcquireStatus.RETRY:
@@ -297,7 +245,7 @@ class KVTierScheduler:
             tail_source = self.orchestrator.promoted_source(request.request_id, tail[0])
         state.load_first_token = num_computed_tokens
         short = (tail_source, block - tail[1]) if tail_source is not None else None
-        state.hit_tokens_from = _tokens_by_source(hit_tokens, acquired.promoted, block, short)
+        state.hit_tokens_from = tokens_by_source(hit_tokens, acquired.promoted, block, short)
         # Synchronous: the blocks are in host memory now (disk blocks were promoted first), so the
         # copy runs in the same step that computes the rest of the prompt; no extra engine step.
         return hit_tokens, False
@@ -330,7 +278,7 @@ class KVTierScheduler:
         if self._events is not None:  # full blocks only: a tail is no block of vLLM's
             self._events.learn(request, zip(range(first_block, end_token // block), keys))
         stats = self.orchestrator.stats
-        for medium, tokens in _clip_sources(state.hit_tokens_from, num_external_tokens).items():
+        for medium, tokens in clip_sources(state.hit_tokens_from, num_external_tokens).items():
             stats.count_hit_tokens(medium, tokens)
 
     def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
@@ -339,11 +287,7 @@ class KVTierScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             return {CacheHitSource.HOST: num_external_tokens} if num_external_tokens else {}
-        sources: dict[CacheHitSource, int] = {}
-        for medium, tokens in _clip_sources(state.hit_tokens_from, num_external_tokens).items():
-            source = _HIT_SOURCES[medium]
-            sources[source] = sources.get(source, 0) + tokens
-        return {source: tokens for source, tokens in sources.items() if tokens}
+        return vllm_sources(state.hit_tokens_from, num_external_tokens)
 
     # --- per step ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
@@ -387,12 +331,11 @@ class KVTierScheduler:
             num_full = min(limit // block, len(state.block_ids) // per_block)
             if num_full <= state.next_store_block:
                 continue
-            self._extend_keys(state, num_full)
+            state.extend_keys(num_full)
             keys, blocks, pages, present = [], [], [], []
             for index in range(state.next_store_block, num_full):
                 key = state.keys[index]
-                parent = state.keys[index - 1] if index else self._digest
-                slot = self.orchestrator.begin_store(key, BlockInfo(parent, block))
+                slot = self.orchestrator.begin_store(key, BlockInfo(state.parent_of(index), block))
                 if slot is None:
                     present.append((index, key))  # stored already, or refused (learn() checks)
                     continue
@@ -444,7 +387,7 @@ class KVTierScheduler:
             if state.finished and not state.jobs:
                 del self._requests[job.req_id]
 
-    def _offload_limit(self, state: _RequestState, computed: int) -> int:
+    def _offload_limit(self, state: RequestState, computed: int) -> int:
         """How many of the request's first tokens may be stored once ``computed`` have their KV:
         capped by its tokens, ``offload_prompt_only`` and its ``max_offload_tokens``."""
         request = state.request
@@ -455,7 +398,7 @@ class KVTierScheduler:
             limit = min(limit, state.max_offload_tokens)
         return limit
 
-    def _store_tail(self, state: _RequestState) -> None:
+    def _store_tail(self, state: RequestState) -> None:
         """Store the finished request's tail: its computed tokens after the last full block
         (within the same limits as blocks), read from the engine block that holds them."""
         request = state.request
@@ -467,11 +410,11 @@ class KVTierScheduler:
         num_pages = -(-tail_tokens // engine_block)
         if tail_tokens == 0 or len(state.block_ids) < first_page + num_pages:
             return
-        self._extend_keys(state, num_full)
+        state.extend_keys(num_full)
         if len(state.keys) < num_full:
             return
-        parent = self._parent_of(state, num_full)
-        key = tail_key(parent, request.all_token_ids[num_full * block : limit], self._extras_of(state, num_full))
+        parent = state.parent_of(num_full)
+        key = tail_key(parent, request.all_token_ids[num_full * block : limit], state.extras_of(num_full))
         slot = self.orchestrator.begin_store(key, BlockInfo(parent, tail_tokens, tail=True))
         if slot is None:
             return
@@ -521,56 +464,3 @@ class KVTierScheduler:
         self.orchestrator.close()
         for region in self._regions:
             region.close()
-
-
-_HIT_SOURCES = {
-    Medium.HOST: CacheHitSource.HOST,
-    Medium.DISK: CacheHitSource.DISK,
-    Medium.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,
-}
-
-
-def _tokens_by_source(
-    hit_tokens: int, promoted: dict[Medium, int], block_tokens: int, short: tuple[Medium, int] | None = None
-) -> dict[Medium, int]:
-    """A hit's tokens by the tier they came from: promoted blocks from their source, the rest
-    from the host tier (the promoted blocks are the run's last ones). ``short``: a promoted tail's
-    source and the tokens it lacks of a whole block."""
-    by_source = {medium: count * block_tokens for medium, count in promoted.items()}
-    if short is not None:
-        by_source[short[0]] -= short[1]
-    by_source[Medium.HOST] = max(0, hit_tokens - sum(by_source.values()))
-    return by_source
-
-
-def _clip_sources(by_source: dict[Medium, int], num_tokens: int) -> dict[Medium, int]:
-    """``by_source`` cut to ``num_tokens`` (vLLM may accept fewer than offered): host first."""
-    clipped, left = {}, num_tokens
-    for medium in (Medium.HOST, Medium.DISK, Medium.REMOTE):
-        take = min(by_source.get(medium, 0), left)
-        if take:
-            clipped[medium] = take
-            left -= take
-    if left:
-        clipped[Medium.HOST] = clipped.get(Medium.HOST, 0) + left
-    return clipped
-
-
-def _block_extras(request: Request, block_tokens: int, lora: str | None) -> BlockExtras | list[BlockExtras]:
-    """Per-block key extras: the adapter's fingerprint and the cache salt on every block,
-    multimodal hashes where their placeholder tokens overlap the block."""
-    salt = getattr(request, "cache_salt", None)
-    features = getattr(request, "mm_features", None) or []
-    if not features:
-        return BlockExtras(lora=lora, cache_salt=salt)
-    num_blocks = len(request.all_token_ids) // block_tokens + 1
-    extras: list[BlockExtras] = []
-    for index in range(num_blocks):
-        start, end = index * block_tokens, (index + 1) * block_tokens
-        hashes = tuple(
-            f.identifier
-            for f in features
-            if f.mm_position.offset < end and f.mm_position.offset + f.mm_position.length > start
-        )
-        extras.append(BlockExtras(lora=lora, cache_salt=salt, mm_hashes=hashes))
-    return extras
