@@ -98,7 +98,7 @@ def test_a_misaligned_host_buffer_is_copied_as_bytes():
     copier = BlockCopier(kv, HostSlots(buffer, layout))
     assert copier.word == torch.uint8
     copier.copy(Direction.STORE, [PageCopy(1, 0, 4)])
-    assert torch.equal(copier.host.tensor[1].reshape(-1), torch.cat([page_bytes_of(l, 4) for l in layers]))
+    assert torch.equal(copier.host.tensor[1].reshape(-1), torch.cat([page_bytes_of(layer, 4) for layer in layers]))
 
 
 @settings(max_examples=60, deadline=None)
