@@ -67,10 +67,12 @@ def test_defaults(cache_dir):
     assert extra == {
         "cpu_bytes_to_use": 4 * GIB,
         "eviction_policy": "lru",
+        "offload_prompt_only": False,  # chat and agent traffic: keep the answers' KV and the tails
+        "offload_partial_blocks": True,
         "secondary_tiers": [{"type": "fs", "root_dir": str(cache_dir / "kv"), "capacity_bytes": 20 * GIB}],
     }
-    overridden = build_extra_config(ServeOptions(kv_config={"offload_prompt_only": False}))
-    assert overridden["offload_prompt_only"] is False
+    overridden = build_extra_config(ServeOptions(kv_config={"offload_prompt_only": True}))
+    assert overridden["offload_prompt_only"] is True and overridden["offload_partial_blocks"] is True
 
 
 def test_command_shape():
@@ -409,8 +411,8 @@ class _KVEventSubscriber:
         self._socket.close(linger=0)
 
 
-def _check_kv_events(events: list, prompt_tokens: int) -> None:
-    """kvtier announces each full block of the prompt in host memory (CPU) and on disk (STORAGE)
+def _check_kv_events(events: list, full_blocks: int) -> None:
+    """kvtier announces each of the ``full_blocks`` it stored in host memory (CPU) and on disk (STORAGE)
     with exactly the payload vLLM announced for it on the device (GPU): same hash, parent, tokens."""
     from vllm.distributed.kv_events import BlockStored
 
@@ -421,7 +423,6 @@ def _check_kv_events(events: list, prompt_tokens: int) -> None:
         for i, block_hash in enumerate(event.block_hashes):
             device[block_hash] = (parent, event.token_ids[i * size : (i + 1) * size], size)
             parent = block_hash
-    full_blocks = prompt_tokens // 128
     for medium in ("CPU", "STORAGE"):
         ours = [e for e in stored if e.medium == medium]
         assert len(ours) == full_blocks, (medium, [e.medium for e in events])
@@ -524,14 +525,19 @@ def test_serve_end_to_end(tmp_path):
 
         assert total("kvtier_hit_tokens_total{") == cached
         assert total("vllm:prompt_tokens_cached_by_source_total{", 'source="host"') == cached
-        full_blocks = prompt_tokens // 128
+        # kvtier serve keeps the answer's KV and the finished request's tail (offload_prompt_only false,
+        # offload_partial_blocks true): the KV of every token but the last generated one is stored, as
+        # full blocks plus one tail in a slot of its own (the repeated request stores nothing new).
+        computed = prompt_tokens + request["max_tokens"] - 1
+        full_blocks = computed // 128
+        stored = full_blocks + (1 if computed % 128 else 0)
         block_bytes = 30 * 128 * 1536  # SmolLM2 fp32: 30 layers x 128 tokens x 1,536 B
-        assert total("kvtier_tier_blocks{", 'tier="host"') == full_blocks
-        assert total("kvtier_tier_used_bytes{", 'tier="host"') == full_blocks * block_bytes
+        assert total("kvtier_tier_blocks{", 'tier="host"') == stored
+        assert total("kvtier_tier_used_bytes{", 'tier="host"') == stored * block_bytes
         assert 0.5 * 2**30 - block_bytes < total("kvtier_tier_capacity_bytes{", 'tier="host"') <= 0.5 * 2**30
         assert total("kvtier_tier_capacity_bytes{", 'tier="disk"') == 20 * 2**30
 
-        _check_kv_events(subscriber.drain(2.0), prompt_tokens)
+        _check_kv_events(subscriber.drain(2.0), full_blocks)  # tails are never announced
 
         # Stopped as a service manager stops it: SIGTERM. The engine's teardown runs kvtier's
         # shutdown (block writes flushed, then the disk index snapshot written); with vLLM's
@@ -544,7 +550,7 @@ def test_serve_end_to_end(tmp_path):
         assert snapshot.stat().st_mtime >= stopped_at - 0.5, f"no snapshot written at shutdown:\n{log_tail}"
         keys = decode(snapshot.read_bytes(), 1, HEADER_LEN + block_bytes)
         on_disk = {p.stem for p in (tmp_path / "kv").rglob("*.bin")}
-        assert len(keys) == full_blocks and {k.hex() for k in keys} == on_disk, (len(keys), len(on_disk))
+        assert len(keys) == stored and {k.hex() for k in keys} == on_disk, (len(keys), len(on_disk))
     finally:
         if subscriber is not None:
             subscriber.close()

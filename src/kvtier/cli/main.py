@@ -80,10 +80,11 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
     --enable-prefix-caching is added unless --no-enable-prefix-caching is
     given, and --shutdown-timeout 30 unless one is given (on SIGTERM,
     in-flight requests finish and queued block writes are flushed; vLLM's
-    default, 0, kills the engine at once). For chat and agent traffic, --kv-config
-    '{"offload_prompt_only": false, "offload_partial_blocks": true}' also keeps
-    the answers' KV and the partial last blocks (docs/configuration.md). All
-    settings are checked before vLLM starts.
+    default, 0, kills the engine at once). kvtier keeps the answers' KV and the
+    partial last blocks too, so a returning chat turn computes only its new
+    tokens; --kv-config '{"offload_prompt_only": true, "offload_partial_blocks":
+    false}' turns that off (vLLM's OffloadingConnector behaviour,
+    docs/configuration.md). All settings are checked before vLLM starts.
 
     \b
     On vLLM's CPU backend, set unless already in the environment:

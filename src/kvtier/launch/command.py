@@ -100,6 +100,13 @@ engine process is killed this many seconds after SIGTERM at the latest (vLLM's d
 at once)."""
 
 
+SERVE_DEFAULTS: Mapping[str, Any] = {"offload_prompt_only": False, "offload_partial_blocks": True}
+"""kvtier keys ``kvtier serve`` (and so ``kvtier bench``'s kvtier modes) sets unlike the connector's
+vLLM-compatible defaults: keep the KV of generated tokens and the partial last block, so a returning
+chat turn or agent step computes only its new tokens (measured in docs/benchmarks.md). ``--kv-config``
+overrides them."""
+
+
 def build_extra_config(options: ServeOptions) -> dict:
     """``kv_connector_extra_config`` for ``options``. Checks the flag values themselves (sizes > 0,
     known policy, ``kv_config`` an object) and raises :class:`ServeConfigError`; the full validation
@@ -107,6 +114,7 @@ def build_extra_config(options: ServeOptions) -> dict:
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": _bytes(options.kv_offloading_size_gib, "--kv-offloading-size"),
         "eviction_policy": options.eviction_policy,
+        **SERVE_DEFAULTS,
     }
     if options.eviction_policy not in EVICTION_POLICIES:
         raise ServeConfigError(
