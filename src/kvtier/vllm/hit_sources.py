@@ -41,9 +41,5 @@ def clip_sources(by_source: dict[Medium, int], num_tokens: int) -> dict[Medium, 
 
 
 def vllm_sources(by_source: dict[Medium, int], num_tokens: int) -> dict[CacheHitSource, int]:
-    """``by_source`` cut to ``num_tokens``, in vLLM's sources (zero counts left out)."""
-    sources: dict[CacheHitSource, int] = {}
-    for medium, tokens in clip_sources(by_source, num_tokens).items():
-        source = VLLM_SOURCE[medium]
-        sources[source] = sources.get(source, 0) + tokens
-    return {source: tokens for source, tokens in sources.items() if tokens}
+    """``by_source`` cut to ``num_tokens``, in vLLM's sources (one per medium; only positive counts)."""
+    return {VLLM_SOURCE[medium]: tokens for medium, tokens in clip_sources(by_source, num_tokens).items()}

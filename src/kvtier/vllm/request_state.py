@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from vllm.v1.request import Request
 
-from kvtier.core.keys import BlockExtras, BlockKey, chain_block_keys, tail_keys
+from kvtier.core.keys import BlockExtras, BlockKey, chain_block_keys, tail_key, tail_keys
 from kvtier.tiers.base import Medium
 
 
@@ -49,8 +49,8 @@ class RequestState:
         block = self.block_tokens
         tokens = self.request.all_token_ids[: num_blocks * block]
         extras = self.extras
-        if isinstance(extras, list) and len(extras) < num_blocks:
-            extras = extras + [extras[-1] if extras else BlockExtras()] * (num_blocks - len(extras))
+        if isinstance(extras, list):
+            extras = [self.extras_of(index) for index in range(num_blocks)]
         self.keys.extend(chain_block_keys(self.parent_of(have), tokens, block, extras, start_block=have))
 
     def parent_of(self, block_index: int) -> BlockKey:
@@ -58,6 +58,7 @@ class RequestState:
         return self.keys[block_index - 1] if block_index else self.root
 
     def extras_of(self, block_index: int) -> BlockExtras:
+        """Block ``block_index``'s extras (blocks past the per-block list take its last entry)."""
         extras = self.extras
         if isinstance(extras, BlockExtras):
             return extras
@@ -69,6 +70,12 @@ class RequestState:
         start = block_index * self.block_tokens
         tokens = self.request.all_token_ids[start : start + min(max_tokens, self.block_tokens - 1)]
         return tail_keys(self.parent_of(block_index), tokens, self.extras_of(block_index))
+
+    def tail_key_of(self, block_index: int, end_token: int) -> BlockKey:
+        """The tail key of the tokens from block ``block_index`` up to ``end_token``."""
+        start = block_index * self.block_tokens
+        tokens = self.request.all_token_ids[start:end_token]
+        return tail_key(self.parent_of(block_index), tokens, self.extras_of(block_index))
 
 
 def block_extras(request: Request, block_tokens: int, lora: str | None) -> BlockExtras | list[BlockExtras]:

@@ -39,7 +39,7 @@ from vllm.v1.request import Request
 
 from kvtier.copy import PageCopy
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
-from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, tail_key
+from kvtier.core.keys import BlockKey, ModelIdentity, Namespace
 from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.fingerprint import AdapterFingerprints
@@ -413,9 +413,8 @@ class KVTierScheduler:
         state.extend_keys(num_full)
         if len(state.keys) < num_full:
             return
-        parent = state.parent_of(num_full)
-        key = tail_key(parent, request.all_token_ids[num_full * block : limit], state.extras_of(num_full))
-        slot = self.orchestrator.begin_store(key, BlockInfo(parent, tail_tokens, tail=True))
+        key = state.tail_key_of(num_full, limit)
+        slot = self.orchestrator.begin_store(key, BlockInfo(state.parent_of(num_full), tail_tokens, tail=True))
         if slot is None:
             return
         pages = [PageCopy(slot, sub, state.block_ids[first_page + sub]) for sub in range(num_pages)]
