@@ -62,7 +62,6 @@ import queue
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
@@ -74,22 +73,16 @@ from kvtier.tiers.disk import files as disk_io
 from kvtier.tiers.disk.index import DiskIndex, DiskTierStats
 from kvtier.tiers.disk.layout import Access, DiskLayout, ScanResult
 from kvtier.tiers.disk.ledger import Ledger, Sharing
+from kvtier.tiers.disk.messages import Msg, WriteJob, distinct_futures
 from kvtier.tiers.disk.snapshot import read_snapshot, write_snapshot
 from kvtier.tiers.disk.writer import NoSpaceLog, WriteOutcome, write_block
 
 logger = logging.getLogger(__name__)
 
-# Messages a worker posts to the completion queue.
-_MSG_IO = 0  # (kind, IoResult, read: key generation at submit or None; write: WriteOutcome, None if no job ran)
-_MSG_NO_ROOM = 3  # (kind, _WriteJob): the usage ledger refused a write that may be retried
-
 NO_ROOM_RETRIES = 4
 """How often a write the usage ledger refuses is retried, each time after this process evicted its
 least recently used block (engines sharing a root evict the same blocks from their shared view
 of it, so one eviction of a pair often frees nothing)."""
-_MSG_REMOVED = 1  # (kind, keys unlinked or None for a clear() sweep, future, io_errors)
-_MSG_SCAN = 2  # (kind, ScanResult, gen at scan start)
-
 SNAPSHOT_INTERVAL_S = 120.0
 """At most one index snapshot per interval while running (after a rescan, if the index changed)."""
 
@@ -205,7 +198,7 @@ class DiskTier(SecondaryTier):
         if len(key) != KEY_BYTES:
             raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
         if self._closed:
-            self._done.put((_MSG_IO, IoResult(job_id, IoKind.READ, key, False, error=IoError.IO), None))
+            self._done.put((Msg.IO, IoResult(job_id, IoKind.READ, key, False, error=IoError.IO), None))
             return
         gen = self._state.index.get(key)
         self._state.reading[key] = self._state.reading.get(key, 0) + 1
@@ -246,7 +239,7 @@ class DiskTier(SecondaryTier):
             return self._settle_write(job_id, key, IoError.DROPPED)
         if tail:
             self._state.tail_writes.add(key)
-        self._write_pool.submit(self._write_job, _WriteJob(job_id, key, parent, num_tokens, views), wait_for)
+        self._write_pool.submit(self._write_job, WriteJob(job_id, key, parent, num_tokens, views), wait_for)
         return True
 
     def poll(self) -> list[IoResult]:
@@ -263,18 +256,18 @@ class DiskTier(SecondaryTier):
             except queue.Empty:
                 break
             kind = msg[0]
-            if kind == _MSG_IO:
+            if kind == Msg.IO:
                 result: IoResult = msg[1]
                 if result.kind is IoKind.READ:
                     self._state.finish_read(result, msg[2])
                 elif msg[2] is not None:  # a write job that ran (not a dedup or refusal decided at submit)
                     self._state.finish_write(result, msg[2])
                 results.append(result)
-            elif kind == _MSG_NO_ROOM:
+            elif kind == Msg.NO_ROOM:
                 self._retry_or_drop(msg[1], results)
-            elif kind == _MSG_REMOVED:
+            elif kind == Msg.REMOVED:
                 self._state.finish_removal(msg[1], msg[2], msg[3])
-            elif kind == _MSG_SCAN:
+            elif kind == Msg.SCAN:
                 self._state.merge_scan(msg[1], scan_gen=msg[2])
                 self._snapshot_if_due()
 
@@ -403,7 +396,7 @@ class DiskTier(SecondaryTier):
 
     # ------------------------------------------------------------------ submission helpers (caller thread)
 
-    def _retry_or_drop(self, job: _WriteJob, results: list[IoResult]) -> None:
+    def _retry_or_drop(self, job: WriteJob, results: list[IoResult]) -> None:
         """The usage ledger refused ``job``: give way and retry it, or (retries spent, nothing to
         evict, deleted meanwhile, closed) complete it ``DROPPED``."""
         wait_for = None
@@ -426,7 +419,7 @@ class DiskTier(SecondaryTier):
         """Complete a write decided at submit, without a job: ok, or ``error`` (counted as dropped)."""
         if error is not None:
             self._state.counts["writes_dropped"] += 1
-        self._done.put((_MSG_IO, IoResult(job_id, IoKind.WRITE, key, error is None, error=error), None))
+        self._done.put((Msg.IO, IoResult(job_id, IoKind.WRITE, key, error is None, error=error), None))
         return True
 
     def _remove_files(self, keys: list[BlockKey] | None, earlier: Iterable[Future | None]) -> Future | None:
@@ -438,20 +431,20 @@ class DiskTier(SecondaryTier):
             self._removal_job(keys, None, ())  # synchronous: no pool any more
             return None
         future: Future = Future()  # resolved by the job itself, so it can be waited on before it starts
-        self._write_pool.submit(self._removal_job, keys, future, _distinct(earlier))
+        self._write_pool.submit(self._removal_job, keys, future, distinct_futures(earlier))
         return future
 
     # ------------------------------------------------------------------ worker threads (no index access)
 
     def _read_job(self, job_id: int, key: BlockKey, gen: int | None, dests: list[memoryview]) -> None:
-        """Read every rank's file of ``key`` into ``dests`` and post the result (``gen``: see _MSG_IO)."""
+        """Read every rank's file of ``key`` into ``dests`` and post the result (``gen``: see Msg.IO)."""
         start = time.perf_counter()
         error = disk_io.read_block(self._layout, self._ledger, self._rank_digests, key, dests)
         seconds = time.perf_counter() - start
         nbytes = 0 if error is not None else self._payload_bytes * self._world
-        self._done.put((_MSG_IO, IoResult(job_id, IoKind.READ, key, error is None, nbytes, seconds, error), gen))
+        self._done.put((Msg.IO, IoResult(job_id, IoKind.READ, key, error is None, nbytes, seconds, error), gen))
 
-    def _write_job(self, job: _WriteJob, wait_for: tuple[Future, ...]) -> None:
+    def _write_job(self, job: WriteJob, wait_for: tuple[Future, ...]) -> None:
         """Write ``job``'s files once the removals in ``wait_for`` are done; post the outcome."""
         for future in wait_for:  # queued before this job, so already running or done: no deadlock
             future.result()
@@ -461,13 +454,13 @@ class DiskTier(SecondaryTier):
             job.key, job.parent, job.num_tokens, job.sources,
         )
         if outcome is WriteOutcome.NO_ROOM:
-            self._done.put((_MSG_NO_ROOM, job))
+            self._done.put((Msg.NO_ROOM, job))
             return
         seconds = time.perf_counter() - start
         error = outcome.error
         nbytes = self._state.block_bytes if error is None else 0
         result = IoResult(job.job_id, IoKind.WRITE, job.key, error is None, nbytes, seconds, error)
-        self._done.put((_MSG_IO, result, outcome))
+        self._done.put((Msg.IO, result, outcome))
 
     def _removal_job(
         self, keys: list[BlockKey] | None, future: Future | None, earlier: tuple[Future, ...]
@@ -489,16 +482,16 @@ class DiskTier(SecondaryTier):
                 self._state.counts["io_errors"] += errors  # closed: called on the caller's thread
             else:
                 future.set_result(None)
-                self._done.put((_MSG_REMOVED, keys, future, errors))
+                self._done.put((Msg.REMOVED, keys, future, errors))
 
     def _scan_job(self, known: list[BlockKey], gen: int) -> None:
         try:
             result = self._scan_files(known)
         except Exception:  # never lose the "scan finished" message
             logger.exception("kvtier disk: rescan failed")
-            self._done.put((_MSG_SCAN, ScanResult(new=[], vanished=[], io_errors=1), None))
+            self._done.put((Msg.SCAN, ScanResult(new=[], vanished=[], io_errors=1), None))
             return
-        self._done.put((_MSG_SCAN, result, gen))
+        self._done.put((Msg.SCAN, result, gen))
 
     def _scan_files(self, known: list[BlockKey] | None) -> ScanResult:
         """Walk the files, then settle what the walk found with the usage ledger (the scan thread;
@@ -511,20 +504,3 @@ class DiskTier(SecondaryTier):
         result = self._layout.scan(known, self._file_bytes)
         disk_io.settle_scan(self._layout, self._ledger, result, since)
         return result
-
-
-@dataclass(slots=True)
-class _WriteJob:
-    """A write in flight: what a retry needs (``sources`` stay valid until its result is returned)."""
-
-    job_id: int
-    key: BlockKey
-    parent: BlockKey
-    num_tokens: int
-    sources: list[memoryview]
-    attempt: int = 0  # retries after the usage ledger refused it
-
-
-def _distinct(futures: Iterable[Future | None]) -> tuple[Future, ...]:
-    """The futures that are not None, each once, in order."""
-    return tuple({id(f): f for f in futures if f is not None}.values())
