@@ -479,19 +479,33 @@ def test_kv_config_flag_is_a_json_object():
 
 
 def test_scratch_folder_stays_short(tmp_path):
-    from kvtier.bench.servers import MAX_SCRATCH_BASE_CHARS, make_scratch
+    from kvtier.bench.servers import MAX_SOCKET_PATH_CHARS, make_scratch, socket_path_chars
 
-    short = make_scratch("kvtier", base=str(tmp_path) if len(str(tmp_path)) <= MAX_SCRATCH_BASE_CHARS else None)
+    short_base = Path("/tmp") / "kvb"  # short enough: the folder stays where it was asked for
+    short_base.mkdir(exist_ok=True)
+    # a 40-character base once passed a fixed 40-character limit, yet the longest mode's name
+    # ("kvtier-redis-seed") then made the socket path 117 bytes and vLLM failed to start
+    middle_base = Path("/tmp") / ("m" * 35)
+    middle_base.mkdir(exist_ok=True)
     long_base = tmp_path / ("x" * 60)
     long_base.mkdir()
-    fallback = make_scratch("kvtier", base=str(long_base))
+    made = []
     try:
-        assert fallback.parent == Path("/tmp") and fallback.name.startswith("kvtier-bench-kvtier-")
-        # vLLM's IPC socket: <TMPDIR>/<uuid4> must fit in sockaddr_un (107 bytes)
-        assert len(f"{fallback}/{'0' * 36}") <= 107 and len(f"{short}/{'0' * 36}") <= 107
+        short = make_scratch("kvtier", base=str(short_base))
+        made.append(short)
+        assert short.parent == short_base
+        for mode in ("kvtier", "kvtier-redis-seed"):
+            for base in (middle_base, long_base):
+                folder = make_scratch(mode, base=str(base))
+                made.append(folder)
+                assert folder.name.startswith(f"kvtier-bench-{mode}-")
+                assert socket_path_chars(str(folder)) <= MAX_SOCKET_PATH_CHARS, folder
+        assert made[-1].parent == Path("/tmp")  # the long base was given up for /tmp
     finally:
-        fallback.rmdir()
-        short.rmdir()
+        for folder in made:
+            folder.rmdir()
+        middle_base.rmdir()
+        short_base.rmdir()
 
 
 def test_cli_modes_and_help():

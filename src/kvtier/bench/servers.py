@@ -105,18 +105,26 @@ def common_vllm_args(settings: ServerSettings, port: int) -> list[str]:
     ]
 
 
-MAX_SCRATCH_BASE_CHARS = 40
-"""vLLM puts ZeroMQ IPC sockets (a 36-character name) in ``TMPDIR``; a socket path may not exceed
-107 bytes, so the scratch folder, which becomes the server's ``TMPDIR``, must stay short."""
+MAX_SOCKET_PATH_CHARS = 107
+"""vLLM puts ZeroMQ IPC sockets (``<TMPDIR>/<uuid4>``, a 36-character name) in ``TMPDIR``; a socket
+path may not exceed 107 bytes (``sockaddr_un``), so the scratch folder, which becomes the server's
+``TMPDIR``, must leave room for it."""
+
+
+def socket_path_chars(scratch: str) -> int:
+    """Length of a vLLM IPC socket path in the folder ``scratch``."""
+    return len(scratch) + 1 + 36
 
 
 def make_scratch(mode: str, base: str | None = None) -> Path:
-    """A new scratch folder for ``mode``'s server, in the temp folder, or in ``/tmp`` if the temp
-    folder's path is too long for vLLM's IPC sockets."""
+    """A new scratch folder for ``mode``'s server, in the temp folder, or in ``/tmp`` if a folder
+    there would make vLLM's IPC socket paths too long."""
     base = base or tempfile.gettempdir()
-    if len(base) > MAX_SCRATCH_BASE_CHARS and os.access("/tmp", os.W_OK):
+    prefix = f"kvtier-bench-{mode}-"
+    longest = os.path.join(base, prefix + "x" * 8)  # mkdtemp adds 8 random characters
+    if socket_path_chars(longest) > MAX_SOCKET_PATH_CHARS and os.access("/tmp", os.W_OK):
         base = "/tmp"
-    return Path(tempfile.mkdtemp(prefix=f"kvtier-bench-{mode}-", dir=base))
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
 def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
