@@ -8,8 +8,8 @@ time and one generated token each (so a request's time is its TTFT, measured aro
 ``LLM.generate``): round 1 computes and stores, then vLLM's own prefix cache is reset and round 2
 is served from kvtier's host tier. Outputs of both rounds must be equal (checked). Families: the
 tiny random-weight models of tests/support/tiny_models.py and ``gemma-3-270m`` (real weights). On
-vLLM-CPU only the default, qwen3-moe, is offloaded: kvtier is inactive for sliding-window and MLA
-models there (docs/models.md), so their ratio is about 1.
+vLLM-CPU qwen3-moe (the default), gemma3-swa and gemma-3-270m are offloaded; kvtier is inactive
+for MLA models there (docs/models.md), so their ratio is about 1.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def model_folder(name: str, tmp: Path) -> tuple[Path, dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--families", default="qwen3-moe")
+    parser.add_argument("--families", default="qwen3-moe",
+                        help="comma-separated: tiny families (tests/support/tiny_models.py) or gemma-3-270m")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--words", type=int, default=700)
     args = parser.parse_args()

@@ -13,7 +13,9 @@ answers the engine gave in the earlier rounds, and results then hold ``prompt_to
 engine process's RLIMIT_FSIZE from this round on, SIGXFSZ ignored: writes past it fail with EFBIG;
 null lifts it), "pause": bool (before the round the
 harness creates ``$TMPDIR/paused<i>`` and waits for ``$TMPDIR/resume<i>``: the test injects a fault
-into the running engine's tiers meanwhile, see :func:`launch`'s ``before_round``)}),
+into the running engine's tiers meanwhile, see :func:`launch`'s ``before_round``), "kv_pages": bool
+(after the round, the result's ``kv_pages[i]`` holds a digest of the engine's own KV pages of every
+block vLLM's prefix cache holds, see :func:`kv_page_digests`)}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
 optional: engine_id (kv_transfer_config's: names the host tier's shared-memory regions), block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
 embeddings, looked up in the model's own embedding matrix, instead of token ids).
@@ -145,7 +147,7 @@ def main() -> None:
     })
     startup_seconds = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    rounds, round_metrics = [], []
+    rounds, round_metrics, pages = [], [], []
     for index, round_spec in enumerate(spec["rounds"]):
         if round_spec.get("pause"):
             wait_for_resume(index)
@@ -161,11 +163,13 @@ def main() -> None:
         if round_spec.get("cache_salt"):  # a tenant: vLLM and kvtier keep its blocks apart
             prompts = [{"prompt": p, "cache_salt": round_spec["cache_salt"]} for p in prompts]
         groups = [prompts] if batch else [[p] for p in prompts]
+        round_prompt_ids = []
         for group in groups:
             start = time.perf_counter()
             outputs = llm.generate(group, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             for out in outputs:
+                round_prompt_ids.append(out.prompt_token_ids)
                 results.append(
                     {
                         "token_ids": list(out.outputs[0].token_ids),
@@ -177,12 +181,72 @@ def main() -> None:
                     }
                 )
         rounds.append(results)
+        prompt_ids = [list(ids) for ids in round_prompt_ids]
         round_metrics.append(kvtier_metrics())
+        pages.append(kv_page_digests(llm, prompt_ids) if round_spec.get("kv_pages") else None)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     del llm
     print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions,
-                      "round_metrics": round_metrics}),
+                      "round_metrics": round_metrics, "kv_pages": pages}),
           flush=True)
+
+
+def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
+    """The engine's own KV bytes of each prompt's full blocks, where vLLM's prefix cache holds them
+    now: ``{"block_size": tokens, "prompts": [[sha256 hex of the block's page in every layer, in
+    layer order, or None where not cached, per full block], per prompt]}``. Blocks are found by
+    vLLM's own prefix hashes (the chain over the prompt's tokens, no extra keys: plain prompts
+    only), so a block kvtier loaded can be compared with the block a plain prefill computed: it
+    must hold exactly those bytes. One process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the harness
+    default), one worker, one KV cache group (kvtier's engines); a layer tensor whose block
+    dimension is a multiple m of vLLM's block count (kernel blocks smaller than vLLM's) gives
+    block b's page as kernel blocks [b*m, (b+1)*m)."""
+    import hashlib
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import hash_block_tokens, make_block_hash_with_group_id
+
+    core = llm.llm_engine.engine_core.engine_core
+    pool = core.scheduler.kv_cache_manager.block_pool
+    groups = core.scheduler.kv_cache_config.kv_cache_groups
+    assert len(groups) == 1, f"kv_pages needs one KV cache group, the engine has {len(groups)}"
+    block_size = groups[0].kv_cache_spec.block_size
+    hash_fn = get_hash_fn_by_name(core.vllm_config.cache_config.prefix_caching_hash_algo)
+    step = pool.hash_block_size
+    assert block_size % step == 0
+    block_ids: list[list[int | None]] = []
+    for token_ids in prompts:
+        chain, parent = [], None
+        for start in range(0, len(token_ids) - step + 1, step):
+            parent = hash_block_tokens(hash_fn, parent, token_ids[start:start + step])
+            chain.append(parent)
+        ids = []
+        for end in range(block_size, len(token_ids) + 1, block_size):
+            block = pool.cached_block_hash_to_block.get_one_block(
+                make_block_hash_with_group_id(chain[end // step - 1], 0))
+            ids.append(None if block is None else block.block_id)
+        block_ids.append(ids)
+    num_blocks = pool.num_gpu_blocks
+
+    def digest(worker, wanted: list[int]) -> dict[int, str]:
+        import torch
+
+        out = {}
+        for block_id in wanted:
+            sha = hashlib.sha256()
+            for cache in worker.model_runner.kv_caches:
+                dims = [d for d, n in enumerate(cache.shape) if n % num_blocks == 0 and n >= num_blocks]
+                assert dims, f"no block dimension in a KV cache of shape {tuple(cache.shape)}"
+                per = cache.shape[dims[0]] // num_blocks
+                page = cache.narrow(dims[0], block_id * per, per)
+                sha.update(page.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            out[block_id] = sha.hexdigest()
+        return out
+
+    wanted = sorted({i for ids in block_ids for i in ids if i is not None})
+    (digests,) = llm.collective_rpc(digest, args=(wanted,))
+    return {"block_size": block_size,
+            "prompts": [[None if i is None else digests[i] for i in ids] for ids in block_ids]}
 
 
 def chat_turn(llm, sessions: list[list[str]], rounds: list[list[dict]], turn: int) -> list[dict]:

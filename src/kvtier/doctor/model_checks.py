@@ -60,13 +60,6 @@ def check_model_support(s: Setup) -> list[Finding]:
             "kvtier-inactive", "error", "kvtier will be inactive: every attention layer is sliding-window",
             "vLLM frees a request's blocks below the window while it runs, which kvtier does not handle "
             "yet, so it neither loads nor stores for this model.", "Serve this model without kvtier for now."))
-    elif s.is_kvtier and geo.sliding_layers and geo.full_layers and probes.vllm_cpu_build():
-        out.append(Finding(
-            "kvtier-inactive", "error", "kvtier will be inactive: sliding-window + global layers on vLLM-CPU",
-            f"With kvtier vLLM turns its hybrid allocator off and runs the {geo.sliding_layers} sliding layers "
-            "in one group with the global ones; on vLLM's CPU backend that gave wrong outputs (NaN logits) "
-            "in some runs while kvtier stored blocks, so kvtier stays inactive for this model on CPU.",
-            "Serve this model without kvtier on CPU for now (GPUs are not affected)."))
     elif s.is_kvtier and geo.sliding_layers and geo.full_layers:
         out.append(Finding(
             "sliding-kvtier", "warning", "Sliding-window layers are allocated as full attention",

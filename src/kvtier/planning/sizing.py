@@ -265,8 +265,8 @@ def _notes(geo: ModelKVGeometry, config: Mapping[str, Any], dtype: str, kv_dtype
     if mixed:
         notes.append("Sliding-window layers: with a KV connector (kvtier included) vLLM turns its hybrid "
                      "allocator off and allocates them like full layers (figures above); without a connector "
-                     "a context takes sequence_bytes_window_aware_rank. On vLLM's CPU backend kvtier stays "
-                     "inactive for such models (kvtier doctor says why).")
+                     "a context takes sequence_bytes_window_aware_rank. kvtier offloads the sliding layers' "
+                     "KV like full layers' (every token, every block).")
     if geo.stateful_layers:
         notes.append(f"{geo.stateful_layers} Mamba/linear-attention layers hold a fixed state, not counted. "
                      "kvtier serves models with one KV cache group only: vLLM refuses hybrid models with it.")

@@ -7,15 +7,13 @@
    caching off (vLLM-CPU does so for MLA models when the AMX MLA kernels do not run, forcing
    chunked prefill off too). So ``cache_config.enable_prefix_caching``, as read after vLLM's
    platform adjustments (the connector is built after them), is the engine's own statement.
-2. Sliding-window (or chunked local) layers, which kvtier does not handle yet:
-   - in a group of their own (a model whose every layer is windowed), vLLM frees a request's
-     blocks below the window while it runs, so a block could be reused before kvtier stored it;
-   - promoted to full attention in a group with global layers (vLLM does that when its hybrid
-     allocator is off, as it is with kvtier, a connector without hybrid support), vLLM-CPU
-     0.32 decoded NaN logits (token 0 after the first token) in about 1 run in 5 of a Gemma-3
-     shaped model while kvtier's stores ran, never in 12 runs without stores; until that is
-     understood, kvtier stays inactive for such models on CPU. On GPUs they are offloaded
-     (every block is allocated and kept; not tested end to end here).
+2. Every attention layer sliding-window (or chunked local), in a group of their own: vLLM frees
+   a request's blocks below the window while it runs, so a block could be reused before kvtier
+   stored it. Sliding layers beside global ones are fine: with the hybrid allocator off (as it
+   is with kvtier, a connector without hybrid support) vLLM promotes them to full attention in
+   the global layers' group, every block is allocated and kept, and kvtier offloads them like
+   any full-attention layer (tiny Gemma-3 shape and Gemma 3 270M on vLLM-CPU: bit-exact, loaded
+   pages equal to a plain prefill's, tests/e2e/test_families_e2e.py).
 
 Called in the connector's constructor, in the scheduler and in every worker; all of them see the
 same finalized configs, so they agree without talking to each other.
@@ -49,11 +47,6 @@ class InactiveReason(enum.Enum):
         "every attention layer is sliding-window (or chunked local): vLLM frees a request's blocks below "
         "the window while it runs, which kvtier does not handle yet"
     )
-    WINDOWED_LAYERS_ON_CPU = (
-        "its sliding-window layers share a KV cache group with global layers (vLLM turns its hybrid "
-        "allocator off with kvtier), and on vLLM's CPU backend that gave wrong outputs (NaN logits) in "
-        "some runs while kvtier stored blocks"
-    )
 
     def message(self, model: str) -> str:
         return (
@@ -67,7 +60,6 @@ _FIXES = {
     InactiveReason.MLA_ON_CPU: "Serve this model on a GPU, or on a CPU with AMX, to use kvtier with it.",
     InactiveReason.PREFIX_CACHING_OFF: "Enable prefix caching (vLLM's default) to use kvtier.",
     InactiveReason.WINDOWED_GROUP: "Serve this model without kvtier for now.",
-    InactiveReason.WINDOWED_LAYERS_ON_CPU: "Serve this model without kvtier on CPU for now (GPUs are not affected).",
 }
 
 
@@ -83,9 +75,6 @@ def inactive_reason(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
         if any(isinstance(s, SlidingWindowSpec | ChunkedLocalAttentionSpec) for s in specs):
             return InactiveReason.WINDOWED_GROUP  # (SlidingWindowMLASpec is a SlidingWindowSpec)
-        promoted = any(getattr(s, "sliding_window", None) or getattr(s, "attention_chunk_size", None) for s in specs)
-        if promoted and _is_cpu_platform():
-            return InactiveReason.WINDOWED_LAYERS_ON_CPU
     return None
 
 
