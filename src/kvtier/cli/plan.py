@@ -65,6 +65,12 @@ def _ratio(load: float, recompute: float) -> str:
     return f"{1 / factor:.1f}x SLOWER than recompute"
 
 
+def _host_split(plan: Plan) -> str:
+    if plan.geometry.is_mla and plan.tp > 1:
+        return "one copy of the replicated MLA latent, in rank 0's region, read by every rank"
+    return f"{fmt_bytes(plan.host_bytes_rank)} per rank"
+
+
 def rows(plan: Plan) -> list[tuple[str, str, str]]:
     """(item, value, how it was obtained) rows of the human table."""
     tp, a = plan.tp, plan.assumptions
@@ -101,7 +107,7 @@ def rows(plan: Plan) -> list[tuple[str, str, str]]:
          "fit on the accelerators"),
         ("host tier (TOTAL)", f"{plan.host_gib} GiB total",
          f"--kv-offloading-size {plan.host_gib} = cpu_bytes_to_use {plan.host_bytes_total}: TOTAL across "
-         f"{ranks} ({fmt_bytes(plan.host_bytes_rank)} per rank). Basis: {plan.host_basis}"),
+         f"{ranks} ({_host_split(plan)}). Basis: {plan.host_basis}"),
         ("disk tier", f"{plan.disk_gib} GiB total",
          f"{a['disk_factor']} x the host tier: about {contexts_on_disk:,} contexts of {plan.context} tokens"),
         ("load from host", fmt_seconds(plan.host_load_s),

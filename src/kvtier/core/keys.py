@@ -104,6 +104,9 @@ class Namespace:
     ``ranks`` holds one :class:`PageFormat` per rank (``tp_size * pp_size``); ``rank`` is the rank
     this namespace names: each tensor-parallel rank holds other KV heads, so every rank has its
     own digest (:meth:`for_rank`); rank 0's is the engine's (its directory name on disk).
+    ``replicated``: every rank holds the same KV bytes (MLA's latent under tensor parallelism), so
+    one copy is stored, rank 0's: ``ranks`` then holds that one page format. It enters the digest
+    only when true, so the digests of per-rank namespaces are those of key spec kvtier/2 as before.
     A display name for operators is kept beside it (config.json's ``model_name``), never in it.
     """
 
@@ -114,15 +117,21 @@ class Namespace:
     pp_size: int = 1
     rank: int = 0
     spec_version: str = field(default=KEY_SPEC_VERSION)
+    replicated: bool = False
 
     def __post_init__(self) -> None:
-        if len(self.ranks) != self.tp_size * self.pp_size:
-            raise ValueError(f"namespace has {len(self.ranks)} page formats for {self.tp_size * self.pp_size} ranks")
+        stored = 1 if self.replicated else self.tp_size * self.pp_size
+        if len(self.ranks) != stored:
+            what = "one replicated copy" if self.replicated else f"{stored} ranks"
+            raise ValueError(f"namespace has {len(self.ranks)} page formats for {what}")
         if not 0 <= self.rank < len(self.ranks):
             raise ValueError(f"rank {self.rank} out of range for {len(self.ranks)} ranks")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if not self.replicated:
+            del data["replicated"]  # per-rank namespaces keep their kvtier/2 digests
+        return data
 
     def canonical_json(self) -> str:
         """Sorted-key, whitespace-free JSON: the exact bytes the digest is taken over."""
@@ -152,6 +161,7 @@ class Namespace:
         return json.dumps({"model_name": model_name, **self.to_dict()}, sort_keys=True, indent=1)
 
     def rank_digests(self) -> list[bytes]:
+        """One digest per stored copy: per rank, or rank 0's alone when :attr:`replicated`."""
         return [self.for_rank(rank).digest for rank in range(len(self.ranks))]
 
     @classmethod
@@ -172,7 +182,17 @@ class Namespace:
             tp_size=int(data["tp_size"]),
             pp_size=int(data["pp_size"]),
             rank=int(data.get("rank", 0)),
+            replicated=bool(data.get("replicated", False)),
         )
+
+
+def stored_ranks_of(config: dict) -> int:
+    """How many rank records a block of the namespace in ``config`` (a namespace's ``to_dict``,
+    as a disk root's ``config.json`` holds it) has: ``tp_size * pp_size``, or 1 when replicated.
+    Raises TypeError/ValueError for values that are not numbers."""
+    if config.get("replicated") is True:
+        return 1
+    return max(1, int(config.get("tp_size", 1)) * int(config.get("pp_size", 1)))
 
 
 @dataclass(frozen=True)

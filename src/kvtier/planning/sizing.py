@@ -84,7 +84,7 @@ class Plan:
     sequence_bytes_rank: int  # one context as the engine allocates it with kvtier
     sequence_bytes_window_aware_rank: int  # with vLLM's hybrid allocator (sliding layers capped)
     offload_sequence_bytes_rank: int  # what kvtier stores / loads per context
-    offload_sequence_bytes_total: int
+    offload_sequence_bytes_total: int  # stored copies: every rank's, or one for MLA's replicated latent
     params_total: int
     params_active: int
     weight_bytes_total: int
@@ -192,21 +192,24 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
 
     # Host tier: inclusive of the accelerator's KV (every computed block is stored), so it must hold
     # the whole working set, and anything smaller than the accelerator's KV only mirrors it.
-    working_set = inputs.concurrency * offload_rank * tp
+    # MLA's latent is the same on every rank: kvtier stores one copy (other layers: one per rank).
+    copies = 1 if geo.is_mla else tp
+    working_set = inputs.concurrency * offload_rank * copies
     gpu_kv_total = budget_rank * tp
-    overflow = max(0, working_set - gpu_kv_total)
-    if working_set >= gpu_kv_total:
+    gpu_kv_distinct = budget_rank * copies
+    overflow = max(0, working_set - gpu_kv_distinct)
+    if working_set >= gpu_kv_distinct:
         basis = (f"working set {inputs.concurrency} x {context} tokens = accelerator KV + "
                  f"{overflow / GIB:.1f} GiB that does not fit, + {HOST_HEADROOM:.0%} headroom")
     else:
-        basis = (f"the accelerators' own KV ({gpu_kv_total / GIB:.1f} GiB; a smaller host tier only mirrors "
+        basis = (f"the accelerators' own KV ({gpu_kv_distinct / GIB:.1f} GiB; a smaller host tier only mirrors "
                  f"it) + {HOST_HEADROOM:.0%} headroom; the working set fits on the accelerators")
-    host_gib = max(1, -(-int(max(working_set, gpu_kv_total) * (1 + HOST_HEADROOM)) // GIB))
+    host_gib = max(1, -(-int(max(working_set, gpu_kv_distinct) * (1 + HOST_HEADROOM)) // GIB))
     disk_gib = DISK_FACTOR * host_gib
 
     # Load one context vs recompute it.
     host_load = offload_rank / (inputs.host_bw_gbps * 1e9)
-    disk_load = offload_rank * tp / (inputs.disk_bw_gbps * 1e9) + host_load
+    disk_load = offload_rank * copies / (inputs.disk_bw_gbps * 1e9) + host_load
     if inputs.prefill_tps:
         recompute = context / inputs.prefill_tps
         recompute_basis = f"{context} tokens at the measured {inputs.prefill_tps:g} tokens/s"
@@ -224,13 +227,13 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
         kv_bytes_per_token=geo.kv_bytes_per_token(kv_width, 1),
         kv_bytes_per_token_rank=per_token_rank, kv_bytes_per_token_total=per_token_rank * tp,
         sequence_bytes_rank=seq_rank, sequence_bytes_window_aware_rank=seq_window_rank,
-        offload_sequence_bytes_rank=offload_rank, offload_sequence_bytes_total=offload_rank * tp,
+        offload_sequence_bytes_rank=offload_rank, offload_sequence_bytes_total=offload_rank * copies,
         params_total=params.total, params_active=params.active,
         weight_bytes_total=weights, weight_bytes_rank=weights_rank,
         kv_budget_rank=budget_rank, kv_budget_total=gpu_kv_total,
         sequences_fit=sequences_fit, tokens_fit=tokens_fit,
         working_set_total=working_set, overflow_total=overflow,
-        host_bytes_total=host_gib * GIB, host_bytes_rank=host_gib * GIB // tp, host_gib=host_gib,
+        host_bytes_total=host_gib * GIB, host_bytes_rank=host_gib * GIB // copies, host_gib=host_gib,
         host_basis=basis,
         disk_bytes=disk_gib * GIB, disk_gib=disk_gib,
         host_load_s=host_load, disk_load_s=disk_load, recompute_s=recompute, recompute_basis=recompute_basis,
@@ -254,8 +257,8 @@ def _notes(geo: ModelKVGeometry, config: Mapping[str, Any], dtype: str, kv_dtype
         notes.append(f"--context {context} exceeds the model's max_position_embeddings "
                      f"({geo.max_position_embeddings}).")
     if geo.is_mla and tp > 1:
-        notes.append(f"MLA: the latent is replicated on each of the {tp} ranks; kvtier stores one copy per "
-                     "rank, so the host tier holds tp copies (the totals above count them).")
+        notes.append(f"MLA: the latent is the same on each of the {tp} ranks; kvtier stores it once (rank 0's "
+                     "copy, loaded by every rank), so the host and disk figures count one copy.")
     if geo.is_mla:
         notes.append("MLA on vLLM's CPU build (without AMX): vLLM runs it with prefix caching off and cannot "
                      "resume from cached KV, so kvtier stays inactive there (kvtier doctor checks the machine); "

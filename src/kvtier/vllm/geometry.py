@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from vllm.config import VllmConfig
+from vllm.config import ParallelConfig, VllmConfig
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
     KVCacheConfig,
+    MLAAttentionSpec,
     UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
 )
@@ -47,10 +48,17 @@ class EngineGeometry:
     num_kv_heads: int  # per rank
     head_size: int
     kv_scales: str = ""  # "" or "checkpoint" (quantized KV: scales from the weights)
+    replicated: bool = False  # every rank holds the same KV bytes: one copy stored (rank 0's)
 
     @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
+
+    @property
+    def stored_ranks(self) -> int:
+        """How many ranks' pages a block stores: every rank's, or rank 0's alone when the KV is
+        replicated. The host tier has one region per stored rank; a block is that many records."""
+        return 1 if self.replicated else self.world_size
 
     @property
     def pages_per_block(self) -> int:
@@ -83,6 +91,7 @@ class EngineGeometry:
         engine_block_tokens = spec.block_size
         block_tokens = config.offload_block_tokens(engine_block_tokens)
         pages_per_block = block_tokens // engine_block_tokens
+        replicated = replicated_kv(spec, parallel)
         cache_dtype = vllm_config.cache_config.cache_dtype
         kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
         try:
@@ -91,7 +100,7 @@ class EngineGeometry:
                 num_layers=len(group.layer_names),
                 pages_per_block=pages_per_block,
                 page_bytes=spec.page_size_bytes,
-                world_size=parallel.world_size,
+                world_size=1 if replicated else parallel.world_size,
             )
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
@@ -110,4 +119,14 @@ class EngineGeometry:
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
             kv_scales="checkpoint" if kv_dtype.startswith("fp8") else "",
+            replicated=replicated,
         )
+
+
+def replicated_kv(spec: AttentionSpec, parallel: ParallelConfig) -> bool:
+    """Whether every rank holds the same KV bytes: MLA under tensor parallelism. vLLM gives each
+    rank the whole latent (one per token, no heads to split) computed from the same all-reduced
+    hidden states. Not with decode or prefill context parallelism, which split the tokens over
+    ranks, and not at world size 1 (nothing to share)."""
+    splits_tokens = parallel.decode_context_parallel_size > 1 or parallel.prefill_context_parallel_size > 1
+    return isinstance(spec, MLAAttentionSpec) and parallel.world_size > 1 and not splits_tokens

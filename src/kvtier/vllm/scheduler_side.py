@@ -87,7 +87,7 @@ class KVTierScheduler:
         layout = geometry.layout
         self._regions = [
             SharedRegion.attach(region_name(geometry.engine_id, rank), layout.region_bytes)
-            for rank in range(geometry.world_size)
+            for rank in range(geometry.stored_ranks)
         ]
         for region in self._regions:
             region.unlink()  # mapped by the workers and us: nothing can leak from here on
@@ -97,6 +97,7 @@ class KVTierScheduler:
             block_tokens=geometry.block_tokens,
             tp_size=geometry.tp_size,
             pp_size=geometry.pp_size,
+            replicated=geometry.replicated,
         )
         self._digest = self.namespace.engine_digest
         self._adapters = AdapterFingerprints()
@@ -151,11 +152,12 @@ class KVTierScheduler:
         self._reported_gauges: dict[str, int | None] = {}
         self._said_uncacheable: set[Uncacheable] = set()
         logger.info(
-            "kvtier: host tier %d slots x %.1f MiB x %d rank(s) = %.2f GiB; block %d tokens%s",
+            "kvtier: host tier %d slots x %.1f MiB x %d rank(s)%s = %.2f GiB; block %d tokens%s",
             layout.num_slots,
             layout.slot_bytes / 2**20,
-            geometry.world_size,
-            layout.region_bytes * geometry.world_size / 2**30,
+            geometry.stored_ranks,
+            f" (KV replicated on {geometry.world_size} ranks: stored once)" if geometry.replicated else "",
+            layout.region_bytes * geometry.stored_ranks / 2**30,
             geometry.block_tokens,
             f"; disk tier {config.disk.root_dir} ({config.disk.capacity_bytes / 2**30:.1f} GiB)" if config.disk else "",
         )

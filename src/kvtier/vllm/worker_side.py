@@ -13,6 +13,12 @@ Runs in each vLLM worker process; vLLM calls every hook on the worker's main thr
 
 Owns rank ``r``'s host region: creates it in ``register_kv_caches`` and unlinks its name at
 shutdown (the scheduler normally unlinks it first, right after attaching).
+
+Replicated KV (``EngineGeometry.replicated``: MLA under tensor parallelism, every rank holds the
+same latent): one copy is stored, rank 0's. Rank 0 creates the only region; every other rank
+attaches it (and checks that its own pages are laid out exactly as rank 0 published), loads from
+it like rank 0, and stores nothing: its store jobs are reported done at once (the scheduler still
+waits for rank 0's copy, as it waits for every rank's report).
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class KVTierWorker:
         self._delayed: set[str] = set()
         self._load_errors: set[int] = set()
         self._meta = KVTierWorkerMetadata()
+        # False only on ranks > 0 with replicated KV: rank 0's copy is everyone's
+        self._stores_pages = not geometry.replicated or self.rank == 0
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = self.geometry.layout
@@ -61,9 +69,19 @@ class KVTierWorker:
         description = describe_pages(
             kv_caches, names, self.num_blocks, attention_backends(self.vllm_config, names), self.kv_cache_layout
         )
-        self.region = SharedRegion.create(region_name(self.geometry.engine_id, self.rank), layout.region_bytes)
-        atexit.register(self.region.unlink)  # in case no scheduler ever attached and unlinked it
-        self.region.publish(encode_description(description))  # the scheduler folds it into the namespace
+        published = encode_description(description)
+        if self._stores_pages:
+            self.region = SharedRegion.create(region_name(self.geometry.engine_id, self.rank), layout.region_bytes)
+            atexit.register(self.region.unlink)  # in case no scheduler ever attached and unlinked it
+            self.region.publish(published)  # the scheduler folds it into the namespace
+        else:  # replicated KV: rank 0's region (attach waits until rank 0 created and described it)
+            self.region = SharedRegion.attach(region_name(self.geometry.engine_id, 0), layout.region_bytes)
+            if self.region.description != published:
+                raise RuntimeError(
+                    f"kvtier: rank {self.rank}'s KV pages are laid out differently from rank 0's, so the KV "
+                    "cannot be stored once for all ranks (replicated MLA latent); this is a bug, please "
+                    "report it with both ranks' attention backends"
+                )
         buffer = torch.frombuffer(self.region.view, dtype=torch.uint8)
         self._unpin = pin_host_memory(buffer)
         self.copies = make_copy_engine(paged, HostSlots(buffer, layout))
@@ -83,6 +101,9 @@ class KVTierWorker:
         assert self.copies is not None
         self._delayed.update(meta.delayed_free_req_ids)
         for job in meta.stores:
+            if not self._stores_pages:
+                self._meta.completed[job.job_id] = 1  # nothing to copy here: rank 0 stores the one copy
+                continue
             self._store_req[job.job_id] = job.req_id
             self._store_jobs_of.setdefault(job.req_id, set()).add(job.job_id)
             self.copies.start_store(job.job_id, job.pages)
@@ -131,5 +152,5 @@ class KVTierWorker:
             self.copies.close()
             self.copies = None
         self._unpin()
-        if self.region is not None:
+        if self.region is not None and self._stores_pages:
             self.region.unlink()
