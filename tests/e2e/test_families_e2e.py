@@ -132,7 +132,7 @@ def test_sliding_window_families_are_bit_exact_from_host_and_disk(tiny_dir, tmp_
     weights, window 512, prompts of ~760 tokens): with kvtier vLLM turns its hybrid allocator off
     and runs both kinds in one group, every block kept; kvtier offloads them like full attention.
     (On 2026-11-21 decode gave NaN logits in about 1 run in 5 of the tiny shape while kvtier
-    stored blocks, so kvtier was kept inactive here; not seen again in 14 runs on 2026-11-23.)"""
+    stored blocks, so kvtier was kept inactive here; not seen again in 21 runs on 2026-11-23.)"""
     from kvtier.models.gemma import ensure_gemma_model
 
     check_bit_exact_from_host_and_disk(write_tiny_model("gemma3-swa", tiny_dir), tmp_path / "tiny")
