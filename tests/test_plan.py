@@ -227,7 +227,7 @@ def test_plan_notes_mla_and_hybrid():
     mla = make_plan("ds", config("deepseek-v3"), PlanInputs(tp=8, gpu_memory_gib=141))
     assert mla.kv_bytes_per_token_total == 8 * 61 * 576 * 2 and any("MLA" in n for n in mla.notes)
     # kvtier stores the replicated latent once: the host tier sizes one copy, not 8
-    assert mla.offload_sequence_bytes_total == mla.offload_sequence_bytes_rank
+    assert mla.offload_sequence_bytes_total == mla.offload_sequence_bytes_rank and mla.stored_copies == 1
     one = make_plan("ds", config("deepseek-v3"), PlanInputs(tp=1, gpu_memory_gib=141, kv_cache_gib=10))
     eight = make_plan("ds", config("deepseek-v3"), PlanInputs(tp=8, gpu_memory_gib=141, kv_cache_gib=10))
     assert eight.working_set_total == one.working_set_total

@@ -320,6 +320,13 @@ class SimEngine:
             before_forward(so)
         sampled = self.model.forward(so, self.scheduler.requests) if so.total_num_scheduled_tokens else {}
         req_ids = list(so.num_scheduled_tokens)
+
+        def runner_output(kv_output: KVConnectorOutput | None) -> ModelRunnerOutput:
+            return ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[sampled.get(r, []) for r in req_ids], kv_connector_output=kv_output,
+            )
+
         rank_outputs = []
         for worker in self.workers:
             if not so.has_sync_kv_loads:
@@ -334,18 +341,9 @@ class SimEngine:
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
             )
             worker.clear_connector_metadata()
-            rank_outputs.append(ModelRunnerOutput(
-                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=[sampled.get(r, []) for r in req_ids], kv_connector_output=output,
-            ))
-        if rank_outputs:
-            runner_output = self._aggregator.aggregate(rank_outputs)
-        else:
-            runner_output = ModelRunnerOutput(
-                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=[sampled.get(r, []) for r in req_ids], kv_connector_output=None,
-            )
-        engine_outputs = self.scheduler.update_from_output(so, runner_output)
+            rank_outputs.append(runner_output(output))
+        output_of_step = self._aggregator.aggregate(rank_outputs) if rank_outputs else runner_output(None)
+        engine_outputs = self.scheduler.update_from_output(so, output_of_step)
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)

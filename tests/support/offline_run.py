@@ -14,8 +14,8 @@ engine process's RLIMIT_FSIZE from this round on, SIGXFSZ ignored: writes past i
 null lifts it), "pause": bool (before the round the
 harness creates ``$TMPDIR/paused<i>`` and waits for ``$TMPDIR/resume<i>``: the test injects a fault
 into the running engine's tiers meanwhile, see :func:`launch`'s ``before_round``), "kv_pages": bool
-(after the round, the result's ``kv_pages[i]`` holds a digest of the engine's own KV pages of every
-block vLLM's prefix cache holds, see :func:`kv_page_digests`)}),
+(after the round, the result's ``kv_pages[i]`` holds digests of the engine's own KV pages of each
+prompt's full blocks that vLLM's prefix cache holds, see :func:`kv_page_digests`)}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
 optional: engine_id (kv_transfer_config's: names the host tier's shared-memory regions), block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
 embeddings, looked up in the model's own embedding matrix, instead of token ids).
@@ -169,7 +169,7 @@ def main() -> None:
             outputs = llm.generate(group, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             for out in outputs:
-                round_prompt_ids.append(out.prompt_token_ids)
+                round_prompt_ids.append(list(out.prompt_token_ids))
                 results.append(
                     {
                         "token_ids": list(out.outputs[0].token_ids),
@@ -181,9 +181,8 @@ def main() -> None:
                     }
                 )
         rounds.append(results)
-        prompt_ids = [list(ids) for ids in round_prompt_ids]
         round_metrics.append(kvtier_metrics())
-        pages.append(kv_page_digests(llm, prompt_ids) if round_spec.get("kv_pages") else None)
+        pages.append(kv_page_digests(llm, round_prompt_ids) if round_spec.get("kv_pages") else None)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     del llm
     print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions,
@@ -198,9 +197,8 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
     vLLM's own prefix hashes (the chain over the prompt's tokens, no extra keys: plain prompts
     only), so a block kvtier loaded can be compared with the block a plain prefill computed: it
     must hold exactly those bytes. One process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the harness
-    default), one worker, one KV cache group (kvtier's engines); a layer tensor whose block
-    dimension is a multiple m of vLLM's block count (kernel blocks smaller than vLLM's) gives
-    block b's page as kernel blocks [b*m, (b+1)*m)."""
+    default), one worker, one KV cache group (kvtier's engines), a layer's block dimension the
+    first of vLLM's block count (as kvtier itself finds it)."""
     import hashlib
 
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -231,14 +229,13 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
     def digest(worker, wanted: list[int]) -> dict[int, str]:
         import torch
 
+        from kvtier.copy.pages import find_block_dim
+
         out = {}
         for block_id in wanted:
             sha = hashlib.sha256()
             for cache in worker.model_runner.kv_caches:
-                dims = [d for d, n in enumerate(cache.shape) if n % num_blocks == 0 and n >= num_blocks]
-                assert dims, f"no block dimension in a KV cache of shape {tuple(cache.shape)}"
-                per = cache.shape[dims[0]] // num_blocks
-                page = cache.narrow(dims[0], block_id * per, per)
+                page = cache.select(find_block_dim(cache.shape, num_blocks), block_id)
                 sha.update(page.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             out[block_id] = sha.hexdigest()
         return out

@@ -66,7 +66,7 @@ def _ratio(load: float, recompute: float) -> str:
 
 
 def _host_split(plan: Plan) -> str:
-    if plan.geometry.is_mla and plan.tp > 1:
+    if plan.stored_copies < plan.tp:
         return "one copy of the replicated MLA latent, in rank 0's region, read by every rank"
     return f"{fmt_bytes(plan.host_bytes_rank)} per rank"
 

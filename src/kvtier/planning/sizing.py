@@ -84,7 +84,8 @@ class Plan:
     sequence_bytes_rank: int  # one context as the engine allocates it with kvtier
     sequence_bytes_window_aware_rank: int  # with vLLM's hybrid allocator (sliding layers capped)
     offload_sequence_bytes_rank: int  # what kvtier stores / loads per context
-    offload_sequence_bytes_total: int  # stored copies: every rank's, or one for MLA's replicated latent
+    stored_copies: int  # copies of a block kvtier stores: one per rank, or 1 for MLA's replicated latent
+    offload_sequence_bytes_total: int  # x stored_copies
     params_total: int
     params_active: int
     weight_bytes_total: int
@@ -227,7 +228,8 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
         kv_bytes_per_token=geo.kv_bytes_per_token(kv_width, 1),
         kv_bytes_per_token_rank=per_token_rank, kv_bytes_per_token_total=per_token_rank * tp,
         sequence_bytes_rank=seq_rank, sequence_bytes_window_aware_rank=seq_window_rank,
-        offload_sequence_bytes_rank=offload_rank, offload_sequence_bytes_total=offload_rank * copies,
+        offload_sequence_bytes_rank=offload_rank, stored_copies=copies,
+        offload_sequence_bytes_total=offload_rank * copies,
         params_total=params.total, params_active=params.active,
         weight_bytes_total=weights, weight_bytes_rank=weights_rank,
         kv_budget_rank=budget_rank, kv_budget_total=gpu_kv_total,

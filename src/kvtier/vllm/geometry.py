@@ -100,7 +100,7 @@ class EngineGeometry:
                 num_layers=len(group.layer_names),
                 pages_per_block=pages_per_block,
                 page_bytes=spec.page_size_bytes,
-                world_size=1 if replicated else parallel.world_size,
+                world_size=1 if replicated else parallel.world_size,  # = stored_ranks
             )
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
