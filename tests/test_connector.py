@@ -390,38 +390,3 @@ def test_an_engine_without_prefix_caching_gets_an_inactive_connector(model, tmp_
     assert not list(root.rglob("*.bin"))
     assert sum("kvtier is INACTIVE" in r.getMessage() for r in caplog.records) == 1
     assert "prefix caching is off" in caplog.text
-
-
-def test_windowed_layers_make_the_connector_inactive(model):
-    """Sliding-window layers in a group of their own (blocks freed mid-request): kvtier is inactive.
-    Promoted to full attention beside global layers (the hybrid allocator off) and plain full
-    attention: kvtier runs."""
-    import torch
-    from vllm.v1.kv_cache_interface import (
-        FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        SlidingWindowSpec,
-        UniformTypeKVCacheSpecs,
-    )
-
-    from kvtier.vllm.inactive import InactiveReason, inactive_reason
-
-    with SimEngine(model, kvtier=None) as sim:
-        vllm_config = sim.vllm_config
-
-    def config(*specs):
-        if len(specs) == 1:
-            group_spec = specs[0]
-        else:
-            group_spec = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={f"l{i}": s for i, s in enumerate(specs)})
-        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
-                             kv_cache_groups=[KVCacheGroupSpec([f"l{i}" for i in range(len(specs))], group_spec)])
-
-    shape = {"block_size": 16, "num_kv_heads": 1, "head_size": 4, "dtype": torch.float32}
-    full, promoted = FullAttentionSpec(**shape), FullAttentionSpec(**shape, sliding_window=64)
-    assert inactive_reason(vllm_config, config(full)) is None
-    assert inactive_reason(vllm_config, config(SlidingWindowSpec(**shape, sliding_window=64))) \
-        is InactiveReason.WINDOWED_GROUP
-    assert inactive_reason(vllm_config, config(promoted, full)) is None
-    assert "kvtier is INACTIVE for m" in InactiveReason.WINDOWED_GROUP.message("m")

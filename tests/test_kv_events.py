@@ -69,7 +69,7 @@ def settle(orch: Orchestrator) -> None:
 def translator(orch: Orchestrator, self_describing: bool) -> KVEventTranslator:
     return KVEventTranslator(
         orch, block_tokens=BLOCK, engine_block_tokens=ENGINE_BLOCK,
-        self_describing=self_describing, kv_cache_spec_kind="full_attention",
+        self_describing=self_describing, group_kinds=("full_attention",),
     )
 
 

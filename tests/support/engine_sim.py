@@ -19,6 +19,11 @@ Only the model is fake (:class:`FakeModel`), and it is built so that wrong KV ca
 It also checks the KV directly: before each forward, every already-computed position of every
 scheduled request must hold exactly the bytes the model would have written
 (:attr:`FakeModel.kv_mismatches` records any that do not).
+
+``sliding_window`` W: a hybrid model as vLLM's hybrid allocator sees it (Gemma-2/3 style): layer 0
+full attention (KV cache group 0), layer 1 sliding-window attention (group 1, its own block
+table, blocks below the window freed while a request runs). The sliding layer reads, checks and
+samples from its last W positions only, as sliding attention does.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     KVCacheGroupSpec,
     KVCacheTensor,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -99,7 +105,7 @@ class FakeModel:
     """The model half of the simulated engine; see the module docstring."""
 
     def __init__(self, seed: int, kv: dict[str, torch.Tensor], block_size: int, kv_heads: int, head_size: int,
-                 replicas: list[dict[str, torch.Tensor]] | None = None):
+                 replicas: list[dict[str, torch.Tensor]] | None = None, sliding_window: int | None = None):
         self.seed = seed
         self.kv = kv
         self.replicas = replicas or []  # other ranks' KV, the same bytes (replicated MLA latent)
@@ -107,7 +113,9 @@ class FakeModel:
         self.width = kv_heads * 2 * head_size  # floats per position per layer
         self.kv_heads = kv_heads
         self.head_size = head_size
-        self.block_tables: dict[str, list[int]] = {}
+        self.sliding_window = sliding_window
+        self.layer_group = (0, 1) if sliding_window else (0, 0)  # KV cache group of each layer
+        self.block_tables: dict[str, list[list[int]]] = {}  # one table per group
         self._prefix: dict[str, list[bytes]] = {}
         self.kv_mismatches: list[tuple[str, int]] = []
         self.forward_tokens = 0  # positions computed (the prefill work kvtier saves)
@@ -130,18 +138,25 @@ class FakeModel:
     def _page_slot(self, table: list[int], p: int) -> tuple[int, int]:
         return table[p // self.block_size], p % self.block_size
 
+    def _first_read(self, layer: int, end: int) -> int:
+        """The first position layer ``layer`` reads when its last computed position is ``end - 1``."""
+        return max(0, end - self.sliding_window) if self.layer_group[layer] else 0
+
     # --- one forward ----------------------------------------------------------------------
     def update_tables(self, so: SchedulerOutput) -> None:
         """Keep block tables as vLLM's worker does (new requests, appended or resumed blocks)."""
+        groups = max(self.layer_group) + 1
         for req in so.scheduled_new_reqs:
-            self.block_tables[req.req_id] = list(req.block_ids[0])
+            self.block_tables[req.req_id] = [list(ids) for ids in req.block_ids]
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                self.block_tables[req_id] = list(new[0]) if new else []
+                self.block_tables[req_id] = [list(ids) for ids in new] if new else [[] for _ in range(groups)]
             elif new:
-                self.block_tables.setdefault(req_id, []).extend(new[0])
+                tables = self.block_tables.setdefault(req_id, [[] for _ in range(groups)])
+                for table, ids in zip(tables, new, strict=True):
+                    table.extend(ids)
         for req_id in so.finished_req_ids:
             self.block_tables.pop(req_id, None)
             self._prefix.pop(req_id, None)
@@ -156,11 +171,12 @@ class FakeModel:
             request = requests[req_id]
             tokens = list(request.all_token_ids)
             start, end = computed[req_id], computed[req_id] + n
-            table = self.block_tables[req_id]
+            tables = self.block_tables[req_id]
             chain = self._prefix_hashes(req_id, tokens, end)
             for kv in [self.kv, *self.replicas]:  # every rank must hold the right KV
                 for layer, name in enumerate(LAYER_NAMES):
-                    for p in range(start):
+                    table = tables[self.layer_group[layer]]
+                    for p in range(self._first_read(layer, start + 1), start):
                         block, offset = self._page_slot(table, p)
                         if not torch.equal(kv[name][block, :, offset, :], self.expected(chain[p], layer)):
                             self.kv_mismatches.append((req_id, p))
@@ -173,8 +189,9 @@ class FakeModel:
                 sampled[req_id] = []  # a prefill chunk: nothing sampled yet
                 continue
             digest = hashlib.blake2b(self.seed.to_bytes(8, "little"), digest_size=8)
-            for name in LAYER_NAMES:
-                for p in range(end):
+            for layer, name in enumerate(LAYER_NAMES):
+                table = tables[self.layer_group[layer]]
+                for p in range(self._first_read(layer, end), end):
                     block, offset = self._page_slot(table, p)
                     digest.update(self.kv[name][block, :, offset, :].numpy().tobytes())
             sampled[req_id] = [3 + int.from_bytes(digest.digest(), "little") % (VOCAB - 3)]
@@ -217,6 +234,7 @@ class SimEngine:
     outputs: dict[str, list[int]] = field(default_factory=dict)
     prefill: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (local, external) cached
     mla_ranks: int = 1
+    sliding_window: int | None = None  # a hybrid model: layer 1 sliding-window, in its own group
 
     def __post_init__(self) -> None:
         logging.getLogger("vllm").setLevel(logging.ERROR)
@@ -231,11 +249,18 @@ class SimEngine:
             spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=self.kv_heads,
                                      head_size=self.head_size, dtype=torch.float32)
         page = spec.page_size_bytes
+        if self.sliding_window:
+            sliding = SlidingWindowSpec(block_size=self.block_size, num_kv_heads=self.kv_heads,
+                                        head_size=self.head_size, dtype=torch.float32,
+                                        sliding_window=self.sliding_window)
+            groups = [KVCacheGroupSpec([LAYER_NAMES[0]], spec), KVCacheGroupSpec([LAYER_NAMES[1]], sliding)]
+        else:
+            groups = [KVCacheGroupSpec(list(LAYER_NAMES), spec)]
         self.kv_cache_config = KVCacheConfig(
             num_blocks=self.num_blocks,
             kv_cache_tensors=[KVCacheTensor(size=page * self.num_blocks, layers=[name], layer_stride=0,
                                             block_stride=page) for name in LAYER_NAMES],
-            kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)],
+            kv_cache_groups=groups,
         )
         rank_kv = [self._kv_tensors(page) for _ in range(self.mla_ranks)]
         self.kv = rank_kv[0]
@@ -256,7 +281,7 @@ class SimEngine:
             block_size=self.block_size, hash_block_size=self.block_size, log_stats=True,
         )
         self.model = FakeModel(read_seed(self.model_dir), self.kv, self.block_size, self.kv_heads, self.head_size,
-                               replicas=rank_kv[1:])
+                               replicas=rank_kv[1:], sliding_window=self.sliding_window)
 
     def _kv_tensors(self, page: int) -> dict[str, torch.Tensor]:
         """One rank's KV tensors in host memory (vLLM-CPU's page layout), zeroed."""

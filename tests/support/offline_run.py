@@ -192,13 +192,14 @@ def main() -> None:
 
 def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
     """The engine's own KV bytes of each prompt's full blocks, where vLLM's prefix cache holds them
-    now: ``{"block_size": tokens, "prompts": [[sha256 hex of the block's page in every layer, in
-    layer order, or None where not cached, per full block], per prompt]}``. Blocks are found by
-    vLLM's own prefix hashes (the chain over the prompt's tokens, no extra keys: plain prompts
-    only), so a block kvtier loaded can be compared with the block a plain prefill computed: it
+    now: ``{"block_size": tokens, "groups": [each KV cache group's kind], "prompts": [[[sha256 hex
+    of the block's page in every layer of the group, in layer order, or None where the group holds
+    no cached block for it, per group] per full block] per prompt]}``. Blocks are found by vLLM's
+    own prefix hashes (the chain over the prompt's tokens, no extra keys: plain prompts only), per
+    group, so a block kvtier loaded can be compared with the block a plain prefill computed: it
     must hold exactly those bytes. One process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the harness
-    default), one worker, one KV cache group (kvtier's engines), a layer's block dimension the
-    first of vLLM's block count (as kvtier itself finds it)."""
+    default), one worker, groups of one block size, each layer's cache as bound to its attention
+    layer, block dimension the first of vLLM's block count (as kvtier itself finds it)."""
     import hashlib
 
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -207,12 +208,13 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
     core = llm.llm_engine.engine_core.engine_core
     pool = core.scheduler.kv_cache_manager.block_pool
     groups = core.scheduler.kv_cache_config.kv_cache_groups
-    assert len(groups) == 1, f"kv_pages needs one KV cache group, the engine has {len(groups)}"
-    block_size = groups[0].kv_cache_spec.block_size
+    sizes = {group.kv_cache_spec.block_size for group in groups}
+    assert len(sizes) == 1, f"kv_pages needs one block size across KV cache groups, got {sorted(sizes)}"
+    block_size = sizes.pop()
     hash_fn = get_hash_fn_by_name(core.vllm_config.cache_config.prefix_caching_hash_algo)
     step = pool.hash_block_size
     assert block_size % step == 0
-    block_ids: list[list[int | None]] = []
+    block_ids: list[list[list[int | None]]] = []  # prompt -> block -> group
     for token_ids in prompts:
         chain, parent = [], None
         for start in range(0, len(token_ids) - step + 1, step):
@@ -220,30 +222,39 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
             chain.append(parent)
         ids = []
         for end in range(block_size, len(token_ids) + 1, block_size):
-            block = pool.cached_block_hash_to_block.get_one_block(
-                make_block_hash_with_group_id(chain[end // step - 1], 0))
-            ids.append(None if block is None else block.block_id)
+            row = []
+            for group in range(len(groups)):
+                block = pool.cached_block_hash_to_block.get_one_block(
+                    make_block_hash_with_group_id(chain[end // step - 1], group))
+                row.append(None if block is None else block.block_id)
+            ids.append(row)
         block_ids.append(ids)
     num_blocks = pool.num_gpu_blocks
+    layer_names = [list(group.layer_names) for group in groups]
 
-    def digest(worker, wanted: list[int]) -> dict[int, str]:
+    def digest(worker, wanted: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
         import torch
 
         from kvtier.copy.pages import find_block_dim
 
+        context = worker.model_runner.vllm_config.compilation_config.static_forward_context
         out = {}
-        for block_id in wanted:
+        for group, block_id in wanted:
             sha = hashlib.sha256()
-            for cache in worker.model_runner.kv_caches:
+            for name in layer_names[group]:
+                cache = context[name].kv_cache
+                cache = cache[0] if isinstance(cache, list | tuple) else cache
                 page = cache.select(find_block_dim(cache.shape, num_blocks), block_id)
                 sha.update(page.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-            out[block_id] = sha.hexdigest()
+            out[(group, block_id)] = sha.hexdigest()
         return out
 
-    wanted = sorted({i for ids in block_ids for i in ids if i is not None})
+    wanted = sorted({(g, i) for ids in block_ids for row in ids for g, i in enumerate(row) if i is not None})
     (digests,) = llm.collective_rpc(digest, args=(wanted,))
     return {"block_size": block_size,
-            "prompts": [[None if i is None else digests[i] for i in ids] for ids in block_ids]}
+            "groups": [type(group.kv_cache_spec).__name__ for group in groups],
+            "prompts": [[[None if i is None else digests[(g, i)] for g, i in enumerate(row)] for row in ids]
+                        for ids in block_ids]}
 
 
 def chat_turn(llm, sessions: list[list[str]], rounds: list[list[dict]], turn: int) -> list[dict]:

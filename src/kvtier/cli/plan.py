@@ -82,9 +82,8 @@ def rows(plan: Plan) -> list[tuple[str, str, str]]:
                       f"{fmt_bytes(plan.weight_bytes_rank)} weights - {a['reserve_gib_per_device']:g} GiB "
                       "reserve (activations, graphs)")
     seq_how = f"{plan.context} tokens in blocks of {plan.block_size}"
-    if plan.sequence_bytes_window_aware_rank != plan.sequence_bytes_rank:
-        windowed = fmt_bytes(plan.sequence_bytes_window_aware_rank)
-        seq_how += f"; {windowed} per rank with vLLM's hybrid allocator"
+    if plan.offload_sequence_bytes_rank != plan.sequence_bytes_rank:
+        seq_how += f"; sliding layers hold their window (kvtier stores {fmt_bytes(plan.offload_sequence_bytes_rank)})"
     contexts_on_disk = plan.disk_bytes // max(1, plan.offload_sequence_bytes_total)
     return [
         ("model", plan.model, _model_line(plan)),

@@ -40,11 +40,14 @@ class Direction(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class PageCopy:
-    """One page: engine block ``block_id`` <-> page ``sub`` of the kvtier block in host ``slot``."""
+    """One page of every layer of KV cache group ``group``: that group's engine block
+    ``block_id`` <-> page ``sub`` of the kvtier block in host ``slot`` (those layers' part of it).
+    One group (no hybrid allocator): group 0 is every layer."""
 
     slot: int
     sub: int
     block_id: int
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,11 +40,20 @@ class PagedKV:
     When every layer's pages are contiguous (vLLM-CPU, MLA: block dim 0) pages are rows of a
     ``[num_blocks, page_bytes]`` view (:attr:`flat`); otherwise (FlashAttention's K and V halves,
     permuted strides) a page is a strided view of shape :attr:`page_shape`.
+
+    ``layer_groups``: the layer indices of each KV cache group (default: one group of every
+    layer). Under vLLM's hybrid allocator the groups share one block pool (and their layers may
+    share tensors): a block id names a page of the layers of the group that owns it.
     """
 
-    def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int):
+    def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int,
+                 layer_groups: Sequence[Sequence[int]] | None = None):
         if not layers:
             raise ValueError("no KV layers to offload")
+        groups = [list(g) for g in layer_groups] if layer_groups is not None else [list(range(len(layers)))]
+        if sorted(i for g in groups for i in g) != list(range(len(layers))):
+            raise ValueError(f"layer groups {groups} do not cover layers 0..{len(layers) - 1} once each")
+        self.layer_groups = groups
         devices = {t.device for t in layers}
         if len(devices) != 1:
             raise ValueError(f"KV layers are on several devices {sorted(map(str, devices))}; not supported")
@@ -151,11 +160,19 @@ class BlockCopier:
         engine: list[torch.Tensor] = []
         host: list[torch.Tensor] = []
         num_blocks = self.kv.num_blocks
+        groups = self.kv.layer_groups
         for p in pages:
-            host.extend(self.host.block_pages(p.slot, p.sub, self.word, self._page_shape))
+            host_pages = self.host.block_pages(p.slot, p.sub, self.word, self._page_shape)
             if not 0 <= p.block_id < num_blocks:
                 raise IndexError(f"engine block {p.block_id} out of range [0, {num_blocks})")
-            engine.extend([layer[p.block_id] for layer in self._engine])
+            if not 0 <= p.group < len(groups):
+                raise IndexError(f"KV cache group {p.group} out of range [0, {len(groups)})")
+            if len(groups) == 1:
+                host.extend(host_pages)
+                engine.extend([layer[p.block_id] for layer in self._engine])
+            else:
+                host.extend(host_pages[i] for i in groups[p.group])
+                engine.extend(self._engine[i][p.block_id] for i in groups[p.group])
         num_bytes = len(engine) * self.kv.page_bytes
         if direction is Direction.STORE:
             return CopyPlan(direction, host, engine, num_bytes)

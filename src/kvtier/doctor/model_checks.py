@@ -43,22 +43,20 @@ def check_model_support(s: Setup) -> list[Finding]:
             f"Check that {s.connector} supports MLA, or use vLLM's native --kv-offloading-size."))
     if s.is_kvtier and geo.stateful_layers:
         out.append(Finding(
-            "hybrid-kvtier", "error", "kvtier cannot serve Mamba/linear-attention hybrids",
-            f"{geo.stateful_layers} of {geo.num_layers} layers keep recurrent state: vLLM needs its hybrid "
-            "KV cache manager, which it turns off for connectors without support (kvtier), and kvtier "
-            "supports one KV cache group only.",
-            "Serve this model without kvtier (or with a connector that supports hybrid models)."))
-    elif s.is_kvtier and geo.sliding_layers and not geo.full_layers:
+            "kvtier-inactive", "error", "kvtier will be inactive: Mamba/linear-attention state is not offloaded yet",
+            f"{geo.stateful_layers} of {geo.num_layers} layers keep recurrent state. vLLM runs the model "
+            "with kvtier (its hybrid KV cache manager stays on), but kvtier neither loads nor stores "
+            "blocks for it: attention KV without the matching state would not let the engine resume.",
+            "Serve this model without kvtier for now (vLLM's own prefix cache still works)."))
+    elif s.is_kvtier and geo.sliding_layers:
         out.append(Finding(
-            "kvtier-inactive", "error", "kvtier will be inactive: every attention layer is sliding-window",
-            "vLLM frees a request's blocks below the window while it runs, which kvtier does not handle "
-            "yet, so it neither loads nor stores for this model.", "Serve this model without kvtier for now."))
-    elif s.is_kvtier and geo.sliding_layers and geo.full_layers:
-        out.append(Finding(
-            "sliding-kvtier", "warning", "Sliding-window layers are allocated as full attention",
-            f"With a KV connector vLLM turns its hybrid allocator off: the {geo.sliding_layers} sliding "
-            f"layers (window {geo.sliding_window}) then take KV for every token, like full layers.",
-            "Expected with kvtier today; kvtier plan shows both sizes. Budget the accelerator for it."))
+            "sliding-kvtier", "info", "Sliding-window layers: only the window on the accelerator",
+            f"vLLM keeps its hybrid allocator on with kvtier: the {geo.sliding_layers} sliding layers "
+            f"(window {geo.sliding_window}) hold only their window on the accelerator. kvtier stores "
+            "every layer's pages of each block (host and disk hold every token, so any prefix can "
+            "resume) and a load fills only the pages of the window.",
+            "None needed; kvtier plan sizes both. Keep kvtier's block_size within the window plus one "
+            "engine block (the connector refuses larger ones at start-up)."))
     if s.is_kvtier and s.line.pp > 1:
         out.append(Finding(
             "pipeline-parallel", "error", "kvtier does not support pipeline parallelism yet",

@@ -82,7 +82,6 @@ class Plan:
     kv_bytes_per_token_rank: int
     kv_bytes_per_token_total: int  # all ranks, replicated heads / MLA latents counted on each
     sequence_bytes_rank: int  # one context as the engine allocates it with kvtier
-    sequence_bytes_window_aware_rank: int  # with vLLM's hybrid allocator (sliding layers capped)
     offload_sequence_bytes_rank: int  # what kvtier stores / loads per context
     stored_copies: int  # copies of a block kvtier stores: one per rank, or 1 for MLA's replicated latent
     offload_sequence_bytes_total: int  # x stored_copies
@@ -160,12 +159,10 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
     context = inputs.context or (min(DEFAULT_CONTEXT, max_len) if max_len else DEFAULT_CONTEXT)
     notes: list[str] = []
 
-    # KV per token and per context. With kvtier (a connector without hybrid-allocator support)
-    # vLLM allocates sliding layers of a mixed model like full ones; all-sliding models keep the window.
-    mixed = geo.full_layers > 0 and geo.sliding_layers > 0
+    # KV per token and per context. vLLM keeps its hybrid allocator on with kvtier (it supports it),
+    # so sliding layers hold their window on the accelerator; kvtier stores every token's pages.
     per_token_rank = geo.kv_bytes_per_token(kv_width, tp)
-    seq_rank = geo.sequence_kv_bytes(context, kv_width, tp, block, window_aware=not mixed)
-    seq_window_rank = geo.sequence_kv_bytes(context, kv_width, tp, block, window_aware=True)
+    seq_rank = geo.sequence_kv_bytes(context, kv_width, tp, block, window_aware=True)
     offload_rank = geo.sequence_kv_bytes(context, kv_width, tp, block, window_aware=False)
 
     # Weights and the accelerator's KV budget.
@@ -221,13 +218,13 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
         recompute_basis = (f"{flops / 1e12:.0f} TFLOP (2 x {active:.2f}B active params x tokens + attention) "
                            f"at {inputs.gpu_tflops:g} TFLOP/s x {tp} devices")
 
-    notes += _notes(geo, config, dtype, kv_dtype, context, tp, mixed)
+    notes += _notes(geo, config, dtype, kv_dtype, context, tp)
     return Plan(
         model=model, geometry=geo, tp=tp, dtype=dtype, kv_dtype=kv_dtype, kv_dtype_bytes=kv_width,
         context=context, concurrency=inputs.concurrency, block_size=block,
         kv_bytes_per_token=geo.kv_bytes_per_token(kv_width, 1),
         kv_bytes_per_token_rank=per_token_rank, kv_bytes_per_token_total=per_token_rank * tp,
-        sequence_bytes_rank=seq_rank, sequence_bytes_window_aware_rank=seq_window_rank,
+        sequence_bytes_rank=seq_rank,
         offload_sequence_bytes_rank=offload_rank, stored_copies=copies,
         offload_sequence_bytes_total=offload_rank * copies,
         params_total=params.total, params_active=params.active,
@@ -253,7 +250,7 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
 
 
 def _notes(geo: ModelKVGeometry, config: Mapping[str, Any], dtype: str, kv_dtype: str, context: int,
-           tp: int, mixed: bool) -> list[str]:
+           tp: int) -> list[str]:
     notes = []
     if geo.max_position_embeddings and context > geo.max_position_embeddings:
         notes.append(f"--context {context} exceeds the model's max_position_embeddings "
@@ -267,14 +264,14 @@ def _notes(geo: ModelKVGeometry, config: Mapping[str, Any], dtype: str, kv_dtype
                      "these figures are for accelerators.")
     if not geo.is_mla and tp > geo.num_kv_heads:
         notes.append(f"tp={tp} > {geo.num_kv_heads} KV heads: each rank holds a replicated KV head.")
-    if mixed:
-        notes.append("Sliding-window layers: with a KV connector (kvtier included) vLLM turns its hybrid "
-                     "allocator off and allocates them like full layers (figures above); without a connector "
-                     "a context takes sequence_bytes_window_aware_rank. kvtier offloads the sliding layers' "
-                     "KV like full layers' (every token, every block).")
+    if geo.sliding_layers:
+        notes.append("Sliding-window layers: vLLM's hybrid allocator stays on with kvtier, so on the accelerator "
+                     "they hold only their window (figures above). kvtier stores every layer's pages of every "
+                     "block (host and disk figures: every token), so any prefix can resume; a load fills the "
+                     "window's pages only.")
     if geo.stateful_layers:
         notes.append(f"{geo.stateful_layers} Mamba/linear-attention layers hold a fixed state, not counted. "
-                     "kvtier serves models with one KV cache group only: vLLM refuses hybrid models with it.")
+                     "kvtier does not offload that state yet: it stays inactive for this model (vLLM runs it).")
     if dtype == "float32":
         notes.append("float32 weights: vLLM's --dtype auto runs them in bfloat16 (kvtier serve keeps float32 "
                      "for its embedded model); plan with --dtype bfloat16 for that case.")

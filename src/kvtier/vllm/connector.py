@@ -7,7 +7,7 @@ vLLM builds one instance per process and role: in the scheduler process with
 validated in both, so a bad key fails at start-up with a message naming it.
 
 An engine kvtier must not touch (:mod:`kvtier.vllm.inactive`: it cannot resume from external
-KV, or its windowed layers are not handled yet) gets an INACTIVE connector: no host region, no
+KV, or it has a KV cache group kvtier does not offload, such as Mamba state) gets an INACTIVE connector: no host region, no
 tiers, no loads, no stores; every hook answers "nothing" and the scheduler logs why once.
 """
 
@@ -21,7 +21,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     _cache_hit_source = CacheHitSource.HOST
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
@@ -65,7 +67,7 @@ class KVTierConnector(KVConnectorBase_V1):
         reason = inactive_reason(vllm_config, kv_cache_config)
         if reason is not None:  # fail closed: both halves stay None, every hook answers "nothing"
             if role is KVConnectorRole.SCHEDULER:
-                logging.getLogger(__name__).warning("%s", reason.message(model_name(vllm_config)))
+                logging.getLogger(__name__).warning("%s", reason.message(model_name(vllm_config), kv_cache_config))
             return
         geometry = EngineGeometry.from_vllm(vllm_config, kv_cache_config, config)
         if role is KVConnectorRole.SCHEDULER:
@@ -113,10 +115,14 @@ class KVTierConnector(KVConnectorBase_V1):
         assert isinstance(meta, KVTierConnectorMetadata)
         self._worker.start_stores(meta)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self._worker is None:
-            return None, None
-        return self._worker.get_finished(), None  # loads are synchronous: nothing is "received" later
+            return KVConnectorTransferResults()
+        return self._worker.take_transfer_results()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)  # vLLM calls the method above; this for others
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -139,7 +145,7 @@ class KVTierConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self._scheduler is None:
             return
-        block_ids = blocks.get_block_ids()[0] if num_external_tokens else []
+        block_ids = blocks.get_block_ids() if num_external_tokens else ()
         self._scheduler.update_state_after_alloc(request, block_ids, num_external_tokens)
 
     def get_external_cache_hit_sources(
@@ -157,9 +163,14 @@ class KVTierConnector(KVConnectorBase_V1):
             self._scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: "Request", block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if self._scheduler is None:
             return False, None
-        return self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request, block_ids)
 
     def has_pending_push_work(self) -> bool:
         return self._scheduler is not None and self._scheduler.has_pending_jobs()

@@ -1,7 +1,17 @@
 """Derive kvtier's slot layout from vLLM's config, identically in every process.
 
 The scheduler and each worker build :class:`EngineGeometry` from the same ``vllm_config`` and
-``kv_cache_config``, so they agree on slot sizes without talking to each other. The namespace
+``kv_cache_config``, so they agree on slot sizes without talking to each other.
+
+KV cache groups (vLLM's hybrid allocator: full-attention layers in one group, each sliding-window
+size in others, every group with its own block table over one shared block pool): a kvtier block
+holds the pages of every offloaded layer of every group for the same tokens, in one slot; layer
+``i`` of the slot is copied through its own group's block table (:attr:`EngineGeometry.layer_groups`).
+Supported when every group is attention over per-token KV pages of one size and one block size
+(vLLM makes page sizes equal across groups); a sliding window must be wider than a kvtier block
+minus one engine block (so a block is never partly freed by vLLM before the step that completes it
+stores it, see :func:`check_windows`), a chunked-local chunk a multiple of the kvtier block.
+:mod:`kvtier.vllm.inactive` keeps kvtier out of layouts outside this (Mamba state groups). The namespace
 (what blocks may be shared with) is the scheduler's alone: it adds the model identity
 (:mod:`kvtier.vllm.identity`) and what every worker reports of its pages
 (:mod:`kvtier.vllm.page_format`).
@@ -15,8 +25,11 @@ from dataclasses import dataclass
 from vllm.config import ParallelConfig, VllmConfig
 from vllm.v1.kv_cache_interface import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
     KVCacheConfig,
+    KVCacheSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
     get_kv_cache_spec_kind,
 )
@@ -33,10 +46,17 @@ def model_name(vllm_config: VllmConfig) -> str:
     return os.path.basename(str(model).rstrip("/")) or "model"
 
 
+def group_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """A group's spec as one layer's (a UniformTypeKVCacheSpecs group holds layers of one type)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return next(iter(spec.kv_cache_specs.values()))
+    return spec
+
+
 @dataclass(frozen=True)
 class EngineGeometry:
     model_name: str
-    layer_names: tuple[str, ...]
+    layer_names: tuple[str, ...]  # every offloaded layer, slot order (group by group)
     engine_block_tokens: int
     block_tokens: int  # kvtier block = pages_per_block engine blocks
     layout: HostSlotLayout
@@ -49,6 +69,19 @@ class EngineGeometry:
     head_size: int
     kv_scales: str = ""  # "" or "checkpoint" (quantized KV: scales from the weights)
     replicated: bool = False  # every rank holds the same KV bytes: one copy stored (rank 0's)
+    layer_groups: tuple[tuple[int, ...], ...] = ()  # per vLLM KV cache group: its layers' slot indices
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.layer_groups)
+
+    @property
+    def asynchronous_loads(self) -> bool:
+        """Whether loads are asynchronous (the request waits one engine step for its KV): with
+        several KV cache groups. vLLM can recompute after a failed load only per request then
+        (``failed_recving``), which it accepts from asynchronous loads alone; block ids are not
+        unique across groups, so the per-block report of synchronous loads is refused."""
+        return self.num_groups > 1
 
     @property
     def world_size(self) -> int:
@@ -65,39 +98,45 @@ class EngineGeometry:
         return self.block_tokens // self.engine_block_tokens
 
     @property
-    def kv_cache_spec_kind(self) -> str:
-        return self.attention
+    def group_kinds(self) -> tuple[str, ...]:
+        """vLLM's name of each KV cache group's kind ("full_attention", "sliding_window", "mla", ...)."""
+        return tuple(self.attention.split("+"))
 
     @classmethod
     def from_vllm(
         cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVTierConfig
     ) -> "EngineGeometry":
         groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
+        specs = [group_spec(group.kv_cache_spec) for group in groups]
+        for spec in specs:
+            if not isinstance(spec, AttentionSpec):
+                raise ConfigError(f"kvtier cannot offload KV cache spec {type(spec).__name__}")
+        spec = specs[0]
+        if len({(s.block_size, s.page_size_bytes) for s in specs}) != 1:
             raise ConfigError(
-                f"kvtier supports models with one KV cache group; this model has {len(groups)} "
-                "(hybrid attention). Run it without kvtier for now."
+                "kvtier needs one block size and page size across the model's KV cache groups, got "
+                + ", ".join(f"{s.block_size} tokens/{s.page_size_bytes} B" for s in specs)
+                + "; start vLLM with --disable-hybrid-kv-cache-manager (one group) to offload this model"
             )
-        group = groups[0]
-        spec = group.kv_cache_spec
-        spec_kind = get_kv_cache_spec_kind(spec).value
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            spec = next(iter(spec.kv_cache_specs.values()))
-        if not isinstance(spec, AttentionSpec):
-            raise ConfigError(f"kvtier cannot offload KV cache spec {type(spec).__name__}")
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError("kvtier does not support pipeline parallelism yet (pipeline_parallel_size must be 1)")
         engine_block_tokens = spec.block_size
         block_tokens = config.offload_block_tokens(engine_block_tokens)
+        check_windows(specs, block_tokens, engine_block_tokens)
         pages_per_block = block_tokens // engine_block_tokens
         replicated = replicated_kv(spec, parallel)
         cache_dtype = vllm_config.cache_config.cache_dtype
         kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
+        layer_names = tuple(name for group in groups for name in group.layer_names)
+        layer_groups, first = [], 0
+        for group in groups:
+            layer_groups.append(tuple(range(first, first + len(group.layer_names))))
+            first += len(group.layer_names)
         try:
             layout = HostSlotLayout.for_budget(
                 config.cpu_bytes_to_use,
-                num_layers=len(group.layer_names),
+                num_layers=len(layer_names),
                 pages_per_block=pages_per_block,
                 page_bytes=spec.page_size_bytes,
                 world_size=1 if replicated else parallel.world_size,  # = stored_ranks
@@ -105,22 +144,50 @@ class EngineGeometry:
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config: {exc}") from None
         engine_id = vllm_config.kv_transfer_config.engine_id if vllm_config.kv_transfer_config else None
+        kinds = [get_kv_cache_spec_kind(group.kv_cache_spec).value for group in groups]
         return cls(
             model_name=model_name(vllm_config),
-            layer_names=tuple(group.layer_names),
+            layer_names=layer_names,
             engine_block_tokens=engine_block_tokens,
             block_tokens=block_tokens,
             layout=layout,
             tp_size=parallel.tensor_parallel_size,
             pp_size=parallel.pipeline_parallel_size,
             engine_id=str(engine_id or "default"),
-            attention=spec_kind,
+            # one group: its kind, as before; several: every group's, in group order (another
+            # grouping lays the slot's layers out in another order, so it is another namespace)
+            attention=kinds[0] if len(kinds) == 1 else "+".join(kinds),
             kv_dtype=kv_dtype,
             num_kv_heads=spec.num_kv_heads,
             head_size=spec.head_size,
             kv_scales="checkpoint" if kv_dtype.startswith("fp8") else "",
             replicated=replicated,
+            layer_groups=tuple(layer_groups),
         )
+
+
+def check_windows(specs: list[KVCacheSpec], block_tokens: int, engine_block_tokens: int) -> None:
+    """Refuse windowed groups whose freed blocks could cut into a kvtier block before it is stored.
+
+    vLLM frees a request's sliding-window blocks below ``computed - window + 1`` (chunked-local:
+    below the current chunk's start) when it allocates a step. kvtier stores a block in the step
+    that completes it, reading every engine block of it: the first one was computed up to
+    ``block_tokens - engine_block_tokens`` tokens earlier. So it is still allocated iff the window
+    is wider than that (or the chunk boundaries fall on kvtier block boundaries)."""
+    for spec in specs:
+        if isinstance(spec, SlidingWindowSpec) and spec.sliding_window <= block_tokens - engine_block_tokens:
+            raise ConfigError(
+                f"kv_connector_extra_config block_size {block_tokens} is too large for the model's sliding "
+                f"window of {spec.sliding_window} tokens (vLLM frees a block's first pages before the block is "
+                f"complete); use a block_size of at most {spec.sliding_window + engine_block_tokens - 1} "
+                f"(a multiple of the engine's {engine_block_tokens}-token blocks)"
+            )
+        if isinstance(spec, ChunkedLocalAttentionSpec) and spec.attention_chunk_size % block_tokens:
+            raise ConfigError(
+                f"kv_connector_extra_config block_size {block_tokens} does not divide the model's local attention "
+                f"chunk of {spec.attention_chunk_size} tokens; use a block_size that divides it "
+                f"(a multiple of the engine's {engine_block_tokens}-token blocks)"
+            )
 
 
 def replicated_kv(spec: AttentionSpec, parallel: ParallelConfig) -> bool:

@@ -7,13 +7,13 @@
    caching off (vLLM-CPU does so for MLA models when the AMX MLA kernels do not run, forcing
    chunked prefill off too). So ``cache_config.enable_prefix_caching``, as read after vLLM's
    platform adjustments (the connector is built after them), is the engine's own statement.
-2. Every attention layer sliding-window (or chunked local), in a group of their own: vLLM frees
-   a request's blocks below the window while it runs, so a block could be reused before kvtier
-   stored it. Sliding layers beside global ones are fine: with the hybrid allocator off (as it
-   is with kvtier, a connector without hybrid support) vLLM promotes them to full attention in
-   the global layers' group, every block is allocated and kept, and kvtier offloads them like
-   any full-attention layer (tiny Gemma-3 shape and Gemma 3 270M on vLLM-CPU: bit-exact, loaded
-   pages equal to a plain prefill's, tests/e2e/test_families_e2e.py).
+2. A KV cache group kvtier does not offload: Mamba / linear-attention state (one state per
+   request at exact positions, not per-token pages; not handled yet), or attention whose blocks
+   vLLM itself does not cache for reuse (scratch circular buffers, bounded-replay windows) or
+   frees while it runs outside the sliding-window rules kvtier follows (R-SWA's decode gaps).
+   Loading the other groups' KV without that group's would hand the engine a context it cannot
+   resume from. Full attention, MLA, sliding-window and chunked-local groups are offloaded, one
+   group or several (vLLM's hybrid allocator, :mod:`kvtier.vllm.geometry`).
 
 Called in the connector's constructor, in the scheduler and in every worker; all of them see the
 same finalized configs, so they agree without talking to each other.
@@ -26,10 +26,19 @@ import enum
 from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
     KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SinkFullAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+
+# Exact types: a subclass may free or reuse blocks under rules of its own (R-SWA is a FullAttentionSpec)
+OFFLOADED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SinkFullAttentionSpec, SlidingWindowSpec,
+                   ChunkedLocalAttentionSpec)
 
 
 class InactiveReason(enum.Enum):
@@ -43,14 +52,19 @@ class InactiveReason(enum.Enum):
         "prefix caching is off (--no-enable-prefix-caching / enable_prefix_caching=False), so vLLM does "
         "not resume requests from cached KV"
     )
-    WINDOWED_GROUP = (
-        "every attention layer is sliding-window (or chunked local): vLLM frees a request's blocks below "
-        "the window while it runs, which kvtier does not handle yet"
+    STATE_GROUP = (
+        "it has Mamba / linear-attention layers, whose per-request state kvtier does not offload yet "
+        "(loading only the attention layers' KV would not let the engine resume)"
+    )
+    UNSUPPORTED_GROUP = (
+        "it has a KV cache group that vLLM does not cache for reuse or frees under rules of its own "
+        "({spec}), so loading the other groups' KV would not let the engine resume"
     )
 
-    def message(self, model: str) -> str:
+    def message(self, model: str, kv_cache_config: KVCacheConfig | None = None) -> str:
+        spec = unsupported_spec(kv_cache_config) if kv_cache_config is not None else None
         return (
-            f"kvtier is INACTIVE for {model}: {self.value}. kvtier neither loads nor stores blocks in this "
+            f"kvtier is INACTIVE for {model}: {self.value.format(spec=type(spec).__name__)}. kvtier neither loads nor stores blocks in this "
             "engine (loading could serve wrong KV; storing would waste space or risk wrong outputs). "
             + _FIXES[self]
         )
@@ -59,7 +73,8 @@ class InactiveReason(enum.Enum):
 _FIXES = {
     InactiveReason.MLA_ON_CPU: "Serve this model on a GPU, or on a CPU with AMX, to use kvtier with it.",
     InactiveReason.PREFIX_CACHING_OFF: "Enable prefix caching (vLLM's default) to use kvtier.",
-    InactiveReason.WINDOWED_GROUP: "Serve this model without kvtier for now.",
+    InactiveReason.STATE_GROUP: "Serve this model without kvtier for now.",
+    InactiveReason.UNSUPPORTED_GROUP: "Serve this model without kvtier for now.",
 }
 
 
@@ -70,11 +85,19 @@ def inactive_reason(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> 
         if model is not None and model.use_mla and _is_cpu_platform():
             return InactiveReason.MLA_ON_CPU
         return InactiveReason.PREFIX_CACHING_OFF
+    spec = unsupported_spec(kv_cache_config)
+    if spec is not None:
+        return InactiveReason.STATE_GROUP if isinstance(spec, MambaSpec) else InactiveReason.UNSUPPORTED_GROUP
+    return None
+
+
+def unsupported_spec(kv_cache_config: KVCacheConfig) -> KVCacheSpec | None:
+    """The first layer spec of a group kvtier does not offload (see the module docstring), or None."""
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        specs = list(spec.kv_cache_specs.values()) if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        if any(isinstance(s, SlidingWindowSpec | ChunkedLocalAttentionSpec) for s in specs):
-            return InactiveReason.WINDOWED_GROUP  # (SlidingWindowMLASpec is a SlidingWindowSpec)
+        for layer_spec in spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]:
+            if type(layer_spec) not in OFFLOADED_SPECS or not layer_spec.prefix_cacheable:
+                return layer_spec
     return None
 
 

@@ -16,6 +16,10 @@ engine block, the key vLLM's OffloadingConnector announces) and no tokens. With
 ``self_describing_kv_events: true`` it carries every engine block's hash, the parent hash, the
 token ids, the engine block size and the LoRA adapter, like vLLM's self-describing offload events.
 
+Groups. Under vLLM's hybrid allocator a kvtier block holds the pages of every KV cache group, so
+each event is published once per group (``group_idx``, with that group's ``kv_cache_spec_kind``),
+as vLLM announces a block of each group; with one group, once, as group 0.
+
 Invariant (what a consumer may rely on): for one hash and medium, ``BlockStored`` and
 ``BlockRemoved`` alternate, starting with ``BlockStored``; a block is announced in a medium only
 while it is readable there.
@@ -26,7 +30,7 @@ Threading: everything runs on vLLM's scheduler thread (the orchestrator's thread
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
@@ -69,14 +73,14 @@ class KVEventTranslator:
         block_tokens: int,
         engine_block_tokens: int,
         self_describing: bool,
-        kv_cache_spec_kind: str | None,
+        group_kinds: Sequence[str],
     ):
         self._orchestrator = orchestrator
         self._block_tokens = block_tokens
         self._engine_block_tokens = engine_block_tokens
         self._pages = block_tokens // engine_block_tokens
         self._self_describing = self_describing
-        self._spec_kind = kv_cache_spec_kind
+        self._group_kinds = tuple(group_kinds)  # a kvtier block holds every group's pages
         self._known: dict[BlockKey, _Announced] = {}
         self._events: list[KVCacheEvent] = []
         orchestrator.track_residency()
@@ -125,13 +129,14 @@ class KVEventTranslator:
                     self._announce(block, change.medium)
             elif change.medium in block.media:
                 block.media.discard(change.medium)
-                self._events.append(
+                self._events.extend(
                     BlockRemoved(
                         block_hashes=self._published_hashes(block),
                         medium=EVENT_MEDIUM[change.medium],
-                        group_idx=0,
+                        group_idx=group,
                         locality=LOCALITY,
                     )
+                    for group in range(len(self._group_kinds))
                 )
                 if not block.media:
                     del self._known[change.key]
@@ -139,7 +144,7 @@ class KVEventTranslator:
     def _announce(self, block: _Announced, medium: Medium) -> None:
         block.media.add(medium)
         described = self._self_describing  # else vLLM's placeholder payload: no tokens, block size 0
-        self._events.append(
+        self._events.extend(
             BlockStored(
                 block_hashes=self._published_hashes(block),
                 parent_block_hash=maybe_convert_block_hash(block.parent) if block.parent is not None else None,
@@ -148,10 +153,11 @@ class KVEventTranslator:
                 lora_id=block.lora_id,
                 medium=EVENT_MEDIUM[medium],
                 lora_name=block.lora_name,
-                group_idx=0,
-                kv_cache_spec_kind=self._spec_kind if described else None,
+                group_idx=group,
+                kv_cache_spec_kind=kind if described else None,
                 locality=LOCALITY,
             )
+            for group, kind in enumerate(self._group_kinds)
         )
 
     @staticmethod

@@ -33,12 +33,13 @@ class RequestState:
     extras: BlockExtras | list[BlockExtras]
     max_offload_tokens: int | None
     keys: list[BlockKey] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=lambda: [[]])  # engine blocks, one list per KV cache group
     next_store_block: int = 0
     jobs: set[int] = field(default_factory=set)
     load_first_token: int = 0  # locally computed tokens when the hit was counted
     hit_tokens_from: dict[Medium, int] = field(default_factory=dict)  # the hit's tokens by source tier
     finished: bool = False
+    load_failed: bool = False  # a load of it failed: it is not offered loads again (vLLM recomputes it)
     cacheable: bool = True  # False: never loaded nor stored (see KVTierScheduler._request_identity)
 
     def extend_keys(self, num_blocks: int) -> None:

@@ -7,13 +7,23 @@ Per request it keeps the block keys of its tokens, its engine block ids, how far
 got, and its in-flight jobs. Invariants:
 
 - a request has at most one load job, and none while it has store jobs in flight;
-- loads are synchronous (the workers copy before the step's forward): only host-resident blocks
-  are ever offered, disk blocks are promoted into host slots first while vLLM is told to ask again;
+- only host-resident blocks are ever offered, disk blocks are promoted into host slots first
+  while vLLM is told to ask again. With one KV cache group loads are synchronous (the workers
+  copy before the forward of the step that computes the rest of the prompt); with several they
+  are asynchronous (``EngineGeometry.asynchronous_loads``: the request waits one step);
 - host slots a load job reads stay pinned until every worker reported the job;
 - a finished request with store jobs in flight is freed by vLLM only after the workers report
   it in ``finished_sending`` (``request_finished`` returns True for it);
-- a preempted request's pending stores are flushed (the workers wait for them) before vLLM
-  reuses its blocks in the same step;
+- no engine block is written while a store reads it: every block a store job reads is fenced
+  until the job is done, and a step that hands a fenced block to a request (new blocks, load
+  destinations), which vLLM does after freeing a preempted request's blocks or a running
+  request's blocks below its sliding window, first flushes that job (the workers wait for it
+  before the step's loads and forward);
+- several KV cache groups: a kvtier block holds every group's pages for its tokens and is stored
+  only in the step that completes it, when every group still holds it (the geometry refuses
+  windows for which that is not so); a page vLLM holds no block for (a null block: below a
+  sliding window) is neither stored nor loaded, so a block missing a group's page is not stored
+  and a load fills only the pages vLLM allocated;
 - a finished request's tail (its tokens after the last full block, see
   :func:`kvtier.core.keys.tail_key`) is stored from the engine block that holds it, which vLLM
   frees only once that store is done; a lookup that ends its run of full blocks where a stored
@@ -71,6 +81,10 @@ class _Job:
     waiting_workers: int
     failed: bool = False
     blocks: list[int] = field(default_factory=list)  # store jobs: the request's block index of each key
+    sources: set[int] = field(default_factory=set)  # store jobs: the engine blocks read (fenced)
+
+
+NULL_BLOCK_ID = 0  # vLLM's null block (the pool's first): a table entry with no block behind it
 
 
 class KVTierScheduler:
@@ -140,25 +154,29 @@ class KVTierScheduler:
                 block_tokens=geometry.block_tokens,
                 engine_block_tokens=geometry.engine_block_tokens,
                 self_describing=config.self_describing_kv_events,
-                kv_cache_spec_kind=geometry.kv_cache_spec_kind,
+                group_kinds=geometry.group_kinds,
             )
         self._requests: dict[str, RequestState] = {}
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._step_loads: list[CopyJob] = []
+        self._fenced: dict[int, set[int]] = {}  # engine block id -> store jobs in flight reading it
+        self._step_load_blocks: set[int] = set()  # engine blocks this step's loads write
         self._tail_stores: list[CopyJob] = []  # stores of finished requests' tails, sent next step
         self._delayed_free: list[str] = []
         self._worker_stats = KVTierStats()
         self._reported_gauges: dict[str, int | None] = {}
         self._said_uncacheable: set[Uncacheable] = set()
         logger.info(
-            "kvtier: host tier %d slots x %.1f MiB x %d rank(s)%s = %.2f GiB; block %d tokens%s",
+            "kvtier: host tier %d slots x %.1f MiB x %d rank(s)%s = %.2f GiB; block %d tokens%s%s",
             layout.num_slots,
             layout.slot_bytes / 2**20,
             geometry.stored_ranks,
             f" (KV replicated on {geometry.world_size} ranks: stored once)" if geometry.replicated else "",
             layout.region_bytes * geometry.stored_ranks / 2**30,
             geometry.block_tokens,
+            f" of {geometry.num_groups} KV cache groups ({geometry.attention}; loads asynchronous)"
+            if geometry.num_groups > 1 else "",
             f"; disk tier {config.disk.root_dir} ({config.disk.capacity_bytes / 2**30:.1f} GiB)" if config.disk else "",
         )
 
@@ -174,6 +192,7 @@ class KVTierScheduler:
                 extras=block_extras(request, self.geometry.block_tokens, lora),
                 max_offload_tokens=parse_max_offload_tokens(request.kv_transfer_params, request.request_id),
                 cacheable=uncacheable is None,
+                block_ids=[[] for _ in range(self.geometry.num_groups)],
             )
             if uncacheable is not None:
                 self.orchestrator.stats.uncacheable_requests += 1
@@ -216,6 +235,8 @@ class KVTierScheduler:
             return 0, False
         if state.jobs:
             return None, False  # stores of an earlier run of this request are still in flight
+        if state.load_failed:
+            return 0, False  # its load failed once: vLLM computes it
         block = self.geometry.block_tokens
         max_blocks = (request.num_tokens - 1) // block  # vLLM must compute at least one token
         first_block = num_computed_tokens // block
@@ -248,11 +269,16 @@ class KVTierScheduler:
         state.load_first_token = num_computed_tokens
         short = (tail_source, block - tail[1]) if tail_source is not None else None
         state.hit_tokens_from = tokens_by_source(hit_tokens, acquired.promoted, block, short)
-        # Synchronous: the blocks are in host memory now (disk blocks were promoted first), so the
-        # copy runs in the same step that computes the rest of the prompt; no extra engine step.
-        return hit_tokens, False
+        # The blocks are in host memory now (disk blocks were promoted first): synchronous, the
+        # copy runs in the step that computes the rest of the prompt (no extra engine step), unless
+        # several groups make vLLM's per-request failure report (asynchronous loads) the only one.
+        return hit_tokens, self.geometry.asynchronous_loads
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
+        """``block_ids``: the request's engine blocks, one list per KV cache group (null blocks
+        where vLLM holds none, as below a sliding window)."""
         state = self._state(request)
         if num_external_tokens == 0:
             if not state.jobs:
@@ -270,9 +296,13 @@ class KVTierScheduler:
         assert len(keys) == end_block - first_block, "load plan out of sync with the hold"
         slots = self.orchestrator.slots_of(keys)
         pages = [
-            PageCopy(slots[engine_index // per_block - first_block], engine_index % per_block, block_ids[engine_index])
+            PageCopy(slots[engine_index // per_block - first_block], engine_index % per_block, group_ids[engine_index],
+                     group)
             for engine_index in range(first_token // engine_block, -(-end_token // engine_block))
+            for group, group_ids in enumerate(block_ids)
+            if group_ids[engine_index] != NULL_BLOCK_ID
         ]
+        self._step_load_blocks.update(p.block_id for p in pages)
         job_id = next(self._job_ids)
         self._step_loads.append(CopyJob(job_id, request.request_id, pages))
         self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)
@@ -299,14 +329,19 @@ class KVTierScheduler:
             if state is None:
                 continue
             if preempted:
-                state.block_ids.clear()
+                for group_ids in state.block_ids:
+                    group_ids.clear()
             if new_block_ids:
-                state.block_ids.extend(new_block_ids[0])
+                for group_ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
+                    group_ids.extend(new_ids)
         flush: set[int] = set()
         for req_id in scheduler_output.preempted_req_ids or ():
             state = self._requests.get(req_id)
             if state is not None:
                 flush |= {j for j in state.jobs if self._jobs[j].kind is JobKind.STORE}
+        if self._fenced:
+            for block_id in self._allocated_blocks(scheduler_output):
+                flush |= self._fenced.get(block_id, set())
         meta = KVTierConnectorMetadata(
             loads=self._step_loads,
             stores=self._tail_stores + self._build_stores(scheduler_output),
@@ -314,7 +349,24 @@ class KVTierScheduler:
             delayed_free_req_ids=self._delayed_free,
         )
         self._step_loads, self._delayed_free, self._tail_stores = [], [], []
+        self._step_load_blocks = set()
         return meta
+
+    def _allocated_blocks(self, scheduler_output: SchedulerOutput) -> set[int]:
+        """Engine blocks vLLM hands to requests in this step (any group): new and resumed
+        requests' tables, blocks appended to running ones, load destinations, copy-on-write
+        destinations. Only these can be written before the step's stores are started."""
+        allocated = set(self._step_load_blocks)
+        for req in scheduler_output.scheduled_new_reqs:
+            for group_ids in req.block_ids:
+                allocated.update(group_ids)
+        for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            for group_ids in new_ids or ():
+                allocated.update(group_ids)
+        for copy in scheduler_output.kv_cache_block_copies or ():
+            allocated.add(copy.dst_block_id)
+        allocated.discard(NULL_BLOCK_ID)
+        return allocated
 
     def _build_stores(self, scheduler_output: SchedulerOutput) -> list[CopyJob]:
         jobs: list[CopyJob] = []
@@ -330,12 +382,15 @@ class KVTierScheduler:
                 continue
             request = state.request
             limit = self._offload_limit(state, before + scheduled.get(req_id, 0))
-            num_full = min(limit // block, len(state.block_ids) // per_block)
+            num_full = min(limit // block, min(map(len, state.block_ids)) // per_block)
             if num_full <= state.next_store_block:
                 continue
             state.extend_keys(num_full)
             keys, blocks, pages, present = [], [], [], []
             for index in range(state.next_store_block, num_full):
+                block_pages = self._pages_of(state.block_ids, index * per_block, per_block)
+                if block_pages is None:
+                    continue  # a group holds no block for some of it (below a sliding window)
                 key = state.keys[index]
                 slot = self.orchestrator.begin_store(key, BlockInfo(state.parent_of(index), block))
                 if slot is None:
@@ -343,18 +398,37 @@ class KVTierScheduler:
                     continue
                 keys.append(key)
                 blocks.append(index)
-                pages.extend(
-                    PageCopy(slot, sub, state.block_ids[index * per_block + sub]) for sub in range(per_block)
-                )
+                pages.extend(PageCopy(slot, sub, block_id, group) for sub, group, block_id in block_pages)
             state.next_store_block = num_full
             if present and self._events is not None:
                 self._events.learn(request, present)
             if keys:
-                job_id = next(self._job_ids)
-                jobs.append(CopyJob(job_id, req_id, pages))
-                self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size, blocks=blocks)
-                state.jobs.add(job_id)
+                jobs.append(self._new_store(state, keys, pages, blocks))
         return jobs
+
+    @staticmethod
+    def _pages_of(block_ids: list[list[int]], first_page: int, num_pages: int) -> list[tuple[int, int, int]] | None:
+        """``(sub, group, engine block id)`` of every group's pages ``first_page + sub`` (sub <
+        ``num_pages``), or None when a group holds no block for one of them."""
+        pages = []
+        for group, group_ids in enumerate(block_ids):
+            for sub in range(num_pages):
+                if first_page + sub >= len(group_ids) or group_ids[first_page + sub] == NULL_BLOCK_ID:
+                    return None
+                pages.append((sub, group, group_ids[first_page + sub]))
+        return pages
+
+    def _new_store(self, state: RequestState, keys: list[BlockKey], pages: list[PageCopy],
+                   blocks: list[int] | None = None) -> CopyJob:
+        """Register a store job of ``state``'s request (its engine blocks fenced until it is done)."""
+        job_id = next(self._job_ids)
+        req_id = state.request.request_id
+        self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size, blocks=blocks or [],
+                                  sources={p.block_id for p in pages})
+        for block_id in self._jobs[job_id].sources:
+            self._fenced.setdefault(block_id, set()).add(job_id)
+        state.jobs.add(job_id)
+        return CopyJob(job_id, req_id, pages)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -375,6 +449,12 @@ class KVTierScheduler:
 
     def _finish_job(self, job_id: int, job: _Job) -> None:
         del self._jobs[job_id]
+        for block_id in job.sources:
+            fence = self._fenced.get(block_id)
+            if fence is not None:
+                fence.discard(job_id)
+                if not fence:
+                    del self._fenced[block_id]
         state = self._requests.get(job.req_id)
         if job.kind is JobKind.STORE:
             self.orchestrator.finish_store(job.keys, ok=not job.failed)
@@ -384,6 +464,8 @@ class KVTierScheduler:
             self.orchestrator.release(job.req_id)
             if job.failed:
                 self.orchestrator.stats.load_errors += 1
+                if state is not None:
+                    state.load_failed = True
         if state is not None:
             state.jobs.discard(job_id)
             if state.finished and not state.jobs:
@@ -400,17 +482,19 @@ class KVTierScheduler:
             limit = min(limit, state.max_offload_tokens)
         return limit
 
-    def _store_tail(self, state: RequestState) -> None:
+    def _store_tail(self, state: RequestState, block_ids: tuple[list[int], ...]) -> None:
         """Store the finished request's tail: its computed tokens after the last full block
-        (within the same limits as blocks), read from the engine block that holds them."""
+        (within the same limits as blocks), read from the engine blocks that hold them now
+        (``block_ids``: vLLM's table at finish, one list per group)."""
         request = state.request
         block = self.geometry.block_tokens
         limit = self._offload_limit(state, request.num_computed_tokens - request.num_in_flight_tokens)
         num_full, tail_tokens = divmod(limit, block)
-        engine_block = self.geometry.engine_block_tokens
-        first_page = num_full * self.geometry.pages_per_block
-        num_pages = -(-tail_tokens // engine_block)
-        if tail_tokens == 0 or len(state.block_ids) < first_page + num_pages:
+        if tail_tokens == 0:
+            return
+        block_pages = self._pages_of(list(block_ids), num_full * self.geometry.pages_per_block,
+                                     -(-tail_tokens // self.geometry.engine_block_tokens))
+        if block_pages is None:
             return
         state.extend_keys(num_full)
         if len(state.keys) < num_full:
@@ -419,20 +503,21 @@ class KVTierScheduler:
         slot = self.orchestrator.begin_store(key, BlockInfo(state.parent_of(num_full), tail_tokens, tail=True))
         if slot is None:
             return
-        pages = [PageCopy(slot, sub, state.block_ids[first_page + sub]) for sub in range(num_pages)]
-        job_id = next(self._job_ids)
-        self._tail_stores.append(CopyJob(job_id, request.request_id, pages))
-        self._jobs[job_id] = _Job(JobKind.STORE, request.request_id, [key], self.geometry.world_size)
-        state.jobs.add(job_id)
+        pages = [PageCopy(slot, sub, block_id, group) for sub, group, block_id in block_pages]
+        self._tail_stores.append(self._new_store(state, [key], pages))
 
-    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """``block_ids``: the request's engine blocks now, one list per KV cache group."""
         state = self._requests.get(request.request_id)
         if state is None:
             return False, None
         state.finished = True
-        if state.cacheable and self.config.offload_partial_blocks:
-            self._store_tail(state)
-        if not any(self._jobs[j].kind is JobKind.LOAD for j in state.jobs):
+        loading = any(self._jobs[j].kind is JobKind.LOAD for j in state.jobs)
+        if state.cacheable and self.config.offload_partial_blocks and not loading:
+            self._store_tail(state, block_ids)  # (not while a load still fills its blocks: aborted)
+        if not loading:
             self.orchestrator.release(request.request_id)
         if any(self._jobs[j].kind is JobKind.STORE for j in state.jobs):
             self._delayed_free.append(request.request_id)

@@ -10,6 +10,11 @@ Runs in each vLLM worker process; vLLM calls every hook on the worker's main thr
   writes, and complete in the background; when vLLM is about to reuse blocks a pending store
   reads (preemption), this side waits for it.
 - Every job is reported to the scheduler (worker metadata) only once its copies completed.
+- Several KV cache groups (``EngineGeometry.asynchronous_loads``): a load is asynchronous for
+  vLLM (its request waits in WAITING_FOR_REMOTE_KVS); it is started after the forward as vLLM
+  orders asynchronous loads, and its request is reported in ``finished_recving`` once copied,
+  also in ``failed_recving`` if the copy failed, so vLLM recomputes the whole request. With one
+  group a load is synchronous and a failed one is reported by its engine blocks.
 
 Owns rank ``r``'s host region: creates it in ``register_kv_caches`` and unlinks its name at
 shutdown (the scheduler normally unlinks it first, right after attaching).
@@ -28,6 +33,7 @@ import logging
 
 import torch
 from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvtier.copy import CopyEngine, Direction, HostSlots, PagedKV, make_copy_engine, pin_host_memory
@@ -52,6 +58,7 @@ class KVTierWorker:
         self._store_jobs_of: dict[str, set[int]] = {}  # request -> its stores not yet finished here
         self._store_req: dict[int, str] = {}
         self._load_blocks: dict[int, list[int]] = {}  # load job -> engine block ids it writes
+        self._load_req: dict[int, str] = {}  # load job -> its request
         self._delayed: set[str] = set()
         self._load_errors: set[int] = set()
         self._meta = KVTierWorkerMetadata()
@@ -60,7 +67,8 @@ class KVTierWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = self.geometry.layout
-        paged = PagedKV([kv_caches[name] for name in self.geometry.layer_names], self.num_blocks)
+        paged = PagedKV([kv_caches[name] for name in self.geometry.layer_names], self.num_blocks,
+                        self.geometry.layer_groups or None)
         if paged.page_bytes != layout.page_bytes:
             raise RuntimeError(
                 f"kvtier: engine KV page is {paged.page_bytes} B but the KV cache spec says {layout.page_bytes} B"
@@ -95,6 +103,7 @@ class KVTierWorker:
         assert self.copies is not None
         for job in meta.loads:
             self._load_blocks[job.job_id] = [p.block_id for p in job.pages]
+            self._load_req[job.job_id] = job.req_id
             self.copies.start_load(job.job_id, job.pages)
 
     def start_stores(self, meta: KVTierConnectorMetadata) -> None:
@@ -108,21 +117,28 @@ class KVTierWorker:
             self._store_jobs_of.setdefault(job.req_id, set()).add(job.job_id)
             self.copies.start_store(job.job_id, job.pages)
 
-    def get_finished(self) -> set[str]:
-        """Collect completed copies; return the requests whose delayed block frees may happen now
-        (their stores finished here). A failed load reports its blocks as load errors, so vLLM
-        recomputes them."""
+    def take_transfer_results(self) -> KVConnectorTransferResults:
+        """Collect completed copies. ``finished_sending``: the requests whose delayed block frees
+        may happen now (their stores finished here). A failed synchronous load reports its engine
+        blocks as load errors (vLLM recomputes from the first); an asynchronous load reports its
+        request in ``finished_recving``, and also in ``failed_recving`` if it failed."""
+        results = KVConnectorTransferResults()
         if self.copies is None:
-            return set()
+            return results
         for done in self.copies.poll():
             self._meta.completed[done.job_id] = 1
             if not done.ok:
                 self._meta.failed[done.job_id] = 1
             if done.direction is Direction.LOAD:
                 blocks = self._load_blocks.pop(done.job_id, [])
-                if not done.ok:
+                req_id = self._load_req.pop(done.job_id, None)
+                if self.geometry.asynchronous_loads and req_id is not None:
+                    results.finished_recving.add(req_id)
+                    if not done.ok:
+                        results.failed_recving.add(req_id)
+                elif not done.ok:
                     self._load_errors.update(blocks)
-                else:
+                if done.ok:
                     self._meta.host_to_engine.record(done.num_bytes, done.seconds)
                 continue
             self._meta.engine_to_host.record(done.num_bytes, done.seconds)
@@ -132,9 +148,9 @@ class KVTierWorker:
                 remaining.discard(done.job_id)
                 if not remaining:
                     del self._store_jobs_of[req_id]
-        finished_sending = {r for r in self._delayed if r not in self._store_jobs_of}
-        self._delayed -= finished_sending
-        return finished_sending
+        results.finished_sending = {r for r in self._delayed if r not in self._store_jobs_of}
+        self._delayed -= results.finished_sending
+        return results
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
