@@ -5,7 +5,8 @@
   ``reset_prefix_cache`` is served from kvtier, a fresh engine is served from disk; all outputs
   equal vLLM alone's.
 - Sliding-window + global layers (tiny Gemma-3 shape, and Gemma 3 270M with real weights): the
-  same, offloaded like full attention (vLLM turns its hybrid allocator off with kvtier).
+  same, under vLLM's hybrid allocator (several KV cache groups, sliding blocks freed mid-request).
+- Mamba2 hybrids: vLLM runs them with kvtier, which stays inactive (their state is not offloaded).
 - Each bit-exact check also compares the engine's KV pages of every loaded block with the pages a
   plain prefill computed, byte for byte (support.offline_run.kv_page_digests).
 - MLA on vLLM-CPU: vLLM forces prefix caching off (it cannot compute on a cached context there),
@@ -57,8 +58,8 @@ def check_bit_exact_from_host_and_disk(folder: Path, tmp_path: Path, engine: dic
     """vLLM alone; kvtier round 1 (stores), round 2 after reset_prefix_cache (host tier); a fresh
     engine on the same disk root (disk tier): the same tokens everywhere, whole blocks loaded, and
     the engine's KV pages of every loaded block byte for byte those round 1's plain prefill
-    computed (round 1 loads nothing; the reference is the kvtier engine's own round 1 because
-    vLLM alone may lay a hybrid model's KV out in other groups: its hybrid allocator stays on)."""
+    computed (round 1 loads nothing; the reference is the kvtier engine's own round 1, the same
+    engine configuration)."""
     tmp_path.mkdir(exist_ok=True)
     alone = launch(family_spec(folder, [{}], None, engine, prompts), tmp_path)
     expected = tokens(alone)
@@ -139,16 +140,27 @@ def check_inactive(folder: Path, tmp_path: Path, expected_reason: str, engine: d
 
 def test_sliding_window_families_are_bit_exact_from_host_and_disk(tiny_dir, tmp_path):
     """Sliding-window + global layers (tiny Gemma-3 shape, window 64; Gemma 3 270M with real
-    weights, window 512, prompts of ~760 tokens): with kvtier vLLM turns its hybrid allocator off
-    and runs both kinds in one group, every block kept; kvtier offloads them like full attention.
-    (On 2026-11-21 decode gave NaN logits in about 1 run in 5 of the tiny shape while kvtier
-    stored blocks, so kvtier was kept inactive here; not seen again in 21 runs on 2026-11-23.)"""
+    weights, window 512, prompts of ~760 tokens) under vLLM's hybrid allocator (kvtier supports it):
+    4 KV cache groups (3 sliding, 1 full), sliding blocks below the window freed mid-request;
+    kvtier stores every group's pages of a block, loads the full groups' pages and the window's
+    sliding pages. (On 2026-11-21 decode gave NaN logits in about 1 run in 5 of the tiny shape
+    while kvtier stored blocks with the hybrid allocator off; not seen in 21 runs on 2026-11-23.)"""
     from kvtier.models.gemma import ensure_gemma_model
 
     check_bit_exact_from_host_and_disk(write_tiny_model("gemma3-swa", tiny_dir), tmp_path / "tiny")
-    # 36 KiB of KV per token: 2048 tokens of every layer (the hybrid allocator is off with kvtier)
+    # 36 KiB of KV per token for the full layers' 2048 tokens plus the sliding layers' windows
     check_bit_exact_from_host_and_disk(ensure_gemma_model("float32"), tmp_path / "gemma",
                                        {"kv_cache_memory_bytes": 192 * 2**20}, long_prompts(3, 700, seed=11))
+
+
+def test_mamba_hybrid_runs_with_kvtier_inactive(tiny_dir, tmp_path):
+    """A Mamba2 + attention hybrid (tiny Granite-4.0-H shape): vLLM starts it with kvtier (a
+    SupportsHMA connector; before, it refused to start), kvtier stays inactive and says why once
+    (the Mamba state is not offloaded), outputs are vLLM's own."""
+    from support.tiny_models import FAMILIES
+
+    check_inactive(write_tiny_model("granitemoehybrid", tiny_dir), tmp_path, "Mamba / linear-attention",
+                   FAMILIES["granitemoehybrid"].engine)
 
 
 def test_mla_on_cpu_fails_closed(tiny_dir, tmp_path):
