@@ -8,8 +8,10 @@ time and one generated token each (so a request's time is its TTFT, measured aro
 ``LLM.generate``): round 1 computes and stores, then vLLM's own prefix cache is reset and round 2
 is served from kvtier's host tier. Outputs of both rounds must be equal (checked). Families: the
 tiny random-weight models of tests/support/tiny_models.py and ``gemma-3-270m`` (real weights). On
-vLLM-CPU qwen3-moe (the default), gemma3-swa and gemma-3-270m are offloaded; kvtier is inactive
-for MLA models there (docs/models.md), so their ratio is about 1.
+vLLM-CPU qwen3-moe (the default), gemma3-swa, gemma-3-270m (sliding window + global, 4 KV cache
+groups: loads asynchronous, one step) and granitemoehybrid (Mamba2 hybrid, state at block
+boundaries) are offloaded; kvtier is inactive for MLA models there (docs/models.md), so their
+ratio is about 1.
 """
 
 from __future__ import annotations

@@ -147,7 +147,7 @@ def run_with_late_stores(model: Path, fence: bool) -> tuple[int, list, set[int]]
         late = LateStores(worker_copies(sim))
         sim.worker._worker.copies = late  # noqa: SLF001
         if not fence:
-            sim.kvtier_scheduler._allocated_blocks = lambda scheduler_output: set()  # noqa: SLF001
+            sim.kvtier_scheduler._engine_blocks.jobs_to_flush = lambda scheduler_output: set()  # noqa: SLF001
         sim.generate(prompts, 8)
         assert sim.reset_prefix_cache()
         second = sim.generate(cuts, 2)
@@ -237,9 +237,10 @@ def test_a_block_size_the_window_cannot_hold_is_refused_at_start(model):
 
 
 def test_which_groups_kvtier_offloads_and_which_make_it_inactive(model):
-    """Attention groups (full, sliding window, chunked local, MLA), alone or together: offloaded.
-    Mamba state: inactive (not offloaded yet). Groups vLLM does not cache for reuse or frees
-    under rules of its own (R-SWA, circular buffers): inactive, named in the message."""
+    """Attention groups (full, sliding window, chunked local, MLA) and Mamba state in vLLM's "align"
+    mode, alone or together: offloaded. Mamba state in another mode or with speculative blocks:
+    inactive. Groups vLLM does not cache for reuse or frees under rules of its own (R-SWA,
+    circular buffers): inactive, named in the message."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -269,13 +270,16 @@ def test_which_groups_kvtier_offloads_and_which_make_it_inactive(model):
     full, promoted = FullAttentionSpec(**shape), FullAttentionSpec(**shape, sliding_window=64)
     sliding = SlidingWindowSpec(**shape, sliding_window=64)
     local = ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64)
-    mamba = MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,))
+    aligned = MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")
     for offloaded in [(full,), (sliding,), (full, sliding), (full, sliding, sliding), (local, full),
-                      ((promoted, full),)]:
+                      ((promoted, full),), (aligned, full)]:
         assert inactive_reason(vllm_config, config(*offloaded)) is None, offloaded
-    assert inactive_reason(vllm_config, config(full, mamba)) is InactiveReason.STATE_GROUP
+    for state in (MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,)),  # mode "none"
+                  MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align",
+                            num_speculative_blocks=1)):
+        assert inactive_reason(vllm_config, config(full, state)) is InactiveReason.STATE_GROUP
     rswa = config(RSWASpec(**shape, rswa_window=64))
     assert inactive_reason(vllm_config, rswa) is InactiveReason.UNSUPPORTED_GROUP
     message = InactiveReason.UNSUPPORTED_GROUP.message("m", rswa)
     assert message.startswith("kvtier is INACTIVE for m:") and "(RSWASpec)" in message
-    assert "Mamba" in InactiveReason.STATE_GROUP.message("m", config(full, mamba))
+    assert "Mamba" in InactiveReason.STATE_GROUP.message("m", config(full, state))

@@ -235,7 +235,7 @@ def test_plan_notes_mla_and_hybrid():
     assert eight.working_set_total == one.working_set_total
     assert any("kvtier stays inactive" in n for n in mla.notes)  # as the connector on vLLM-CPU
     jamba = make_plan("jamba", config("jamba-v0.1"), PlanInputs(tp=2))
-    assert any("Mamba" in n and "inactive" in n for n in jamba.notes)
+    assert any("Mamba" in n and "state" in n for n in jamba.notes)
 
 
 # -- the command ------------------------------------------------------------------------------------

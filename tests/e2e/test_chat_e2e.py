@@ -74,7 +74,7 @@ def test_returning_turns_compute_only_the_new_message(model_path, tmp_path: Path
             before = result["rounds"][turn - 1][session]
             computed_before = before["prompt_token_ids"] + before["token_ids"][:-1]
             served = now["num_cached_tokens"]
-            expected = servable(now["prompt_token_ids"], computed_before)
+            expected = servable(now["prompt_token_ids"], computed_before, before["prompt_token_ids"])
             assert served == expected, f"turn {turn + 1} session {session}: served {served}, expected {expected}"
             diverged += common_prefix(now["prompt_token_ids"], computed_before) < len(computed_before)
             new_tokens.append(now["prompt_tokens"] - served)
@@ -85,12 +85,13 @@ def test_returning_turns_compute_only_the_new_message(model_path, tmp_path: Path
     assert sum(new_tokens) * 5 < computed_by_alone
 
 
-def servable(prompt: list[int], computed_before: list[int]) -> int:
-    """What kvtier can serve of ``prompt`` after a request computed ``computed_before``: its full
-    blocks as far as the prompt repeats them, and its tail if the prompt repeats all of it (vLLM
-    computes at least one token)."""
+def servable(prompt: list[int], computed_before: list[int], prompt_before: list[int]) -> int:
+    """What kvtier can serve of ``prompt`` after a request with prompt ``prompt_before`` computed
+    ``computed_before``: its full blocks as far as the prompt repeats them, then the longest of its
+    two tails (all it computed; its prompt but the last token) that starts where those blocks end
+    and that the prompt repeats (vLLM computes at least one token)."""
     limit = min(common_prefix(prompt, computed_before), len(prompt) - 1)
-    tail_start = len(computed_before) // BLOCK_TOKENS * BLOCK_TOKENS
-    if limit >= len(computed_before) > tail_start:
-        return len(computed_before)
-    return limit // BLOCK_TOKENS * BLOCK_TOKENS
+    run_end = min(limit, len(computed_before)) // BLOCK_TOKENS * BLOCK_TOKENS
+    tails = [end for end in (len(computed_before), len(prompt_before) - 1)
+             if end // BLOCK_TOKENS * BLOCK_TOKENS == run_end and run_end < end <= limit]
+    return max([run_end, *tails])

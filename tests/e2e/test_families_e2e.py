@@ -6,7 +6,7 @@
   equal vLLM alone's.
 - Sliding-window + global layers (tiny Gemma-3 shape, and Gemma 3 270M with real weights): the
   same, under vLLM's hybrid allocator (several KV cache groups, sliding blocks freed mid-request).
-- Mamba2 hybrids: vLLM runs them with kvtier, which stays inactive (their state is not offloaded).
+- Mamba2 hybrids (tiny Granite-4.0-H shape): the same, the Mamba state stored at block boundaries.
 - Each bit-exact check also compares the engine's KV pages of every loaded block with the pages a
   plain prefill computed, byte for byte (support.offline_run.kv_page_digests).
 - MLA on vLLM-CPU: vLLM forces prefix caching off (it cannot compute on a cached context there),
@@ -94,7 +94,8 @@ def assert_loaded_pages_equal(plain: dict, loaded: dict, loaded_tokens: list[int
     of every windowed group, must be there and equal."""
     size = loaded["block_size"]
     assert plain["block_size"] == size and plain["groups"] == loaded["groups"]
-    windowed = [kind in ("SlidingWindowSpec", "ChunkedLocalAttentionSpec") for kind in loaded["groups"]]
+    # groups holding pages of the window before the prompt's end only (Mamba: the state at its end)
+    windowed = [kind in ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec") for kind in loaded["groups"]]
     for number, (reference, pages, hit) in enumerate(zip(plain["prompts"], loaded["prompts"], loaded_tokens,
                                                           strict=True)):
         count = hit // size
@@ -153,14 +154,16 @@ def test_sliding_window_families_are_bit_exact_from_host_and_disk(tiny_dir, tmp_
                                        {"kv_cache_memory_bytes": 192 * 2**20}, long_prompts(3, 700, seed=11))
 
 
-def test_mamba_hybrid_runs_with_kvtier_inactive(tiny_dir, tmp_path):
-    """A Mamba2 + attention hybrid (tiny Granite-4.0-H shape): vLLM starts it with kvtier (a
-    SupportsHMA connector; before, it refused to start), kvtier stays inactive and says why once
-    (the Mamba state is not offloaded), outputs are vLLM's own."""
+def test_mamba_hybrid_is_bit_exact_from_host_and_disk(tiny_dir, tmp_path):
+    """A Mamba2 + attention hybrid (tiny Granite-4.0-H shape: 3 Mamba2 layers, 1 attention layer,
+    4 KV cache groups of 256-token blocks) under vLLM's hybrid allocator, prefix caching in its
+    "align" mode: kvtier stores each block's attention pages with the Mamba state at its end (the
+    state blocks vLLM hands over), a hit loads the attention pages and the state of its last
+    block. Prompts of ~900 tokens: 3 whole blocks."""
     from support.tiny_models import FAMILIES
 
-    check_inactive(write_tiny_model("granitemoehybrid", tiny_dir), tmp_path, "Mamba / linear-attention",
-                   FAMILIES["granitemoehybrid"].engine)
+    check_bit_exact_from_host_and_disk(write_tiny_model("granitemoehybrid", tiny_dir), tmp_path,
+                                       FAMILIES["granitemoehybrid"].engine, long_prompts(3, 700, seed=11))
 
 
 def test_mla_on_cpu_fails_closed(tiny_dir, tmp_path):

@@ -199,7 +199,8 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
     group, so a block kvtier loaded can be compared with the block a plain prefill computed: it
     must hold exactly those bytes. One process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the harness
     default), one worker, groups of one block size, each layer's cache as bound to its attention
-    layer, block dimension the first of vLLM's block count (as kvtier itself finds it)."""
+    layer (a Mamba layer's: every state view), block dimension the first of vLLM's block count (as
+    kvtier itself finds it)."""
     import hashlib
 
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -242,10 +243,10 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
         for group, block_id in wanted:
             sha = hashlib.sha256()
             for name in layer_names[group]:
-                cache = context[name].kv_cache
-                cache = cache[0] if isinstance(cache, list | tuple) else cache
-                page = cache.select(find_block_dim(cache.shape, num_blocks), block_id)
-                sha.update(page.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                cache = context[name].kv_cache  # a Mamba layer's: a tuple of state views (conv, ssm, ...)
+                for part in cache if isinstance(cache, list | tuple) else [cache]:
+                    page = part.select(find_block_dim(part.shape, num_blocks), block_id)
+                    sha.update(page.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             out[(group, block_id)] = sha.hexdigest()
         return out
 

@@ -34,6 +34,18 @@ def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
     raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV tensor shape {tuple(shape)}")
 
 
+def padded_pages(tensor: torch.Tensor, num_blocks: int, page_bytes: int) -> torch.Tensor:
+    """A ``[num_blocks, page_bytes]`` byte view of a layer whose pages are padded: its tensor views
+    only the first bytes of each ``page_bytes`` page (vLLM pads a Mamba state page up to the
+    attention page and views the state alone), so the whole padded page is copied, padding
+    included, as for any other layer. ValueError unless the blocks are dim 0, ``page_bytes`` apart."""
+    as_bytes = tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
+    if find_block_dim(tensor.shape, num_blocks) != 0 or tensor.stride(0) * tensor.element_size() != page_bytes:
+        raise ValueError(f"KV tensor of shape {tuple(tensor.shape)}, strides {tensor.stride()} is not "
+                         f"{num_blocks} pages of {page_bytes} B")
+    return torch.as_strided(as_bytes, (num_blocks, page_bytes), (page_bytes, 1))
+
+
 class PagedKV:
     """The engine's per-layer KV tensors as byte pages ``page(layer, block_id)`` (views, no copies).
 
@@ -62,7 +74,10 @@ class PagedKV:
             block_dim = find_block_dim(tensor.shape, num_blocks)
             as_bytes = tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
             pages.append(as_bytes.movedim(block_dim, 0))
-        page_shapes = {tuple(p.shape[1:]) for p in pages}
+        self.flat = all(p.is_contiguous() for p in pages)
+        # Contiguous pages are moved as byte rows: only their size must agree (a Mamba state page
+        # beside attention pages: another shape, the same padded size). Strided ones by shape.
+        page_shapes = {(p[0].numel(),) if self.flat else tuple(p.shape[1:]) for p in pages}
         if len(page_shapes) != 1:
             raise ValueError(f"KV layers have different page shapes {sorted(page_shapes)}; not supported")
         self.page_shape = page_shapes.pop()
@@ -70,7 +85,6 @@ class PagedKV:
         self.num_layers = len(pages)
         self.num_blocks = num_blocks
         self.device = pages[0].device
-        self.flat = all(p.is_contiguous() for p in pages)
         self._pages = [p.reshape(num_blocks, self.page_bytes) for p in pages] if self.flat else pages
 
     def page(self, layer: int, block_id: int) -> torch.Tensor:

@@ -300,6 +300,17 @@ def tail_keys(parent: bytes, tokens: Sequence[int], extras: BlockExtras = NO_EXT
     return keys
 
 
+STATELESS_MARK = b"kvtier/attention-only"
+
+
+def stateless_key(key: BlockKey) -> BlockKey:
+    """Key of block ``key`` stored without the Mamba / linear-attention state at its end (its
+    attention pages only: the engine kept no state there). Such a block can sit inside a hit but
+    never end one. Domain-separated from block and tail keys (a block key hashes a parent and
+    whole u32 tokens, a tail key starts with its mark)."""
+    return blake3.blake3(STATELESS_MARK + key).digest()
+
+
 OLDER_SPEC_FIELDS = ("kv_dtype", "num_layers", "num_kv_heads", "head_size", "block_tokens", "tp_size",
                      "pp_size", "attention_kind", "page_format")
 """The flat fields of a "kvtier/1" config.json that describe its layout."""

@@ -43,11 +43,14 @@ def check_model_support(s: Setup) -> list[Finding]:
             f"Check that {s.connector} supports MLA, or use vLLM's native --kv-offloading-size."))
     if s.is_kvtier and geo.stateful_layers:
         out.append(Finding(
-            "kvtier-inactive", "error", "kvtier will be inactive: Mamba/linear-attention state is not offloaded yet",
-            f"{geo.stateful_layers} of {geo.num_layers} layers keep recurrent state. vLLM runs the model "
-            "with kvtier (its hybrid KV cache manager stays on), but kvtier neither loads nor stores "
-            "blocks for it: attention KV without the matching state would not let the engine resume.",
-            "Serve this model without kvtier for now (vLLM's own prefix cache still works)."))
+            "mamba-kvtier", "info", "Mamba/linear-attention hybrid: state offloaded at block boundaries",
+            f"{geo.stateful_layers} of {geo.num_layers} layers keep recurrent state. kvtier stores each "
+            "block's attention pages with the state vLLM keeps at the block's end (prefix caching's "
+            "'align' mode) and a hit ends at such a boundary. vLLM keeps a state only where a prefill "
+            "chunk ends: a block inside a longer chunk has none and is not stored, so a prefix is "
+            "served only up to its first such block. kvtier's block_size must be the engine's.",
+            "For many hits on long prompts keep --max-num-batched-tokens at the Mamba block size "
+            "(vLLM-CPU needs that anyway); speculative decoding makes kvtier inactive for these models."))
     elif s.is_kvtier and geo.sliding_layers:
         out.append(Finding(
             "sliding-kvtier", "info", "Sliding-window layers: only the window on the accelerator",

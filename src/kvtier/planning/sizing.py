@@ -270,8 +270,12 @@ def _notes(geo: ModelKVGeometry, config: Mapping[str, Any], dtype: str, kv_dtype
                      "block (host and disk figures: every token), so any prefix can resume; a load fills the "
                      "window's pages only.")
     if geo.stateful_layers:
-        notes.append(f"{geo.stateful_layers} Mamba/linear-attention layers hold a fixed state, not counted. "
-                     "kvtier does not offload that state yet: it stays inactive for this model (vLLM runs it).")
+        attention_layers = max(1, geo.full_layers + geo.sliding_layers)
+        notes.append(f"{geo.stateful_layers} Mamba/linear-attention layers hold a fixed state per request, not "
+                     "counted on the device. kvtier stores each block with the state at its end: one page per "
+                     "such layer, which vLLM pads to the attention page, so a block on host and disk is about "
+                     f"{(attention_layers + geo.stateful_layers) / attention_layers:.0f}x the attention-only "
+                     "figures above.")
     if dtype == "float32":
         notes.append("float32 weights: vLLM's --dtype auto runs them in bfloat16 (kvtier serve keeps float32 "
                      "for its embedded model); plan with --dtype bfloat16 for that case.")

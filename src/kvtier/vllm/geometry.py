@@ -7,11 +7,13 @@ KV cache groups (vLLM's hybrid allocator: full-attention layers in one group, ea
 size in others, every group with its own block table over one shared block pool): a kvtier block
 holds the pages of every offloaded layer of every group for the same tokens, in one slot; layer
 ``i`` of the slot is copied through its own group's block table (:attr:`EngineGeometry.layer_groups`).
-Supported when every group is attention over per-token KV pages of one size and one block size
-(vLLM makes page sizes equal across groups); a sliding window must be wider than a kvtier block
-minus one engine block (so a block is never partly freed by vLLM before the step that completes it
-stores it, see :func:`check_windows`), a chunked-local chunk a multiple of the kvtier block.
-:mod:`kvtier.vllm.inactive` keeps kvtier out of layouts outside this (Mamba state groups). The namespace
+Supported when every group has pages of one size and one block size (vLLM makes page sizes equal
+across groups, padding Mamba's): attention over per-token KV, or Mamba / linear-attention state in
+vLLM's "align" mode (:attr:`EngineGeometry.state_groups`: a kvtier block then holds the state after
+its last token, and is one engine block). A sliding window must be wider than a kvtier block minus
+one engine block (so a block is never partly freed by vLLM before the step that completes it stores
+it, see :func:`check_windows`), a chunked-local chunk a multiple of the kvtier block.
+:mod:`kvtier.vllm.inactive` keeps kvtier out of layouts outside this. The namespace
 (what blocks may be shared with) is the scheduler's alone: it adds the model identity
 (:mod:`kvtier.vllm.identity`) and what every worker reports of its pages
 (:mod:`kvtier.vllm.page_format`).
@@ -28,6 +30,7 @@ from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
@@ -70,6 +73,7 @@ class EngineGeometry:
     kv_scales: str = ""  # "" or "checkpoint" (quantized KV: scales from the weights)
     replicated: bool = False  # every rank holds the same KV bytes: one copy stored (rank 0's)
     layer_groups: tuple[tuple[int, ...], ...] = ()  # per vLLM KV cache group: its layers' slot indices
+    state_groups: tuple[int, ...] = ()  # the groups holding Mamba / linear-attention state (align mode)
 
     @property
     def num_groups(self) -> int:
@@ -109,9 +113,11 @@ class EngineGeometry:
         groups = kv_cache_config.kv_cache_groups
         specs = [group_spec(group.kv_cache_spec) for group in groups]
         for spec in specs:
-            if not isinstance(spec, AttentionSpec):
+            if not isinstance(spec, AttentionSpec | MambaSpec):
                 raise ConfigError(f"kvtier cannot offload KV cache spec {type(spec).__name__}")
-        spec = specs[0]
+        state_groups = tuple(g for g, spec in enumerate(specs) if isinstance(spec, MambaSpec))
+        attention = [spec for spec in specs if isinstance(spec, AttentionSpec)]
+        spec = attention[0] if attention else specs[0]
         if len({(s.block_size, s.page_size_bytes) for s in specs}) != 1:
             raise ConfigError(
                 "kvtier needs one block size and page size across the model's KV cache groups, got "
@@ -125,9 +131,16 @@ class EngineGeometry:
         block_tokens = config.offload_block_tokens(engine_block_tokens)
         check_windows(specs, block_tokens, engine_block_tokens)
         pages_per_block = block_tokens // engine_block_tokens
+        if state_groups and pages_per_block != 1:
+            raise ConfigError(
+                f"kv_connector_extra_config block_size {block_tokens}: with Mamba / linear-attention layers a "
+                f"kvtier block must be one engine block ({engine_block_tokens} tokens; vLLM keeps their state "
+                "at engine block boundaries only): drop block_size or set it to that"
+            )
         replicated = replicated_kv(spec, parallel)
         cache_dtype = vllm_config.cache_config.cache_dtype
-        kv_dtype = str(spec.dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
+        dtype = spec.dtype if isinstance(spec, AttentionSpec) else spec.dtypes[0]
+        kv_dtype = str(dtype).removeprefix("torch.") if cache_dtype == "auto" else str(cache_dtype)
         layer_names = tuple(name for group in groups for name in group.layer_names)
         layer_groups, first = [], 0
         for group in groups:
@@ -158,11 +171,12 @@ class EngineGeometry:
             # grouping lays the slot's layers out in another order, so it is another namespace)
             attention=kinds[0] if len(kinds) == 1 else "+".join(kinds),
             kv_dtype=kv_dtype,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
+            num_kv_heads=spec.num_kv_heads if attention else 0,
+            head_size=spec.head_size if attention else 0,
             kv_scales="checkpoint" if kv_dtype.startswith("fp8") else "",
             replicated=replicated,
             layer_groups=tuple(layer_groups),
+            state_groups=state_groups,
         )
 
 
@@ -190,7 +204,7 @@ def check_windows(specs: list[KVCacheSpec], block_tokens: int, engine_block_toke
             )
 
 
-def replicated_kv(spec: AttentionSpec, parallel: ParallelConfig) -> bool:
+def replicated_kv(spec: KVCacheSpec, parallel: ParallelConfig) -> bool:
     """Whether every rank holds the same KV bytes: MLA under tensor parallelism. vLLM gives each
     rank the whole latent (one per token, no heads to split) computed from the same all-reduced
     hidden states. Not with decode or prefill context parallelism, which split the tokens over

@@ -7,13 +7,13 @@
    caching off (vLLM-CPU does so for MLA models when the AMX MLA kernels do not run, forcing
    chunked prefill off too). So ``cache_config.enable_prefix_caching``, as read after vLLM's
    platform adjustments (the connector is built after them), is the engine's own statement.
-2. A KV cache group kvtier does not offload: Mamba / linear-attention state (one state per
-   request at exact positions, not per-token pages; not handled yet), or attention whose blocks
-   vLLM itself does not cache for reuse (scratch circular buffers, bounded-replay windows) or
-   frees while it runs outside the sliding-window rules kvtier follows (R-SWA's decode gaps).
+2. A KV cache group kvtier does not offload: Mamba / linear-attention state outside vLLM's "align"
+   cache mode or with speculative state blocks (vLLM moves those in place), or attention whose
+   blocks vLLM itself does not cache for reuse (scratch circular buffers, bounded-replay windows)
+   or frees while it runs outside the sliding-window rules kvtier follows (R-SWA's decode gaps).
    Loading the other groups' KV without that group's would hand the engine a context it cannot
-   resume from. Full attention, MLA, sliding-window and chunked-local groups are offloaded, one
-   group or several (vLLM's hybrid allocator, :mod:`kvtier.vllm.geometry`).
+   resume from. Full attention, MLA, sliding-window, chunked-local and aligned Mamba state groups
+   are offloaded, one group or several (vLLM's hybrid allocator, :mod:`kvtier.vllm.geometry`).
 
 Called in the connector's constructor, in the scheduler and in every worker; all of them see the
 same finalized configs, so they agree without talking to each other.
@@ -53,8 +53,9 @@ class InactiveReason(enum.Enum):
         "not resume requests from cached KV"
     )
     STATE_GROUP = (
-        "it has Mamba / linear-attention layers, whose per-request state kvtier does not offload yet "
-        "(loading only the attention layers' KV would not let the engine resume)"
+        "it has Mamba / linear-attention layers whose state vLLM keeps outside its 'align' cache mode or "
+        "moves between speculative blocks, which kvtier does not offload (loading only the attention "
+        "layers' KV would not let the engine resume)"
     )
     UNSUPPORTED_GROUP = (
         "it has a KV cache group that vLLM does not cache for reuse or frees under rules of its own "
@@ -73,7 +74,7 @@ class InactiveReason(enum.Enum):
 _FIXES = {
     InactiveReason.MLA_ON_CPU: "Serve this model on a GPU, or on a CPU with AMX, to use kvtier with it.",
     InactiveReason.PREFIX_CACHING_OFF: "Enable prefix caching (vLLM's default) to use kvtier.",
-    InactiveReason.STATE_GROUP: "Serve this model without kvtier for now.",
+    InactiveReason.STATE_GROUP: "Serve this model without speculative decoding, or without kvtier.",
     InactiveReason.UNSUPPORTED_GROUP: "Serve this model without kvtier for now.",
 }
 
@@ -96,9 +97,19 @@ def unsupported_spec(kv_cache_config: KVCacheConfig) -> KVCacheSpec | None:
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         for layer_spec in spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]:
-            if type(layer_spec) not in OFFLOADED_SPECS or not layer_spec.prefix_cacheable:
+            if type(layer_spec) is MambaSpec:
+                if not is_aligned_state(layer_spec):
+                    return layer_spec
+            elif type(layer_spec) not in OFFLOADED_SPECS or not layer_spec.prefix_cacheable:
                 return layer_spec
     return None
+
+
+def is_aligned_state(spec: KVCacheSpec) -> bool:
+    """A Mamba / linear-attention state group kvtier offloads: vLLM's "align" cache mode (a state
+    per block boundary, at a fixed block id, which is what prefix caching turns on) and no
+    speculative state blocks (which vLLM relocates within the table)."""
+    return (type(spec) is MambaSpec and spec.mamba_cache_mode == "align" and spec.num_speculative_blocks == 0)
 
 
 def _is_cpu_platform() -> bool:

@@ -24,6 +24,14 @@ got, and its in-flight jobs. Invariants:
   windows for which that is not so); a page vLLM holds no block for (a null block: below a
   sliding window) is neither stored nor loaded, so a block missing a group's page is not stored
   and a load fills only the pages vLLM allocated;
+- Mamba / linear-attention state groups (``EngineGeometry.state_groups``, "align" mode): a block's
+  page of such a group is the state after its last token, taken from the exact block vLLM hands
+  over for that boundary in the same step (``SchedulerOutput.kv_connector_block_state``; its
+  bytes are only guaranteed for that step, and the fence keeps them until the store is done). A
+  block whose boundary state vLLM did not keep (a prefill chunk spanning several blocks keeps
+  only its end) is stored with its attention pages only, under its ``stateless_key``: it can sit
+  inside a hit but not end one. A hit ends at a block stored with its state: vLLM allocates one
+  state block, at the hit's last block, and the load fills it. No tails for such models;
 - a finished request's tail (its tokens after the last full block, see
   :func:`kvtier.core.keys.tail_key`) is stored from the engine block that holds it, which vLLM
   frees only once that store is done; a lookup that ends its run of full blocks where a stored
@@ -36,7 +44,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +57,7 @@ from vllm.v1.request import Request
 
 from kvtier.copy import PageCopy
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
-from kvtier.core.keys import BlockKey, ModelIdentity, Namespace
+from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, stateless_key
 from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.fingerprint import AdapterFingerprints
@@ -58,6 +66,7 @@ from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.layout import Access
 from kvtier.tiers.host import HostIndex
 from kvtier.tiers.shm import SharedRegion, region_name
+from kvtier.vllm.engine_blocks import NULL_BLOCK_ID, EngineBlocks
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.hit_sources import clip_sources, tokens_by_source, vllm_sources
 from kvtier.vllm.kv_events import KVEventTranslator
@@ -80,11 +89,8 @@ class _Job:
     keys: list[BlockKey]
     waiting_workers: int
     failed: bool = False
-    blocks: list[int] = field(default_factory=list)  # store jobs: the request's block index of each key
+    blocks: list[int] = field(default_factory=list)  # store jobs: each key's block index (-1: not announced)
     sources: set[int] = field(default_factory=set)  # store jobs: the engine blocks read (fenced)
-
-
-NULL_BLOCK_ID = 0  # vLLM's null block (the pool's first): a table entry with no block behind it
 
 
 class KVTierScheduler:
@@ -160,8 +166,8 @@ class KVTierScheduler:
         self._jobs: dict[int, _Job] = {}
         self._job_ids = itertools.count(1)
         self._step_loads: list[CopyJob] = []
-        self._fenced: dict[int, set[int]] = {}  # engine block id -> store jobs in flight reading it
-        self._step_load_blocks: set[int] = set()  # engine blocks this step's loads write
+        self._engine_blocks = EngineBlocks(geometry)  # where pages are; the reuse fence
+        self._tails = config.offload_partial_blocks and not geometry.state_groups
         self._tail_stores: list[CopyJob] = []  # stores of finished requests' tails, sent next step
         self._delayed_free: list[str] = []
         self._worker_stats = KVTierStats()
@@ -217,10 +223,27 @@ class KVTierScheduler:
         digest = self._adapters.get(lora.lora_int_id, lora.lora_path)
         return digest, (Uncacheable.LORA_UNIDENTIFIED if digest is None else None)
 
+    def _resumable_run(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """For a model with state groups: each block's key if it is stored with its state, else
+        its :func:`~kvtier.core.keys.stateless_key` if stored so, up to the first block stored
+        neither way, cut after the last block stored with its state (memory only)."""
+        run: list[BlockKey] = []
+        resumable = 0
+        for key in keys:
+            if self.orchestrator.locate(key) is not None:
+                run.append(key)
+                resumable = len(run)
+                continue
+            variant = stateless_key(key)
+            if self.orchestrator.locate(variant) is None:
+                break
+            run.append(variant)
+        return run[:resumable]
+
     def _find_tail(self, state: RequestState, block_index: int, max_tokens: int) -> tuple[BlockKey, int] | None:
         """The longest stored tail (key, tokens) that continues the request's tokens at block
         ``block_index`` with at most ``max_tokens`` tokens (memory only)."""
-        if max_tokens <= 0 or not self.config.offload_partial_blocks:
+        if max_tokens <= 0 or not self._tails:
             return None
         candidates = state.tail_candidates(block_index, max_tokens)
         for length in range(len(candidates), 0, -1):
@@ -240,12 +263,16 @@ class KVTierScheduler:
         block = self.geometry.block_tokens
         max_blocks = (request.num_tokens - 1) // block  # vLLM must compute at least one token
         first_block = num_computed_tokens // block
-        if first_block > max_blocks or (first_block == max_blocks and not self.config.offload_partial_blocks):
+        if first_block > max_blocks or (first_block == max_blocks and not self._tails):
             return 0, False
         state.extend_keys(max_blocks)
         stats = self.orchestrator.stats
         keys = state.keys[first_block:max_blocks]
-        run_end = first_block + self.orchestrator.leading_run(keys)
+        if self.geometry.state_groups:
+            keys = self._resumable_run(keys)
+            run_end = first_block + len(keys)
+        else:
+            run_end = first_block + self.orchestrator.leading_run(keys)
         tail = self._find_tail(state, run_end, request.num_tokens - 1 - run_end * block)
         if tail is not None:
             keys = keys[: run_end - first_block] + [tail[0]]
@@ -255,8 +282,12 @@ class KVTierScheduler:
         )
         if acquired.status is AcquireStatus.RETRY:
             return None, False
+        if self.geometry.state_groups:  # a hit ends at a block stored with its state
+            ends = [n for n in range(acquired.num_blocks, 0, -1) if keys[n - 1] == state.keys[first_block + n - 1]]
+            acquired = replace(acquired, num_blocks=ends[0] if ends else 0)
+            self.orchestrator.trim_hold(request.request_id, acquired.num_blocks)
         stats.lookups += 1
-        servable_end = request.num_tokens - 1 if self.config.offload_partial_blocks else max_blocks * block
+        servable_end = request.num_tokens - 1 if self._tails else max_blocks * block
         stats.lookup_tokens += servable_end - num_computed_tokens
         if acquired.num_blocks == 0:
             self.orchestrator.release(request.request_id)
@@ -300,15 +331,16 @@ class KVTierScheduler:
                      group)
             for engine_index in range(first_token // engine_block, -(-end_token // engine_block))
             for group, group_ids in enumerate(block_ids)
-            if group_ids[engine_index] != NULL_BLOCK_ID
+            if engine_index < len(group_ids) and group_ids[engine_index] != NULL_BLOCK_ID
         ]
-        self._step_load_blocks.update(p.block_id for p in pages)
+        self._engine_blocks.note_load_destinations(p.block_id for p in pages)
         job_id = next(self._job_ids)
         self._step_loads.append(CopyJob(job_id, request.request_id, pages))
         self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)
         state.jobs.add(job_id)
-        if self._events is not None:  # full blocks only: a tail is no block of vLLM's
-            self._events.learn(request, zip(range(first_block, end_token // block), keys))
+        if self._events is not None:  # full blocks only (a tail is no block of vLLM's), with their state
+            self._events.learn(request, [(index, key) for index, key in zip(range(first_block, end_token // block), keys)
+                                         if key == state.keys[index]])
         stats = self.orchestrator.stats
         for medium, tokens in clip_sources(state.hit_tokens_from, num_external_tokens).items():
             stats.count_hit_tokens(medium, tokens)
@@ -324,6 +356,7 @@ class KVTierScheduler:
     # --- per step ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
         self.orchestrator.poll()
+        self._engine_blocks.begin_step(scheduler_output)
         for req_id, new_block_ids, preempted in yield_req_data(scheduler_output):
             state = self._requests.get(req_id)
             if state is None:
@@ -339,9 +372,7 @@ class KVTierScheduler:
             state = self._requests.get(req_id)
             if state is not None:
                 flush |= {j for j in state.jobs if self._jobs[j].kind is JobKind.STORE}
-        if self._fenced:
-            for block_id in self._allocated_blocks(scheduler_output):
-                flush |= self._fenced.get(block_id, set())
+        flush |= self._engine_blocks.jobs_to_flush(scheduler_output)
         meta = KVTierConnectorMetadata(
             loads=self._step_loads,
             stores=self._tail_stores + self._build_stores(scheduler_output),
@@ -349,24 +380,7 @@ class KVTierScheduler:
             delayed_free_req_ids=self._delayed_free,
         )
         self._step_loads, self._delayed_free, self._tail_stores = [], [], []
-        self._step_load_blocks = set()
         return meta
-
-    def _allocated_blocks(self, scheduler_output: SchedulerOutput) -> set[int]:
-        """Engine blocks vLLM hands to requests in this step (any group): new and resumed
-        requests' tables, blocks appended to running ones, load destinations, copy-on-write
-        destinations. Only these can be written before the step's stores are started."""
-        allocated = set(self._step_load_blocks)
-        for req in scheduler_output.scheduled_new_reqs:
-            for group_ids in req.block_ids:
-                allocated.update(group_ids)
-        for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
-            for group_ids in new_ids or ():
-                allocated.update(group_ids)
-        for copy in scheduler_output.kv_cache_block_copies or ():
-            allocated.add(copy.dst_block_id)
-        allocated.discard(NULL_BLOCK_ID)
-        return allocated
 
     def _build_stores(self, scheduler_output: SchedulerOutput) -> list[CopyJob]:
         jobs: list[CopyJob] = []
@@ -382,22 +396,29 @@ class KVTierScheduler:
                 continue
             request = state.request
             limit = self._offload_limit(state, before + scheduled.get(req_id, 0))
-            num_full = min(limit // block, min(map(len, state.block_ids)) // per_block)
+            tables = [ids for group, ids in enumerate(state.block_ids) if group not in self.geometry.state_groups]
+            num_full = min(limit // block, min(map(len, tables), default=limit) // per_block)
             if num_full <= state.next_store_block:
                 continue
             state.extend_keys(num_full)
             keys, blocks, pages, present = [], [], [], []
             for index in range(state.next_store_block, num_full):
-                block_pages = self._pages_of(state.block_ids, index * per_block, per_block)
+                key = state.keys[index]
+                block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block)
+                if block_pages is None and self.geometry.state_groups:  # vLLM kept no state at its end
+                    key = stateless_key(key)
+                    block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block,
+                                                               with_state=False)
                 if block_pages is None:
                     continue  # a group holds no block for some of it (below a sliding window)
-                key = state.keys[index]
+                announced = key == state.keys[index]  # KV events: blocks a request can resume from
                 slot = self.orchestrator.begin_store(key, BlockInfo(state.parent_of(index), block))
                 if slot is None:
-                    present.append((index, key))  # stored already, or refused (learn() checks)
+                    if announced:
+                        present.append((index, key))  # stored already, or refused (learn() checks)
                     continue
                 keys.append(key)
-                blocks.append(index)
+                blocks.append(index if announced else -1)
                 pages.extend(PageCopy(slot, sub, block_id, group) for sub, group, block_id in block_pages)
             state.next_store_block = num_full
             if present and self._events is not None:
@@ -406,18 +427,6 @@ class KVTierScheduler:
                 jobs.append(self._new_store(state, keys, pages, blocks))
         return jobs
 
-    @staticmethod
-    def _pages_of(block_ids: list[list[int]], first_page: int, num_pages: int) -> list[tuple[int, int, int]] | None:
-        """``(sub, group, engine block id)`` of every group's pages ``first_page + sub`` (sub <
-        ``num_pages``), or None when a group holds no block for one of them."""
-        pages = []
-        for group, group_ids in enumerate(block_ids):
-            for sub in range(num_pages):
-                if first_page + sub >= len(group_ids) or group_ids[first_page + sub] == NULL_BLOCK_ID:
-                    return None
-                pages.append((sub, group, group_ids[first_page + sub]))
-        return pages
-
     def _new_store(self, state: RequestState, keys: list[BlockKey], pages: list[PageCopy],
                    blocks: list[int] | None = None) -> CopyJob:
         """Register a store job of ``state``'s request (its engine blocks fenced until it is done)."""
@@ -425,8 +434,7 @@ class KVTierScheduler:
         req_id = state.request.request_id
         self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size, blocks=blocks or [],
                                   sources={p.block_id for p in pages})
-        for block_id in self._jobs[job_id].sources:
-            self._fenced.setdefault(block_id, set()).add(job_id)
+        self._engine_blocks.fence(job_id, self._jobs[job_id].sources)
         state.jobs.add(job_id)
         return CopyJob(job_id, req_id, pages)
 
@@ -449,17 +457,12 @@ class KVTierScheduler:
 
     def _finish_job(self, job_id: int, job: _Job) -> None:
         del self._jobs[job_id]
-        for block_id in job.sources:
-            fence = self._fenced.get(block_id)
-            if fence is not None:
-                fence.discard(job_id)
-                if not fence:
-                    del self._fenced[block_id]
+        self._engine_blocks.unfence(job_id, job.sources)
         state = self._requests.get(job.req_id)
         if job.kind is JobKind.STORE:
             self.orchestrator.finish_store(job.keys, ok=not job.failed)
             if self._events is not None and state is not None and not job.failed:
-                self._events.learn(state.request, zip(job.blocks, job.keys))
+                self._events.learn(state.request, [(b, k) for b, k in zip(job.blocks, job.keys) if b >= 0])
         else:
             self.orchestrator.release(job.req_id)
             if job.failed:
@@ -482,17 +485,27 @@ class KVTierScheduler:
             limit = min(limit, state.max_offload_tokens)
         return limit
 
-    def _store_tail(self, state: RequestState, block_ids: tuple[list[int], ...]) -> None:
-        """Store the finished request's tail: its computed tokens after the last full block
-        (within the same limits as blocks), read from the engine blocks that hold them now
-        (``block_ids``: vLLM's table at finish, one list per group)."""
+    def _store_tails(self, state: RequestState, block_ids: tuple[list[int], ...]) -> None:
+        """Store the finished request's tails, read from the engine blocks that hold them now
+        (``block_ids``: vLLM's table at finish, one list per group), within the same limits as
+        blocks: its computed tokens after their last full block (what the next turn of a chat
+        resends), and its prompt but the last token after the prompt's last full block (what a
+        resend of the same prompt, a "regenerate", can load: a hit leaves one token to compute)."""
+        request = state.request
+        computed = self._offload_limit(state, request.num_computed_tokens - request.num_in_flight_tokens)
+        self._store_tail(state, block_ids, computed)
+        prompt_end = min(computed, request.num_prompt_tokens - 1)
+        if prompt_end != computed:
+            self._store_tail(state, block_ids, prompt_end)
+
+    def _store_tail(self, state: RequestState, block_ids: tuple[list[int], ...], limit: int) -> None:
+        """Store the tail of the request's first ``limit`` tokens after their last full block."""
         request = state.request
         block = self.geometry.block_tokens
-        limit = self._offload_limit(state, request.num_computed_tokens - request.num_in_flight_tokens)
         num_full, tail_tokens = divmod(limit, block)
         if tail_tokens == 0:
             return
-        block_pages = self._pages_of(list(block_ids), num_full * self.geometry.pages_per_block,
+        block_pages = self._engine_blocks.pages_of(request.request_id, block_ids, num_full * self.geometry.pages_per_block,
                                      -(-tail_tokens // self.geometry.engine_block_tokens))
         if block_pages is None:
             return
@@ -515,8 +528,8 @@ class KVTierScheduler:
             return False, None
         state.finished = True
         loading = any(self._jobs[j].kind is JobKind.LOAD for j in state.jobs)
-        if state.cacheable and self.config.offload_partial_blocks and not loading:
-            self._store_tail(state, block_ids)  # (not while a load still fills its blocks: aborted)
+        if state.cacheable and self._tails and not loading:
+            self._store_tails(state, block_ids)  # (not while a load still fills its blocks: aborted)
         if not loading:
             self.orchestrator.release(request.request_id)
         if any(self._jobs[j].kind is JobKind.STORE for j in state.jobs):

@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvtier.copy import CopyEngine, Direction, HostSlots, PagedKV, make_copy_engine, pin_host_memory
+from kvtier.copy.pages import padded_pages
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
@@ -67,8 +68,12 @@ class KVTierWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = self.geometry.layout
-        paged = PagedKV([kv_caches[name] for name in self.geometry.layer_names], self.num_blocks,
-                        self.geometry.layer_groups or None)
+        state_layers = {i for group in self.geometry.state_groups for i in self.geometry.layer_groups[group]}
+        paged = PagedKV(
+            [padded_pages(kv_caches[name], self.num_blocks, layout.page_bytes) if i in state_layers else kv_caches[name]
+             for i, name in enumerate(self.geometry.layer_names)],
+            self.num_blocks, self.geometry.layer_groups or None,
+        )
         if paged.page_bytes != layout.page_bytes:
             raise RuntimeError(
                 f"kvtier: engine KV page is {paged.page_bytes} B but the KV cache spec says {layout.page_bytes} B"
