@@ -20,6 +20,8 @@ from kvtier.core.keys import (
     SpecVersionError,
     block_key,
     chain_block_keys,
+    stateless_key,
+    tail_key,
 )
 
 NS = Namespace(
@@ -49,6 +51,16 @@ def test_block_key_is_blake3_of_parent_tokens_le_u32_and_extras():
     assert block_key(b"", [1, 2, 3]).hex() == "df07f4904a7ccb203dc935dae7baf4a4c1f0ab9279a863a69109be74f26032ef"
     manual = blake3.blake3(b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00").hexdigest()
     assert block_key(b"", [1, 2, 3]).hex() == manual
+
+
+def test_a_block_stored_without_its_state_has_a_key_of_its_own():
+    """Mamba hybrids: a block stored with its attention pages only never answers for the block
+    with its state (which alone may end a hit), nor for any block or tail key."""
+    key = block_key(NS.digest, list(range(128)))
+    variant = stateless_key(key)
+    assert variant == blake3.blake3(b"kvtier/attention-only" + key).digest()
+    assert variant.hex() == stateless_key(bytes.fromhex(key.hex())).hex()  # deterministic
+    assert variant not in {key, block_key(key, list(range(128))), tail_key(key, [1, 2, 3]), stateless_key(variant)}
 
 
 def test_chained_keys_are_pinned():

@@ -46,11 +46,10 @@ def check_model_support(s: Setup) -> list[Finding]:
             "mamba-kvtier", "info", "Mamba/linear-attention hybrid: state offloaded at block boundaries",
             f"{geo.stateful_layers} of {geo.num_layers} layers keep recurrent state. kvtier stores each "
             "block's attention pages with the state vLLM keeps at the block's end (prefix caching's "
-            "'align' mode) and a hit ends at such a boundary. vLLM keeps a state only where a prefill "
-            "chunk ends: a block inside a longer chunk has none and is not stored, so a prefix is "
-            "served only up to its first such block. kvtier's block_size must be the engine's.",
-            "For many hits on long prompts keep --max-num-batched-tokens at the Mamba block size "
-            "(vLLM-CPU needs that anyway); speculative decoding makes kvtier inactive for these models."))
+            "'align' mode; blocks without a kept state: attention pages only), and a hit ends at a "
+            "block with its state: where vLLM itself would resume (the prompt's last block boundary, "
+            "prefill chunk ends). kvtier's block_size must be the engine's.",
+            "None needed; speculative decoding makes kvtier inactive for these models."))
     elif s.is_kvtier and geo.sliding_layers:
         out.append(Finding(
             "sliding-kvtier", "info", "Sliding-window layers: only the window on the accelerator",
