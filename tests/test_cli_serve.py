@@ -510,8 +510,9 @@ def test_serve_end_to_end(tmp_path):
         details = second["usage"].get("prompt_tokens_details") or {}
         cached = details.get("cached_tokens")
         assert cached is not None, second["usage"]
-        # every full 128-token block of the prompt but the last token's comes back from kvtier's host tier
-        assert cached == 128 * ((prompt_tokens - 1) // 128), (cached, prompt_tokens)
+        # every token but the last comes back from kvtier's host tier: the prompt's full 128-token
+        # blocks, then the tail of its last block the first request stored for a resend (a regenerate)
+        assert cached == prompt_tokens - 1, (cached, prompt_tokens)
 
         print(f"prompt {prompt_tokens} tokens, cached on the second request {cached}")
 
@@ -525,12 +526,14 @@ def test_serve_end_to_end(tmp_path):
 
         assert total("kvtier_hit_tokens_total{") == cached
         assert total("vllm:prompt_tokens_cached_by_source_total{", 'source="host"') == cached
-        # kvtier serve keeps the answer's KV and the finished request's tail (offload_prompt_only false,
+        # kvtier serve keeps the answer's KV and the finished request's tails (offload_prompt_only false,
         # offload_partial_blocks true): the KV of every token but the last generated one is stored, as
-        # full blocks plus one tail in a slot of its own (the repeated request stores nothing new).
+        # full blocks plus one tail in a slot of its own, and a second tail, the prompt but its last
+        # token, for a resend of the prompt (the repeated request stores nothing new).
         computed = prompt_tokens + request["max_tokens"] - 1
         full_blocks = computed // 128
-        stored = full_blocks + (1 if computed % 128 else 0)
+        regenerate_tail = (prompt_tokens - 1) % 128 != 0 and (prompt_tokens - 1) != computed
+        stored = full_blocks + (1 if computed % 128 else 0) + regenerate_tail
         block_bytes = 30 * 128 * 1536  # SmolLM2 fp32: 30 layers x 128 tokens x 1,536 B
         assert total("kvtier_tier_blocks{", 'tier="host"') == stored
         assert total("kvtier_tier_used_bytes{", 'tier="host"') == stored * block_bytes
