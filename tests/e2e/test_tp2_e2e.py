@@ -70,3 +70,29 @@ def test_tp2_bit_exact_from_host_and_disk_and_a_missing_rank_is_a_miss(tmp_path)
     third = run([{}], root)
     assert tokens(third) == expected
     assert cached(third) == [0, 0, 0]
+
+
+@pytest.mark.skipif(len(CPUS) < 2, reason="tp=2 on vLLM-CPU needs two cores (one per worker)")
+def test_tp2_mamba_hybrid_under_the_hybrid_allocator_is_bit_exact_from_host_and_disk(tmp_path):
+    """Tiny Granite-4.0-H (3 Mamba2 + 1 attention layer, 4 KV cache groups) at tp=2: each rank
+    stores its own attention heads and Mamba state shards; round 2 and a fresh engine load the
+    prompts' blocks up to the last kept state (768 tokens) and match vLLM alone."""
+    from support.tiny_models import FAMILIES
+
+    folder = write_tiny_model("granitemoehybrid", tmp_path / "models")
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"}
+    prompts = long_prompts(3, 700, seed=11)
+
+    def run(rounds, root=None):
+        hybrid = {**spec(folder, rounds, root), "prompts": prompts}
+        hybrid["engine"] = {**hybrid["engine"], **FAMILIES["granitemoehybrid"].engine}
+        return launch(hybrid, tmp_path, multiprocess=True, env=bind)
+
+    expected = tokens(run([{}]))
+    root = tmp_path / "kv"
+    first = run([{}, {"reset_prefix_cache": True}], root)
+    assert tokens(first, 0) == expected and tokens(first, 1) == expected
+    assert cached(first, 1) == [768] * 3
+    assert sorted(p.name[-3:] for p in root.iterdir() if p.is_dir() and p.name[-3:] in ("_r0", "_r1")) == ["_r0", "_r1"]
+    second = run([{}], root)
+    assert tokens(second) == expected and cached(second) == [768] * 3
