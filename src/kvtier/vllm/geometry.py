@@ -66,7 +66,7 @@ class EngineGeometry:
     tp_size: int
     pp_size: int
     engine_id: str
-    attention: str  # vLLM's name of the attention kind ("full_attention", "mla", ...)
+    group_kinds: tuple[str, ...]  # vLLM's name of each KV cache group's kind ("full_attention", "mla", ...)
     kv_dtype: str  # as stored in the pages ("float32", "fp8_e4m3", ...)
     num_kv_heads: int  # per rank
     head_size: int
@@ -102,9 +102,11 @@ class EngineGeometry:
         return self.block_tokens // self.engine_block_tokens
 
     @property
-    def group_kinds(self) -> tuple[str, ...]:
-        """vLLM's name of each KV cache group's kind ("full_attention", "sliding_window", "mla", ...)."""
-        return tuple(self.attention.split("+"))
+    def attention(self) -> str:
+        """The kinds of the KV cache groups, in group order, joined by "+": one group's kind alone
+        as before; another grouping lays the slot's layers out in another order, so it is another
+        namespace."""
+        return "+".join(self.group_kinds)
 
     @classmethod
     def from_vllm(
@@ -116,8 +118,8 @@ class EngineGeometry:
             if not isinstance(spec, AttentionSpec | MambaSpec):
                 raise ConfigError(f"kvtier cannot offload KV cache spec {type(spec).__name__}")
         state_groups = tuple(g for g, spec in enumerate(specs) if isinstance(spec, MambaSpec))
-        attention = [spec for spec in specs if isinstance(spec, AttentionSpec)]
-        spec = attention[0] if attention else specs[0]
+        attention_specs = [spec for spec in specs if isinstance(spec, AttentionSpec)]
+        spec = attention_specs[0] if attention_specs else specs[0]
         if len({(s.block_size, s.page_size_bytes) for s in specs}) != 1:
             raise ConfigError(
                 "kvtier needs one block size and page size across the model's KV cache groups, got "
@@ -167,12 +169,10 @@ class EngineGeometry:
             tp_size=parallel.tensor_parallel_size,
             pp_size=parallel.pipeline_parallel_size,
             engine_id=str(engine_id or "default"),
-            # one group: its kind, as before; several: every group's, in group order (another
-            # grouping lays the slot's layers out in another order, so it is another namespace)
-            attention=kinds[0] if len(kinds) == 1 else "+".join(kinds),
+            group_kinds=tuple(kinds),
             kv_dtype=kv_dtype,
-            num_kv_heads=spec.num_kv_heads if attention else 0,
-            head_size=spec.head_size if attention else 0,
+            num_kv_heads=spec.num_kv_heads if attention_specs else 0,
+            head_size=spec.head_size if attention_specs else 0,
             kv_scales="checkpoint" if kv_dtype.startswith("fp8") else "",
             replicated=replicated,
             layer_groups=tuple(layer_groups),
