@@ -6,7 +6,7 @@
 Prints ONE JSON line. For every (value size, pipeline depth) and direction:
 
 - ``kvtier``: a :class:`~kvtier.tiers.redis.RedisTier` (one rank, ``payload_bytes`` = size) driven
-  as the orchestrator drives it: ``depth`` jobs submitted together (one pipeline), then ``poll()``
+  as the orchestrator drives it: ``depth`` jobs submitted together (one pipeline), then ``wait()`` + ``poll()``
   until they are all done, ``ops / depth`` times. Puts send from, and gets land in, a preallocated
   host buffer of ``depth`` slots; every get is verified (headers, checksums) before it counts.
   The stored value is the payload plus a 136-byte header; MB/s counts payload bytes only.
@@ -85,7 +85,7 @@ def kvtier_run(
                     raise RuntimeError(f"job failed: {result}")
             done += len(results)
             if done < n:
-                time.sleep(0.0002)
+                tier.wait(1.0)
 
     start = time.perf_counter()
     for _ in range(rounds):

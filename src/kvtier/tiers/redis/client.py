@@ -7,13 +7,13 @@ Everything goes through redis-py's public API (pipelines, ``ping``, ``info``, ``
 replies are parsed by redis-py (with hiredis when it is installed). redis-py settings, and why
 (measured on redis-py 8.1 + hiredis 3.5, see the tier's notes):
 
-- ``command_packer``: redis-py's pure-Python RESP serializer (:data:`COMMAND_PACKER`), not its
-  default. The default packer (hiredis ``pack_command``) copies every argument into one packed
-  command: SET of a 5.9 MB value reached 330-400 MB/s. The Python serializer sends an argument
-  larger than 6000 bytes as a buffer of its own, uncopied (``sendall`` of the value itself):
-  1.2-1.9 GB/s. A standalone pool gets it as ``command_packer``; a cluster's node pools are made
-  by :class:`PythonPackerPool` (``connection_pool_class``: RedisCluster forwards only some
-  connection arguments, not ``command_packer``).
+- ``command_packer``: :data:`~kvtier.tiers.redis.packer.COMMAND_PACKER`, redis-py's pure-Python
+  RESP serializer extended to send a value given as parts (a block's headers and its host slots)
+  uncopied (:mod:`~kvtier.tiers.redis.packer`), not redis-py's default. The default packer
+  (hiredis ``pack_command``) copies every argument into one packed command: SET of a 5.9 MB
+  value reached 330-400 MB/s. A standalone pool gets it as ``command_packer``; a cluster's node
+  pools are made by :class:`PythonPackerPool` (``connection_pool_class``: RedisCluster forwards
+  only some connection arguments, not ``command_packer``).
 - ``socket_connect_timeout`` / ``socket_timeout`` from the config, and ``Retry(NoBackoff(), 0)``:
   redis-py's defaults (5 s timeout, 10 retries with back-off) block ~60 s on a paused server. A
   failed batch costs at most about ``timeout_s``; the tier's circuit breaker decides what next.
@@ -55,7 +55,7 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import BlockingConnectionPool, ConnectionPool, Encoder, PythonRespSerializer, parse_url
+from redis.connection import BlockingConnectionPool, ConnectionPool, parse_url
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -66,17 +66,12 @@ from redis.retry import Retry
 
 from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import PREFIX, ConfigError
+from kvtier.tiers.redis.packer import COMMAND_PACKER
 
 logger = logging.getLogger(__name__)
 
 # URL options that only make sense for one server (a cluster has db 0 and per-node pools).
 _NOT_FOR_CLUSTER = ("db", "connection_class", "path", "host", "port", "max_connections", "timeout")
-
-BUFFER_CUTOFF = 6000
-"""Arguments longer than this are sent as buffers of their own (redis-py's own cutoff)."""
-COMMAND_PACKER = PythonRespSerializer(BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
-"""redis-py's pure-Python RESP serializer: large values are sent without being copied (stateless,
-shared by every connection)."""
 
 Reply = object
 """One command's reply: what redis-py returns for it (``bytes``, ``int``, ``bool``, ``None``), or

@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.tiers.blockfile import (
     HEADER_LEN,
+    BlockHeader,
     CorruptBlockError,
+    copy_with_checksum,
     decode_header,
     encode_header,
     payload_checksum,
@@ -41,6 +43,7 @@ __all__ = [
     "HEADER_LEN",
     "CorruptBlockError",
     "KeySpace",
+    "check_headers",
     "decode_value",
     "encode_value",
     "value_bytes",
@@ -103,8 +106,8 @@ def encode_value(
 ) -> list[bytes | memoryview]:
     """The value of a block as its parts, in order: ``[header 0, payload 0, header 1, ...]``.
 
-    The payloads are the caller's buffers themselves (not copied); the write path joins the parts
-    into the one bytes value it sends (one copy).
+    The payloads are the caller's buffers themselves (not copied); the write path sends the parts
+    back to back as one value (:class:`~kvtier.tiers.redis.packer.ValueParts`), uncopied.
     """
     parts: list[bytes | memoryview] = []
     for namespace, source in zip(rank_digests, sources, strict=True):
@@ -122,20 +125,21 @@ def encode_value(
     return parts
 
 
-def verify_value(
+def check_headers(
     headers: Sequence[bytes | bytearray | memoryview],
-    payloads: Sequence[memoryview],
+    payload_lens: Sequence[int],
     *,
     rank_digests: Sequence[bytes],
     key: BlockKey,
-) -> None:
-    """Check a value already split into its records (``headers[r]``, ``payloads[r]``): raise
-    :class:`CorruptBlockError` (the reason) unless every record is ``key``'s record of rank r in
-    that rank's namespace, with the announced length and checksum. The payloads are checked where
-    they are (the caller's buffers, for a read)."""
-    if len(headers) != len(rank_digests) or len(payloads) != len(rank_digests):
+) -> list[BlockHeader]:
+    """Decode a value's headers (``headers[r]``, followed by ``payload_lens[r]`` payload bytes)
+    and raise :class:`CorruptBlockError` (the reason) unless each is ``key``'s record of rank r in
+    that rank's namespace with that payload length. The payload checksums are the caller's to check
+    (each :class:`BlockHeader`'s ``checksum``)."""
+    if len(headers) != len(rank_digests) or len(payload_lens) != len(rank_digests):
         raise CorruptBlockError(f"{len(headers)} records, expected {len(rank_digests)}")
-    for rank, (raw, payload, namespace) in enumerate(zip(headers, payloads, rank_digests)):
+    decoded = []
+    for rank, (raw, payload_len, namespace) in enumerate(zip(headers, payload_lens, rank_digests)):
         header = decode_header(raw)
         if header.namespace != namespace:
             raise CorruptBlockError(
@@ -145,10 +149,27 @@ def verify_value(
             raise CorruptBlockError(
                 f"rank {rank}: header key {header.key.hex()[:16]}.. is not the key asked for"
             )
-        if header.payload_len != payload.nbytes:
-            raise CorruptBlockError(
-                f"rank {rank}: payload length {header.payload_len}, expected {payload.nbytes}"
-            )
+        if header.payload_len != payload_len:
+            raise CorruptBlockError(f"rank {rank}: payload length {header.payload_len}, expected {payload_len}")
+        decoded.append(header)
+    return decoded
+
+
+def verify_value(
+    headers: Sequence[bytes | bytearray | memoryview],
+    payloads: Sequence[memoryview],
+    *,
+    rank_digests: Sequence[bytes],
+    key: BlockKey,
+) -> None:
+    """Check a value already split into its records (``headers[r]``, ``payloads[r]``): raise
+    :class:`CorruptBlockError` (the reason) unless every record is ``key``'s record of rank r in
+    that rank's namespace, with the announced length and checksum (:func:`check_headers`, then
+    the payloads, where they are)."""
+    decoded = check_headers(
+        headers, [payload.nbytes for payload in payloads], rank_digests=rank_digests, key=key
+    )
+    for rank, (header, payload) in enumerate(zip(decoded, payloads)):
         if payload_checksum(payload) != header.checksum:
             raise CorruptBlockError(f"rank {rank}: payload checksum mismatch")
 
@@ -160,9 +181,12 @@ def decode_value(
     rank_digests: Sequence[bytes],
     key: BlockKey,
 ) -> None:
-    """Verify a whole value (a GET reply) where it is, then copy its payloads into ``dests`` (one
-    per rank): the tier's read path, one copy. Raise :class:`CorruptBlockError` (the reason) on
-    any mismatch, the total length first; ``dests`` are then untouched."""
+    """Check a whole value (a GET reply) and copy its payloads into ``dests`` (one per rank): the
+    tier's read path, one pass over the bytes. The total length and every header are checked
+    before anything is copied; each payload's checksum is computed as it is copied
+    (:func:`~kvtier.tiers.blockfile.copy_with_checksum`). Raise :class:`CorruptBlockError` (the
+    reason) on any mismatch; ``dests`` then hold bytes that must not be used (the tier reports
+    the read failed, and the caller discards its buffers)."""
     view = memoryview(value).cast("B")
     payload_bytes = dests[0].nbytes if dests else 0
     expected = value_bytes(len(rank_digests), payload_bytes)
@@ -170,7 +194,8 @@ def decode_value(
         raise CorruptBlockError(f"value is {view.nbytes} bytes, expected {expected}")
     record = HEADER_LEN + payload_bytes
     headers = [view[r * record : r * record + HEADER_LEN] for r in range(len(dests))]
-    payloads = [view[r * record + HEADER_LEN : (r + 1) * record] for r in range(len(dests))]
-    verify_value(headers, payloads, rank_digests=rank_digests, key=key)
-    for dest, payload in zip(dests, payloads):
-        dest[:] = payload
+    decoded = check_headers(headers, [payload_bytes] * len(dests), rank_digests=rank_digests, key=key)
+    for rank, (header, dest) in enumerate(zip(decoded, dests)):
+        payload = view[rank * record + HEADER_LEN : (rank + 1) * record]
+        if copy_with_checksum(payload, dest) != header.checksum:
+            raise CorruptBlockError(f"rank {rank}: payload checksum mismatch")

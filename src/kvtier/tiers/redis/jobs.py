@@ -6,15 +6,17 @@ batch's outcome to the circuit breaker and posts what happened on the tier's com
 (``post``) for :meth:`~kvtier.tiers.redis.RedisTier.poll` to apply on the caller's thread. It
 never touches the tier's caller-side state and never raises.
 
-- Reads: ``GET``; the reply (``bytes``, parsed by redis-py) is verified where it is, then its
-  payloads are copied into the caller's buffers (:func:`~kvtier.tiers.redis.codec.decode_value`:
-  one copy, the least a maintained client allows). A missing key (nil) is NOT_FOUND; a wrong
-  length, a failed check or a non-string value (``WRONGTYPE``) is CORRUPT: counted, never
-  served, the caller's buffers untouched, and the key is UNLINKed right after the batch's results
-  are posted. A read batch holds its replies (at most ``batch_bytes``) until they are copied.
-- Writes: ``SET name value [EX ttl]``, the value ONE bytes argument: the records joined
-  (``b"".join`` of header and payload per rank: one copy; measured faster than filling a
-  ``bytearray``, which is zeroed first), sent uncopied by redis-py's Python packer. ``OOM``
+- Reads: ``GET``; the reply (``bytes``, parsed by redis-py) has its length and headers checked
+  where it is, then its payloads are copied into the caller's buffers, each checksummed as it
+  is copied (:func:`~kvtier.tiers.redis.codec.decode_value`: one pass, the least a maintained
+  client allows). A missing key (nil) is NOT_FOUND; a wrong length, a failed check or a
+  non-string value (``WRONGTYPE``) is CORRUPT: counted, never served (the read is not ok, so the
+  caller discards its buffers), and the key is UNLINKed right after the batch's results are
+  posted. A read batch holds its replies (at most ``batch_bytes``) until they are copied.
+- Writes: ``SET name value [EX ttl]``, the value ONE argument given as its parts
+  (:class:`~kvtier.tiers.redis.packer.ValueParts` of :func:`~kvtier.tiers.redis.codec.encode_value`:
+  each rank's header, then its payload, the host slot itself): the packer sends the slots as
+  they are, uncopied, so a write's only pass over its bytes is the checksum. ``OOM``
   (``OutOfMemoryError``: server full under ``noeviction``) is DROPPED and counted as such: the
   server answered, so it is not a breaker failure. Any other error reply is IO.
 - Probes: ``EXISTS`` per key. Removals and TTL refreshes: ``UNLINK`` / ``EXPIRE`` per key.
@@ -42,6 +44,7 @@ from kvtier.tiers.base import IoError, IoKind, IoResult
 from kvtier.tiers.redis.breaker import CircuitBreaker
 from kvtier.tiers.redis.client import RedisClient, describe, error_code, is_connection_failure, safe_text
 from kvtier.tiers.redis.codec import HEADER_LEN, CorruptBlockError, KeySpace, decode_value, encode_value
+from kvtier.tiers.redis.packer import ValueParts
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +183,6 @@ class DataPath:
         expire: tuple = (b"EX", self.ttl_seconds) if self.ttl_seconds else ()
         commands = [(b"SET", self.keys.block(job.key), self._value(job), *expire) for job in jobs]
         replies = self.client.run(commands)
-        commands.clear()  # the values were sent: free them now
         self.post((MSG_BATCH, "write", replies.round_trips))
         seconds = (time.perf_counter() - start) / len(jobs)
         nbytes = self.world * (HEADER_LEN + self.payload_bytes)
@@ -216,9 +218,10 @@ class DataPath:
         for message in posts:
             self.post(message)
 
-    def _value(self, job: WriteJob) -> bytes:
-        """The value of ``job``'s block: every rank's header and payload, joined (one copy)."""
-        return b"".join(encode_value(self.rank_digests, job.key, job.parent, job.num_tokens, job.sources))
+    def _value(self, job: WriteJob) -> ValueParts:
+        """The value of ``job``'s block: every rank's header and payload (the job's sources,
+        borrowed: they stay pinned until the job's result is polled)."""
+        return ValueParts(encode_value(self.rank_digests, job.key, job.parent, job.num_tokens, job.sources))
 
     # ------------------------------------------------------------------ probes
 

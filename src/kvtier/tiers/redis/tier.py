@@ -25,12 +25,14 @@ Batching. Jobs submitted together are coalesced by the worker into one batch, bo
 ``batch_bytes`` (64 MiB of values; one value larger than that goes alone), so a lookup's run of
 reads is one pipeline: one round trip per server. See :mod:`~kvtier.tiers.redis.batcher`.
 
-Buffers. A read's value arrives as one ``bytes`` reply (redis-py), is verified there and its
-payloads are copied into the caller's buffers (one per rank, each exactly ``payload_bytes``); a
-write's value is its records joined into one ``bytes`` (one copy of the caller's buffers) and
-sent as it is. So a batch in flight holds up to ``batch_bytes`` of values in memory (per worker
-thread). A read that is not ``ok`` has not written its buffers (a value is verified before it
-is copied), though the contract allows anything there. ``submit_write`` returns False (nothing queued, counted in
+Buffers. A read's value arrives as one ``bytes`` reply (redis-py); its length and headers are
+checked, then its payloads are copied into the caller's buffers (one per rank, each exactly
+``payload_bytes``), each checksummed as it lands. A read that is not ``ok`` may have written its
+buffers (a payload that failed its checksum): the caller discards them, as for the disk tier. A
+write's value is its records sent as they are (each rank's header, then the caller's buffer,
+uncopied: :mod:`~kvtier.tiers.redis.packer`), so the caller's buffers must stay unchanged until
+the write's result is polled (the orchestrator keeps them pinned). A read batch in flight holds
+up to ``batch_bytes`` of replies in memory (per worker thread). ``submit_write`` returns False (nothing queued, counted in
 ``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the breaker is
 open.
 
@@ -183,6 +185,7 @@ class RedisTier(SecondaryTier):
         self._clear_epoch = 0
         self._usage = (0, 0)
         self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._waited: tuple | None = None  # taken off _done by wait(), applied by the next poll()
 
         self._monitor: Monitor | None = None
         self._breaker = CircuitBreaker(on_open=self._wake_monitor)
@@ -301,11 +304,13 @@ class RedisTier(SecondaryTier):
         results: list[IoResult] = []
         done = self._done
         counts = self._counts
+        msg, self._waited = self._waited, None
         while True:
-            try:
-                msg = done.get_nowait()
-            except queue.Empty:
-                break
+            if msg is None:
+                try:
+                    msg = done.get_nowait()
+                except queue.Empty:
+                    break
             kind = msg[0]
             if kind == MSG_IO:
                 result: IoResult = msg[1]
@@ -326,9 +331,23 @@ class RedisTier(SecondaryTier):
                 counts["io_errors"] += msg[2]
             elif kind == MSG_USAGE:
                 self._usage = (msg[1], msg[2])
+            msg = None
         if self._breaker.generation != self._seen_generation:
             self._sync_breaker()
         return results
+
+    def wait(self, timeout: float) -> bool:
+        """Block the calling thread up to ``timeout`` seconds until a worker has posted an outcome
+        (a job done, a probe answered...); True if one is ready for :meth:`poll`. For a caller
+        with nothing else to do (a benchmark or a tool driving the tier); the engine's step never
+        calls it. The caller's thread, like :meth:`poll`."""
+        if self._waited is not None:
+            return True
+        try:
+            self._waited = self._done.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return False
+        return True
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Refresh the keys' TTL (EXPIRE, in the background) when ``ttl_seconds`` is set; else nothing."""

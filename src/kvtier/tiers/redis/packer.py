@@ -1,0 +1,95 @@
+"""How the Redis tier's commands are framed for redis-py: a ``command_packer`` (redis-py's hook
+for it) that sends big values without copying them.
+
+:class:`ValueParts` is ONE bulk-string argument given as several buffers, in order (a block's
+value is ``[header 0, payload 0, header 1, payload 1, ...]``: the payloads are the host tier's
+slots). :class:`PartsPacker` is redis-py's pure-Python RESP serializer with one addition: it
+frames a :class:`ValueParts` as one bulk string of the parts' total length and hands every part
+larger than :data:`BUFFER_CUTOFF` to redis-py as a buffer of its own, so the connection
+``sendall``s the slot itself; small parts (the headers) ride in the packed command text. No part
+is copied into a joined value. Every other argument is packed exactly as redis-py packs it.
+
+Measured (redis-py 8.1, loopback, 5.9 MB values): joining the value first cost 0.2-0.4 ms per
+block, about 15% of a depth-1 SET.
+
+Buffer ownership: the parts are borrowed, never copied or kept: the caller must keep them
+unchanged until the command's reply has been read (the tier's write job holds the host slots
+pinned until its result is polled). Threading: stateless; one packer is shared by every
+connection of every pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from redis.connection import Encoder, PythonRespSerializer
+
+BUFFER_CUTOFF = 6000
+"""Parts and arguments longer than this are sent as buffers of their own (redis-py's own cutoff)."""
+
+_CRLF = b"\r\n"
+
+
+class ValueParts:
+    """One command argument (a bulk string) made of ``parts`` sent back to back, uncopied.
+
+    ``len()`` is the value's length in bytes. Its ``str()`` names only the length (redis-py quotes a
+    pipeline command's arguments in error messages; a value's bytes must never reach a log).
+    """
+
+    __slots__ = ("parts", "nbytes")
+
+    def __init__(self, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+        self.parts = tuple(memoryview(part).cast("B") for part in parts)
+        self.nbytes = sum(part.nbytes for part in self.parts)
+
+    def __len__(self) -> int:
+        return self.nbytes
+
+    def __str__(self) -> str:
+        return f"<value of {self.nbytes} bytes>"
+
+    __repr__ = __str__
+
+
+class PartsPacker(PythonRespSerializer):
+    """redis-py's ``PythonRespSerializer`` that also packs :class:`ValueParts` arguments (above)."""
+
+    def __init__(self) -> None:
+        super().__init__(BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
+
+    def pack(self, *args):
+        if not any(isinstance(arg, ValueParts) for arg in args):
+            return super().pack(*args)
+        if isinstance(args[0], ValueParts):
+            raise TypeError("a command name cannot be a ValueParts")
+        # The command name may hold literal arguments ("CONFIG GET"): split it as redis-py does.
+        name = args[0].encode() if isinstance(args[0], str) else args[0]
+        args = tuple(name.split()) + args[1:]
+        output: list[bytes | memoryview] = []
+        buff = b"*%d\r\n" % len(args)
+        for arg in args:
+            if isinstance(arg, ValueParts):
+                buff += b"$%d\r\n" % arg.nbytes
+                for part in arg.parts:
+                    if part.nbytes > BUFFER_CUTOFF:
+                        output.append(buff)
+                        output.append(part)
+                        buff = b""
+                    else:
+                        buff += part
+                buff += _CRLF
+                continue
+            arg = self.encode(arg)
+            if len(arg) > BUFFER_CUTOFF or isinstance(arg, memoryview):
+                output.append(buff + b"$%d\r\n" % len(arg))
+                output.append(arg)
+                buff = _CRLF
+            else:
+                buff += b"$%d\r\n" % len(arg) + arg + _CRLF
+        output.append(buff)
+        return output
+
+
+COMMAND_PACKER = PartsPacker()
+"""The packer of every connection of the tier (stateless, shared)."""
