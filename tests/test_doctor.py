@@ -295,6 +295,24 @@ def test_invalid_kvtier_config(tmp_path):
     assert "kvtier-serve-flag" not in codes(["kvtier", "serve", "--kv-config", '{"store_threshold": 2}'])
 
 
+def test_small_redis_values_advise_a_bigger_block_size():
+    """Llama-3.1-8B in bf16 on a GPU: 128 KiB of KV per token, so a 16-token block is a 2 MiB Redis
+    value; doctor advises 32-token blocks (4 MiB). A refused port: the server is not needed."""
+    l8 = str(FIXTURES / "llama-3.1-8b.json")
+    remote = {"type": "redis", "url": "redis://127.0.0.1:1/0"}
+
+    def line(**extra):
+        config = {"cpu_bytes_to_use": 2**36, "secondary_tiers": [remote], **extra}
+        return ["vllm", "serve", l8, "--max-model-len", "8192", "--kv-transfer-config", kvtier_tc(config)]
+
+    (small,) = [f for f in audit(line()) if f.code == "remote-small-values"]
+    assert small.severity == "info" and "2.00 MiB" in small.title and "16-token" in small.title
+    assert '"block_size": 32' in small.fix and "4.0 MiB" in small.fix
+    assert "remote-small-values" not in codes(line(block_size=32))
+    no_remote = ["vllm", "serve", l8, "--kv-transfer-config", kvtier_tc({"cpu_bytes_to_use": 2**36})]
+    assert "remote-small-values" not in codes(no_remote)
+
+
 def test_connector_conflicts():
     tc = kvtier_tc({"cpu_bytes_to_use": 2**40})
     both = vllm70("--kv-transfer-config", tc, "--kv-offloading-size", "64")

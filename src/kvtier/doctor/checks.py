@@ -268,6 +268,41 @@ def check_remote(s: Setup) -> list[Finding]:
     return out
 
 
+SMALL_REMOTE_VALUE = 4 << 20
+"""Below this a Redis value (one kvtier block, all ranks) is dominated by the fixed cost of a
+request: redis-py's per-command cost plus kvtier's thread hand-offs, ~0.3-0.5 ms on loopback
+(docs/benchmarks.md: 46-88% of redis-benchmark at 1 MiB, 78-102% at 5.9 MB)."""
+
+
+def check_remote_value_size(s: Setup) -> list[Finding]:
+    """A remote tier whose values (one kvtier block each) are small: advise a bigger block_size."""
+    if not s.is_kvtier or s.extra is None or s.plan is None:
+        return []
+    config, error, _ = validate_extra_config(s.extra)
+    if error or config is None or config.remote is None:
+        return []
+    plan = s.plan
+    try:
+        block_tokens = config.offload_block_tokens(plan.block_size)
+    except ValueError:  # reported by check_kvtier_config
+        return []
+    per_token = plan.kv_bytes_per_token_rank * plan.stored_copies
+    value = block_tokens * per_token
+    if per_token <= 0 or value >= SMALL_REMOTE_VALUE:
+        return []
+    engine = plan.block_size
+    advised = -(-SMALL_REMOTE_VALUE // (per_token * engine)) * engine
+    return [Finding(
+        "remote-small-values", "info",
+        f"Redis values of {value / 2**20:.2f} MiB ({block_tokens}-token blocks)",
+        "Each block is one GET or SET; below about 4 MiB the fixed cost of a request (~0.3-0.5 ms in "
+        "redis-py and kvtier's threads) dominates: on loopback, 46-88% of redis-benchmark's throughput "
+        "at 1 MiB against 78-102% at 5.9 MB (docs/benchmarks.md).",
+        f"Set \"block_size\": {advised} in kv_connector_extra_config ({advised * per_token / 2**20:.1f} MiB "
+        f"values; a multiple of the engine's {engine}-token blocks). Bigger blocks also mean a hit "
+        "reuses only whole blocks: up to block_size - 1 more tokens of a prompt are recomputed.")]
+
+
 def check_kv_events(s: Setup) -> list[Finding]:
     raw = s.line.value("--kv-events-config")
     try:
@@ -299,5 +334,5 @@ def check_kv_events(s: Setup) -> list[Finding]:
 CHECKS: tuple[Callable[[Setup], list[Finding]], ...] = (
     check_model, check_connector, check_kvtier_config, check_host_size, check_cpu_offload,
     check_prefix_caching, check_model_support, check_tp, check_fp8_scales, check_max_model_len, check_disk,
-    check_remote, check_kv_events,
+    check_remote, check_remote_value_size, check_kv_events,
 )
