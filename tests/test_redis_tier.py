@@ -23,6 +23,7 @@ from kvtier.tiers.redis import KeySpace, RedisTier, decode_value, encode_value
 from kvtier.tiers.redis.breaker import BreakerState, CircuitBreaker
 from kvtier.tiers.redis.client import (
     COMMAND_PACKER,
+    READER_SLACK,
     RedisClient,
     error_code,
     is_connection_failure,
@@ -728,12 +729,13 @@ def test_cluster_round_trip_across_slots_and_nodes(redis_factory, tiers):  # noq
     keys = [key_of(n) for n in range(12)]
     assert all(r.ok for r in write_all(tier, keys, world=2))
     nodes = tier._client.node_clients()
-    assert len(nodes) == 3  # every node's pool sends values with redis-py's Python packer (uncopied)
+    assert len(nodes) == 3  # every node's pool has the tier's wire hooks (kvtier/tiers/redis/wire.py)
     for node in nodes:
         conn = node.connection_pool.get_connection()
         try:
             value = bytes(7000)
             assert any(chunk is value for chunk in conn.pack_commands([(b"SET", b"k", value)]))
+            assert conn._parser._reader.getmaxbuf() == tier.value_bytes + READER_SLACK
         finally:
             node.connection_pool.release(conn)
     per_node = [node.client().dbsize() for node in cluster.nodes]

@@ -7,13 +7,16 @@ Everything goes through redis-py's public API (pipelines, ``ping``, ``info``, ``
 replies are parsed by redis-py (with hiredis when it is installed). redis-py settings, and why
 (measured on redis-py 8.1 + hiredis 3.5, see the tier's notes):
 
-- ``command_packer``: :data:`~kvtier.tiers.redis.packer.COMMAND_PACKER`, redis-py's pure-Python
+- ``command_packer``: :data:`~kvtier.tiers.redis.wire.COMMAND_PACKER`, redis-py's pure-Python
   RESP serializer extended to send a value given as parts (a block's headers and its host slots)
-  uncopied (:mod:`~kvtier.tiers.redis.packer`), not redis-py's default. The default packer
+  uncopied (:mod:`~kvtier.tiers.redis.wire`), not redis-py's default. The default packer
   (hiredis ``pack_command``) copies every argument into one packed command: SET of a 5.9 MB
-  value reached 330-400 MB/s. A standalone pool gets it as ``command_packer``; a cluster's node
-  pools are made by :class:`PythonPackerPool` (``connection_pool_class``: RedisCluster forwards
-  only some connection arguments, not ``command_packer``).
+  value reached 330-400 MB/s.
+- ``parser_class``: hiredis with a reader that keeps a value-sized buffer between replies
+  (:func:`~kvtier.tiers.redis.wire.reply_parser`, when the client knows the tier's value size).
+- A standalone pool gets both as connection arguments; a cluster's node pools are made by
+  :class:`WirePool` (``connection_pool_class``: RedisCluster forwards only some connection
+  arguments, neither of these).
 - ``socket_connect_timeout`` / ``socket_timeout`` from the config, and ``Retry(NoBackoff(), 0)``:
   redis-py's defaults (5 s timeout, 10 retries with back-off) block ~60 s on a paused server. A
   failed batch costs at most about ``timeout_s``; the tier's circuit breaker decides what next.
@@ -46,6 +49,7 @@ constructor, which connects). Never by the caller's thread after start-up.
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import threading
@@ -66,7 +70,11 @@ from redis.retry import Retry
 
 from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import PREFIX, ConfigError
-from kvtier.tiers.redis.packer import COMMAND_PACKER
+from kvtier.tiers.redis.wire import COMMAND_PACKER, reply_parser
+
+READER_SLACK = 4 << 20
+"""Reader buffer kept beyond one value: hiredis grows it by up to 1 MiB past what it holds, plus
+one socket read."""
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +86,15 @@ Reply = object
 an exception: the command's error reply, or the failure of its node's pipeline."""
 
 
-class PythonPackerPool(ConnectionPool):
-    """A ``ConnectionPool`` whose connections use :data:`COMMAND_PACKER` (a cluster's node pools)."""
+class WirePool(ConnectionPool):
+    """A cluster node's ``ConnectionPool`` with the tier's wire hooks (:mod:`~kvtier.tiers.redis.wire`):
+    :data:`COMMAND_PACKER` and, given as ``wire_parser``, the reply parser. RedisCluster forwards
+    neither ``command_packer`` nor ``parser_class`` to the pools it builds."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, *, wire_parser: type | None = None, **kwargs) -> None:
         kwargs.setdefault("command_packer", COMMAND_PACKER)
+        if wire_parser is not None:
+            kwargs.setdefault("parser_class", wire_parser)
         super().__init__(**kwargs)
 
 
@@ -138,8 +150,11 @@ class Replies(list):
 class RedisClient:
     """redis-py connections of one tier, and batches of data commands on them."""
 
-    def __init__(self, config: RedisTierConfig) -> None:
+    def __init__(self, config: RedisTierConfig, *, reply_bytes: int = 0) -> None:
+        """``reply_bytes``: the size of the replies the tier reads (one value); each connection's
+        reader keeps a buffer that size plus slack between replies (:func:`reply_parser`)."""
         self.config = config
+        self._parser = reply_parser(reply_bytes + READER_SLACK) if reply_bytes > 0 else None
         self.cluster = bool(config.cluster or config.nodes)
         self._lock = threading.Lock()
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
@@ -175,6 +190,8 @@ class RedisClient:
         else:
             options["timeout"] = config.timeout_s  # BlockingConnectionPool: wait for a free connection
             options["command_packer"] = COMMAND_PACKER
+            if self._parser is not None:
+                options["parser_class"] = self._parser
         return options
 
     def _build(self) -> redis.Redis | redis.cluster.RedisCluster:
@@ -196,7 +213,7 @@ class RedisClient:
             url=f"{scheme}://{hosts[0][0]}:{hosts[0][1]}/0",
             startup_nodes=startup,
             require_full_coverage=False,
-            connection_pool_class=PythonPackerPool,
+            connection_pool_class=functools.partial(WirePool, wire_parser=self._parser),
             **self._options,
         )
 

@@ -107,7 +107,7 @@ def encode_value(
     """The value of a block as its parts, in order: ``[header 0, payload 0, header 1, ...]``.
 
     The payloads are the caller's buffers themselves (not copied); the write path sends the parts
-    back to back as one value (:class:`~kvtier.tiers.redis.packer.ValueParts`), uncopied.
+    back to back as one value (:class:`~kvtier.tiers.redis.wire.ValueParts`), uncopied.
     """
     parts: list[bytes | memoryview] = []
     for namespace, source in zip(rank_digests, sources, strict=True):

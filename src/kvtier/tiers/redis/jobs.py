@@ -14,7 +14,7 @@ never touches the tier's caller-side state and never raises.
   caller discards its buffers), and the key is UNLINKed right after the batch's results are
   posted. A read batch holds its replies (at most ``batch_bytes``) until they are copied.
 - Writes: ``SET name value [EX ttl]``, the value ONE argument given as its parts
-  (:class:`~kvtier.tiers.redis.packer.ValueParts` of :func:`~kvtier.tiers.redis.codec.encode_value`:
+  (:class:`~kvtier.tiers.redis.wire.ValueParts` of :func:`~kvtier.tiers.redis.codec.encode_value`:
   each rank's header, then its payload, the host slot itself): the packer sends the slots as
   they are, uncopied, so a write's only pass over its bytes is the checksum. ``OOM``
   (``OutOfMemoryError``: server full under ``noeviction``) is DROPPED and counted as such: the
@@ -44,7 +44,7 @@ from kvtier.tiers.base import IoError, IoKind, IoResult
 from kvtier.tiers.redis.breaker import CircuitBreaker
 from kvtier.tiers.redis.client import RedisClient, describe, error_code, is_connection_failure, safe_text
 from kvtier.tiers.redis.codec import HEADER_LEN, CorruptBlockError, KeySpace, decode_value, encode_value
-from kvtier.tiers.redis.packer import ValueParts
+from kvtier.tiers.redis.wire import ValueParts
 
 logger = logging.getLogger(__name__)
 

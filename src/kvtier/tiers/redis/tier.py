@@ -30,7 +30,7 @@ checked, then its payloads are copied into the caller's buffers (one per rank, e
 ``payload_bytes``), each checksummed as it lands. A read that is not ``ok`` may have written its
 buffers (a payload that failed its checksum): the caller discards them, as for the disk tier. A
 write's value is its records sent as they are (each rank's header, then the caller's buffer,
-uncopied: :mod:`~kvtier.tiers.redis.packer`), so the caller's buffers must stay unchanged until
+uncopied: :mod:`~kvtier.tiers.redis.wire`), so the caller's buffers must stay unchanged until
 the write's result is polled (the orchestrator keeps them pinned). A read batch in flight holds
 up to ``batch_bytes`` of replies in memory (per worker thread). ``submit_write`` returns False (nothing queued, counted in
 ``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the breaker is
@@ -190,7 +190,7 @@ class RedisTier(SecondaryTier):
         self._monitor: Monitor | None = None
         self._breaker = CircuitBreaker(on_open=self._wake_monitor)
         self._seen_generation = self._breaker.generation
-        self._client = RedisClient(config)  # ConfigError if password_env names an unset variable
+        self._client = RedisClient(config, reply_bytes=self._value_bytes)  # ConfigError: password_env unset
         self._path = DataPath(
             client=self._client,
             keys=self._keys,

@@ -1,5 +1,6 @@
-"""The Redis tier's write framing (a value sent as uncopied parts: kvtier/tiers/redis/packer.py),
-its one-pass copy-and-checksum of a reply, and ``RedisTier.wait``, against a real redis-server."""
+"""The Redis tier's redis-py hooks (kvtier/tiers/redis/wire.py: values sent as uncopied parts, a
+reply parser keeping its buffer), its one-pass copy-and-checksum of a reply, and
+``RedisTier.wait``, against a real redis-server."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from kvtier.core.tier_config import RedisTierConfig
 from kvtier.tiers.base import IoKind
 from kvtier.tiers.blockfile import COPY_CHUNK, copy_with_checksum, payload_checksum
 from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis.packer import BUFFER_CUTOFF, COMMAND_PACKER, ValueParts
+from kvtier.tiers.redis.client import READER_SLACK
+from kvtier.tiers.redis.wire import BUFFER_CUTOFF, COMMAND_PACKER, READER_DEFAULT_MAXBUF, ValueParts, reply_parser
 
 REDIS_PY_PACKER = PythonRespSerializer(BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
 
@@ -76,6 +78,24 @@ def test_value_parts_round_trip_through_a_pipeline_and_errors_never_quote_them(s
         client.close()
 
 
+def test_reply_parser_keeps_a_value_sized_reader_buffer(server):
+    assert reply_parser(10).keep_bytes == READER_DEFAULT_MAXBUF  # never below hiredis's default
+    pool = redis.ConnectionPool(host="127.0.0.1", port=server.port, parser_class=reply_parser(5 << 20))
+    client = redis.Redis(connection_pool=pool)
+    try:
+        values = [os.urandom(3 << 20), os.urandom(1 << 20), os.urandom(9 << 20), b"small"]
+        for value in values:  # replies bigger than the buffer kept still parse
+            client.set(b"kvtier:k", value)
+            assert client.get(b"kvtier:k") == value
+        conn = pool.get_connection()
+        try:
+            assert conn._parser._reader.getmaxbuf() == 5 << 20
+        finally:
+            pool.release(conn)
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("size", [0, 1, COPY_CHUNK - 1, COPY_CHUNK, 3 * COPY_CHUNK + 5])
 def test_copy_with_checksum_copies_and_hashes_in_one_pass(size):
     source = memoryview(os.urandom(size))
@@ -109,6 +129,8 @@ def test_wait_blocks_until_a_job_is_done_and_poll_returns_it(server):
         usage_interval=3600.0,
     )
     try:
+        (node,) = tier._client.node_clients()  # the tier's connections keep one value's buffer
+        assert node.connection_pool.connection_kwargs["parser_class"].keep_bytes == tier.value_bytes + READER_SLACK
         while tier.wait(0.2):  # the monitor's first usage report
             tier.poll()
         start = time.monotonic()
