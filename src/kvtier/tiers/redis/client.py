@@ -70,11 +70,8 @@ from redis.retry import Retry
 
 from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import PREFIX, ConfigError
+from kvtier.tiers.redis.heap import READER_SLACK
 from kvtier.tiers.redis.wire import COMMAND_PACKER, reply_parser
-
-READER_SLACK = 4 << 20
-"""Reader buffer kept beyond one value: hiredis grows it by up to 1 MiB past what it holds, plus
-one socket read."""
 
 logger = logging.getLogger(__name__)
 

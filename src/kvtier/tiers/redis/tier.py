@@ -32,7 +32,8 @@ buffers (a payload that failed its checksum): the caller discards them, as for t
 write's value is its records sent as they are (each rank's header, then the caller's buffer,
 uncopied: :mod:`~kvtier.tiers.redis.wire`), so the caller's buffers must stay unchanged until
 the write's result is polled (the orchestrator keeps them pinned). A read batch in flight holds
-up to ``batch_bytes`` of replies in memory (per worker thread). ``submit_write`` returns False (nothing queued, counted in
+up to ``batch_bytes`` of replies in memory (per worker thread), and each connection that read a
+block keeps a reader buffer of about one value (:func:`~kvtier.tiers.redis.wire.reply_parser`). ``submit_write`` returns False (nothing queued, counted in
 ``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the breaker is
 open.
 
