@@ -110,13 +110,17 @@ READER_DEFAULT_MAXBUF = 16 * 1024
 
 def reply_parser(keep_bytes: int) -> type[_HiredisParser]:
     """A redis-py ``parser_class``: hiredis, its reader keeping up to ``keep_bytes`` of buffer
-    between replies (``Reader.setmaxbuf``) instead of 16 KiB."""
+    between replies (``Reader.setmaxbuf``) instead of 16 KiB. (``_HiredisParser`` is redis-py's
+    own hiredis parser, in ``redis._parsers`` since redis-py 5.0; should a release rename its
+    reader, the parser stays hiredis's default and only the speed-up is lost.)"""
     keep = max(READER_DEFAULT_MAXBUF, int(keep_bytes))
 
     class RetainingHiredisParser(_HiredisParser):
         def on_connect(self, connection, **kwargs) -> None:
             super().on_connect(connection, **kwargs)
-            self._reader.setmaxbuf(keep)
+            reader = getattr(self, "_reader", None)
+            if reader is not None and hasattr(reader, "setmaxbuf"):
+                reader.setmaxbuf(keep)
 
     RetainingHiredisParser.keep_bytes = keep
     return RetainingHiredisParser
