@@ -1,7 +1,7 @@
 """Redis tier throughput against ``redis-benchmark`` on the same server, value size and pipeline depth.
 
     PYTHONPATH=src python benchmarks/bench_redis.py [--sizes 5898240,1048576] [--depths 1,4]
-        [--ops 96] [--repeat 3] [--unix] [--url redis://host:port/0]
+        [--ops 96] [--min-mb 500] [--repeat 3] [--unix] [--url redis://host:port/0]
 
 Prints ONE JSON line. For every (value size, pipeline depth) and direction:
 
@@ -13,6 +13,10 @@ Prints ONE JSON line. For every (value size, pipeline depth) and direction:
   The tier is built with ``presence_ttl`` ~0, so a put of a block it knows present is still sent.
 - ``redis_benchmark``: ``redis-benchmark -c 1 -P depth -d size -n ops -t set,get --csv`` against
   the same server (one client, same depth, same value size, same number of requests).
+
+``ops`` per cell is ``--ops``, raised so that a run moves at least ``--min-mb`` MB (a multiple of
+the depth): 96 requests of 1 MiB take ~40 ms, short enough for one scheduler hiccup to move the
+ratio by 20 points.
 
 The two runs of a cell are interleaved and repeated ``--repeat`` times; the JSON has the median
 of each and ``ratio`` = kvtier / redis-benchmark (the goal is >= 0.8). MB = 10^6 bytes.
@@ -26,6 +30,7 @@ import argparse
 import csv
 import io
 import json
+import math
 import os
 import platform
 import resource
@@ -110,7 +115,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default=f"{SMOLLM2_BLOCK},{1 << 20}")
     parser.add_argument("--depths", default="1,4")
-    parser.add_argument("--ops", type=int, default=96, help="requests per run (per direction)")
+    parser.add_argument("--ops", type=int, default=96, help="requests per run (per direction), at least")
+    parser.add_argument(
+        "--min-mb", type=float, default=500.0, help="raise a cell's requests until a run moves this many MB"
+    )
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--unix", action="store_true", help="connect over a unix socket (own server only)")
     parser.add_argument("--url", help="an existing server (default: start one)")
@@ -135,6 +143,8 @@ def main() -> None:
         cells = []
         for size in (int(s) for s in args.sizes.split(",")):
             for depth in (int(d) for d in args.depths.split(",")):
+                ops = max(args.ops, math.ceil(args.min_mb * 1e6 / size))
+                ops = -(-ops // depth) * depth
                 config = RedisTierConfig(
                     url=url,
                     timeout_s=10.0,
@@ -157,14 +167,14 @@ def main() -> None:
                 keys = [os.urandom(32) for _ in range(depth)]
                 runs: dict[str, list[dict]] = {"kvtier": [], "redis_benchmark": []}
                 try:
-                    kvtier_run(tier, slots, size, depth, max(depth, args.ops // 8), keys)  # warm-up
+                    kvtier_run(tier, slots, size, depth, max(depth, ops // 8), keys)  # warm-up
                     for _ in range(args.repeat):
-                        runs["kvtier"].append(kvtier_run(tier, slots, size, depth, args.ops, keys))
-                        runs["redis_benchmark"].append(redis_benchmark(target, size, depth, args.ops))
+                        runs["kvtier"].append(kvtier_run(tier, slots, size, depth, ops, keys))
+                        runs["redis_benchmark"].append(redis_benchmark(target, size, depth, ops))
                     stats = tier.stats
                 finally:
                     tier.close()
-                cell = {"size": size, "depth": depth, "ops": args.ops}
+                cell = {"size": size, "depth": depth, "ops": ops}
                 for direction in ("put", "get"):
                     ours = statistics.median(r[direction] for r in runs["kvtier"])
                     theirs = statistics.median(r[direction] for r in runs["redis_benchmark"])

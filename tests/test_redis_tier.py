@@ -21,6 +21,7 @@ from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, encode_header, payload_checksum
 from kvtier.tiers.redis import KeySpace, RedisTier, decode_value, encode_value
 from kvtier.tiers.redis.breaker import BreakerState, CircuitBreaker
+import kvtier.tiers.redis.client as redis_client_module
 from kvtier.tiers.redis.client import (
     COMMAND_PACKER,
     READER_SLACK,
@@ -244,18 +245,19 @@ def test_presence_cache_ttls_lru_bound_and_residency():
 def test_client_runs_one_pipeline_per_batch_with_error_replies_in_place(server, monkeypatch):
     client = RedisClient(config_for(server))
     client.connect()
-    executes: list[int] = []
-    execute = redis.client.Pipeline.execute
+    writes: list[bytes] = []
+    send = redis.connection.AbstractConnection.send_packed_command
 
-    def counting_execute(self, raise_on_error=True):
-        executes.append(len(self.command_stack))
-        assert raise_on_error is False  # one bad command must not fail the batch
-        return execute(self, raise_on_error)
+    def counting_send(self, command, check_health=True):
+        chunks = [command] if isinstance(command, (bytes, str)) else list(command)
+        writes.append(b"".join(bytes(chunk) for chunk in chunks))
+        return send(self, chunks, check_health)
 
-    monkeypatch.setattr(redis.client.Pipeline, "execute", counting_execute)
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command", counting_send)
     admin = server.client()
     admin.rpush(b"kvtier:list", b"x")
     value = os.urandom(70000)
+    writes.clear()  # the admin client's own traffic
     try:
         replies = client.run(
             [
@@ -268,7 +270,10 @@ def test_client_runs_one_pipeline_per_batch_with_error_replies_in_place(server, 
                 (b"UNLINK", b"kvtier:missing"),
             ]
         )
-        assert executes == [7] and replies.round_trips == 1
+        # one write carrying all seven commands (the first's start, the last's end), one round trip
+        assert len(writes) == 1 and replies.round_trips == 1
+        assert writes[0].startswith(b"*3\r\n$3\r\nSET\r\n$8\r\nkvtier:a\r\n$70000\r\n")
+        assert writes[0].endswith(b"*2\r\n$6\r\nUNLINK\r\n$14\r\nkvtier:missing\r\n")
         ok, got, missing, wrongtype, exists, expire, unlinked = replies
         assert ok == b"OK" and got == value and missing is None and exists == 1 and expire and unlinked == 0
         assert isinstance(wrongtype, redis.exceptions.ResponseError) and error_code(wrongtype) == "WRONGTYPE"
@@ -367,15 +372,12 @@ def test_one_round_trip_per_batch_bounded_by_bytes(server, tiers, monkeypatch):
         return run(commands)
 
     tier._client.run = counting_run
-    executes: list[int] = []  # pipelines run (one round trip each), and their commands
-    execute = redis.client.Pipeline.execute
+    executes: list[int] = []  # exchanges run (one round trip each), and their commands
+    exchange = redis_client_module._pipeline
     monkeypatch.setattr(
-        redis.client.Pipeline,
-        "execute",
-        lambda self, raise_on_error=True: (
-            executes.append(len(self.command_stack)),
-            execute(self, raise_on_error),
-        )[1],
+        redis_client_module,
+        "_pipeline",
+        lambda node, commands: (executes.append(len(commands)), exchange(node, commands))[1],
     )
     keys = [key_of(n) for n in range(8)]
     interval = sys.getswitchinterval()

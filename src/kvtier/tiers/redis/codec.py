@@ -150,7 +150,9 @@ def check_headers(
                 f"rank {rank}: header key {header.key.hex()[:16]}.. is not the key asked for"
             )
         if header.payload_len != payload_len:
-            raise CorruptBlockError(f"rank {rank}: payload length {header.payload_len}, expected {payload_len}")
+            raise CorruptBlockError(
+                f"rank {rank}: payload length {header.payload_len}, expected {payload_len}"
+            )
         decoded.append(header)
     return decoded
 

@@ -3,8 +3,11 @@
 :class:`DataPath` turns a batch of jobs into ONE :meth:`~kvtier.tiers.redis.client.RedisClient.run`
 (one redis-py pipeline, so one round trip, per server), classifies every reply, reports the
 batch's outcome to the circuit breaker and posts what happened on the tier's completion queue
-(``post``) for :meth:`~kvtier.tiers.redis.RedisTier.poll` to apply on the caller's thread. It
-never touches the tier's caller-side state and never raises.
+(``post``) for :meth:`~kvtier.tiers.redis.RedisTier.poll` to apply on the caller's thread: ONE
+post (a list of messages) per batch, after all of its work, so a caller blocked in
+:meth:`~kvtier.tiers.redis.RedisTier.wait` wakes once per batch, when it has everything, instead
+of waking to half a batch and competing with the worker for the GIL while it copies. It never
+touches the tier's caller-side state and never raises.
 
 - Reads: ``GET``; the reply (``bytes``, parsed by redis-py) has its length and headers checked
   where it is, then its payloads are copied into the caller's buffers, each checksummed as it
@@ -48,7 +51,7 @@ from kvtier.tiers.redis.wire import ValueParts
 
 logger = logging.getLogger(__name__)
 
-# Messages posted on the completion queue.
+# Messages posted on the completion queue (each post is a list of them: one batch's outcomes, in order).
 MSG_IO = "io"  # (MSG_IO, IoResult, detail: None | "oom" | "breaker"[, the WriteJob for a write])
 MSG_BATCH = "batch"  # (MSG_BATCH, "read" | "write" | "probe", round trips)
 MSG_PROBE = "probe"  # (MSG_PROBE, keys, found: list[bool | None]  (None: the probe of that key failed))
@@ -87,7 +90,7 @@ class DataPath:
         payload_bytes: int,
         ttl_seconds: int | None,
         breaker: CircuitBreaker,
-        post: Callable[[tuple], None],
+        post: Callable[[list[tuple]], None],
     ) -> None:
         self.client = client
         self.keys = keys
@@ -107,19 +110,24 @@ class DataPath:
             self._read_batch(jobs)
         except Exception:  # a bug: every job must still complete
             logger.exception("kvtier redis: read batch failed")
-            for job in jobs:
-                self.post((MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), None))
+            self.post(
+                [
+                    (MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), None)
+                    for job in jobs
+                ]
+            )
 
     def _read_batch(self, jobs: list[ReadJob]) -> None:
         if not self.breaker.closed:
-            for job in jobs:
-                self.post(
+            self.post(
+                [
                     (MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), "breaker")
-                )
+                    for job in jobs
+                ]
+            )
             return
         start = time.perf_counter()
         replies = self.client.run([(b"GET", self.keys.block(job.key)) for job in jobs])
-        self.post((MSG_BATCH, "read", replies.round_trips))
         failed = False
         corrupt: list[BlockKey] = []
         results = []
@@ -149,8 +157,7 @@ class DataPath:
             for job, error in results
         ]
         self._report(failed)
-        for result in results:
-            self.post((MSG_IO, result, None))
+        self.post([(MSG_BATCH, "read", replies.round_trips)] + [(MSG_IO, result, None) for result in results])
         if corrupt:
             self.remove(corrupt)
 
@@ -168,26 +175,35 @@ class DataPath:
             self._write_batch(jobs)
         except Exception:
             logger.exception("kvtier redis: write batch failed")
-            for job in jobs:
-                self.post(
+            self.post(
+                [
                     (MSG_IO, IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.IO), None, job)
-                )
+                    for job in jobs
+                ]
+            )
 
     def _write_batch(self, jobs: list[WriteJob]) -> None:
         if not self.breaker.closed:
-            for job in jobs:
-                result = IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED)
-                self.post((MSG_IO, result, "breaker", job))
+            self.post(
+                [
+                    (
+                        MSG_IO,
+                        IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED),
+                        "breaker",
+                        job,
+                    )
+                    for job in jobs
+                ]
+            )
             return
         start = time.perf_counter()
         expire: tuple = (b"EX", self.ttl_seconds) if self.ttl_seconds else ()
         commands = [(b"SET", self.keys.block(job.key), self._value(job), *expire) for job in jobs]
         replies = self.client.run(commands)
-        self.post((MSG_BATCH, "write", replies.round_trips))
         seconds = (time.perf_counter() - start) / len(jobs)
         nbytes = self.world * (HEADER_LEN + self.payload_bytes)
         failed = False
-        posts = []
+        posts: list[tuple] = [(MSG_BATCH, "write", replies.round_trips)]
         for job, reply in zip(jobs, replies):
             if reply == b"OK" or reply is True:  # SET's reply (True if a response callback parsed it)
                 self._oom_logged = False
@@ -215,8 +231,7 @@ class DataPath:
                 )
             )
         self._report(failed)
-        for message in posts:
-            self.post(message)
+        self.post(posts)
 
     def _value(self, job: WriteJob) -> ValueParts:
         """The value of ``job``'s block: every rank's header and payload (the job's sources,
@@ -227,18 +242,19 @@ class DataPath:
 
     def probe_batch(self, groups: list[list[BlockKey]]) -> None:
         keys = [key for group in groups for key in group]
+        messages: list[tuple] = []
         try:
-            found = self._probe(keys)
+            found = self._probe(keys, messages)
         except Exception:
             logger.exception("kvtier redis: probe batch failed")
             found = [None] * len(keys)
-        self.post((MSG_PROBE, keys, found))
+        self.post(messages + [(MSG_PROBE, keys, found)])
 
-    def _probe(self, keys: list[BlockKey]) -> list[bool | None]:
+    def _probe(self, keys: list[BlockKey], messages: list[tuple]) -> list[bool | None]:
         if not self.breaker.closed:
             return [None] * len(keys)
         replies = self.client.run([(b"EXISTS", self.keys.block(key)) for key in keys])
-        self.post((MSG_BATCH, "probe", replies.round_trips))
+        messages.append((MSG_BATCH, "probe", replies.round_trips))
         found: list[bool | None] = []
         failed = False
         for reply in replies:
@@ -265,7 +281,7 @@ class DataPath:
         if not keys:
             return
         if not self.breaker.closed:
-            self.post((MSG_REMOVED, 0, len(keys)) if removal else (MSG_REMOVED, 0, 0))
+            self.post([(MSG_REMOVED, 0, len(keys)) if removal else (MSG_REMOVED, 0, 0)])
             return
         try:
             replies = self.client.run([(command, self.keys.block(key), *extra) for key in keys])
@@ -275,7 +291,7 @@ class DataPath:
         done = sum(1 for r in replies if isinstance(r, int) and r > 0)
         errors = sum(1 for r in replies if not isinstance(r, int))
         self._report(any(is_connection_failure(r) for r in replies if isinstance(r, BaseException)))
-        self.post((MSG_REMOVED, done if removal else 0, errors))
+        self.post([(MSG_REMOVED, done if removal else 0, errors)])
 
     def sweep(self) -> None:
         """Remove every block of this namespace (``clear``): SCAN every server, UNLINK in batches.
@@ -300,7 +316,7 @@ class DataPath:
             logger.warning("kvtier redis: clear() stopped early: %s", describe(exc))
             if is_connection_failure(exc):
                 self._report(True)
-        self.post((MSG_REMOVED, removed, errors))
+        self.post([(MSG_REMOVED, removed, errors)])
 
     def _unlink_names(self, names: list[bytes]) -> tuple[int, int]:
         replies = self.client.run([(b"UNLINK", name) for name in names])

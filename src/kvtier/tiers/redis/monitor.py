@@ -42,7 +42,7 @@ class Monitor:
         *,
         client: RedisClient,
         breaker: CircuitBreaker,
-        post: Callable[[tuple], None],
+        post: Callable[[list[tuple]], None],
         on_recovered: Callable[[], None],
         usage_interval: float = USAGE_INTERVAL,
     ) -> None:
@@ -126,4 +126,4 @@ class Monitor:
             if is_connection_failure(exc):
                 self._breaker.failure()
             return
-        self._post((MSG_USAGE, used, capacity))
+        self._post([(MSG_USAGE, used, capacity)])

@@ -15,7 +15,7 @@ the tier's own threads: ``kvtier-redis-read`` (reads), ``kvtier-redis-write`` (w
 EXPIREs, clear sweeps; background priority), ``kvtier-redis-probe`` (EXISTS probes) and
 ``kvtier-redis-monitor`` (recovery, ``INFO memory``). Workers never touch the caller-side state
 (presence cache, counters, writes in flight): they post outcomes on a :class:`queue.SimpleQueue`
-and :meth:`poll` applies them, so that state needs no lock. Threads per pool:
+(one list of messages per batch) and :meth:`poll` applies them, so that state needs no lock. Threads per pool:
 ``max(1, min(4, (max_connections - 2) // 2))`` readers and as many writers, so that every
 thread can hold a connection (3 + 3 + 1 + 1 = 8 with the default ``max_connections`` 8). Below
 4 connections threads wait for one (up to ``timeout_s``; a cluster node's pool refuses instead,
@@ -185,8 +185,8 @@ class RedisTier(SecondaryTier):
         self._cancelled: set[BlockKey] = set()  # deleted while a write of it was in flight
         self._clear_epoch = 0
         self._usage = (0, 0)
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._waited: tuple | None = None  # taken off _done by wait(), applied by the next poll()
+        self._done: queue.SimpleQueue[list[tuple]] = queue.SimpleQueue()  # workers' posts (jobs.py)
+        self._waited: list[tuple] | None = None  # taken off _done by wait(), applied by the next poll()
 
         self._monitor: Monitor | None = None
         self._breaker = CircuitBreaker(on_open=self._wake_monitor)
@@ -264,7 +264,7 @@ class RedisTier(SecondaryTier):
         if len(key) != KEY_BYTES:
             raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
         if self._closed or not self._breaker.closed:
-            self._done.put((MSG_IO, IoResult(job_id, IoKind.READ, key, False, error=IoError.IO), "breaker"))
+            self._done.put([(MSG_IO, IoResult(job_id, IoKind.READ, key, False, error=IoError.IO), "breaker")])
             return
         self._reads.submit(ReadJob(job_id, key, views), self._value_bytes)
 
@@ -292,7 +292,7 @@ class RedisTier(SecondaryTier):
             key
         ) is Presence.PRESENT:
             # Content addressed: the bytes stored (or on their way) are these bytes.
-            self._done.put((MSG_IO, IoResult(job_id, IoKind.WRITE, key, True), "dedup"))
+            self._done.put([(MSG_IO, IoResult(job_id, IoKind.WRITE, key, True), "dedup")])
             return True
         self._writing[key] = self._writing.get(key, 0) + 1
         self._pending_writes += 1
@@ -304,38 +304,43 @@ class RedisTier(SecondaryTier):
     def poll(self) -> list[IoResult]:
         results: list[IoResult] = []
         done = self._done
-        counts = self._counts
-        msg, self._waited = self._waited, None
+        posted, self._waited = self._waited, None
         while True:
-            if msg is None:
+            if posted is None:
                 try:
-                    msg = done.get_nowait()
+                    posted = done.get_nowait()
                 except queue.Empty:
                     break
-            kind = msg[0]
-            if kind == MSG_IO:
-                result: IoResult = msg[1]
-                if result.kind is IoKind.READ:
-                    self._finish_read(result, msg[2])
-                else:
-                    self._finish_write(result, msg[2], msg[3] if len(msg) > 3 else None)
-                results.append(result)
-            elif kind == MSG_PROBE:
-                keys, found = msg[1], msg[2]
-                self._presence.probed(keys, found)
-                counts["probes"] += len(keys)
-                counts["probe_failures"] += sum(1 for f in found if f is None)
-            elif kind == MSG_BATCH:
-                counts[f"{msg[1]}_batches"] += msg[2]
-            elif kind == MSG_REMOVED:
-                counts["removed"] += msg[1]
-                counts["io_errors"] += msg[2]
-            elif kind == MSG_USAGE:
-                self._usage = (msg[1], msg[2])
-            msg = None
+            for msg in posted:
+                self._apply(msg, results)
+            posted = None
         if self._breaker.generation != self._seen_generation:
             self._sync_breaker()
         return results
+
+    def _apply(self, msg: tuple, results: list[IoResult]) -> None:
+        """Apply one message a worker posted (:mod:`~kvtier.tiers.redis.jobs`); a job's result goes to ``results``."""
+        kind = msg[0]
+        counts = self._counts
+        if kind == MSG_IO:
+            result: IoResult = msg[1]
+            if result.kind is IoKind.READ:
+                self._finish_read(result, msg[2])
+            else:
+                self._finish_write(result, msg[2], msg[3] if len(msg) > 3 else None)
+            results.append(result)
+        elif kind == MSG_PROBE:
+            keys, found = msg[1], msg[2]
+            self._presence.probed(keys, found)
+            counts["probes"] += len(keys)
+            counts["probe_failures"] += sum(1 for f in found if f is None)
+        elif kind == MSG_BATCH:
+            counts[f"{msg[1]}_batches"] += msg[2]
+        elif kind == MSG_REMOVED:
+            counts["removed"] += msg[1]
+            counts["io_errors"] += msg[2]
+        elif kind == MSG_USAGE:
+            self._usage = (msg[1], msg[2])
 
     def wait(self, timeout: float) -> bool:
         """Block the calling thread up to ``timeout`` seconds until a worker has posted an outcome
@@ -404,16 +409,19 @@ class RedisTier(SecondaryTier):
             self._monitor.stop()
         for pool in (self._probe_pool, self._read_pool, self._write_pool):
             pool.shutdown()
-        for job in self._reads.cancel():
-            self._done.put(
+        cancelled = (
+            [
                 (MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), None)
-            )
-        for job in self._writes.cancel():
-            self._done.put(
+                for job in self._reads.cancel()
+            ]
+            + [
                 (MSG_IO, IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.IO), None, job)
-            )
-        for keys in self._probes.cancel():
-            self._done.put((MSG_PROBE, keys, [None] * len(keys)))
+                for job in self._writes.cancel()
+            ]
+            + [(MSG_PROBE, keys, [None] * len(keys)) for keys in self._probes.cancel()]
+        )
+        if cancelled:
+            self._done.put(cancelled)
         self._client.close()
 
     # ------------------------------------------------------------------ extras
