@@ -16,8 +16,14 @@ from kvtier.core.tier_config import RedisTierConfig
 from kvtier.tiers.base import IoKind
 from kvtier.tiers.blockfile import COPY_CHUNK, copy_with_checksum, payload_checksum
 from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis.client import READER_SLACK
-from kvtier.tiers.redis.wire import BUFFER_CUTOFF, COMMAND_PACKER, READER_DEFAULT_MAXBUF, ValueParts, reply_parser
+from kvtier.tiers.redis.client import READER_SLACK, RedisClient
+from kvtier.tiers.redis.wire import (
+    BUFFER_CUTOFF,
+    COMMAND_PACKER,
+    READER_DEFAULT_MAXBUF,
+    ValueParts,
+    reply_parser,
+)
 
 REDIS_PY_PACKER = PythonRespSerializer(BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
 
@@ -130,7 +136,10 @@ def test_wait_blocks_until_a_job_is_done_and_poll_returns_it(server):
     )
     try:
         (node,) = tier._client.node_clients()  # the tier's connections keep one value's buffer
-        assert node.connection_pool.connection_kwargs["parser_class"].keep_bytes == tier.value_bytes + READER_SLACK
+        assert (
+            node.connection_pool.connection_kwargs["parser_class"].keep_bytes
+            == tier.value_bytes + READER_SLACK
+        )
         while tier.wait(0.2):  # the monitor's first usage report
             tier.poll()
         start = time.monotonic()
@@ -147,3 +156,31 @@ def test_wait_blocks_until_a_job_is_done_and_poll_returns_it(server):
         assert tier.poll() == []
     finally:
         tier.close()
+
+
+def test_run_hands_each_reply_to_on_reply_before_reading_the_next(server, monkeypatch):
+    """The read path copies a value while the server sends the next one: ``on_reply`` sees reply
+    i before reply i+1 is read, with its command's index, and its return value replaces it."""
+    client = RedisClient(RedisTierConfig(url=server.url(), timeout_s=5.0, connect_timeout_s=5.0))
+    client.connect()
+    values = [os.urandom(size) for size in (70_000, 10, 300_000)]
+    events: list[str] = []
+    read = redis.connection.AbstractConnection.read_response
+
+    def recording_read(self, *args, **kwargs):
+        events.append("read")
+        return read(self, *args, **kwargs)
+
+    def on_reply(index, reply):
+        events.append(f"reply {index}")
+        return ("seen", index, reply)
+
+    try:
+        assert client.run([(b"SET", b"kvtier:%d" % n, v) for n, v in enumerate(values)]) == [b"OK"] * 3
+        monkeypatch.setattr(redis.connection.AbstractConnection, "read_response", recording_read)
+        commands = [(b"GET", b"kvtier:%d" % n) for n in range(3)] + [(b"GET", b"kvtier:none")]
+        replies = client.run(commands, on_reply=on_reply)
+        assert events == ["read", "reply 0", "read", "reply 1", "read", "reply 2", "read", "reply 3"]
+        assert replies == [("seen", n, v) for n, v in enumerate(values)] + [("seen", 3, None)]
+    finally:
+        client.close()

@@ -54,7 +54,7 @@ import functools
 import logging
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from urllib.parse import urlsplit
 
@@ -271,10 +271,20 @@ class RedisClient:
 
     # ------------------------------------------------------------------ data path
 
-    def run(self, commands: Sequence[Sequence[object]]) -> Replies:
+    def run(
+        self, commands: Sequence[Sequence[object]], *, on_reply: Callable[[int, Reply], Reply] | None = None
+    ) -> Replies:
         """Run single-key ``commands`` (argument tuples, ``args[1]`` is the key): one pipeline,
         so one round trip, per server. Returns one :data:`Reply` per command, in order. Never
-        raises for a failure of the server or the network (the failure is the reply)."""
+        raises for a failure of the server or the network (the failure is the reply).
+
+        ``on_reply(i, reply)``, if given, is called with command ``i``'s reply as soon as it is
+        read, before the next one is, and what it returns is kept instead: the read path copies a
+        value into its destination while the server is already sending the next one, and holds
+        one reply at a time. It runs on the thread reading that server's replies (a cluster batch
+        reads its servers concurrently, so calls for different servers may overlap). A node whose
+        exchange fails later still gives its failure for every command, including those already
+        passed to ``on_reply``."""
         replies = Replies([None] * len(commands))
         try:
             groups = self._groups(commands)
@@ -284,15 +294,14 @@ class RedisClient:
         replies.round_trips = len(groups)
         if len(groups) == 1:
             node, indexes = groups[0]
-            outcomes = [_pipeline(node, [commands[i] for i in indexes])]
+            outcomes = [_pipeline(node, commands, indexes, on_reply)]
         else:
             executor = self._executor()
             futures = [
-                executor.submit(_pipeline, node, [commands[i] for i in indexes])
-                for node, indexes in groups[1:]
+                executor.submit(_pipeline, node, commands, indexes, on_reply) for node, indexes in groups[1:]
             ]
             node, indexes = groups[0]
-            outcomes = [_pipeline(node, [commands[i] for i in indexes])]
+            outcomes = [_pipeline(node, commands, indexes, on_reply)]
             outcomes += [future.result() for future in futures]
         redirected = False
         for (_node, indexes), outcome in zip(groups, outcomes):
@@ -378,9 +387,15 @@ class RedisClient:
             logger.debug("kvtier redis: closing: %s", describe(exc))
 
 
-def _pipeline(node: redis.Redis, commands: Sequence[Sequence[object]]) -> list[Reply] | Exception:
-    """``commands`` pipelined on one of ``node``'s pooled connections: all sent in one write, then
-    every reply read in order. Returns the raw replies (no response callbacks: ``SET`` gives
+def _pipeline(
+    node: redis.Redis,
+    commands: Sequence[Sequence[object]],
+    indexes: Sequence[int],
+    on_reply: Callable[[int, Reply], Reply] | None = None,
+) -> list[Reply] | Exception:
+    """``commands[i]`` for ``i`` in ``indexes`` pipelined on one of ``node``'s pooled connections:
+    all sent in one write, then every reply read in order (each passed through ``on_reply(i,
+    reply)`` as soon as it is read, see :meth:`RedisClient.run`). Returns the raw replies (no response callbacks: ``SET`` gives
     ``b"OK"``), an error reply as its exception in its command's place, or the exception that
     failed the exchange (refused, reset, timed out: the connection is then disconnected, so the
     pool reconnects it on its next use, and no reply of a failed exchange is ever used).
@@ -395,13 +410,15 @@ def _pipeline(node: redis.Redis, commands: Sequence[Sequence[object]]) -> list[R
     except Exception as exc:  # no free connection within timeout_s, or the (re)connect failed
         return exc
     try:
-        connection.send_packed_command(connection.pack_commands(commands))
+        connection.send_packed_command(connection.pack_commands([commands[i] for i in indexes]))
         replies: list[Reply] = []
-        for _ in commands:
+        for index in indexes:
             try:
-                replies.append(connection.read_response())
+                reply = connection.read_response()
             except ResponseError as exc:  # the command's error reply; the connection is fine
-                replies.append(exc)
+                reply = exc
+            replies.append(reply if on_reply is None else on_reply(index, reply))
+            del reply
         return replies
     except Exception as exc:
         connection.disconnect()

@@ -9,13 +9,16 @@ post (a list of messages) per batch, after all of its work, so a caller blocked 
 of waking to half a batch and competing with the worker for the GIL while it copies. It never
 touches the tier's caller-side state and never raises.
 
-- Reads: ``GET``; the reply (``bytes``, parsed by redis-py) has its length and headers checked
-  where it is, then its payloads are copied into the caller's buffers, each checksummed as it
-  is copied (:func:`~kvtier.tiers.redis.codec.decode_value`: one pass, the least a maintained
-  client allows). A missing key (nil) is NOT_FOUND; a wrong length, a failed check or a
-  non-string value (``WRONGTYPE``) is CORRUPT: counted, never served (the read is not ok, so the
-  caller discards its buffers), and the key is UNLINKed right after the batch's results are
-  posted. A read batch holds its replies (at most ``batch_bytes``) until they are copied.
+- Reads: ``GET``; each reply (``bytes``, parsed by redis-py) is handled as soon as it is read,
+  while the server is already sending the next one (``run(on_reply=...)``): its length and
+  headers are checked where it is, then its payloads are copied into the caller's buffers, each
+  checksummed as it is copied (:func:`~kvtier.tiers.redis.codec.decode_value`: one pass, the
+  least a maintained client allows), and the reply is dropped, so a batch holds one value at a
+  time. A missing key (nil) is NOT_FOUND; a wrong length, a failed check or a non-string value
+  (``WRONGTYPE``) is CORRUPT: counted, never served (the read is not ok, so the caller discards
+  its buffers), and the key is UNLINKed right after the batch's results are posted. A batch
+  whose exchange fails after some values landed fails every read of it (IO): the caller
+  discards those buffers too.
 - Writes: ``SET name value [EX ttl]``, the value ONE argument given as its parts
   (:class:`~kvtier.tiers.redis.wire.ValueParts` of :func:`~kvtier.tiers.redis.codec.encode_value`:
   each rank's header, then its payload, the host slot itself): the packer sends the slots as
@@ -45,7 +48,14 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError, IoKind, IoResult
 from kvtier.tiers.redis.breaker import CircuitBreaker
-from kvtier.tiers.redis.client import RedisClient, describe, error_code, is_connection_failure, safe_text
+from kvtier.tiers.redis.client import (
+    Reply,
+    RedisClient,
+    describe,
+    error_code,
+    is_connection_failure,
+    safe_text,
+)
 from kvtier.tiers.redis.codec import HEADER_LEN, CorruptBlockError, KeySpace, decode_value, encode_value
 from kvtier.tiers.redis.wire import ValueParts
 
@@ -59,6 +69,9 @@ MSG_USAGE = "usage"  # (MSG_USAGE, used_bytes, capacity_bytes)
 MSG_REMOVED = "removed"  # (MSG_REMOVED, keys removed (count), failed commands (count))
 
 SCAN_BATCH = 1000
+
+LANDED = object()
+"""A read's reply once its value passed every check and was copied into the job's buffers."""
 
 
 @dataclass(slots=True)
@@ -127,18 +140,26 @@ class DataPath:
             )
             return
         start = time.perf_counter()
-        replies = self.client.run([(b"GET", self.keys.block(job.key)) for job in jobs])
+
+        def land(index: int, reply: Reply) -> Reply:  # each value, as soon as it is read
+            if not isinstance(reply, bytes):
+                return reply
+            try:
+                decode_value(reply, jobs[index].dests, rank_digests=self.rank_digests, key=jobs[index].key)
+            except CorruptBlockError as exc:
+                return exc
+            return LANDED
+
+        replies = self.client.run([(b"GET", self.keys.block(job.key)) for job in jobs], on_reply=land)
         failed = False
         corrupt: list[BlockKey] = []
         results = []
-        for index, (job, reply) in enumerate(zip(jobs, replies)):
-            replies[index] = None  # each value is freed once copied
+        for job, reply in zip(jobs, replies):
             error: IoError | None = None
-            if isinstance(reply, bytes):
-                try:
-                    decode_value(reply, job.dests, rank_digests=self.rank_digests, key=job.key)
-                except CorruptBlockError as exc:
-                    error = self._corrupt(job.key, str(exc), corrupt)
+            if reply is LANDED:
+                pass
+            elif isinstance(reply, CorruptBlockError):
+                error = self._corrupt(job.key, str(reply), corrupt)
             elif reply is None:
                 error = IoError.NOT_FOUND
             elif isinstance(reply, ResponseError) and error_code(reply) == "WRONGTYPE":
@@ -146,7 +167,6 @@ class DataPath:
             else:
                 error = IoError.IO
                 failed |= self._note_error("read", reply)
-            del reply
             results.append((job, error))
         seconds = (time.perf_counter() - start) / len(jobs)
         nbytes = self.world * self.payload_bytes

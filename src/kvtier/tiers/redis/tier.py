@@ -25,17 +25,19 @@ Batching. Jobs submitted together are coalesced by the worker into one batch, bo
 ``batch_bytes`` (64 MiB of values; one value larger than that goes alone), so a lookup's run of
 reads is one pipeline: one round trip per server. See :mod:`~kvtier.tiers.redis.batcher`.
 
-Buffers. A read's value arrives as one ``bytes`` reply (redis-py); its length and headers are
-checked, then its payloads are copied into the caller's buffers (one per rank, each exactly
-``payload_bytes``), each checksummed as it lands. A read that is not ``ok`` may have written its
-buffers (a payload that failed its checksum): the caller discards them, as for the disk tier. A
-write's value is its records sent as they are (each rank's header, then the caller's buffer,
-uncopied: :mod:`~kvtier.tiers.redis.wire`), so the caller's buffers must stay unchanged until
-the write's result is polled (the orchestrator keeps them pinned). A read batch in flight holds
-up to ``batch_bytes`` of replies in memory (per worker thread), and each connection that read a
-block keeps a reader buffer of about one value (:func:`~kvtier.tiers.redis.wire.reply_parser`). ``submit_write`` returns False (nothing queued, counted in
-``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the breaker is
-open.
+Buffers. A read's value arrives as one ``bytes`` reply (redis-py); as soon as it is read (while
+the server sends the batch's next one) its length and headers are checked, then its payloads
+are copied into the caller's buffers (one per rank, each exactly ``payload_bytes``), each
+checksummed as it lands, and the reply is dropped. A read that is not ``ok`` may have written
+its buffers (a payload that failed its checksum, or a batch whose connection failed after that
+value landed): the caller discards them, as for the disk tier. A write's value is its records
+sent as they are (each rank's header, then the caller's buffer, uncopied:
+:mod:`~kvtier.tiers.redis.wire`), so the caller's buffers must stay unchanged until the write's
+result is polled (the orchestrator keeps them pinned). Each read thread holds one reply at a
+time, and each connection that read a block keeps a reader buffer of about one value
+(:func:`~kvtier.tiers.redis.wire.reply_parser`). ``submit_write`` returns False (nothing queued,
+counted in ``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the
+breaker is open.
 
 Failures never raise into the caller and never stall it: see :mod:`~kvtier.tiers.redis.breaker`
 (3 consecutive failed batches open it; presence is then ABSENT, reads and probes fail at once,
