@@ -31,6 +31,8 @@ from kvtier.tiers.redis.client import (
     safe_text,
 )
 from kvtier.tiers.redis.presence import PresenceCache
+from kvtier.tiers.redis.jobs import PIECE_BYTES
+from kvtier.tiers.redis.codec import PieceLander
 
 PAYLOAD = 4096
 ENGINE = bytes(range(32))
@@ -308,9 +310,13 @@ def test_logged_error_texts_never_carry_arguments():
 # ---------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_round_trip_bit_exact_into_caller_buffers(server, tiers, world):
-    tier = tiers(config_for(server), world=world)
+@pytest.mark.parametrize(
+    "world, piece_bytes",
+    [(1, PIECE_BYTES), (2, PIECE_BYTES), (1, 1000), (1, 100)],  # 100: the header spans two pieces
+)
+def test_round_trip_bit_exact_into_caller_buffers(server, tiers, world, piece_bytes):
+    tier = tiers(config_for(server), world=world, piece_bytes=piece_bytes)
+    assert tier._path.piecewise is (world == 1 and 2 * piece_bytes <= HEADER_LEN + PAYLOAD)
     assert tier.medium is Medium.REMOTE and tier.breaker.closed
     tier.residency.enable()
     keys = [key_of(n) for n in range(6)]
@@ -465,9 +471,16 @@ def _other_key(value: bytes, other: bytes) -> bytes:
     return other  # a valid value of another block, copied over this one
 
 
-@pytest.mark.parametrize("mutate", [_garbage, _truncated, _bit_flip, _other_key, "other_namespace", "list"])
-def test_corrupt_values_are_never_served_counted_and_deleted(server, tiers, mutate, caplog):
-    tier = tiers(config_for(server))
+def _longer(value: bytes, other: bytes) -> bytes:
+    return value + b"\x00"
+
+
+@pytest.mark.parametrize("piece_bytes", [PIECE_BYTES, 1000])
+@pytest.mark.parametrize(
+    "mutate", [_garbage, _truncated, _longer, _bit_flip, _other_key, "other_namespace", "list"]
+)
+def test_corrupt_values_are_never_served_counted_and_deleted(server, tiers, mutate, piece_bytes, caplog):
+    tier = tiers(config_for(server), piece_bytes=piece_bytes)
     tier.residency.enable()
     key, other = key_of(1), key_of(2)
     write_all(tier, [key, other])
@@ -487,8 +500,8 @@ def test_corrupt_values_are_never_served_counted_and_deleted(server, tiers, muta
         result, data = read_one(tier, key, fill=0xEE)
     assert "corrupt value for block" in caplog.text and "\\x" not in caplog.text  # no value bytes
     assert not result.ok and result.error is IoError.CORRUPT
-    if mutate is not _bit_flip:  # lengths and headers are checked before anything is copied
-        assert data == [bytes([0xEE]) * PAYLOAD]
+    if mutate is not _bit_flip and not tier._path.piecewise:  # a whole value's length and headers
+        assert data == [bytes([0xEE]) * PAYLOAD]  # are checked before anything is copied
     # (a payload is checked as it is copied: the read is not ok, so the caller discards its buffer)
     assert tier.stats.corrupt == 1 and tier.presence(key) is Presence.ABSENT
     assert [(c.kind, c.key) for c in tier.residency.take()] == [(ChangeKind.REMOVED, key)]
@@ -496,6 +509,39 @@ def test_corrupt_values_are_never_served_counted_and_deleted(server, tiers, muta
     wait_for(tier, lambda: tier.stats.removed == 1, what="removal counted")
     result, _ = read_one(tier, other)
     assert result.ok  # the rest is untouched
+
+
+def test_pieces_that_fail_a_check_are_read_again_whole_before_anything_is_called_corrupt(
+    server, tiers, monkeypatch
+):
+    """A value read in GETRANGE pieces may change between two of them (another engine rewrote
+    it): such a read fails its checksum, and only the whole-value GET that follows may call the
+    value corrupt. Here the first landing of every read fails; the re-read serves the block."""
+    tier = tiers(config_for(server), piece_bytes=1000)
+    keys = [key_of(n) for n in range(3)]
+    write_all(tier, keys)
+    finish = PieceLander.finish
+    failures: list[bytes] = []
+
+    def racing_finish(self):
+        if self.key not in failures:
+            failures.append(self.key)
+            raise CorruptBlockError("rank 0: payload checksum mismatch")
+        finish(self)
+
+    monkeypatch.setattr(PieceLander, "finish", racing_finish)
+    batches = tier.stats.read_batches
+    dests = [bytearray(PAYLOAD) for _ in keys]
+    for job, key in enumerate(keys):
+        tier.submit_read(job, key, [memoryview(dests[job])])
+    assert all(r.ok for r in wait_results(tier, 3)) and failures == keys
+    assert dests == [bytearray(payload_of(k, 0)) for k in keys] and tier.stats.corrupt == 0
+    assert tier.stats.read_batches - batches == 2  # the pieces, then one GET per failed read
+    assert all(server.client().exists(tier.keys.block(k)) for k in keys)
+    monkeypatch.setattr(PieceLander, "finish", finish)
+    # A missing key: GETRANGE answers "" (as for an empty value), the GET says nil: NOT_FOUND.
+    result, data = read_one(tier, key_of(99))
+    assert result.error is IoError.NOT_FOUND and tier.stats.corrupt == 0
 
 
 def test_ttl_is_applied_and_touch_refreshes_it(server, tiers):

@@ -130,7 +130,6 @@ class KVTierConfig:
         return self.block_size
 
 
-
 _TOP_LEVEL_KEYS = frozenset(
     {
         "cpu_bytes_to_use",

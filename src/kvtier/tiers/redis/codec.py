@@ -18,7 +18,11 @@ operator tool can verify it with nothing but the value, and a reader accepts it 
 namespace digest of ITS rank, the key, the payload length and the payload checksum. There is no
 pickle or other code-loading format anywhere: a value is bytes that are checked, then copied.
 
-Threading: pure functions and immutable objects, no I/O. Key names are made on the caller's
+A big single-rank value may be read in pieces (``GETRANGE``) and landed piece by piece
+(:class:`PieceLander`, the same checks as :func:`decode_value`).
+
+Threading: pure functions and immutable objects (and one :class:`PieceLander` per read, used by
+one thread at a time), no I/O. Key names are made on the caller's
 thread; :func:`encode_value` runs on the write pool, :func:`decode_value` (which calls
 :func:`verify_value`) on the read pool.
 """
@@ -33,16 +37,19 @@ from kvtier.tiers.blockfile import (
     HEADER_LEN,
     BlockHeader,
     CorruptBlockError,
+    copy_and_hash,
     copy_with_checksum,
     decode_header,
     encode_header,
     payload_checksum,
+    payload_hasher,
 )
 
 __all__ = [
     "HEADER_LEN",
     "CorruptBlockError",
     "KeySpace",
+    "PieceLander",
     "check_headers",
     "decode_value",
     "encode_value",
@@ -201,3 +208,60 @@ def decode_value(
         payload = view[rank * record + HEADER_LEN : (rank + 1) * record]
         if copy_with_checksum(payload, dest) != header.checksum:
             raise CorruptBlockError(f"rank {rank}: payload checksum mismatch")
+
+
+class PieceLander:
+    """Lands ONE single-rank value read as consecutive pieces (``GETRANGE``): :meth:`feed` each
+    piece in order as it arrives, then :meth:`finish`. The header is checked as soon as its 136
+    bytes are in (namespace, key, payload length: :func:`check_headers`); the payload is copied
+    into ``dest`` and hashed as it lands (:func:`~kvtier.tiers.blockfile.copy_and_hash`), and
+    :meth:`finish` checks the total length and the checksum. Any mismatch raises
+    :class:`CorruptBlockError`; ``dest`` then holds bytes that must not be used.
+
+    Pieces are not one atomic read: the value may be replaced between two of them. A payload
+    that mixes two writes, or that is not the one its header describes, fails the checksum
+    (the header's checksum is of one write's payload), so no mix is ever landed as good; the
+    reader re-reads such a value whole (``GET``) before it calls it corrupt. Single rank only:
+    with several ranks each could pass its own checks while coming from a different write.
+
+    Owned by the read thread that feeds it; ``dest`` is the caller's buffer, borrowed."""
+
+    def __init__(self, dest: memoryview, *, rank_digest: bytes, key: BlockKey) -> None:
+        self.dest = dest
+        self.rank_digest = rank_digest
+        self.key = key
+        self.expected = HEADER_LEN + dest.nbytes
+        self.received = 0
+        self.done = False
+        self._header_bytes = bytearray()
+        self._header: BlockHeader | None = None
+        self._hasher = payload_hasher()
+
+    def feed(self, piece: bytes | bytearray | memoryview) -> None:
+        """Land the value's next piece (its bytes from offset :attr:`received` on)."""
+        view = memoryview(piece).cast("B")
+        if self.received + view.nbytes > self.expected:
+            raise CorruptBlockError(f"value is longer than the {self.expected} bytes expected")
+        if self._header is None:
+            take = min(view.nbytes, HEADER_LEN - len(self._header_bytes))
+            self._header_bytes += view[:take]
+            self.received += take
+            view = view[take:]
+            if len(self._header_bytes) < HEADER_LEN:
+                return
+            (self._header,) = check_headers(
+                [self._header_bytes], [self.dest.nbytes], rank_digests=[self.rank_digest], key=self.key
+            )
+        if view.nbytes:
+            start = self.received - HEADER_LEN
+            copy_and_hash(view, self.dest[start : start + view.nbytes], self._hasher)
+            self.received += view.nbytes
+
+    def finish(self) -> None:
+        """Check that the whole value came in and that its payload is the one its header names."""
+        if self.received != self.expected:
+            raise CorruptBlockError(f"value is {self.received} bytes, expected {self.expected}")
+        assert self._header is not None  # received == expected > HEADER_LEN
+        if self._hasher.intdigest() != self._header.checksum:
+            raise CorruptBlockError("rank 0: payload checksum mismatch")
+        self.done = True

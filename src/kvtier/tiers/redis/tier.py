@@ -83,6 +83,7 @@ from kvtier.tiers.redis.jobs import (
     MSG_PROBE,
     MSG_REMOVED,
     MSG_USAGE,
+    PIECE_BYTES,
     DataPath,
     ReadJob,
     WriteJob,
@@ -158,6 +159,7 @@ class RedisTier(SecondaryTier):
         presence_entries: int = MAX_ENTRIES,
         batch_bytes: int = BATCH_BYTES,
         usage_interval: float = USAGE_INTERVAL,
+        piece_bytes: int = PIECE_BYTES,
     ) -> None:
         if not rank_digests:
             raise ValueError("rank_digests must name at least one rank (one digest per rank)")
@@ -202,6 +204,7 @@ class RedisTier(SecondaryTier):
             ttl_seconds=config.ttl_seconds,
             breaker=self._breaker,
             post=self._done.put,
+            piece_bytes=piece_bytes,
         )
         try:
             self._client.connect()
