@@ -17,6 +17,8 @@ from kvtier.tiers.base import IoKind
 from kvtier.tiers.blockfile import COPY_CHUNK, copy_with_checksum, payload_checksum
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis.client import READER_SLACK, RedisClient
+from kvtier.tiers.redis.codec import HEADER_LEN
+from kvtier.tiers.redis.jobs import read_reply_bytes
 from kvtier.tiers.redis.wire import (
     BUFFER_CUTOFF,
     COMMAND_PACKER,
@@ -184,3 +186,13 @@ def test_run_hands_each_reply_to_on_reply_before_reading_the_next(server, monkey
         assert replies == [("seen", n, v) for n, v in enumerate(values)] + [("seen", 3, None)]
     finally:
         client.close()
+
+
+def test_read_reply_bytes_is_a_value_or_one_even_piece():
+    """What each connection's reader keeps: a whole value, unless reads go in pieces (one rank,
+    a value of at least two pieces), then one of the value // PIECE_BYTES even pieces."""
+    assert read_reply_bytes(1, 4096) == HEADER_LEN + 4096
+    assert read_reply_bytes(1, (1 << 20) - HEADER_LEN + 5) == (1 << 20) + 5  # under two pieces: whole
+    assert read_reply_bytes(1, 5898240) == -(-(HEADER_LEN + 5898240) // 5)  # 5 pieces of ~1.18 MB
+    assert read_reply_bytes(2, 5898240) == 2 * (HEADER_LEN + 5898240)  # several ranks: whole
+    assert read_reply_bytes(1, 4096, piece_bytes=1000) == -(-(HEADER_LEN + 4096) // 4)

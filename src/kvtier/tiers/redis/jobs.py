@@ -105,6 +105,14 @@ class WriteJob:
     epoch: int = 0  # the tier's clear() count when it was submitted
 
 
+def read_reply_bytes(world: int, payload_bytes: int, piece_bytes: int = PIECE_BYTES) -> int:
+    """The largest reply a read expects: one value, or (one rank, a value of at least two
+    ``piece_bytes``) one of its ``value // piece_bytes`` even pieces."""
+    total = world * (HEADER_LEN + payload_bytes)
+    pieces = max(1, total // piece_bytes) if world == 1 else 1
+    return -(-total // pieces)
+
+
 class DataPath:
     """The tier's batches, run on its worker threads; outcomes go to ``post``."""
 
@@ -128,11 +136,9 @@ class DataPath:
         self.ttl_seconds = ttl_seconds
         self.breaker = breaker
         self.post = post
-        total = HEADER_LEN + payload_bytes
-        pieces = max(1, total // piece_bytes) if self.world == 1 else 1
-        self.piecewise = pieces >= 2
+        self.piece_bytes = read_reply_bytes(self.world, payload_bytes, piece_bytes)
+        self.piecewise = self.piece_bytes < HEADER_LEN + payload_bytes
         """Reads go as pieces (:meth:`_read_pieces`): one rank, values of at least two ``piece_bytes``."""
-        self.piece_bytes = -(-total // pieces)  # even pieces, each at least piece_bytes
         self._oom_logged = False
         self._errors_logged: set[str] = set()
 

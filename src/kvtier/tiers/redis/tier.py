@@ -25,8 +25,9 @@ Batching. Jobs submitted together are coalesced by the worker into one batch, bo
 ``batch_bytes`` (64 MiB of values; one value larger than that goes alone), so a lookup's run of
 reads is one pipeline: one round trip per server. See :mod:`~kvtier.tiers.redis.batcher`.
 
-Buffers. A read's value arrives as one ``bytes`` reply (redis-py); as soon as it is read (while
-the server sends the batch's next one) its length and headers are checked, then its payloads
+Buffers. A read's value arrives as one ``bytes`` reply (redis-py), or, for one rank and values of
+2 MiB or more, as ``GETRANGE`` pieces of about 1 MiB (:mod:`~kvtier.tiers.redis.jobs`); as soon
+as a reply is read (while the server sends the next one) its length and headers are checked, then its payloads
 are copied into the caller's buffers (one per rank, each exactly ``payload_bytes``), each
 checksummed as it lands, and the reply is dropped. A read that is not ``ok`` may have written
 its buffers (a payload that failed its checksum, or a batch whose connection failed after that
@@ -34,7 +35,8 @@ value landed): the caller discards them, as for the disk tier. A write's value i
 sent as they are (each rank's header, then the caller's buffer, uncopied:
 :mod:`~kvtier.tiers.redis.wire`), so the caller's buffers must stay unchanged until the write's
 result is polled (the orchestrator keeps them pinned). Each read thread holds one reply at a
-time, and each connection that read a block keeps a reader buffer of about one value
+time, and each connection that read a block keeps a reader buffer of about one reply (a value, or
+one piece of a value read in pieces: :data:`~kvtier.tiers.redis.jobs.PIECE_BYTES`)
 (:func:`~kvtier.tiers.redis.wire.reply_parser`). ``submit_write`` returns False (nothing queued,
 counted in ``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the
 breaker is open.
@@ -87,6 +89,7 @@ from kvtier.tiers.redis.jobs import (
     DataPath,
     ReadJob,
     WriteJob,
+    read_reply_bytes,
 )
 from kvtier.tiers.redis.monitor import USAGE_INTERVAL, Monitor
 from kvtier.tiers.redis.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL, PresenceCache
@@ -195,7 +198,9 @@ class RedisTier(SecondaryTier):
         self._monitor: Monitor | None = None
         self._breaker = CircuitBreaker(on_open=self._wake_monitor)
         self._seen_generation = self._breaker.generation
-        self._client = RedisClient(config, reply_bytes=self._value_bytes)  # ConfigError: password_env unset
+        # Each connection's reader keeps a buffer for the largest reply reads expect (a value, or a piece).
+        reply_bytes = read_reply_bytes(self._world, payload_bytes, piece_bytes)
+        self._client = RedisClient(config, reply_bytes=reply_bytes)  # ConfigError: password_env unset
         self._path = DataPath(
             client=self._client,
             keys=self._keys,
