@@ -6,10 +6,11 @@
 Prints ONE JSON line. For every (value size, pipeline depth) and direction:
 
 - ``kvtier``: a :class:`~kvtier.tiers.redis.RedisTier` (one rank, ``payload_bytes`` = size) driven
-  as the orchestrator drives it: ``depth`` jobs submitted together (one pipeline), then ``wait()`` + ``poll()``
-  until they are all done, ``ops / depth`` times. Puts send from, and gets land in, a preallocated
-  host buffer of ``depth`` slots; every get is verified (headers, checksums) before it counts.
-  The stored value is the payload plus a 136-byte header; MB/s counts payload bytes only.
+  as the orchestrator drives it: ``depth`` jobs submitted together (one pipeline), then
+  ``wait()`` + ``poll()`` until they are all done, ``ops / depth`` times. Puts send from, and
+  gets land in, a preallocated host buffer of ``depth`` slots; every get is verified (headers,
+  checksums) before it counts. The stored value is the payload plus a 136-byte header; MB/s
+  counts payload bytes only.
   The tier is built with ``presence_ttl`` ~0, so a put of a block it knows present is still sent.
 - ``redis_benchmark``: ``redis-benchmark -c 1 -P depth -d size -n ops -t set,get --csv`` against
   the same server (one client, same depth, same value size, same number of requests).

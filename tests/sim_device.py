@@ -103,9 +103,7 @@ class SimDevice:
         dsts, srcs = list(dsts), list(srcs)
         assert len(dsts) == len(srcs) and all(d.shape == s.shape for d, s in zip(dsts, srcs))
         self.copy_calls.append((stream, len(dsts)))
-        self.enqueue(
-            stream, lambda: torch._foreach_copy_(dsts, srcs), f"copy {len(dsts)} pages on {stream.name}"
-        )
+        self.enqueue(stream, lambda: torch._foreach_copy_(dsts, srcs), f"copy {len(dsts)} pages on {stream.name}")
 
     def query(self, event: SimEvent) -> bool:
         return event.recorded().done

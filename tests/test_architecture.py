@@ -102,9 +102,7 @@ def test_every_module_belongs_to_a_known_package():
     strays = [m for m in all_modules() if m != "kvtier" and package_of(m) not in ALLOWED]
     assert not strays, f"modules outside the package map (add them to a package, or to ALLOWED): {strays}"
     top_level_files = [m for m, p in all_modules().items() if m.count(".") == 1 and p.name != "__init__.py"]
-    assert not top_level_files, (
-        f"top-level modules: {top_level_files}; put each in the package of its concern"
-    )
+    assert not top_level_files, f"top-level modules: {top_level_files}; put each in the package of its concern"
 
 
 def test_packages_import_only_downwards():
@@ -198,9 +196,7 @@ def test_only_kvtier_vllm_imports_vllm():
 
 
 def test_every_module_and_package_has_a_docstring():
-    missing = [
-        name for name, path in all_modules().items() if not ast.get_docstring(ast.parse(path.read_text()))
-    ]
+    missing = [name for name, path in all_modules().items() if not ast.get_docstring(ast.parse(path.read_text()))]
     assert not missing, f"modules without a docstring saying their job: {missing}"
 
 

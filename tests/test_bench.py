@@ -27,7 +27,6 @@ VLLM_KV = 128 * 2**20
 
 # ---------------------------------------------------------------- workloads
 
-
 def test_workloads_are_deterministic():
     for make in (wl.prefix_repetition, wl.multi_turn, wl.unique):
         assert make() == make()
@@ -87,19 +86,8 @@ def test_default_footprint_is_at_least_twice_vllm_kv_and_fits_the_tiers():
 def test_default_concurrency_depends_on_the_workload():
     from kvtier.bench.command import make_workload
 
-    opts = dict(
-        output_tokens=16,
-        concurrency=None,
-        seed=0,
-        sessions=2,
-        turns=2,
-        context_tokens=8,
-        message_tokens=4,
-        prefixes=2,
-        prefix_tokens=8,
-        suffix_tokens=4,
-        prompts=2,
-    )
+    opts = dict(output_tokens=16, concurrency=None, seed=0, sessions=2, turns=2, context_tokens=8, message_tokens=4,
+                prefixes=2, prefix_tokens=8, suffix_tokens=4, prompts=2)
     assert make_workload({**opts, "workload": "multi-turn"}).concurrency == 1
     assert make_workload({**opts, "workload": "prefix-repetition"}).concurrency == 2
     assert make_workload({**opts, "workload": "unique"}).concurrency == 2
@@ -167,7 +155,6 @@ def test_workload_json_leaves_prompts_out():
 
 # ---------------------------------------------------------------- client and driver
 
-
 def test_completion_body_is_greedy_streamed_and_fixed_length():
     body = completion_body("m", "p", 7)
     assert body["temperature"] == 0 and body["stream"] and body["ignore_eos"] and body["max_tokens"] == 7
@@ -177,29 +164,12 @@ def test_completion_body_is_greedy_streamed_and_fixed_length():
 def test_apply_chunk_real_stream():
     # chunks as vLLM 0.32 streams them (captured), with the prompt ids chunk first
     result = Completion(start=10.0)
-    apply_chunk(
-        result, {"choices": [{"index": 0, "text": "", "token_ids": [], "prompt_token_ids": [1, 2]}]}, 10.5
-    )
+    apply_chunk(result, {"choices": [{"index": 0, "text": "", "token_ids": [], "prompt_token_ids": [1, 2]}]}, 10.5)
     assert result.first_token is None
-    apply_chunk(
-        result, {"choices": [{"index": 0, "text": " about", "token_ids": [563], "finish_reason": None}]}, 11.0
-    )
-    apply_chunk(
-        result, {"choices": [{"index": 0, "text": " a", "token_ids": [253], "finish_reason": "length"}]}, 11.2
-    )
-    apply_chunk(
-        result,
-        {
-            "choices": [],
-            "usage": {
-                "prompt_tokens": 4,
-                "completion_tokens": 2,
-                "total_tokens": 6,
-                "prompt_tokens_details": {"cached_tokens": 0},
-            },
-        },
-        11.3,
-    )
+    apply_chunk(result, {"choices": [{"index": 0, "text": " about", "token_ids": [563], "finish_reason": None}]}, 11.0)
+    apply_chunk(result, {"choices": [{"index": 0, "text": " a", "token_ids": [253], "finish_reason": "length"}]}, 11.2)
+    apply_chunk(result, {"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6,
+                                                   "prompt_tokens_details": {"cached_tokens": 0}}}, 11.3)
     result.end = 11.4
     assert result.ttft_s == pytest.approx(1.0) and result.latency_s == pytest.approx(1.4)
     assert result.text == " about a" and result.token_ids == [563, 253] and result.finish_reason == "length"
@@ -216,19 +186,9 @@ def _fake_server(log: list[str]) -> httpx.MockTransport:
             return httpx.Response(500, text="boom")
         word = body["prompt"].split()[-1]
         chunks = [
-            {
-                "choices": [
-                    {"index": 0, "text": f" <{word}>", "token_ids": [len(word)], "finish_reason": "length"}
-                ]
-            },
-            {
-                "choices": [],
-                "usage": {
-                    "prompt_tokens": len(body["prompt"]),
-                    "completion_tokens": 1,
-                    "prompt_tokens_details": {"cached_tokens": 3},
-                },
-            },
+            {"choices": [{"index": 0, "text": f" <{word}>", "token_ids": [len(word)], "finish_reason": "length"}]},
+            {"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1,
+                                      "prompt_tokens_details": {"cached_tokens": 3}}},
         ]
         text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
@@ -240,9 +200,8 @@ def test_driver_multi_turn_sends_transcripts_in_dependency_order():
     w = wl.multi_turn(sessions=3, turns=3, context_tokens=8, message_tokens=4, output_tokens=1, concurrency=2)
     sent: list[str] = []
     done: list[str] = []
-    run = asyncio.run(
-        run_workload(w, "http://fake", "m", on_done=lambda r: done.append(r.id), transport=_fake_server(sent))
-    )
+    run = asyncio.run(run_workload(w, "http://fake", "m", on_done=lambda r: done.append(r.id),
+                                   transport=_fake_server(sent)))
     assert [r.id for r in run.results] == [r.id for r in w.requests]  # results in workload order
     assert sorted(done) == sorted(r.id for r in w.requests) and len(sent) == 9
     by_id = {r.id: r for r in run.results}
@@ -263,23 +222,14 @@ def test_driver_multi_turn_sends_transcripts_in_dependency_order():
 
 def test_driver_failed_turn_skips_later_turns():
     w = wl.multi_turn(sessions=1, turns=3, context_tokens=4, message_tokens=2, output_tokens=1)
-    w = wl.Workload(
-        w.name,
-        (w.requests[0].__class__(**{**w.requests[0].__dict__, "prompt": "FAIL"}), *w.requests[1:]),
-        w.concurrency,
-        w.reusable_tokens,
-    )
+    w = wl.Workload(w.name, (w.requests[0].__class__(**{**w.requests[0].__dict__, "prompt": "FAIL"}), *w.requests[1:]),
+                    w.concurrency, w.reusable_tokens)
     run = asyncio.run(run_workload(w, "http://fake", "m", transport=_fake_server([])))
     errors = [r.error for r in run.results]
-    assert (
-        errors[0].startswith("HTTP 500")
-        and errors[1] == "skipped: s000t000 failed"
-        and errors[2].startswith("skipped")
-    )
+    assert errors[0].startswith("HTTP 500") and errors[1] == "skipped: s000t000 failed" and errors[2].startswith("skipped")
 
 
 # ---------------------------------------------------------------- metrics
-
 
 def test_parse_real_metrics_capture():
     """Counters of a real vLLM 0.32 + kvtier server (/metrics before and after 12 requests served
@@ -322,7 +272,6 @@ g 5.0
 
 # ---------------------------------------------------------------- stats, comparison, goals
 
-
 def test_percentile():
     assert percentile([], 50) is None
     assert percentile([7.0], 99) == 7.0
@@ -334,35 +283,16 @@ def test_percentile():
         percentile([1], 101)
 
 
-def _result(
-    id_: str, ttft: float | None, returning: bool, tokens=(1, 2, 3), error=None, text=None, latency=2.0
-):
-    return RequestResult(
-        id=id_,
-        group=0,
-        round=int(returning),
-        returning=returning,
-        prompt_chars=10,
-        prompt_tokens=100,
-        cached_tokens=64 if returning else 0,
-        output_tokens=len(tokens),
-        output_text=text if text is not None else " ".join(map(str, tokens)),
-        output_token_ids=list(tokens),
-        start_s=0.0,
-        ttft_s=ttft,
-        latency_s=latency,
-        error=error,
-    )
+def _result(id_: str, ttft: float | None, returning: bool, tokens=(1, 2, 3), error=None, text=None, latency=2.0):
+    return RequestResult(id=id_, group=0, round=int(returning), returning=returning, prompt_chars=10,
+                         prompt_tokens=100, cached_tokens=64 if returning else 0, output_tokens=len(tokens),
+                         output_text=text if text is not None else " ".join(map(str, tokens)),
+                         output_token_ids=list(tokens), start_s=0.0, ttft_s=ttft, latency_s=latency, error=error)
 
 
 def test_mode_stats():
-    results = [
-        _result("a", 1.0, False),
-        _result("b", 3.0, False),
-        _result("c", 0.1, True),
-        _result("d", 0.3, True),
-        _result("e", None, True, error="HTTP 500"),
-    ]
+    results = [_result("a", 1.0, False), _result("b", 3.0, False), _result("c", 0.1, True),
+               _result("d", 0.3, True), _result("e", None, True, error="HTTP 500")]
     s = mode_stats(results, wall_s=8.0)
     assert s["requests"] == 5 and s["errors"] == 1
     assert s["ttft_p50_s"] == pytest.approx(0.65) and s["ttft_returning_p50_s"] == pytest.approx(0.2)
@@ -396,22 +326,16 @@ def test_compare_outputs():
 
 
 def test_goals():
-    per_mode = {
-        "vllm": {"ttft_returning_p50_s": 4.0, "requests_per_s": 1.0},
-        "example": {"ttft_returning_p50_s": 4.4, "requests_per_s": 0.9},
-        "kvtier": {"ttft_returning_p50_s": 0.3, "requests_per_s": 0.97},
-    }
+    per_mode = {"vllm": {"ttft_returning_p50_s": 4.0, "requests_per_s": 1.0},
+                "example": {"ttft_returning_p50_s": 4.4, "requests_per_s": 0.9},
+                "kvtier": {"ttft_returning_p50_s": 0.3, "requests_per_s": 0.97}}
     g = goals("prefix-repetition", per_mode, True)
     assert g["ttft_returning_p50_vs_vllm"] == pytest.approx(0.075) and g["ttft_returning_p50_vs_vllm_ok"]
     assert g["ttft_returning_p50_vs_example_ok"] and g["outputs_identical"]
     per_mode["kvtier"]["ttft_returning_p50_s"] = 0.5
     assert not goals("multi-turn", per_mode, True)["ttft_returning_p50_vs_vllm_ok"]
     u = goals("unique", per_mode, False)
-    assert (
-        u["throughput_vs_vllm"] == pytest.approx(0.97)
-        and u["throughput_vs_vllm_ok"]
-        and not u["outputs_identical"]
-    )
+    assert u["throughput_vs_vllm"] == pytest.approx(0.97) and u["throughput_vs_vllm_ok"] and not u["outputs_identical"]
     assert goals("unique", {"vllm": per_mode["vllm"]}, True) == {"outputs_identical": True}
     per_mode["kvtier-redis"] = {"ttft_returning_p50_s": 0.7}
     fleet = goals("multi-turn", per_mode, True)
@@ -420,26 +344,18 @@ def test_goals():
     assert not goals("multi-turn", per_mode, True)["ttft_redis_vs_host_p50_ok"]
     per_mode["floor"] = {"ttft_returning_p50_s": 0.4}
     floor = goals("multi-turn", per_mode, True)
-    assert (
-        floor["ttft_returning_p50_vs_floor"] == pytest.approx(1.25)
-        and floor["ttft_returning_p50_vs_floor_ok"]
-    )
+    assert floor["ttft_returning_p50_vs_floor"] == pytest.approx(1.25) and floor["ttft_returning_p50_vs_floor_ok"]
 
 
 def test_fleet_workload_is_the_first_use_of_every_prefix_all_returning():
     from kvtier.bench.workloads import fleet_workload
 
-    for workload in (
-        wl.multi_turn(sessions=3, turns=3, context_tokens=64, message_tokens=8, output_tokens=2),
-        wl.prefix_repetition(
-            num_prefixes=2, prefix_tokens=64, suffix_tokens=8, num_prompts=6, output_tokens=2
-        ),
-    ):
+    for workload in (wl.multi_turn(sessions=3, turns=3, context_tokens=64, message_tokens=8, output_tokens=2),
+                     wl.prefix_repetition(num_prefixes=2, prefix_tokens=64, suffix_tokens=8, num_prompts=6,
+                                          output_tokens=2)):
         fleet = fleet_workload(workload)
         assert [r.id for r in fleet.requests] == [r.id for r in workload.requests if r.round == 0]
-        assert len({r.group for r in fleet.requests}) == len(fleet.requests) and all(
-            r.returning for r in fleet.requests
-        )
+        assert len({r.group for r in fleet.requests}) == len(fleet.requests) and all(r.returning for r in fleet.requests)
         assert all(r.after is None for r in fleet.requests)
 
 
@@ -461,7 +377,6 @@ def test_bench_redis_server_starts_on_loopback_with_lru_and_stops(tmp_path):
 
 # ---------------------------------------------------------------- report and figure
 
-
 def test_report_json_table_summary_and_figure(tmp_path):
     from rich.console import Console
 
@@ -474,23 +389,12 @@ def test_report_json_table_summary_and_figure(tmp_path):
     results = [_result(r.id, 3.0 if not r.returning else 2.5, r.returning) for r in w.requests]
     fast = [_result(r.id, 3.0 if not r.returning else 0.2, r.returning) for r in w.requests]
     runs = [
-        ModeRun(
-            "vllm",
-            "vLLM alone",
-            run=WorkloadRun(results, 10.0),
-            cache=CacheSummary(400, 400, {"device": 0.0, "host": 0.0}),
-        ),
-        ModeRun(
-            "example", "ExampleConnector", error="example server exited with code 1 during start-up; log: x"
-        ),
-        ModeRun(
-            "kvtier",
-            "kvtier",
-            run=WorkloadRun(fast, 5.0),
-            cache=CacheSummary(
-                400, 272, {"device": 0.0, "host": 128.0}, {"engine_to_host": 5.9e6}, {"engine_to_host": 0.01}
-            ),
-        ),
+        ModeRun("vllm", "vLLM alone", run=WorkloadRun(results, 10.0),
+                cache=CacheSummary(400, 400, {"device": 0.0, "host": 0.0})),
+        ModeRun("example", "ExampleConnector", error="example server exited with code 1 during start-up; log: x"),
+        ModeRun("kvtier", "kvtier", run=WorkloadRun(fast, 5.0),
+                cache=CacheSummary(400, 272, {"device": 0.0, "host": 128.0}, {"engine_to_host": 5.9e6},
+                                   {"engine_to_host": 0.01})),
     ]
     data = build_results(w, runs, 60.0, {"kv_cache_memory_bytes": VLLM_KV}, KV_BYTES_PER_TOKEN)
     assert data["workload"]["footprint"]["reusable_bytes"] == 2 * 1024 * KV_BYTES_PER_TOKEN
@@ -498,9 +402,7 @@ def test_report_json_table_summary_and_figure(tmp_path):
     assert data["goals"]["ttft_returning_p50_vs_vllm"] == pytest.approx(0.08)
     assert data["modes"]["kvtier"]["cache"]["bandwidth_bytes_per_s"]["engine_to_host"] == pytest.approx(5.9e8)
     write_json(tmp_path / "results.json", data)
-    assert (
-        json.loads((tmp_path / "results.json").read_text())["modes"]["vllm"]["requests"][0]["id"] == "r0000"
-    )
+    assert json.loads((tmp_path / "results.json").read_text())["modes"]["vllm"]["requests"][0]["id"] == "r0000"
 
     console = Console(width=150, record=True)
     console.print(comparison_table(data))
@@ -508,48 +410,36 @@ def test_report_json_table_summary_and_figure(tmp_path):
     assert "TTFT p50, returning" in text and "200 ms" in text and "failed" in text and "cached: host" in text
     assert "engine to host" in text and "6 MB @ 0.59 GB/s" in text
     lines = verdict_lines(data)
-    assert lines[0].startswith("outputs: identical") and any(
-        "NOT met" in line or "met" in line for line in lines
-    )
+    assert lines[0].startswith("outputs: identical") and any("NOT met" in line or "met" in line for line in lines)
 
     figure = write_figure(tmp_path / "bench.png", data)
     assert figure is not None and figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     line = json.dumps(summary(data, tmp_path / "results.json", figure))
     parsed = json.loads(line)
     assert "\n" not in line and parsed["modes"]["kvtier"]["ttft_returning_p50_ms"] == 200.0
-    assert parsed["modes"]["example"] is None and parsed["errors"]["example"].startswith(
-        "example server exited"
-    )
+    assert parsed["modes"]["example"] is None and parsed["errors"]["example"].startswith("example server exited")
     assert parsed["modes"]["kvtier"]["cached_by_source"] == {"host": 128.0}
 
 
 # ---------------------------------------------------------------- server commands and CLI
-
 
 def test_launch_specs(tmp_path, monkeypatch):
     from kvtier.bench.servers import ServerSettings, launch_spec
 
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "4")
     settings = ServerSettings(model=str(tmp_path / "model"))
-    specs = {
-        m: launch_spec(m, settings, tmp_path / m, port=18000 + i)
-        for i, m in enumerate(("vllm", "example", "kvtier"))
-    }
+    specs = {m: launch_spec(m, settings, tmp_path / m, port=18000 + i) for i, m in enumerate(("vllm", "example", "kvtier"))}
     for mode, spec in specs.items():
         argv = spec.argv
         assert argv[0] == sys.executable and "serve" in argv and settings.model in argv
         for flag in ("--enforce-eager", "--enable-prefix-caching", "--enable-prompt-tokens-details"):
             assert flag in argv
         assert argv[argv.index("--kv-cache-memory-bytes") + 1] == str(128 * 2**20)
-        assert argv[argv.index("--port") + 1] == str(spec.port) and spec.base_url.startswith(
-            "http://127.0.0.1:"
-        )
+        assert argv[argv.index("--port") + 1] == str(spec.port) and spec.base_url.startswith("http://127.0.0.1:")
         # VLLM_CPU_KVCACHE_SPACE would override --kv-cache-memory-bytes on vLLM-CPU
         assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env
         assert spec.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
-        assert spec.env["TMPDIR"] == str(tmp_path / mode) and spec.env["VLLM_CACHE_ROOT"].startswith(
-            str(tmp_path / mode)
-        )
+        assert spec.env["TMPDIR"] == str(tmp_path / mode) and spec.env["VLLM_CACHE_ROOT"].startswith(str(tmp_path / mode))
     assert "--kv-transfer-config" not in specs["vllm"].argv
     example = json.loads(specs["example"].argv[specs["example"].argv.index("--kv-transfer-config") + 1])
     assert example["kv_connector"] == "ExampleConnector" and example["kv_role"] == "kv_both"
@@ -560,12 +450,8 @@ def test_launch_specs(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="unknown mode"):
         launch_spec("nope", settings, tmp_path, port=1)
     assert "--block-size" not in specs["vllm"].argv  # None: vLLM's own default
-    fleet = launch_spec(
-        "kvtier-redis", settings, tmp_path / "fleet", port=18050, redis_url="redis://127.0.0.1:7/0"
-    )
-    fleet_config = json.loads(fleet.argv[fleet.argv.index("--kv-transfer-config") + 1])[
-        "kv_connector_extra_config"
-    ]
+    fleet = launch_spec("kvtier-redis", settings, tmp_path / "fleet", port=18050, redis_url="redis://127.0.0.1:7/0")
+    fleet_config = json.loads(fleet.argv[fleet.argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert fleet_config["secondary_tiers"] == [{"type": "redis", "url": "redis://127.0.0.1:7/0"}]
     with pytest.raises(ValueError, match="URL of its redis-server"):
         launch_spec("kvtier-redis", settings, tmp_path / "fleet2", port=18051)
@@ -638,9 +524,7 @@ def test_cli_modes_and_help():
 
 
 def test_bench_modules_do_not_import_vllm():
-    code = (
-        "import sys, kvtier.cli.main, kvtier.bench.command, kvtier.bench.runner, kvtier.bench.report; "
-        "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))"
-    )
+    code = ("import sys, kvtier.cli.main, kvtier.bench.command, kvtier.bench.runner, kvtier.bench.report; "
+            "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -23,43 +23,17 @@ def test_bench_kvtier_mode_end_to_end(tmp_path: Path):
     # a long TMPDIR: the bench must still give vLLM a short one (IPC socket paths <= 107 bytes)
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     argv = [
-        sys.executable,
-        "-m",
-        "kvtier.cli.main",
-        "bench",
-        "--modes",
-        "vllm,kvtier,kvtier-redis",
-        "--workload",
-        "prefix-repetition",
-        "--prompts",
-        "6",
-        "--prefixes",
-        "3",
-        "--prefix-tokens",
-        "512",
-        "--suffix-tokens",
-        "16",
-        "--output-tokens",
-        "4",
-        "--kv-cache-memory-bytes",
-        str(56 * 2**20),
-        "--max-model-len",
-        "1024",
-        "--kv-offloading-size",
-        "0.25",
-        "--disk-size",
-        "0.5",
-        "--out",
-        str(out),
+        sys.executable, "-m", "kvtier.cli.main", "bench", "--modes", "vllm,kvtier,kvtier-redis", "--workload", "prefix-repetition",
+        "--prompts", "6", "--prefixes", "3", "--prefix-tokens", "512", "--suffix-tokens", "16",
+        "--output-tokens", "4", "--kv-cache-memory-bytes", str(56 * 2**20), "--max-model-len", "1024",
+        "--kv-offloading-size", "0.25", "--disk-size", "0.5", "--out", str(out),
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1150)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])  # the last line is the JSON summary
     assert summary["results"] == str(out / "results.json") and summary["figure"] == str(out / "bench.png")
     assert summary["errors"] == {} and summary["outputs_identical"] is True
-    assert (
-        json.loads((out / "results.json").read_text())["outputs"]["compared"] == 6 + 3
-    )  # kvtier, kvtier-redis vs vLLM alone
+    assert json.loads((out / "results.json").read_text())["outputs"]["compared"] == 6 + 3  # kvtier, kvtier-redis vs vLLM alone
 
     results = json.loads((out / "results.json").read_text())
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

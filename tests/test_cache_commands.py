@@ -31,9 +31,7 @@ DAY = 86400.0
 
 
 def make_namespace(layers: int) -> Namespace:
-    return toy_namespace(
-        layers=layers, kv_heads=3, head_size=64, block_tokens=16, kv_dtype="bfloat16", tp_size=WORLD
-    )
+    return toy_namespace(layers=layers, kv_heads=3, head_size=64, block_tokens=16, kv_dtype="bfloat16", tp_size=WORLD)
 
 
 NAMESPACES = {"smol": make_namespace(30), "qwen": make_namespace(28)}
@@ -43,16 +41,9 @@ MODEL_NAMES = {"smol": "SmolLM2-135M-Instruct", "qwen": "Qwen3-0.6B"}
 def open_tier(root: Path, ns: Namespace, model_name: str) -> DiskTier:
     """A tier as the connector builds it (scheduler_side.py), on a small payload."""
     return DiskTier(
-        root_dir=root,
-        model_name=model_name,
-        engine_digest=ns.digest,
-        rank_digests=ns.rank_digests(),
-        namespace_json=ns.config_json(model_name),
-        payload_bytes=PAYLOAD,
-        capacity_bytes=1 << 20,
-        n_read_threads=1,
-        n_write_threads=1,
-        max_pending_writes=64,
+        root_dir=root, model_name=model_name, engine_digest=ns.digest,
+        rank_digests=ns.rank_digests(), namespace_json=ns.config_json(model_name),
+        payload_bytes=PAYLOAD, capacity_bytes=1 << 20, n_read_threads=1, n_write_threads=1, max_pending_writes=64,
     )
 
 
@@ -104,9 +95,7 @@ class Cache:
     def block_bytes(self, name: str) -> int:
         """The bytes of the namespace's block files in their place (what its ledger must charge)."""
         layout = self.layout(name)
-        return sum(
-            os.path.getsize(p) for rank in range(WORLD) for p in Path(layout.rank_dirs[rank]).rglob("*.bin")
-        )
+        return sum(os.path.getsize(p) for rank in range(WORLD) for p in Path(layout.rank_dirs[rank]).rglob("*.bin"))
 
     def files(self) -> dict[str, int]:
         """Every file under the root with its size (to check that nothing changed)."""
@@ -139,9 +128,7 @@ def run(*args: str) -> tuple[int, str]:
 # ---------------------------------------------------------------------------- inspect
 
 
-def test_inspect_counts_bytes_ages_without_reading_blocks(
-    cache: Cache, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_inspect_counts_bytes_ages_without_reading_blocks(cache: Cache, monkeypatch: pytest.MonkeyPatch) -> None:
     cache.path("smol", 5, rank=1).unlink()  # block 5: one rank missing -> incomplete
     cache.age("smol", 4, 40 * DAY, ranks=(0,))  # block 4: rank 1 still 4 days old -> the block is
     tmp = cache.path("qwen", 0).with_name(f"{key_of('qwen', 0).hex()}.bin.123.abcd.tmp")
@@ -155,7 +142,6 @@ def test_inspect_counts_bytes_ages_without_reading_blocks(
         def guarded(path, *args, **kwargs):
             assert not str(path).endswith(".bin"), f"inspect opened block file {path}"
             return opener(path, *args, **kwargs)
-
         return guarded
 
     monkeypatch.setattr(builtins, "open", no_blocks(real_open))
@@ -166,21 +152,10 @@ def test_inspect_counts_bytes_ages_without_reading_blocks(
     smol, qwen = sorted(inventory.namespaces, key=lambda ns: ns.model != "SmolLM2-135M-Instruct")
     assert (smol.prefix, qwen.prefix) == (cache.prefix("smol"), cache.prefix("qwen"))
     assert smol.digest16 == NAMESPACES["smol"].digest.hex()[:16] and smol.config_problem is None
-    assert smol.layout == {
-        "spec_version": "kvtier/2",
-        "kv_dtype": "bfloat16",
-        "num_layers": 30,
-        "num_kv_heads": 3,
-        "head_size": 64,
-        "block_tokens": 16,
-        "engine_block_tokens": 16,
-        "tp_size": 2,
-        "pp_size": 1,
-        "attention_kind": "full_attention",
-        "backends": ["CPU_ATTN"],
-        "weights": "blake3:0000000000000000",
-        "dtype": "bfloat16",
-    }
+    assert smol.layout == {"spec_version": "kvtier/2", "kv_dtype": "bfloat16", "num_layers": 30, "num_kv_heads": 3,
+                           "head_size": 64, "block_tokens": 16, "engine_block_tokens": 16, "tp_size": 2,
+                           "pp_size": 1, "attention_kind": "full_attention", "backends": ["CPU_ATTN"],
+                           "weights": "blake3:0000000000000000", "dtype": "bfloat16"}
     assert not smol.older_spec
     assert (smol.complete_blocks, smol.incomplete_blocks, smol.block_files) == (5, 1, 11)
     assert smol.block_bytes == 11 * FILE_BYTES
@@ -224,14 +199,9 @@ def test_verify_finds_and_quarantines_bad_files(cache: Cache) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(source.read_bytes())
     (cache.root / "notes.txt").write_text("not a cache file")
-    bad = {
-        cache.path("smol", 0): "payload checksum mismatch",
-        cache.path("smol", 1, 1): "header checksum",
-        cache.path("qwen", 2): f"file is {FILE_BYTES - 5} bytes",
-        misplaced: "misplaced block file",
-        foreign: "is not rank 0's",
-        wrong_key: "does not match the file name",
-    }
+    bad = {cache.path("smol", 0): "payload checksum mismatch", cache.path("smol", 1, 1): "header checksum",
+           cache.path("qwen", 2): f"file is {FILE_BYTES - 5} bytes", misplaced: "misplaced block file",
+           foreign: "is not rank 0's", wrong_key: "does not match the file name"}
 
     before = cache.files()
     code, out = run("verify", cache.root, "--no-quarantine")
@@ -250,17 +220,9 @@ def test_verify_finds_and_quarantines_bad_files(cache: Cache) -> None:
     assert seen[-1] == (23, 23) and len(seen) == 23  # every block-named file once
     assert report.files_ok == 2 * (6 + 4) - 3 and report.quarantined == 6
     names = sorted(os.listdir(cache.root / "quarantine"))
-    expected = [
-        cache.layout(name).quarantine_path(key_of(owner, i).hex(), rank)
-        for name, owner, i, rank in (
-            ("qwen", "qwen", 2, 0),
-            ("qwen", "qwen", 3, 0),
-            ("smol", "qwen", 1, 0),
-            ("smol", "qwen", 2, 0),
-            ("smol", "smol", 0, 0),
-            ("smol", "smol", 1, 1),
-        )
-    ]
+    expected = [cache.layout(name).quarantine_path(key_of(owner, i).hex(), rank)
+                for name, owner, i, rank in (("qwen", "qwen", 2, 0), ("qwen", "qwen", 3, 0), ("smol", "qwen", 1, 0),
+                                             ("smol", "qwen", 2, 0), ("smol", "smol", 0, 0), ("smol", "smol", 1, 1))]
     assert names == sorted(os.path.basename(p) for p in expected)  # the tier's own quarantine names
 
     code, out = run("verify", cache.root, "--namespace", "Qwen3-0.6B")
@@ -283,16 +245,9 @@ def test_verify_flags_files_of_no_namespace(cache: Cache) -> None:
 # ---------------------------------------------------------------------------- purge
 
 
-@pytest.mark.parametrize(
-    "selector",
-    [
-        ["--namespace", "PREFIX"],
-        ["--model", "Qwen3-0.6B"],
-        ["--older-than", "2d"],
-        ["--quarantine"],
-        ["--all"],
-    ],
-)
+@pytest.mark.parametrize("selector", [
+    ["--namespace", "PREFIX"], ["--model", "Qwen3-0.6B"], ["--older-than", "2d"], ["--quarantine"], ["--all"],
+])
 def test_purge_dry_run_leaves_everything(cache: Cache, selector: list[str]) -> None:
     flip(cache.path("smol", 0), HEADER_LEN)
     verify_cache(cache.root)  # one file in quarantine
@@ -320,15 +275,11 @@ def test_purge_older_than_by_last_use(cache: Cache) -> None:
     cache.age("smol", 5, 60, ranks=(1,))  # read recently: the newest rank's mtime counts
     report = purge_cache(cache.root, PurgeSelection(older_than=parse_duration("2d12h")))
     removed = {ns.prefix: (ns.blocks, ns.files, ns.bytes, ns.config_removed) for ns in report.namespaces}
-    assert removed == {
-        cache.prefix("smol"): (2, 4, 4 * FILE_BYTES, False),  # blocks 3, 4 (5 was used)
-        cache.prefix("qwen"): (1, 2, 2 * FILE_BYTES, False),
-    }  # block 3
+    assert removed == {cache.prefix("smol"): (2, 4, 4 * FILE_BYTES, False),  # blocks 3, 4 (5 was used)
+                       cache.prefix("qwen"): (1, 2, 2 * FILE_BYTES, False)}  # block 3
     for name, gone in (("smol", {3, 4}), ("qwen", {3})):
         for i in range(BLOCKS[name]):
-            assert cache.path(name, i).exists() is (i not in gone) and cache.path(name, i, 1).exists() is (
-                i not in gone
-            )
+            assert cache.path(name, i).exists() is (i not in gone) and cache.path(name, i, 1).exists() is (i not in gone)
     code, out = run("inspect", cache.root, "--json")
     assert [ns["complete_blocks"] for ns in json.loads(out)["namespaces"]] == [3, 4]
 
@@ -338,14 +289,9 @@ def test_purge_quarantine_and_all(cache: Cache) -> None:
     flip(cache.path("qwen", 0), HEADER_LEN)
     assert verify_cache(cache.root).quarantined == 2
     code, out = run("purge", cache.root, "--model", "Qwen3-0.6B", "--quarantine")  # its blocks and quarantine
-    assert (
-        code == 0
-        and f"quarantine: removed 1 files, {FILE_BYTES} B" in out
-        and "removed 4 blocks, 7 files" in out
-    )
-    assert os.listdir(cache.root / "quarantine") == [
-        os.path.basename(cache.layout("smol").quarantine_path(key_of("smol", 0).hex(), 0))
-    ]
+    assert code == 0 and f"quarantine: removed 1 files, {FILE_BYTES} B" in out and "removed 4 blocks, 7 files" in out
+    assert os.listdir(cache.root / "quarantine") == [os.path.basename(
+        cache.layout("smol").quarantine_path(key_of("smol", 0).hex(), 0))]
     assert len(cache.files()) == 1 + 11 + 1 + 1 + 1  # smol: config, blocks, snapshot, ledger; 1 quarantined
     assert cache.ledger_bytes("smol") == cache.block_bytes("smol") == 11 * FILE_BYTES  # verify gave one back
     code, out = run("purge", cache.root, "--all")
@@ -366,11 +312,7 @@ def test_purge_refuses_without_or_with_bad_selectors(cache: Cache) -> None:
         code, out = run("purge", cache.root, *args)
         assert code == 2, (args, out)
     assert cache.files() == before
-    assert (
-        parse_duration("30m") == 1800
-        and parse_duration("12h") == 12 * 3600
-        and parse_duration("1d12h") == 1.5 * DAY
-    )
+    assert parse_duration("30m") == 1800 and parse_duration("12h") == 12 * 3600 and parse_duration("1d12h") == 1.5 * DAY
     with pytest.raises(ValueError):
         parse_duration("7")
 
@@ -387,9 +329,7 @@ def test_purge_while_a_tier_is_open(cache: Cache) -> None:
         # The room is there for the engines at once; a writer's temp file is charged too, if the
         # start-up rescan (in the background) counted it.
         assert cache.ledger_bytes("smol") in (0, FILE_BYTES)
-        assert writer_tmp.read_bytes() == b"partial" and os.path.exists(
-            cache.layout("smol").ns_dir + "/config.json"
-        )
+        assert writer_tmp.read_bytes() == b"partial" and os.path.exists(cache.layout("smol").ns_dir + "/config.json")
 
         result = read(tier, key)  # still indexed: the read finds no file, a miss
         assert not result.ok and result.error is IoError.NOT_FOUND
@@ -407,20 +347,9 @@ def test_purge_while_a_tier_is_open(cache: Cache) -> None:
 
 
 KVTIER1_CONFIG = {  # what a "kvtier/1" root's config.json held
-    "attention_kind": "mha",
-    "block_tokens": 128,
-    "head_size": 64,
-    "kv_dtype": "float32",
-    "model_digest": "0" * 32,
-    "model_name": "SmolLM2-135M-Instruct",
-    "num_kv_heads": 3,
-    "num_layers": 30,
-    "page_format": "cpu:default",
-    "pp_rank": 0,
-    "pp_size": 1,
-    "spec_version": "kvtier/1",
-    "tp_rank": 0,
-    "tp_size": 1,
+    "attention_kind": "mha", "block_tokens": 128, "head_size": 64, "kv_dtype": "float32",
+    "model_digest": "0" * 32, "model_name": "SmolLM2-135M-Instruct", "num_kv_heads": 3, "num_layers": 30,
+    "page_format": "cpu:default", "pp_rank": 0, "pp_size": 1, "spec_version": "kvtier/1", "tp_rank": 0, "tp_size": 1,
 }
 
 
@@ -441,11 +370,6 @@ def test_older_spec_roots_are_shown_and_purged(cache: Cache) -> None:
     code, out = run("purge", cache.root, "--older-spec", "--json")
     assert code == 0
     data = json.loads(out)
-    assert [ns["prefix"] for ns in data["namespaces"]] == [old.prefix] and data["namespaces"][0][
-        "config_removed"
-    ]
+    assert [ns["prefix"] for ns in data["namespaces"]] == [old.prefix] and data["namespaces"][0]["config_removed"]
     assert not path.exists() and not os.path.exists(old.ns_dir)
-    assert {ns.prefix for ns in inspect_cache(cache.root).namespaces} == {
-        cache.prefix("smol"),
-        cache.prefix("qwen"),
-    }
+    assert {ns.prefix for ns in inspect_cache(cache.root).namespaces} == {cache.prefix("smol"), cache.prefix("qwen")}

@@ -181,12 +181,8 @@ def test_summary(cache_dir):
         f"kvtier: disk    {cache_dir / 'kv'} (20.0 GiB)",
         "kvtier: vllm kv VLLM_CPU_KVCACHE_SPACE=4 GiB",
     ]
-    for args in (
-        ["--tensor-parallel-size", "4"],
-        ["--tensor-parallel-size=4"],
-        ["-tp=4"],
-        ["--tensor_parallel_size", "4"],
-    ):
+    for args in (["--tensor-parallel-size", "4"], ["--tensor-parallel-size=4"], ["-tp=4"],
+                 ["--tensor_parallel_size", "4"]):
         assert "(1.0 GiB per rank x 4)" in build(args).summary
 
 
@@ -218,21 +214,8 @@ def test_cli_runs_translation(monkeypatch, tmp_path):
     import kvtier.models.default
 
     monkeypatch.setattr(kvtier.models.default, "ensure_default_model", lambda: tmp_path / "default-model")
-    args = [
-        "serve",
-        "--port",
-        "8123",
-        "--kv-offloading-size",
-        "1",
-        "--max-model-len",
-        "2048",
-        "--disk-dir",
-        str(tmp_path / "kv"),
-        "-tp",
-        "1",
-        "--kv-config",
-        '{"store_threshold": 3}',
-    ]
+    args = ["serve", "--port", "8123", "--kv-offloading-size", "1", "--max-model-len", "2048",
+            "--disk-dir", str(tmp_path / "kv"), "-tp", "1", "--kv-config", '{"store_threshold": 3}']
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     (command,) = launched
@@ -267,15 +250,8 @@ def test_help_text():
     result = CliRunner().invoke(main, ["serve", "--help"])
     assert result.exit_code == 0
     text = " ".join(result.output.split())
-    for flag in (
-        "--kv-offloading-size GiB",
-        "--disk-dir DIR",
-        "--disk-size GiB",
-        "--no-disk",
-        "--eviction-policy [lru|arc]",
-        "--kv-config JSON",
-        "TOTAL across tensor-parallel ranks",
-    ):
+    for flag in ("--kv-offloading-size GiB", "--disk-dir DIR", "--disk-size GiB", "--no-disk",
+                 "--eviction-policy [lru|arc]", "--kv-config JSON", "TOTAL across tensor-parallel ranks"):
         assert flag in text
 
 
@@ -477,26 +453,11 @@ def test_serve_end_to_end(tmp_path):
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     shm_before = set(glob.glob("/dev/shm/kvtier-*"))
     log_path = tmp_path / "server.log"
-    argv = [
-        sys.executable,
-        "-m",
-        "kvtier.cli.main",
-        "serve",
-        "--port",
-        str(port),
-        "--enforce-eager",
-        "--max-model-len",
-        "2048",
-        "--kv-offloading-size",
-        "0.5",
-        "--disk-dir",
-        str(tmp_path / "kv"),
-        "--enable-prompt-tokens-details",
-        "--kv-config",
-        '{"self_describing_kv_events": true}',
-        "--kv-events-config",
-        json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint}),
-    ]
+    argv = [sys.executable, "-m", "kvtier.cli.main", "serve", "--port", str(port), "--enforce-eager",
+            "--max-model-len", "2048", "--kv-offloading-size", "0.5", "--disk-dir", str(tmp_path / "kv"),
+            "--enable-prompt-tokens-details", "--kv-config", '{"self_describing_kv_events": true}',
+            "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                              "endpoint": events_endpoint})]
     subscriber = None
     start = time.monotonic()
     with open(log_path, "w") as log:
@@ -520,13 +481,8 @@ def test_serve_end_to_end(tmp_path):
         subscriber = _KVEventSubscriber(events_endpoint)
         subscriber.drain(1.0)  # let the subscription reach the publisher before anything is stored
         summary = [line for line in log_path.read_text().splitlines() if line.startswith("kvtier: ")][:5]
-        assert [line[:16] for line in summary] == [
-            "kvtier: model   ",
-            "kvtier: host    ",
-            "kvtier: disk    ",
-            "kvtier: config  ",
-            "kvtier: vllm kv ",
-        ], summary
+        assert [line[:16] for line in summary] == ["kvtier: model   ", "kvtier: host    ", "kvtier: disk    ",
+                                                  "kvtier: config  ", "kvtier: vllm kv "], summary
         assert summary[1] == "kvtier: host    0.5 GiB total (0.5 GiB per rank x 1), lru"
         assert summary[2] == f"kvtier: disk    {tmp_path / 'kv'} (20.0 GiB)"
         assert summary[3] == 'kvtier: config  {"self_describing_kv_events":true}'
@@ -563,11 +519,8 @@ def test_serve_end_to_end(tmp_path):
         metrics = _http(f"{base}/metrics")[1]
 
         def total(prefix: str, label: str = "") -> float:
-            values = [
-                float(line.rsplit(" ", 1)[1])
-                for line in metrics.splitlines()
-                if line.startswith(prefix) and label in line
-            ]
+            values = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                      if line.startswith(prefix) and label in line]
             assert values, f"no {prefix}...{label} in /metrics"
             return sum(values)
 

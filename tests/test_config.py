@@ -29,13 +29,8 @@ def test_offloading_connector_keys_with_fs_tier(tmp_path):
             "spec_name": "TieringOffloadingSpec",
             "self_describing_kv_events": True,
             "secondary_tiers": [
-                {
-                    "type": "fs",
-                    "root_dir": str(tmp_path / "kv"),
-                    "n_read_threads": 4,
-                    "n_write_threads": 2,
-                    "capacity_bytes": 10**9,
-                }
+                {"type": "fs", "root_dir": str(tmp_path / "kv"), "n_read_threads": 4, "n_write_threads": 2,
+                 "capacity_bytes": 10**9}
             ],
         }
     )
@@ -70,18 +65,12 @@ def test_fs_tier_without_spec_name_implies_tiering_and_default_capacity(tmp_path
         ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs"}]}, "secondary_tiers[0].root_dir"),
         ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp", "size": 1}]}, "size"),
         (
-            {
-                "cpu_bytes_to_use": 1,
-                "secondary_tiers": [{"type": "fs", "root_dir": "/tmp", "n_read_threads": 0}],
-            },
+            {"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp", "n_read_threads": 0}]},
             "secondary_tiers[0].n_read_threads",
         ),
         (
-            {
-                "cpu_bytes_to_use": 1,
-                "spec_name": "CPUOffloadingSpec",
-                "secondary_tiers": [{"type": "fs", "root_dir": "/tmp"}],
-            },
+            {"cpu_bytes_to_use": 1, "spec_name": "CPUOffloadingSpec",
+             "secondary_tiers": [{"type": "fs", "root_dir": "/tmp"}]},
             "spec_name",
         ),
     ],

@@ -37,11 +37,8 @@ def model(tmp_path: Path) -> Path:
 
 def disk_config(root: Path, host_bytes: int = 2 * 2**20, **extra) -> dict:
     """Host + disk tier config; ``extra`` are more top-level keys."""
-    return {
-        "cpu_bytes_to_use": host_bytes,
-        **extra,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}],
-    }
+    return {"cpu_bytes_to_use": host_bytes, **extra,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}]}
 
 
 def store_copies(sim: SimEngine):
@@ -69,9 +66,7 @@ def test_negative_control_a_load_that_copies_nothing_is_caught(model):
         sim.generate(prompts, 4)
         assert sim.reset_prefix_cache()
         copies = store_copies(sim)
-        copies.copier.copy = lambda direction, pages: (
-            0 if direction is Direction.LOAD else real(direction, pages)
-        )
+        copies.copier.copy = lambda direction, pages: 0 if direction is Direction.LOAD else real(direction, pages)
         real = type(copies.copier).copy.__get__(copies.copier)
         second = sim.generate(renamed(prompts, "-2"), 4)
         assert by_prompt(second, "-2") != ref
@@ -154,9 +149,7 @@ def test_preemptions_in_the_middle_of_loads_and_stores_stay_bit_exact(model):
         assert preempted, "the workload should force preemptions"
         # resumed requests reloaded what kvtier held instead of recomputing it
         assert sim.model.forward_tokens < alone.model.forward_tokens
-        second = sim.generate(
-            renamed(prompts, "-2"), 48, before_forward=lambda so: preempted.extend(so.preempted_req_ids)
-        )
+        second = sim.generate(renamed(prompts, "-2"), 48, before_forward=lambda so: preempted.extend(so.preempted_req_ids))
         assert by_prompt(second, "-2") == ref
         assert sum(external(second)) > 0
         assert sim.model.kv_mismatches == []
@@ -314,14 +307,9 @@ def _embeds_request(sim: SimEngine, req_id: str, embeds):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    return Request(
-        request_id=req_id,
-        prompt_token_ids=None,
-        prompt_embeds=embeds,
-        sampling_params=SamplingParams(max_tokens=2, ignore_eos=True),
-        pooling_params=None,
-        block_hasher=sim._hasher,
-    )  # noqa: SLF001
+    return Request(request_id=req_id, prompt_token_ids=None, prompt_embeds=embeds,
+                   sampling_params=SamplingParams(max_tokens=2, ignore_eos=True), pooling_params=None,
+                   block_hasher=sim._hasher)  # noqa: SLF001
 
 
 def test_failed_loads_are_recomputed_not_failed(model):
@@ -340,10 +328,7 @@ def test_namespace_names_the_workers_page_format(model, tmp_path):
         config = json.loads(next((tmp_path / "kv").glob("model_*/config.json")).read_text())
         assert config["model_name"] == "model" and config["spec_version"] == "kvtier/2"
         files = list((tmp_path / "kv").glob("model_*_r0/*/*/*.bin"))
-        assert (
-            not files
-            or files[0].stat().st_size == HEADER_LEN + sim.kvtier_scheduler.geometry.layout.slot_bytes
-        )
+        assert not files or files[0].stat().st_size == HEADER_LEN + sim.kvtier_scheduler.geometry.layout.slot_bytes
 
 
 def test_lora_adapters_are_identified_by_their_weights_not_their_name(model, tmp_path):
@@ -368,9 +353,7 @@ def test_lora_adapters_are_identified_by_their_weights_not_their_name(model, tmp
         scheduler = sim.kvtier_scheduler
 
         def identity(req_id: str, path: Path, int_id: int):
-            request = sim.add(
-                req_id, list(range(40)), 1, lora_request=LoRARequest("support-bot", int_id, str(path))
-            )
+            request = sim.add(req_id, list(range(40)), 1, lora_request=LoRARequest("support-bot", int_id, str(path)))
             sim.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
             return scheduler._request_identity(request)  # noqa: SLF001
 
@@ -397,10 +380,8 @@ def test_an_engine_without_prefix_caching_gets_an_inactive_connector(model, tmp_
     prompts = prompts_of(3, 3, 80)
     ref = reference_outputs(model, prompts, 4, enable_prefix_caching=False)
     root = tmp_path / "kv"
-    with (
-        caplog.at_level("WARNING", logger="kvtier"),
-        SimEngine(model, kvtier=disk_config(root), enable_prefix_caching=False) as sim,
-    ):
+    with caplog.at_level("WARNING", logger="kvtier"), \
+            SimEngine(model, kvtier=disk_config(root), enable_prefix_caching=False) as sim:
         assert tokens_of(sim.generate(prompts, 4)) == ref
         second = sim.generate(renamed(prompts, "-2"), 4)
         assert by_prompt(second, "-2") == ref

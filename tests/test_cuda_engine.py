@@ -45,23 +45,17 @@ def slot_bytes(host, slot):
 
 
 def fill_slot(host, slot, seed):
-    payload = torch.randint(
-        0, 256, (host.layout.slot_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
-    )
+    payload = torch.randint(0, 256, (host.layout.slot_bytes,), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(seed))
     host.tensor[slot].view(-1).copy_(payload)
     return payload
 
 
 def write_block(device, layers, block_id, value):
     """Enqueue (not run) a 'forward' kernel on the compute stream that writes engine block ``block_id``."""
-    device.enqueue(
-        device.compute,
-        lambda: [layer[block_id].fill_(value) for layer in layers],
-        f"forward writes block {block_id}",
-    )
-    return torch.cat(
-        [torch.full_like(layer[block_id], value).view(torch.uint8).reshape(-1) for layer in layers]
-    )
+    device.enqueue(device.compute, lambda: [layer[block_id].fill_(value) for layer in layers],
+                   f"forward writes block {block_id}")
+    return torch.cat([torch.full_like(layer[block_id], value).view(torch.uint8).reshape(-1) for layer in layers])
 
 
 # ---- the ordering checks, each a function of the device so it can also run on a broken one ----
@@ -72,17 +66,13 @@ def check_store_waits_for_the_forward(device):
     written = write_block(device, layers, 3, 7.0)
     engine.start_store(1, [PageCopy(0, 0, 3)])
     device.advance_side_streams()  # the store stream runs as far as it can; the forward has not run
-    assert torch.count_nonzero(slot_bytes(host, 0)) == 0, (
-        "the store copied the page before the forward wrote it"
-    )
+    assert torch.count_nonzero(slot_bytes(host, 0)) == 0, "the store copied the page before the forward wrote it"
     assert engine.poll() == [], "a store was reported before its copy ran"
     device.advance(device.compute)
     device.advance_side_streams()
     assert torch.equal(slot_bytes(host, 0), written)
     done = engine.poll()
-    assert [(d.job_id, d.direction, d.ok, d.num_bytes) for d in done] == [
-        (1, Direction.STORE, True, host.layout.slot_bytes)
-    ]
+    assert [(d.job_id, d.direction, d.ok, d.num_bytes) for d in done] == [(1, Direction.STORE, True, host.layout.slot_bytes)]
 
 
 def check_load_is_seen_by_later_kernels(device):
@@ -101,15 +91,11 @@ def check_load_waits_for_earlier_kernels(device):
     engine, layers, host = rig(device)
     before = block_bytes(layers, 5)
     seen = []
-    device.enqueue(
-        device.compute, lambda: seen.append(block_bytes(layers, 5)), "earlier kernel reads block 5"
-    )
+    device.enqueue(device.compute, lambda: seen.append(block_bytes(layers, 5)), "earlier kernel reads block 5")
     payload = fill_slot(host, 0, seed=2)
     engine.start_load(1, [PageCopy(0, 0, 5)])
     device.advance_side_streams()
-    assert torch.equal(block_bytes(layers, 5), before), (
-        "the load overwrote a block an earlier kernel still reads"
-    )
+    assert torch.equal(block_bytes(layers, 5), before), "the load overwrote a block an earlier kernel still reads"
     device.run_all()
     assert torch.equal(seen[0], before) and torch.equal(block_bytes(layers, 5), payload)
 
@@ -120,11 +106,9 @@ def check_poll_reports_only_completed_jobs_fifo(device):
     engine.start_store(1, [PageCopy(0, 0, 3)])
     engine.start_store(2, [PageCopy(1, 0, 4)])
     engine.start_load(3, [PageCopy(2, 0, 6)])
-    expected = {
-        1: (lambda: slot_bytes(host, 0), block_bytes(layers, 3)),
-        2: (lambda: slot_bytes(host, 1), block_bytes(layers, 4)),
-        3: (lambda: block_bytes(layers, 6), loaded),
-    }
+    expected = {1: (lambda: slot_bytes(host, 0), block_bytes(layers, 3)),
+                2: (lambda: slot_bytes(host, 1), block_bytes(layers, 4)),
+                3: (lambda: block_bytes(layers, 6), loaded)}
     reported = []
     while True:  # one device operation at a time, polling in between
         for done in engine.poll():
@@ -150,26 +134,14 @@ def check_wait_blocks_until_done(device):
 
 
 CHECKS = {
-    "store waits for the forward": (
-        check_store_waits_for_the_forward,
-        SideStreamsIgnoreCompute,
-        "before the forward wrote it",
-    ),
-    "later kernels see a load": (
-        check_load_is_seen_by_later_kernels,
-        ComputeIgnoresSideStreams,
-        "before the load arrived",
-    ),
-    "a load waits for earlier kernels": (
-        check_load_waits_for_earlier_kernels,
-        SideStreamsIgnoreCompute,
-        "an earlier kernel still reads",
-    ),
-    "poll only completed jobs": (
-        check_poll_reports_only_completed_jobs_fifo,
-        QueryAlwaysTrue,
-        "reported before its copy ran",
-    ),
+    "store waits for the forward": (check_store_waits_for_the_forward, SideStreamsIgnoreCompute,
+                                    "before the forward wrote it"),
+    "later kernels see a load": (check_load_is_seen_by_later_kernels, ComputeIgnoresSideStreams,
+                                 "before the load arrived"),
+    "a load waits for earlier kernels": (check_load_waits_for_earlier_kernels, SideStreamsIgnoreCompute,
+                                         "an earlier kernel still reads"),
+    "poll only completed jobs": (check_poll_reports_only_completed_jobs_fifo, QueryAlwaysTrue,
+                                 "reported before its copy ran"),
     "wait blocks": (check_wait_blocks_until_done, SynchronizeReturnsAtOnce, "wait returned before"),
 }
 

@@ -62,12 +62,8 @@ def small_fs(tmp_path):
     """A real 2 MiB filesystem (tmpfs), unmounted afterwards."""
     mount_point = tmp_path / "small"
     mount_point.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mount_point)],
+                          capture_output=True, text=True, check=False)
     if done.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {done.stderr.strip()}")
     try:
@@ -115,9 +111,7 @@ def test_a_full_filesystem_drops_writes_and_recovers(small_fs, caplog):
             while not got:
                 got = tier.poll()
                 assert time.monotonic() < deadline
-            assert got[0].ok and [bytes(d) for d in dests] == [
-                payload_of(key, r, payload) for r in range(WORLD)
-            ]
+            assert got[0].ok and [bytes(d) for d in dests] == [payload_of(key, r, payload) for r in range(WORLD)]
     finally:
         tier.close()
 
@@ -126,16 +120,8 @@ def test_a_full_filesystem_drops_writes_and_recovers(small_fs, caplog):
 def test_a_file_size_limit_drops_writes_and_recovers(tmp_path):
     """EFBIG without privileges: a writer process under RLIMIT_FSIZE smaller than a block file, lifted
     halfway (space returns)."""
-    plan = WriterPlan(
-        str(tmp_path),
-        writer=0,
-        keys=10,
-        payload=4096,
-        capacity_blocks=50,
-        read_every=10**6,
-        peers=1,
-        file_size_limit=1000,
-    )
+    plan = WriterPlan(str(tmp_path), writer=0, keys=10, payload=4096, capacity_blocks=50, read_every=10**6,
+                      peers=1, file_size_limit=1000)
     ctx = multiprocessing.get_context("spawn")
     start, reports = ctx.Barrier(2), ctx.Queue()
     proc = ctx.Process(target=run_writer, args=(plan, start, reports))

@@ -125,24 +125,18 @@ def run_writers(root: Path, plans: list[WriterPlan]) -> tuple[list[WriterReport]
 @pytest.mark.timeout(300)
 def test_two_processes_stay_within_the_capacity_and_keep_turning_over(tmp_path, record_property):
     capacity_blocks = 20
-    plans = [
-        WriterPlan(str(tmp_path), writer, keys=400, capacity_blocks=capacity_blocks) for writer in (0, 1)
-    ]
+    plans = [WriterPlan(str(tmp_path), writer, keys=400, capacity_blocks=capacity_blocks) for writer in (0, 1)]
     reports, measures = run_writers(tmp_path, plans)
     capacity = capacity_blocks * BLOCK
     record_property("max_bytes_on_disk", max(measures))
     record_property("capacity_bytes", capacity)
-    print(
-        f"\nwith the ledger: max {max(measures)} B ({max(measures) / BLOCK:.1f} blocks) over "
-        f"{len(measures)} measures, capacity {capacity} B ({capacity_blocks} blocks)"
-    )
+    print(f"\nwith the ledger: max {max(measures)} B ({max(measures) / BLOCK:.1f} blocks) over "
+          f"{len(measures)} measures, capacity {capacity} B ({capacity_blocks} blocks)")
     assert len(measures) > 20
     assert max(measures) <= capacity
     for report in reports:
-        print(
-            f"writer {report.writer}: {report.results}, no_room drops {report.stats['writes_no_room']}, "
-            f"retries {report.stats['no_room_retries']}, evictions {report.stats['evictions']}"
-        )
+        print(f"writer {report.writer}: {report.results}, no_room drops {report.stats['writes_no_room']}, "
+              f"retries {report.stats['no_room_retries']}, evictions {report.stats['evictions']}")
         assert report.sharing == Sharing.LEDGER.value
         assert report.wrong_bytes == 0  # never wrong bytes
         assert report.stats["writes_ok"] > 3 * capacity_blocks  # the namespace keeps turning over
@@ -150,9 +144,7 @@ def test_two_processes_stay_within_the_capacity_and_keep_turning_over(tmp_path, 
         assert set(report.results) <= {"write_ok", "write_dropped", "read_ok", "read_not_found"}
         assert report.results.get("read_not_found", 0) > 0  # blocks the other process evicted: misses
         assert report.results["read_ok"] > 0
-    assert (
-        sum(r.stats["no_room_retries"] + r.stats["writes_no_room"] for r in reports) > 0
-    )  # the bound refused
+    assert sum(r.stats["no_room_retries"] + r.stats["writes_no_room"] for r in reports) > 0  # the bound refused
     layout = layout_at(tmp_path, WORLD)
     assert temp_files(layout) == [] and bin_bytes(layout) == measures[-1]
     # The rescans' reconciles may have counted temp files created but not yet charged (at most one
@@ -168,15 +160,11 @@ def test_negative_control_without_the_ledger_the_capacity_is_exceeded(tmp_path):
     """The same run with the ledger switched off in both writers (as on a root that cannot lock):
     each bounds only its own index, and the measure above sees it (so that test can fail)."""
     capacity_blocks = 20
-    plans = [
-        WriterPlan(str(tmp_path), writer, keys=400, capacity_blocks=capacity_blocks, ledger=False)
-        for writer in (0, 1)
-    ]
+    plans = [WriterPlan(str(tmp_path), writer, keys=400, capacity_blocks=capacity_blocks, ledger=False)
+             for writer in (0, 1)]
     reports, measures = run_writers(tmp_path, plans)
-    print(
-        f"\nwithout the ledger: max {max(measures)} B ({max(measures) / BLOCK:.1f} blocks) over "
-        f"{len(measures)} measures, capacity {capacity_blocks * BLOCK} B ({capacity_blocks} blocks)"
-    )
+    print(f"\nwithout the ledger: max {max(measures)} B ({max(measures) / BLOCK:.1f} blocks) over "
+          f"{len(measures)} measures, capacity {capacity_blocks * BLOCK} B ({capacity_blocks} blocks)")
     assert all(r.sharing == Sharing.PER_PROCESS.value for r in reports)
     assert max(measures) > capacity_blocks * BLOCK
 
@@ -184,12 +172,8 @@ def test_negative_control_without_the_ledger_the_capacity_is_exceeded(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_same_keys_written_by_two_processes_at_once_are_counted_once(tmp_path):
     # No rescans: nothing reconciles the ledger, so it shows exactly what the writers charged.
-    plans = [
-        WriterPlan(
-            str(tmp_path), 0, keys=80, capacity_blocks=200, read_every=10**6, peers=1, rescan_every=10**6
-        )
-        for _ in range(2)
-    ]
+    plans = [WriterPlan(str(tmp_path), 0, keys=80, capacity_blocks=200, read_every=10**6, peers=1,
+                        rescan_every=10**6) for _ in range(2)]
     reports, _ = run_writers(tmp_path, plans)
     for report in reports:
         assert report.results == {"write_ok": 80} and report.stats["writes_no_room"] == 0
@@ -261,9 +245,7 @@ def test_no_room_in_the_ledger_gives_way_and_retries(tmp_path):
         assert write(mine, key_for(1, 2)).ok  # mine knows 2 blocks of 4, but the ledger holds 4
         stats = mine.stats
         assert stats.no_room_retries == 1 and stats.writes_dropped == 0 and stats.evictions == 1
-        assert (
-            not mine.contains(key_for(1, 0)) and mine.contains(key_for(1, 1)) and mine.contains(key_for(1, 2))
-        )
+        assert not mine.contains(key_for(1, 0)) and mine.contains(key_for(1, 1)) and mine.contains(key_for(1, 2))
         assert ledger_bytes(layout_of(mine)) == 4 * BLOCK == bin_bytes(layout_of(mine))
     finally:
         mine.close()
@@ -304,9 +286,7 @@ def tier(tmp_path):
 def fill(tier: DiskTier, n: int) -> list[bytes]:
     keys = [key_for(3, i) for i in range(n)]
     for job, key in enumerate(keys):
-        assert tier.submit_write(
-            job, key, PARENT, 16, [memoryview(payload_of(key, r, PAYLOAD)) for r in range(WORLD)]
-        )
+        assert tier.submit_write(job, key, PARENT, 16, [memoryview(payload_of(key, r, PAYLOAD)) for r in range(WORLD)])
     assert all(r.ok for r in wait_results(tier, n))
     return keys
 

@@ -82,15 +82,13 @@ def test_an_unusable_snapshot_is_ignored_and_the_files_are_scanned(tmp_path, clo
     tier.close()
     path = snapshot_file(tmp_path)
     data = path.read_bytes()
-    path.write_bytes(
-        {
-            "truncated": data[:-7],
-            "flipped": data[:60] + bytes([data[60] ^ 1]) + data[61:],
-            "empty": b"",
-            "other-world": encode(b"".join(keys[:1]), world=2, file_bytes=FILE_BYTES),
-            "garbage": os.urandom(len(data)),
-        }[damage]
-    )
+    path.write_bytes({
+        "truncated": data[:-7],
+        "flipped": data[:60] + bytes([data[60] ^ 1]) + data[61:],
+        "empty": b"",
+        "other-world": encode(b"".join(keys[:1]), world=2, file_bytes=FILE_BYTES),
+        "garbage": os.urandom(len(data)),
+    }[damage])
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         again = make_tier(tmp_path)
     closing(again)

@@ -128,22 +128,14 @@ def tiers():
 def test_header_round_trip_and_layout():
     payload = os.urandom(1000)
     header = encode_header(
-        namespace=b"n" * 32,
-        key=b"k" * 32,
-        parent=b"p" * 32,
-        num_tokens=16,
-        payload_len=1000,
+        namespace=b"n" * 32, key=b"k" * 32, parent=b"p" * 32, num_tokens=16, payload_len=1000,
         checksum=payload_checksum(payload),
     )
     assert len(header) == HEADER_LEN == 136
     assert header[:4] == MAGIC and struct.unpack_from("<HH", header, 4) == (1, 136)
     decoded = decode_header(header + payload)
     assert decoded == BlockHeader(
-        namespace=b"n" * 32,
-        key=b"k" * 32,
-        parent=b"p" * 32,
-        num_tokens=16,
-        payload_len=1000,
+        namespace=b"n" * 32, key=b"k" * 32, parent=b"p" * 32, num_tokens=16, payload_len=1000,
         checksum=payload_checksum(payload),
     )
     assert decode_header(memoryview(bytearray(header))) == decoded
@@ -214,14 +206,13 @@ def test_round_trip_random_payloads(tmp_path, tiers, world):
     # Layout: <root>/<model>_<digest16>_r<rank>/<hhh>/<hh>_g0/<hex>.bin and config.json.
     key = next(iter(stored))
     for rank in range(world):
-        path = tmp_path / f"{PREFIX}_r{rank}" / key.hex()[:3] / (key.hex()[3:5] + "_g0") / f"{key.hex()}.bin"
+        path = tmp_path / f"{PREFIX}_r{rank}" / key.hex()[:3] / (
+            key.hex()[3:5] + "_g0"
+        ) / f"{key.hex()}.bin"
         assert path == tier.block_path(key, rank) and path.stat().st_size == HEADER_LEN + PAYLOAD
         header = decode_header(path.read_bytes()[:HEADER_LEN])
         assert (header.namespace, header.key, header.parent, header.num_tokens) == (
-            rank_digests(world)[rank],
-            key,
-            PARENT,
-            128,
+            rank_digests(world)[rank], key, PARENT, 128,
         )
     assert (tmp_path / PREFIX / "config.json").read_text() == NS_JSON
 
@@ -428,11 +419,7 @@ def test_corrupt_file_is_a_counted_quarantined_miss(tmp_path, tiers, damage, ran
         other_key = key if damage == "wrong_namespace" else good
         data = payload_of(key, rank)
         header = encode_header(
-            namespace=other_ns,
-            key=other_key,
-            parent=PARENT,
-            num_tokens=1,
-            payload_len=PAYLOAD,
+            namespace=other_ns, key=other_key, parent=PARENT, num_tokens=1, payload_len=PAYLOAD,
             checksum=payload_checksum(data),
         )
         path.write_bytes(header + data)
@@ -640,14 +627,12 @@ def test_startup_scan_is_fast(tmp_path, tiers):
         for i in range(n):
             key = key_of(i)
             hex_key = key.hex()
-            path = tmp_path / f"{PREFIX}_r{rank}" / hex_key[:3] / (hex_key[3:5] + "_g0")
+            path = tmp_path / f"{PREFIX}_r{rank}" / hex_key[:3] / (
+                hex_key[3:5] + "_g0"
+            )
             path.mkdir(parents=True, exist_ok=True)
             header_for[i] = encode_header(
-                namespace=digest,
-                key=key,
-                parent=PARENT,
-                num_tokens=1,
-                payload_len=PAYLOAD,
+                namespace=digest, key=key, parent=PARENT, num_tokens=1, payload_len=PAYLOAD,
                 checksum=payload_checksum(data),
             )
             (path / f"{hex_key}.bin").write_bytes(header_for[i] + data)

@@ -50,49 +50,28 @@ def vllm70(*args: str) -> list[str]:
 
 # -- parser -----------------------------------------------------------------------------------------
 
-
 def test_parse_forms():
-    line = parse_serve_line(
-        [
-            "VLLM_CPU_KVCACHE_SPACE=8",
-            "vllm",
-            "serve",
-            "M",
-            "--tensor_parallel_size=4",
-            "--enforce-eager",
-            "--max-model-len",
-            "4096",
-            "--kv-transfer-config.kv_connector",
-            "KVTierConnector",
-            "--kv-transfer-config.kv_connector_extra_config.cpu_bytes_to_use",
-            "1000",
-        ]
-    )
+    line = parse_serve_line([
+        "VLLM_CPU_KVCACHE_SPACE=8", "vllm", "serve", "M", "--tensor_parallel_size=4", "--enforce-eager",
+        "--max-model-len", "4096", "--kv-transfer-config.kv_connector", "KVTierConnector",
+        "--kv-transfer-config.kv_connector_extra_config.cpu_bytes_to_use", "1000"])
     assert (line.model, line.tp, line.number("--max-model-len")) == ("M", 4, 4096)
     assert line.env == {"VLLM_CPU_KVCACHE_SPACE": "8"}
-    assert line.transfer_config == {
-        "kv_connector": "KVTierConnector",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": 1000},
-    }
+    assert line.transfer_config == {"kv_connector": "KVTierConnector",
+                                    "kv_connector_extra_config": {"cpu_bytes_to_use": 1000}}
     assert parse_serve_line(["vllm", "serve", "M", "-tp=2"]).tp == 2
     late = parse_serve_line(["vllm", "serve", "--port", "8000", "--trust-remote-code", "M", "-tp", "2"])
     assert (late.model, late.tp, late.value("--port")) == ("M", 2, "8000")
     assert parse_serve_line(["vllm", "serve", "M", "--tensor-parallel", "8"]).tp == 8  # unique prefix
-    api = parse_serve_line(
-        ["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "X", "-tp", "2"]
-    )
+    api = parse_serve_line(["python3", "-m", "vllm.entrypoints.openai.api_server", "--model", "X",
+                            "-tp", "2"])
     assert (api.program, api.model, api.tp) == ("vllm", "X", 2)
-    kv = parse_serve_line(
-        ["kvtier", "serve", "M", "--kv-offloading-size", "8", "-tp", "2", "--", "--kv-offloading-size", "3"]
-    )
+    kv = parse_serve_line(["kvtier", "serve", "M", "--kv-offloading-size", "8", "-tp", "2", "--",
+                           "--kv-offloading-size", "3"])
     assert kv.kvtier_flags == {"--kv-offloading-size": "8"} and kv.value("--kv-offloading-size") == "3"
     assert parse_serve_line(["vllm", "serve", "M", "--no-enable-prefix-caching"]).prefix_caching is False
-    assert (
-        parse_serve_line(
-            ["vllm", "serve", "M", "--no-enable-prefix-caching", "--enable-prefix-caching"]
-        ).prefix_caching
-        is True
-    )
+    assert parse_serve_line(["vllm", "serve", "M", "--no-enable-prefix-caching",
+                             "--enable-prefix-caching"]).prefix_caching is True
 
 
 def test_not_a_serve_line():
@@ -101,12 +80,10 @@ def test_not_a_serve_line():
 
 # -- findings: positive and negative ---------------------------------------------------------------
 
-
 def test_host_size_total_explained_when_tp_above_1():
     assert codes(vllm70("--kv-offloading-size", "256"))["host-size-total"] == "info"
-    assert "host-size-total" not in codes(
-        ["vllm", "serve", L70, "--kv-offloading-size", "256", "--max-model-len", "8192"]
-    )
+    assert "host-size-total" not in codes(["vllm", "serve", L70, "--kv-offloading-size", "256",
+                                           "--max-model-len", "8192"])
 
 
 def test_host_size_that_looks_per_gpu():
@@ -139,10 +116,8 @@ def test_cpu_offload_gb():
 
 
 def test_prefix_caching_disabled():
-    assert (
-        codes(vllm70("--kv-offloading-size", "256", "--no-enable-prefix-caching"))["prefix-caching-disabled"]
-        == "warning"
-    )
+    assert codes(vllm70("--kv-offloading-size", "256", "--no-enable-prefix-caching"))[
+        "prefix-caching-disabled"] == "warning"
     assert codes(vllm70("--no-enable-prefix-caching"))["prefix-caching-disabled"] == "info"  # no offloading
     assert "prefix-caching-disabled" not in codes(vllm70("--kv-offloading-size", "256"))
 
@@ -153,9 +128,7 @@ def test_kv_events_config():
     assert codes(vllm70("--kv-transfer-config", self_describing))["kv-events-off"] == "info"
     found = codes(vllm70("--kv-transfer-config", self_describing, "--kv-events-config", on))
     assert "kv-events-off" not in found and "kv-events-endpoint" not in found
-    pinned = json.dumps(
-        {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"}
-    )
+    pinned = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://10.0.0.5:5557"})
     assert codes(vllm70("--kv-events-config", pinned))["kv-events-endpoint"] == "info"
     assert codes(vllm70("--kv-events-config", "{nope"))["kv-events-config"] == "error"
 
@@ -224,48 +197,21 @@ def test_fp8_kv_without_calibrated_scales(tmp_path):
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "config.json").write_text(json.dumps(cfg))
-    assert (
-        codes(["vllm", "serve", str(plain), "--kv-cache-dtype", "fp8", "--max-model-len", "8192"])[
-            "fp8-kv-scales"
-        ]
-        == "warning"
-    )
-    assert (
-        codes(
-            [
-                "vllm",
-                "serve",
-                str(plain),
-                "--kv-cache-dtype",
-                "fp8_e4m3",
-                "--calculate-kv-scales",
-                "--max-model-len",
-                "8192",
-            ]
-        )["fp8-kv-scales"]
-        == "info"
-    )
+    assert codes(["vllm", "serve", str(plain), "--kv-cache-dtype", "fp8", "--max-model-len", "8192"])[
+        "fp8-kv-scales"] == "warning"
+    assert codes(["vllm", "serve", str(plain), "--kv-cache-dtype", "fp8_e4m3", "--calculate-kv-scales",
+                  "--max-model-len", "8192"])["fp8-kv-scales"] == "info"
     assert "fp8-kv-scales" not in codes(["vllm", "serve", str(plain), "--max-model-len", "8192"])
     scheme = tmp_path / "scheme"
     scheme.mkdir()
-    (scheme / "config.json").write_text(
-        json.dumps(
-            {
-                **cfg,
-                "quantization_config": {
-                    "quant_method": "compressed-tensors",
-                    "kv_cache_scheme": {"num_bits": 8, "type": "float"},
-                },
-            }
-        )
-    )
+    (scheme / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
+        "quant_method": "compressed-tensors", "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}))
     assert "fp8-kv-scales" not in codes(["vllm", "serve", str(scheme), "--kv-cache-dtype", "fp8"])
     index = tmp_path / "index"
     index.mkdir()
     (index / "config.json").write_text(json.dumps(cfg))
-    (index / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"model.layers.0.self_attn.k_scale": "a.safetensors"}})
-    )
+    (index / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"model.layers.0.self_attn.k_scale": "a.safetensors"}}))
     assert "fp8-kv-scales" not in codes(["vllm", "serve", str(index), "--kv-cache-dtype", "fp8"])
 
 
@@ -326,9 +272,8 @@ def test_shared_root_lists_other_namespaces(tmp_path):
     assert "shared-root" not in codes(line)
     for name, tp in (("llama_0123456789abcdef", 1), ("llama_fedcba9876543210", 2)):
         (root / name).mkdir()
-        (root / name / "config.json").write_text(
-            json.dumps({"model_name": "llama", "tp_size": tp, "kv_dtype": "bfloat16", "block_tokens": 16})
-        )
+        (root / name / "config.json").write_text(json.dumps({"model_name": "llama", "tp_size": tp,
+                                                             "kv_dtype": "bfloat16", "block_tokens": 16}))
     (root / "llama_0123456789abcdef_r0").mkdir()  # rank dirs are not namespaces
     assert len(namespaces_under(root)) == 2
     finding = next(f for f in audit(line) if f.code == "shared-root")
@@ -340,24 +285,13 @@ def test_invalid_kvtier_config(tmp_path):
     assert codes(bad)["kvtier-config"] == "error"
     missing = vllm70("--kv-transfer-config", kvtier_tc({}))
     assert "cpu_bytes_to_use" in next(f.why for f in audit(missing) if f.code == "kvtier-config")
-    good = vllm70(
-        "--kv-transfer-config",
-        kvtier_tc(
-            {
-                "cpu_bytes_to_use": 2**40,
-                "secondary_tiers": [
-                    {"type": "fs", "root_dir": str(tmp_path / "new" / "kv"), "capacity_bytes": 2**30}
-                ],
-            }
-        ),
-    )
+    good = vllm70("--kv-transfer-config", kvtier_tc({"cpu_bytes_to_use": 2**40, "secondary_tiers": [
+        {"type": "fs", "root_dir": str(tmp_path / "new" / "kv"), "capacity_bytes": 2**30}]}))
     found = codes(good)
     assert "kvtier-config" not in found and found["root-dir-missing"] == "info"
     assert not (tmp_path / "new").exists()
-    assert (
-        codes(["kvtier", "serve", "--kv-config", "{not json", "--max-model-len", "4096"])["kvtier-serve-flag"]
-        == "error"
-    )
+    assert codes(["kvtier", "serve", "--kv-config", "{not json", "--max-model-len", "4096"])[
+        "kvtier-serve-flag"] == "error"
     assert "kvtier-serve-flag" not in codes(["kvtier", "serve", "--kv-config", '{"store_threshold": 2}'])
 
 
@@ -386,13 +320,8 @@ def test_connector_conflicts():
     assert "offloading-size-replaces-connector" not in codes(vllm70("--kv-offloading-size", "256"))
     assert codes(["kvtier", "serve", "--", "--kv-offloading-size", "4"])["kvtier-serve-flag"] == "error"
     assert "kvtier-serve-flag" not in codes(["kvtier", "serve", "--kv-offloading-size", "4"])
-    no_path = json.dumps(
-        {
-            "kv_connector": "KVTierConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": 2**40},
-        }
-    )
+    no_path = json.dumps({"kv_connector": "KVTierConnector", "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"cpu_bytes_to_use": 2**40}})
     found = codes(vllm70("--kv-transfer-config", no_path))
     assert found["kvtier-module-path"] == "error" and "kv-role" not in found
     producer = kvtier_tc({"cpu_bytes_to_use": 2**40}, kv_role="kv_producer")
@@ -407,7 +336,6 @@ def test_unknown_model_is_info_only():
 
 
 # -- the command ------------------------------------------------------------------------------------
-
 
 def test_cli_exit_codes_and_json():
     runner = CliRunner()
@@ -431,24 +359,8 @@ def test_measure_small(tmp_path):
 
 
 def test_cli_measure_compares_with_the_model(tmp_path):
-    result = CliRunner().invoke(
-        main,
-        [
-            "doctor",
-            "--measure",
-            "--dir",
-            str(tmp_path),
-            "--dram-mib",
-            "8",
-            "--disk-mib",
-            "4",
-            "--json",
-            "--model",
-            L70,
-            "--context",
-            "32768",
-        ],
-    )
+    result = CliRunner().invoke(main, ["doctor", "--measure", "--dir", str(tmp_path), "--dram-mib", "8",
+                                       "--disk-mib", "4", "--json", "--model", L70, "--context", "32768"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     names = {m["name"] for m in data["measurements"]}
@@ -456,23 +368,7 @@ def test_cli_measure_compares_with_the_model(tmp_path):
     comparison = data["comparison"]
     assert comparison["context_bytes_total"] == 32768 * 327680  # 10 GiB for Llama-3.1-70B bf16
     assert comparison["disk_load_s"] > comparison["host_load_s"] > 0
-    text = CliRunner().invoke(
-        main,
-        [
-            "doctor",
-            "--measure",
-            "--dir",
-            str(tmp_path),
-            "--dram-mib",
-            "8",
-            "--disk-mib",
-            "4",
-            "--",
-            "kvtier",
-            "serve",
-            "-tp",
-            "1",
-        ],
-    )
+    text = CliRunner().invoke(main, ["doctor", "--measure", "--dir", str(tmp_path), "--dram-mib", "8",
+                                     "--disk-mib", "4", "--", "kvtier", "serve", "-tp", "1"])
     assert text.exit_code == 0, text.output
     assert "DRAM copy" in text.output and "SmolLM2-135M-Instruct" in text.output

@@ -45,36 +45,22 @@ def test_reader_metadata_arrays_and_tensors(tmp_path):
     dense = rng.standard_normal((3, 8)).astype(np.float32)
     quantized = rng.standard_normal((4, 64)).astype(np.float32)
     path = tmp_path / "tiny.gguf"
-    _write_gguf(
-        path, {"a.weight": dense, "b.weight": quantized}, {"b.weight": gguf.GGMLQuantizationType.Q8_0}
-    )
+    _write_gguf(path, {"a.weight": dense, "b.weight": quantized}, {"b.weight": gguf.GGMLQuantizationType.Q8_0})
 
     f = GgufFile(path)
     assert f.metadata["general.architecture"] == "gemma3"
     assert f.metadata["gemma3.block_count"] == 18
     assert f.metadata["general.name"] == "tiny"
-    assert (
-        f.metadata["tokenizer.ggml.tokens"] == ArrayInfo(8, 5)
-        and len(f.metadata["tokenizer.ggml.tokens"]) == 5
-    )
+    assert f.metadata["tokenizer.ggml.tokens"] == ArrayInfo(8, 5) and len(f.metadata["tokenizer.ggml.tokens"]) == 5
     assert GgufFile(path, read_arrays=("tokenizer.ggml.tokens",)).metadata["tokenizer.ggml.tokens"] == [
-        "<pad>",
-        "<eos>",
-        "<bos>",
-        "a b",
-        "ü",
-    ]
+        "<pad>", "<eos>", "<bos>", "a b", "ü"]
     assert f.tensors["a.weight"].shape == (3, 8)
     assert np.array_equal(f.tensor("a.weight"), dense)
     back = f.tensor("b.weight")
     assert back.shape == (4, 64) and back.dtype == np.float32
     assert np.abs(back - quantized).max() < 0.05  # Q8_0 round trip
-    assert np.array_equal(
-        back,
-        gguf.quants.dequantize(
-            gguf.quants.quantize(quantized, gguf.GGMLQuantizationType.Q8_0), gguf.GGMLQuantizationType.Q8_0
-        ),
-    )
+    assert np.array_equal(back, gguf.quants.dequantize(gguf.quants.quantize(quantized, gguf.GGMLQuantizationType.Q8_0),
+                                                       gguf.GGMLQuantizationType.Q8_0))
 
 
 def test_reader_refuses_other_files(tmp_path):
@@ -171,9 +157,8 @@ def test_real_conversion(tmp_path):
     assert ids[0] == kg.BOS_ID and len(ids) == 3
     assert tokenizer.decode(ids, skip_special_tokens=True) == "Hello world"
     assert tokenizer.convert_tokens_to_ids("<end_of_turn>") == kg.END_OF_TURN_ID
-    chat = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
-    )
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                         add_generation_prompt=True)
     assert chat == "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\n"
 
     mtime = (folder / kg.MARKER).stat().st_mtime_ns

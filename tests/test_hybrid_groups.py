@@ -189,9 +189,7 @@ def test_a_failed_load_with_several_groups_is_recomputed_per_request(model):
         copier.copy = failing
         load_errors = []
         take_stats = sim.kvtier_scheduler.orchestrator.take_stats
-        sim.kvtier_scheduler.orchestrator.take_stats = lambda: (
-            load_errors.append(take_stats()) or load_errors[-1]
-        )
+        sim.kvtier_scheduler.orchestrator.take_stats = lambda: load_errors.append(take_stats()) or load_errors[-1]
         second = sim.generate(renamed(prompts, "-2"), 4)
         assert by_prompt(second, "-2") == ref
         assert sim.model.kv_mismatches == []
@@ -202,10 +200,7 @@ def test_a_failed_load_with_several_groups_is_recomputed_per_request(model):
 def test_a_fresh_hybrid_engine_is_served_from_disk(model, tmp_path):
     prompts = prompts_of(5, 3, 100)
     ref = reference_outputs(model, prompts, 4, sliding_window=WINDOW)
-    tiers = {
-        **HOST,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": 2**30}],
-    }
+    tiers = {**HOST, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": 2**30}]}
     with SimEngine(model, kvtier=tiers, sliding_window=WINDOW) as sim:
         assert tokens_of(sim.generate(prompts, 4)) == ref
     with SimEngine(model, kvtier=tiers, sliding_window=WINDOW) as sim:
@@ -219,10 +214,7 @@ def test_hybrid_and_single_group_engines_never_share_blocks(model, tmp_path):
     """The same model with the hybrid allocator off lays a slot's layers out in one group: another
     namespace (a miss), never a block read under another layout."""
     prompts = prompts_of(6, 2, 100)
-    tiers = {
-        **HOST,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": 2**30}],
-    }
+    tiers = {**HOST, "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": 2**30}]}
     with SimEngine(model, kvtier=tiers, sliding_window=WINDOW) as sim:
         sim.generate(prompts, 4)
     with SimEngine(model, kvtier=tiers) as sim:
@@ -270,9 +262,7 @@ def test_which_groups_kvtier_offloads_and_which_make_it_inactive(model):
         specs = []
         for i, group in enumerate(groups):
             if isinstance(group, tuple):  # several layers of one type in one group
-                group = UniformTypeKVCacheSpecs(
-                    block_size=16, kv_cache_specs={f"l{i}.{j}": s for j, s in enumerate(group)}
-                )
+                group = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={f"l{i}.{j}": s for j, s in enumerate(group)})
             specs.append(KVCacheGroupSpec([f"l{i}"], group))
         return KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=specs)
 
@@ -281,26 +271,12 @@ def test_which_groups_kvtier_offloads_and_which_make_it_inactive(model):
     sliding = SlidingWindowSpec(**shape, sliding_window=64)
     local = ChunkedLocalAttentionSpec(**shape, attention_chunk_size=64)
     aligned = MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align")
-    for offloaded in [
-        (full,),
-        (sliding,),
-        (full, sliding),
-        (full, sliding, sliding),
-        (local, full),
-        ((promoted, full),),
-        (aligned, full),
-    ]:
+    for offloaded in [(full,), (sliding,), (full, sliding), (full, sliding, sliding), (local, full),
+                      ((promoted, full),), (aligned, full)]:
         assert inactive_reason(vllm_config, config(*offloaded)) is None, offloaded
-    for state in (
-        MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,)),  # mode "none"
-        MambaSpec(
-            block_size=16,
-            shapes=((4, 4),),
-            dtypes=(torch.float32,),
-            mamba_cache_mode="align",
-            num_speculative_blocks=1,
-        ),
-    ):
+    for state in (MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,)),  # mode "none"
+                  MambaSpec(block_size=16, shapes=((4, 4),), dtypes=(torch.float32,), mamba_cache_mode="align",
+                            num_speculative_blocks=1)):
         assert inactive_reason(vllm_config, config(full, state)) is InactiveReason.STATE_GROUP
     rswa = config(RSWASpec(**shape, rswa_window=64))
     assert inactive_reason(vllm_config, rswa) is InactiveReason.UNSUPPORTED_GROUP

@@ -26,9 +26,7 @@ from kvtier.core.keys import (
 
 NS = Namespace(
     model=ModelIdentity(weights="blake3:" + "0" * 64, config="c" * 32, dtype="float32"),
-    ranks=(
-        PageFormat(128, "float32", "LBHNC", "full_attention", ("CPU_ATTN",), 30, 3, 64, 196608, "d" * 32),
-    ),
+    ranks=(PageFormat(128, "float32", "LBHNC", "full_attention", ("CPU_ATTN",), 30, 3, 64, 196608, "d" * 32),),
     block_tokens=128,
 )
 NS_DIGEST = "aeec42fa5ab2e5d95ba5d02b9cfaa2ca53f19cefac7a98d8f46a566e8506d521"
@@ -50,9 +48,7 @@ def test_namespace_canonical_json_and_digest_are_pinned():
 
 
 def test_block_key_is_blake3_of_parent_tokens_le_u32_and_extras():
-    assert (
-        block_key(b"", [1, 2, 3]).hex() == "df07f4904a7ccb203dc935dae7baf4a4c1f0ab9279a863a69109be74f26032ef"
-    )
+    assert block_key(b"", [1, 2, 3]).hex() == "df07f4904a7ccb203dc935dae7baf4a4c1f0ab9279a863a69109be74f26032ef"
     manual = blake3.blake3(b"\x01\x00\x00\x00\x02\x00\x00\x00\x03\x00\x00\x00").hexdigest()
     assert block_key(b"", [1, 2, 3]).hex() == manual
 
@@ -64,12 +60,7 @@ def test_a_block_stored_without_its_state_has_a_key_of_its_own():
     variant = stateless_key(key)
     assert variant == blake3.blake3(b"kvtier/attention-only" + key).digest()
     assert variant.hex() == stateless_key(bytes.fromhex(key.hex())).hex()  # deterministic
-    assert variant not in {
-        key,
-        block_key(key, list(range(128))),
-        tail_key(key, [1, 2, 3]),
-        stateless_key(variant),
-    }
+    assert variant not in {key, block_key(key, list(range(128))), tail_key(key, [1, 2, 3]), stateless_key(variant)}
 
 
 def test_chained_keys_are_pinned():
@@ -133,9 +124,7 @@ def test_engine_block_size_alone_changes_the_namespace():
     ns64 = dataclasses.replace(NS, block_tokens=256, ranks=(small,))
     ns128 = dataclasses.replace(NS, block_tokens=256, ranks=(big,))
     assert ns64.digest != ns128.digest
-    assert chain_block_keys(ns64.digest, list(range(256)), 256) != chain_block_keys(
-        ns128.digest, list(range(256)), 256
-    )
+    assert chain_block_keys(ns64.digest, list(range(256)), 256) != chain_block_keys(ns128.digest, list(range(256)), 256)
 
 
 def test_rank_namespaces_differ_but_share_the_engine_digest():

@@ -35,10 +35,7 @@ def published(hashes) -> list:
 def make_request(req_id: str, tokens: list[int]) -> Request:
     init_none_hash(sha256)
     return Request(
-        req_id,
-        tokens,
-        SamplingParams(max_tokens=1),
-        None,
+        req_id, tokens, SamplingParams(max_tokens=1), None,
         block_hasher=get_request_block_hasher(ENGINE_BLOCK, sha256),
     )
 
@@ -47,21 +44,12 @@ def make_orchestrator(tmp_path, num_slots: int) -> Orchestrator:
     disk = None
     if tmp_path is not None:
         disk = DiskTier(
-            root_dir=tmp_path,
-            model_name="toy",
-            engine_digest=NS.digest,
-            rank_digests=[NS.for_rank(0).digest],
-            namespace_json=NS.config_json("toy"),
-            payload_bytes=SLOT,
-            capacity_bytes=10**7,
-            n_read_threads=1,
-            n_write_threads=1,
-            max_pending_writes=16,
+            root_dir=tmp_path, model_name="toy", engine_digest=NS.digest, rank_digests=[NS.for_rank(0).digest],
+            namespace_json=NS.config_json("toy"), payload_bytes=SLOT, capacity_bytes=10**7,
+            n_read_threads=1, n_write_threads=1, max_pending_writes=16,
         )
     host_bytes = HostBytes([memoryview(bytearray(SLOT * num_slots))], SLOT)
-    return Orchestrator(
-        HostIndex(num_slots), host_bytes, [disk] if disk is not None else [], StoreAdmission(0, 10)
-    )
+    return Orchestrator(HostIndex(num_slots), host_bytes, [disk] if disk is not None else [], StoreAdmission(0, 10))
 
 
 def store_blocks(orch: Orchestrator, keys: list[bytes]) -> None:
@@ -80,11 +68,8 @@ def settle(orch: Orchestrator) -> None:
 
 def translator(orch: Orchestrator, self_describing: bool) -> KVEventTranslator:
     return KVEventTranslator(
-        orch,
-        block_tokens=BLOCK,
-        engine_block_tokens=ENGINE_BLOCK,
-        self_describing=self_describing,
-        group_kinds=("full_attention",),
+        orch, block_tokens=BLOCK, engine_block_tokens=ENGINE_BLOCK,
+        self_describing=self_describing, group_kinds=("full_attention",),
     )
 
 
@@ -103,9 +88,7 @@ def test_self_describing_events_carry_vllm_hashes_tokens_and_parent(tmp_path):
     assert len(cpu) == 3 and len(storage) == 3 and all(isinstance(e, BlockStored) for e in got)
     for index, event in enumerate(cpu):
         assert event.block_hashes == published(request.block_hashes[index * PAGES : (index + 1) * PAGES])
-        assert event.parent_block_hash == (
-            published([request.block_hashes[index * PAGES - 1]])[0] if index else None
-        )
+        assert event.parent_block_hash == (published([request.block_hashes[index * PAGES - 1]])[0] if index else None)
         assert event.token_ids == tokens[index * BLOCK : (index + 1) * BLOCK]
         assert event.block_size == ENGINE_BLOCK and event.group_idx == 0 and event.locality == "LOCAL"
         assert event.kv_cache_spec_kind == "full_attention"

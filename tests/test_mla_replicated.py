@@ -14,15 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.engine_sim import (
-    SimEngine,
-    by_prompt,
-    external,
-    prompts_of,
-    reference_outputs,
-    renamed,
-    write_model,
-)
+from support.engine_sim import SimEngine, by_prompt, external, prompts_of, reference_outputs, renamed, write_model
 
 from kvtier.cachetools import inspect_cache, verify_cache
 from kvtier.core.slots import HostSlotLayout
@@ -37,10 +29,8 @@ def model(tmp_path: Path) -> Path:
 
 
 def config(root: Path) -> dict:
-    return {
-        "cpu_bytes_to_use": HOST_BYTES,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}],
-    }
+    return {"cpu_bytes_to_use": HOST_BYTES,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}]}
 
 
 def test_replicated_latent_is_stored_once_and_loaded_into_every_rank(model, tmp_path):
@@ -52,13 +42,8 @@ def test_replicated_latent_is_stored_once_and_loaded_into_every_rank(model, tmp_
         geometry = scheduler.geometry
         assert geometry.replicated and geometry.stored_ranks == 1 and geometry.world_size == 2
         # the whole host budget is one region: twice the slots two per-rank copies would get
-        per_rank = HostSlotLayout.for_budget(
-            HOST_BYTES,
-            num_layers=2,
-            pages_per_block=geometry.pages_per_block,
-            page_bytes=geometry.layout.page_bytes,
-            world_size=2,
-        )
+        per_rank = HostSlotLayout.for_budget(HOST_BYTES, num_layers=2, pages_per_block=geometry.pages_per_block,
+                                             page_bytes=geometry.layout.page_bytes, world_size=2)
         assert geometry.layout.num_slots == 2 * per_rank.num_slots
         assert scheduler.namespace.replicated and len(scheduler.namespace.rank_digests()) == 1
         first = sim.generate(prompts, 6)

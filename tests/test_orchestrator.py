@@ -26,21 +26,12 @@ def make(tmp_path: Path | None, num_slots=4, threshold=0, ranks=1) -> tuple[Orch
     if tmp_path is not None:
         ns = toy_namespace(block_tokens=4, tp_size=ranks)
         disk = DiskTier(
-            root_dir=tmp_path,
-            model_name="toy",
-            engine_digest=ns.digest,
-            rank_digests=ns.rank_digests(),
-            namespace_json=ns.config_json("toy"),
-            payload_bytes=SLOT,
-            capacity_bytes=10**8,
-            n_read_threads=2,
-            n_write_threads=2,
-            max_pending_writes=64,
+            root_dir=tmp_path, model_name="toy", engine_digest=ns.digest,
+            rank_digests=ns.rank_digests(), namespace_json=ns.config_json("toy"),
+            payload_bytes=SLOT, capacity_bytes=10**8, n_read_threads=2, n_write_threads=2, max_pending_writes=64,
         )
     orch = Orchestrator(
-        HostIndex(num_slots),
-        HostBytes([memoryview(b) for b in buffers], SLOT),
-        [disk] if disk else [],
+        HostIndex(num_slots), HostBytes([memoryview(b) for b in buffers], SLOT), [disk] if disk else [],
         StoreAdmission(threshold, 100),
     )
     return orch, buffers

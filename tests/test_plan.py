@@ -30,7 +30,6 @@ def geometry(name: str) -> ModelKVGeometry:
 
 # -- KV bytes per token: the hand computation is written out in each case --------------------------
 
-
 @pytest.mark.parametrize(
     ("name", "kv_bytes", "expected"),
     [
@@ -74,13 +73,7 @@ def test_layer_patterns_from_public_configs():
 def test_layer_patterns_synthetic():
     base = {"num_hidden_layers": 6, "num_attention_heads": 4, "hidden_size": 64}
     assert layer_kinds({**base, "hybrid_override_pattern": "M-M*-E"}) == [
-        STATEFUL,
-        MLP_ONLY,
-        STATEFUL,
-        FULL,
-        MLP_ONLY,
-        MLP_ONLY,
-    ]
+        STATEFUL, MLP_ONLY, STATEFUL, FULL, MLP_ONLY, MLP_ONLY]
     gemma3_like = {**base, "layer_types": ["sliding_attention", "full_attention"] * 3}
     assert layer_kinds(gemma3_like) == [SLIDING, FULL] * 3
     qwen3_next_like = {**base, "layer_types": ["linear_attention"] * 5 + ["full_attention"]}
@@ -122,7 +115,6 @@ def test_sliding_window_sequence_bytes():
 
 
 # -- parameters and weights ------------------------------------------------------------------------
-
 
 @pytest.mark.parametrize(
     ("name", "published_total", "published_active"),
@@ -175,7 +167,6 @@ def test_smollm2_constant_matches_fixture_and_converted_model():
 
 # -- the plan ---------------------------------------------------------------------------------------
 
-
 def test_plan_llama70b_tp4_on_80gib():
     inputs = PlanInputs(tp=4, context=32768, concurrency=16)
     plan = make_plan("llama-3.1-70b", config("llama-3.1-70b"), inputs)
@@ -225,13 +216,8 @@ def test_plan_weights_that_do_not_fit():
 
 
 def test_plan_uncountable_layers_need_weights_gib():
-    cfg = {
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "hidden_size": 64,
-        "vocab_size": 100,
-        "layer_types": ["mamba", "full_attention"] * 2,
-    }  # Mamba layers without their sizes
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 4, "hidden_size": 64, "vocab_size": 100,
+           "layer_types": ["mamba", "full_attention"] * 2}  # Mamba layers without their sizes
     with pytest.raises(ValueError, match="--weights-gib"):
         make_plan("x", cfg, PlanInputs())
     plan = make_plan("x", cfg, PlanInputs(weights_gib=1, dtype="bfloat16"))
@@ -253,7 +239,6 @@ def test_plan_notes_mla_and_hybrid():
 
 
 # -- the command ------------------------------------------------------------------------------------
-
 
 def test_cli_plan_default_json():
     result = CliRunner().invoke(main, ["plan", "default", "--json", "--dtype", "bfloat16", "--tp", "2"])
@@ -289,13 +274,11 @@ def test_cli_plan_hf_cache_and_unknown_model(tmp_path, monkeypatch):
 
 
 def test_plan_and_doctor_do_not_import_vllm_or_torch():
-    code = (
-        "import sys, kvtier.cli.main, kvtier.cli.plan, kvtier.cli.doctor, kvtier.doctor.checks\n"
-        "import kvtier.doctor.measure\n"
-        "from kvtier.doctor.audit import audit\n"
-        "audit(['kvtier', 'serve', '-tp', '2'])\n"
-        "audit(['vllm', 'serve', 'default', '--kv-offloading-size', '4'])\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'transformers')]\n"
-        "assert not bad, bad\n"
-    )
+    code = ("import sys, kvtier.cli.main, kvtier.cli.plan, kvtier.cli.doctor, kvtier.doctor.checks\n"
+            "import kvtier.doctor.measure\n"
+            "from kvtier.doctor.audit import audit\n"
+            "audit(['kvtier', 'serve', '-tp', '2'])\n"
+            "audit(['vllm', 'serve', 'default', '--kv-offloading-size', '4'])\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'transformers')]\n"
+            "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,9 +20,7 @@ from kvtier.core.priority import (
 )
 from kvtier.tiers.disk import DiskTier
 
-pytestmark = pytest.mark.skipif(
-    not hasattr(os, "setpriority"), reason="per-thread nice values are Linux-only"
-)
+pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux-only")
 
 
 def nice_of(native_id: int) -> int:
@@ -47,16 +45,9 @@ def test_only_the_calling_thread_gets_nicer():
 def test_disk_tier_writes_run_nicer_than_reads(tmp_path):
     ns = toy_namespace()
     disk = DiskTier(
-        root_dir=tmp_path,
-        model_name="toy",
-        engine_digest=ns.digest,
-        rank_digests=[ns.for_rank(0).digest],
-        namespace_json=ns.config_json("toy"),
-        payload_bytes=64,
-        capacity_bytes=10**6,
-        n_read_threads=1,
-        n_write_threads=1,
-        max_pending_writes=4,
+        root_dir=tmp_path, model_name="toy", engine_digest=ns.digest, rank_digests=[ns.for_rank(0).digest],
+        namespace_json=ns.config_json("toy"), payload_bytes=64, capacity_bytes=10**6,
+        n_read_threads=1, n_write_threads=1, max_pending_writes=4,
     )
     try:
         base = nice_of(threading.get_native_id())

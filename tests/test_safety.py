@@ -38,50 +38,16 @@ KEY = bytes(range(32))
 NS = b"\xab" * 32
 PAYLOAD = 64
 
-json_leaf = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
-    st.text(max_size=20),
-)
-json_value = st.recursive(
-    json_leaf,
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12), inner, max_size=4),
-    max_leaves=12,
-)
-TOP_KEYS = [
-    "cpu_bytes_to_use",
-    "block_size",
-    "eviction_policy",
-    "store_threshold",
-    "max_tracker_size",
-    "offload_prompt_only",
-    "offload_partial_blocks",
-    "spec_name",
-    "secondary_tiers",
-    "self_describing_kv_events",
-    "model_identity",
-]
-TIER_KEYS = [
-    "type",
-    "root_dir",
-    "capacity_bytes",
-    "n_read_threads",
-    "n_write_threads",
-    "max_pending_writes",
-    "group_access",
-    "url",
-    "username",
-    "password_env",
-    "key_prefix",
-    "ttl_seconds",
-    "cluster",
-    "nodes",
-    "max_connections",
-    "connect_timeout_s",
-    "timeout_s",
-]
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
+                      st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=20))
+json_value = st.recursive(json_leaf, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=12)
+TOP_KEYS = ["cpu_bytes_to_use", "block_size", "eviction_policy", "store_threshold", "max_tracker_size",
+            "offload_prompt_only", "offload_partial_blocks", "spec_name", "secondary_tiers", "self_describing_kv_events",
+            "model_identity"]
+TIER_KEYS = ["type", "root_dir", "capacity_bytes", "n_read_threads", "n_write_threads", "max_pending_writes",
+             "group_access", "url", "username", "password_env", "key_prefix", "ttl_seconds", "cluster", "nodes",
+             "max_connections", "connect_timeout_s", "timeout_s"]
 
 
 @st.composite
@@ -111,12 +77,8 @@ def test_any_config_is_valid_or_a_config_error(tmp_path, data):
 
 def test_a_password_never_appears_in_a_config_error():
     with pytest.raises(ConfigError) as exc:
-        KVTierConfig.from_extra_config(
-            {
-                "cpu_bytes_to_use": 1,
-                "secondary_tiers": [{"type": "redis", "url": "http://user:s3cret@host:6379/0"}],
-            }
-        )
+        KVTierConfig.from_extra_config({"cpu_bytes_to_use": 1, "secondary_tiers": [
+            {"type": "redis", "url": "http://user:s3cret@host:6379/0"}]})
     assert "s3cret" not in str(exc.value) and "***" in str(exc.value)
 
 
@@ -132,14 +94,8 @@ def test_any_header_bytes_decode_or_raise_corrupt(data):
 
 def valid_file() -> bytes:
     payload = bytes(range(PAYLOAD))
-    header = encode_header(
-        namespace=NS,
-        key=KEY,
-        parent=b"\0" * 32,
-        num_tokens=4,
-        payload_len=PAYLOAD,
-        checksum=payload_checksum(payload),
-    )
+    header = encode_header(namespace=NS, key=KEY, parent=b"\0" * 32, num_tokens=4, payload_len=PAYLOAD,
+                           checksum=payload_checksum(payload))
     return header + payload
 
 
@@ -166,7 +122,7 @@ def damaged(data, good: bytes) -> bytes:
     mode = data.draw(st.sampled_from(["flip", "truncate", "append", "random"]))
     if mode == "flip":
         at = data.draw(st.integers(0, len(good) - 1))
-        return good[:at] + bytes([good[at] ^ data.draw(st.integers(1, 255))]) + good[at + 1 :]
+        return good[:at] + bytes([good[at] ^ data.draw(st.integers(1, 255))]) + good[at + 1:]
     if mode == "truncate":
         return good[: data.draw(st.integers(0, len(good) - 1))]
     if mode == "append":
@@ -210,10 +166,7 @@ def test_a_valid_file_is_read(tmp_path):
 
 
 @settings(max_examples=500, deadline=None)
-@given(
-    st.text(max_size=40)
-    | st.sampled_from(["..", ".", "../../etc", "/", "~", "a/../../b", "\\..\\x", "x/..", ""])
-)
+@given(st.text(max_size=40) | st.sampled_from(["..", ".", "../../etc", "/", "~", "a/../../b", "\\..\\x", "x/..", ""]))
 def test_model_names_never_escape_the_root(name):
     safe = sanitize_model_name(name)
     assert safe and "/" not in safe and "\\" not in safe and safe not in (".", "..")
@@ -223,19 +176,9 @@ def test_model_names_never_escape_the_root(name):
 
 
 def tier(root: Path, access: Access = Access.OWNER) -> DiskTier:
-    return DiskTier(
-        root_dir=root,
-        model_name="m",
-        engine_digest=b"\x02" * 32,
-        rank_digests=[NS],
-        namespace_json='{"model_name": "m"}',
-        payload_bytes=PAYLOAD,
-        capacity_bytes=1 << 20,
-        n_read_threads=1,
-        n_write_threads=1,
-        max_pending_writes=8,
-        access=access,
-    )
+    return DiskTier(root_dir=root, model_name="m", engine_digest=b"\x02" * 32, rank_digests=[NS],
+                    namespace_json='{"model_name": "m"}', payload_bytes=PAYLOAD, capacity_bytes=1 << 20,
+                    n_read_threads=1, n_write_threads=1, max_pending_writes=8, access=access)
 
 
 def write_and_wait(disk: DiskTier, key: bytes = KEY):
@@ -309,37 +252,23 @@ def test_a_symlinked_block_file_is_not_read(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(target, path)
         layout, ledger = disk._layout, disk._ledger  # noqa: SLF001
-        assert (
-            disk_files.read_block(layout, ledger, [NS], KEY, [memoryview(bytearray(PAYLOAD))]) is IoError.IO
-        )
+        assert disk_files.read_block(layout, ledger, [NS], KEY, [memoryview(bytearray(PAYLOAD))]) is IoError.IO
     finally:
         disk.close()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(
-    size=st.text(max_size=8) | st.sampled_from(["nan", "inf", "-1", "0", "1e309", "0.0000000001", "4"]),
-    disk_size=st.text(max_size=8) | st.sampled_from(["nan", "-inf", "0", "20"]),
-    disk_dir=st.text(max_size=12),
-)
-def test_serve_size_and_path_flags_give_a_usage_error_or_a_command(
-    tmp_path, monkeypatch, size, disk_size, disk_dir
-):
+@given(size=st.text(max_size=8) | st.sampled_from(["nan", "inf", "-1", "0", "1e309", "0.0000000001", "4"]),
+       disk_size=st.text(max_size=8) | st.sampled_from(["nan", "-inf", "0", "20"]),
+       disk_dir=st.text(max_size=12))
+def test_serve_size_and_path_flags_give_a_usage_error_or_a_command(tmp_path, monkeypatch, size, disk_size, disk_dir):
     """``kvtier serve``'s own flags: every value is accepted (then the command is built) or refused
     with a usage error naming the flag; never a traceback. vLLM is never started."""
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path))
     launched = []
     monkeypatch.setattr(serve_mod, "launch", launched.append)
-    args = [
-        "serve",
-        str(tmp_path / "model"),
-        "--kv-offloading-size",
-        size,
-        "--disk-size",
-        disk_size,
-        "--disk-dir",
-        str(tmp_path / "d" / disk_dir.replace("\x00", "")) if disk_dir else str(tmp_path / "d"),
-    ]
+    args = ["serve", str(tmp_path / "model"), "--kv-offloading-size", size, "--disk-size", disk_size,
+            "--disk-dir", str(tmp_path / "d" / disk_dir.replace("\x00", "")) if disk_dir else str(tmp_path / "d")]
     result = CliRunner().invoke(main, args)
     if result.exit_code == 0:
         assert len(launched) == 1

@@ -42,10 +42,7 @@ def sessions(seed: int, count: int, length: int) -> dict[str, list[int]]:
 def next_turn(first: dict[str, list[int]], answers: dict[str, list[int]], seed: int, message: int = 7):
     """Each session's transcript (prompt + answer) plus a new message, under a new request id."""
     rng = random.Random(seed)
-    return {
-        f"{sid}-t2": first[sid] + answers[sid] + [rng.randrange(3, 500) for _ in range(message)]
-        for sid in first
-    }
+    return {f"{sid}-t2": first[sid] + answers[sid] + [rng.randrange(3, 500) for _ in range(message)] for sid in first}
 
 
 def run_two_turns(model: Path, config: dict | None, first: dict[str, list[int]], max_tokens: int, **engine):
@@ -112,11 +109,8 @@ def test_the_longest_stored_tail_that_continues_the_prompt_is_loaded(model):
 
 def test_tails_come_back_from_disk_in_a_fresh_engine(model, tmp_path):
     root = tmp_path / "kv"
-    config = {
-        **HOST,
-        "offload_prompt_only": False,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}],
-    }
+    config = {**HOST, "offload_prompt_only": False,
+              "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}]}
     first = sessions(4, 2, 100)
     with SimEngine(model, kvtier=config) as sim:
         answers = {sid: f.tokens for sid, f in sim.generate(first, 12).items()}
@@ -125,9 +119,7 @@ def test_tails_come_back_from_disk_in_a_fresh_engine(model, tmp_path):
     tails = sorted(h.num_tokens for h in headers if h.num_tokens < BLOCK)
     # two tails per session: all it computed (for the next turn), its prompt but the last token (a regenerate)
     assert tails == sorted([(100 + 12 - 1) % BLOCK, (100 - 1) % BLOCK] * 2), "tails per session, token counts"
-    report = subprocess.run(
-        [KVTIER, "inspect", str(root), "--tails", "--json"], capture_output=True, text=True
-    )
+    report = subprocess.run([KVTIER, "inspect", str(root), "--tails", "--json"], capture_output=True, text=True)
     assert report.returncode == 0, report.stderr
     (namespace,) = json.loads(report.stdout)["namespaces"]
     assert namespace["tail_blocks"] == 4 and namespace["complete_blocks"] == len(headers)
@@ -156,9 +148,7 @@ def test_a_tail_of_another_tenant_never_matches(model):
 
 # --- keys and eviction (no engine) ---------------------------------------------------------
 def test_tail_keys_are_pinned_and_never_equal_a_block_key():
-    assert (
-        tail_key(b"", [1, 2, 3]).hex() == "81aedfc9387c86d1c4a9ba821d10a1891606ea470a353716706c0cd7e863736d"
-    )
+    assert tail_key(b"", [1, 2, 3]).hex() == "81aedfc9387c86d1c4a9ba821d10a1891606ea470a353716706c0cd7e863736d"
     parent = bytes(32)
     tokens = list(range(BLOCK))
     assert tail_key(parent, tokens) != block_key(parent, tokens)

@@ -85,11 +85,8 @@ def test_layouts_cover_strided_and_contiguous_pages_words_and_bytes():
         copier = make_copier(make())
         seen[make.__name__] = (copier.kv.flat, copier.word)
     assert seen == {
-        "cpu_layers": (True, torch.int64),
-        "flash_layers": (False, torch.int64),
-        "mla_layers": (True, torch.int64),
-        "permuted_layers": (False, torch.int64),
-        "odd_layers": (True, torch.uint8),
+        "cpu_layers": (True, torch.int64), "flash_layers": (False, torch.int64), "mla_layers": (True, torch.int64),
+        "permuted_layers": (False, torch.int64), "odd_layers": (True, torch.uint8),
     }
 
 
@@ -101,9 +98,7 @@ def test_a_misaligned_host_buffer_is_copied_as_bytes():
     copier = BlockCopier(kv, HostSlots(buffer, layout))
     assert copier.word == torch.uint8
     copier.copy(Direction.STORE, [PageCopy(1, 0, 4)])
-    assert torch.equal(
-        copier.host.tensor[1].reshape(-1), torch.cat([page_bytes_of(layer, 4) for layer in layers])
-    )
+    assert torch.equal(copier.host.tensor[1].reshape(-1), torch.cat([page_bytes_of(layer, 4) for layer in layers]))
 
 
 @settings(max_examples=60, deadline=None)
@@ -118,9 +113,7 @@ def test_batched_copy_matches_the_per_page_copy(data):
     places = data.draw(
         st.lists(
             st.tuples(st.integers(0, num_slots - 1), st.integers(0, pages_per_block - 1)),
-            min_size=len(blocks),
-            max_size=len(blocks),
-            unique=True,
+            min_size=len(blocks), max_size=len(blocks), unique=True,
         ),
         label="host pages",
     )
@@ -129,17 +122,11 @@ def test_batched_copy_matches_the_per_page_copy(data):
     reference = make_copier(twins, num_slots, pages_per_block)
     expected_bytes = len(pages) * len(layers) * batched.kv.page_bytes
 
-    assert (
-        batched.copy(Direction.STORE, pages)
-        == per_page_copy(reference, Direction.STORE, pages)
-        == expected_bytes
-    )
+    assert batched.copy(Direction.STORE, pages) == per_page_copy(reference, Direction.STORE, pages) == expected_bytes
     assert torch.equal(batched.host.tensor, reference.host.tensor)
     for p in pages:
         for layer_index, layer in enumerate(layers):
-            assert torch.equal(
-                batched.host.page(p.slot, layer_index, p.sub), page_bytes_of(layer, p.block_id)
-            )
+            assert torch.equal(batched.host.page(p.slot, layer_index, p.sub), page_bytes_of(layer, p.block_id))
 
     noise = torch.randint(0, 256, batched.host.tensor.shape, dtype=torch.uint8)
     batched.host.tensor.copy_(noise)
@@ -165,9 +152,8 @@ def test_plan_is_one_list_of_page_pairs_per_job():
     assert all(d.data_ptr() == s.data_ptr() for d, s in zip(load.dsts, plan.srcs))  # same views, swapped
 
 
-@pytest.mark.parametrize(
-    "bad", [PageCopy(4, 0, 1), PageCopy(-1, 0, 1), PageCopy(0, 2, 1), PageCopy(0, 0, 9), PageCopy(0, 0, -1)]
-)
+@pytest.mark.parametrize("bad", [PageCopy(4, 0, 1), PageCopy(-1, 0, 1), PageCopy(0, 2, 1), PageCopy(0, 0, 9),
+                                 PageCopy(0, 0, -1)])
 def test_pages_out_of_range_are_rejected_before_any_copy(bad):
     copier = make_copier(cpu_layers(), num_slots=4, pages_per_block=2)
     before = copier.host.tensor.clone()

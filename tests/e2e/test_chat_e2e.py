@@ -35,15 +35,10 @@ def sessions() -> list[list[str]]:
 def chat_spec(model: str, config: dict | None) -> dict:
     reset = {"reset_prefix_cache": True}
     return {
-        "model": model,
-        "chat": sessions(),
-        "prompts": [],
+        "model": model, "chat": sessions(), "prompts": [],
         "rounds": [{}, reset, {**reset, "batch": True}],
-        "max_tokens": MAX_TOKENS,
-        "kv_cache_memory_bytes": 256 * 2**20,
-        "max_model_len": 2048,
-        "block_size": BLOCK_TOKENS,
-        "kv_connector_extra_config": config,
+        "max_tokens": MAX_TOKENS, "kv_cache_memory_bytes": 256 * 2**20, "max_model_len": 2048,
+        "block_size": BLOCK_TOKENS, "kv_connector_extra_config": config,
     }
 
 
@@ -64,21 +59,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_returning_turns_compute_only_the_new_message(model_path, tmp_path: Path):
-    config = {
-        "cpu_bytes_to_use": 48 * BLOCK_BYTES,
-        "offload_prompt_only": False,
-        "offload_partial_blocks": True,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": 2**30}],
-    }
+    config = {"cpu_bytes_to_use": 48 * BLOCK_BYTES, "offload_prompt_only": False, "offload_partial_blocks": True,
+              "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": 2**30}]}
     alone = launch(chat_spec(model_path, None), tmp_path)
     result = launch(chat_spec(model_path, config), tmp_path)
     for turn, (ours, theirs) in enumerate(zip(result["rounds"], alone["rounds"])):
         assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in theirs], f"turn {turn + 1} differs"
     assert len({tuple(r["token_ids"]) for r in alone["rounds"][0]}) == 4, "the model tells the sessions apart"
 
-    computed_by_alone = sum(
-        r["prompt_tokens"] - r["num_cached_tokens"] for rnd in alone["rounds"][1:] for r in rnd
-    )
+    computed_by_alone = sum(r["prompt_tokens"] - r["num_cached_tokens"] for rnd in alone["rounds"][1:] for r in rnd)
     new_tokens, diverged = [], 0
     for turn in range(1, len(QUESTIONS) + 1):
         for session, now in enumerate(result["rounds"][turn]):
@@ -86,15 +75,11 @@ def test_returning_turns_compute_only_the_new_message(model_path, tmp_path: Path
             computed_before = before["prompt_token_ids"] + before["token_ids"][:-1]
             served = now["num_cached_tokens"]
             expected = servable(now["prompt_token_ids"], computed_before, before["prompt_token_ids"])
-            assert served == expected, (
-                f"turn {turn + 1} session {session}: served {served}, expected {expected}"
-            )
+            assert served == expected, f"turn {turn + 1} session {session}: served {served}, expected {expected}"
             diverged += common_prefix(now["prompt_token_ids"], computed_before) < len(computed_before)
             new_tokens.append(now["prompt_tokens"] - served)
-    print(
-        f"tokens computed per returning turn: {new_tokens} ({diverged} re-tokenized differently); "
-        f"vLLM alone computed {computed_by_alone} over those turns, kvtier's engine {sum(new_tokens)}"
-    )
+    print(f"tokens computed per returning turn: {new_tokens} ({diverged} re-tokenized differently); "
+          f"vLLM alone computed {computed_by_alone} over those turns, kvtier's engine {sum(new_tokens)}")
     # The new message (5-7 tokens), the chat template around it and the answer's last token.
     assert sorted(new_tokens)[len(new_tokens) // 2] <= 40, new_tokens
     assert sum(new_tokens) * 5 < computed_by_alone
@@ -107,9 +92,6 @@ def servable(prompt: list[int], computed_before: list[int], prompt_before: list[
     and that the prompt repeats (vLLM computes at least one token)."""
     limit = min(common_prefix(prompt, computed_before), len(prompt) - 1)
     run_end = min(limit, len(computed_before)) // BLOCK_TOKENS * BLOCK_TOKENS
-    tails = [
-        end
-        for end in (len(computed_before), len(prompt_before) - 1)
-        if end // BLOCK_TOKENS * BLOCK_TOKENS == run_end and run_end < end <= limit
-    ]
+    tails = [end for end in (len(computed_before), len(prompt_before) - 1)
+             if end // BLOCK_TOKENS * BLOCK_TOKENS == run_end and run_end < end <= limit]
     return max([run_end, *tails])

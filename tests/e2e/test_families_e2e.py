@@ -37,21 +37,11 @@ def tiny_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("tiny-models")
 
 
-def family_spec(
-    folder: Path,
-    rounds: list[dict],
-    extra: dict | None,
-    engine: dict | None = None,
-    prompts: list[str] = PROMPTS,
-) -> dict:
+def family_spec(folder: Path, rounds: list[dict], extra: dict | None, engine: dict | None = None,
+                prompts: list[str] = PROMPTS) -> dict:
     return {
-        "model": str(folder),
-        "prompts": prompts,
-        "rounds": rounds,
-        "max_tokens": MAX_TOKENS,
-        "kv_cache_memory_bytes": 64 * 2**20,
-        "max_model_len": 2048,
-        "kv_connector_extra_config": extra,
+        "model": str(folder), "prompts": prompts, "rounds": rounds, "max_tokens": MAX_TOKENS,
+        "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 2048, "kv_connector_extra_config": extra,
         "engine": engine or {},
     }
 
@@ -63,9 +53,8 @@ def kvtier_config(root: Path) -> dict:
     }
 
 
-def check_bit_exact_from_host_and_disk(
-    folder: Path, tmp_path: Path, engine: dict | None = None, prompts: list[str] = PROMPTS
-) -> None:
+def check_bit_exact_from_host_and_disk(folder: Path, tmp_path: Path, engine: dict | None = None,
+                                       prompts: list[str] = PROMPTS) -> None:
     """vLLM alone; kvtier round 1 (stores), round 2 after reset_prefix_cache (host tier); a fresh
     engine on the same disk root (disk tier): the same tokens everywhere, whole blocks loaded, and
     the engine's KV pages of every loaded block byte for byte those round 1's plain prefill
@@ -88,16 +77,13 @@ def check_bit_exact_from_host_and_disk(
     plain = first["kv_pages"][0]
     assert_loaded_pages_equal(plain, first["kv_pages"][1], cached(first, 1))
 
-    second = launch(
-        family_spec(folder, [{"kv_pages": True}], kvtier_config(root), engine, prompts), tmp_path
-    )  # fresh: disk
+    second = launch(family_spec(folder, [{"kv_pages": True}], kvtier_config(root), engine, prompts),
+                    tmp_path)  # fresh: disk
     assert tokens(second) == expected
     assert cached(second) == cached(first, 1)
     assert_loaded_pages_equal(plain, second["kv_pages"][0], cached(second))
-    print(
-        f"{folder.name}: prompt tokens {prompt_tokens}, from kvtier {cached(first, 1)} (host), "
-        f"{cached(second)} (disk)"
-    )
+    print(f"{folder.name}: prompt tokens {prompt_tokens}, from kvtier {cached(first, 1)} (host), "
+          f"{cached(second)} (disk)")
 
 
 def assert_loaded_pages_equal(plain: dict, loaded: dict, loaded_tokens: list[int]) -> None:
@@ -109,24 +95,19 @@ def assert_loaded_pages_equal(plain: dict, loaded: dict, loaded_tokens: list[int
     size = loaded["block_size"]
     assert plain["block_size"] == size and plain["groups"] == loaded["groups"]
     # groups holding pages of the window before the prompt's end only (Mamba: the state at its end)
-    windowed = [
-        kind in ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec") for kind in loaded["groups"]
-    ]
-    for number, (reference, pages, hit) in enumerate(
-        zip(plain["prompts"], loaded["prompts"], loaded_tokens, strict=True)
-    ):
+    windowed = [kind in ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec") for kind in loaded["groups"]]
+    for number, (reference, pages, hit) in enumerate(zip(plain["prompts"], loaded["prompts"], loaded_tokens,
+                                                          strict=True)):
         count = hit // size
         for block in range(count):
             for group, (mine, theirs) in enumerate(zip(pages[block], reference[block], strict=True)):
                 must = not windowed[group] or block == count - 1
                 if mine is None and not must:
                     continue
-                assert mine is not None and theirs is not None, (
+                assert mine is not None and theirs is not None, \
                     f"prompt {number}: loaded block {block} of group {group} is not cached"
-                )
-                assert mine == theirs, (
+                assert mine == theirs, \
                     f"prompt {number}: loaded block {block} of group {group} holds other KV bytes than a plain prefill's"
-                )
 
 
 def test_dense_and_moe_families_are_bit_exact_from_host_and_disk(tiny_dir, tmp_path):
@@ -134,19 +115,13 @@ def test_dense_and_moe_families_are_bit_exact_from_host_and_disk(tiny_dir, tmp_p
     context) and MoE (tiny Qwen3-MoE shape)."""
     from kvtier.models.default import ensure_default_model
 
-    check_bit_exact_from_host_and_disk(
-        ensure_default_model("float32"), tmp_path / "dense", {"kv_cache_memory_bytes": 128 * 2**20}
-    )
+    check_bit_exact_from_host_and_disk(ensure_default_model("float32"), tmp_path / "dense",
+                                       {"kv_cache_memory_bytes": 128 * 2**20})
     check_bit_exact_from_host_and_disk(write_tiny_model("qwen3-moe", tiny_dir), tmp_path / "moe")
 
 
-def check_inactive(
-    folder: Path,
-    tmp_path: Path,
-    expected_reason: str,
-    engine: dict | None = None,
-    prompts: list[str] = PROMPTS,
-) -> str:
+def check_inactive(folder: Path, tmp_path: Path, expected_reason: str, engine: dict | None = None,
+                   prompts: list[str] = PROMPTS) -> str:
     """vLLM alone, then kvtier (round 1, reset, round 2): kvtier says once that it is inactive and
     why, loads nothing, stores nothing; every output equals vLLM alone's. Returns kvtier's log."""
     tmp_path.mkdir(exist_ok=True)
@@ -154,10 +129,8 @@ def check_inactive(
     expected = tokens(alone)
     assert len(set(map(tuple, expected))) == len(prompts), "the model does not tell the prompts apart"
     root = tmp_path / "kv"
-    run = launch(
-        family_spec(folder, [{}, {"reset_prefix_cache": True}], kvtier_config(root), engine, prompts),
-        tmp_path,
-    )
+    run = launch(family_spec(folder, [{}, {"reset_prefix_cache": True}], kvtier_config(root), engine, prompts),
+                 tmp_path)
     assert tokens(run, 0) == expected and tokens(run, 1) == expected
     assert cached(run, 1) == [0] * len(prompts)  # nothing loaded
     assert not list(root.rglob("*.bin"))  # nothing stored
@@ -177,12 +150,8 @@ def test_sliding_window_families_are_bit_exact_from_host_and_disk(tiny_dir, tmp_
 
     check_bit_exact_from_host_and_disk(write_tiny_model("gemma3-swa", tiny_dir), tmp_path / "tiny")
     # 36 KiB of KV per token for the full layers' 2048 tokens plus the sliding layers' windows
-    check_bit_exact_from_host_and_disk(
-        ensure_gemma_model("float32"),
-        tmp_path / "gemma",
-        {"kv_cache_memory_bytes": 192 * 2**20},
-        long_prompts(3, 700, seed=11),
-    )
+    check_bit_exact_from_host_and_disk(ensure_gemma_model("float32"), tmp_path / "gemma",
+                                       {"kv_cache_memory_bytes": 192 * 2**20}, long_prompts(3, 700, seed=11))
 
 
 def test_mamba_hybrid_is_bit_exact_from_host_and_disk(tiny_dir, tmp_path):
@@ -193,12 +162,8 @@ def test_mamba_hybrid_is_bit_exact_from_host_and_disk(tiny_dir, tmp_path):
     block. Prompts of ~900 tokens: 3 whole blocks."""
     from support.tiny_models import FAMILIES
 
-    check_bit_exact_from_host_and_disk(
-        write_tiny_model("granitemoehybrid", tiny_dir),
-        tmp_path,
-        FAMILIES["granitemoehybrid"].engine,
-        long_prompts(3, 700, seed=11),
-    )
+    check_bit_exact_from_host_and_disk(write_tiny_model("granitemoehybrid", tiny_dir), tmp_path,
+                                       FAMILIES["granitemoehybrid"].engine, long_prompts(3, 700, seed=11))
 
 
 def test_mla_on_cpu_fails_closed(tiny_dir, tmp_path):

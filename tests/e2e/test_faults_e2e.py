@@ -32,16 +32,11 @@ from kvtier.tiers.blockfile import HEADER_LEN, decode_header, encode_header
 
 pytestmark = pytest.mark.e2e
 
-
 def quoting_prompts(count: int, num_words: int, seed: int) -> list[str]:
     """Documents with a request to quote from them: the answer copies text from the prompt, so it
     depends on the KV of the whole document (a generic summary would be the same for every one)."""
-    return [
-        p.replace(
-            "Summarize the document above in one sentence:", "Quote the last sentence of the document above:"
-        )
-        for p in long_prompts(count, num_words, seed)
-    ]
+    return [p.replace("Summarize the document above in one sentence:", "Quote the last sentence of the document above:")
+            for p in long_prompts(count, num_words, seed)]
 
 
 PROMPTS = quoting_prompts(6, 500, seed=11)  # ~550 tokens each: 4 full blocks of 128 tokens
@@ -67,8 +62,6 @@ class Alone:
     @classmethod
     def of(cls, result: dict) -> Alone:
         return cls(tokens(result), sum(r["seconds"] for r in result["rounds"][0]))
-
-
 KVTIER = [str(Path(sys.executable).with_name("kvtier"))]  # the installed console script
 
 
@@ -81,15 +74,9 @@ def model_path() -> str:
 
 def spec(model: str, rounds: list[dict], config: dict | None, prompts=PROMPTS, **extra) -> dict:
     return {
-        "model": model,
-        "prompts": prompts,
-        "rounds": rounds,
-        "max_tokens": MAX_TOKENS,
-        "kv_cache_memory_bytes": 128 * 2**20,
-        "max_model_len": 2048,
-        "block_size": BLOCK_TOKENS,
-        "kv_connector_extra_config": config,
-        **extra,
+        "model": model, "prompts": prompts, "rounds": rounds, "max_tokens": MAX_TOKENS,
+        "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048, "block_size": BLOCK_TOKENS,
+        "kv_connector_extra_config": config, **extra,
     }
 
 
@@ -159,9 +146,7 @@ def test_sigkill_mid_write_then_restart_on_the_same_root_and_names(tmp_path, mod
     on_disk = len(block_files(root))
     temps = list(root.rglob("*.tmp"))
     print(f"killed with {on_disk} block files and {len(temps)} temp files on disk")
-    verify = subprocess.run(
-        [*KVTIER, "verify", str(root), "--no-quarantine"], capture_output=True, text=True, check=False
-    )
+    verify = subprocess.run([*KVTIER, "verify", str(root), "--no-quarantine"], capture_output=True, text=True, check=False)
     assert verify.returncode == 0, verify.stdout + verify.stderr  # renamed into place whole, or not at all
 
     region = Path("/dev/shm/kvtier-kvtier-faults-r0")
@@ -188,14 +173,8 @@ def corrupt(files: list[Path]) -> dict[str, Path]:
     kinds["empty"].write_bytes(b"")
     data = kinds["other_namespace"].read_bytes()  # a valid file of another model's namespace
     header = decode_header(data[:HEADER_LEN])
-    other = encode_header(
-        namespace=bytes(32),
-        key=header.key,
-        parent=header.parent,
-        num_tokens=header.num_tokens,
-        payload_len=header.payload_len,
-        checksum=header.checksum,
-    )
+    other = encode_header(namespace=bytes(32), key=header.key, parent=header.parent,
+                          num_tokens=header.num_tokens, payload_len=header.payload_len, checksum=header.checksum)
     kinds["other_namespace"].write_bytes(other + data[HEADER_LEN:])
     donor = files[5].read_bytes()  # a valid file of this namespace, but of another block
     tmp = kinds["other_key"].with_suffix(".swap")
@@ -263,22 +242,13 @@ def test_block_files_damaged_replaced_and_purged_while_serving(tmp_path, model_p
     def stop_replacing_and_purge() -> None:
         replacer[0].stop.set()
         replacer[0].join()
-        purge.append(
-            subprocess.Popen(
-                [*KVTIER, "purge", str(root), "--all"],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
+        purge.append(subprocess.Popen([*KVTIER, "purge", str(root), "--all"], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
 
     reset = {"reset_prefix_cache": True}
     rounds = [{}, {**reset, "pause": True}, {**reset, "pause": True}, {**reset, "pause": True}, reset]
-    result = launch(
-        spec(model_path, rounds, disk_config(root, host_blocks=6)),
-        tmp_path,
-        before_round={1: damage, 2: start_replacing, 3: stop_replacing_and_purge},
-    )
+    result = launch(spec(model_path, rounds, disk_config(root, host_blocks=6)), tmp_path,
+                    before_round={1: damage, 2: start_replacing, 3: stop_replacing_and_purge})
     assert purge[0].wait(60) == 0, purge[0].stdout.read()
     check_rounds(result, alone)
 
@@ -332,24 +302,13 @@ def test_redis_flushed_paused_killed_and_restarted_while_serving(tmp_path, model
         time.sleep(31)  # past the circuit breaker's longest back-off: the tier probes the server again
 
     reset = {"reset_prefix_cache": True}
-    rounds = [
-        {},
-        {**reset, "pause": True},
-        {**reset, "pause": True},
-        {**reset, "pause": True},
-        {**reset, "pause": True},
-        reset,
-    ]
-    result = launch(
-        spec(model_path, rounds, redis_config(server.url())),
-        tmp_path,
-        before_round={1: flush, 2: pause, 3: resume_then_kill, 4: restart},
-    )
+    rounds = [{}, {**reset, "pause": True}, {**reset, "pause": True}, {**reset, "pause": True},
+              {**reset, "pause": True}, reset]
+    result = launch(spec(model_path, rounds, redis_config(server.url())), tmp_path,
+                    before_round={1: flush, 2: pause, 3: resume_then_kill, 4: restart})
     check_rounds(result, alone)
     remote_hits = [metric(result, i, "kvtier_hit_tokens_total{tier=remote}") for i in range(6)]
-    print(
-        f"values stored before FLUSHALL: {seen['stored']}; remote hit tokens after each round: {remote_hits}"
-    )
+    print(f"values stored before FLUSHALL: {seen['stored']}; remote hit tokens after each round: {remote_hits}")
     assert seen["stored"] >= 12
     assert remote_hits[1] == remote_hits[0], "served a value after FLUSHALL"
     assert remote_hits[3] == remote_hits[2] == remote_hits[1], "served a value while Redis was paused or down"
@@ -369,14 +328,8 @@ def test_churn_with_preemptions_and_a_tiny_host_tier(tmp_path, model_path):
     alone = Alone.of(launch(spec(model_path, [{"batch": True}], None, prompts, **churn), tmp_path))
     config = {"cpu_bytes_to_use": 8 * BLOCK_BYTES}
     result = launch(
-        spec(
-            model_path,
-            [{"batch": True}, {"batch": True, "reset_prefix_cache": True}],
-            config,
-            prompts,
-            kv_cache_memory_bytes=40 * BLOCK_BYTES,
-            **churn,
-        ),
+        spec(model_path, [{"batch": True}, {"batch": True, "reset_prefix_cache": True}], config, prompts,
+             kv_cache_memory_bytes=40 * BLOCK_BYTES, **churn),
         tmp_path,
     )
     print(f"preemptions: {result['num_preemptions']}; metrics after: {result['round_metrics'][-1]}")
@@ -390,16 +343,10 @@ def test_churn_with_preemptions_and_a_tiny_host_tier(tmp_path, model_path):
 def mount_small_fs(where: Path, nbytes: int) -> bool:
     """Mount a tmpfs of ``nbytes`` at ``where`` (needs root / CAP_SYS_ADMIN); False if refused."""
     where.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={nbytes},mode=0700", "tmpfs", str(where)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={nbytes},mode=0700", "tmpfs", str(where)],
+                          capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        print(
-            f"cannot mount a tmpfs ({done.stderr.strip()}): the disk-full fault is a file-size limit instead"
-        )
+        print(f"cannot mount a tmpfs ({done.stderr.strip()}): the disk-full fault is a file-size limit instead")
     return done.returncode == 0
 
 
@@ -428,11 +375,8 @@ def test_disk_full_drops_stores_and_recovers_when_space_returns(tmp_path, model_
             counts.append(len(block_files(root)))
             filler.unlink()
 
-        result = launch(
-            spec(model_path, [first, second], disk_config(root, capacity=capacity)),
-            tmp_path,
-            before_round={1: free_space} if mounted else None,
-        )
+        result = launch(spec(model_path, [first, second], disk_config(root, capacity=capacity)), tmp_path,
+                        before_round={1: free_space} if mounted else None)
         check_rounds(result, alone)
         dropped = [metric(result, i, "kvtier_writes_dropped_total{tier=disk}") for i in range(2)]
         files = block_files(root)

@@ -39,29 +39,13 @@ def prompts() -> list[str]:
     return long_prompts(3, 560, seed=11)
 
 
-def run(
-    tmp: Path,
-    model: str,
-    prompts: list[str],
-    *,
-    block_size: int,
-    root: Path | None = None,
-    rounds=({},),
-    **spec_extra,
-) -> dict:
+def run(tmp: Path, model: str, prompts: list[str], *, block_size: int, root: Path | None = None,
+        rounds=({},), **spec_extra) -> dict:
     spec = {
-        "model": model,
-        "prompts": prompts,
-        "rounds": list(rounds),
-        "max_tokens": MAX_TOKENS,
-        "kv_cache_memory_bytes": 128 * 2**20,
-        "max_model_len": 2048,
-        "block_size": block_size,
-        "kv_connector_extra_config": None
-        if root is None
-        else {
-            "cpu_bytes_to_use": 500_000_000,
-            "block_size": OFFLOAD_BLOCK,
+        "model": model, "prompts": prompts, "rounds": list(rounds), "max_tokens": MAX_TOKENS,
+        "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048, "block_size": block_size,
+        "kv_connector_extra_config": None if root is None else {
+            "cpu_bytes_to_use": 500_000_000, "block_size": OFFLOAD_BLOCK,
             "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 4_000_000_000}],
         },
         **spec_extra,
@@ -70,9 +54,7 @@ def run(
 
 
 def namespace_dirs(root: Path) -> set[str]:
-    return {
-        p.name for p in root.iterdir() if p.is_dir() and p.name != "quarantine" and "_r" not in p.name[-4:]
-    }
+    return {p.name for p in root.iterdir() if p.is_dir() and p.name != "quarantine" and "_r" not in p.name[-4:]}
 
 
 def engine_block_tokens(namespace_dir: Path) -> int:
@@ -126,9 +108,7 @@ def test_engines_that_compute_other_kv_never_share_a_block(tmp_path, model_path,
     # A fine-tune with the same config.json and folder name on the same root.
     tuned = make_fine_tune(model_path, tmp_path / "runs")
     tuned_expected = tokens(run(tmp_path, tuned, prompts, block_size=128))
-    assert tuned_expected != expected, (
-        "the fine-tune must compute other outputs for this test to mean anything"
-    )
+    assert tuned_expected != expected, "the fine-tune must compute other outputs for this test to mean anything"
     engine_ft = run(tmp_path, tuned, prompts, block_size=128, root=root)
     assert tokens(engine_ft) == tuned_expected
     assert cached(engine_ft) == [0, 0, 0], "the fine-tune loaded the base model's KV"
@@ -138,15 +118,8 @@ def test_prompt_embeddings_are_never_stored_or_loaded(tmp_path, model_path, prom
     """Two rounds of the same embeddings with vLLM's prefix cache reset between them: nothing is
     loaded from kvtier (cached 0), outputs equal the token-id run of vLLM alone."""
     expected = tokens(run(tmp_path, model_path, prompts[:2], block_size=128))
-    result = run(
-        tmp_path,
-        model_path,
-        prompts[:2],
-        block_size=128,
-        root=tmp_path / "kv",
-        prompt_embeds=True,
-        rounds=({}, {"reset_prefix_cache": True}),
-    )
+    result = run(tmp_path, model_path, prompts[:2], block_size=128, root=tmp_path / "kv", prompt_embeds=True,
+                 rounds=({}, {"reset_prefix_cache": True}))
     assert tokens(result, 0) == tokens(result, 1) == expected
     assert cached(result, 1) == [0, 0]
     assert "prompt embeddings" in result["log"]

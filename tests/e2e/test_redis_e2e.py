@@ -31,19 +31,10 @@ def model_path() -> str:
 
 def run(tmp: Path, model: str, prompts: list[str], tiers: list[dict] | None, rounds=({},)) -> dict:
     spec = {
-        "model": model,
-        "prompts": prompts,
-        "rounds": list(rounds),
-        "max_tokens": MAX_TOKENS,
-        "kv_cache_memory_bytes": 128 * 2**20,
-        "max_model_len": 2048,
-        "block_size": 128,
-        "kv_connector_extra_config": None
-        if tiers is None
-        else {
-            "cpu_bytes_to_use": 500_000_000,
-            "block_size": OFFLOAD_BLOCK,
-            "secondary_tiers": tiers,
+        "model": model, "prompts": prompts, "rounds": list(rounds), "max_tokens": MAX_TOKENS,
+        "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048, "block_size": 128,
+        "kv_connector_extra_config": None if tiers is None else {
+            "cpu_bytes_to_use": 500_000_000, "block_size": OFFLOAD_BLOCK, "secondary_tiers": tiers,
         },
     }
     return launch(spec, tmp)
@@ -62,13 +53,8 @@ def test_two_engines_share_one_redis_bit_exact_and_tenants_stay_apart(tmp_path, 
 
     # Engine B: another process with its own (empty) disk tier; round 2 is another tenant.
     disk = {"type": "fs", "root_dir": str(tmp_path / "b-disk"), "capacity_bytes": 2_000_000_000}
-    engine_b = run(
-        tmp_path,
-        model_path,
-        prompts,
-        [disk, redis],
-        rounds=({}, {"reset_prefix_cache": True, "cache_salt": "tenant-b"}),
-    )
+    engine_b = run(tmp_path, model_path, prompts, [disk, redis],
+                   rounds=({}, {"reset_prefix_cache": True, "cache_salt": "tenant-b"}))
     assert tokens(engine_b, 0) == expected
     assert all(n >= 2 * OFFLOAD_BLOCK for n in cached(engine_b, 0)), cached(engine_b, 0)
     assert tokens(engine_b, 1) == expected

@@ -28,24 +28,13 @@ CPUS = sorted(os.sched_getaffinity(0))
 
 
 def spec(folder: Path, rounds: list[dict], root: Path | None) -> dict:
-    extra = (
-        None
-        if root is None
-        else {
-            "cpu_bytes_to_use": 256 * 2**20,
-            "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}],
-        }
-    )
-    return {
-        "model": str(folder),
-        "prompts": PROMPTS,
-        "rounds": rounds,
-        "max_tokens": 12,
-        "kv_cache_memory_bytes": 64 * 2**20,
-        "max_model_len": 2048,
-        "kv_connector_extra_config": extra,
-        "engine": {"tensor_parallel_size": 2},
+    extra = None if root is None else {
+        "cpu_bytes_to_use": 256 * 2**20,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30}],
     }
+    return {"model": str(folder), "prompts": PROMPTS, "rounds": rounds, "max_tokens": 12,
+            "kv_cache_memory_bytes": 64 * 2**20, "max_model_len": 2048, "kv_connector_extra_config": extra,
+            "engine": {"tensor_parallel_size": 2}}
 
 
 @pytest.mark.skipif(len(CPUS) < 2, reason="tp=2 on vLLM-CPU needs two cores (one per worker)")
@@ -104,9 +93,6 @@ def test_tp2_mamba_hybrid_under_the_hybrid_allocator_is_bit_exact_from_host_and_
     first = run([{}, {"reset_prefix_cache": True}], root)
     assert tokens(first, 0) == expected and tokens(first, 1) == expected
     assert cached(first, 1) == [768] * 3
-    assert sorted(p.name[-3:] for p in root.iterdir() if p.is_dir() and p.name[-3:] in ("_r0", "_r1")) == [
-        "_r0",
-        "_r1",
-    ]
+    assert sorted(p.name[-3:] for p in root.iterdir() if p.is_dir() and p.name[-3:] in ("_r0", "_r1")) == ["_r0", "_r1"]
     second = run([{}], root)
     assert tokens(second) == expected and cached(second) == [768] * 3

@@ -35,16 +35,8 @@ def prompts() -> list[str]:
     return long_prompts(NUM_PROMPTS, PROMPT_WORDS, seed=2)
 
 
-def run_engine(
-    tmp: Path,
-    model: str,
-    prompts,
-    rounds,
-    extra_config=None,
-    multiprocess=True,
-    kv_bytes: int = KV_BYTES,
-    **spec_extra,
-) -> dict:
+def run_engine(tmp: Path, model: str, prompts, rounds, extra_config=None, multiprocess=True,
+               kv_bytes: int = KV_BYTES, **spec_extra) -> dict:
     spec = {
         "model": model,
         "prompts": prompts,
@@ -90,9 +82,7 @@ def test_host_then_disk_then_corruption_all_bit_exact(tmp_path, model_path, prom
     # Engine 1, vLLM's default multiprocess mode: round 1 stores; after vLLM's own prefix cache is
     # reset, round 2 is served from kvtier's host tier; a batched round 3 runs requests concurrently.
     first = run_engine(
-        tmp_path,
-        model_path,
-        prompts,
+        tmp_path, model_path, prompts,
         [{}, {"reset_prefix_cache": True}, {"reset_prefix_cache": True, "batch": True}],
         kvtier_config(root),
     )
@@ -127,9 +117,7 @@ def test_host_then_disk_then_corruption_all_bit_exact(tmp_path, model_path, prom
     assert set(victims) <= quarantined  # (recomputed blocks are stored again under the same name)
     assert third["log"].count("unreadable") >= 1, "corrupt blocks were not reported"
     cached = [r["num_cached_tokens"] for r in third["rounds"][0]]
-    assert sum(cached) < sum(r["num_cached_tokens"] for r in second["rounds"][0]), (
-        "corrupt blocks were served"
-    )
+    assert sum(cached) < sum(r["num_cached_tokens"] for r in second["rounds"][0]), "corrupt blocks were served"
 
 
 def flip_byte(path: Path, offset: int) -> None:
@@ -151,13 +139,8 @@ def test_preemptions_under_a_tiny_kv_space_stay_bit_exact(tmp_path, model_path):
     long = {"max_tokens": 160, "max_num_seqs": 6}
     alone = run_engine(tmp_path, model_path, prompts, [{}], multiprocess=False, **long)
     result = run_engine(
-        tmp_path,
-        model_path,
-        prompts,
-        [{"batch": True}, {"reset_prefix_cache": True, "batch": True}],
-        {"cpu_bytes_to_use": 1_000_000_000},
-        kv_bytes=96 * 2**20,
-        **long,
+        tmp_path, model_path, prompts, [{"batch": True}, {"reset_prefix_cache": True, "batch": True}],
+        {"cpu_bytes_to_use": 1_000_000_000}, kv_bytes=96 * 2**20, **long,
     )
     expected = token_ids(alone["rounds"][0])
     assert result["num_preemptions"] > 0, "the workload should force preemptions"

@@ -47,22 +47,14 @@ def layout_at(root: str | Path, world: int) -> DiskLayout:
     return DiskLayout(root, MODEL, ENGINE, world, 0)
 
 
-def open_tier(
-    root: str | Path, *, world: int, payload: int, capacity_blocks: int, **overrides: Any
-) -> DiskTier:
+def open_tier(root: str | Path, *, world: int, payload: int, capacity_blocks: int, **overrides: Any) -> DiskTier:
     args: dict[str, Any] = dict(
-        root_dir=root,
-        model_name=MODEL,
-        engine_digest=ENGINE,
-        rank_digests=rank_digests(world),
-        namespace_json=NS_JSON,
-        payload_bytes=payload,
+        root_dir=root, model_name=MODEL, engine_digest=ENGINE, rank_digests=rank_digests(world),
+        namespace_json=NS_JSON, payload_bytes=payload,
         capacity_bytes=capacity_blocks * world * (HEADER_LEN + payload),
         # A queue of 4 per process: the writes in flight of every process stay well within the
         # tiny test capacity (20 blocks), as an engine's do within a real one.
-        n_read_threads=2,
-        n_write_threads=2,
-        max_pending_writes=4,
+        n_read_threads=2, n_write_threads=2, max_pending_writes=4,
     )
     args.update(overrides)
     return DiskTier(**args)
@@ -102,9 +94,7 @@ def run_writer(plan: WriterPlan, start: Any, reports: Any) -> None:
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # write() fails with EFBIG instead of a kill
             _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
             resource.setrlimit(resource.RLIMIT_FSIZE, (plan.file_size_limit, hard))
-        tier = open_tier(
-            plan.root, world=plan.world, payload=plan.payload, capacity_blocks=plan.capacity_blocks
-        )
+        tier = open_tier(plan.root, world=plan.world, payload=plan.payload, capacity_blocks=plan.capacity_blocks)
         if not plan.ledger:
             tier._ledger.sharing = Sharing.PER_PROCESS  # noqa: SLF001 - the negative control only
         report.sharing = tier.sharing.value

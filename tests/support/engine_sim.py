@@ -79,29 +79,16 @@ LAYER_NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 _ids = itertools.count()
 
 
-def write_model(
-    folder: Path, seed: int, *, num_layers: int = 2, kv_heads: int = 1, head_size: int = 4
-) -> Path:
+def write_model(folder: Path, seed: int, *, num_layers: int = 2, kv_heads: int = 1, head_size: int = 4) -> Path:
     """A model folder: a small Llama config.json and a model.safetensors holding the model's seed
     (its "weights"). Two folders with the same config and another seed are two fine-tunes."""
     folder.mkdir(parents=True, exist_ok=True)
     config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": kv_heads * head_size * 4,
-        "intermediate_size": 64,
-        "num_attention_heads": 4,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_size,
-        "num_hidden_layers": num_layers,
-        "vocab_size": VOCAB,
-        "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "tie_word_embeddings": True,
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": kv_heads * head_size * 4,
+        "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
+        "head_dim": head_size, "num_hidden_layers": num_layers, "vocab_size": VOCAB,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
     }
     (folder / "config.json").write_text(json.dumps(config))
     save_file({"seed": torch.tensor([seed], dtype=torch.int64)}, str(folder / "model.safetensors"))
@@ -117,16 +104,8 @@ def read_seed(folder: Path) -> int:
 class FakeModel:
     """The model half of the simulated engine; see the module docstring."""
 
-    def __init__(
-        self,
-        seed: int,
-        kv: dict[str, torch.Tensor],
-        block_size: int,
-        kv_heads: int,
-        head_size: int,
-        replicas: list[dict[str, torch.Tensor]] | None = None,
-        sliding_window: int | None = None,
-    ):
+    def __init__(self, seed: int, kv: dict[str, torch.Tensor], block_size: int, kv_heads: int, head_size: int,
+                 replicas: list[dict[str, torch.Tensor]] | None = None, sliding_window: int | None = None):
         self.seed = seed
         self.kv = kv
         self.replicas = replicas or []  # other ranks' KV, the same bytes (replicated MLA latent)
@@ -154,11 +133,7 @@ class FakeModel:
 
     def expected(self, prefix_hash: bytes, layer: int) -> torch.Tensor:
         raw = hashlib.blake2b(prefix_hash + bytes([layer]), digest_size=4 * self.width).digest()
-        return (
-            torch.frombuffer(bytearray(raw), dtype=torch.int32)
-            .to(torch.float32)
-            .view(self.kv_heads, 2 * self.head_size)
-        )
+        return torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.float32).view(self.kv_heads, 2 * self.head_size)
 
     def _page_slot(self, table: list[int], p: int) -> tuple[int, int]:
         return table[p // self.block_size], p % self.block_size
@@ -267,35 +242,24 @@ class SimEngine:
         self._hasher = get_request_block_hasher(self.block_size, sha256)
         self.vllm_config = self._vllm_config()
         if self.mla_ranks > 1:  # one latent of 2 * head_size floats per token: the same bytes as K and V
-            spec = MLAAttentionSpec(
-                block_size=self.block_size, num_kv_heads=1, head_size=2 * self.head_size, dtype=torch.float32
-            )
+            spec = MLAAttentionSpec(block_size=self.block_size, num_kv_heads=1, head_size=2 * self.head_size,
+                                    dtype=torch.float32)
             assert self.kv_heads == 1, "an MLA sim has one latent per token (kv_heads=1)"
         else:
-            spec = FullAttentionSpec(
-                block_size=self.block_size,
-                num_kv_heads=self.kv_heads,
-                head_size=self.head_size,
-                dtype=torch.float32,
-            )
+            spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=self.kv_heads,
+                                     head_size=self.head_size, dtype=torch.float32)
         page = spec.page_size_bytes
         if self.sliding_window:
-            sliding = SlidingWindowSpec(
-                block_size=self.block_size,
-                num_kv_heads=self.kv_heads,
-                head_size=self.head_size,
-                dtype=torch.float32,
-                sliding_window=self.sliding_window,
-            )
+            sliding = SlidingWindowSpec(block_size=self.block_size, num_kv_heads=self.kv_heads,
+                                        head_size=self.head_size, dtype=torch.float32,
+                                        sliding_window=self.sliding_window)
             groups = [KVCacheGroupSpec([LAYER_NAMES[0]], spec), KVCacheGroupSpec([LAYER_NAMES[1]], sliding)]
         else:
             groups = [KVCacheGroupSpec(list(LAYER_NAMES), spec)]
         self.kv_cache_config = KVCacheConfig(
             num_blocks=self.num_blocks,
-            kv_cache_tensors=[
-                KVCacheTensor(size=page * self.num_blocks, layers=[name], layer_stride=0, block_stride=page)
-                for name in LAYER_NAMES
-            ],
+            kv_cache_tensors=[KVCacheTensor(size=page * self.num_blocks, layers=[name], layer_stride=0,
+                                            block_stride=page) for name in LAYER_NAMES],
             kv_cache_groups=groups,
         )
         rank_kv = [self._kv_tensors(page) for _ in range(self.mla_ranks)]
@@ -312,65 +276,41 @@ class SimEngine:
         self.worker: KVTierConnector | None = self.workers[0] if self.workers else None
         self._aggregator = KVOutputAggregator(expected_finished_count=self.mla_ranks)
         self.scheduler = Scheduler(
-            vllm_config=self.vllm_config,
-            kv_cache_config=self.kv_cache_config,
+            vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=self.block_size,
-            hash_block_size=self.block_size,
-            log_stats=True,
+            block_size=self.block_size, hash_block_size=self.block_size, log_stats=True,
         )
-        self.model = FakeModel(
-            read_seed(self.model_dir),
-            self.kv,
-            self.block_size,
-            self.kv_heads,
-            self.head_size,
-            replicas=rank_kv[1:],
-            sliding_window=self.sliding_window,
-        )
+        self.model = FakeModel(read_seed(self.model_dir), self.kv, self.block_size, self.kv_heads, self.head_size,
+                               replicas=rank_kv[1:], sliding_window=self.sliding_window)
 
     def _kv_tensors(self, page: int) -> dict[str, torch.Tensor]:
         """One rank's KV tensors in host memory (vLLM-CPU's page layout), zeroed."""
         buffer = torch.zeros(len(LAYER_NAMES) * page * self.num_blocks, dtype=torch.uint8)
         shape = (self.num_blocks, self.kv_heads, self.block_size, 2 * self.head_size)
         return {
-            name: buffer[i * page * self.num_blocks : (i + 1) * page * self.num_blocks]
-            .view(torch.float32)
-            .view(shape)
+            name: buffer[i * page * self.num_blocks : (i + 1) * page * self.num_blocks].view(torch.float32).view(shape)
             for i, name in enumerate(LAYER_NAMES)
         }
 
     def _vllm_config(self) -> VllmConfig:
-        model_config = ModelConfig(
-            model=str(self.model_dir), skip_tokenizer_init=True, max_model_len=4096, dtype="float32", seed=0
-        )
+        model_config = ModelConfig(model=str(self.model_dir), skip_tokenizer_init=True, max_model_len=4096,
+                                   dtype="float32", seed=0)
         scheduler_config = SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=4096,
-            enable_chunked_prefill=True,
-            is_encoder_decoder=False,
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=4096, enable_chunked_prefill=True, is_encoder_decoder=False,
         )
-        cache_config = CacheConfig(
-            block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching
-        )
+        cache_config = CacheConfig(block_size=self.block_size, enable_prefix_caching=self.enable_prefix_caching)
         transfer = None
         if self.kvtier is not None:
             transfer = KVTransferConfig(
-                kv_connector="KVTierConnector",
-                kv_connector_module_path="kvtier.vllm",
-                kv_role="kv_both",
+                kv_connector="KVTierConnector", kv_connector_module_path="kvtier.vllm", kv_role="kv_both",
                 kv_connector_extra_config=dict(self.kvtier),
                 engine_id=self.engine_id or f"sim-{os.getpid()}-{next(_ids)}",
             )
-        config = VllmConfig(
-            model_config=model_config,
-            cache_config=cache_config,
-            scheduler_config=scheduler_config,
-            kv_transfer_config=transfer,
-            device_config=DeviceConfig("cpu"),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.mla_ranks),
-        )
+        config = VllmConfig(model_config=model_config, cache_config=cache_config,
+                            scheduler_config=scheduler_config, kv_transfer_config=transfer,
+                            device_config=DeviceConfig("cpu"),
+                            parallel_config=ParallelConfig(tensor_parallel_size=self.mla_ranks))
         config.cache_config.num_gpu_blocks = self.num_blocks
         return config
 
@@ -381,14 +321,8 @@ class SimEngine:
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int = 4, **request_kwargs) -> Request:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        request = Request(
-            request_id=req_id,
-            prompt_token_ids=list(prompt),
-            sampling_params=params,
-            pooling_params=None,
-            block_hasher=self._hasher,
-            **request_kwargs,
-        )
+        request = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
+                          pooling_params=None, block_hasher=self._hasher, **request_kwargs)
         self.scheduler.add_request(request)
         return request
 
@@ -414,10 +348,8 @@ class SimEngine:
 
         def runner_output(kv_output: KVConnectorOutput | None) -> ModelRunnerOutput:
             return ModelRunnerOutput(
-                req_ids=req_ids,
-                req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                sampled_token_ids=[sampled.get(r, []) for r in req_ids],
-                kv_connector_output=kv_output,
+                req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                sampled_token_ids=[sampled.get(r, []) for r in req_ids], kv_connector_output=kv_output,
             )
 
         rank_outputs = []
@@ -427,8 +359,7 @@ class SimEngine:
             worker.wait_for_save()
             results = worker.get_transfer_results(so.finished_req_ids)
             output = KVConnectorOutput(
-                finished_sending=results.finished_sending,
-                finished_recving=results.finished_recving,
+                finished_sending=results.finished_sending, finished_recving=results.finished_recving,
                 failed_recving=results.failed_recving,
                 invalid_block_ids=worker.get_block_ids_with_load_errors(),
                 kv_connector_stats=worker.get_kv_connector_stats(),
@@ -443,15 +374,11 @@ class SimEngine:
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
                 stats = out.prefill_stats
                 if stats is not None:  # the latest prefill (a preempted request prefills again)
-                    self.prefill[out.request_id] = (
-                        stats.num_local_cached_tokens,
-                        stats.num_external_cached_tokens,
-                    )
+                    self.prefill[out.request_id] = (stats.num_local_cached_tokens, stats.num_external_cached_tokens)
                 if out.finish_reason is not None:
                     local, external = self.prefill.get(out.request_id, (0, 0))
                     self.finished[out.request_id] = Finished(
-                        list(self.outputs[out.request_id]), local, external, str(out.finish_reason)
-                    )
+                        list(self.outputs[out.request_id]), local, external, str(out.finish_reason))
         return so
 
     def run(self, max_steps: int = 2000, before_forward=None, idle_timeout: float = 60.0) -> None:
@@ -515,15 +442,11 @@ def prompts_of(seed: int, count: int, length: int, shared_prefix: int = 0) -> di
 
     rng = random.Random(seed)
     common = [rng.randrange(3, VOCAB) for _ in range(shared_prefix)]
-    return {
-        f"r{seed}-{i}": common + [rng.randrange(3, VOCAB) for _ in range(length - shared_prefix)]
-        for i in range(count)
-    }
+    return {f"r{seed}-{i}": common + [rng.randrange(3, VOCAB) for _ in range(length - shared_prefix)]
+            for i in range(count)}
 
 
-def reference_outputs(
-    model_dir: Path, prompts: dict[str, list[int]], max_tokens: int, **engine
-) -> dict[str, list[int]]:
+def reference_outputs(model_dir: Path, prompts: dict[str, list[int]], max_tokens: int, **engine) -> dict[str, list[int]]:
     """What vLLM alone generates (no connector)."""
     with SimEngine(model_dir, kvtier=None, **engine) as sim:
         return {req_id: f.tokens for req_id, f in sim.generate(prompts, max_tokens).items()}

@@ -47,28 +47,19 @@ def start(spec: dict, tmp: Path, *, multiprocess: bool = False, env: dict[str, s
     env = {
         # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes on vLLM-CPU: keep it unset
         **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
-        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"),
-        "TMPDIR": str(run_dir),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"), "TMPDIR": str(run_dir),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         **(env or {}),
     }
     log = open(run_dir / "engine.log", "w")  # noqa: SIM115 (the child writes it; closed by finish)
-    proc = subprocess.Popen(
-        [sys.executable, __file__, json.dumps(spec)],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = subprocess.Popen([sys.executable, __file__, json.dumps(spec)], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     log.close()
     return proc, run_dir
 
 
-def finish(
-    proc, run_dir: Path, *, timeout: float = 900, before_round: dict[int, Callable[[], None]] | None = None
-) -> dict:
+def finish(proc, run_dir: Path, *, timeout: float = 900,
+           before_round: dict[int, Callable[[], None]] | None = None) -> dict:
     """Wait for a :func:`start`-ed harness; returns the result JSON with the log under ``"log"``.
     ``before_round``: round index -> a callable run while the engine waits before that round (the
     round must have ``"pause": true``). Fails the calling test, with the log's tail, if the engine
@@ -98,15 +89,8 @@ def finish(
     return result
 
 
-def launch(
-    spec: dict,
-    tmp: Path,
-    *,
-    multiprocess: bool = False,
-    timeout: float = 900,
-    env: dict[str, str] | None = None,
-    before_round: dict[int, Callable[[], None]] | None = None,
-) -> dict:
+def launch(spec: dict, tmp: Path, *, multiprocess: bool = False, timeout: float = 900,
+           env: dict[str, str] | None = None, before_round: dict[int, Callable[[], None]] | None = None) -> dict:
     """:func:`start` then :func:`finish`: run ``spec`` on a fresh engine and return its result.
     ``env``: more environment variables for the engine."""
     proc, run_dir = start(spec, tmp, multiprocess=multiprocess, env=env)
@@ -148,21 +132,19 @@ def main() -> None:
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("prompt_embeds"):
         kwargs["enable_prompt_embeds"] = True
-    llm = LLM(
-        **{
-            "model": spec["model"],
-            "dtype": "float32",
-            "enforce_eager": True,
-            "enable_prefix_caching": True,
-            "kv_cache_memory_bytes": spec["kv_cache_memory_bytes"],
-            "max_model_len": spec["max_model_len"],
-            "max_num_seqs": spec.get("max_num_seqs", 4),
-            "seed": 0,
-            "disable_log_stats": False,
-            **kwargs,
-            **spec.get("engine", {}),
-        }
-    )
+    llm = LLM(**{
+        "model": spec["model"],
+        "dtype": "float32",
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "kv_cache_memory_bytes": spec["kv_cache_memory_bytes"],
+        "max_model_len": spec["max_model_len"],
+        "max_num_seqs": spec.get("max_num_seqs", 4),
+        "seed": 0,
+        "disable_log_stats": False,
+        **kwargs,
+        **spec.get("engine", {}),
+    })
     startup_seconds = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
     rounds, round_metrics, pages = [], [], []
@@ -203,18 +185,9 @@ def main() -> None:
         pages.append(kv_page_digests(llm, round_prompt_ids) if round_spec.get("kv_pages") else None)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     del llm
-    print(
-        json.dumps(
-            {
-                "startup_seconds": startup_seconds,
-                "rounds": rounds,
-                "num_preemptions": preemptions,
-                "round_metrics": round_metrics,
-                "kv_pages": pages,
-            }
-        ),
-        flush=True,
-    )
+    print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions,
+                      "round_metrics": round_metrics, "kv_pages": pages}),
+          flush=True)
 
 
 def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
@@ -246,15 +219,14 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
     for token_ids in prompts:
         chain, parent = [], None
         for start in range(0, len(token_ids) - step + 1, step):
-            parent = hash_block_tokens(hash_fn, parent, token_ids[start : start + step])
+            parent = hash_block_tokens(hash_fn, parent, token_ids[start:start + step])
             chain.append(parent)
         ids = []
         for end in range(block_size, len(token_ids) + 1, block_size):
             row = []
             for group in range(len(groups)):
                 block = pool.cached_block_hash_to_block.get_one_block(
-                    make_block_hash_with_group_id(chain[end // step - 1], group)
-                )
+                    make_block_hash_with_group_id(chain[end // step - 1], group))
                 row.append(None if block is None else block.block_id)
             ids.append(row)
         block_ids.append(ids)
@@ -280,14 +252,10 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
 
     wanted = sorted({(g, i) for ids in block_ids for row in ids for g, i in enumerate(row) if i is not None})
     (digests,) = llm.collective_rpc(digest, args=(wanted,))
-    return {
-        "block_size": block_size,
-        "groups": [type(group.kv_cache_spec).__name__ for group in groups],
-        "prompts": [
-            [[None if i is None else digests[(g, i)] for g, i in enumerate(row)] for row in ids]
-            for ids in block_ids
-        ],
-    }
+    return {"block_size": block_size,
+            "groups": [type(group.kv_cache_spec).__name__ for group in groups],
+            "prompts": [[[None if i is None else digests[(g, i)] for g, i in enumerate(row)] for row in ids]
+                        for ids in block_ids]}
 
 
 def chat_turn(llm, sessions: list[list[str]], rounds: list[list[dict]], turn: int) -> list[dict]:
@@ -299,10 +267,8 @@ def chat_turn(llm, sessions: list[list[str]], rounds: list[list[dict]], turn: in
     for number, messages in enumerate(sessions):
         transcript = []
         for earlier in range(turn):
-            transcript += [
-                {"role": "user", "content": messages[earlier]},
-                {"role": "assistant", "content": rounds[earlier][number]["text"]},
-            ]
+            transcript += [{"role": "user", "content": messages[earlier]},
+                           {"role": "assistant", "content": rounds[earlier][number]["text"]}]
         transcript.append({"role": "user", "content": messages[turn]})
         text = tokenizer.apply_chat_template(transcript, add_generation_prompt=True, tokenize=False)
         prompts.append({"prompt_token_ids": tokenizer(text, add_special_tokens=False)["input_ids"]})
@@ -344,9 +310,7 @@ def kvtier_metrics() -> dict[str, float]:
         for sample in family.samples:
             if sample.name.endswith("_created"):
                 continue
-            labels = ",".join(
-                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("engine", "model_name")
-            )
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("engine", "model_name"))
             values[f"{sample.name}{{{labels}}}"] = sample.value
     return values
 

@@ -86,9 +86,8 @@ async def stream_completion(
     """Send one streamed completion; errors are recorded in ``Completion.error``, never raised."""
     result = Completion(start=time.perf_counter())
     try:
-        async with client.stream(
-            "POST", f"{base_url}/v1/completions", json=completion_body(model, prompt, max_tokens)
-        ) as response:
+        async with client.stream("POST", f"{base_url}/v1/completions",
+                                 json=completion_body(model, prompt, max_tokens)) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 result.error = f"HTTP {response.status_code}: {body[:300]}"

@@ -22,10 +22,8 @@ def parse_modes(text: str) -> list[str]:
     modes = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
-        raise click.BadParameter(
-            f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}",
-            param_hint="--modes",
-        )
+        raise click.BadParameter(f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}",
+                                 param_hint="--modes")
     if len(set(modes)) != len(modes):
         raise click.BadParameter("a mode is listed twice", param_hint="--modes")
     return modes
@@ -45,9 +43,8 @@ def parse_kv_config(text: str | None) -> dict[str, Any] | None:
     except json.JSONDecodeError as exc:
         raise click.BadParameter(f"not JSON: {exc}", param_hint="--kv-config") from None
     if not isinstance(value, dict):
-        raise click.BadParameter(
-            "must be a JSON object like '{\"offload_prompt_only\": true}'", param_hint="--kv-config"
-        )
+        raise click.BadParameter("must be a JSON object like '{\"offload_prompt_only\": true}'",
+                                 param_hint="--kv-config")
     return value
 
 
@@ -56,24 +53,13 @@ def make_workload(opts: dict[str, Any]) -> workloads.Workload:
     concurrency = opts["concurrency"] or DEFAULT_CONCURRENCY[opts["workload"]]
     common = dict(output_tokens=opts["output_tokens"], concurrency=concurrency, seed=opts["seed"])
     if opts["workload"] == "prefix-repetition":
-        return workloads.prefix_repetition(
-            num_prefixes=opts["prefixes"],
-            prefix_tokens=opts["prefix_tokens"],
-            suffix_tokens=opts["suffix_tokens"],
-            num_prompts=opts["prompts"],
-            **common,
-        )
+        return workloads.prefix_repetition(num_prefixes=opts["prefixes"], prefix_tokens=opts["prefix_tokens"],
+                                           suffix_tokens=opts["suffix_tokens"], num_prompts=opts["prompts"], **common)
     if opts["workload"] == "multi-turn":
-        return workloads.multi_turn(
-            sessions=opts["sessions"],
-            turns=opts["turns"],
-            context_tokens=opts["context_tokens"],
-            message_tokens=opts["message_tokens"],
-            **common,
-        )
-    return workloads.unique(
-        num_prompts=opts["prompts"], prompt_tokens=opts["prefix_tokens"] + opts["suffix_tokens"], **common
-    )
+        return workloads.multi_turn(sessions=opts["sessions"], turns=opts["turns"], context_tokens=opts["context_tokens"],
+                                    message_tokens=opts["message_tokens"], **common)
+    return workloads.unique(num_prompts=opts["prompts"], prompt_tokens=opts["prefix_tokens"] + opts["suffix_tokens"],
+                            **common)
 
 
 def footprint_notes(workload: workloads.Workload, opts: dict[str, Any]) -> list[str]:
@@ -83,10 +69,8 @@ def footprint_notes(workload: workloads.Workload, opts: dict[str, Any]) -> list[
     footprint = workload.footprint_bytes(opts["kv_bytes_per_token"])
     vllm_kv = opts["kv_cache_memory_bytes"]
     tiers = (opts["kv_offloading_size"] + opts["disk_size"]) * 2**30
-    notes = [
-        f"reusable prefixes: ~{workload.reusable_tokens:,} tokens = {footprint / 2**20:,.0f} MiB of KV "
-        f"= {footprint / vllm_kv:.1f}x vLLM's KV space ({vllm_kv / 2**20:,.0f} MiB)"
-    ]
+    notes = [f"reusable prefixes: ~{workload.reusable_tokens:,} tokens = {footprint / 2**20:,.0f} MiB of KV "
+             f"= {footprint / vllm_kv:.1f}x vLLM's KV space ({vllm_kv / 2**20:,.0f} MiB)"]
     if footprint < 2 * vllm_kv:
         notes.append("note: below 2x vLLM's KV space, vLLM's own prefix cache may keep much of it")
     if footprint > tiers:
@@ -130,36 +114,21 @@ def run_command(opts: dict[str, Any]) -> int:
             except DefaultModelError as exc:
                 raise click.ClickException(str(exc)) from None
         settings = ServerSettings(
-            model=model,
-            kv_cache_memory_bytes=opts["kv_cache_memory_bytes"],
-            max_model_len=opts["max_model_len"],
-            kv_offloading_size_gib=opts["kv_offloading_size"],
-            disk_size_gib=opts["disk_size"],
-            seed=opts["seed"],
-            block_size=opts["block_size"] or None,
-            redis_size_gib=opts["redis_size"],
+            model=model, kv_cache_memory_bytes=opts["kv_cache_memory_bytes"], max_model_len=opts["max_model_len"],
+            kv_offloading_size_gib=opts["kv_offloading_size"], disk_size_gib=opts["disk_size"], seed=opts["seed"],
+            block_size=opts["block_size"] or None, redis_size_gib=opts["redis_size"],
             kv_config=parse_kv_config(opts.get("kv_config")),
         )
-    console.print(
-        f"kvtier bench: workload {workload.name}, {len(workload.requests)} requests, "
-        f"concurrency {workload.concurrency}; modes {', '.join(modes)}; output {out_dir}"
-    )
+    console.print(f"kvtier bench: workload {workload.name}, {len(workload.requests)} requests, "
+                  f"concurrency {workload.concurrency}; modes {', '.join(modes)}; output {out_dir}")
     for note in footprint_notes(workload, opts):
         console.print(f"  {note}")
 
     options = RunOptions(startup_timeout_s=opts["startup_timeout"], request_timeout_s=opts["request_timeout"])
-    runs, wall = asyncio.run(
-        run_bench(workload, modes, settings, out_dir, Progress(console), options, base_url)
-    )
+    runs, wall = asyncio.run(run_bench(workload, modes, settings, out_dir, Progress(console), options, base_url))
 
-    results = build_results(
-        workload,
-        runs,
-        wall,
-        _settings_json(settings, opts),
-        opts["kv_bytes_per_token"],
-        command=list(sys.argv),
-    )
+    results = build_results(workload, runs, wall, _settings_json(settings, opts),
+                            opts["kv_bytes_per_token"], command=list(sys.argv))
     results_path = out_dir / "results.json"
     figure_path = write_figure(out_dir / "bench.png", results)
     results["figure"] = str(figure_path) if figure_path else None

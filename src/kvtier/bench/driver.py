@@ -58,20 +58,10 @@ class WorkloadRun:
 
 def _result(spec: RequestSpec, prompt: str, done: Completion, t0: float) -> RequestResult:
     return RequestResult(
-        id=spec.id,
-        group=spec.group,
-        round=spec.round,
-        returning=spec.returning,
-        prompt_chars=len(prompt),
-        prompt_tokens=done.prompt_tokens,
-        cached_tokens=done.cached_tokens,
-        output_tokens=done.output_tokens,
-        output_text=done.text,
-        output_token_ids=list(done.token_ids),
-        start_s=done.start - t0,
-        ttft_s=done.ttft_s,
-        latency_s=done.latency_s,
-        error=done.error,
+        id=spec.id, group=spec.group, round=spec.round, returning=spec.returning, prompt_chars=len(prompt),
+        prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens, output_tokens=done.output_tokens,
+        output_text=done.text, output_token_ids=list(done.token_ids), start_s=done.start - t0,
+        ttft_s=done.ttft_s, latency_s=done.latency_s, error=done.error,
     )
 
 

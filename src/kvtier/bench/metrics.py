@@ -36,14 +36,7 @@ CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 TRANSFER_BYTES = "kvtier_transfer_bytes_total"
 TRANSFER_SECONDS = "kvtier_transfer_seconds_total"
 CACHE_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
-DIRECTIONS = (
-    "engine_to_host",
-    "host_to_engine",
-    "host_to_disk",
-    "disk_to_host",
-    "host_to_remote",
-    "remote_to_host",
-)
+DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
 
 
 def parse_counters(text: str) -> dict[Key, float]:
@@ -66,8 +59,7 @@ def diff(before: dict[Key, float], after: dict[Key, float]) -> dict[Key, float]:
 def total(samples: dict[Key, float], name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels``."""
     return sum(
-        value
-        for (sample_name, pairs), value in samples.items()
+        value for (sample_name, pairs), value in samples.items()
         if sample_name == name and all(dict(pairs).get(k) == v for k, v in labels.items())
     )
 
@@ -122,9 +114,7 @@ def summarize(delta: dict[Key, float]) -> CacheSummary:
     return CacheSummary(
         prompt_tokens=total(delta, PROMPT_TOKENS),
         computed_tokens=total(delta, BY_SOURCE, source="local_compute"),
-        cached_by_source={
-            s: cached.get(s, 0.0) for s in sorted(set(CACHE_SOURCES) | set(cached), key=_source_order)
-        },
+        cached_by_source={s: cached.get(s, 0.0) for s in sorted(set(CACHE_SOURCES) | set(cached), key=_source_order)},
         transfer_bytes=by_label(delta, TRANSFER_BYTES, "direction"),
         transfer_seconds=by_label(delta, TRANSFER_SECONDS, "direction"),
     )

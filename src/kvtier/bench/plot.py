@@ -13,12 +13,8 @@ from typing import Any
 from kvtier.bench.metrics import CACHE_SOURCES
 
 _SOURCE_COLORS = {
-    "computed": "#bbbbbb",
-    "device": "#4c72b0",
-    "host": "#55a868",
-    "disk": "#c44e52",
-    "p2p": "#8172b2",
-    "external_unspecified": "#dd8452",
+    "computed": "#bbbbbb", "device": "#4c72b0", "host": "#55a868", "disk": "#c44e52",
+    "p2p": "#8172b2", "external_unspecified": "#dd8452",
 }
 
 
@@ -44,11 +40,8 @@ def write_figure(path: Path, results: dict[str, Any]) -> Path | None:
     for index, (name, mode) in enumerate(modes.items()):
         color = colors[index % len(colors)]
         for returning, style in ((False, "--"), (True, "-")):
-            ttft = [
-                r["ttft_s"] * 1000
-                for r in mode["requests"]
-                if r["error"] is None and r["ttft_s"] is not None and r["returning"] == returning
-            ]
+            ttft = [r["ttft_s"] * 1000 for r in mode["requests"]
+                    if r["error"] is None and r["ttft_s"] is not None and r["returning"] == returning]
             if ttft:
                 xs, ys = _cdf(ttft)
                 label = f"{name}, {'returning' if returning else 'first use'}"
@@ -78,10 +71,8 @@ def write_figure(path: Path, results: dict[str, Any]) -> Path | None:
     ax_src.set_title("prompt tokens by source (computed or cached by tier)")
     ax_src.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     workload = results["workload"]
-    fig.suptitle(
-        f"kvtier bench: {workload['name']}, {workload['num_requests']} requests, "
-        f"concurrency {workload['concurrency']}"
-    )
+    fig.suptitle(f"kvtier bench: {workload['name']}, {workload['num_requests']} requests, "
+                 f"concurrency {workload['concurrency']}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

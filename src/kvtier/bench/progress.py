@@ -49,19 +49,13 @@ class Progress:
             what = f"[red]error: {escape(result.error[:200])}[/red]"
         else:
             cached = "-" if result.cached_tokens is None else str(result.cached_tokens)
-            what = (
-                f"ttft {result.ttft_s:6.3f} s  latency {result.latency_s:6.3f} s  "
-                f"prompt {result.prompt_tokens} tok, cached {cached}"
-            )
-        self.console.print(
-            f"  {_tag(mode)} {self._done:>{width}}/{total} {result.id} "
-            f"{'returning' if result.returning else 'first    '}  {what}"
-        )
+            what = (f"ttft {result.ttft_s:6.3f} s  latency {result.latency_s:6.3f} s  "
+                    f"prompt {result.prompt_tokens} tok, cached {cached}")
+        self.console.print(f"  {_tag(mode)} {self._done:>{width}}/{total} {result.id} "
+                           f"{'returning' if result.returning else 'first    '}  {what}")
 
     def mode_done(self, mode: str, wall_s: float, errors: int) -> None:
-        self.console.print(
-            f"  {_tag(mode)} done in {wall_s:.1f} s" + (f", [red]{errors} errors[/red]" if errors else "")
-        )
+        self.console.print(f"  {_tag(mode)} done in {wall_s:.1f} s" + (f", [red]{errors} errors[/red]" if errors else ""))
 
     def error(self, mode: str, message: str) -> None:
         self.console.print(f"[red]  {_tag(mode)} failed: {escape(message)}[/red]")

@@ -19,9 +19,7 @@ from pathlib import Path
 
 from kvtier.bench.servers import ServerError, free_port
 
-INSTALL_HINT = (
-    "install it (Debian/Ubuntu: apt-get install -y redis-server) or leave kvtier-redis out of --modes"
-)
+INSTALL_HINT = "install it (Debian/Ubuntu: apt-get install -y redis-server) or leave kvtier-redis out of --modes"
 
 
 @dataclass
@@ -45,34 +43,11 @@ class LocalRedis:
         workdir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         log_path = workdir / "redis.log"
-        argv = [
-            binary,
-            "--bind",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--protected-mode",
-            "yes",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-            "--logfile",
-            str(log_path),
-            "--maxmemory",
-            str(maxmemory_bytes),
-            "--maxmemory-policy",
-            "allkeys-lru",
-        ]
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        argv = [binary, "--bind", "127.0.0.1", "--port", str(port), "--protected-mode", "yes",
+                "--save", "", "--appendonly", "no", "--dir", str(workdir), "--logfile", str(log_path),
+                "--maxmemory", str(maxmemory_bytes), "--maxmemory-policy", "allkeys-lru"]
+        process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
         server = cls(process, port, log_path)
         server._wait_ready(timeout_s)
         return server
@@ -85,10 +60,8 @@ class LocalRedis:
         try:
             while True:
                 if self.process.poll() is not None:
-                    raise ServerError(
-                        f"redis-server exited with code {self.process.returncode}; log: "
-                        f"{self.log_path}\n{self._tail()}"
-                    )
+                    raise ServerError(f"redis-server exited with code {self.process.returncode}; log: "
+                                      f"{self.log_path}\n{self._tail()}")
                 try:
                     if client.ping():
                         return
@@ -96,9 +69,7 @@ class LocalRedis:
                     pass
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise ServerError(
-                        f"redis-server did not answer within {timeout_s:.0f} s; log: {self.log_path}"
-                    )
+                    raise ServerError(f"redis-server did not answer within {timeout_s:.0f} s; log: {self.log_path}")
                 time.sleep(0.05)
         finally:
             client.close()

@@ -23,11 +23,7 @@ FORMAT_VERSION = 1
 
 def machine() -> dict[str, Any]:
     """Where the numbers were measured."""
-    info: dict[str, Any] = {
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-    }
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
     try:
         info["load_average"] = os.getloadavg()
     except OSError:
@@ -35,14 +31,8 @@ def machine() -> dict[str, Any]:
     return info
 
 
-def build_results(
-    workload: Workload,
-    runs: Sequence[ModeRun],
-    wall_s: float,
-    settings: dict[str, Any],
-    kv_bytes_per_token: int | None,
-    command: list[str] | None = None,
-) -> dict[str, Any]:
+def build_results(workload: Workload, runs: Sequence[ModeRun], wall_s: float, settings: dict[str, Any],
+                  kv_bytes_per_token: int | None, command: list[str] | None = None) -> dict[str, Any]:
     """Everything measured, as plain JSON data."""
     finished = {m.mode: m for m in runs if m.run is not None}
     per_mode = {name: mode_stats(m.run.results, m.run.wall_s) for name, m in finished.items()}
@@ -53,33 +43,20 @@ def build_results(
     if kv_bytes_per_token:
         footprint = workload.footprint_bytes(kv_bytes_per_token)
         workload_json["footprint"] = {
-            "kv_bytes_per_token": kv_bytes_per_token,
-            "reusable_bytes": footprint,
-            "vllm_kv_bytes": kv_bytes,
-            "ratio_to_vllm_kv": footprint / kv_bytes if kv_bytes else None,
+            "kv_bytes_per_token": kv_bytes_per_token, "reusable_bytes": footprint,
+            "vllm_kv_bytes": kv_bytes, "ratio_to_vllm_kv": footprint / kv_bytes if kv_bytes else None,
         }
     modes: dict[str, Any] = {}
     for m in runs:
         modes[m.mode] = {
-            "description": m.description,
-            "base_url": m.base_url,
-            "model": m.model,
-            "server_log": m.log_path,
-            "startup_s": m.startup_s,
-            "error": m.error,
-            "stats": per_mode.get(m.mode),
+            "description": m.description, "base_url": m.base_url, "model": m.model, "server_log": m.log_path,
+            "startup_s": m.startup_s, "error": m.error, "stats": per_mode.get(m.mode),
             "cache": m.cache.to_json() if m.cache else None,
             "requests": [r.to_json() for r in m.run.results] if m.run else [],
         }
     return {
-        "format": FORMAT_VERSION,
-        "command": command,
-        "machine": machine(),
-        "wall_s": wall_s,
-        "settings": settings,
-        "workload": workload_json,
-        "modes": modes,
-        "outputs": check.to_json(),
+        "format": FORMAT_VERSION, "command": command, "machine": machine(), "wall_s": wall_s,
+        "settings": settings, "workload": workload_json, "modes": modes, "outputs": check.to_json(),
         "goals": goals(workload.name, per_mode, check.identical),
     }
 
@@ -104,19 +81,15 @@ def _tokens(value: float | None) -> str:
 def comparison_table(results: dict[str, Any]) -> Table:
     """Rows = measures, columns = modes."""
     modes = results["modes"]
-    title = (
-        f"kvtier bench: {results['workload']['name']} "
-        f"({results['workload']['num_requests']} requests, concurrency {results['workload']['concurrency']})"
-    )
+    title = (f"kvtier bench: {results['workload']['name']} "
+             f"({results['workload']['num_requests']} requests, concurrency {results['workload']['concurrency']})")
     table = Table(title=title, min_width=len(title) + 4)
     table.add_column("measure")
     for name in modes:
         table.add_column(name, justify="right")
 
     def row(label: str, cell) -> None:
-        table.add_row(
-            label, *(cell(m) if m["stats"] else ("failed" if m["error"] else "-") for m in modes.values())
-        )
+        table.add_row(label, *(cell(m) if m["stats"] else ("failed" if m["error"] else "-") for m in modes.values()))
 
     row("TTFT p50", lambda m: _ms(m["stats"]["ttft_p50_s"]))
     row("TTFT p90", lambda m: _ms(m["stats"]["ttft_p90_s"]))
@@ -131,10 +104,7 @@ def comparison_table(results: dict[str, Any]) -> Table:
     row("  computed", lambda m: _tokens(m["cache"]["computed_tokens"] if m["cache"] else None))
     for source in CACHE_SOURCES:
         if any(m["cache"] and m["cache"]["cached_by_source"].get(source) for m in modes.values()):
-            row(
-                f"  cached: {source}",
-                lambda m, s=source: _tokens(m["cache"]["cached_by_source"].get(s) if m["cache"] else None),
-            )
+            row(f"  cached: {source}", lambda m, s=source: _tokens(m["cache"]["cached_by_source"].get(s) if m["cache"] else None))
     row("cached (usage, per request)", lambda m: _tokens(m["stats"]["usage_cached_tokens"]))
     for direction in DIRECTIONS:
         if any(m["cache"] and m["cache"]["transfer_bytes"].get(direction) for m in modes.values()):
@@ -160,19 +130,13 @@ def verdict_lines(results: dict[str, Any]) -> list[str]:
     if outputs["identical"] is None:
         lines.append("outputs: not compared (fewer than two modes produced outputs)")
     elif outputs["identical"]:
-        lines.append(
-            f"outputs: identical in every mode ({outputs['compared']} comparisons against {outputs['reference']})"
-        )
+        lines.append(f"outputs: identical in every mode ({outputs['compared']} comparisons against {outputs['reference']})")
     else:
-        lines.append(
-            f"outputs: NOT identical: {len(outputs['mismatches'])} mismatches, {len(outputs['missing'])} missing"
-        )
+        lines.append(f"outputs: NOT identical: {len(outputs['mismatches'])} mismatches, {len(outputs['missing'])} missing")
         if outputs["mismatches"]:
             first = outputs["mismatches"][0]
-            lines.append(
-                f"  first: request {first['id']} in {first['mode']} differs from {first['reference']} "
-                f"at token {first['first_difference']}: {first['expected']!r} vs {first['got']!r}"
-            )
+            lines.append(f"  first: request {first['id']} in {first['mode']} differs from {first['reference']} "
+                         f"at token {first['first_difference']}: {first['expected']!r} vs {first['got']!r}")
     for key, value in results["goals"].items():
         if key.endswith("_ok") or key == "outputs_identical":
             continue
@@ -186,27 +150,19 @@ def summary(results: dict[str, Any], results_path: Path | None, figure_path: Pat
     modes = {}
     for name, m in results["modes"].items():
         s, c = m["stats"], m["cache"]
-        modes[name] = (
-            None
-            if s is None
-            else {
-                "ttft_p50_ms": _round_ms(s["ttft_p50_s"]),
-                "ttft_p90_ms": _round_ms(s["ttft_p90_s"]),
-                "ttft_p99_ms": _round_ms(s["ttft_p99_s"]),
-                "ttft_returning_p50_ms": _round_ms(s["ttft_returning_p50_s"]),
-                "latency_p50_ms": _round_ms(s["latency_p50_s"]),
-                "requests_per_s": _round(s["requests_per_s"], 4),
-                "output_tokens_per_s": _round(s["output_tokens_per_s"], 2),
-                "errors": s["errors"],
-                "cached_by_source": {k: v for k, v in (c["cached_by_source"] if c else {}).items() if v},
-                "computed_tokens": c["computed_tokens"] if c else None,
-            }
-        )
+        modes[name] = None if s is None else {
+            "ttft_p50_ms": _round_ms(s["ttft_p50_s"]), "ttft_p90_ms": _round_ms(s["ttft_p90_s"]),
+            "ttft_p99_ms": _round_ms(s["ttft_p99_s"]), "ttft_returning_p50_ms": _round_ms(s["ttft_returning_p50_s"]),
+            "latency_p50_ms": _round_ms(s["latency_p50_s"]),
+            "requests_per_s": _round(s["requests_per_s"], 4), "output_tokens_per_s": _round(s["output_tokens_per_s"], 2),
+            "errors": s["errors"],
+            "cached_by_source": {k: v for k, v in (c["cached_by_source"] if c else {}).items() if v},
+            "computed_tokens": c["computed_tokens"] if c else None,
+        }
     return {
         "results": str(results_path) if results_path else None,
         "figure": str(figure_path) if figure_path else None,
-        "workload": results["workload"]["name"],
-        "wall_s": _round(results["wall_s"], 1),
+        "workload": results["workload"]["name"], "wall_s": _round(results["wall_s"], 1),
         "outputs_identical": results["outputs"]["identical"],
         "errors": {name: m["error"].splitlines()[0] for name, m in results["modes"].items() if m["error"]},
         "goals": {k: (_round(v, 4) if isinstance(v, float) else v) for k, v in results["goals"].items()},

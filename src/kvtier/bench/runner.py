@@ -59,9 +59,7 @@ class RunOptions:
     keep_scratch: bool = False
 
 
-async def _settled_counters(
-    client: httpx.AsyncClient, base_url: str, tries: int = 6
-) -> tuple[str, dict[Key, float]]:
+async def _settled_counters(client: httpx.AsyncClient, base_url: str, tries: int = 6) -> tuple[str, dict[Key, float]]:
     """Scrape until two scrapes a second apart agree (late transfer stats arrive after the last
     answer), at most ``tries`` times."""
     text, counters = await scrape(client, base_url)
@@ -74,13 +72,8 @@ async def _settled_counters(
     return text, counters
 
 
-async def measure(
-    mode: ModeRun,
-    workload: Workload,
-    progress: Progress,
-    options: RunOptions,
-    metrics_dir: Path | None = None,
-) -> None:
+async def measure(mode: ModeRun, workload: Workload, progress: Progress, options: RunOptions,
+                  metrics_dir: Path | None = None) -> None:
     """Warm up, scrape, run ``workload`` against ``mode.base_url``, scrape; fills ``mode``."""
     assert mode.base_url is not None
     async with httpx.AsyncClient(timeout=httpx.Timeout(options.request_timeout_s, connect=30.0)) as client:
@@ -91,10 +84,7 @@ async def measure(
         before_text, before = await _settled_counters(client, mode.base_url)
     progress.workload_start(mode.mode, len(workload.requests))
     mode.run = await run_workload(
-        workload,
-        mode.base_url,
-        mode.model,
-        timeout_s=options.request_timeout_s,
+        workload, mode.base_url, mode.model, timeout_s=options.request_timeout_s,
         on_done=lambda r: progress.request_done(mode.mode, len(workload.requests), r),
     )
     async with httpx.AsyncClient(timeout=30.0) as client:
@@ -106,16 +96,8 @@ async def measure(
     progress.mode_done(mode.mode, mode.run.wall_s, sum(1 for r in mode.run.results if r.error))
 
 
-async def run_server_mode(
-    mode_name: str,
-    workload: Workload,
-    settings: ServerSettings,
-    out_dir: Path,
-    progress: Progress,
-    options: RunOptions,
-    index: int,
-    total: int,
-) -> ModeRun:
+async def run_server_mode(mode_name: str, workload: Workload, settings: ServerSettings, out_dir: Path,
+                          progress: Progress, options: RunOptions, index: int, total: int) -> ModeRun:
     """One mode on its own fresh server, with its scratch folder removed afterwards."""
     scratch = make_scratch(mode_name)
     mode = ModeRun(mode=mode_name, description=mode_name)
@@ -127,9 +109,8 @@ async def run_server_mode(
         mode.log_path = str(log_path)
         progress.mode_start(mode_name, index, total, spec.summary, mode.log_path)
         server = start(spec, log_path)
-        mode.startup_s = await wait_healthy(
-            server, options.startup_timeout_s, on_wait=lambda s: progress.waiting(mode_name, s)
-        )
+        mode.startup_s = await wait_healthy(server, options.startup_timeout_s,
+                                            on_wait=lambda s: progress.waiting(mode_name, s))
         progress.ready(mode_name, mode.startup_s)
         await measure(mode, workload, progress, options, metrics_dir=out_dir)
         if not server.alive():
@@ -148,15 +129,8 @@ async def run_server_mode(
     return mode
 
 
-async def run_fleet_mode(
-    workload: Workload,
-    settings: ServerSettings,
-    out_dir: Path,
-    progress: Progress,
-    options: RunOptions,
-    index: int,
-    total: int,
-) -> ModeRun:
+async def run_fleet_mode(workload: Workload, settings: ServerSettings, out_dir: Path, progress: Progress,
+                         options: RunOptions, index: int, total: int) -> ModeRun:
     """The ``kvtier-redis`` mode: a loopback redis-server; a seeding engine serves ``workload`` into
     it and stops (gracefully: its block writes land); a fresh engine with host + Redis tiers (no
     disk) is then measured on :func:`~kvtier.bench.workloads.fleet_workload`."""
@@ -171,10 +145,8 @@ async def run_fleet_mode(
         redis = LocalRedis.start(scratches[0] / "redis", int(settings.redis_size_gib * 2**30))
         seed_spec = launch_spec(name, settings, scratches[0], redis_url=redis.url)
         spec = launch_spec(name, settings, scratches[1], redis_url=redis.url)
-        mode.description = (
-            f"{spec.summary}; a fresh engine after a first engine served the workload "
-            f"into a loopback redis-server: the first use of every prefix comes from Redis"
-        )
+        mode.description = (f"{spec.summary}; a fresh engine after a first engine served the workload "
+                            f"into a loopback redis-server: the first use of every prefix comes from Redis")
         mode.base_url = spec.base_url
         mode.log_path = str(out_dir / f"server-{name}.log")
         progress.mode_start(name, index, total, mode.description, mode.log_path)
@@ -188,9 +160,8 @@ async def run_fleet_mode(
             raise ServerError(f"the seeding engine failed {failed} requests; log: {server.log_path}")
         server.stop(options.stop_grace_s)
         server = start(spec, Path(mode.log_path))
-        mode.startup_s = await wait_healthy(
-            server, options.startup_timeout_s, on_wait=lambda s: progress.waiting(name, s)
-        )
+        mode.startup_s = await wait_healthy(server, options.startup_timeout_s,
+                                            on_wait=lambda s: progress.waiting(name, s))
         progress.ready(name, mode.startup_s)
         await measure(mode, fleet_workload(workload), progress, options, metrics_dir=out_dir)
         if not server.alive():
@@ -214,13 +185,10 @@ async def _served(base_url: str) -> str:
         return await served_model(client, base_url)
 
 
-async def run_external(
-    base_url: str, workload: Workload, out_dir: Path, progress: Progress, options: RunOptions
-) -> ModeRun:
+async def run_external(base_url: str, workload: Workload, out_dir: Path, progress: Progress,
+                       options: RunOptions) -> ModeRun:
     """The workload against an already-running server (mode ``external``)."""
-    mode = ModeRun(
-        mode=EXTERNAL, description=f"already-running server at {base_url}", base_url=base_url.rstrip("/")
-    )
+    mode = ModeRun(mode=EXTERNAL, description=f"already-running server at {base_url}", base_url=base_url.rstrip("/"))
     progress.mode_start(EXTERNAL, 1, 1, mode.description, None)
     try:
         await measure(mode, workload, progress, options, metrics_dir=out_dir)
@@ -230,15 +198,8 @@ async def run_external(
     return mode
 
 
-async def run_bench(
-    workload: Workload,
-    modes: list[str],
-    settings: ServerSettings | None,
-    out_dir: Path,
-    progress: Progress,
-    options: RunOptions,
-    base_url: str | None = None,
-) -> tuple[list[ModeRun], float]:
+async def run_bench(workload: Workload, modes: list[str], settings: ServerSettings | None, out_dir: Path,
+                    progress: Progress, options: RunOptions, base_url: str | None = None) -> tuple[list[ModeRun], float]:
     """Every mode in order (or the one external server); returns the mode runs and the wall time."""
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -249,13 +210,8 @@ async def run_bench(
         runs = []
         for index, name in enumerate(modes, 1):
             if name == FLEET_MODE:
-                runs.append(
-                    await run_fleet_mode(workload, settings, out_dir, progress, options, index, len(modes))
-                )
+                runs.append(await run_fleet_mode(workload, settings, out_dir, progress, options, index, len(modes)))
             else:
-                runs.append(
-                    await run_server_mode(
-                        name, workload, settings, out_dir, progress, options, index, len(modes)
-                    )
-                )
+                runs.append(await run_server_mode(name, workload, settings, out_dir, progress, options, index,
+                                                  len(modes)))
     return runs, time.perf_counter() - t0

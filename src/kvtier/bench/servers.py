@@ -96,21 +96,10 @@ def free_port() -> int:
 def common_vllm_args(settings: ServerSettings, port: int) -> list[str]:
     """``vllm serve`` arguments shared by every mode (after the model)."""
     return [
-        "--enforce-eager",
-        "--max-model-len",
-        str(settings.max_model_len),
-        "--dtype",
-        "float32",
-        "--seed",
-        str(settings.seed),
-        "--enable-prefix-caching",
-        "--enable-prompt-tokens-details",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--kv-cache-memory-bytes",
-        str(settings.kv_cache_memory_bytes),
+        "--enforce-eager", "--max-model-len", str(settings.max_model_len), "--dtype", "float32",
+        "--seed", str(settings.seed), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--kv-cache-memory-bytes", str(settings.kv_cache_memory_bytes),
         *(("--block-size", str(settings.block_size)) if settings.block_size else ()),
         *settings.extra_vllm_args,
     ]
@@ -154,9 +143,8 @@ def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[st
     return env
 
 
-def launch_spec(
-    mode: str, settings: ServerSettings, scratch: Path, port: int | None = None, redis_url: str | None = None
-) -> LaunchSpec:
+def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | None = None,
+                redis_url: str | None = None) -> LaunchSpec:
     """The command that starts ``mode``'s server; ``scratch`` holds its temporary files;
     ``redis_url`` is the shared tier of the ``kvtier-redis`` mode."""
     from kvtier.launch.command import ServeOptions, build_serve_command
@@ -169,35 +157,21 @@ def launch_spec(
     if mode == "vllm":
         return LaunchSpec(mode, plain + args, env, "vLLM alone (no KV connector)", port)
     if mode == FLOOR_MODE:
-        floor = replace(
-            settings,
-            kv_cache_memory_bytes=max(settings.kv_cache_memory_bytes, FLOOR_KV_BYTES),
-            block_size=FLOOR_BLOCK_SIZE,
-        )
-        return LaunchSpec(
-            mode,
-            plain + common_vllm_args(floor, port),
-            env,
-            f"vLLM alone, {floor.kv_cache_memory_bytes / 2**30:.0f} GiB KV space, block "
-            f"{FLOOR_BLOCK_SIZE} (reference: a returning turn computes only its new tokens)",
-            port,
-        )
+        floor = replace(settings, kv_cache_memory_bytes=max(settings.kv_cache_memory_bytes, FLOOR_KV_BYTES),
+                        block_size=FLOOR_BLOCK_SIZE)
+        return LaunchSpec(mode, plain + common_vllm_args(floor, port), env,
+                          f"vLLM alone, {floor.kv_cache_memory_bytes / 2**30:.0f} GiB KV space, block "
+                          f"{FLOOR_BLOCK_SIZE} (reference: a returning turn computes only its new tokens)", port)
     if mode == "example":
         folder = scratch / "example-connector"
-        transfer = {
-            "kv_connector": "ExampleConnector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"shared_storage_path": str(folder)},
-        }
+        transfer = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                    "kv_connector_extra_config": {"shared_storage_path": str(folder)}}
         argv = plain + ["--kv-transfer-config", json.dumps(transfer)] + args
         return LaunchSpec(mode, argv, env, f"vLLM + ExampleConnector on {folder}", port)
     if mode == "kvtier":
         options = ServeOptions(
-            kv_offloading_size_gib=settings.kv_offloading_size_gib,
-            disk_dir=str(scratch / "kvtier-disk"),
-            disk_size_gib=settings.disk_size_gib,
-            no_disk=False,
-            eviction_policy=settings.eviction_policy,
+            kv_offloading_size_gib=settings.kv_offloading_size_gib, disk_dir=str(scratch / "kvtier-disk"),
+            disk_size_gib=settings.disk_size_gib, no_disk=False, eviction_policy=settings.eviction_policy,
             kv_config=settings.kv_config,
         )
         command = build_serve_command(settings.model, options, args, environ=env)
@@ -206,11 +180,8 @@ def launch_spec(
         if redis_url is None:
             raise ValueError("the kvtier-redis mode needs the URL of its redis-server")
         options = ServeOptions(
-            kv_offloading_size_gib=settings.kv_offloading_size_gib,
-            no_disk=True,
-            redis_url=redis_url,
-            eviction_policy=settings.eviction_policy,
-            kv_config=settings.kv_config,
+            kv_offloading_size_gib=settings.kv_offloading_size_gib, no_disk=True, redis_url=redis_url,
+            eviction_policy=settings.eviction_policy, kv_config=settings.kv_config,
         )
         command = build_serve_command(settings.model, options, args, environ=env)
         return LaunchSpec(mode, command.argv, {**env, **command.env}, command.summary, port)
@@ -239,9 +210,7 @@ class Server:
         return "\n".join(text.splitlines()[-lines:])
 
     def failure(self, what: str) -> ServerError:
-        return ServerError(
-            f"{self.spec.mode} server {what}; log: {self.log_path}\n--- last lines ---\n{self.tail()}"
-        )
+        return ServerError(f"{self.spec.mode} server {what}; log: {self.log_path}\n--- last lines ---\n{self.tail()}")
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGINT the process group, SIGKILL it after ``grace_s``; returns the exit code."""
@@ -269,20 +238,13 @@ def start(spec: LaunchSpec, log_path: Path) -> Server:
     with open(log_path, "ab") as log:
         log.write(f"$ {' '.join(spec.argv)}\n{spec.summary}\n".encode())
         log.flush()
-        process = subprocess.Popen(
-            spec.argv,
-            env=spec.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        process = subprocess.Popen(spec.argv, env=spec.env, stdout=log, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
     return Server(spec, log_path, process)
 
 
-async def wait_healthy(
-    server: Server, timeout_s: float = 600.0, on_wait: Callable[[float], None] | None = None
-) -> float:
+async def wait_healthy(server: Server, timeout_s: float = 600.0,
+                       on_wait: Callable[[float], None] | None = None) -> float:
     """Poll ``/health`` until it answers 200; returns the start-up time in seconds.
 
     Raises :class:`ServerError` (with the log's tail) if the process exits or ``timeout_s`` passes.

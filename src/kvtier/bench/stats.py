@@ -52,9 +52,7 @@ def mode_stats(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any
         "ttft_returning_p50_s": percentile(returning, 50),
         "ttft_first_use_p50_s": percentile(first, 50),
         "latency_p50_s": percentile([r.latency_s for r in ok], 50),
-        "output_tokens_per_s_p50": percentile(
-            [r.output_tokens_per_s for r in ok if r.output_tokens_per_s], 50
-        ),
+        "output_tokens_per_s_p50": percentile([r.output_tokens_per_s for r in ok if r.output_tokens_per_s], 50),
         "wall_s": wall_s,
         "requests_per_s": len(ok) / wall_s if wall_s > 0 else None,
         "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else None,
@@ -96,13 +94,8 @@ class OutputCheck:
         return True if self.compared else None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "identical": self.identical,
-            "reference": self.reference,
-            "compared": self.compared,
-            "mismatches": [m.to_json() for m in self.mismatches],
-            "missing": self.missing,
-        }
+        return {"identical": self.identical, "reference": self.reference, "compared": self.compared,
+                "mismatches": [m.to_json() for m in self.mismatches], "missing": self.missing}
 
 
 def _tokens(result: RequestResult) -> list[int] | str:
@@ -143,11 +136,8 @@ def compare_outputs(by_mode: Mapping[str, Sequence[RequestResult]]) -> OutputChe
             if type(a) is not type(b):  # one mode returned ids, the other only text
                 a, b = ref.output_text, other.output_text
             if a != b:
-                check.mismatches.append(
-                    Mismatch(
-                        ref.id, m, reference, _first_difference(a, b), ref.output_text, other.output_text
-                    )
-                )
+                check.mismatches.append(Mismatch(ref.id, m, reference, _first_difference(a, b),
+                                                 ref.output_text, other.output_text))
     return check
 
 
@@ -155,9 +145,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def goals(
-    workload: str, per_mode: Mapping[str, Mapping[str, Any]], outputs_identical: bool | None
-) -> dict[str, Any]:
+def goals(workload: str, per_mode: Mapping[str, Mapping[str, Any]], outputs_identical: bool | None) -> dict[str, Any]:
     """The issue's goals that this run can judge (a goal needs its modes and workload)."""
     out: dict[str, Any] = {"outputs_identical": outputs_identical}
     kv = per_mode.get("kvtier")
@@ -173,11 +161,7 @@ def goals(
         ratio = _ratio(per_mode["kvtier-redis"].get("ttft_returning_p50_s"), kv.get("ttft_returning_p50_s"))
         out["ttft_redis_vs_host_p50"] = ratio
         out["ttft_redis_vs_host_p50_ok"] = ratio is not None and ratio <= TTFT_GOAL_REDIS_VS_HOST
-    for peer, limit in (
-        ("vllm", TTFT_GOAL_VS_VLLM),
-        ("example", TTFT_GOAL_VS_EXAMPLE),
-        ("floor", TTFT_GOAL_VS_FLOOR),
-    ):
+    for peer, limit in (("vllm", TTFT_GOAL_VS_VLLM), ("example", TTFT_GOAL_VS_EXAMPLE), ("floor", TTFT_GOAL_VS_FLOOR)):
         if peer in per_mode:
             ratio = _ratio(kv.get("ttft_returning_p50_s"), per_mode[peer].get("ttft_returning_p50_s"))
             out[f"ttft_returning_p50_vs_{peer}"] = ratio

@@ -125,39 +125,21 @@ def prefix_repetition(
     Request ``i`` uses document ``order[i % num_prefixes]`` (``order`` a seeded permutation) with a
     unique question; it is ``returning`` from round 1 on.
     """
-    _check_positive(
-        num_prefixes=num_prefixes,
-        prefix_tokens=prefix_tokens,
-        suffix_tokens=suffix_tokens,
-        output_tokens=output_tokens,
-        num_prompts=num_prompts,
-        concurrency=concurrency,
-    )
+    _check_positive(num_prefixes=num_prefixes, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
+                    output_tokens=output_tokens, num_prompts=num_prompts, concurrency=concurrency)
     order = list(range(num_prefixes))
     random.Random(seed).shuffle(order)
     documents = [_document(seed, k, prefix_tokens) for k in range(num_prefixes)]
     requests = []
     for i in range(num_prompts):
         group, round_ = order[i % num_prefixes], i // num_prefixes
-        requests.append(
-            RequestSpec(
-                id=f"r{i:04d}",
-                prompt=documents[group] + _question(seed, i, suffix_tokens),
-                max_tokens=output_tokens,
-                group=group,
-                round=round_,
-                returning=round_ > 0,
-            )
-        )
+        requests.append(RequestSpec(
+            id=f"r{i:04d}", prompt=documents[group] + _question(seed, i, suffix_tokens),
+            max_tokens=output_tokens, group=group, round=round_, returning=round_ > 0,
+        ))
     used = min(num_prefixes, num_prompts)
-    params = dict(
-        num_prefixes=num_prefixes,
-        prefix_tokens=prefix_tokens,
-        suffix_tokens=suffix_tokens,
-        output_tokens=output_tokens,
-        num_prompts=num_prompts,
-        seed=seed,
-    )
+    params = dict(num_prefixes=num_prefixes, prefix_tokens=prefix_tokens, suffix_tokens=suffix_tokens,
+                  output_tokens=output_tokens, num_prompts=num_prompts, seed=seed)
     return Workload("prefix-repetition", tuple(requests), concurrency, used * prefix_tokens, params)
 
 
@@ -169,26 +151,14 @@ def unique(
     seed: int = 0,
 ) -> Workload:
     """``num_prompts`` prompts of about ``prompt_tokens`` tokens that share nothing but a few words."""
-    _check_positive(
-        num_prompts=num_prompts,
-        prompt_tokens=prompt_tokens,
-        output_tokens=output_tokens,
-        concurrency=concurrency,
-    )
+    _check_positive(num_prompts=num_prompts, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
+                    concurrency=concurrency)
     requests = tuple(
-        RequestSpec(
-            id=f"u{i:04d}",
-            prompt=_document(seed, i, prompt_tokens) + "\n\nSummary:",
-            max_tokens=output_tokens,
-            group=i,
-            round=0,
-            returning=False,
-        )
+        RequestSpec(id=f"u{i:04d}", prompt=_document(seed, i, prompt_tokens) + "\n\nSummary:",
+                    max_tokens=output_tokens, group=i, round=0, returning=False)
         for i in range(num_prompts)
     )
-    params = dict(
-        num_prompts=num_prompts, prompt_tokens=prompt_tokens, output_tokens=output_tokens, seed=seed
-    )
+    params = dict(num_prompts=num_prompts, prompt_tokens=prompt_tokens, output_tokens=output_tokens, seed=seed)
     return Workload("unique", requests, concurrency, 0, params)
 
 
@@ -206,14 +176,8 @@ def multi_turn(
     Request ``s{S}t{T}`` depends on ``s{S}t{T-1}`` (its prompt is that turn's prompt + answer + a new
     message), so it can only be sent after that answer arrived.
     """
-    _check_positive(
-        sessions=sessions,
-        turns=turns,
-        context_tokens=context_tokens,
-        message_tokens=message_tokens,
-        output_tokens=output_tokens,
-        concurrency=concurrency,
-    )
+    _check_positive(sessions=sessions, turns=turns, context_tokens=context_tokens,
+                    message_tokens=message_tokens, output_tokens=output_tokens, concurrency=concurrency)
     requests = []
     for t in range(turns):
         for s in range(sessions):
@@ -222,27 +186,14 @@ def multi_turn(
                 prompt = f"{_document(seed, s, context_tokens)}\n\nUser: {message}\nAssistant:"
             else:
                 prompt = f"\nUser: {message}\nAssistant:"
-            requests.append(
-                RequestSpec(
-                    id=f"s{s:03d}t{t:03d}",
-                    prompt=prompt,
-                    max_tokens=output_tokens,
-                    group=s,
-                    round=t,
-                    returning=t > 0,
-                    after=f"s{s:03d}t{t - 1:03d}" if t else None,
-                )
-            )
+            requests.append(RequestSpec(
+                id=f"s{s:03d}t{t:03d}", prompt=prompt, max_tokens=output_tokens, group=s, round=t,
+                returning=t > 0, after=f"s{s:03d}t{t - 1:03d}" if t else None,
+            ))
     # What a cache must hold to serve every returning turn: each session's transcript before its last turn.
     per_session = context_tokens + (turns - 1) * (message_tokens + 8 + output_tokens)
-    params = dict(
-        sessions=sessions,
-        turns=turns,
-        context_tokens=context_tokens,
-        message_tokens=message_tokens,
-        output_tokens=output_tokens,
-        seed=seed,
-    )
+    params = dict(sessions=sessions, turns=turns, context_tokens=context_tokens, message_tokens=message_tokens,
+                  output_tokens=output_tokens, seed=seed)
     return Workload("multi-turn", tuple(requests), concurrency, sessions * per_session, params)
 
 
@@ -254,13 +205,8 @@ def fleet_workload(workload: Workload) -> Workload:
     of ``workload`` (round 0 / the first turn of each session), each one ``returning`` because a
     first engine of the fleet already served the whole workload into the shared tier. Their TTFT
     is the TTFT of prompts a new node finds in Redis only."""
-    first_uses = tuple(
-        replace(r, returning=True) for r in workload.requests if r.round == 0 and r.after is None
-    )
+    first_uses = tuple(replace(r, returning=True) for r in workload.requests if r.round == 0 and r.after is None)
     return Workload(
-        name=workload.name,
-        requests=first_uses,
-        concurrency=workload.concurrency,
-        reusable_tokens=workload.reusable_tokens,
-        params={**workload.params, "fleet_first_uses": True},
+        name=workload.name, requests=first_uses, concurrency=workload.concurrency,
+        reusable_tokens=workload.reusable_tokens, params={**workload.params, "fleet_first_uses": True},
     )

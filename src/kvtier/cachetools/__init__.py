@@ -12,17 +12,7 @@ from kvtier.cachetools.selection import SelectionError
 from kvtier.cachetools.verify import Problem, VerifyReport, verify_cache
 
 __all__ = [
-    "AGE_BUCKETS",
-    "Inventory",
-    "NamespaceInventory",
-    "inspect_cache",
-    "NamespacePurge",
-    "PurgeReport",
-    "PurgeSelection",
-    "parse_duration",
-    "purge_cache",
-    "SelectionError",
-    "Problem",
-    "VerifyReport",
-    "verify_cache",
+    "AGE_BUCKETS", "Inventory", "NamespaceInventory", "inspect_cache",
+    "NamespacePurge", "PurgeReport", "PurgeSelection", "parse_duration", "purge_cache",
+    "SelectionError", "Problem", "VerifyReport", "verify_cache",
 ]

@@ -30,7 +30,6 @@ AGE_BUCKETS: tuple[tuple[str, float], ...] = (
 """Age histogram buckets: (label, upper bound in seconds). A block's age is now minus the newest
 mtime of its files (the tier refreshes mtimes on every hit, so this is the time since last use)."""
 
-
 def age_bucket(age_seconds: float) -> str:
     """The :data:`AGE_BUCKETS` label of a block last used ``age_seconds`` ago."""
     for label, bound in AGE_BUCKETS:
@@ -56,9 +55,7 @@ class NamespaceInventory:
     incomplete_blocks: int = 0  # some rank's file missing: never a hit (a writer in progress, or orphans)
     block_files: int = 0
     block_bytes: int = 0
-    ages: dict[str, int] = field(
-        default_factory=lambda: dict.fromkeys((label for label, _ in AGE_BUCKETS), 0)
-    )
+    ages: dict[str, int] = field(default_factory=lambda: dict.fromkeys((label for label, _ in AGE_BUCKETS), 0))
     last_use: float | None = None  # newest mtime of any block file (seconds since the epoch)
     quarantine_files: int = 0
     quarantine_bytes: int = 0
@@ -114,9 +111,7 @@ def inspect_cache(root_dir: str | Path, *, now: float | None = None, count_tails
     return inventory
 
 
-def _summarize(
-    ns: CacheNamespace, now: float, strays: list[tuple[str, str]], count_tails: bool
-) -> NamespaceInventory:
+def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]], count_tails: bool) -> NamespaceInventory:
     config = ns.config or {}
     summary = NamespaceInventory(
         prefix=ns.prefix,

@@ -70,8 +70,7 @@ class PurgeSelection:
             raise ValueError("--all selects everything: do not combine it with other selectors")
         if not (self.all or narrowing):
             raise ValueError(
-                "nothing selected: give --namespace, --model, --older-spec, --older-than, --quarantine or --all"
-            )
+                "nothing selected: give --namespace, --model, --older-spec, --older-than, --quarantine or --all")
         if self.older_than is not None and self.older_than < 0:
             raise ValueError("--older-than must not be negative")
 
@@ -119,15 +118,10 @@ class PurgeReport:
         return sum(ns.bytes for ns in self.namespaces) + self.quarantine_bytes
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "root": self.root,
-            "dry_run": self.dry_run,
-            "files": self.files,
-            "bytes": self.bytes,
-            "namespaces": [asdict(ns) for ns in self.namespaces],
-            "quarantine": {"files": self.quarantine_files, "bytes": self.quarantine_bytes},
-            "errors": self.errors + sum(ns.errors for ns in self.namespaces),
-        }
+        return {"root": self.root, "dry_run": self.dry_run, "files": self.files, "bytes": self.bytes,
+                "namespaces": [asdict(ns) for ns in self.namespaces],
+                "quarantine": {"files": self.quarantine_files, "bytes": self.quarantine_bytes},
+                "errors": self.errors + sum(ns.errors for ns in self.namespaces)}
 
 
 def purge_cache(

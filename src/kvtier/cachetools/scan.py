@@ -114,19 +114,13 @@ class CacheNamespace:
         sel = selector.strip().rstrip("/").lower()
         if sel == self.prefix.lower():
             return True
-        return (
-            len(sel) >= 4
-            and _is_hex(sel)
-            and (self.digest16.startswith(sel) or sel.startswith(self.digest16))
-        )
+        return len(sel) >= 4 and _is_hex(sel) and (self.digest16.startswith(sel) or sel.startswith(self.digest16))
 
     def matches_model(self, selector: str) -> bool:
         """True if ``selector`` is this namespace's model: as in config.json, the ``<model>`` part
         of the name, or as given to vLLM (a repo id or path: its last part, or reduced whole)."""
         sel = selector.strip().rstrip("/")
-        base = sel.rsplit("/", 1)[
-            -1
-        ]  # a repo id or path names the model by its last part (geometry.model_name)
+        base = sel.rsplit("/", 1)[-1]  # a repo id or path names the model by its last part (geometry.model_name)
         if self.config is not None and self.config.get("model_name") in (sel, base):
             return True
         return bool(sel) and self.model in (sel, sanitize_model_name(sel), sanitize_model_name(base))
@@ -180,15 +174,11 @@ def discover(root_dir: str | Path) -> CacheRoot:
                     namespace(entry.name, parts)
                     continue
                 prefix, sep, rank = entry.name.rpartition("_r")
-                parts = (
-                    split_prefix(prefix, root) if sep and rank.isdigit() and str(int(rank)) == rank else None
-                )
+                parts = split_prefix(prefix, root) if sep and rank.isdigit() and str(int(rank)) == rank else None
                 if parts is not None:
                     namespace(prefix, parts).rank_dirs[int(rank)] = os.path.join(root, entry.name)
                     continue
-            strays.append(
-                CacheFile(entry.path, Kind.STRAY, -1, reason="not a kvtier namespace or rank directory")
-            )
+            strays.append(CacheFile(entry.path, Kind.STRAY, -1, reason="not a kvtier namespace or rank directory"))
     for ns in found.values():
         _load_config(ns)
     return CacheRoot(root, sorted(found.values(), key=lambda n: n.prefix), strays)
@@ -234,9 +224,7 @@ def iter_files(ns: CacheNamespace, *, stat: bool = True) -> Iterator[CacheFile]:
                 continue
             for leaf in _entries(top.path):
                 hh, sep, group = leaf.name[:2], leaf.name[2:4], leaf.name[4:]
-                if not (
-                    _is_hex(hh) and sep == "_g" and group.isdigit() and leaf.is_dir(follow_symlinks=False)
-                ):
+                if not (_is_hex(hh) and sep == "_g" and group.isdigit() and leaf.is_dir(follow_symlinks=False)):
                     yield _stray(leaf, rank, "unexpected entry in a rank directory", stat)
                     continue
                 layout = ns.layout(int(group))

@@ -64,16 +64,10 @@ class VerifyReport:
         return sum(p.action == "quarantined" for p in self.problems)
 
     def to_json(self) -> dict[str, Any]:
-        data = {
-            name: getattr(self, name)
-            for name in ("root", "namespaces", "files_checked", "files_ok", "bytes_checked", "vanished")
-        }
-        return {
-            **data,
-            "ok": self.ok,
-            "quarantined": self.quarantined,
-            "problems": [asdict(p) for p in self.problems],
-        }
+        data = {name: getattr(self, name) for name in ("root", "namespaces", "files_checked", "files_ok",
+                                                        "bytes_checked", "vanished")}
+        return {**data, "ok": self.ok, "quarantined": self.quarantined,
+                "problems": [asdict(p) for p in self.problems]}
 
 
 def verify_cache(
@@ -104,14 +98,8 @@ def verify_cache(
         work += [(ns, f) for f in files]
         blocks = sum(f.hex_key is not None for f in files)
         if ns.config_problem is not None and (blocks or ns.config is not None):
-            what = (
-                f"its {blocks} block files belong to no namespace"
-                if ns.config is None
-                else "engines refuse it"
-            )
-            report.problems.append(
-                Problem(ns.config_path, f"{ns.config_problem}: {what}", "left in place", ns.prefix)
-            )
+            what = f"its {blocks} block files belong to no namespace" if ns.config is None else "engines refuse it"
+            report.problems.append(Problem(ns.config_path, f"{ns.config_problem}: {what}", "left in place", ns.prefix))
     digests = {ns.prefix: ns.rank_digests() for ns in chosen}
     for done, (ns, f) in enumerate(work, 1):
         problem = _check(ns, f, digests[ns.prefix], report, chunk_bytes)
@@ -166,7 +154,5 @@ def _settle(ns: CacheNamespace, f: CacheFile, reason: str, quarantine: bool) -> 
         (outcome,) = Ledger.for_tool(layout).remove([f.path], move)
     else:
         outcome = move(f.path)
-    action = (
-        "quarantined" if outcome is Removal.MOVED else ("left in place" if os.path.exists(f.path) else "gone")
-    )
+    action = "quarantined" if outcome is Removal.MOVED else ("left in place" if os.path.exists(f.path) else "gone")
     return Problem(f.path, reason, action, ns.prefix)

@@ -13,114 +13,52 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
 
 
 @click.command(short_help="Benchmark vLLM alone, vLLM's ExampleConnector and kvtier on the same prompts.")
-@click.option(
-    "--modes",
-    default=DEFAULT_MODES,
-    show_default=True,
-    help="Comma-separated modes, each run on its own fresh server, in this order: "
-    "vllm (no connector), example (vLLM's ExampleConnector), kvtier (host + disk), "
-    "kvtier-redis (a fresh engine with host + Redis after a first engine filled a loopback "
-    "redis-server: a new node joining a fleet; needs redis-server installed), floor (vLLM "
-    "alone with a KV space holding the whole workload and 32-token blocks: the TTFT of a "
-    "returning turn that computes only its new tokens; a timing reference, outputs not compared).",
-)
-@click.option(
-    "--base-url",
-    default=None,
-    metavar="URL",
-    help="Benchmark this already-running OpenAI-compatible server instead (mode 'external').",
-)
+@click.option("--modes", default=DEFAULT_MODES, show_default=True,
+              help="Comma-separated modes, each run on its own fresh server, in this order: "
+                   "vllm (no connector), example (vLLM's ExampleConnector), kvtier (host + disk), "
+                   "kvtier-redis (a fresh engine with host + Redis after a first engine filled a loopback "
+                   "redis-server: a new node joining a fleet; needs redis-server installed), floor (vLLM "
+                   "alone with a KV space holding the whole workload and 32-token blocks: the TTFT of a "
+                   "returning turn that computes only its new tokens; a timing reference, outputs not compared).")
+@click.option("--base-url", default=None, metavar="URL",
+              help="Benchmark this already-running OpenAI-compatible server instead (mode 'external').")
 @click.option("--model", default=None, help="Model to serve [default: the embedded SmolLM2-135M-Instruct].")
-@click.option(
-    "--workload",
-    type=click.Choice(["multi-turn", "prefix-repetition", "unique"]),
-    default="multi-turn",
-    show_default=True,
-    help="multi-turn: chat sessions resending the transcript (each opens with a long document); "
-    "prefix-repetition: shared documents + unique questions, in rounds; unique: no reuse at all.",
-)
+@click.option("--workload", type=click.Choice(["multi-turn", "prefix-repetition", "unique"]),
+              default="multi-turn", show_default=True,
+              help="multi-turn: chat sessions resending the transcript (each opens with a long document); "
+                   "prefix-repetition: shared documents + unique questions, in rounds; unique: no reuse at all.")
 @click.option("--prefixes", default=6, show_default=True, help="prefix-repetition: shared documents.")
-@click.option(
-    "--prefix-tokens",
-    default=1024,
-    show_default=True,
-    help="prefix-repetition: tokens per document; unique: prompt tokens (plus --suffix-tokens).",
-)
-@click.option(
-    "--suffix-tokens",
-    default=32,
-    show_default=True,
-    help="prefix-repetition: tokens of each unique question.",
-)
-@click.option(
-    "--prompts", default=24, show_default=True, help="prefix-repetition / unique: number of requests."
-)
+@click.option("--prefix-tokens", default=1024, show_default=True,
+              help="prefix-repetition: tokens per document; unique: prompt tokens (plus --suffix-tokens).")
+@click.option("--suffix-tokens", default=32, show_default=True, help="prefix-repetition: tokens of each unique question.")
+@click.option("--prompts", default=24, show_default=True, help="prefix-repetition / unique: number of requests.")
 @click.option("--sessions", default=4, show_default=True, help="multi-turn: conversations.")
 @click.option("--turns", default=4, show_default=True, help="multi-turn: turns per conversation.")
-@click.option(
-    "--context-tokens", default=1536, show_default=True, help="multi-turn: document opening each session."
-)
+@click.option("--context-tokens", default=1536, show_default=True, help="multi-turn: document opening each session.")
 @click.option("--message-tokens", default=48, show_default=True, help="multi-turn: tokens per user message.")
-@click.option(
-    "--output-tokens", default=16, show_default=True, help="Tokens generated per request (ignore_eos)."
-)
-@click.option(
-    "--concurrency",
-    default=None,
-    type=click.IntRange(min=1),
-    help="Requests in flight at once [default: 1 for multi-turn (one conversation at a time, so "
-    "TTFT measures the cache rather than waiting behind another prompt's prefill), 2 otherwise].",
-)
+@click.option("--output-tokens", default=16, show_default=True, help="Tokens generated per request (ignore_eos).")
+@click.option("--concurrency", default=None, type=click.IntRange(min=1),
+              help="Requests in flight at once [default: 1 for multi-turn (one conversation at a time, so "
+                   "TTFT measures the cache rather than waiting behind another prompt's prefill), 2 otherwise].")
 @click.option("--seed", default=0, show_default=True, help="Workload seed (and vLLM's --seed).")
-@click.option(
-    "--kv-cache-memory-bytes",
-    default=128 * 2**20,
-    show_default=True,
-    help="vLLM's own KV space (small, so returning prefixes have left it).",
-)
+@click.option("--kv-cache-memory-bytes", default=128 * 2**20, show_default=True,
+              help="vLLM's own KV space (small, so returning prefixes have left it).")
 @click.option("--max-model-len", default=2048, show_default=True)
-@click.option(
-    "--block-size",
-    default=DEFAULT_BLOCK_SIZE,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="vLLM's KV block size in tokens, the same for every mode (vLLM-CPU takes multiples of 32; "
-    "0: vLLM's default, 128 on CPU). Prefix caches reuse only whole blocks, so a returning "
-    "prompt recomputes the previous prompt's last, partial block: half a block on average.",
-)
-@click.option(
-    "--kv-offloading-size", default=1.0, show_default=True, metavar="GiB", help="kvtier mode: host tier."
-)
-@click.option(
-    "--disk-size", default=2.0, show_default=True, metavar="GiB", help="kvtier mode: disk tier (temp dir)."
-)
-@click.option(
-    "--redis-size",
-    default=2.0,
-    show_default=True,
-    metavar="GiB",
-    help="kvtier-redis mode: maxmemory of its loopback redis-server (allkeys-lru).",
-)
-@click.option(
-    "--kv-config",
-    default=None,
-    metavar="JSON",
-    help="kvtier modes: more kvtier keys, as `kvtier serve --kv-config` takes them "
-    "(e.g. '{\"offload_prompt_only\": true}').",
-)
-@click.option(
-    "--kv-bytes-per-token",
-    default=EMBEDDED_KV_BYTES_PER_TOKEN,
-    show_default=True,
-    help="KV bytes per token of the model (for the footprint check; default: embedded model).",
-)
-@click.option(
-    "--out",
-    "out_dir",
-    default=None,
-    type=click.Path(file_okay=False),
-    help="Output folder [default: ./bench-results/<timestamp>/].",
-)
+@click.option("--block-size", default=DEFAULT_BLOCK_SIZE, show_default=True, type=click.IntRange(min=0),
+              help="vLLM's KV block size in tokens, the same for every mode (vLLM-CPU takes multiples of 32; "
+                   "0: vLLM's default, 128 on CPU). Prefix caches reuse only whole blocks, so a returning "
+                   "prompt recomputes the previous prompt's last, partial block: half a block on average.")
+@click.option("--kv-offloading-size", default=1.0, show_default=True, metavar="GiB", help="kvtier mode: host tier.")
+@click.option("--disk-size", default=2.0, show_default=True, metavar="GiB", help="kvtier mode: disk tier (temp dir).")
+@click.option("--redis-size", default=2.0, show_default=True, metavar="GiB",
+              help="kvtier-redis mode: maxmemory of its loopback redis-server (allkeys-lru).")
+@click.option("--kv-config", default=None, metavar="JSON",
+              help="kvtier modes: more kvtier keys, as `kvtier serve --kv-config` takes them "
+                   "(e.g. '{\"offload_prompt_only\": true}').")
+@click.option("--kv-bytes-per-token", default=EMBEDDED_KV_BYTES_PER_TOKEN, show_default=True,
+              help="KV bytes per token of the model (for the footprint check; default: embedded model).")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
+              help="Output folder [default: ./bench-results/<timestamp>/].")
 @click.option("--startup-timeout", default=600.0, show_default=True, help="Seconds to wait for /health.")
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds per request.")
 def bench(**opts) -> None:

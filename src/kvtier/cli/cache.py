@@ -25,15 +25,10 @@ _PROGRESS_MIN_FILES = 200  # show a progress bar from this many files on (on a t
 
 def _target_options(command):
     """The TARGET argument (a directory or a Redis URL) and the options a Redis URL may need."""
-    command = click.option(
-        "--key-prefix", default="kvtier", show_default=True, help="Redis only: the tier's key_prefix."
-    )(command)
-    command = click.option(
-        "--password-env",
-        default=None,
-        metavar="NAME",
-        help="Redis only: environment variable holding the password.",
-    )(command)
+    command = click.option("--key-prefix", default="kvtier", show_default=True,
+                           help="Redis only: the tier's key_prefix.")(command)
+    command = click.option("--password-env", default=None, metavar="NAME",
+                           help="Redis only: environment variable holding the password.")(command)
     command = click.option("--username", default=None, help="Redis only: the ACL user.")(command)
     return click.argument("target", metavar="DIR_OR_URL")(command)
 
@@ -48,9 +43,7 @@ def _remote(target: str, username: str | None, password_env: str | None, key_pre
         if password_env is not None:
             password = os.environ.get(password_env)
             if password is None:
-                raise click.UsageError(
-                    f"--password-env {password_env}: that environment variable is not set."
-                )
+                raise click.UsageError(f"--password-env {password_env}: that environment variable is not set.")
         return RemoteTarget(target, username, password, key_prefix)
     if not os.path.isdir(target):
         raise click.UsageError(f"{target!r} is neither a directory nor a redis://, rediss:// or unix:// URL.")
@@ -93,7 +86,7 @@ def _console(stderr: bool = False) -> Console:
 def _relative(path: str, root: str) -> str:
     """``path`` relative to the root directory (shorter lines); as is if outside it."""
     prefix = root.rstrip("/") + "/"
-    return path[len(prefix) :] if path.startswith(prefix) else path
+    return path[len(prefix):] if path.startswith(prefix) else path
 
 
 def _emit_json(data: dict[str, Any]) -> None:
@@ -106,21 +99,11 @@ def _emit_json(data: dict[str, Any]) -> None:
 @click.command("inspect")
 @_target_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-@click.option(
-    "--tails",
-    "count_tails",
-    is_flag=True,
-    help="Also count tails (partial blocks a finished request left): reads each block's header "
-    "(rank 0), one small read per block. Directories only.",
-)
-def inspect_command(
-    target: str,
-    username: str | None,
-    password_env: str | None,
-    key_prefix: str,
-    as_json: bool,
-    count_tails: bool,
-) -> None:
+@click.option("--tails", "count_tails", is_flag=True,
+              help="Also count tails (partial blocks a finished request left): reads each block's header "
+                   "(rank 0), one small read per block. Directories only.")
+def inspect_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
+                    as_json: bool, count_tails: bool) -> None:
     """Show the namespaces of a disk tier directory or a Redis remote tier: model, layout, blocks,
     bytes, ages, last use.
 
@@ -155,13 +138,9 @@ def _layout_text(layout: dict[str, Any] | None, sep: str = "\n") -> str:
     if layout is None:
         return "-"
     get = layout.get
-    return sep.join(
-        (
-            f"{get('spec_version', '?')} · {get('kv_dtype', '?')} · {get('attention_kind', '?')}",
-            f"{get('num_layers', '?')} layers · {get('num_kv_heads', '?')}×{get('head_size', '?')}",
-            f"{get('block_tokens', '?')} tok/block · tp {get('tp_size', '?')}",
-        )
-    )
+    return sep.join((f"{get('spec_version', '?')} · {get('kv_dtype', '?')} · {get('attention_kind', '?')}",
+                     f"{get('num_layers', '?')} layers · {get('num_kv_heads', '?')}×{get('head_size', '?')}",
+                     f"{get('block_tokens', '?')} tok/block · tp {get('tp_size', '?')}"))
 
 
 def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
@@ -185,9 +164,7 @@ def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
         "size": f"{fmt_bytes(ns.block_bytes)}\n[dim]{ns.block_files:,} files[/dim]{ledger}",
         **{label: str(count or "-") for label, count in ns.ages.items()},
         "last use": fmt_ago(now - ns.last_use) if ns.last_use is not None else "-",
-        "quarantine": f"{ns.quarantine_files} · {fmt_bytes(ns.quarantine_bytes)}"
-        if ns.quarantine_files
-        else "-",
+        "quarantine": f"{ns.quarantine_files} · {fmt_bytes(ns.quarantine_bytes)}" if ns.quarantine_files else "-",
         "temp": f"{ns.temp_files}" if ns.temp_files else "-",
     }
 
@@ -202,19 +179,9 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
 
     rows = [(ns, _cells(ns, inventory.scanned_at)) for ns in inventory.namespaces]
     if console.width >= _TABLE_MIN_WIDTH:
-        columns = (
-            "namespace",
-            "layout",
-            "blocks",
-            "size",
-            *(label for label, _ in AGE_BUCKETS),
-            "last use",
-            "quarantine",
-            "temp",
-        )
-        table = Table(
-            title=f"kvtier disk cache {escape(inventory.root)}", title_justify="left", show_lines=True
-        )
+        columns = ("namespace", "layout", "blocks", "size", *(label for label, _ in AGE_BUCKETS),
+                   "last use", "quarantine", "temp")
+        table = Table(title=f"kvtier disk cache {escape(inventory.root)}", title_justify="left", show_lines=True)
         for column in columns:
             table.add_column(column, justify="left" if column in ("namespace", "layout") else "right")
         for ns, cells in rows:
@@ -226,40 +193,24 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
             incomplete = f" (+{ns.incomplete_blocks:,} incomplete)" if ns.incomplete_blocks else ""
             console.print(cells["namespace"].replace("\n", "  "))
             console.print(f"  layout      {_layout_text(ns.layout, ' · ')}")
-            console.print(
-                f"  blocks      {ns.complete_blocks:,} complete{incomplete} · {ns.block_files:,} files · "
-                f"{fmt_bytes(ns.block_bytes)}"
-            )
-            console.print(
-                "  ages        " + " · ".join(f"{label} {count}" for label, count in ns.ages.items())
-            )
-            console.print(
-                f"  last use    {cells['last use']} · quarantine {cells['quarantine']} · temp {cells['temp']}"
-            )
+            console.print(f"  blocks      {ns.complete_blocks:,} complete{incomplete} · {ns.block_files:,} files · "
+                          f"{fmt_bytes(ns.block_bytes)}")
+            console.print("  ages        " + " · ".join(f"{label} {count}" for label, count in ns.ages.items()))
+            console.print(f"  last use    {cells['last use']} · quarantine {cells['quarantine']} · temp {cells['temp']}")
             if ns.tail_blocks is not None:
-                console.print(
-                    f"  tails       {ns.tail_blocks:,} of the complete blocks are tails (partial blocks)"
-                )
+                console.print(f"  tails       {ns.tail_blocks:,} of the complete blocks are tails (partial blocks)")
             if ns.snapshot_blocks is not None:
-                console.print(
-                    f"  snapshot    index of {ns.snapshot_blocks:,} blocks (a restart serves from it)"
-                )
+                console.print(f"  snapshot    index of {ns.snapshot_blocks:,} blocks (a restart serves from it)")
             if ns.ledger_bytes is not None:
-                console.print(
-                    f"  ledger      {fmt_bytes(ns.ledger_bytes)} charged (bounded by capacity_bytes)"
-                )
+                console.print(f"  ledger      {fmt_bytes(ns.ledger_bytes)} charged (bounded by capacity_bytes)")
     total_blocks = sum(ns.complete_blocks for ns in inventory.namespaces)
     total_bytes = sum(ns.block_bytes for ns in inventory.namespaces)
-    console.print(
-        f"{len(inventory.namespaces)} namespace(s), {total_blocks:,} complete blocks, "
-        f"{fmt_bytes(total_bytes)}; quarantine: {inventory.quarantine_files} file(s), "
-        f"{fmt_bytes(inventory.quarantine_bytes)}"
-    )
+    console.print(f"{len(inventory.namespaces)} namespace(s), {total_blocks:,} complete blocks, "
+                  f"{fmt_bytes(total_bytes)}; quarantine: {inventory.quarantine_files} file(s), "
+                  f"{fmt_bytes(inventory.quarantine_bytes)}")
     if inventory.strays:
-        console.print(
-            f"[yellow]{len(inventory.strays)} unexpected entr{'y' if len(inventory.strays) == 1 else 'ies'}"
-            " (see `kvtier verify`):[/yellow]"
-        )
+        console.print(f"[yellow]{len(inventory.strays)} unexpected entr{'y' if len(inventory.strays) == 1 else 'ies'}"
+                      " (see `kvtier verify`):[/yellow]")
         for path, reason in inventory.strays[:10]:
             console.print(f"  {escape(_relative(path, inventory.root))}: {escape(reason)}")
         if len(inventory.strays) > 10:
@@ -271,28 +222,13 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
 
 @click.command("verify")
 @_target_options
-@click.option(
-    "--namespace",
-    "selectors",
-    multiple=True,
-    metavar="DIGEST_OR_MODEL",
-    help="Only this namespace (digest, at least 4 hex digits, or model name); repeatable.",
-)
-@click.option(
-    "--no-quarantine",
-    is_flag=True,
-    help="Only report bad files (values); do not move them to quarantine/ (delete them, on Redis).",
-)
+@click.option("--namespace", "selectors", multiple=True, metavar="DIGEST_OR_MODEL",
+              help="Only this namespace (digest, at least 4 hex digits, or model name); repeatable.")
+@click.option("--no-quarantine", is_flag=True,
+              help="Only report bad files (values); do not move them to quarantine/ (delete them, on Redis).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def verify_command(
-    target: str,
-    username: str | None,
-    password_env: str | None,
-    key_prefix: str,
-    selectors: tuple[str, ...],
-    no_quarantine: bool,
-    as_json: bool,
-) -> None:
+def verify_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
+                   selectors: tuple[str, ...], no_quarantine: bool, as_json: bool) -> None:
     """Check every block's header, size and payload checksum, as the tier's reader does.
 
     A directory: bad files are listed and moved to DIR/quarantine/ (where the tier itself puts
@@ -385,47 +321,20 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 @click.command("purge")
 @_target_options
-@click.option(
-    "--namespace",
-    "namespaces",
-    multiple=True,
-    metavar="DIGEST",
-    help="Blocks of this namespace (its digest, at least 4 hex digits, or directory name); repeatable.",
-)
-@click.option(
-    "--model", "models", multiple=True, metavar="NAME", help="Blocks of this model's namespaces; repeatable."
-)
-@click.option(
-    "--older-spec",
-    is_flag=True,
-    help="Namespaces written under an older key spec (kvtier inspect marks them): never read again.",
-)
-@click.option(
-    "--older-than",
-    callback=_duration,
-    metavar="DURATION",
-    help="Blocks last used longer ago than this (by mtime; on Redis by OBJECT IDLETIME), e.g. 30m, 12h, 7d.",
-)
-@click.option(
-    "--quarantine", is_flag=True, help="Empty the quarantine (of the selected namespaces, if narrowed)."
-)
+@click.option("--namespace", "namespaces", multiple=True, metavar="DIGEST",
+              help="Blocks of this namespace (its digest, at least 4 hex digits, or directory name); repeatable.")
+@click.option("--model", "models", multiple=True, metavar="NAME", help="Blocks of this model's namespaces; repeatable.")
+@click.option("--older-spec", is_flag=True,
+              help="Namespaces written under an older key spec (kvtier inspect marks them): never read again.")
+@click.option("--older-than", callback=_duration, metavar="DURATION",
+              help="Blocks last used longer ago than this (by mtime; on Redis by OBJECT IDLETIME), e.g. 30m, 12h, 7d.")
+@click.option("--quarantine", is_flag=True, help="Empty the quarantine (of the selected namespaces, if narrowed).")
 @click.option("--all", "all_", is_flag=True, help="Everything: all namespaces' blocks and the quarantine.")
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-def purge_command(
-    target: str,
-    username: str | None,
-    password_env: str | None,
-    key_prefix: str,
-    namespaces: tuple[str, ...],
-    models: tuple[str, ...],
-    older_spec: bool,
-    older_than: float | None,
-    quarantine: bool,
-    all_: bool,
-    dry_run: bool,
-    as_json: bool,
-) -> None:
+def purge_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
+                  namespaces: tuple[str, ...], models: tuple[str, ...], older_spec: bool,
+                  older_than: float | None, quarantine: bool, all_: bool, dry_run: bool, as_json: bool) -> None:
     """Delete blocks by namespace, model or age, and/or empty the quarantine.
 
     Selectors combine (--model M --older-than 7d: blocks of M unused for 7 days); at least one is
@@ -475,12 +384,7 @@ def render_purge(report: PurgeReport, console: Console) -> None:
             line += "; config.json " + ("would go too" if report.dry_run else "removed")
         console.print(line)
     if report.quarantine_files or not report.namespaces:  # --quarantine given, or no namespace at all
-        console.print(
-            f"quarantine: {verb} {report.quarantine_files:,} files, {fmt_bytes(report.quarantine_bytes)}"
-        )
+        console.print(f"quarantine: {verb} {report.quarantine_files:,} files, {fmt_bytes(report.quarantine_bytes)}")
     total = f"{report.files:,} files, {fmt_bytes(report.bytes)}"
-    console.print(
-        f"[bold]dry run: would remove {total}; nothing was deleted[/bold]"
-        if report.dry_run
-        else f"[bold]removed {total}[/bold]"
-    )
+    console.print(f"[bold]dry run: would remove {total}; nothing was deleted[/bold]" if report.dry_run
+                  else f"[bold]removed {total}[/bold]")

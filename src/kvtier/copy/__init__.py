@@ -17,17 +17,8 @@ from kvtier.copy.pages import BlockCopier, CopyPlan, HostSlots, PagedKV
 from kvtier.copy.streams import DeviceStreams
 
 __all__ = [
-    "BlockCopier",
-    "CopyDone",
-    "CopyEngine",
-    "CopyPlan",
-    "DeviceStreams",
-    "Direction",
-    "HostSlots",
-    "PageCopy",
-    "PagedKV",
-    "make_copy_engine",
-    "pin_host_memory",
+    "BlockCopier", "CopyDone", "CopyEngine", "CopyPlan", "DeviceStreams", "Direction", "HostSlots",
+    "PageCopy", "PagedKV", "make_copy_engine", "pin_host_memory",
 ]
 
 
@@ -44,9 +35,7 @@ def make_copy_engine(kv: PagedKV, host: HostSlots, device: DeviceStreams | None 
         from kvtier.copy.cuda import CudaCopyEngine
         from kvtier.copy.streams import TorchCudaStreams
 
-        return CudaCopyEngine(
-            BlockCopier(kv, host), device if device is not None else TorchCudaStreams(kv.device)
-        )
+        return CudaCopyEngine(BlockCopier(kv, host), device if device is not None else TorchCudaStreams(kv.device))
     raise ValueError(f"kvtier: no copy engine for device type {kv.device.type!r}")
 
 
@@ -61,7 +50,6 @@ def pin_host_memory(buffer: torch.Tensor):
     err = cudart.cudaHostRegister(ptr, size, 0)
     if err != 0:
         logging.getLogger(__name__).warning(
-            "kvtier: cudaHostRegister of %d bytes failed (%s); copies stay pageable", size, err
-        )
+            "kvtier: cudaHostRegister of %d bytes failed (%s); copies stay pageable", size, err)
         return lambda: None
     return lambda: cudart.cudaHostUnregister(ptr)

@@ -33,9 +33,7 @@ logger = logging.getLogger(__name__)
 class CpuCopyEngine(CopyEngine):
     def __init__(self, copier: BlockCopier):
         if copier.kv.device.type != "cpu":
-            raise ValueError(
-                f"kvtier: the CPU copy engine needs KV in host memory, not on {copier.kv.device}"
-            )
+            raise ValueError(f"kvtier: the CPU copy engine needs KV in host memory, not on {copier.kv.device}")
         self.copier = copier
         self._jobs: queue.SimpleQueue[tuple[int, Direction, list[PageCopy]] | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[CopyDone] = queue.SimpleQueue()

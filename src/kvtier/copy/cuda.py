@@ -127,9 +127,7 @@ class CudaCopyEngine(CopyEngine):
             if direction is Direction.LOAD:
                 device.wait(device.current_stream(), end)
         except Exception:
-            logger.exception(
-                "kvtier: cannot order %s job %d on the device; reported failed", direction.value, job_id
-            )
+            logger.exception("kvtier: cannot order %s job %d on the device; reported failed", direction.value, job_id)
             self._unordered.append(CopyDone(job_id, direction, False, 0, time.perf_counter() - issued_at))
             return
         self._in_flight[direction].append(_InFlight(job_id, direction, ok, num_bytes, start, end, issued_at))

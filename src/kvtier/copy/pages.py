@@ -40,14 +40,9 @@ def padded_pages(tensor: torch.Tensor, num_blocks: int, page_bytes: int) -> torc
     attention page and views the state alone), so the whole padded page is copied, padding
     included, as for any other layer. ValueError unless the blocks are dim 0, ``page_bytes`` apart."""
     as_bytes = tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
-    if (
-        find_block_dim(tensor.shape, num_blocks) != 0
-        or tensor.stride(0) * tensor.element_size() != page_bytes
-    ):
-        raise ValueError(
-            f"KV tensor of shape {tuple(tensor.shape)}, strides {tensor.stride()} is not "
-            f"{num_blocks} pages of {page_bytes} B"
-        )
+    if find_block_dim(tensor.shape, num_blocks) != 0 or tensor.stride(0) * tensor.element_size() != page_bytes:
+        raise ValueError(f"KV tensor of shape {tuple(tensor.shape)}, strides {tensor.stride()} is not "
+                         f"{num_blocks} pages of {page_bytes} B")
     return torch.as_strided(as_bytes, (num_blocks, page_bytes), (page_bytes, 1))
 
 
@@ -63,12 +58,8 @@ class PagedKV:
     share tensors): a block id names a page of the layers of the group that owns it.
     """
 
-    def __init__(
-        self,
-        layers: Sequence[torch.Tensor],
-        num_blocks: int,
-        layer_groups: Sequence[Sequence[int]] | None = None,
-    ):
+    def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int,
+                 layer_groups: Sequence[Sequence[int]] | None = None):
         if not layers:
             raise ValueError("no KV layers to offload")
         groups = [list(g) for g in layer_groups] if layer_groups is not None else [list(range(len(layers)))]
@@ -107,11 +98,9 @@ class PagedKV:
         views = []
         for pages in self._pages:
             if not (
-                pages.shape[-1] % size == 0
-                and pages.stride(-1) == 1
+                pages.shape[-1] % size == 0 and pages.stride(-1) == 1
                 and all(stride % size == 0 for stride in pages.stride()[:-1])
-                and pages.storage_offset() % size == 0
-                and pages.data_ptr() % size == 0
+                and pages.storage_offset() % size == 0 and pages.data_ptr() % size == 0
             ):
                 return None
             views.append(pages.view(word))
@@ -124,13 +113,9 @@ class HostSlots:
     def __init__(self, buffer: torch.Tensor, layout: HostSlotLayout):
         expected = layout.region_bytes
         if buffer.dtype != torch.uint8 or buffer.numel() != expected:
-            raise ValueError(
-                f"host buffer must be {expected} uint8 bytes, got {buffer.numel()} {buffer.dtype}"
-            )
+            raise ValueError(f"host buffer must be {expected} uint8 bytes, got {buffer.numel()} {buffer.dtype}")
         self.layout = layout
-        self.tensor = buffer.view(
-            layout.num_slots, layout.num_layers, layout.pages_per_block, layout.page_bytes
-        )
+        self.tensor = buffer.view(layout.num_slots, layout.num_layers, layout.pages_per_block, layout.page_bytes)
         self._rows = buffer.view(-1, layout.page_bytes)
 
     def page(self, slot: int, layer: int, sub: int) -> torch.Tensor:
@@ -138,9 +123,7 @@ class HostSlots:
         layout = self.layout
         return self._rows[(slot * layout.num_layers + layer) * layout.pages_per_block + sub]
 
-    def block_pages(
-        self, slot: int, sub: int, word: torch.dtype, page_shape: Sequence[int]
-    ) -> tuple[torch.Tensor, ...]:
+    def block_pages(self, slot: int, sub: int, word: torch.dtype, page_shape: Sequence[int]) -> tuple[torch.Tensor, ...]:
         """Every layer's page ``sub`` in ``slot``, layer order, each viewed as ``page_shape`` ``word``
         elements. IndexError if ``slot`` or ``sub`` is out of range (never a wrapped-around index)."""
         layout = self.layout

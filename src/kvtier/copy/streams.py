@@ -78,9 +78,7 @@ class TorchCudaStreams:
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)
 
-    def copy(
-        self, stream: torch.cuda.Stream, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]
-    ) -> None:
+    def copy(self, stream: torch.cuda.Stream, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         with torch.cuda.stream(stream):
             torch._foreach_copy_(list(dsts), list(srcs), non_blocking=True)
 

@@ -130,6 +130,7 @@ class KVTierConfig:
         return self.block_size
 
 
+
 _TOP_LEVEL_KEYS = frozenset(
     {
         "cpu_bytes_to_use",

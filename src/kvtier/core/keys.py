@@ -311,17 +311,8 @@ def stateless_key(key: BlockKey) -> BlockKey:
     return blake3.blake3(STATELESS_MARK + key).digest()
 
 
-OLDER_SPEC_FIELDS = (
-    "kv_dtype",
-    "num_layers",
-    "num_kv_heads",
-    "head_size",
-    "block_tokens",
-    "tp_size",
-    "pp_size",
-    "attention_kind",
-    "page_format",
-)
+OLDER_SPEC_FIELDS = ("kv_dtype", "num_layers", "num_kv_heads", "head_size", "block_tokens", "tp_size",
+                     "pp_size", "attention_kind", "page_format")
 """The flat fields of a "kvtier/1" config.json that describe its layout."""
 
 
@@ -333,21 +324,11 @@ def describe_config(config: dict) -> dict:
         page, model = config["ranks"][0], config["model"]
         return {
             "spec_version": config.get("spec_version"),
-            "kv_dtype": page["kv_dtype"],
-            "attention_kind": page["attention"],
-            "num_layers": page["num_layers"],
-            "num_kv_heads": page["num_kv_heads"],
-            "head_size": page["head_size"],
-            "block_tokens": config["block_tokens"],
-            "engine_block_tokens": page["engine_block_tokens"],
-            "tp_size": config["tp_size"],
-            "pp_size": config["pp_size"],
-            "backends": list(page["backends"]),
-            "weights": str(model["weights"])[:23],
-            "dtype": model["dtype"],
+            "kv_dtype": page["kv_dtype"], "attention_kind": page["attention"], "num_layers": page["num_layers"],
+            "num_kv_heads": page["num_kv_heads"], "head_size": page["head_size"],
+            "block_tokens": config["block_tokens"], "engine_block_tokens": page["engine_block_tokens"],
+            "tp_size": config["tp_size"], "pp_size": config["pp_size"], "backends": list(page["backends"]),
+            "weights": str(model["weights"])[:23], "dtype": model["dtype"],
         }
     except (KeyError, IndexError, TypeError):
-        return {
-            "spec_version": config.get("spec_version"),
-            **{k: config[k] for k in OLDER_SPEC_FIELDS if k in config},
-        }
+        return {"spec_version": config.get("spec_version"), **{k: config[k] for k in OLDER_SPEC_FIELDS if k in config}}

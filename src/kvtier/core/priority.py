@@ -137,9 +137,8 @@ def move_current_thread_to_spare_cpus() -> frozenset[int]:
     try:
         os.sched_setaffinity(0, cpus)
     except OSError as exc:
-        logger.debug(
-            "kvtier: could not move thread %d to CPUs %s: %s", threading.get_native_id(), sorted(cpus), exc
-        )
+        logger.debug("kvtier: could not move thread %d to CPUs %s: %s",
+                     threading.get_native_id(), sorted(cpus), exc)
         return frozenset()
     return cpus
 

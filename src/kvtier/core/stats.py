@@ -124,9 +124,7 @@ class KVTierStats:
         """Whether any counter is non-zero (gauges aside)."""
         empty = KVTierStats()
         return any(
-            getattr(self, f.name) != getattr(empty, f.name)
-            for f in fields(self)
-            if not f.metadata.get("gauge")
+            getattr(self, f.name) != getattr(empty, f.name) for f in fields(self) if not f.metadata.get("gauge")
         )
 
     def is_empty(self) -> bool:

@@ -94,11 +94,9 @@ class RedisTierConfig:
         return value
 
     def __repr__(self) -> str:
-        return (
-            f"RedisTierConfig(url={self.redacted_url()!r}, username={self.username!r}, "
-            f"password_env={self.password_env!r}, key_prefix={self.key_prefix!r}, "
-            f"ttl_seconds={self.ttl_seconds!r}, cluster={self.cluster!r}, nodes={self.nodes!r})"
-        )
+        return (f"RedisTierConfig(url={self.redacted_url()!r}, username={self.username!r}, "
+                f"password_env={self.password_env!r}, key_prefix={self.key_prefix!r}, "
+                f"ttl_seconds={self.ttl_seconds!r}, cluster={self.cluster!r}, nodes={self.nodes!r})")
 
 
 SecondaryTierConfig = DiskTierConfig | RedisTierConfig
@@ -118,33 +116,13 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-_FS_KEYS = frozenset(
-    {
-        "type",
-        "root_dir",
-        "capacity_bytes",
-        "n_read_threads",
-        "n_write_threads",
-        "max_pending_writes",
-        "group_access",
-    }
-)
-_REDIS_KEYS = frozenset(
-    {
-        "type",
-        "url",
-        "username",
-        "password_env",
-        "key_prefix",
-        "ttl_seconds",
-        "cluster",
-        "nodes",
-        "max_connections",
-        "connect_timeout_s",
-        "timeout_s",
-        "max_pending_writes",
-    }
-)
+_FS_KEYS = frozenset({
+    "type", "root_dir", "capacity_bytes", "n_read_threads", "n_write_threads", "max_pending_writes", "group_access",
+})
+_REDIS_KEYS = frozenset({
+    "type", "url", "username", "password_env", "key_prefix", "ttl_seconds", "cluster", "nodes",
+    "max_connections", "connect_timeout_s", "timeout_s", "max_pending_writes",
+})
 
 
 def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
@@ -159,7 +137,7 @@ def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
     for index, entry in enumerate(raw):
         where = f"secondary_tiers[{index}]"
         if not isinstance(entry, Mapping):
-            raise ConfigError(f'{PREFIX}: \'{where}\' must be an object like {{"type": "fs", ...}}')
+            raise ConfigError(f"{PREFIX}: '{where}' must be an object like " '{"type": "fs", ...}')
         tier_type = entry.get("type")
         if tier_type == TierType.FS.value:
             tiers.append(_disk_tier(entry, where))
@@ -172,15 +150,11 @@ def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
             )
     kinds = [type(t) for t in tiers]
     if kinds.count(DiskTierConfig) > 1 or kinds.count(RedisTierConfig) > 1:
-        raise ConfigError(
-            f"{PREFIX}: 'secondary_tiers' holds more than one tier of a type; kvtier supports one "
-            "disk tier and one Redis tier. Keep one of each."
-        )
+        raise ConfigError(f"{PREFIX}: 'secondary_tiers' holds more than one tier of a type; kvtier supports one "
+                          "disk tier and one Redis tier. Keep one of each.")
     if kinds == [RedisTierConfig, DiskTierConfig]:
-        raise ConfigError(
-            f"{PREFIX}: 'secondary_tiers' lists the Redis tier before the disk tier; put the fs "
-            "entry first (the local disk is looked up before the shared remote)."
-        )
+        raise ConfigError(f"{PREFIX}: 'secondary_tiers' lists the Redis tier before the disk tier; put the fs "
+                          "entry first (the local disk is looked up before the shared remote).")
     return tuple(tiers)
 
 
@@ -195,13 +169,8 @@ def _disk_tier(raw: Mapping[str, Any], where: str) -> DiskTierConfig:
         capacity = int_value(raw, "capacity_bytes", minimum=1, where=where)
     else:
         capacity = int(shutil.disk_usage(root_dir).free * DEFAULT_DISK_FRACTION)
-        logger.info(
-            "kvtier: %s.capacity_bytes not set; using %.1f GiB (%.0f%% of the free space of %s)",
-            where,
-            capacity / 2**30,
-            DEFAULT_DISK_FRACTION * 100,
-            root_dir,
-        )
+        logger.info("kvtier: %s.capacity_bytes not set; using %.1f GiB (%.0f%% of the free space of %s)",
+                    where, capacity / 2**30, DEFAULT_DISK_FRACTION * 100, root_dir)
     return DiskTierConfig(
         root_dir=root_dir,
         capacity_bytes=capacity,
@@ -227,54 +196,37 @@ def _redis_tier(raw: Mapping[str, Any], where: str) -> RedisTierConfig:
     check_keys(raw, _REDIS_KEYS, where, '{"type": "redis", "url": "redis://host:6379/0"}')
     url = text_value(raw, "url", where=where)
     if url is None:
-        raise ConfigError(
-            f"{PREFIX}: '{where}.url' is required, e.g. redis://host:6379/0, rediss://host:6380 "
-            "(TLS) or unix:///run/redis.sock."
-        )
+        raise ConfigError(f"{PREFIX}: '{where}.url' is required, e.g. redis://host:6379/0, rediss://host:6380 "
+                          "(TLS) or unix:///run/redis.sock.")
     try:
         parts = urlsplit(url)
         port = parts.port
     except ValueError as exc:
         raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} is not a URL ({exc}).") from None
     if parts.scheme not in REDIS_SCHEMES:
-        raise ConfigError(
-            f"{PREFIX}: '{where}.url' {redact_url(url)!r} must start with redis://, rediss:// (TLS) "
-            "or unix:// (a socket path)."
-        )
+        raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} must start with redis://, rediss:// (TLS) "
+                          "or unix:// (a socket path).")
     if parts.scheme == "unix" and not parts.path:
-        raise ConfigError(
-            f"{PREFIX}: '{where}.url' {redact_url(url)!r} names no socket path (unix:///path/redis.sock)."
-        )
+        raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} names no socket path (unix:///path/redis.sock).")
     if parts.scheme != "unix" and not parts.hostname:
         raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} names no host (redis://host:6379/0).")
     del port
     prefix = text_value(raw, "key_prefix", where=where) or "kvtier"
     if not _KEY_PREFIX.match(prefix):
-        raise ConfigError(
-            f"{PREFIX}: '{where}.key_prefix' {prefix!r} must be 1-64 characters of [A-Za-z0-9._:-]."
-        )
+        raise ConfigError(f"{PREFIX}: '{where}.key_prefix' {prefix!r} must be 1-64 characters of [A-Za-z0-9._:-].")
     nodes = raw.get("nodes", [])
-    if (
-        not isinstance(nodes, Sequence)
-        or isinstance(nodes, str)
-        or not all(isinstance(n, str) and re.match(r"^[^\s:]+:\d+$", n) for n in nodes)
-    ):
-        raise ConfigError(
-            f"{PREFIX}: '{where}.nodes' must be a list of \"host:port\" strings (Redis Cluster nodes)."
-        )
+    if not isinstance(nodes, Sequence) or isinstance(nodes, str) or not all(
+            isinstance(n, str) and re.match(r"^[^\s:]+:\d+$", n) for n in nodes):
+        raise ConfigError(f"{PREFIX}: '{where}.nodes' must be a list of \"host:port\" strings (Redis Cluster nodes).")
     cluster = bool_value(raw, "cluster", default=bool(nodes), where=where)
     if nodes and not cluster:
-        raise ConfigError(
-            f"{PREFIX}: '{where}.nodes' lists cluster nodes but 'cluster' is false; drop one of them."
-        )
+        raise ConfigError(f"{PREFIX}: '{where}.nodes' lists cluster nodes but 'cluster' is false; drop one of them.")
     if cluster and parts.scheme == "unix":
         raise ConfigError(f"{PREFIX}: '{where}': Redis Cluster needs TCP nodes, not a unix socket URL.")
     password_env = text_value(raw, "password_env", where=where)
     if password_env is not None and not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", password_env):
-        raise ConfigError(
-            f"{PREFIX}: '{where}.password_env' must be the NAME of an environment variable "
-            "holding the password (not the password itself)."
-        )
+        raise ConfigError(f"{PREFIX}: '{where}.password_env' must be the NAME of an environment variable "
+                          "holding the password (not the password itself).")
     return RedisTierConfig(
         url=url,
         username=text_value(raw, "username", where=where),

@@ -25,9 +25,7 @@ def key_name(key: str, where: str = "") -> str:
     return f"{where}.{key}" if where else key
 
 
-def int_value(
-    raw: Mapping[str, Any], key: str, minimum: int, default: Any = _NO_DEFAULT, where: str = ""
-) -> Any:
+def int_value(raw: Mapping[str, Any], key: str, minimum: int, default: Any = _NO_DEFAULT, where: str = "") -> Any:
     """An integer >= ``minimum`` (a float that is a whole number is accepted); ``default`` if absent."""
     name = key_name(key, where)
     if key not in raw or raw[key] is None:
@@ -44,9 +42,7 @@ def int_value(
     return value
 
 
-def float_value(
-    raw: Mapping[str, Any], key: str, default: float, *, where: str = "", positive: bool = True
-) -> float:
+def float_value(raw: Mapping[str, Any], key: str, default: float, *, where: str = "", positive: bool = True) -> float:
     """A finite number (> 0 when ``positive``); ``default`` if absent."""
     name = key_name(key, where)
     if key not in raw or raw[key] is None:
@@ -79,18 +75,14 @@ def bool_value(raw: Mapping[str, Any], key: str, default: bool, where: str = "")
     return value
 
 
-def enum_value(
-    raw: Mapping[str, Any], key: str, enum_type: type[enum.Enum], default: enum.Enum, where: str = ""
-) -> Any:
+def enum_value(raw: Mapping[str, Any], key: str, enum_type: type[enum.Enum], default: enum.Enum, where: str = "") -> Any:
     if key not in raw:
         return default
     try:
         return enum_type(raw[key])
     except ValueError:
         allowed = [member.value for member in enum_type]
-        raise ConfigError(
-            f"{PREFIX}: '{key_name(key, where)}' is {raw[key]!r}; allowed values: {allowed}."
-        ) from None
+        raise ConfigError(f"{PREFIX}: '{key_name(key, where)}' is {raw[key]!r}; allowed values: {allowed}.") from None
 
 
 def check_keys(raw: Any, known: frozenset[str], where: str, example: str) -> Mapping[str, Any]:

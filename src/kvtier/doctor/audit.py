@@ -21,28 +21,14 @@ def audit(argv: Sequence[str], gpu_memory_gib: float | None = None) -> list[Find
     try:
         setup = resolve_setup(argv, gpu_memory_gib)
     except CommandLineError as exc:
-        return [
-            Finding(
-                "command-line",
-                "error",
-                "Not a serve command line",
-                str(exc),
-                "kvtier doctor -- vllm serve MODEL [ARGS...]   or   "
-                "kvtier doctor -- kvtier serve [MODEL] ...",
-            )
-        ]
+        return [Finding("command-line", "error", "Not a serve command line", str(exc),
+                        "kvtier doctor -- vllm serve MODEL [ARGS...]   or   "
+                        "kvtier doctor -- kvtier serve [MODEL] ...")]
     findings: list[Finding] = []
     for check in checks.CHECKS:
         try:
             findings.extend(check(setup))
         except Exception as exc:  # a doctor must not crash on an odd command line; say what failed
-            findings.append(
-                Finding(
-                    "doctor-internal",
-                    "warning",
-                    f"Check {check.__name__} failed",
-                    f"{type(exc).__name__}: {exc}",
-                    "Report this command line to kvtier.",
-                )
-            )
+            findings.append(Finding("doctor-internal", "warning", f"Check {check.__name__} failed",
+                                    f"{type(exc).__name__}: {exc}", "Report this command line to kvtier."))
     return sorted(findings, key=lambda f: SEVERITIES.index(f.severity))

@@ -92,10 +92,8 @@ def disk_write_read(directory: Path, size_bytes: int = 512 * MIB) -> tuple[Bandw
         except FileNotFoundError:
             pass
     read_note = "page cache could not be dropped: RAM speed" if cached else "after posix_fadvise(DONTNEED)"
-    return (
-        Bandwidth("disk write (fsync)", total, write_s, str(directory)),
-        Bandwidth("disk read", total, read_s, read_note),
-    )
+    return (Bandwidth("disk write (fsync)", total, write_s, str(directory)),
+            Bandwidth("disk read", total, read_s, read_note))
 
 
 def _drop_cache(path: Path) -> bool:
@@ -145,7 +143,6 @@ def cuda_copies(size_bytes: int = 256 * MIB, repeats: int = 5) -> list[Bandwidth
             results.append(Bandwidth(f"{name} ({kind})", size_bytes, best, torch.cuda.get_device_name()))
     return results
 
-
 def measure(directory: Path, dram_bytes: int = 1024 * MIB, disk_bytes: int = 512 * MIB) -> list[Bandwidth]:
     """DRAM copy, disk write/read at ``directory`` and (with CUDA) pinned/pageable copies."""
     from kvtier.doctor.measure import cuda_copies, disk_write_read, dram_copy
@@ -166,26 +163,16 @@ def compare(results: Sequence[Bandwidth], model: str, tp: int, context: int | No
     host_bw = by_name.get("host->device (pinned)", by_name["DRAM copy (memcpy)"])
     disk_bw = by_name["disk read"]
     source = load_model_config(model)
-    plan = make_plan(
-        source.name,
-        source.config,
-        PlanInputs(tp=tp, context=context, host_bw_gbps=host_bw, disk_bw_gbps=disk_bw),
-    )
+    plan = make_plan(source.name, source.config,
+                     PlanInputs(tp=tp, context=context, host_bw_gbps=host_bw, disk_bw_gbps=disk_bw))
     needed = plan.offload_sequence_bytes_total / max(plan.recompute_s - plan.host_load_s, 1e-9) / 1e9
     return {
-        "model": plan.model,
-        "tp": tp,
-        "context": plan.context,
-        "kv_dtype": plan.kv_dtype,
+        "model": plan.model, "tp": tp, "context": plan.context, "kv_dtype": plan.kv_dtype,
         "context_bytes_total": plan.offload_sequence_bytes_total,
         "context_bytes_rank": plan.offload_sequence_bytes_rank,
-        "host_bw_gbps": host_bw,
-        "disk_bw_gbps": disk_bw,
-        "host_load_s": plan.host_load_s,
-        "disk_load_s": plan.disk_load_s,
-        "recompute_s": plan.recompute_s,
-        "recompute_basis": plan.recompute_basis,
-        "disk_bw_needed_gbps": needed,
+        "host_bw_gbps": host_bw, "disk_bw_gbps": disk_bw,
+        "host_load_s": plan.host_load_s, "disk_load_s": plan.disk_load_s, "recompute_s": plan.recompute_s,
+        "recompute_basis": plan.recompute_basis, "disk_bw_needed_gbps": needed,
     }
 
 

@@ -156,17 +156,10 @@ def validate_extra_config(extra: Mapping[str, Any]) -> tuple[Any, str | None, li
                 continue
             parent = existing_ancestor(Path(root))
             if not os.access(parent, os.W_OK | os.X_OK):
-                return (
-                    None,
-                    (
-                        f"kv_connector_extra_config: 'secondary_tiers[{index}].root_dir' = {root!r} "
-                        f"does not exist and cannot be created: {parent} is not writable."
-                    ),
-                    notes,
-                )
-            notes.append(
-                f"secondary_tiers[{index}].root_dir {root} does not exist yet; kvtier creates it at start-up."
-            )
+                return None, (f"kv_connector_extra_config: 'secondary_tiers[{index}].root_dir' = {root!r} "
+                              f"does not exist and cannot be created: {parent} is not writable."), notes
+            notes.append(f"secondary_tiers[{index}].root_dir {root} does not exist yet; kvtier creates it "
+                         "at start-up.")
             default = None
             if "capacity_bytes" not in tier:  # kvtier's default reads the free space of the real directory
                 default = int(shutil.disk_usage(parent).free * DEFAULT_DISK_FRACTION)

@@ -74,11 +74,8 @@ class Setup:
     @property
     def disk_dirs(self) -> list[Path]:
         tiers = (self.extra or {}).get("secondary_tiers")
-        return [
-            Path(t["root_dir"]).expanduser()
-            for t in tiers or []
-            if isinstance(t, dict) and isinstance(t.get("root_dir"), str) and t["root_dir"]
-        ]
+        return [Path(t["root_dir"]).expanduser() for t in tiers or [] if isinstance(t, dict)
+                and isinstance(t.get("root_dir"), str) and t["root_dir"]]
 
     @property
     def gpu_assumption(self) -> str:
@@ -100,8 +97,7 @@ def _kvtier_serve_extra(setup: Setup) -> None:
         kv_config = json.loads(flags["--kv-config"] or "") if "--kv-config" in flags else None
         options = ServeOptions(
             kv_offloading_size_gib=float(
-                flags.get("--kv-offloading-size") or ServeOptions.kv_offloading_size_gib
-            ),
+                flags.get("--kv-offloading-size") or ServeOptions.kv_offloading_size_gib),
             disk_dir=flags.get("--disk-dir"),
             disk_size_gib=float(flags.get("--disk-size") or ServeOptions.disk_size_gib),
             no_disk="--no-disk" in flags,
@@ -160,11 +156,7 @@ def plan_inputs(setup: Setup) -> PlanInputs:
     kv_cache_gib = kv_bytes / GIB if kv_bytes else float(cpu_space) if cpu_space else None
     max_len = line.number("--max-model-len")
     return PlanInputs(
-        tp=line.tp,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        context=int(max_len) if max_len else None,
-        concurrency=1,
+        tp=line.tp, dtype=dtype, kv_dtype=kv_dtype, context=int(max_len) if max_len else None, concurrency=1,
         gpu_memory_gib=setup.gpu_memory_gib,
         gpu_memory_utilization=line.number("--gpu-memory-utilization", 0.9) or 0.9,
         block_size=int(line.number("--block-size") or (CPU_BLOCK_SIZE if cpu else 16)),

@@ -21,39 +21,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _ENV = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-_SHORT = {
-    "-tp": "--tensor-parallel-size",
-    "-pp": "--pipeline-parallel-size",
-    "-dp": "--data-parallel-size",
-    "-q": "--quantization",
-}
+_SHORT = {"-tp": "--tensor-parallel-size", "-pp": "--pipeline-parallel-size", "-dp": "--data-parallel-size",
+          "-q": "--quantization"}
 READ_FLAGS = (
-    "--kv-transfer-config",
-    "--kv-offloading-size",
-    "--kv-offloading-backend",
-    "--cpu-offload-gb",
-    "--enable-prefix-caching",
-    "--no-enable-prefix-caching",
-    "--tensor-parallel-size",
-    "--pipeline-parallel-size",
-    "--kv-cache-dtype",
-    "--max-model-len",
-    "--gpu-memory-utilization",
-    "--block-size",
-    "--dtype",
-    "--kv-cache-memory-bytes",
-    "--quantization",
-    "--calculate-kv-scales",
+    "--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend", "--cpu-offload-gb",
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--tensor-parallel-size",
+    "--pipeline-parallel-size", "--kv-cache-dtype", "--max-model-len", "--gpu-memory-utilization",
+    "--block-size", "--dtype", "--kv-cache-memory-bytes", "--quantization", "--calculate-kv-scales",
 )
 """The vLLM flags doctor reads; unique prefixes of these are expanded like vLLM's parser does."""
-KVTIER_FLAGS = (
-    "--kv-offloading-size",
-    "--disk-dir",
-    "--disk-size",
-    "--no-disk",
-    "--eviction-policy",
-    "--kv-config",
-)
+KVTIER_FLAGS = ("--kv-offloading-size", "--disk-dir", "--disk-size", "--no-disk", "--eviction-policy",
+                "--kv-config")
 """``kvtier serve``'s own flags (before any ``--``; after it everything is vLLM's)."""
 _VLLM_CLI_MODULES = (
     "vllm.entrypoints.cli.main",
@@ -62,10 +40,8 @@ _VLLM_CLI_MODULES = (
     "kvtier.cli.serve",
 )
 """vLLM's CLI and kvtier's shim of it (``kvtier.cli.serve`` was the shim's module before)."""
-_BOOL_LIKE = re.compile(
-    r"^--(no-|enable-|disable-)|^--(enforce-eager|trust-remote-code|calculate-kv-scales|"
-    r"headless|skip-tokenizer-init|async-scheduling)$"
-)
+_BOOL_LIKE = re.compile(r"^--(no-|enable-|disable-)|^--(enforce-eager|trust-remote-code|calculate-kv-scales|"
+                        r"headless|skip-tokenizer-init|async-scheduling)$")
 
 
 class CommandLineError(ValueError):
@@ -163,8 +139,7 @@ def _program(argv: list[str]) -> tuple[str, list[str]]:
     """(program, arguments after ``serve``) of a command line."""
     if not argv:
         raise CommandLineError(
-            "no command line: give it after '--', e.g. kvtier doctor -- vllm serve MODEL ..."
-        )
+            "no command line: give it after '--', e.g. kvtier doctor -- vllm serve MODEL ...")
     exe = os.path.basename(argv[0])
     if exe in ("vllm", "kvtier") and len(argv) > 1 and argv[1] == "serve":
         return exe, argv[2:]

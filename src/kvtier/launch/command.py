@@ -124,13 +124,11 @@ def build_extra_config(options: ServeOptions) -> dict:
         )
     tiers: list[dict[str, Any]] = []
     if not options.no_disk:
-        tiers.append(
-            {
-                "type": "fs",
-                "root_dir": str(resolve_disk_dir(options)),
-                "capacity_bytes": _bytes(options.disk_size_gib, "--disk-size"),
-            }
-        )
+        tiers.append({
+            "type": "fs",
+            "root_dir": str(resolve_disk_dir(options)),
+            "capacity_bytes": _bytes(options.disk_size_gib, "--disk-size"),
+        })
     if options.redis_url is not None:
         remote: dict[str, Any] = {"type": "redis", "url": options.redis_url}
         if options.redis_password_env is not None:

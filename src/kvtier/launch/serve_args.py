@@ -27,21 +27,12 @@ class ServeConfigError(ValueError):
 # vLLM flags kvtier serve sets itself or that would replace its connector. vLLM's parser accepts
 # unambiguous abbreviations, so a prefix at least as long as the second string also counts.
 _RESERVED = {
-    "--kv-transfer-config": (
-        "--kv-t",
-        "kvtier serve sets it itself; use --kv-config '{...}' for kvtier keys "
-        "(merged into kv_connector_extra_config), or run vllm serve directly.",
-    ),
-    "--kv-offloading-size": (
-        "--kv-offloading-s",
-        "vLLM's own flag would replace kvtier with vLLM's "
-        "OffloadingConnector; give kvtier's --kv-offloading-size before any '--'.",
-    ),
-    "--kv-offloading-backend": (
-        "--kv-offloading-b",
-        "it selects vLLM's own offloading, which would replace "
-        "kvtier; kvtier is the offloading backend here.",
-    ),
+    "--kv-transfer-config": ("--kv-t", "kvtier serve sets it itself; use --kv-config '{...}' for kvtier keys "
+                             "(merged into kv_connector_extra_config), or run vllm serve directly."),
+    "--kv-offloading-size": ("--kv-offloading-s", "vLLM's own flag would replace kvtier with vLLM's "
+                             "OffloadingConnector; give kvtier's --kv-offloading-size before any '--'."),
+    "--kv-offloading-backend": ("--kv-offloading-b", "it selects vLLM's own offloading, which would replace "
+                                "kvtier; kvtier is the offloading backend here."),
 }
 # Unambiguous prefixes of the vLLM flags whose value serve reads (from vLLM 0.32's option list).
 _MIN_PREFIX = {

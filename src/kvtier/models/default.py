@@ -84,13 +84,8 @@ def ensure_default_model(dtype: str = "float32", cache_dir: Path | None = None) 
     cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     target = cache / "models" / f"{DEFAULT_MODEL_NAME}-{dtype}"
     # _convert is looked up at call time (tests replace it).
-    return folder.build(
-        target,
-        _marker(gguf, dtype),
-        lambda out: _convert(gguf, dtype, out),
-        REQUIRED_FILES,
-        DefaultModelError,
-    )
+    return folder.build(target, _marker(gguf, dtype), lambda out: _convert(gguf, dtype, out),
+                        REQUIRED_FILES, DefaultModelError)
 
 
 def _marker(gguf: Path, dtype: str) -> dict:

@@ -90,13 +90,8 @@ def is_ready(folder: Path, marker: dict, required_files: Iterable[str]) -> bool:
     return found == marker and all((folder / name).is_file() for name in required_files)
 
 
-def install(
-    tmp: Path,
-    target: Path,
-    marker: dict,
-    required_files: Iterable[str],
-    error: type[Exception] = RuntimeError,
-) -> None:
+def install(tmp: Path, target: Path, marker: dict, required_files: Iterable[str],
+            error: type[Exception] = RuntimeError) -> None:
     """Rename the finished ``tmp`` to ``target``; if another process got there first, keep its."""
     required = tuple(required_files)
     for _ in range(3):

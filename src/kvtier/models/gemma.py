@@ -145,13 +145,8 @@ def ensure_gemma_model(dtype: str = "float32", cache_dir: Path | None = None) ->
     parts = part_paths()
     cache = Path(cache_dir).expanduser() if cache_dir is not None else kvtier_cache_dir()
     target = cache / "models" / f"{GEMMA_MODEL_NAME}-{dtype}"
-    return folder.build(
-        target,
-        _marker(parts, dtype),
-        lambda out: _convert(parts, dtype, out),
-        REQUIRED_FILES,
-        GemmaModelError,
-    )
+    return folder.build(target, _marker(parts, dtype), lambda out: _convert(parts, dtype, out),
+                        REQUIRED_FILES, GemmaModelError)
 
 
 def _marker(parts: list[Path], dtype: str) -> dict:
@@ -206,8 +201,7 @@ def gemma_config(metadata: dict) -> dict:
         raise GemmaModelError(f"not Gemma 3 270M: {wrong or metadata.get('general.architecture')}")
     layers = metadata["gemma3.block_count"]
     layer_types = [
-        "full_attention" if (i + 1) % SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
-        for i in range(layers)
+        "full_attention" if (i + 1) % SLIDING_WINDOW_PATTERN == 0 else "sliding_attention" for i in range(layers)
     ]
     rope_global = float(metadata["gemma3.rope.freq_base"])
     rope_local = _FIXED_CONFIG["rope_local_base_freq"]
@@ -306,9 +300,7 @@ def _write_tokenizer(gguf: Path, out: Path) -> None:
     backend = tokenizer.backend_tokenizer
     # Trap: the GGUF asks for <bos>, the converted tokenizer adds nothing; Gemma needs it.
     backend.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A",
-        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B:1",
-        special_tokens=[(BOS_TOKEN, BOS_ID)],
+        single=f"{BOS_TOKEN} $A", pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B:1", special_tokens=[(BOS_TOKEN, BOS_ID)]
     )
     backend.save(str(out / "tokenizer.json"))
     special = {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN, "unk_token": UNK_TOKEN}
@@ -331,3 +323,5 @@ def _write_tokenizer(gguf: Path, out: Path) -> None:
         raise GemmaModelError(f"unexpected special token ids {ids} in {gguf}")
     if backend.encode("Hi").ids[:1] != [BOS_ID]:
         raise GemmaModelError("the saved tokenizer does not prepend <bos>")
+
+

@@ -31,13 +31,8 @@ class ModelConfigError(ValueError):
 def dtype_bytes(name: str) -> int:
     """Bytes per element of a dtype name (``torch.bfloat16``, ``bf16``, ``fp8_e4m3`` ... accepted)."""
     key = str(name).lower().removeprefix("torch.")
-    aliases = {
-        "bf16": "bfloat16",
-        "fp16": "float16",
-        "half": "float16",
-        "fp32": "float32",
-        "float": "float32",
-    }
+    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+               "float": "float32"}
     key = aliases.get(key, key)
     if key.startswith(("fp8", "float8")):
         return 1
@@ -112,10 +107,8 @@ def layer_kinds(config: Mapping[str, Any]) -> list[str]:
         wanted = {int(i) for i in config["attn_layer_indices"]}
         return [FULL if i in wanted else STATEFUL for i in range(n)]
     if isinstance(config.get("layers_block_type"), list):
-        return [
-            STATEFUL if any(w in str(t).lower() for w in _STATEFUL_WORDS) else FULL
-            for t in config["layers_block_type"]
-        ]
+        return [STATEFUL if any(w in str(t).lower() for w in _STATEFUL_WORDS) else FULL
+                for t in config["layers_block_type"]]
     if config.get("full_attention_interval"):
         interval = int(config["full_attention_interval"])
         return [FULL if (i + 1) % interval == 0 else STATEFUL for i in range(n)]

@@ -93,12 +93,8 @@ def load_model_config(model: str) -> ModelSource:
         from kvtier.models.default import DEFAULT_MODEL_NAME, default_cache_dir
 
         folder = default_cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-float32"
-        return ModelSource(
-            DEFAULT_MODEL_NAME,
-            dict(SMOLLM2_CONFIG),
-            folder if folder.is_dir() else None,
-            "embedded default model (kvtier.planning.model_source.SMOLLM2_CONFIG)",
-        )
+        return ModelSource(DEFAULT_MODEL_NAME, dict(SMOLLM2_CONFIG), folder if folder.is_dir() else None,
+                           "embedded default model (kvtier.planning.model_source.SMOLLM2_CONFIG)")
     path = Path(model).expanduser()
     if path.is_dir():
         config = path / "config.json"

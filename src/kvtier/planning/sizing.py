@@ -182,11 +182,9 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
         usable = inputs.gpu_memory_gib * inputs.gpu_memory_utilization * GIB
         budget_rank = max(0, int(usable - weights_rank - inputs.reserve_gib * GIB))
         if budget_rank == 0:
-            notes.append(
-                f"The weights ({weights_rank / GIB:.1f} GiB per device) leave no room for KV "
-                f"within {inputs.gpu_memory_utilization:g} x {inputs.gpu_memory_gib:g} GiB: raise "
-                "--tp, use bigger devices or a quantized checkpoint."
-            )
+            notes.append(f"The weights ({weights_rank / GIB:.1f} GiB per device) leave no room for KV "
+                         f"within {inputs.gpu_memory_utilization:g} x {inputs.gpu_memory_gib:g} GiB: raise "
+                         "--tp, use bigger devices or a quantized checkpoint.")
     sequences_fit = budget_rank // seq_rank if seq_rank else 0
     tokens_fit = budget_rank // per_token_rank if per_token_rank else 0
 
@@ -199,15 +197,11 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
     gpu_kv_distinct = budget_rank * copies
     overflow = max(0, working_set - gpu_kv_distinct)
     if working_set >= gpu_kv_distinct:
-        basis = (
-            f"working set {inputs.concurrency} x {context} tokens = accelerator KV + "
-            f"{overflow / GIB:.1f} GiB that does not fit, + {HOST_HEADROOM:.0%} headroom"
-        )
+        basis = (f"working set {inputs.concurrency} x {context} tokens = accelerator KV + "
+                 f"{overflow / GIB:.1f} GiB that does not fit, + {HOST_HEADROOM:.0%} headroom")
     else:
-        basis = (
-            f"the accelerators' own KV ({gpu_kv_distinct / GIB:.1f} GiB; a smaller host tier only mirrors "
-            f"it) + {HOST_HEADROOM:.0%} headroom; the working set fits on the accelerators"
-        )
+        basis = (f"the accelerators' own KV ({gpu_kv_distinct / GIB:.1f} GiB; a smaller host tier only mirrors "
+                 f"it) + {HOST_HEADROOM:.0%} headroom; the working set fits on the accelerators")
     host_gib = max(1, -(-int(max(working_set, gpu_kv_distinct) * (1 + HOST_HEADROOM)) // GIB))
     disk_gib = DISK_FACTOR * host_gib
 
@@ -221,109 +215,70 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
         flops = prefill_flops(config, geo, params.active - params.embedding, context)
         recompute = flops / (inputs.gpu_tflops * 1e12 * tp)
         active = (params.active - params.embedding) / 1e9
-        recompute_basis = (
-            f"{flops / 1e12:.0f} TFLOP (2 x {active:.2f}B active params x tokens + attention) "
-            f"at {inputs.gpu_tflops:g} TFLOP/s x {tp} devices"
-        )
+        recompute_basis = (f"{flops / 1e12:.0f} TFLOP (2 x {active:.2f}B active params x tokens + attention) "
+                           f"at {inputs.gpu_tflops:g} TFLOP/s x {tp} devices")
 
     notes += _notes(geo, config, dtype, kv_dtype, context, tp)
     return Plan(
-        model=model,
-        geometry=geo,
-        tp=tp,
-        dtype=dtype,
-        kv_dtype=kv_dtype,
-        kv_dtype_bytes=kv_width,
-        context=context,
-        concurrency=inputs.concurrency,
-        block_size=block,
+        model=model, geometry=geo, tp=tp, dtype=dtype, kv_dtype=kv_dtype, kv_dtype_bytes=kv_width,
+        context=context, concurrency=inputs.concurrency, block_size=block,
         kv_bytes_per_token=geo.kv_bytes_per_token(kv_width, 1),
-        kv_bytes_per_token_rank=per_token_rank,
-        kv_bytes_per_token_total=per_token_rank * tp,
+        kv_bytes_per_token_rank=per_token_rank, kv_bytes_per_token_total=per_token_rank * tp,
         sequence_bytes_rank=seq_rank,
-        offload_sequence_bytes_rank=offload_rank,
-        stored_copies=copies,
+        offload_sequence_bytes_rank=offload_rank, stored_copies=copies,
         offload_sequence_bytes_total=offload_rank * copies,
-        params_total=params.total,
-        params_active=params.active,
-        weight_bytes_total=weights,
-        weight_bytes_rank=weights_rank,
-        kv_budget_rank=budget_rank,
-        kv_budget_total=gpu_kv_total,
-        sequences_fit=sequences_fit,
-        tokens_fit=tokens_fit,
-        working_set_total=working_set,
-        overflow_total=overflow,
-        host_bytes_total=host_gib * GIB,
-        host_bytes_rank=host_gib * GIB // copies,
-        host_gib=host_gib,
+        params_total=params.total, params_active=params.active,
+        weight_bytes_total=weights, weight_bytes_rank=weights_rank,
+        kv_budget_rank=budget_rank, kv_budget_total=gpu_kv_total,
+        sequences_fit=sequences_fit, tokens_fit=tokens_fit,
+        working_set_total=working_set, overflow_total=overflow,
+        host_bytes_total=host_gib * GIB, host_bytes_rank=host_gib * GIB // copies, host_gib=host_gib,
         host_basis=basis,
-        disk_bytes=disk_gib * GIB,
-        disk_gib=disk_gib,
-        host_load_s=host_load,
-        disk_load_s=disk_load,
-        recompute_s=recompute,
-        recompute_basis=recompute_basis,
+        disk_bytes=disk_gib * GIB, disk_gib=disk_gib,
+        host_load_s=host_load, disk_load_s=disk_load, recompute_s=recompute, recompute_basis=recompute_basis,
         assumptions={
-            "gpu_memory_gib": inputs.gpu_memory_gib,
-            "gpu_memory_utilization": inputs.gpu_memory_utilization,
-            "reserve_gib_per_device": inputs.reserve_gib,
-            "kv_cache_gib_per_device": inputs.kv_cache_gib,
+            "gpu_memory_gib": inputs.gpu_memory_gib, "gpu_memory_utilization": inputs.gpu_memory_utilization,
+            "reserve_gib_per_device": inputs.reserve_gib, "kv_cache_gib_per_device": inputs.kv_cache_gib,
             "weights": "given" if inputs.weights_gib else "counted from config.json",
-            "host_bw_gbps": inputs.host_bw_gbps,
-            "disk_bw_gbps": inputs.disk_bw_gbps,
+            "host_bw_gbps": inputs.host_bw_gbps, "disk_bw_gbps": inputs.disk_bw_gbps,
             "prefill_tps": inputs.prefill_tps,
             "gpu_tflops": None if inputs.prefill_tps else inputs.gpu_tflops,
-            "host_headroom": HOST_HEADROOM,
-            "disk_factor": DISK_FACTOR,
+            "host_headroom": HOST_HEADROOM, "disk_factor": DISK_FACTOR,
         },
         notes=notes,
     )
 
 
-def _notes(
-    geo: ModelKVGeometry, config: Mapping[str, Any], dtype: str, kv_dtype: str, context: int, tp: int
-) -> list[str]:
+def _notes(geo: ModelKVGeometry, config: Mapping[str, Any], dtype: str, kv_dtype: str, context: int,
+           tp: int) -> list[str]:
     notes = []
     if geo.max_position_embeddings and context > geo.max_position_embeddings:
-        notes.append(
-            f"--context {context} exceeds the model's max_position_embeddings "
-            f"({geo.max_position_embeddings})."
-        )
+        notes.append(f"--context {context} exceeds the model's max_position_embeddings "
+                     f"({geo.max_position_embeddings}).")
     if geo.is_mla and tp > 1:
-        notes.append(
-            f"MLA: the latent is the same on each of the {tp} ranks; kvtier stores it once (rank 0's "
-            "copy, loaded by every rank), so the host and disk figures count one copy."
-        )
+        notes.append(f"MLA: the latent is the same on each of the {tp} ranks; kvtier stores it once (rank 0's "
+                     "copy, loaded by every rank), so the host and disk figures count one copy.")
     if geo.is_mla:
-        notes.append(
-            "MLA on vLLM's CPU build (without AMX): vLLM runs it with prefix caching off and cannot "
-            "resume from cached KV, so kvtier stays inactive there (kvtier doctor checks the machine); "
-            "these figures are for accelerators."
-        )
+        notes.append("MLA on vLLM's CPU build (without AMX): vLLM runs it with prefix caching off and cannot "
+                     "resume from cached KV, so kvtier stays inactive there (kvtier doctor checks the machine); "
+                     "these figures are for accelerators.")
     if not geo.is_mla and tp > geo.num_kv_heads:
         notes.append(f"tp={tp} > {geo.num_kv_heads} KV heads: each rank holds a replicated KV head.")
     if geo.sliding_layers:
-        notes.append(
-            "Sliding-window layers: vLLM's hybrid allocator stays on with kvtier, so on the accelerator "
-            "they hold only their window (figures above). kvtier stores every layer's pages of every "
-            "block (host and disk figures: every token), so any prefix can resume; a load fills the "
-            "window's pages only."
-        )
+        notes.append("Sliding-window layers: vLLM's hybrid allocator stays on with kvtier, so on the accelerator "
+                     "they hold only their window (figures above). kvtier stores every layer's pages of every "
+                     "block (host and disk figures: every token), so any prefix can resume; a load fills the "
+                     "window's pages only.")
     if geo.stateful_layers:
         attention_layers = max(1, geo.full_layers + geo.sliding_layers)
-        notes.append(
-            f"{geo.stateful_layers} Mamba/linear-attention layers hold a fixed state per request, not "
-            "counted on the device. kvtier stores each block with the state at its end: one page per "
-            "such layer, which vLLM pads to the attention page, so a block on host and disk is about "
-            f"{(attention_layers + geo.stateful_layers) / attention_layers:.0f}x the attention-only "
-            "figures above."
-        )
+        notes.append(f"{geo.stateful_layers} Mamba/linear-attention layers hold a fixed state per request, not "
+                     "counted on the device. kvtier stores each block with the state at its end: one page per "
+                     "such layer, which vLLM pads to the attention page, so a block on host and disk is about "
+                     f"{(attention_layers + geo.stateful_layers) / attention_layers:.0f}x the attention-only "
+                     "figures above.")
     if dtype == "float32":
-        notes.append(
-            "float32 weights: vLLM's --dtype auto runs them in bfloat16 (kvtier serve keeps float32 "
-            "for its embedded model); plan with --dtype bfloat16 for that case."
-        )
+        notes.append("float32 weights: vLLM's --dtype auto runs them in bfloat16 (kvtier serve keeps float32 "
+                     "for its embedded model); plan with --dtype bfloat16 for that case.")
     if kv_dtype.startswith("fp8"):
         notes.append("fp8 KV: check that the checkpoint has calibrated KV scales (kvtier doctor does).")
     return notes

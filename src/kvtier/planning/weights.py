@@ -85,18 +85,8 @@ def _stateful(cfg: Mapping[str, Any], h: int) -> int:
         inner, state = int(cfg["mamba_expand"]) * h, _int(cfg, "mamba_d_state", default=16)
         dt_rank = _int(cfg, "mamba_dt_rank") or -(-h // 16)
         kernel = _int(cfg, "mamba_d_conv", default=4)
-        return (
-            h * 2 * inner
-            + inner * (kernel + 1)
-            + inner * (dt_rank + 2 * state)
-            + dt_rank * inner
-            + inner
-            + inner * state
-            + inner
-            + inner * h
-            + dt_rank
-            + 2 * state
-        )
+        return (h * 2 * inner + inner * (kernel + 1) + inner * (dt_rank + 2 * state)
+                + dt_rank * inner + inner + inner * state + inner + inner * h + dt_rank + 2 * state)
     raise ModelConfigError("cannot count the parameters of this model's Mamba/linear-attention layers")
 
 
@@ -116,14 +106,8 @@ def _ffn(cfg: Mapping[str, Any], h: int, i: int) -> tuple[int, int]:
             moe = i not in (cfg.get("mlp_only_layers") or ()) and (i + 1) % step == 0
         if moe:
             one = matrices * h * _int(cfg, "moe_intermediate_size", default=dense_inter)
-            shared = (
-                matrices
-                * h
-                * (
-                    _int(cfg, "n_shared_experts") * _int(cfg, "moe_intermediate_size")
-                    + _int(cfg, "shared_expert_intermediate_size")
-                )
-            )
+            shared = matrices * h * (_int(cfg, "n_shared_experts") * _int(cfg, "moe_intermediate_size")
+                                     + _int(cfg, "shared_expert_intermediate_size"))
             fixed = shared + experts * h + (h if cfg.get("shared_expert_intermediate_size") else 0)
             per_token = _int(cfg, "num_experts_per_tok", "num_experts_per_token", default=2)
             return experts * one + fixed, per_token * one + fixed

@@ -107,8 +107,7 @@ def fingerprint_weights(
     files = weight_files(root)
     if not files:
         raise FingerprintError(
-            f"no weight files ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) under {root}"
-        )
+            f"no weight files ({', '.join('*' + s for s in WEIGHT_SUFFIXES)}) under {root}")
     base = root.parent if root.is_file() else root
     try:
         sigs = []
@@ -121,8 +120,7 @@ def fingerprint_weights(
     method = "full" if total <= full_hash_bytes else "sampled"
     params = {"method": method, "samples": samples_per_file, "sample_bytes": sample_bytes}
     cache_file = (cache_dir or kvtier_cache_dir() / "fingerprints") / (
-        blake3.blake3(str(root).encode()).hexdigest()[:32] + ".json"
-    )
+        blake3.blake3(str(root).encode()).hexdigest()[:32] + ".json")
     signature = {"format": FORMAT, "params": params, "files": [asdict(sig) for sig in sigs]}
     cached = _read_cache(cache_file, signature)
     if cached is not None:
@@ -142,10 +140,7 @@ def fingerprint_weights(
     except OSError as exc:
         raise FingerprintError(f"cannot read {root}: {exc}") from exc
     result = Fingerprint(
-        digest="blake3:" + hasher.hexdigest(),
-        method=method,
-        files=len(files),
-        bytes=total,
+        digest="blake3:" + hasher.hexdigest(), method=method, files=len(files), bytes=total,
         seconds=time.perf_counter() - start,
     )
     _write_cache(cache_file, signature, result)
@@ -233,11 +228,7 @@ class AdapterFingerprints:
             self._failed.add(key)
             logger.warning(
                 "kvtier: LoRA adapter %s (id %d) cannot be identified (%s); its requests are neither "
-                "loaded from nor stored in kvtier",
-                lora_path,
-                lora_int_id,
-                exc,
-            )
+                "loaded from nor stored in kvtier", lora_path, lora_int_id, exc)
             return None
 
     def close(self) -> None:

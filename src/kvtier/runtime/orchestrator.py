@@ -68,9 +68,7 @@ class AcquireStatus(enum.Enum):
 class Acquired:
     status: AcquireStatus
     num_blocks: int = 0
-    promoted: dict[Medium, int] = field(
-        default_factory=dict
-    )  # of num_blocks: promoted for this owner, by source
+    promoted: dict[Medium, int] = field(default_factory=dict)  # of num_blocks: promoted for this owner, by source
 
     @property
     def from_disk(self) -> int:
@@ -389,12 +387,8 @@ class Orchestrator:
             self.stats.promotion_failures += 1
             if result.error is IoError.CORRUPT:
                 self.stats.checksum_failures += 1
-            logger.warning(
-                "kvtier: %s block %s unreadable (%s): it is a miss",
-                medium.value.lower(),
-                key.hex()[:16],
-                result.error,
-            )
+            logger.warning("kvtier: %s block %s unreadable (%s): it is a miss", medium.value.lower(),
+                           key.hex()[:16], result.error)
             return
         self.host.commit(key)
         self.stats.promotions += 1
@@ -452,9 +446,7 @@ class Orchestrator:
         stats.host_pinned_blocks = host.pinned_slots()
         if self.host_bytes is not None:
             block_bytes = self.host_bytes.slot_bytes * len(self.host_bytes.rank_views)
-            stats.set_usage(
-                Medium.HOST, host.used_slots * block_bytes, host.num_slots * block_bytes, host.used_slots
-            )
+            stats.set_usage(Medium.HOST, host.used_slots * block_bytes, host.num_slots * block_bytes, host.used_slots)
         for tier in self.tiers:
             usage = tier.usage()
             stats.set_usage(tier.medium, usage.used_bytes, usage.capacity_bytes, usage.num_blocks)
@@ -474,22 +466,12 @@ class Orchestrator:
             self.poll()
             time.sleep(0.005)
         if self.has_pending_io():
-            logger.warning(
-                "%s: shutting down with %d block writes not done after %.0f s (dropped)",
-                "kvtier",
-                len(self._cascading),
-                drain_timeout_s,
-            )
+            logger.warning("%s: shutting down with %d block writes not done after %.0f s (dropped)",
+                           "kvtier", len(self._cascading), drain_timeout_s)
         for tier in self.tiers:
             tier.close()
         usages = [tier.usage() for tier in self.tiers]
-        held = "".join(
-            f", {u.medium.value} tier {u.num_blocks} blocks" for u in usages if u.num_blocks is not None
-        )
+        held = "".join(f", {u.medium.value} tier {u.num_blocks} blocks" for u in usages if u.num_blocks is not None)
         # pinned: blocks still being written or read. 0 once every request finished: more is a leak.
-        logger.info(
-            "kvtier: stopped; host tier %d blocks (%d pinned)%s",
-            self.host.used_slots,
-            self.host.pinned_slots(),
-            held,
-        )
+        logger.info("kvtier: stopped; host tier %d blocks (%d pinned)%s",
+                    self.host.used_slots, self.host.pinned_slots(), held)

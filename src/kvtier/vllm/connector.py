@@ -67,9 +67,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         reason = inactive_reason(vllm_config, kv_cache_config)
         if reason is not None:  # fail closed: both halves stay None, every hook answers "nothing"
             if role is KVConnectorRole.SCHEDULER:
-                logging.getLogger(__name__).warning(
-                    "%s", reason.message(model_name(vllm_config), kv_cache_config)
-                )
+                logging.getLogger(__name__).warning("%s", reason.message(model_name(vllm_config), kv_cache_config))
             return
         geometry = EngineGeometry.from_vllm(vllm_config, kv_cache_config, config)
         if role is KVConnectorRole.SCHEDULER:
@@ -139,16 +137,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.shutdown()
 
     # --- scheduler side --------------------------------------------------------------------
-    def get_num_new_matched_tokens(
-        self, request: "Request", num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._scheduler is None:
             return 0, False
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(
-        self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int
-    ) -> None:
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         if self._scheduler is None:
             return
         block_ids = blocks.get_block_ids() if num_external_tokens else ()
@@ -157,9 +151,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_external_cache_hit_sources(
         self, request: "Request", num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
-        return (
-            self._scheduler.hit_sources(request, num_external_tokens) if self._scheduler is not None else {}
-        )
+        return self._scheduler.hit_sources(request, num_external_tokens) if self._scheduler is not None else {}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         if self._scheduler is None:
@@ -170,9 +162,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if self._scheduler is not None:
             self._scheduler.update_connector_output(connector_output)
 
-    def request_finished(
-        self, request: "Request", block_ids: list[int]
-    ) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(

@@ -45,15 +45,8 @@ class EngineBlocks:
             for group, block_id, boundary in request_offers
         }
 
-    def pages_of(
-        self,
-        req_id: str,
-        block_ids: Sequence[Sequence[int]],
-        first_page: int,
-        num_pages: int,
-        *,
-        with_state: bool = True,
-    ) -> list[tuple[int, int, int]] | None:
+    def pages_of(self, req_id: str, block_ids: Sequence[Sequence[int]], first_page: int,
+                 num_pages: int, *, with_state: bool = True) -> list[tuple[int, int, int]] | None:
         """``(sub, group, engine block id)`` of every group's pages ``first_page + sub`` (sub <
         ``num_pages``) of request ``req_id`` whose tables are ``block_ids``, or None when a group
         holds no block for one of them. A state group's page is the block handed over this step

@@ -128,9 +128,7 @@ class EngineGeometry:
             )
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
-            raise ConfigError(
-                "kvtier does not support pipeline parallelism yet (pipeline_parallel_size must be 1)"
-            )
+            raise ConfigError("kvtier does not support pipeline parallelism yet (pipeline_parallel_size must be 1)")
         engine_block_tokens = spec.block_size
         block_tokens = config.offload_block_tokens(engine_block_tokens)
         check_windows(specs, block_tokens, engine_block_tokens)

@@ -78,13 +78,8 @@ def weights_identity(vllm_config: VllmConfig, config: KVTierConfig) -> str:
             "weights change."
         ) from None
     if fingerprint.seconds > 1:
-        logger.info(
-            "kvtier: fingerprinted %d weight files (%.1f GB, %s) in %.1f s; cached for the next start",
-            fingerprint.files,
-            fingerprint.bytes / 1e9,
-            fingerprint.method,
-            fingerprint.seconds,
-        )
+        logger.info("kvtier: fingerprinted %d weight files (%.1f GB, %s) in %.1f s; cached for the next start",
+                    fingerprint.files, fingerprint.bytes / 1e9, fingerprint.method, fingerprint.seconds)
     return fingerprint.digest
 
 
@@ -96,7 +91,6 @@ def model_identity(vllm_config: VllmConfig, config: KVTierConfig) -> ModelIdenti
         config=config_digest(vllm_config),
         dtype=str(model_config.dtype).removeprefix("torch."),
         quantization=str(model_config.quantization or ""),
-        overrides=json.dumps(overrides, sort_keys=True, default=str)
-        if isinstance(overrides, dict) and overrides
+        overrides=json.dumps(overrides, sort_keys=True, default=str) if isinstance(overrides, dict) and overrides
         else ("callable" if callable(overrides) else ""),
     )

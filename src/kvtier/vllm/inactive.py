@@ -37,13 +37,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 # Exact types: a subclass may free or reuse blocks under rules of its own (R-SWA is a FullAttentionSpec)
-OFFLOADED_SPECS = (
-    FullAttentionSpec,
-    MLAAttentionSpec,
-    SinkFullAttentionSpec,
-    SlidingWindowSpec,
-    ChunkedLocalAttentionSpec,
-)
+OFFLOADED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SinkFullAttentionSpec, SlidingWindowSpec,
+                   ChunkedLocalAttentionSpec)
 
 
 class InactiveReason(enum.Enum):
@@ -101,9 +96,7 @@ def unsupported_spec(kv_cache_config: KVCacheConfig) -> KVCacheSpec | None:
     """The first layer spec of a group kvtier does not offload (see the module docstring), or None."""
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
-        for layer_spec in (
-            spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        ):
+        for layer_spec in spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]:
             if type(layer_spec) is MambaSpec:
                 if not is_aligned_state(layer_spec):
                     return layer_spec
@@ -116,7 +109,7 @@ def is_aligned_state(spec: KVCacheSpec) -> bool:
     """A Mamba / linear-attention state group kvtier offloads: vLLM's "align" cache mode (a state
     per block boundary, at a fixed block id, which is what prefix caching turns on) and no
     speculative state blocks (which vLLM relocates within the table)."""
-    return type(spec) is MambaSpec and spec.mamba_cache_mode == "align" and spec.num_speculative_blocks == 0
+    return (type(spec) is MambaSpec and spec.mamba_cache_mode == "align" and spec.num_speculative_blocks == 0)
 
 
 def _is_cpu_platform() -> bool:

@@ -103,9 +103,7 @@ class KVEventTranslator:
             start, end = index * self._pages, (index + 1) * self._pages
             if len(hashes) < end:
                 continue  # vLLM has not hashed these tokens (cannot happen for full blocks)
-            block = self._snapshot(
-                request, index, tuple(hashes[start:end]), hashes[start - 1] if start else None
-            )
+            block = self._snapshot(request, index, tuple(hashes[start:end]), hashes[start - 1] if start else None)
             self._known[key] = block
             for medium in media:
                 self._announce(block, medium)
@@ -149,9 +147,7 @@ class KVEventTranslator:
         self._events.extend(
             BlockStored(
                 block_hashes=self._published_hashes(block),
-                parent_block_hash=maybe_convert_block_hash(block.parent)
-                if block.parent is not None
-                else None,
+                parent_block_hash=maybe_convert_block_hash(block.parent) if block.parent is not None else None,
                 token_ids=list(block.token_ids) if block.token_ids is not None else [],
                 block_size=self._engine_block_tokens if described else 0,
                 lora_id=block.lora_id,

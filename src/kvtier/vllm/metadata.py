@@ -29,9 +29,7 @@ class CopyJob:
 class KVTierConnectorMetadata(KVConnectorMetadata):
     loads: list[CopyJob] = field(default_factory=list)  # host -> engine, run after the forward
     stores: list[CopyJob] = field(default_factory=list)  # engine -> host, run after the forward
-    flush_job_ids: set[int] = field(
-        default_factory=set
-    )  # stores to finish BEFORE the forward (blocks reused)
+    flush_job_ids: set[int] = field(default_factory=set)  # stores to finish BEFORE the forward (blocks reused)
     delayed_free_req_ids: list[str] = field(default_factory=list)  # report in finished_sending when stored
 
 
@@ -78,14 +76,8 @@ class KVTierConnectorStats(KVConnectorStats):
             "stores_dropped": stats.stores_dropped,
             "checksum_failures": stats.checksum_failures,
         }
-        for direction in (
-            "engine_to_host",
-            "host_to_engine",
-            "host_to_disk",
-            "disk_to_host",
-            "host_to_remote",
-            "remote_to_host",
-        ):
+        for direction in ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote",
+                          "remote_to_host"):
             counters: TransferCounters = getattr(stats, direction)
             reduced[f"{direction}_MB"] = round(counters.bytes / 1e6, 1)
             if counters.seconds > 0:

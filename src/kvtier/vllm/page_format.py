@@ -53,11 +53,8 @@ def attention_backends(vllm_config: VllmConfig, layer_names: Sequence[str]) -> d
 
 
 def describe_pages(
-    layer_tensors: Mapping[str, torch.Tensor],
-    layer_names: Sequence[str],
-    num_blocks: int,
-    backends: Mapping[str, str],
-    kv_cache_layout: str | None,
+    layer_tensors: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int,
+    backends: Mapping[str, str], kv_cache_layout: str | None,
 ) -> dict[str, Any]:
     """The description a worker publishes (JSON-ready, deterministic for equal engines)."""
     layers = []
@@ -65,9 +62,7 @@ def describe_pages(
         tensor = layer_tensors[name]
         block_dim = find_block_dim(tensor.shape, num_blocks)
         shape = [size for dim, size in enumerate(tensor.shape) if dim != block_dim]
-        layers.append(
-            [name, backends.get(name, "unknown"), str(tensor.dtype).removeprefix("torch."), block_dim, shape]
-        )
+        layers.append([name, backends.get(name, "unknown"), str(tensor.dtype).removeprefix("torch."), block_dim, shape])
     return {"layers": layers, "kv_cache_layout": kv_cache_layout or "default"}
 
 

@@ -28,62 +28,22 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "hit_tokens_host": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "host"),
     "hit_tokens_disk": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "disk"),
     "hit_tokens_remote": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "remote"),
-    "lookups_retried": (
-        "kvtier_lookups_retried",
-        "Lookups answered 'ask again' (promotions or remote presence probes under way)",
-        None,
-        None,
-    ),
+    "lookups_retried": ("kvtier_lookups_retried",
+                        "Lookups answered 'ask again' (promotions or remote presence probes under way)", None, None),
     "stores_submitted": ("kvtier_stores", "Blocks stored into the host tier", None, None),
-    "stores_dropped": (
-        "kvtier_stores_dropped",
-        "Blocks not stored because every host slot was pinned",
-        None,
-        None,
-    ),
-    "stores_skipped_threshold": (
-        "kvtier_stores_skipped_threshold",
-        "Stores skipped by store_threshold",
-        None,
-        None,
-    ),
-    "disk_writes_dropped": (
-        "kvtier_writes_dropped",
-        "Writes to a secondary tier dropped (queue full, no room, disk full, server down or full), by tier",
-        "tier",
-        "disk",
-    ),
-    "remote_writes_dropped": (
-        "kvtier_writes_dropped",
-        "Writes to a secondary tier dropped (queue full, no room, disk full, server down or full), by tier",
-        "tier",
-        "remote",
-    ),
+    "stores_dropped": ("kvtier_stores_dropped", "Blocks not stored because every host slot was pinned", None, None),
+    "stores_skipped_threshold": ("kvtier_stores_skipped_threshold", "Stores skipped by store_threshold", None, None),
+    "disk_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
+                            "disk full, server down or full), by tier", "tier", "disk"),
+    "remote_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
+                              "disk full, server down or full), by tier", "tier", "remote"),
     "promotions": ("kvtier_promotions", "Blocks promoted from disk into the host tier", None, None),
-    "promotion_failures": (
-        "kvtier_promotion_failures",
-        "Disk reads that failed (block became a miss)",
-        None,
-        None,
-    ),
-    "load_errors": (
-        "kvtier_load_errors",
-        "Loads into the engine that failed (recomputed by vLLM)",
-        None,
-        None,
-    ),
-    "checksum_failures": (
-        "kvtier_checksum_failures",
-        "Disk blocks that failed verification (quarantined)",
-        None,
-        None,
-    ),
-    "uncacheable_requests": (
-        "kvtier_uncacheable_requests",
-        "Requests kvtier neither loads nor stores (prompt embeddings, unidentified LoRA)",
-        None,
-        None,
-    ),
+    "promotion_failures": ("kvtier_promotion_failures", "Disk reads that failed (block became a miss)", None, None),
+    "load_errors": ("kvtier_load_errors", "Loads into the engine that failed (recomputed by vLLM)", None, None),
+    "checksum_failures": ("kvtier_checksum_failures", "Disk blocks that failed verification (quarantined)", None, None),
+    "uncacheable_requests": ("kvtier_uncacheable_requests",
+                             "Requests kvtier neither loads nor stores (prompt embeddings, unidentified LoRA)",
+                             None, None),
     "host_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "host"),
     "disk_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "disk"),
 }
@@ -94,27 +54,14 @@ _USAGE_GAUGES: dict[str, tuple[str, str, str]] = {
     "host_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "host"),
     "disk_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "disk"),
     "remote_used_bytes": ("kvtier_tier_used_bytes", "Bytes held by each tier (all ranks)", "remote"),
-    "remote_capacity_bytes": (
-        "kvtier_tier_capacity_bytes",
-        "Configured size of each tier (all ranks)",
-        "remote",
-    ),
+    "remote_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "remote"),
     "host_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "host"),
-    "host_pinned_blocks": (
-        "kvtier_tier_pinned_blocks",
-        "Blocks being written or read (not evictable); 0 whenever no transfer is in flight",
-        "host",
-    ),
+    "host_pinned_blocks": ("kvtier_tier_pinned_blocks",
+                           "Blocks being written or read (not evictable); 0 whenever no transfer is in flight",
+                           "host"),
     "disk_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "disk"),
 }
-_DIRECTIONS = (
-    "engine_to_host",
-    "host_to_engine",
-    "host_to_disk",
-    "disk_to_host",
-    "host_to_remote",
-    "remote_to_host",
-)
+_DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -137,13 +84,11 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                 extra = [value] if label else []
                 self._counters[(engine, field)] = families[name].labels(*labels, *extra)
         bytes_family = self._counter_cls(
-            name="kvtier_transfer_bytes",
-            documentation="Bytes moved by kvtier, by direction",
+            name="kvtier_transfer_bytes", documentation="Bytes moved by kvtier, by direction",
             labelnames=labelnames + ["direction"],
         )
         seconds_family = self._counter_cls(
-            name="kvtier_transfer_seconds",
-            documentation="Seconds spent moving bytes, by direction",
+            name="kvtier_transfer_seconds", documentation="Seconds spent moving bytes, by direction",
             labelnames=labelnames + ["direction"],
         )
         for engine, labels in per_engine_labelvalues.items():
@@ -156,10 +101,7 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
         for field, (name, doc, tier) in _USAGE_GAUGES.items():
             if name not in gauge_families:
                 gauge_families[name] = self._gauge_cls(
-                    name=name,
-                    documentation=doc,
-                    labelnames=labelnames + ["tier"],
-                    multiprocess_mode="mostrecent",
+                    name=name, documentation=doc, labelnames=labelnames + ["tier"], multiprocess_mode="mostrecent"
                 )
             for engine, labels in per_engine_labelvalues.items():
                 self._gauges[(engine, field)] = gauge_families[name].labels(*labels, tier)
@@ -173,3 +115,4 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             gauge = self._gauges.get((engine_idx, name))
             if gauge is not None and value is not None:
                 gauge.set(value)
+

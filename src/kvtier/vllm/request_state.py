@@ -33,9 +33,7 @@ class RequestState:
     extras: BlockExtras | list[BlockExtras]
     max_offload_tokens: int | None
     keys: list[BlockKey] = field(default_factory=list)
-    block_ids: list[list[int]] = field(
-        default_factory=lambda: [[]]
-    )  # engine blocks, one list per KV cache group
+    block_ids: list[list[int]] = field(default_factory=lambda: [[]])  # engine blocks, one list per KV cache group
     next_store_block: int = 0
     jobs: set[int] = field(default_factory=set)
     load_first_token: int = 0  # locally computed tokens when the hit was counted

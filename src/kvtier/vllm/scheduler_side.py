@@ -124,33 +124,29 @@ class KVTierScheduler:
         tiers: list = []
         if config.disk is not None:
             disk_config = config.disk
-            tiers.append(
-                DiskTier(
-                    root_dir=Path(disk_config.root_dir),
-                    model_name=geometry.model_name,
-                    engine_digest=self._digest,
-                    rank_digests=self.namespace.rank_digests(),
-                    namespace_json=self.namespace.config_json(geometry.model_name),
-                    payload_bytes=layout.slot_bytes,
-                    capacity_bytes=disk_config.capacity_bytes,
-                    n_read_threads=disk_config.n_read_threads,
-                    n_write_threads=disk_config.n_write_threads,
-                    max_pending_writes=disk_config.max_pending_writes,
-                    access=Access.GROUP if disk_config.group_access else Access.OWNER,
-                )
-            )
+            tiers.append(DiskTier(
+                root_dir=Path(disk_config.root_dir),
+                model_name=geometry.model_name,
+                engine_digest=self._digest,
+                rank_digests=self.namespace.rank_digests(),
+                namespace_json=self.namespace.config_json(geometry.model_name),
+                payload_bytes=layout.slot_bytes,
+                capacity_bytes=disk_config.capacity_bytes,
+                n_read_threads=disk_config.n_read_threads,
+                n_write_threads=disk_config.n_write_threads,
+                max_pending_writes=disk_config.max_pending_writes,
+                access=Access.GROUP if disk_config.group_access else Access.OWNER,
+            ))
         if config.remote is not None:
             from kvtier.tiers.redis import RedisTier  # imports redis-py only when configured
 
-            tiers.append(
-                RedisTier(
-                    config.remote,
-                    engine_digest=self._digest,
-                    rank_digests=self.namespace.rank_digests(),
-                    namespace_json=self.namespace.config_json(geometry.model_name),
-                    payload_bytes=layout.slot_bytes,
-                )
-            )
+            tiers.append(RedisTier(
+                config.remote,
+                engine_digest=self._digest,
+                rank_digests=self.namespace.rank_digests(),
+                namespace_json=self.namespace.config_json(geometry.model_name),
+                payload_bytes=layout.slot_bytes,
+            ))
         self.orchestrator = Orchestrator(
             host=HostIndex(layout.num_slots, config.eviction_policy),
             host_bytes=HostBytes([r.view for r in self._regions], layout.slot_bytes),
@@ -186,11 +182,8 @@ class KVTierScheduler:
             layout.region_bytes * geometry.stored_ranks / 2**30,
             geometry.block_tokens,
             f" of {geometry.num_groups} KV cache groups ({geometry.attention}; loads asynchronous)"
-            if geometry.num_groups > 1
-            else "",
-            f"; disk tier {config.disk.root_dir} ({config.disk.capacity_bytes / 2**30:.1f} GiB)"
-            if config.disk
-            else "",
+            if geometry.num_groups > 1 else "",
+            f"; disk tier {config.disk.root_dir} ({config.disk.capacity_bytes / 2**30:.1f} GiB)" if config.disk else "",
         )
 
     # --- request bookkeeping -------------------------------------------------------------
@@ -211,11 +204,8 @@ class KVTierScheduler:
                 self.orchestrator.stats.uncacheable_requests += 1
                 if uncacheable not in self._said_uncacheable:
                     self._said_uncacheable.add(uncacheable)
-                    logger.info(
-                        "kvtier: %s: such requests are neither loaded from nor stored in kvtier "
-                        "(counted in kvtier_uncacheable_requests)",
-                        uncacheable.value,
-                    )
+                    logger.info("kvtier: %s: such requests are neither loaded from nor stored in kvtier "
+                                "(counted in kvtier_uncacheable_requests)", uncacheable.value)
             self._requests[request.request_id] = state
         return state
 
@@ -250,9 +240,7 @@ class KVTierScheduler:
             run.append(variant)
         return run[:resumable]
 
-    def _find_tail(
-        self, state: RequestState, block_index: int, max_tokens: int
-    ) -> tuple[BlockKey, int] | None:
+    def _find_tail(self, state: RequestState, block_index: int, max_tokens: int) -> tuple[BlockKey, int] | None:
         """The longest stored tail (key, tokens) that continues the request's tokens at block
         ``block_index`` with at most ``max_tokens`` tokens (memory only)."""
         if max_tokens <= 0 or not self._tails:
@@ -264,9 +252,7 @@ class KVTierScheduler:
         return None
 
     # --- lookups -------------------------------------------------------------------------
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         if not state.cacheable:
             return 0, False
@@ -291,18 +277,13 @@ class KVTierScheduler:
         if tail is not None:
             keys = keys[: run_end - first_block] + [tail[0]]
         acquired = self.orchestrator.acquire(
-            request.request_id,
-            keys,
-            state.parent_of(first_block),
-            block,
+            request.request_id, keys, state.parent_of(first_block), block,
             tail_tokens=tail[1] if tail is not None else 0,
         )
         if acquired.status is AcquireStatus.RETRY:
             return None, False
         if self.geometry.state_groups:  # a hit ends at a block stored with its state
-            ends = [
-                n for n in range(acquired.num_blocks, 0, -1) if keys[n - 1] == state.keys[first_block + n - 1]
-            ]
+            ends = [n for n in range(acquired.num_blocks, 0, -1) if keys[n - 1] == state.keys[first_block + n - 1]]
             acquired = replace(acquired, num_blocks=ends[0] if ends else 0)
             self.orchestrator.trim_hold(request.request_id, acquired.num_blocks)
         stats.lookups += 1
@@ -346,12 +327,8 @@ class KVTierScheduler:
         assert len(keys) == end_block - first_block, "load plan out of sync with the hold"
         slots = self.orchestrator.slots_of(keys)
         pages = [
-            PageCopy(
-                slots[engine_index // per_block - first_block],
-                engine_index % per_block,
-                group_ids[engine_index],
-                group,
-            )
+            PageCopy(slots[engine_index // per_block - first_block], engine_index % per_block, group_ids[engine_index],
+                     group)
             for engine_index in range(first_token // engine_block, -(-end_token // engine_block))
             for group, group_ids in enumerate(block_ids)
             if engine_index < len(group_ids) and group_ids[engine_index] != NULL_BLOCK_ID
@@ -362,14 +339,8 @@ class KVTierScheduler:
         self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)
         state.jobs.add(job_id)
         if self._events is not None:  # full blocks only (a tail is no block of vLLM's), with their state
-            self._events.learn(
-                request,
-                [
-                    (index, key)
-                    for index, key in zip(range(first_block, end_token // block), keys)
-                    if key == state.keys[index]
-                ],
-            )
+            self._events.learn(request, [(index, key) for index, key in zip(range(first_block, end_token // block), keys)
+                                         if key == state.keys[index]])
         stats = self.orchestrator.stats
         for medium, tokens in clip_sources(state.hit_tokens_from, num_external_tokens).items():
             stats.count_hit_tokens(medium, tokens)
@@ -425,9 +396,7 @@ class KVTierScheduler:
                 continue
             request = state.request
             limit = self._offload_limit(state, before + scheduled.get(req_id, 0))
-            tables = [
-                ids for group, ids in enumerate(state.block_ids) if group not in self.geometry.state_groups
-            ]
+            tables = [ids for group, ids in enumerate(state.block_ids) if group not in self.geometry.state_groups]
             num_full = min(limit // block, min(map(len, tables), default=limit) // per_block)
             if num_full <= state.next_store_block:
                 continue
@@ -435,14 +404,11 @@ class KVTierScheduler:
             keys, blocks, pages, present = [], [], [], []
             for index in range(state.next_store_block, num_full):
                 key = state.keys[index]
-                block_pages = self._engine_blocks.pages_of(
-                    req_id, state.block_ids, index * per_block, per_block
-                )
+                block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block)
                 if block_pages is None and self.geometry.state_groups:  # vLLM kept no state at its end
                     key = stateless_key(key)
-                    block_pages = self._engine_blocks.pages_of(
-                        req_id, state.block_ids, index * per_block, per_block, with_state=False
-                    )
+                    block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block,
+                                                               with_state=False)
                 if block_pages is None:
                     continue  # a group holds no block for some of it (below a sliding window)
                 announced = key == state.keys[index]  # KV events: blocks a request can resume from
@@ -461,24 +427,13 @@ class KVTierScheduler:
                 jobs.append(self._new_store(state, keys, pages, blocks))
         return jobs
 
-    def _new_store(
-        self,
-        state: RequestState,
-        keys: list[BlockKey],
-        pages: list[PageCopy],
-        blocks: list[int] | None = None,
-    ) -> CopyJob:
+    def _new_store(self, state: RequestState, keys: list[BlockKey], pages: list[PageCopy],
+                   blocks: list[int] | None = None) -> CopyJob:
         """Register a store job of ``state``'s request (its engine blocks fenced until it is done)."""
         job_id = next(self._job_ids)
         req_id = state.request.request_id
-        self._jobs[job_id] = _Job(
-            JobKind.STORE,
-            req_id,
-            keys,
-            self.geometry.world_size,
-            blocks=blocks or [],
-            sources={p.block_id for p in pages},
-        )
+        self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size, blocks=blocks or [],
+                                  sources={p.block_id for p in pages})
         self._engine_blocks.fence(job_id, self._jobs[job_id].sources)
         state.jobs.add(job_id)
         return CopyJob(job_id, req_id, pages)
@@ -550,21 +505,15 @@ class KVTierScheduler:
         num_full, tail_tokens = divmod(limit, block)
         if tail_tokens == 0:
             return
-        block_pages = self._engine_blocks.pages_of(
-            request.request_id,
-            block_ids,
-            num_full * self.geometry.pages_per_block,
-            -(-tail_tokens // self.geometry.engine_block_tokens),
-        )
+        block_pages = self._engine_blocks.pages_of(request.request_id, block_ids, num_full * self.geometry.pages_per_block,
+                                     -(-tail_tokens // self.geometry.engine_block_tokens))
         if block_pages is None:
             return
         state.extend_keys(num_full)
         if len(state.keys) < num_full:
             return
         key = state.tail_key_of(num_full, limit)
-        slot = self.orchestrator.begin_store(
-            key, BlockInfo(state.parent_of(num_full), tail_tokens, tail=True)
-        )
+        slot = self.orchestrator.begin_store(key, BlockInfo(state.parent_of(num_full), tail_tokens, tail=True))
         if slot is None:
             return
         pages = [PageCopy(slot, sub, block_id, group) for sub, group, block_id in block_pages]

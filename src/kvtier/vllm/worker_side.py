@@ -70,14 +70,9 @@ class KVTierWorker:
         layout = self.geometry.layout
         state_layers = {i for group in self.geometry.state_groups for i in self.geometry.layer_groups[group]}
         paged = PagedKV(
-            [
-                padded_pages(kv_caches[name], self.num_blocks, layout.page_bytes)
-                if i in state_layers
-                else kv_caches[name]
-                for i, name in enumerate(self.geometry.layer_names)
-            ],
-            self.num_blocks,
-            self.geometry.layer_groups or None,
+            [padded_pages(kv_caches[name], self.num_blocks, layout.page_bytes) if i in state_layers else kv_caches[name]
+             for i, name in enumerate(self.geometry.layer_names)],
+            self.num_blocks, self.geometry.layer_groups or None,
         )
         if paged.page_bytes != layout.page_bytes:
             raise RuntimeError(
@@ -85,17 +80,11 @@ class KVTierWorker:
             )
         names = self.geometry.layer_names
         description = describe_pages(
-            kv_caches,
-            names,
-            self.num_blocks,
-            attention_backends(self.vllm_config, names),
-            self.kv_cache_layout,
+            kv_caches, names, self.num_blocks, attention_backends(self.vllm_config, names), self.kv_cache_layout
         )
         published = encode_description(description)
         if self._stores_pages:
-            self.region = SharedRegion.create(
-                region_name(self.geometry.engine_id, self.rank), layout.region_bytes
-            )
+            self.region = SharedRegion.create(region_name(self.geometry.engine_id, self.rank), layout.region_bytes)
             atexit.register(self.region.unlink)  # in case no scheduler ever attached and unlinked it
             self.region.publish(published)  # the scheduler folds it into the namespace
         else:  # replicated KV: rank 0's region (attach waits until rank 0 created and described it)

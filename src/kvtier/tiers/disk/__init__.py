@@ -13,11 +13,4 @@ from kvtier.tiers.disk.index import DiskTierStats
 from kvtier.tiers.disk.layout import ORPHAN_SECONDS, QUARANTINE_DIR, STALE_TMP_SECONDS, sanitize_model_name
 from kvtier.tiers.disk.tier import DiskTier
 
-__all__ = [
-    "DiskTier",
-    "DiskTierStats",
-    "ORPHAN_SECONDS",
-    "QUARANTINE_DIR",
-    "STALE_TMP_SECONDS",
-    "sanitize_model_name",
-]
+__all__ = ["DiskTier", "DiskTierStats", "ORPHAN_SECONDS", "QUARANTINE_DIR", "STALE_TMP_SECONDS", "sanitize_model_name"]

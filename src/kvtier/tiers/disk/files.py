@@ -70,11 +70,7 @@ def _as_byte_view(buf: memoryview, *, writable: bool, what: str) -> memoryview:
 
 
 def read_block(
-    layout: DiskLayout,
-    ledger: Ledger,
-    namespaces: Sequence[bytes],
-    key: BlockKey,
-    dests: Sequence[memoryview],
+    layout: DiskLayout, ledger: Ledger, namespaces: Sequence[bytes], key: BlockKey, dests: Sequence[memoryview]
 ) -> IoError | None:
     """Read and verify every rank's file of ``key`` into ``dests``; None when all are valid.
 
@@ -233,12 +229,8 @@ def settle_scan(layout: DiskLayout, ledger: Ledger, result: ScanResult, since: i
     result.quarantined += sum(outcome is Removal.MOVED for outcome in quarantines)
     result.io_errors += sum(outcome is Removal.FAILED for outcome in done.removals[len(quarantines) :])
     if done.before is not None and done.before != done.after:
-        logger.info(
-            "kvtier disk: usage ledger %s corrected from %d to the %d bytes of files on disk",
-            ledger.path,
-            done.before,
-            done.after,
-        )
+        logger.info("kvtier disk: usage ledger %s corrected from %d to the %d bytes of files on disk",
+                    ledger.path, done.before, done.after)
 
 
 def touch_blocks(layout: DiskLayout, hex_keys: Sequence[str]) -> None:

@@ -48,7 +48,6 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 STALE_TMP_SECONDS = 3600.0  # a temp file this old is removed even if its writer's pid looks alive
 ORPHAN_SECONDS = 600.0  # files of a block missing some rank's file, this old, are removed by a scan
 
-
 class Access(enum.Enum):
     """Who may read and write what the disk tier creates: (directory mode, file mode)."""
 
@@ -98,10 +97,8 @@ def per_group_files(ns_dir: str, prefix: str, suffix: str = "") -> list[str]:
     except OSError:
         return []
     return sorted(
-        os.path.join(ns_dir, name)
-        for name in names
-        if name.startswith(prefix)
-        and name.endswith(suffix)
+        os.path.join(ns_dir, name) for name in names
+        if name.startswith(prefix) and name.endswith(suffix)
         and name[len(prefix) : len(name) - len(suffix)].isdigit()
     )
 
@@ -159,26 +156,11 @@ class ScanResult:
 class DiskLayout:
     """The directories and file names of one namespace, world size and group (see the module docstring)."""
 
-    __slots__ = (
-        "root",
-        "prefix",
-        "ns_dir",
-        "rank_dirs",
-        "quarantine_dir",
-        "group_suffix",
-        "world",
-        "access",
-        "_real_root",
-        "_checked",
-    )
+    __slots__ = ("root", "prefix", "ns_dir", "rank_dirs", "quarantine_dir", "group_suffix", "world", "access",
+                 "_real_root", "_checked")
 
     def __init__(
-        self,
-        root_dir: Path | str,
-        model_name: str,
-        engine_digest: bytes,
-        world: int,
-        group: int,
+        self, root_dir: Path | str, model_name: str, engine_digest: bytes, world: int, group: int,
         access: Access = Access.OWNER,
     ) -> None:
         self.root = str(Path(root_dir))
@@ -222,9 +204,7 @@ class DiskLayout:
             return
         real = os.path.realpath(directory)
         if real != self._real_root and not real.startswith(self._real_root + os.sep):
-            raise OutsideRootError(
-                f"{directory} resolves to {real}, outside the disk tier root {self._real_root}"
-            )
+            raise OutsideRootError(f"{directory} resolves to {real}, outside the disk tier root {self._real_root}")
         if len(self._checked) < 100_000:
             self._checked.add(directory)
 
@@ -312,9 +292,7 @@ class DiskLayout:
             except (FileNotFoundError, NotADirectoryError):
                 continue
             leaves.extend(
-                (f"{top_dir}/{sub}", top + sub[:2])
-                for sub in subs
-                if len(sub) == sub_len and sub.endswith(suffix)
+                (f"{top_dir}/{sub}", top + sub[:2]) for sub in subs if len(sub) == sub_len and sub.endswith(suffix)
             )
         return leaves
 
@@ -376,10 +354,7 @@ class DiskLayout:
                             if set(hex_key) <= _HEX:
                                 logger.warning(
                                     "kvtier disk: %s/%s is %d bytes, expected %d; quarantined",
-                                    leaf,
-                                    name,
-                                    st.st_size,
-                                    file_bytes,
+                                    leaf, name, st.st_size, file_bytes,
                                 )
                                 result.to_quarantine.append((hex_key, rank))
                             continue

@@ -206,10 +206,7 @@ class Ledger:
             why = "this filesystem cannot lock files" if exc.errno in _NO_LOCKS else "the ledger is unusable"
             logger.warning(
                 "kvtier disk: %s: %s (%s): capacity_bytes bounds only what this process indexes; engines "
-                "sharing this root may together exceed it",
-                self.path,
-                why,
-                exc.strerror or exc,
+                "sharing this root may together exceed it", self.path, why, exc.strerror or exc,
             )
         return self.sharing
 
@@ -301,19 +298,14 @@ class Ledger:
         try:
             unit_bytes, nbytes, version = decode(os.pread(fd, RECORD_BYTES + 1, 0))
             if self.role is Role.ENGINE and unit_bytes != self._unit_bytes:
-                raise ValueError(
-                    f"written for {unit_bytes}-byte files, this engine writes {self._unit_bytes}"
-                )
+                raise ValueError(f"written for {unit_bytes}-byte files, this engine writes {self._unit_bytes}")
             return Usage(unit_bytes, nbytes, version)
         except ValueError as exc:
             if self.role is Role.TOOL:
                 return self._untracked()
             if os.fstat(fd).st_size:
-                logger.warning(
-                    "kvtier disk: usage ledger %s unreadable (%s); rebuilding it from the files",
-                    self.path,
-                    exc,
-                )
+                logger.warning("kvtier disk: usage ledger %s unreadable (%s); rebuilding it from the files",
+                               self.path, exc)
         units = self._layout.count_units()
         fresh = int.from_bytes(os.urandom(6), "little")  # no scan's "since" can match it by chance
         return Usage(self._unit_bytes, units * self._unit_bytes, fresh, changed=True)

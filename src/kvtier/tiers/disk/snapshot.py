@@ -94,9 +94,8 @@ def encode(keys_blob: bytes, world: int, file_bytes: int) -> bytes:
     """The snapshot file's bytes for ``keys_blob`` (the keys concatenated, LRU first)."""
     if len(keys_blob) % KEY_BYTES:
         raise ValueError(f"keys_blob must be a multiple of {KEY_BYTES} bytes, got {len(keys_blob)}")
-    head = _HEAD.pack(
-        MAGIC, VERSION, world, file_bytes, len(keys_blob) // KEY_BYTES, xxhash.xxh3_64_intdigest(keys_blob)
-    )
+    head = _HEAD.pack(MAGIC, VERSION, world, file_bytes, len(keys_blob) // KEY_BYTES,
+                      xxhash.xxh3_64_intdigest(keys_blob))
     return head + _HEADER_SUM.pack(xxhash.xxh3_64_intdigest(head)) + keys_blob
 
 
@@ -105,10 +104,8 @@ def decode(data: bytes, world: int, file_bytes: int) -> list[BlockKey]:
     size: written by another configuration of this namespace, which cannot happen by design)."""
     snap_world, snap_file_bytes, count, keys_sum = _parse_header(data)
     if (snap_world, snap_file_bytes) != (world, file_bytes):
-        raise ValueError(
-            f"written for {snap_world} rank(s) x {snap_file_bytes} B files, "
-            f"this tier has {world} x {file_bytes} B"
-        )
+        raise ValueError(f"written for {snap_world} rank(s) x {snap_file_bytes} B files, "
+                         f"this tier has {world} x {file_bytes} B")
     if len(data) != HEADER_BYTES + count * KEY_BYTES:
         raise ValueError(f"{len(data)} bytes for {count} keys (torn or truncated)")
     blob = memoryview(data)[HEADER_BYTES:]
@@ -145,11 +142,8 @@ def write_snapshot(layout: DiskLayout, keys_blob: bytes, file_bytes: int) -> boo
     tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     try:
         data = encode(keys_blob, layout.world, file_bytes)
-        fd = os.open(
-            tmp,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-            layout.access.file_mode,
-        )
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
+                     layout.access.file_mode)
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), layout.access.file_mode)  # the umask must not change it
             f.write(data)

@@ -135,9 +135,7 @@ class DiskTier(SecondaryTier):
         self._max_pending_writes = max_pending_writes
         # The caller-thread state (index, capacity, keys in flight): never touched by workers.
         self._state = DiskIndex(
-            block_bytes=self._world * self._file_bytes,
-            capacity_bytes=capacity_bytes,
-            remove_files=self._remove_files,
+            block_bytes=self._world * self._file_bytes, capacity_bytes=capacity_bytes, remove_files=self._remove_files
         )
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._applied: list[IoResult] = []  # results applied by close(), not yet returned by poll()
@@ -205,9 +203,7 @@ class DiskTier(SecondaryTier):
         gen = self._state.index.get(key)
         self._state.reading[key] = self._state.reading.get(key, 0) + 1
         if key in self._state.unlinking or self._state.clearing is not None:
-            self._state.removed_while_reading.add(
-                key
-            )  # the read may still find doomed files: never adopt them
+            self._state.removed_while_reading.add(key)  # the read may still find doomed files: never adopt them
         self._read_pool.submit(self._read_job, job_id, key, gen, views)
 
     def submit_write(
@@ -446,9 +442,7 @@ class DiskTier(SecondaryTier):
         error = disk_io.read_block(self._layout, self._ledger, self._rank_digests, key, dests)
         seconds = time.perf_counter() - start
         nbytes = 0 if error is not None else self._payload_bytes * self._world
-        self._done.put(
-            (Msg.IO, IoResult(job_id, IoKind.READ, key, error is None, nbytes, seconds, error), gen)
-        )
+        self._done.put((Msg.IO, IoResult(job_id, IoKind.READ, key, error is None, nbytes, seconds, error), gen))
 
     def _write_job(self, job: WriteJob, wait_for: tuple[Future, ...]) -> None:
         """Write ``job``'s files once the removals in ``wait_for`` are done; post the outcome."""
@@ -456,14 +450,8 @@ class DiskTier(SecondaryTier):
             future.result()
         start = time.perf_counter()
         outcome = write_block(
-            self._layout,
-            self._ledger,
-            self._no_space,
-            self._rank_digests,
-            job.key,
-            job.parent,
-            job.num_tokens,
-            job.sources,
+            self._layout, self._ledger, self._no_space, self._rank_digests,
+            job.key, job.parent, job.num_tokens, job.sources,
         )
         if outcome is WriteOutcome.NO_ROOM:
             self._done.put((Msg.NO_ROOM, job))

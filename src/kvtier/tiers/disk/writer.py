@@ -101,12 +101,8 @@ def write_block(
         surplus: list[_Temp] = []  # files another process published first
         for rank, (temp, source) in enumerate(zip(temps, sources)):
             header = encode_header(
-                namespace=namespaces[rank],
-                key=key,
-                parent=parent,
-                num_tokens=num_tokens,
-                payload_len=source.nbytes,
-                checksum=payload_checksum(source),
+                namespace=namespaces[rank], key=key, parent=parent, num_tokens=num_tokens,
+                payload_len=source.nbytes, checksum=payload_checksum(source),
             )
             _fill(temp, header, source)
             if _publish(layout, temp):
@@ -196,9 +192,7 @@ def _publish(layout: DiskLayout, temp: _Temp) -> bool:
             logger.warning(
                 "kvtier disk: %s has no hard links (%s); publishing block files by rename, so a block "
                 "two engines write at the same moment may be charged twice to the usage ledger until "
-                "a rescan",
-                layout.root,
-                exc.strerror or exc,
+                "a rescan", layout.root, exc.strerror or exc,
             )
         else:
             unlink_quiet(temp.path)
@@ -209,9 +203,7 @@ def _publish(layout: DiskLayout, temp: _Temp) -> bool:
     return True
 
 
-def _roll_back(
-    ledger: Ledger, temps: list[_Temp], published: list[str], charged: int, file_bytes: int
-) -> None:
+def _roll_back(ledger: Ledger, temps: list[_Temp], published: list[str], charged: int, file_bytes: int) -> None:
     """Undo a failed write: unlink the files it published and give back its charge (under the
     ledger's lock), then remove its temps (after: a charged temp never disappears first)."""
     for temp in temps:
@@ -265,19 +257,14 @@ class NoSpaceLog:
                 logger.warning(
                     "kvtier disk: no space to write under %s (%s): dropping stores to the disk tier until "
                     "space returns (counted in writes_dropped; summarized at most every %.0f s)",
-                    self.root,
-                    exc.strerror or exc,
-                    self.interval,
+                    self.root, exc.strerror or exc, self.interval,
                 )
                 return
             self._since_line += 1
             if now - self._last_line >= self.interval:
                 logger.warning(
                     "kvtier disk: still no space under %s (%s): %d more stores dropped in the last %.0f s",
-                    self.root,
-                    exc.strerror or exc,
-                    self._since_line,
-                    now - self._last_line,
+                    self.root, exc.strerror or exc, self._since_line, now - self._last_line,
                 )
                 self._last_line, self._since_line = now, 0
 
@@ -286,9 +273,6 @@ class NoSpaceLog:
             return
         with self._lock:
             if self._active:
-                logger.warning(
-                    "kvtier disk: writes under %s succeed again (%d stores were dropped for lack of space)",
-                    self.root,
-                    self._episode,
-                )
+                logger.warning("kvtier disk: writes under %s succeed again (%d stores were dropped for lack "
+                               "of space)", self.root, self._episode)
                 self._active, self._episode, self._since_line = False, 0, 0

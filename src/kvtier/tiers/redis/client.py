@@ -3,10 +3,11 @@
 uses, :meth:`RedisClient.run`: a batch of single-key commands pipelined on one pooled connection
 per server (all sent in one write, then every reply read), i.e. one round trip per server.
 
-Everything goes through redis-py: its connection pools and ``Connection`` methods (``pack_commands``,
-``send_packed_command``, ``read_response``: what its ``Pipeline`` runs on the wire, without the
-pipeline object's bookkeeping), ``ping``, ``info``, ``scan_iter``; replies are parsed by redis-py (with hiredis when it is installed). redis-py settings, and why
-(measured on redis-py 8.1 + hiredis 3.5, see the tier's notes):
+Everything goes through redis-py: its connection pools and ``Connection`` methods
+(``pack_commands``, ``send_packed_command``, ``read_response``: what its ``Pipeline`` runs on the
+wire, without the pipeline object's bookkeeping), ``ping``, ``info``, ``scan_iter``; replies are
+parsed by redis-py (with hiredis when it is installed). redis-py settings, and why (measured on
+redis-py 8.1 + hiredis 3.5, see the tier's notes):
 
 - ``command_packer``: :data:`~kvtier.tiers.redis.wire.COMMAND_PACKER`, redis-py's pure-Python
   RESP serializer extended to send a value given as parts (a block's headers and its host slots)
@@ -40,9 +41,9 @@ Replies come back as redis-py's ``read_response`` gives them (no response callba
 gives ``b"OK"``): a command's error reply is its exception (a ``ResponseError``:
 ``OutOfMemoryError``, ``NoPermissionError``, ``MovedError``... or a plain ``ResponseError`` whose
 message starts with the code, e.g. ``WRONGTYPE``) in its place, so one bad command does not fail
-the batch; a node whose exchange failed (refused, reset, timed out: redis-py has disconnected that connection) gives that
-exception for each of its commands. Error messages are logged only through :func:`describe`
-(never value bytes: byte reprs and echoed arguments are cut).
+the batch; a node whose exchange failed (refused, reset, timed out: that connection is then
+disconnected) gives that exception for each of its commands. Error messages are logged only
+through :func:`describe` (never value bytes: byte reprs and echoed arguments are cut).
 
 Threading: thread-safe; used by the tier's worker and monitor threads (and by the tier's
 constructor, which connects). Never by the caller's thread after start-up.
@@ -395,10 +396,11 @@ def _pipeline(
 ) -> list[Reply] | Exception:
     """``commands[i]`` for ``i`` in ``indexes`` pipelined on one of ``node``'s pooled connections:
     all sent in one write, then every reply read in order (each passed through ``on_reply(i,
-    reply)`` as soon as it is read, see :meth:`RedisClient.run`). Returns the raw replies (no response callbacks: ``SET`` gives
-    ``b"OK"``), an error reply as its exception in its command's place, or the exception that
-    failed the exchange (refused, reset, timed out: the connection is then disconnected, so the
-    pool reconnects it on its next use, and no reply of a failed exchange is ever used).
+    reply)`` as soon as it is read, see :meth:`RedisClient.run`). Returns the raw replies (no
+    response callbacks: ``SET`` gives ``b"OK"``), an error reply as its exception in its command's
+    place, or the exception that failed the exchange (refused, reset, timed out: the connection
+    is then disconnected, so the pool reconnects it on its next use, and no reply of a failed
+    exchange is ever used).
 
     This is what ``Pipeline.execute(raise_on_error=False)`` does on the wire, through the same
     redis-py ``Connection`` methods (``pack_commands``, ``send_packed_command``, ``read_response``)

@@ -21,8 +21,9 @@ GLIBC_MAX_DYNAMIC_THRESHOLD = 32 * 2**20
 """glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: a freed chunk above it does not raise the threshold."""
 WARM_UP_BYTES = GLIBC_MAX_DYNAMIC_THRESHOLD - 2**20
 """The buffer freed: as large as glibc allows, so the threshold (and the heap trim threshold, twice
-it) also covers a pipelined batch, whose replies are alive together (4 x 5.9 MB measured 1,432
-faults per get with a threshold of one value)."""
+it) covers the biggest values and what several read threads hold at once (each holds one reply
+and its reader buffer; before reads landed each reply as it came, a batch of 4 x 5.9 MB replies
+alive together measured 1,432 faults per get with a threshold of one value)."""
 READER_SLACK = 2 * 2**20
 """Room above a value for the reply reader's buffer growth (hiredis preallocates up to 1 MiB)."""
 

@@ -15,8 +15,8 @@ the tier's own threads: ``kvtier-redis-read`` (reads), ``kvtier-redis-write`` (w
 EXPIREs, clear sweeps; background priority), ``kvtier-redis-probe`` (EXISTS probes) and
 ``kvtier-redis-monitor`` (recovery, ``INFO memory``). Workers never touch the caller-side state
 (presence cache, counters, writes in flight): they post outcomes on a :class:`queue.SimpleQueue`
-(one list of messages per batch) and :meth:`poll` applies them, so that state needs no lock. Threads per pool:
-``max(1, min(4, (max_connections - 2) // 2))`` readers and as many writers, so that every
+(one list of messages per batch) and :meth:`poll` applies them, so that state needs no lock.
+Threads per pool: ``max(1, min(4, (max_connections - 2) // 2))`` readers and as many writers, so that every
 thread can hold a connection (3 + 3 + 1 + 1 = 8 with the default ``max_connections`` 8). Below
 4 connections threads wait for one (up to ``timeout_s``; a cluster node's pool refuses instead,
 which counts as a failed batch), so keep ``max_connections`` >= 4.
@@ -27,14 +27,14 @@ reads is one pipeline: one round trip per server. See :mod:`~kvtier.tiers.redis.
 
 Buffers. A read's value arrives as one ``bytes`` reply (redis-py), or, for one rank and values of
 2 MiB or more, as ``GETRANGE`` pieces of about 1 MiB (:mod:`~kvtier.tiers.redis.jobs`); as soon
-as a reply is read (while the server sends the next one) its length and headers are checked, then its payloads
-are copied into the caller's buffers (one per rank, each exactly ``payload_bytes``), each
-checksummed as it lands, and the reply is dropped. A read that is not ``ok`` may have written
-its buffers (a payload that failed its checksum, or a batch whose connection failed after that
-value landed): the caller discards them, as for the disk tier. A write's value is its records
-sent as they are (each rank's header, then the caller's buffer, uncopied:
-:mod:`~kvtier.tiers.redis.wire`), so the caller's buffers must stay unchanged until the write's
-result is polled (the orchestrator keeps them pinned). Each read thread holds one reply at a
+as a reply is read (while the server sends the next one) its length and headers are checked,
+then its payloads are copied into the caller's buffers (one per rank, each exactly
+``payload_bytes``), each checksummed as it lands, and the reply is dropped. A read that is not
+``ok`` may have written its buffers (a payload that failed its checksum, or a batch whose
+connection failed after that value landed): the caller discards them, as for the disk tier. A
+write's value is its records sent as they are (each rank's header, then the caller's buffer,
+uncopied: :mod:`~kvtier.tiers.redis.wire`), so the caller's buffers must stay unchanged until
+the write's result is polled (the orchestrator keeps them pinned). Each read thread holds one reply at a
 time, and each connection that read a block keeps a reader buffer of about one reply (a value, or
 one piece of a value read in pieces: :data:`~kvtier.tiers.redis.jobs.PIECE_BYTES`)
 (:func:`~kvtier.tiers.redis.wire.reply_parser`). ``submit_write`` returns False (nothing queued,
@@ -329,7 +329,8 @@ class RedisTier(SecondaryTier):
         return results
 
     def _apply(self, msg: tuple, results: list[IoResult]) -> None:
-        """Apply one message a worker posted (:mod:`~kvtier.tiers.redis.jobs`); a job's result goes to ``results``."""
+        """Apply one message a worker posted (:mod:`~kvtier.tiers.redis.jobs`); a job's result
+        goes to ``results``."""
         kind = msg[0]
         counts = self._counts
         if kind == MSG_IO:
