@@ -6,12 +6,13 @@ docstring for threading, batching and failures), :mod:`~kvtier.tiers.redis.codec
 and the value format (one self-describing, checksummed value per block: the disk tier's block
 file bytes, rank by rank), :mod:`~kvtier.tiers.redis.presence` what the tier answers without
 asking the server, :mod:`~kvtier.tiers.redis.client` the connections (redis-py pools and
-pipelines: all Redis traffic goes through redis-py's public API), :mod:`~kvtier.tiers.redis.jobs`
-the data path, :mod:`~kvtier.tiers.redis.breaker` and :mod:`~kvtier.tiers.redis.monitor` what
-happens when the server does not answer.
+connections: all Redis traffic goes through redis-py), :mod:`~kvtier.tiers.redis.jobs` the data
+path, :mod:`~kvtier.tiers.redis.breaker` and :mod:`~kvtier.tiers.redis.monitor` what happens when
+the server does not answer, :mod:`~kvtier.tiers.redis.stats` the counters.
 """
 
 from kvtier.tiers.redis.codec import KeySpace, decode_value, encode_value, verify_value
-from kvtier.tiers.redis.tier import RedisTier, RedisTierStats
+from kvtier.tiers.redis.stats import RedisTierStats
+from kvtier.tiers.redis.tier import RedisTier
 
 __all__ = ["KeySpace", "RedisTier", "RedisTierStats", "decode_value", "encode_value", "verify_value"]

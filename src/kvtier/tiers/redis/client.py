@@ -420,7 +420,7 @@ def _pipeline(
             except ResponseError as exc:  # the command's error reply; the connection is fine
                 reply = exc
             replies.append(reply if on_reply is None else on_reply(index, reply))
-            del reply
+            del reply  # not alive while the next reply is read
         return replies
     except Exception as exc:
         connection.disconnect()

@@ -63,6 +63,7 @@ from kvtier.tiers.redis.codec import (
     PieceLander,
     decode_value,
     encode_value,
+    value_bytes,
 )
 from kvtier.tiers.redis.wire import ValueParts
 
@@ -108,7 +109,7 @@ class WriteJob:
 def read_reply_bytes(world: int, payload_bytes: int, piece_bytes: int = PIECE_BYTES) -> int:
     """The largest reply a read expects: one value, or (one rank, a value of at least two
     ``piece_bytes``) one of its ``value // piece_bytes`` even pieces."""
-    total = world * (HEADER_LEN + payload_bytes)
+    total = value_bytes(world, payload_bytes)
     pieces = max(1, total // piece_bytes) if world == 1 else 1
     return -(-total // pieces)
 
@@ -232,19 +233,20 @@ class DataPath:
         owners: list[tuple[PieceLander, int, bool]] = []  # per command: its job's lander, offset, last?
         landers = []
         total = HEADER_LEN + self.payload_bytes
+        offsets = range(0, total, self.piece_bytes)
         for job in jobs:
             lander = PieceLander(job.dests[0], rank_digest=self.rank_digests[0], key=job.key)
             landers.append(lander)
             name = self.keys.block(job.key)
-            for offset in range(0, total, self.piece_bytes):
-                last = offset + self.piece_bytes >= total
+            for offset in offsets:
+                last = offset == offsets[-1]
                 commands.append((b"GETRANGE", name, offset, total if last else offset + self.piece_bytes - 1))
                 owners.append((lander, offset, last))
-        failed: dict[int, BaseException] = {}  # id(lander) -> why it stopped
+        stopped: set[int] = set()  # id() of the landers a check failed (their later pieces are dropped)
 
         def land(index: int, reply: Reply) -> None:
             lander, offset, last = owners[index]
-            if id(lander) in failed:
+            if id(lander) in stopped:
                 return
             try:
                 if not isinstance(reply, bytes):
@@ -254,16 +256,16 @@ class DataPath:
                 lander.feed(reply)
                 if last:
                     lander.finish()
-            except CorruptBlockError as exc:
-                failed[id(lander)] = exc
+            except CorruptBlockError:
+                stopped.add(id(lander))
 
         replies = self.client.run(commands, on_reply=land)
         messages.append((MSG_BATCH, "read", replies.round_trips))
         outcomes: list[Reply] = []
         position = 0
         for lander in landers:
-            pieces = replies[position : position + -(-total // self.piece_bytes)]
-            position += len(pieces)
+            pieces = replies[position : position + len(offsets)]
+            position += len(offsets)
             lost = next((reply for reply in pieces if reply is not None), None)  # the exchange failed
             outcomes.append(lost if lost is not None else LANDED if lander.done else REREAD)
         return outcomes

@@ -59,11 +59,9 @@ key are removed again when they complete; a write from another engine is not.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from redis.exceptions import NoPermissionError
 
@@ -93,6 +91,7 @@ from kvtier.tiers.redis.jobs import (
 )
 from kvtier.tiers.redis.monitor import USAGE_INTERVAL, Monitor
 from kvtier.tiers.redis.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL, PresenceCache
+from kvtier.tiers.redis.stats import COUNTED, RedisTierStats
 
 logger = logging.getLogger(__name__)
 
@@ -102,46 +101,6 @@ PROBE_BATCH_KEYS = 4096
 """Most keys in one EXISTS batch."""
 REMOVE_BATCH_KEYS = 1000
 """Most keys in one UNLINK / EXPIRE batch."""
-
-
-@dataclass(frozen=True, slots=True)
-class RedisTierStats:
-    """Counters of one :class:`RedisTier` (a snapshot; read ``RedisTier.stats`` again).
-
-    Reads: ``reads_ok``; ``read_misses`` (NOT_FOUND); ``corrupt`` (values that failed a check:
-    never served, deleted); ``io_errors`` (reads, writes and removals that failed, including
-    ``breaker_rejects``: reads refused at once while the breaker was open). Writes:
-    ``writes_ok``; ``writes_dropped`` (not stored: queue full, breaker open, or server full;
-    ``writes_oom`` of them refused by a full server); ``writes_deduped`` (completed at once: the
-    block was known present or already being written). ``probes``: keys probed (``probe_failures``
-    of them without an answer). ``removed``: values that UNLINK removed (deletes, clears,
-    corrupt values). ``*_batches``: round trips (per server) of each kind. ``breaker_opens``: how
-    often the circuit breaker opened.
-    """
-
-    reads_ok: int = 0
-    read_misses: int = 0
-    corrupt: int = 0
-    io_errors: int = 0
-    breaker_rejects: int = 0
-    writes_ok: int = 0
-    writes_dropped: int = 0
-    writes_oom: int = 0
-    writes_deduped: int = 0
-    probes: int = 0
-    probe_failures: int = 0
-    removed: int = 0
-    read_batches: int = 0
-    write_batches: int = 0
-    probe_batches: int = 0
-    breaker_opens: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-
-
-_COUNTED = tuple(f.name for f in dataclasses.fields(RedisTierStats) if f.name != "breaker_opens")
 
 
 class RedisTier(SecondaryTier):
@@ -186,7 +145,7 @@ class RedisTier(SecondaryTier):
         self._presence = PresenceCache(
             self._residency, present_ttl=presence_ttl, absent_ttl=absent_ttl, max_entries=presence_entries
         )
-        self._counts: dict[str, float] = dict.fromkeys(_COUNTED, 0)
+        self._counts: dict[str, float] = dict.fromkeys(COUNTED, 0)
         self._writing: dict[BlockKey, int] = {}  # key -> writes in flight
         self._pending_writes = 0
         self._cancelled: set[BlockKey] = set()  # deleted while a write of it was in flight
