@@ -6,6 +6,7 @@ import os
 import random
 import shutil
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -617,9 +618,10 @@ def test_read_adopts_a_block_written_by_another_process(tmp_path, tiers):
     assert b.contains(key)
 
 
-def test_startup_scan_is_fast(tmp_path, tiers):
-    """5,000 blocks x 2 ranks in fresh leaf directories (the brief's 100k-file figure is measured in the
-    benchmark notes); a restart must index them without reading any file."""
+def test_startup_scan_indexes_without_opening_a_block_file(tmp_path, tiers):
+    """5,000 blocks x 2 ranks in fresh leaf directories; a restart indexes them without opening any
+    block file (the scan lists directories only). How fast that is, is measured by
+    benchmarks/bench_restart.py, not asserted here: a loaded machine must not fail a test."""
     world, n = 2, 5000
     for rank, digest in enumerate(rank_digests(world)):
         data = payload_of(b"x", rank)
@@ -636,11 +638,20 @@ def test_startup_scan_is_fast(tmp_path, tiers):
                 checksum=payload_checksum(data),
             )
             (path / f"{hex_key}.bin").write_bytes(header_for[i] + data)
-    start = time.perf_counter()
-    tier = tiers(tmp_path, world=world, blocks=n)
-    elapsed = time.perf_counter() - start
+    opened: list[str] = []
+    watching = [True]
+
+    def audit(event: str, args: tuple) -> None:  # (audit hooks cannot be removed: switched off below)
+        if watching[0] and event == "open" and str(args[0]).endswith(".bin"):
+            opened.append(str(args[0]))
+
+    sys.addaudithook(audit)
+    try:
+        tier = tiers(tmp_path, world=world, blocks=n)
+    finally:
+        watching[0] = False
     assert tier.usage().num_blocks == n
-    assert elapsed < 1.5, elapsed  # typically ~0.15 s; slack for a loaded CI machine
+    assert opened == [], f"the start-up scan opened {len(opened)} block files, e.g. {opened[:2]}"
 
 
 # ---------------------------------------------------------------- properties

@@ -299,7 +299,13 @@ def test_redis_flushed_paused_killed_and_restarted_while_serving(tmp_path, model
     def restart() -> None:
         server.restart()
         assert server.running and client.ping()
-        time.sleep(31)  # past the circuit breaker's longest back-off: the tier probes the server again
+        # The tier's circuit breaker retries after its back-off (at most 30 s); a successful trial
+        # stores the namespace's config key again, then closes the breaker: wait for that key.
+        deadline = time.monotonic() + 40
+        while not any(client.scan_iter(match=b"kvtier:*:config")):
+            assert time.monotonic() < deadline, "the tier never reconnected to the restarted server"
+            time.sleep(0.2)
+        time.sleep(1.0)  # (the breaker closes right after the key is stored)
 
     reset = {"reset_prefix_cache": True}
     rounds = [{}, {**reset, "pause": True}, {**reset, "pause": True}, {**reset, "pause": True},
@@ -317,19 +323,19 @@ def test_redis_flushed_paused_killed_and_restarted_while_serving(tmp_path, model
 
 
 def test_churn_with_preemptions_and_a_tiny_host_tier(tmp_path, model_path):
-    """32 requests at once (~225 prompt tokens: 2 blocks each, a 3rd once 30 tokens are generated),
-    a host tier of 8 blocks for a working set of 32 full blocks, and a vLLM KV space of 40 blocks:
-    about 20 requests run, all outgrow their 2 blocks together, and vLLM preempts; kvtier stores
+    """16 requests at once (~225 prompt tokens: 2 blocks each, a 3rd once 30 tokens are generated),
+    a host tier of 4 blocks for a working set of 16 full blocks, and a vLLM KV space of 20 blocks:
+    about 10 requests run, all outgrow their 2 blocks together, and vLLM preempts; kvtier stores
     and loads under pressure.
     Outputs equal vLLM alone's request by request, nothing deadlocks, and when the load stops no
     host slot stays pinned (a leaked slot would stay pinned forever)."""
-    prompts = quoting_prompts(32, 200, seed=12)
-    churn = {"max_tokens": 48, "max_num_seqs": 32}
+    prompts = quoting_prompts(16, 200, seed=12)
+    churn = {"max_tokens": 48, "max_num_seqs": 16}
     alone = Alone.of(launch(spec(model_path, [{"batch": True}], None, prompts, **churn), tmp_path))
-    config = {"cpu_bytes_to_use": 8 * BLOCK_BYTES}
+    config = {"cpu_bytes_to_use": 4 * BLOCK_BYTES}
     result = launch(
         spec(model_path, [{"batch": True}, {"batch": True, "reset_prefix_cache": True}], config, prompts,
-             kv_cache_memory_bytes=40 * BLOCK_BYTES, **churn),
+             kv_cache_memory_bytes=20 * BLOCK_BYTES, **churn),
         tmp_path,
     )
     print(f"preemptions: {result['num_preemptions']}; metrics after: {result['round_metrics'][-1]}")
@@ -425,9 +431,11 @@ def test_two_engines_write_the_same_blocks_into_one_small_root(tmp_path, model_p
     exceed ``capacity_bytes`` (they could reach twice it if each engine enforced only its own
     budget), both keep serving bit-exact, and both keep writing (the namespace turns over). Both
     write the same 12 blocks in the same order, so under this pressure the second round finds its
-    first blocks evicted (LRU): hits are not expected here. Two vLLM-CPU engines on 2 cores slow
-    each other far more than 2x (measured: 165 s a round for 3 prompts, vLLM alone 26 s for 6), so
-    the workload is small and the round bound counts 6 engines' worth."""
+    first blocks evicted (LRU): hits are not expected here. vLLM-CPU's automatic binding puts both
+    engines' compute threads on the same core, where they slow each other far more than 2x
+    (measured: 165 s a round for 3 prompts, vLLM alone 26 s for 6), so each engine is bound to a
+    core of its own where there are two; the workload is small and the round bound counts 6
+    engines' worth."""
     root = tmp_path / "kvdisk"
     capacity = 8 * (HEADER_LEN + BLOCK_BYTES)
     config = disk_config(root, host_blocks=4, capacity=capacity)
@@ -436,9 +444,11 @@ def test_two_engines_write_the_same_blocks_into_one_small_root(tmp_path, model_p
     watcher = UsageWatcher(root)
     watcher.start()
     engines = []
-    for name in ("a", "b"):
+    cpus = sorted(os.sched_getaffinity(0))
+    for index, name in enumerate(("a", "b")):
         (tmp_path / name).mkdir()
-        engines.append(start(spec(model_path, rounds, config, prompts), tmp_path / name))
+        bind = {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[index])} if len(cpus) >= 2 else None
+        engines.append(start(spec(model_path, rounds, config, prompts), tmp_path / name, env=bind))
     results = [finish(proc, run_dir) for proc, run_dir in engines]
     watcher.stop.set()
     watcher.join()

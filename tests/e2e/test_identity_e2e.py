@@ -39,9 +39,9 @@ def prompts() -> list[str]:
     return long_prompts(3, 560, seed=11)
 
 
-def run(tmp: Path, model: str, prompts: list[str], *, block_size: int, root: Path | None = None,
-        rounds=({},), **spec_extra) -> dict:
-    spec = {
+def engine_spec(model: str, prompts: list[str], *, block_size: int, root: Path | None = None,
+                rounds=({},), **spec_extra) -> dict:
+    return {
         "model": model, "prompts": prompts, "rounds": list(rounds), "max_tokens": MAX_TOKENS,
         "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048, "block_size": block_size,
         "kv_connector_extra_config": None if root is None else {
@@ -50,7 +50,11 @@ def run(tmp: Path, model: str, prompts: list[str], *, block_size: int, root: Pat
         },
         **spec_extra,
     }
-    return launch(spec, tmp)
+
+
+def run(tmp: Path, model: str, prompts: list[str], *, block_size: int, root: Path | None = None,
+        rounds=({},), **spec_extra) -> dict:
+    return launch(engine_spec(model, prompts, block_size=block_size, root=root, rounds=rounds, **spec_extra), tmp)
 
 
 def namespace_dirs(root: Path) -> set[str]:
@@ -80,9 +84,9 @@ def make_fine_tune(base: str, runs: Path) -> str:
     return str(target)
 
 
-def test_engines_that_compute_other_kv_never_share_a_block(tmp_path, model_path, prompts):
+def test_engines_that_compute_other_kv_never_share_a_block(tmp_path, model_path, prompts, vllm_alone):
     root = tmp_path / "kv"
-    expected = tokens(run(tmp_path, model_path, prompts, block_size=128))
+    expected = tokens(vllm_alone(engine_spec(model_path, prompts, block_size=128)))
 
     # Engine A: 64-token engine pages behind 256-token offload blocks; stores everything.
     run(tmp_path, model_path, prompts, block_size=64, root=root)
@@ -114,10 +118,12 @@ def test_engines_that_compute_other_kv_never_share_a_block(tmp_path, model_path,
     assert cached(engine_ft) == [0, 0, 0], "the fine-tune loaded the base model's KV"
 
 
-def test_prompt_embeddings_are_never_stored_or_loaded(tmp_path, model_path, prompts):
+def test_prompt_embeddings_are_never_stored_or_loaded(tmp_path, model_path, prompts, vllm_alone):
     """Two rounds of the same embeddings with vLLM's prefix cache reset between them: nothing is
-    loaded from kvtier (cached 0), outputs equal the token-id run of vLLM alone."""
-    expected = tokens(run(tmp_path, model_path, prompts[:2], block_size=128))
+    loaded from kvtier (cached 0), outputs equal the token-id run of vLLM alone (its first two
+    prompts: the reference runs prompts one at a time, so a prompt's output does not depend on the
+    ones after it)."""
+    expected = tokens(vllm_alone(engine_spec(model_path, prompts, block_size=128)))[:2]
     result = run(tmp_path, model_path, prompts[:2], block_size=128, root=tmp_path / "kv", prompt_embeds=True,
                  rounds=({}, {"reset_prefix_cache": True}))
     assert tokens(result, 0) == tokens(result, 1) == expected

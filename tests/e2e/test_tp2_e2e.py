@@ -1,5 +1,11 @@
 """Tensor parallelism 2 on vLLM-CPU (two worker processes, one core each) with kvtier.
 
+The engine core (vLLM's scheduler, and kvtier's scheduler side with its tiers) runs in the harness
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); the two ranks are worker processes of vLLM's
+multiprocess executor either way, so every rank's host region still crosses processes (worker ->
+scheduler). The engine-core process of vLLM's default mode is covered by
+tests/e2e/test_vllm_e2e.py and the server tests.
+
 The model is the tiny Qwen3-MoE of tests/support/tiny_models.py: 4 query and 2 KV heads, so each
 rank holds a different KV head and its own files (docs/disk-format.md). SmolLM2-135M cannot run at
 tp=2 (9 query and 3 KV heads do not split in two; vLLM refuses it).
@@ -44,7 +50,7 @@ def test_tp2_bit_exact_from_host_and_disk_and_a_missing_rank_is_a_miss(tmp_path)
     bind = {"VLLM_CPU_OMP_THREADS_BIND": f"{CPUS[0]}|{CPUS[1]}"}
 
     def run(rounds, root=None):
-        return launch(spec(folder, rounds, root), tmp_path, multiprocess=True, env=bind)
+        return launch(spec(folder, rounds, root), tmp_path, env=bind)
 
     expected = tokens(run([{}]))
     assert len(set(map(tuple, expected))) == len(PROMPTS)
@@ -86,7 +92,7 @@ def test_tp2_mamba_hybrid_under_the_hybrid_allocator_is_bit_exact_from_host_and_
     def run(rounds, root=None):
         hybrid = {**spec(folder, rounds, root), "prompts": prompts}
         hybrid["engine"] = {**hybrid["engine"], **FAMILIES["granitemoehybrid"].engine}
-        return launch(hybrid, tmp_path, multiprocess=True, env=bind)
+        return launch(hybrid, tmp_path, env=bind)
 
     expected = tokens(run([{}]))
     root = tmp_path / "kv"

