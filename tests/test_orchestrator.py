@@ -180,3 +180,31 @@ def test_residency_changes_follow_blocks_through_host_and_disk(tmp_path):
     assert orch.media_of(ks[1]) == [H, D] and orch.media_of(ks[0]) == [] and orch.media_of(early[0]) == [D]
     assert orch.take_residency_changes() == []
     orch.close()
+
+
+def test_wait_for_tiers_sleeps_until_a_promotion_lands_and_never_without_a_waiting_owner(tmp_path):
+    """An engine step with nothing to compute waits for the tiers instead of spinning: the wait
+    ends as soon as a tier posts (here: the disk reads of a promotion), not at the timeout; it
+    does not wait at all when no owner was told to ask again, nor after that owner got its hit or
+    was released. (Bounds: a wait that returned early takes well under 10 s even on a loaded
+    machine; one that waited for its timeout takes 30 s.)"""
+    orch, buffers = make(tmp_path)
+    ks = keys(2)
+    store(orch, buffers, ks)
+    settle(orch)
+    orch.host.clear()
+    started = time.monotonic()
+    assert orch.wait_for_tiers(30.0) is False and time.monotonic() - started < 10  # nobody waits
+
+    assert orch.acquire("r1", ks).status is AcquireStatus.RETRY  # reads submitted
+    steps = 0
+    while orch.acquire("r1", ks).status is AcquireStatus.RETRY:
+        started = time.monotonic()
+        assert orch.wait_for_tiers(30.0) is True
+        assert time.monotonic() - started < 10, "the wait did not end when the reads landed"
+        steps += 1
+    assert steps <= 4  # about one wait per completion (two reads here), not a spin
+    started = time.monotonic()
+    assert orch.wait_for_tiers(30.0) is False and time.monotonic() - started < 10  # r1 got its hit
+    orch.release("r1")
+    assert orch.wait_for_tiers(30.0) is False

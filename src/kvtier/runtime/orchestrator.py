@@ -23,6 +23,12 @@ written to a shared remote tier (a lookup there would have to probe every candid
 A remote tier may not know yet whether it holds a block (:attr:`Presence.UNKNOWN`): the lookup
 asks it to probe (in the background) and answers "ask again"; the next lookup sees the answer.
 
+Waiting: the driving thread never waits for I/O, with one bounded exception:
+:meth:`Orchestrator.wait_for_tiers`, for a caller that has nothing else to do while an owner was
+told to ask again (an engine step that computes nothing): it blocks until any tier posts an
+outcome (the tiers share one bell, :mod:`kvtier.tiers.outbox`) or the timeout passes, so the
+tiers' threads run instead of waiting for the GIL behind a spinning loop.
+
 Ownership of host slots: a slot is written only by its WRITING owner (the engine's store job or
 a promotion); a READY slot may be read by any number of pinned readers; unpinned READY slots
 may be evicted and reused by :meth:`begin_store` or promotions.
@@ -33,6 +39,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +50,7 @@ from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, SecondaryTier
 from kvtier.tiers.host import HostIndex
+from kvtier.tiers.outbox import wait_for_any
 
 logger = logging.getLogger(__name__)
 
@@ -139,6 +147,10 @@ class Orchestrator:
         self._info: dict[BlockKey, BlockInfo] = {}  # for blocks stored but not yet cascaded
         self._next_refresh = time.monotonic() + REFRESH_INTERVAL_S
         self._evictions_reported: dict[Medium, int] = {}
+        self._asked_again: set[str] = set()  # owners last answered RETRY (waiting for a tier)
+        self._bell = threading.Event()  # rung by every tier's workers on each post
+        for tier in self.tiers:
+            tier.outbox.share_bell(self._bell)
 
     @property
     def disk(self) -> SecondaryTier | None:
@@ -241,7 +253,9 @@ class Orchestrator:
         self._holds[owner] = hold
         if pending:
             self.stats.lookups_retried += 1
+            self._asked_again.add(owner)
             return Acquired(AcquireStatus.RETRY, len(hold.keys))
+        self._asked_again.discard(owner)
         self.host.touch(hold.keys)
         promoted: dict[Medium, int] = {}
         for medium in hold.promoted.values():
@@ -280,6 +294,7 @@ class Orchestrator:
 
     def release(self, owner: str) -> None:
         """Unpin everything held for ``owner``. Idempotent."""
+        self._asked_again.discard(owner)
         hold = self._holds.pop(owner, None)
         if hold is None:
             return
@@ -404,6 +419,14 @@ class Orchestrator:
             self.host.pin(key)
             hold.keys.append(key)
             hold.promoted[key] = medium
+
+    def wait_for_tiers(self, timeout_s: float) -> bool:
+        """If an owner was told to ask again (its blocks are being read or probed), block until any
+        tier posts an outcome, at most ``timeout_s``; True if one is ready for :meth:`poll`. Only
+        for a caller with nothing else to do meanwhile (an engine step that computes nothing)."""
+        if not self._asked_again or not self.tiers:
+            return False
+        return wait_for_any([tier.outbox for tier in self.tiers], self._bell, timeout_s)
 
     def has_pending_io(self) -> bool:
         return bool(self._promotion_jobs or self._cascading)

@@ -16,6 +16,10 @@ Buffers: a tier reads into and writes from caller-owned buffers (host slots, one
 The caller keeps those buffers pinned (neither evicted nor reused) from ``submit_*`` until the
 job's :class:`IoResult` has come out of ``poll``; the tier never keeps a reference after that.
 
+Outcomes: a tier's workers post what they did on its :attr:`SecondaryTier.outbox`, whose bell
+the orchestrator shares between all tiers so that it can wait for the next outcome of any of them
+(:mod:`kvtier.tiers.outbox`) when it has nothing else to do.
+
 Failures never raise into the caller: a failed read is an ``IoResult`` with ``ok=False`` and a
 :class:`IoError` reason; the block is then a miss. A failed write only costs a future miss.
 """
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import Medium, ResidencyLog
+from kvtier.tiers.outbox import Outbox
 
 __all__ = ["IoError", "IoKind", "IoResult", "Medium", "Presence", "SecondaryTier", "TierUsage"]
 
@@ -83,6 +88,7 @@ class SecondaryTier(ABC):
 
     medium: Medium
     residency: ResidencyLog  # records index inserts (STORED) and removals (REMOVED) once enabled
+    outbox: Outbox  # the workers' posts; each rings its bell (poll() applies them)
 
     @abstractmethod
     def contains(self, key: BlockKey) -> bool:

@@ -1,7 +1,10 @@
 """Scheduler-side half of the connector: turns vLLM's scheduling decisions into copy jobs.
 
 Runs in vLLM's scheduler process, on the scheduler's thread only. Every hook answers from memory
-(the orchestrator's indexes); disk I/O runs on the disk tier's threads and is polled here.
+(the orchestrator's indexes); disk I/O runs on the disk tier's threads and is polled here. The one
+wait: a step that schedules nothing while a request waits for a tier's reads or probes blocks
+until a tier posts an outcome, at most :data:`IDLE_WAIT_S` (otherwise vLLM's one-process engine
+spins through empty steps and starves the tiers' threads of the GIL).
 
 Per request it keeps the block keys of its tokens, its engine block ids, how far stores have
 got, and its in-flight jobs. Invariants:
@@ -75,6 +78,11 @@ from kvtier.vllm.page_format import page_format
 from kvtier.vllm.request_state import RequestState, Uncacheable, block_extras
 
 logger = logging.getLogger(__name__)
+
+
+IDLE_WAIT_S = 0.01
+"""The longest an engine step that computes nothing waits for a tier's outcome while a request
+waits for its blocks (a new request arriving meanwhile waits at most this long)."""
 
 
 class JobKind(enum.Enum):
@@ -355,6 +363,11 @@ class KVTierScheduler:
 
     # --- per step ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
+        if not scheduler_output.total_num_scheduled_tokens:
+            # Nothing to compute this step: if a request waits for blocks a tier is reading or
+            # probing, let the tiers' threads run until one posts (bounded) instead of spinning.
+            # vLLM's one-process engine steps again at once and would hold the GIL all along.
+            self.orchestrator.wait_for_tiers(IDLE_WAIT_S)
         self.orchestrator.poll()
         self._engine_blocks.begin_step(scheduler_output)
         for req_id, new_block_ids, preempted in yield_req_data(scheduler_output):

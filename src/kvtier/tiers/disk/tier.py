@@ -17,7 +17,7 @@ for the jobs in flight) and ``rescan(wait=True)``. Three private executors do th
 (one thread, :meth:`rescan`). Workers never touch the in-memory index: they do file I/O only (including
 renaming corrupt files into quarantine, unlinking orphans found by a scan and updating the usage
 ledger under its file lock, which may wait briefly for another process) and post their outcome on
-a :class:`queue.SimpleQueue`. :meth:`poll` drains it and applies every index change on the
+a :class:`~kvtier.tiers.outbox.Outbox`. :meth:`poll` drains it and applies every index change on the
 caller's thread, so the index needs no lock. The caller's thread never takes the ledger's lock.
 
 Index and capacity. ``key -> generation`` in an ``OrderedDict`` kept in LRU
@@ -76,6 +76,7 @@ from kvtier.tiers.disk.ledger import Ledger, Sharing
 from kvtier.tiers.disk.messages import Msg, WriteJob, distinct_futures
 from kvtier.tiers.disk.snapshot import read_snapshot, write_snapshot
 from kvtier.tiers.disk.writer import NoSpaceLog, WriteOutcome, write_block
+from kvtier.tiers.outbox import Outbox
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class DiskTier(SecondaryTier):
         self._state = DiskIndex(
             block_bytes=self._world * self._file_bytes, capacity_bytes=capacity_bytes, remove_files=self._remove_files
         )
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._done = Outbox()  # the workers' posts
         self._applied: list[IoResult] = []  # results applied by close(), not yet returned by poll()
         self._closed = False
         self._no_space = NoSpaceLog(self._layout.root)
@@ -166,6 +167,10 @@ class DiskTier(SecondaryTier):
             self._state.load(keys)
             self._snapshot_taken = (time.monotonic(), self._index_signature())
             self.rescan()
+
+    @property
+    def outbox(self) -> Outbox:  # type: ignore[override]
+        return self._done
 
     @property
     def residency(self) -> ResidencyLog:  # type: ignore[override]

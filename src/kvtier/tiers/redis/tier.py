@@ -14,7 +14,7 @@ network I/O, except the constructor (connects, PINGs and writes the namespace's 
 the tier's own threads: ``kvtier-redis-read`` (reads), ``kvtier-redis-write`` (writes, UNLINKs,
 EXPIREs, clear sweeps; background priority), ``kvtier-redis-probe`` (EXISTS probes) and
 ``kvtier-redis-monitor`` (recovery, ``INFO memory``). Workers never touch the caller-side state
-(presence cache, counters, writes in flight): they post outcomes on a :class:`queue.SimpleQueue`
+(presence cache, counters, writes in flight): they post outcomes on an :class:`~kvtier.tiers.outbox.Outbox`
 (one list of messages per batch) and :meth:`poll` applies them, so that state needs no lock.
 Threads per pool: ``max(1, min(4, (max_connections - 2) // 2))`` readers and as many writers, so that every
 thread can hold a connection (3 + 3 + 1 + 1 = 8 with the default ``max_connections`` 8). Below
@@ -72,6 +72,7 @@ from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import ConfigError
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, SecondaryTier, TierUsage
 from kvtier.tiers.disk.files import byte_views
+from kvtier.tiers.outbox import Outbox
 from kvtier.tiers.redis.batcher import Batcher, WorkerPool
 from kvtier.tiers.redis.breaker import CircuitBreaker
 from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
@@ -151,7 +152,7 @@ class RedisTier(SecondaryTier):
         self._cancelled: set[BlockKey] = set()  # deleted while a write of it was in flight
         self._clear_epoch = 0
         self._usage = (0, 0)
-        self._done: queue.SimpleQueue[list[tuple]] = queue.SimpleQueue()  # workers' posts (jobs.py)
+        self._done = Outbox()  # workers' posts, each a list of messages (jobs.py)
         self._waited: list[tuple] | None = None  # taken off _done by wait(), applied by the next poll()
 
         self._monitor: Monitor | None = None
@@ -204,6 +205,10 @@ class RedisTier(SecondaryTier):
         self._monitor.start()
 
     # ------------------------------------------------------------------ contract
+
+    @property
+    def outbox(self) -> Outbox:  # type: ignore[override]
+        return self._done
 
     @property
     def residency(self) -> ResidencyLog:  # type: ignore[override]
@@ -320,7 +325,7 @@ class RedisTier(SecondaryTier):
         if self._waited is not None:
             return True
         try:
-            self._waited = self._done.get(timeout=max(0.0, timeout))
+            self._waited = self._done.get(timeout)
         except queue.Empty:
             return False
         return True
