@@ -236,7 +236,7 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
     def digest(worker, wanted: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
         import torch
 
-        from kvtier.copy.pages import find_block_dim
+        from kvtier.copy.pages import block_view
 
         context = worker.model_runner.vllm_config.compilation_config.static_forward_context
         out = {}
@@ -245,7 +245,7 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
             for name in layer_names[group]:
                 cache = context[name].kv_cache  # a Mamba layer's: a tuple of state views (conv, ssm, ...)
                 for part in cache if isinstance(cache, list | tuple) else [cache]:
-                    page = part.select(find_block_dim(part.shape, num_blocks), block_id)
+                    page = block_view(part, num_blocks)[block_id]
                     sha.update(page.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             out[(group, block_id)] = sha.hexdigest()
         return out

@@ -73,6 +73,7 @@ from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
 from kvtier.vllm.page_format import page_format
 from kvtier.vllm.request_state import RequestState, Uncacheable, block_extras
+from kvtier.vllm.runner import HookOrder, rewritten_before_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,10 @@ class KVTierScheduler:
         model: ModelIdentity,
         *,
         publish_kv_events: bool = False,
+        hook_order: HookOrder = HookOrder.REWRITES_FIRST,
     ):
         self.config = config
+        self.hook_order = hook_order
         self.geometry = geometry
         layout = geometry.layout
         self._regions = [
@@ -357,11 +360,13 @@ class KVTierScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
         self.orchestrator.poll()
         self._engine_blocks.begin_step(scheduler_output)
-        for req_id, new_block_ids, preempted in yield_req_data(scheduler_output):
+        for req_id, new_block_ids, is_full_table in yield_req_data(scheduler_output):
+            # vLLM 0.32 names the third value "preempted" (resumed requests only), 0.33
+            # "is_full_table" (new requests too): either way new_block_ids is then the whole table
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            if preempted:
+            if is_full_table:
                 for group_ids in state.block_ids:
                     group_ids.clear()
             if new_block_ids:
@@ -373,6 +378,8 @@ class KVTierScheduler:
             if state is not None:
                 flush |= {j for j in state.jobs if self._jobs[j].kind is JobKind.STORE}
         flush |= self._engine_blocks.jobs_to_flush(scheduler_output)
+        if self.hook_order is HookOrder.REWRITES_FIRST:
+            self._void_stores_rewritten(scheduler_output)
         meta = KVTierConnectorMetadata(
             loads=self._step_loads,
             stores=self._tail_stores + self._build_stores(scheduler_output),
@@ -381,6 +388,20 @@ class KVTierScheduler:
         )
         self._step_loads, self._delayed_free, self._tail_stores = [], [], []
         return meta
+
+    def _void_stores_rewritten(self, scheduler_output: SchedulerOutput) -> None:
+        """V2 runner: stores in flight on blocks this step rewrites before ``handle_preemptions``
+        may have copied the rewritten bytes; they are never published (:mod:`kvtier.vllm.runner`).
+        Tail stores created since the last step start after those rewrites and are safe."""
+        rewritten = rewritten_before_hooks(scheduler_output, self.geometry.state_groups)
+        if not rewritten:
+            return
+        unsent = {job.job_id for job in self._tail_stores}
+        for job_id in self._engine_blocks.jobs_reading(rewritten) - unsent:
+            job = self._jobs[job_id]
+            if not job.failed:
+                job.failed = True
+                self.orchestrator.stats.stores_voided += len(job.keys)
 
     def _build_stores(self, scheduler_output: SchedulerOutput) -> list[CopyJob]:
         jobs: list[CopyJob] = []
