@@ -50,6 +50,16 @@ def test_layer_outermost_layouts_merge_the_engine_blocks_of_one_kvtier_block():
     assert torch.equal(host.buffer, reference_store(paged, host, pages))
 
 
+def test_a_job_with_part_of_a_block_and_pages_out_of_order_lands_right():
+    """A tail (only the first page of its slot) and pages listed in no particular order."""
+    runs, paged, host = planner(KVCacheLayout.LBNHC, pages_per_block=2)
+    pages = [PageCopy(2, 0, 9), PageCopy(0, 1, 2), PageCopy(1, 0, 5), PageCopy(0, 0, 1)]
+    plan = runs.plan(Direction.STORE, pages)
+    assert plan.num_pages == 16 and plan.num_runs == 3 * 4  # slot 0's two pages merge, per layer
+    carry_out(plan)
+    assert torch.equal(host.buffer, reference_store(paged, host, pages))
+
+
 def test_block_outermost_layouts_merge_whole_blocks_and_consecutive_blocks():
     """BLHNC: a block is every layer's page in a row, as a host slot is: consecutive blocks into
     consecutive slots are one run; a block landing elsewhere starts another."""

@@ -190,3 +190,33 @@ def test_the_worker_connector_starts_on_gpu_kv_caches_and_moves_pages(case, tmp_
                 assert all(torch.equal(after[layer, t], before[layer, s]) for s, t in zip(sources[g], targets[g]))
     finally:
         connector.shutdown()
+
+
+def vllm_case(case):
+    """vLLM's own views for one of the GPU kit's cases (tests/gpu/gpu_layouts.py)."""
+    layout = KVCacheLayout[case.layout]
+    if case.state_layers:
+        spec = attention_spec(head_size=case.content // 2)
+        return vllm_kv_caches(layout, [(ATTENTION[:case.layers], spec),
+                                       (MAMBA[:case.state_layers], mamba_spec(spec.page_size_bytes))])
+    if case.heads == 1:
+        return vllm_kv_caches(layout, [(ATTENTION[:case.layers], mla_spec())])
+    spec = attention_spec(dtype=case.dtype, kv_heads=case.heads, head_size=case.content // 2)
+    return vllm_kv_caches(layout, [(ATTENTION[:case.layers], spec)], kernel_block_size=case.kernel_tokens)
+
+
+@pytest.mark.parametrize("name", list(__import__("gpu.gpu_layouts").gpu_layouts.CASES))
+def test_the_gpu_kit_builds_the_views_vllm_builds(name):
+    """The GPU machine has no vLLM: its kit lays KV out itself. Same views as vLLM's, or the kit
+    would test pages no vLLM worker hands kvtier."""
+    from gpu.gpu_layouts import CASES as KIT_CASES
+    from gpu.gpu_layouts import build as kit_build
+
+    case = KIT_CASES[name]
+    kv = vllm_case(case)
+    kit = kit_build(case, kv.num_blocks, "cpu")
+    ours = [(tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) for v in kit.views]
+    theirs = [(tuple(v.shape), v.stride(), v.storage_offset(), v.dtype) for v in (kv.views[n] for n in kv.layer_names)]
+    assert ours == theirs
+    assert kit.raw.untyped_storage().nbytes() == kv.config.kv_cache_tensors[0].size
+    assert kit.layer_groups == kv.layer_groups

@@ -107,21 +107,10 @@ class RunPlanner:
         could be copied."""
         table = np.array([(p.slot, p.sub, p.block_id, p.group) for p in pages], dtype=np.int64).reshape(-1, 4)
         self._check(table, pages)
-        engine_storage, engine_offset, host_offset = [], [], []
-        for group, layers in enumerate(self._groups):
-            chosen = table[table[:, 3] == group] if len(self._groups) > 1 else table
-            if not len(chosen):
-                continue
-            slot, sub, block = chosen[:, 0:1], chosen[:, 1:2], chosen[:, 2:3]
-            engine_storage.append(np.broadcast_to(self._layer_storage[layers], (len(chosen), len(layers))).ravel())
-            engine_offset.append((self._layer_base[layers] + block * self._layer_stride[layers]).ravel())
-            layout = self._layout
-            host_offset.append((((slot * layout.num_layers + layers) * layout.pages_per_block + sub)
-                                * self.page_bytes).ravel())
-        if engine_offset:
-            e_storage, e_offset, h_offset = map(np.concatenate, (engine_storage, engine_offset, host_offset))
+        if len(self._groups) == 1:
+            e_storage, e_offset, h_offset = self._one_group(table)
         else:
-            e_storage = e_offset = h_offset = np.zeros(0, dtype=np.int64)
+            e_storage, e_offset, h_offset = self._every_group(table)
         num_pages = len(h_offset)
         if num_pages > 1 and not np.all(h_offset[1:] > h_offset[:-1]):
             order = np.argsort(h_offset)
@@ -140,6 +129,33 @@ class RunPlanner:
             src, dst = (h_storage, h_offset), (e_storage, e_offset)
         return ByteRuns(direction, self.storages, src[0], src[1], dst[0], dst[1], sizes.astype(np.int64),
                         self._pointers[src[0]] + src[1], self._pointers[dst[0]] + dst[1], num_pages)
+
+    def _grid(self, table: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per (page, layer) of ``table``'s pages and ``layers``: engine storage, engine offset,
+        host offset, each ``[pages, layers]``."""
+        layout = self._layout
+        slot, sub, block = table[:, 0:1], table[:, 1:2], table[:, 2:3]
+        engine_storage = np.broadcast_to(self._layer_storage[layers], (len(table), len(layers)))
+        engine_offset = self._layer_base[layers] + block * self._layer_stride[layers]
+        host_offset = ((slot * layout.num_layers + layers) * layout.pages_per_block + sub) * self.page_bytes
+        return engine_storage, engine_offset, host_offset
+
+    def _one_group(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pages sorted by (slot, sub), laid out in host order (slot, layer, sub) without sorting
+        the (page, layer) entries when every slot of the job has its whole block (the usual job);
+        else left for the caller's sort."""
+        table = table[np.lexsort((table[:, 1], table[:, 0]))]
+        grids = self._grid(table, self._groups[0])
+        per_block = self._layout.pages_per_block
+        if per_block > 1 and len(table) % per_block == 0:
+            subs, slots = table[:, 1].reshape(-1, per_block), table[:, 0].reshape(-1, per_block)
+            if (subs == np.arange(per_block)).all() and (slots == slots[:, :1]).all():
+                return tuple(g.reshape(-1, per_block, g.shape[1]).transpose(0, 2, 1).ravel() for g in grids)
+        return tuple(g.ravel() for g in grids)
+
+    def _every_group(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        parts = [self._grid(table[table[:, 3] == group], layers) for group, layers in enumerate(self._groups)]
+        return tuple(np.concatenate([part[i].ravel() for part in parts]) for i in range(3))
 
     def _check(self, table: np.ndarray, pages: Sequence[PageCopy]) -> None:
         layout = self._layout
