@@ -133,9 +133,8 @@ class FakeRuntime:
     def error_name(self, code):
         return f"cudaError{code}"
 
-    def memcpy_batch(self, dsts, srcs, sizes, stream, *, src_in_stream_order):
-        self.recorder.calls.append(("memcpy_batch", np.array(dsts), np.array(srcs), np.array(sizes), stream,
-                                    src_in_stream_order))
+    def memcpy_batch(self, dsts, srcs, sizes, stream):
+        self.recorder.calls.append(("memcpy_batch", np.array(dsts), np.array(srcs), np.array(sizes), stream))
 
 
 def cuda_rig(runtime: bool = True, foreach=None):
@@ -167,8 +166,8 @@ def test_a_store_is_one_batched_copy_on_the_store_stream_after_the_compute_strea
     assert wait_ready == ("wait", store, record_ready[1])  # the store stream waits for it
     assert record_start[0] == "record" and record_start[2] == store
     assert device == ("device", "cuda:0")
-    _, dsts, srcs, sizes, handle, in_order = batch
-    assert handle == engine._streams[Direction.STORE].cuda_stream and in_order is True  # noqa: SLF001
+    _, dsts, srcs, sizes, handle = batch
+    assert handle == engine._streams[Direction.STORE].cuda_stream  # noqa: SLF001
     plan = engine.runs.plan(Direction.STORE, [PageCopy(0, 0, 3), PageCopy(1, 0, 4)])
     assert (dsts == plan.dst_addr).all() and (srcs == plan.src_addr).all() and (sizes == plan.sizes).all()
     assert record_end[0] == "record" and record_end[2] == store
@@ -177,13 +176,13 @@ def test_a_store_is_one_batched_copy_on_the_store_stream_after_the_compute_strea
 
 
 @pytest.mark.parametrize("synchronous", [True, False])
-def test_a_load_reads_host_slots_out_of_order_and_holds_the_compute_stream_only_if_synchronous(synchronous):
+def test_a_load_is_one_batched_copy_and_holds_the_compute_stream_only_if_synchronous(synchronous):
     engine, recorder, cuda = cuda_rig()
     load = names(engine)[Direction.LOAD]
     recorder.calls.clear()
     engine.start_load(1, [PageCopy(0, 0, 3)], synchronous=synchronous)
     [batch] = [c for c in recorder.calls if c[0] == "memcpy_batch"]
-    assert batch[4] == engine._streams[Direction.LOAD].cuda_stream and batch[5] is False  # noqa: SLF001
+    assert batch[4] == engine._streams[Direction.LOAD].cuda_stream  # noqa: SLF001
     end = [c for c in recorder.calls if c[0] == "record" and c[2] == load][-1][1]
     compute_waits = [c for c in recorder.calls if c[0] == "wait" and c[1] == "pool0"]
     assert compute_waits == ([("wait", "pool0", end)] if synchronous else [])

@@ -13,8 +13,10 @@ contract in :mod:`kvtier.copy.base` holds, per job (the scheme of vLLM's own CPU
   stream waits on it, issues the copies and records ``end``. A *synchronous* load also makes the
   compute stream wait on ``end``, so every kernel issued after ``start_load`` returns sees the
   loaded bytes. An *asynchronous* one does not: its request is in no batch until the job is
-  polled done (vLLM keeps it in WAITING_FOR_REMOTE_KVS), and holding the compute stream would
-  stall every other request behind the copy. Loads share the other stream (FIFO).
+  polled done (vLLM keeps it in WAITING_FOR_REMOTE_KVS; aborted there, its blocks are freed only
+  once the load is reported, vLLM 0.32 ``v1/core/sched/scheduler.py:2700-2706``), and holding the
+  compute stream would stall every other request behind the copy. Loads share the other stream
+  (FIFO).
 - ``poll``: per direction, the leading jobs whose ``end`` completed (event query, never blocks).
 - ``wait``: blocks on the jobs' ``end`` events; ``close`` on every job's.
 

@@ -28,9 +28,7 @@ logger = logging.getLogger(__name__)
 SUCCESS = 0
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction is inferred from the pointers (unified addressing)
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
-SRC_ACCESS_ORDER_ANY = 3  # cudaMemcpySrcAccessOrderAny
 FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute
-_NOT_SUPPORTED = {36, 801}  # cudaErrorCallRequiresNewerDriver, cudaErrorNotSupported
 
 
 class CudaError(RuntimeError):
@@ -54,13 +52,11 @@ class CudaRuntime(Protocol):
     def error_name(self, code: int) -> str:
         """``cudaGetErrorName(code)``."""
 
-    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, *,
-                     src_in_stream_order: bool) -> None:
+    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         """Issue ``dsts[i] <- srcs[i]`` (``sizes[i]`` bytes; int64 arrays of addresses) on
-        ``stream`` (a ``cudaStream_t``, never the legacy default stream) in one batched call where
-        the runtime has one. ``src_in_stream_order=False`` lets the copy engine read the sources
-        before earlier work on ``stream`` ran (sources nothing on the device writes). Raises
-        :class:`CudaError` after draining the error it caused."""
+        ``stream`` (a ``cudaStream_t``, never the legacy default stream), every source read in
+        stream order, in one batched call where the runtime has one. Raises :class:`CudaError`
+        after draining the error it caused."""
 
 
 class _MemLocation(ctypes.Structure):
@@ -150,16 +146,16 @@ class LoadedCudart:
         name = self._lib.cudaGetErrorName(code)
         return name.decode() if name else f"cudaError {code}"
 
-    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int, *,
-                     src_in_stream_order: bool) -> None:
+    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
         count = len(sizes)
         if count == 0:
             return
         dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (dsts, srcs, sizes))
         if self._batch is not None:
             function, with_fail_index = self._batch
-            order = SRC_ACCESS_ORDER_STREAM if src_in_stream_order else SRC_ACCESS_ORDER_ANY
-            attributes = _MemcpyAttributes(order, _MemLocation(0, 0), _MemLocation(0, 0),
+            # Sources in stream order, loads included: vLLM lets loads read host memory out of order
+            # (ANY), which a pageable region (pinning refused) may not allow; this holds for both.
+            attributes = _MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0),
                                            FLAG_PREFER_OVERLAP_WITH_COMPUTE)
             first = ctypes.c_size_t(0)
             args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count, ctypes.byref(attributes),
@@ -169,9 +165,9 @@ class LoadedCudart:
             if code == SUCCESS:
                 return
             self.get_last_error()
-            if code not in _NOT_SUPPORTED:
-                raise CudaError("cudaMemcpyBatchAsync", code, self.error_name(code))
-            logger.warning("kvtier: cudaMemcpyBatchAsync is not supported here (%s); copying run by run",
+            # Not supported by this driver, or refused for these pointers: the runs go one by one
+            # (a real device error shows again there, and is raised).
+            logger.warning("kvtier: cudaMemcpyBatchAsync failed (%s); copying run by run from now on",
                            self.error_name(code))
             self._batch = None
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):

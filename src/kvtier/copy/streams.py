@@ -21,7 +21,6 @@ from typing import Any, Protocol
 
 import torch
 
-from kvtier.copy.base import Direction
 from kvtier.copy.cudart import CudaRuntime, LoadedCudart
 from kvtier.copy.pages import CopyPlan
 from kvtier.copy.runs import ByteRuns
@@ -64,10 +63,8 @@ class TorchCudaStreams:
     """:class:`DeviceStreams` on ``torch.cuda`` for the KV tensors' ``device``.
 
     Copies: a job's :class:`~kvtier.copy.runs.ByteRuns` go out in one ``cudaMemcpyBatchAsync``
-    (CUDA runtime 12.8 and later; one ``cudaMemcpyAsync`` per run before) on the side stream. A
-    store's sources are read in stream order (the live KV cache, which the compute stream writes);
-    a load's sources (host slots no device work writes) may be read as early as the driver likes,
-    as vLLM does. Strided pages (:class:`~kvtier.copy.pages.CopyPlan`: layouts that are not
+    (CUDA runtime 12.8 and later; one ``cudaMemcpyAsync`` per run before, or after the driver
+    refused a batch) on the side stream, sources read in stream order. Strided pages (:class:`~kvtier.copy.pages.CopyPlan`: layouts that are not
     block-compact), and every job where no CUDA runtime library is found, go through
     ``torch._foreach_copy_(..., non_blocking=True)`` under ``torch.cuda.stream(side stream)``:
     one copy per page pair, a strided one through a device temporary. Asynchronous only with
@@ -105,8 +102,7 @@ class TorchCudaStreams:
     def copy(self, stream: Any, plan: ByteRuns | CopyPlan) -> None:
         if isinstance(plan, ByteRuns) and self.runtime is not None:
             with self._cuda.device(self.device):
-                self.runtime.memcpy_batch(plan.dst_addr, plan.src_addr, plan.sizes, stream.cuda_stream,
-                                          src_in_stream_order=plan.direction is Direction.STORE)
+                self.runtime.memcpy_batch(plan.dst_addr, plan.src_addr, plan.sizes, stream.cuda_stream)
             return
         dsts, srcs = plan.views()
         with self._cuda.stream(stream):

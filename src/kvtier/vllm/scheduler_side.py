@@ -45,7 +45,6 @@ import enum
 import itertools
 import logging
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -62,8 +61,6 @@ from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.fingerprint import AdapterFingerprints
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk.layout import Access
 from kvtier.tiers.host import HostIndex
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.engine_blocks import NULL_BLOCK_ID, EngineBlocks
@@ -74,6 +71,7 @@ from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnect
 from kvtier.vllm.page_format import page_format
 from kvtier.vllm.request_state import RequestState, Uncacheable, block_extras
 from kvtier.vllm.runner import HookOrder, rewritten_before_hooks
+from kvtier.vllm.secondary_tiers import open_secondary_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -124,36 +122,10 @@ class KVTierScheduler:
         )
         self._digest = self.namespace.engine_digest
         self._adapters = AdapterFingerprints()
-        tiers: list = []
-        if config.disk is not None:
-            disk_config = config.disk
-            tiers.append(DiskTier(
-                root_dir=Path(disk_config.root_dir),
-                model_name=geometry.model_name,
-                engine_digest=self._digest,
-                rank_digests=self.namespace.rank_digests(),
-                namespace_json=self.namespace.config_json(geometry.model_name),
-                payload_bytes=layout.slot_bytes,
-                capacity_bytes=disk_config.capacity_bytes,
-                n_read_threads=disk_config.n_read_threads,
-                n_write_threads=disk_config.n_write_threads,
-                max_pending_writes=disk_config.max_pending_writes,
-                access=Access.GROUP if disk_config.group_access else Access.OWNER,
-            ))
-        if config.remote is not None:
-            from kvtier.tiers.redis import RedisTier  # imports redis-py only when configured
-
-            tiers.append(RedisTier(
-                config.remote,
-                engine_digest=self._digest,
-                rank_digests=self.namespace.rank_digests(),
-                namespace_json=self.namespace.config_json(geometry.model_name),
-                payload_bytes=layout.slot_bytes,
-            ))
         self.orchestrator = Orchestrator(
             host=HostIndex(layout.num_slots, config.eviction_policy),
             host_bytes=HostBytes([r.view for r in self._regions], layout.slot_bytes),
-            tiers=tiers,
+            tiers=open_secondary_tiers(config, geometry, self.namespace),
             admission=StoreAdmission(config.store_threshold, config.max_tracker_size),
         )
         self._events: KVEventTranslator | None = None
@@ -394,8 +366,6 @@ class KVTierScheduler:
         may have copied the rewritten bytes; they are never published (:mod:`kvtier.vllm.runner`).
         Tail stores created since the last step start after those rewrites and are safe."""
         rewritten = rewritten_before_hooks(scheduler_output, self.geometry.state_groups)
-        if not rewritten:
-            return
         unsent = {job.job_id for job in self._tail_stores}
         for job_id in self._engine_blocks.jobs_reading(rewritten) - unsent:
             job = self._jobs[job_id]
