@@ -220,3 +220,19 @@ def test_the_gpu_kit_builds_the_views_vllm_builds(name):
     assert ours == theirs
     assert kit.raw.untyped_storage().nbytes() == kv.config.kv_cache_tensors[0].size
     assert kit.layer_groups == kv.layer_groups
+
+
+def test_the_page_description_names_the_memory_order_only_where_it_is_not_row_major():
+    """Slots hold dense pages in memory order: an LBNHC engine's bytes must never be read by an LBHNC
+    one, so its description (folded into the namespace) says so; vLLM-CPU's LBHNC description, and
+    with it every namespace already on disk, stays as it was."""
+    from kvtier.vllm.page_format import describe_pages
+
+    def describe(layout):
+        kv = vllm_kv_caches(layout, [(ATTENTION, attention_spec())])
+        return describe_pages(kv.views, ATTENTION, kv.num_blocks, {}, layout.name)
+
+    lbhnc, lbnhc = describe(KVCacheLayout.LBHNC), describe(KVCacheLayout.LBNHC)
+    assert "physical_orders" not in lbhnc
+    assert lbnhc["physical_orders"] == [[1, 0, 2]] * len(ATTENTION)  # tokens, heads, content
+    assert lbhnc["layers"] == lbnhc["layers"]  # same shapes: only the order tells them apart

@@ -4,7 +4,8 @@ before the first hook of a step.
 kvtier's reuse fence (:mod:`kvtier.vllm.engine_blocks`) makes the workers finish a store before
 a step writes a block the store still reads, by waiting in ``handle_preemptions``. That is enough
 only if ``handle_preemptions`` comes before every write of the step. Two hook orders exist
-(file:line in vLLM 0.32; 0.33 keeps both orders):
+(file:line in vLLM 0.32; 0.33 keeps both, V2's at ``v1/worker/gpu/model_runner.py:1293-1305, 1870``
+and ``v1/worker/gpu/kv_connector.py:86``):
 
 - :attr:`HookOrder.PREEMPTIONS_FIRST`, the V1-derived runner (vLLM-CPU's ``CPUModelRunner``, and
   GPUs with ``VLLM_USE_V2_MODEL_RUNNER=0`` or a feature V2 lacks): ``execute_model`` calls
