@@ -48,6 +48,7 @@ def record_loads(sim: SimEngine) -> list:
     real = copies.start_load
 
     def start_load(job_id, pages, **kwargs):
+        assert kwargs == {"synchronous": False}  # asynchronous: no compute-stream wait on CUDA
         loaded.extend(pages)
         real(job_id, pages, **kwargs)
 
@@ -76,6 +77,19 @@ def test_round_two_loads_every_full_page_and_only_the_window_of_sliding_pages(mo
         # vLLM allocates the sliding group's blocks of the last W-1 tokens before token 96 only
         assert len(sliding) == 4 * 2
         assert all(p.block_id != 0 for p in loaded)
+
+
+def test_with_one_group_loads_are_synchronous(model):
+    """One group: the load is synchronous (the CUDA engine makes the compute stream wait for it)."""
+    prompts = prompts_of(2, 2, 60)
+    with SimEngine(model, kvtier=HOST) as sim:
+        sim.generate(prompts, 2)
+        assert sim.reset_prefix_cache()
+        copies = worker_copies(sim)
+        real, seen = copies.start_load, []
+        copies.start_load = lambda job_id, pages, **kwargs: seen.append(kwargs) or real(job_id, pages, **kwargs)
+        sim.generate(renamed(prompts, "-2"), 2)
+        assert seen and all(kwargs == {"synchronous": True} for kwargs in seen)
 
 
 def test_negative_control_skipping_the_sliding_pages_is_caught(model):

@@ -15,7 +15,7 @@ model runners (``runner``, file:line in vLLM 0.32 unless marked 0.33):
 - ``"v2"``, the V2 runner, GPUs' default (``v1/worker/gpu/model_runner.py``): the block rewrites
   first (``:1259-1270``; the Mamba pre-copy ``:1820`` would follow), then ``pre_forward``:
   ``handle_preemptions``, bind, sync loads (``v1/worker/gpu/kv_connector.py:81-89``), the
-  forward, then ``post_forward`` as V1 (asynchronous loads first, ``:135-151``);
+  forward, then ``post_forward`` as V1 (asynchronous loads first, ``:131-151``);
 - ``"v2-speculator"``, V2 with a speculator in vLLM 0.33: ``post_forward`` collects the transfer
   results and worker metadata first and ``finalize_step`` calls ``wait_for_save`` after the
   drafter (0.33 ``v1/worker/gpu/kv_connector.py:136-166``, ``model_runner.py:2259-2344``).
