@@ -43,7 +43,7 @@ def block_view(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
     (dim 0 = ``num_blocks x ratio``) are regrouped into ``[num_blocks, ratio, ...]``. ValueError
     naming the shape for anything else."""
     first = tensor.shape[0] if tensor.dim() else 0
-    if first == num_blocks:
+    if first == num_blocks > 0:
         return tensor
     if num_blocks > 0 and first > num_blocks and first % num_blocks == 0:
         return tensor.unflatten(0, (num_blocks, first // num_blocks))
@@ -77,7 +77,7 @@ def page_rows(tensor: torch.Tensor, num_blocks: int, page_bytes: int | None = No
     the state at the start of the page, is copied whole, padding included. ValueError if the rows
     would overlap (``page_bytes`` larger than the distance between blocks)."""
     blocks = block_view(tensor, num_blocks)
-    page = blocks[0] if num_blocks else blocks.new_empty(blocks.shape[1:])
+    page = blocks[0]
     if physical_order(page) is None:
         return None
     item = tensor.element_size()
