@@ -83,7 +83,9 @@ def finish(proc, run_dir: Path, *, timeout: float = 900,
     log = engine_log(run_dir)
     assert proc.returncode == 0, log[-5000:]
     assert not pending, f"rounds {sorted(pending)} never paused"
-    result = json.loads(log.strip().splitlines()[-1])
+    # The result is the harness's last line of JSON: Python may still print warnings after it at
+    # exit (the multiprocessing resource tracker, when vLLM's shutdown ran out of time under load).
+    result = json.loads(next(line for line in reversed(log.strip().splitlines()) if line.startswith("{")))
     result["log"] = log
     result["run_dir"] = str(run_dir)
     return result
