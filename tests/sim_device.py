@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
@@ -75,7 +75,8 @@ class SimDevice:
         self.compute = SimStream("compute")
         self.streams: list[SimStream] = [self.compute]
         self.clock = 0
-        self.copy_calls: list[tuple[SimStream, int]] = []  # (stream, number of pairs) per copy call
+        self.copy_calls: list[tuple[SimStream, int]] = []  # (stream, number of copies: runs or page pairs) per call
+        self.plans: list = []  # the plans handed to copy(), in order
         self.executed: list[str] = []  # labels of the operations run, in order
 
     # ---- DeviceStreams ---------------------------------------------------------------------------
@@ -99,11 +100,17 @@ class SimDevice:
         marker = event.recorded()
         stream.ops.append(("wait", marker, f"{stream.name} waits {event.name} ({marker.stream.name})"))
 
-    def copy(self, stream: SimStream, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        dsts, srcs = list(dsts), list(srcs)
+    def copy(self, stream: SimStream, plan) -> None:
+        """Issue a job's copies (:class:`~kvtier.copy.runs.ByteRuns` or page pairs), carried out
+        with torch on the same memory when the stream gets there."""
+        dsts, srcs = plan.views()
+        self._issue(stream, list(dsts), list(srcs))
+        self.plans.append(plan)
+
+    def _issue(self, stream: SimStream, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         assert len(dsts) == len(srcs) and all(d.shape == s.shape for d, s in zip(dsts, srcs))
         self.copy_calls.append((stream, len(dsts)))
-        self.enqueue(stream, lambda: torch._foreach_copy_(dsts, srcs), f"copy {len(dsts)} pages on {stream.name}")
+        self.enqueue(stream, lambda: torch._foreach_copy_(dsts, srcs), f"copy {len(dsts)} runs on {stream.name}")
 
     def query(self, event: SimEvent) -> bool:
         return event.recorded().done
@@ -210,10 +217,27 @@ class SynchronizeReturnsAtOnce(SimDevice):
 
 
 class CopyFailsHalfway(SimDevice):
-    """The batched copy issues its first half of the pairs, then raises (a device error mid-job)."""
+    """The batched copy issues its first half of the copies, then raises (a device error mid-job)."""
 
-    def copy(self, stream: SimStream, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    def copy(self, stream: SimStream, plan) -> None:
+        dsts, srcs = plan.views()
         half = len(dsts) // 2
         if half:
-            super().copy(stream, list(dsts)[:half], list(srcs)[:half])
+            self._issue(stream, list(dsts)[:half], list(srcs)[:half])
         raise RuntimeError("simulated device error while issuing copies")
+
+
+class PoolStreams(SimDevice):
+    """Side streams come from a pool of ``size`` streams handed out round robin, as torch's are,
+    and the compute stream is one of them (vLLM's is): every ``size``-th new stream is it."""
+
+    def __init__(self, size: int = 4):
+        super().__init__()
+        self.pool = [self.compute] + [SimStream(f"pool{i}") for i in range(1, size)]
+        self.streams = list(self.pool)
+        self.handed = 0
+
+    def new_stream(self) -> SimStream:
+        stream = self.pool[self.handed % len(self.pool)]
+        self.handed += 1
+        return stream

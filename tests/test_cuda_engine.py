@@ -15,6 +15,7 @@ import torch
 from sim_device import (
     ComputeIgnoresSideStreams,
     CopyFailsHalfway,
+    PoolStreams,
     QueryAlwaysTrue,
     SideStreamsIgnoreCompute,
     SimDevice,
@@ -187,22 +188,94 @@ def test_a_bad_page_is_a_failed_job_not_an_exception():
     assert done[2].ok and torch.equal(slot_bytes(host, 0), block_bytes(layers, 3))
 
 
-def test_a_load_failing_midway_still_holds_back_the_forward():
-    """Half the pages were issued when the device call failed: the forward (which recomputes the
-    blocks) must not run before those copies, and the failure is reported only after them."""
+def test_a_load_failing_midway_is_reported_at_once_and_still_holds_back_the_forward():
+    """Half the pages were issued when the device call failed. vLLM discards the token sampled on
+    unloaded blocks only if the error arrives in the same step's output, so the failure is reported
+    by the very next poll, before the device ran anything; the forward (which recomputes the
+    blocks) still waits for the partial copies, so they land first."""
     device = CopyFailsHalfway()
     engine, layers, host = rig(device)
     fill_slot(host, 0, seed=4)
     fill_slot(host, 1, seed=5)
     engine.start_load(1, [PageCopy(0, 0, 5), PageCopy(1, 0, 6)])
+    [done] = engine.poll()  # the same step's get_transfer_results
+    assert (done.job_id, done.direction, done.ok, done.num_bytes) == (1, Direction.LOAD, False, 0)
+    assert device.executed == []
     recomputed = write_block(device, layers, 5, 3.0)
     device.advance(device.compute)
-    assert engine.poll() == []
     assert not torch.equal(block_bytes(layers, 5), recomputed)  # the recompute waits for the partial load
     device.run_all()
     assert torch.equal(block_bytes(layers, 5), recomputed)  # ... so it lands last
+    assert engine.poll() == []  # reported once
+
+
+@pytest.mark.parametrize("kind", ["store", "asynchronous load"])
+def test_a_failed_job_with_copies_in_flight_is_reported_only_after_them(kind):
+    """A store's host slots and an asynchronous load's engine blocks are reused once the job is
+    reported: a partial copy still in flight must not outlive the report."""
+    device = CopyFailsHalfway()
+    engine, layers, host = rig(device)
+    pages = [PageCopy(0, 0, 5), PageCopy(1, 0, 6)]
+    if kind == "store":
+        engine.start_store(1, pages)
+    else:
+        engine.start_load(1, pages, synchronous=False)
+    assert engine.poll() == []
+    device.run_all()
     [done] = engine.poll()
-    assert (done.job_id, done.ok, done.num_bytes) == (1, False, 0)
+    assert (done.job_id, done.ok) == (1, False)
+
+
+def test_a_job_failing_before_any_copy_is_reported_at_once():
+    device = SimDevice()
+    engine, _, _ = rig(device)
+    engine.start_store(1, [PageCopy(99, 0, 3)])  # no such slot: nothing was issued
+    engine.start_load(2, [PageCopy(0, 0, 99)], synchronous=False)
+    assert sorted((d.job_id, d.ok) for d in engine.poll()) == [(1, False), (2, False)]
+    device.run_all()
+    assert engine.poll() == []
+
+
+def test_an_asynchronous_load_does_not_hold_back_the_compute_stream():
+    """Its request is in no batch until the load is polled done: other requests' kernels run on."""
+    device = SimDevice()
+    engine, layers, host = rig(device)
+    payload = fill_slot(host, 0, seed=6)
+    engine.start_load(1, [PageCopy(0, 0, 5)], synchronous=False)
+    ran = []
+    device.enqueue(device.compute, lambda: ran.append("other requests' forward"), "forward")
+    device.advance(device.compute)
+    assert ran == ["other requests' forward"]  # not behind the load
+    assert engine.poll() == [] and not torch.equal(block_bytes(layers, 5), payload)
+    device.advance_side_streams()
+    [done] = engine.poll()
+    assert done.ok and torch.equal(block_bytes(layers, 5), payload)  # reported only once the bytes landed
+
+
+def test_a_synchronous_load_holds_back_the_compute_stream():
+    device = SimDevice()
+    engine, _, host = rig(device)
+    fill_slot(host, 0, seed=7)
+    engine.start_load(1, [PageCopy(0, 0, 5)])
+    ran = []
+    device.enqueue(device.compute, lambda: ran.append("forward"), "forward")
+    device.advance(device.compute)
+    assert ran == []
+
+
+def test_side_streams_are_never_the_compute_stream():
+    """torch hands out pool streams round robin and vLLM's compute stream is one of them."""
+    device = PoolStreams(size=3)  # the first stream handed out is the compute stream
+    engine, layers, host = rig(device)
+    streams = set(engine._streams.values())  # noqa: SLF001
+    assert device.compute not in streams and len(streams) == 2
+    device.compute = engine._streams[Direction.STORE]  # noqa: SLF001 - vLLM switched to a stream we hold
+    written = write_block(device, layers, 3, 4.0)
+    engine.start_store(1, [PageCopy(0, 0, 3)])
+    [(stream, _)] = device.copy_calls
+    assert stream is not device.compute and stream is not engine._streams[Direction.LOAD]  # noqa: SLF001
+    device.run_all()
+    assert torch.equal(slot_bytes(host, 0), written)
 
 
 def test_a_device_that_cannot_record_fails_the_job_at_once():

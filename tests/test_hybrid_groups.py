@@ -23,8 +23,9 @@ from support.engine_sim import (
     write_model,
 )
 
+from support.late_stores import run_with_late_stores
+
 from kvtier.copy import Direction
-from kvtier.copy.base import CopyEngine
 from kvtier.core.config import ConfigError
 
 HOST = {"cpu_bytes_to_use": 2 * 2**20}
@@ -46,9 +47,10 @@ def record_loads(sim: SimEngine) -> list:
     loaded: list = []
     real = copies.start_load
 
-    def start_load(job_id, pages):
+    def start_load(job_id, pages, **kwargs):
+        assert kwargs == {"synchronous": False}  # asynchronous: no compute-stream wait on CUDA
         loaded.extend(pages)
-        real(job_id, pages)
+        real(job_id, pages, **kwargs)
 
     copies.start_load = start_load
     return loaded
@@ -77,6 +79,19 @@ def test_round_two_loads_every_full_page_and_only_the_window_of_sliding_pages(mo
         assert all(p.block_id != 0 for p in loaded)
 
 
+def test_with_one_group_loads_are_synchronous(model):
+    """One group: the load is synchronous (the CUDA engine makes the compute stream wait for it)."""
+    prompts = prompts_of(2, 2, 60)
+    with SimEngine(model, kvtier=HOST) as sim:
+        sim.generate(prompts, 2)
+        assert sim.reset_prefix_cache()
+        copies = worker_copies(sim)
+        real, seen = copies.start_load, []
+        copies.start_load = lambda job_id, pages, **kwargs: seen.append(kwargs) or real(job_id, pages, **kwargs)
+        sim.generate(renamed(prompts, "-2"), 2)
+        assert seen and all(kwargs == {"synchronous": True} for kwargs in seen)
+
+
 def test_negative_control_skipping_the_sliding_pages_is_caught(model):
     """A load that fills the full-attention group but not the sliding one changes the outputs."""
     prompts = prompts_of(2, 3, 100)
@@ -86,86 +101,22 @@ def test_negative_control_skipping_the_sliding_pages_is_caught(model):
         assert sim.reset_prefix_cache()
         copies = worker_copies(sim)
         real = copies.start_load
-        copies.start_load = lambda job_id, pages: real(job_id, [p for p in pages if p.group == 0])
+        copies.start_load = lambda job_id, pages, **kwargs: real(job_id, [p for p in pages if p.group == 0], **kwargs)
         second = sim.generate(renamed(prompts, "-2"), 4)
         assert by_prompt(second, "-2") != ref
         assert sim.model.kv_mismatches
 
 
-class LateStores(CopyEngine):
-    """A copy engine whose stores complete one engine step late (a slow copy stream): a store
-    started in step s copies at the end of step s+1, after that step's forward wrote its KV,
-    unless the worker waits for it first (a flush). Loads are the real engine's."""
-
-    def __init__(self, inner: CopyEngine):
-        self.inner = inner
-        self._deferred: list[tuple[int, list, int]] = []
-        self._polls = 0
-        self.flushed: set[int] = set()
-
-    def start_load(self, job_id, pages):
-        self.inner.start_load(job_id, pages)
-
-    def start_store(self, job_id, pages):
-        self._deferred.append((job_id, list(pages), self._polls))
-
-    def _run(self, jobs):
-        for job_id, pages, _ in jobs:
-            self.inner.start_store(job_id, pages)
-        self.inner.wait([job_id for job_id, _, _ in jobs])
-
-    def poll(self):
-        due = [job for job in self._deferred if job[2] < self._polls]
-        self._deferred = [job for job in self._deferred if job[2] >= self._polls]
-        self._run(due)
-        self._polls += 1
-        return self.inner.poll()
-
-    def wait(self, job_ids=None):
-        wanted = set(job_ids) if job_ids is not None else {job[0] for job in self._deferred}
-        self.flushed |= wanted & {job[0] for job in self._deferred}
-        self._run([job for job in self._deferred if job[0] in wanted])
-        self._deferred = [job for job in self._deferred if job[0] not in wanted]
-        self.inner.wait(job_ids)
-
-    def close(self):
-        self._run(self._deferred)
-        self._deferred = []
-        self.inner.close()
-
-
-def run_with_late_stores(model: Path, fence: bool) -> tuple[int, list, set[int]]:
-    """Round 1: 6 prompts of 160 tokens in a pool of 32 blocks (a sliding block freed below the
-    window is soon handed to another request) with stores landing a step late. Round 2: cuts of
-    those prompts at 40..130 tokens, so the sliding pages of early blocks are loaded too.
-    Returns (round-2 outputs unlike vLLM alone's, KV mismatches, stores the fence flushed)."""
-    prompts = prompts_of(3, 6, 160, shared_prefix=16)
-    cuts = {f"{req_id}-{n}": prompt[:n] for req_id, prompt in prompts.items() for n in (40, 70, 100, 130)}
-    engine = dict(sliding_window=WINDOW, num_blocks=32, max_num_batched_tokens=64)
-    ref = reference_outputs(model, cuts, 2, **engine)
-    with SimEngine(model, kvtier=HOST, **engine) as sim:
-        late = LateStores(worker_copies(sim))
-        sim.worker._worker.copies = late  # noqa: SLF001
-        if not fence:
-            sim.kvtier_scheduler._engine_blocks.jobs_to_flush = lambda scheduler_output: set()  # noqa: SLF001
-        sim.generate(prompts, 8)
-        assert sim.reset_prefix_cache()
-        second = sim.generate(cuts, 2)
-        assert sum(external(second)) >= 900
-        wrong = sum(second[req_id].tokens != ref[req_id] for req_id in cuts)
-        return wrong, sim.model.kv_mismatches, late.flushed
-
-
 def test_a_block_freed_below_the_window_waits_for_its_store_before_reuse(model):
-    wrong, mismatches, flushed = run_with_late_stores(model, fence=True)
-    assert wrong == 0 and mismatches == []
-    assert flushed  # sliding blocks were handed out again while their stores were in flight
+    result = run_with_late_stores(model, fence=True)
+    assert result.wrong == 0 and result.mismatches == []
+    assert result.flushed  # sliding blocks were handed out again while their stores were in flight
 
 
 def test_negative_control_without_the_fence_reused_blocks_are_stored_wrong(model):
-    wrong, mismatches, flushed = run_with_late_stores(model, fence=False)
-    assert wrong and mismatches
-    assert not flushed
+    result = run_with_late_stores(model, fence=False)
+    assert result.wrong and result.mismatches
+    assert not result.flushed
 
 
 def test_a_failed_load_with_several_groups_is_recomputed_per_request(model):

@@ -1,6 +1,7 @@
 """Worker-side page copies (kvtier.copy): the batched copy is bit-exact and byte-for-byte the old
-per-page copy, for vLLM-CPU's layout, FlashAttention's (a page = strided K and V halves), MLA's and
-permuted strides; the CPU engine; which engine serves which device."""
+per-page copy, for vLLM-CPU's layout, pages spread over memory (heads outside blocks), MLA's and
+dense pages in another physical order (LBNHC-like); the CPU engine; which engine serves which device.
+The layouts vLLM itself builds are in tests/test_vllm_layouts.py."""
 
 import os
 
@@ -11,7 +12,6 @@ from hypothesis import strategies as st
 
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, make_copy_engine
 from kvtier.copy.cpu import CpuCopyEngine
-from kvtier.copy.pages import find_block_dim
 from kvtier.core.slots import HostSlotLayout
 from kvtier.tiers.shm import SharedRegion
 
@@ -22,23 +22,23 @@ def cpu_layers(num_layers=3):  # vLLM-CPU: [blocks, kv_heads, block_size, 2*head
     return [torch.randn(NUM_BLOCKS, 2, 4, 8) for _ in range(num_layers)]
 
 
-def flash_layers(num_layers=3):  # FlashAttention: [2, blocks, block_size, kv_heads, head] (block dim 1)
-    return [torch.randn(2, NUM_BLOCKS, 4, 2, 4) for _ in range(num_layers)]
+def head_major_layers(num_layers=3):  # LHBNC-like: [heads, blocks, ...] in memory, a page spread over it
+    return [torch.randn(2, NUM_BLOCKS, 4, 8).transpose(0, 1) for _ in range(num_layers)]
 
 
 def mla_layers(num_layers=3):  # MLA: [blocks, block_size, latent], one tensor per layer, 2-byte dtype
     return [torch.randn(NUM_BLOCKS, 4, 12).to(torch.bfloat16) for _ in range(num_layers)]
 
 
-def permuted_layers(num_layers=3):  # block dim 0 but strided pages: [blocks, kv_heads, block_size, head]
-    return [torch.randn(NUM_BLOCKS, 4, 2, 8).transpose(1, 2) for _ in range(num_layers)]  # stored HND-like
+def permuted_layers(num_layers=3):  # LBNHC-like: [blocks, kv_heads, block_size, head], tokens outside heads
+    return [torch.randn(NUM_BLOCKS, 4, 2, 8).transpose(1, 2) for _ in range(num_layers)]
 
 
 def odd_layers(num_layers=3):  # rows of 5 bytes (say an fp8 cache): pages cannot be viewed as int64
     return [torch.randint(0, 256, (NUM_BLOCKS, 4, 5), dtype=torch.uint8) for _ in range(num_layers)]
 
 
-LAYOUTS = [cpu_layers, flash_layers, mla_layers, permuted_layers, odd_layers]
+LAYOUTS = [cpu_layers, head_major_layers, mla_layers, permuted_layers, odd_layers]
 
 
 def make_copier(layers, num_slots=4, pages_per_block=2):
@@ -49,8 +49,7 @@ def make_copier(layers, num_slots=4, pages_per_block=2):
 
 
 def block(layers, block_id):
-    dim = find_block_dim(layers[0].shape, NUM_BLOCKS)
-    return [layer.select(dim, block_id).clone() for layer in layers]
+    return [layer[block_id].clone() for layer in layers]
 
 
 def as_bytes(tensor):
@@ -58,9 +57,14 @@ def as_bytes(tensor):
 
 
 def page_bytes_of(layer, block_id):
-    """Independent oracle: the page as the host stores it (row-major order of the engine page)."""
-    dim = find_block_dim(layer.shape, NUM_BLOCKS)
-    return layer.select(dim, block_id).contiguous().view(torch.uint8).reshape(-1)
+    """Independent oracle: the page as the host stores it. A page whose elements fill one run of
+    memory (dense): that run, in memory order (its dimensions by decreasing stride); else the
+    row-major order of the engine page."""
+    page = layer[block_id]
+    by_stride = sorted(range(page.dim()), key=lambda d: -page.stride(d))
+    in_memory_order = page.permute(*by_stride)
+    dense = in_memory_order.is_contiguous()
+    return (in_memory_order if dense else page).contiguous().view(torch.uint8).reshape(-1)
 
 
 def per_page_copy(copier, direction, pages):
@@ -85,8 +89,8 @@ def test_layouts_cover_strided_and_contiguous_pages_words_and_bytes():
         copier = make_copier(make())
         seen[make.__name__] = (copier.kv.flat, copier.word)
     assert seen == {
-        "cpu_layers": (True, torch.int64), "flash_layers": (False, torch.int64), "mla_layers": (True, torch.int64),
-        "permuted_layers": (False, torch.int64), "odd_layers": (True, torch.uint8),
+        "cpu_layers": (True, torch.int64), "head_major_layers": (False, torch.int64), "mla_layers": (True, torch.int64),
+        "permuted_layers": (True, torch.int64), "odd_layers": (True, torch.uint8),
     }
 
 
@@ -142,12 +146,12 @@ def test_batched_copy_matches_the_per_page_copy(data):
 
 
 def test_plan_is_one_list_of_page_pairs_per_job():
-    copier = make_copier(flash_layers(), pages_per_block=2)
+    copier = make_copier(head_major_layers(), pages_per_block=2)
     pages = [PageCopy(0, 1, 4), PageCopy(2, 0, 7)]
     plan = copier.plan(Direction.STORE, pages)
     assert len(plan.dsts) == len(plan.srcs) == 2 * 3 and plan.num_bytes == 6 * copier.kv.page_bytes
     assert all(d.shape == s.shape for d, s in zip(plan.dsts, plan.srcs))
-    assert not plan.srcs[0].is_contiguous()  # FlashAttention: a page is the strided K and V halves
+    assert not plan.srcs[0].is_contiguous()  # heads outside blocks: a page is spread over memory
     load = copier.plan(Direction.LOAD, pages)
     assert all(d.data_ptr() == s.data_ptr() for d, s in zip(load.dsts, plan.srcs))  # same views, swapped
 

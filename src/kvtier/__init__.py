@@ -1,4 +1,4 @@
-"""kvtier: tiered KV-cache offloading (host DRAM, local disk) for vLLM.
+"""kvtier: tiered KV-cache offloading (host DRAM, local disk, Redis / Valkey) for vLLM.
 
 The package map (one direction of dependency, top to bottom; ``tests/test_architecture.py``
 enforces it):

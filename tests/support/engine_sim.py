@@ -3,22 +3,32 @@
 Everything vLLM-side is real: vLLM's ``Scheduler`` (which builds the scheduler-side
 ``KVTierConnector`` and drives it), its ``Request``, ``SchedulerOutput``, ``KVCacheConfig``,
 ``ModelRunnerOutput`` and ``KVConnectorOutput``. The worker side is kvtier's real worker connector
-on real KV tensors in host memory (vLLM-CPU's page layout), called in the order vLLM's model runner
-calls it (``handle_preemptions``, ``bind_connector_metadata``, ``start_load_kv`` before the forward
-for sync loads, the forward, ``wait_for_save``, ``get_transfer_results``,
-``get_block_ids_with_load_errors``, ``build_connector_worker_meta``, ``clear_connector_metadata``).
+on real KV tensors in host memory (vLLM-CPU's page layout), called in the order of one of vLLM's
+model runners (``runner``, file:line in vLLM 0.32 unless marked 0.33):
 
-Only the model is fake (:class:`FakeModel`), and it is built so that wrong KV cannot go unseen:
+- ``"v1"``, the V1-derived runner (vLLM-CPU's; ``v1/worker/gpu_model_runner.py``):
+  ``handle_preemptions`` (``:3969-3971``), then the step's block rewrites (zeroing
+  ``new_block_ids_to_zero``, copy-on-write, ``:1199-1208``), ``bind_connector_metadata``,
+  ``start_load_kv`` before the forward for sync loads, the forward, ``wait_for_save``,
+  ``get_transfer_results``, ``get_block_ids_with_load_errors``, ``build_connector_worker_meta``,
+  ``clear_connector_metadata``;
+- ``"v2"``, the V2 runner, GPUs' default (``v1/worker/gpu/model_runner.py``): the block rewrites
+  first (``:1259-1270``; the Mamba pre-copy ``:1820`` would follow), then ``pre_forward``:
+  ``handle_preemptions``, bind, sync loads (``v1/worker/gpu/kv_connector.py:81-89``), the
+  forward, then ``post_forward`` as V1 (asynchronous loads first, ``:131-151``);
+- ``"v2-speculator"``, V2 with a speculator in vLLM 0.33: ``post_forward`` collects the transfer
+  results and worker metadata first and ``finalize_step`` calls ``wait_for_save`` after the
+  drafter (0.33 ``v1/worker/gpu/kv_connector.py:136-166``, ``model_runner.py:2259-2344``).
 
-- the KV it writes for position ``p`` of every layer is a function of the model's weights (a seed
-  stored in a real ``model.safetensors``, so kvtier fingerprints it like real weights) and of the
-  whole token prefix up to ``p`` (a hash chain), like real attention KV;
-- every token it samples is a hash of *all* KV bytes of the sequence as it reads them from the
-  engine's pages through the block table. One wrong byte anywhere, and the outputs change.
+The runner's hook order reaches kvtier's scheduler as it does in vLLM: through
+``VllmConfig.use_v2_model_runner`` (here via ``VLLM_USE_V2_MODEL_RUNNER`` while the engine is
+built). ``zeroing=True`` makes vLLM's scheduler hand out blocks to zero, as it does for Mamba
+layers and mixed-precision caches (``KVCacheConfig.needs_kv_cache_zeroing``), for this
+attention-only model. ``after_rewrites`` (a step argument) runs right after the step's rewrites:
+where a test lets held store copies go, to play the interleaving a GPU may run.
 
-It also checks the KV directly: before each forward, every already-computed position of every
-scheduled request must hold exactly the bytes the model would have written
-(:attr:`FakeModel.kv_mismatches` records any that do not).
+Only the model is fake (:class:`~support.fake_model.FakeModel`), and it is built so that wrong KV
+cannot go unseen (see its module).
 
 ``sliding_window`` W: a hybrid model as vLLM's hybrid allocator sees it (Gemma-2/3 style): layer 0
 full attention (KV cache group 0), layer 1 sliding-window attention (group 1, its own block
@@ -28,13 +38,12 @@ samples from its last W positions only, as sliding attention does.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
-import json
 import logging
 import os
 import time
 from collections.abc import Iterable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +52,6 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
-from safetensors.torch import save_file  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig,
     DeviceConfig,
@@ -72,130 +80,36 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from support.fake_model import LAYER_NAMES, VOCAB, FakeModel, read_seed, write_model  # noqa: E402, F401
 from kvtier.vllm.connector import KVTierConnector  # noqa: E402
 
-VOCAB = 1000
-LAYER_NAMES = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 _ids = itertools.count()
 
 
-def write_model(folder: Path, seed: int, *, num_layers: int = 2, kv_heads: int = 1, head_size: int = 4) -> Path:
-    """A model folder: a small Llama config.json and a model.safetensors holding the model's seed
-    (its "weights"). Two folders with the same config and another seed are two fine-tunes."""
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": kv_heads * head_size * 4,
-        "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
-        "head_dim": head_size, "num_hidden_layers": num_layers, "vocab_size": VOCAB,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "torch_dtype": "float32", "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": True,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file({"seed": torch.tensor([seed], dtype=torch.int64)}, str(folder / "model.safetensors"))
-    return folder
+RUNNERS = ("v1", "v2", "v2-speculator")
 
 
-def read_seed(folder: Path) -> int:
-    from safetensors.torch import load_file
+class ZeroingKVCacheConfig(KVCacheConfig):
+    """A KV cache config for which vLLM's scheduler records new blocks to zero (``zeroing=True``)."""
 
-    return int(load_file(str(folder / "model.safetensors"))["seed"][0])
+    @property
+    def needs_kv_cache_zeroing(self) -> bool:
+        return True
 
 
-class FakeModel:
-    """The model half of the simulated engine; see the module docstring."""
-
-    def __init__(self, seed: int, kv: dict[str, torch.Tensor], block_size: int, kv_heads: int, head_size: int,
-                 replicas: list[dict[str, torch.Tensor]] | None = None, sliding_window: int | None = None):
-        self.seed = seed
-        self.kv = kv
-        self.replicas = replicas or []  # other ranks' KV, the same bytes (replicated MLA latent)
-        self.block_size = block_size
-        self.width = kv_heads * 2 * head_size  # floats per position per layer
-        self.kv_heads = kv_heads
-        self.head_size = head_size
-        self.sliding_window = sliding_window
-        self.layer_group = (0, 1) if sliding_window else (0, 0)  # KV cache group of each layer
-        self.block_tables: dict[str, list[list[int]]] = {}  # one table per group
-        self._prefix: dict[str, list[bytes]] = {}
-        self.kv_mismatches: list[tuple[str, int]] = []
-        self.forward_tokens = 0  # positions computed (the prefill work kvtier saves)
-
-    # --- the KV a position must hold ------------------------------------------------------
-    def _prefix_hashes(self, req_id: str, tokens: list[int], upto: int) -> list[bytes]:
-        chain = self._prefix.setdefault(req_id, [])
-        if len(chain) > upto:
-            return chain
-        prev = chain[-1] if chain else self.seed.to_bytes(8, "little")
-        for p in range(len(chain), upto):
-            prev = hashlib.blake2b(prev + tokens[p].to_bytes(4, "little"), digest_size=16).digest()
-            chain.append(prev)
-        return chain
-
-    def expected(self, prefix_hash: bytes, layer: int) -> torch.Tensor:
-        raw = hashlib.blake2b(prefix_hash + bytes([layer]), digest_size=4 * self.width).digest()
-        return torch.frombuffer(bytearray(raw), dtype=torch.int32).to(torch.float32).view(self.kv_heads, 2 * self.head_size)
-
-    def _page_slot(self, table: list[int], p: int) -> tuple[int, int]:
-        return table[p // self.block_size], p % self.block_size
-
-    def _first_read(self, layer: int, end: int) -> int:
-        """The first position layer ``layer`` reads when its last computed position is ``end - 1``."""
-        return max(0, end - self.sliding_window) if self.layer_group[layer] else 0
-
-    # --- one forward ----------------------------------------------------------------------
-    def update_tables(self, so: SchedulerOutput) -> None:
-        """Keep block tables as vLLM's worker does (new requests, appended or resumed blocks)."""
-        groups = max(self.layer_group) + 1
-        for req in so.scheduled_new_reqs:
-            self.block_tables[req.req_id] = [list(ids) for ids in req.block_ids]
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            new = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:
-                self.block_tables[req_id] = [list(ids) for ids in new] if new else [[] for _ in range(groups)]
-            elif new:
-                tables = self.block_tables.setdefault(req_id, [[] for _ in range(groups)])
-                for table, ids in zip(tables, new, strict=True):
-                    table.extend(ids)
-        for req_id in so.finished_req_ids:
-            self.block_tables.pop(req_id, None)
-            self._prefix.pop(req_id, None)
-
-    def forward(self, so: SchedulerOutput, requests: dict[str, Request]) -> dict[str, list[int]]:
-        """Check the KV of computed positions, write the new positions' KV, sample from all KV."""
-        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        sampled: dict[str, list[int]] = {}
-        for req_id, n in so.num_scheduled_tokens.items():
-            request = requests[req_id]
-            tokens = list(request.all_token_ids)
-            start, end = computed[req_id], computed[req_id] + n
-            tables = self.block_tables[req_id]
-            chain = self._prefix_hashes(req_id, tokens, end)
-            for kv in [self.kv, *self.replicas]:  # every rank must hold the right KV
-                for layer, name in enumerate(LAYER_NAMES):
-                    table = tables[self.layer_group[layer]]
-                    for p in range(self._first_read(layer, start + 1), start):
-                        block, offset = self._page_slot(table, p)
-                        if not torch.equal(kv[name][block, :, offset, :], self.expected(chain[p], layer)):
-                            self.kv_mismatches.append((req_id, p))
-                            break
-                    for p in range(start, end):
-                        block, offset = self._page_slot(table, p)
-                        kv[name][block, :, offset, :] = self.expected(chain[p], layer)
-            self.forward_tokens += n
-            if end < len(tokens):
-                sampled[req_id] = []  # a prefill chunk: nothing sampled yet
-                continue
-            digest = hashlib.blake2b(self.seed.to_bytes(8, "little"), digest_size=8)
-            for layer, name in enumerate(LAYER_NAMES):
-                table = tables[self.layer_group[layer]]
-                for p in range(self._first_read(layer, end), end):
-                    block, offset = self._page_slot(table, p)
-                    digest.update(self.kv[name][block, :, offset, :].numpy().tobytes())
-            sampled[req_id] = [3 + int.from_bytes(digest.digest(), "little") % (VOCAB - 3)]
-        return sampled
+@contextmanager
+def _runner_env(runner: str):
+    """vLLM decides the runner from ``VLLM_USE_V2_MODEL_RUNNER`` first (``config/vllm.py:703-739``):
+    set it while the connectors are built, so kvtier reads the hook order as in a real engine."""
+    previous = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0" if runner == "v1" else "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = previous
 
 
 @dataclass
@@ -235,8 +149,11 @@ class SimEngine:
     prefill: dict[str, tuple[int, int]] = field(default_factory=dict)  # req -> (local, external) cached
     mla_ranks: int = 1
     sliding_window: int | None = None  # a hybrid model: layer 1 sliding-window, in its own group
+    runner: str = "v1"  # the hook order: "v1", "v2" or "v2-speculator" (see the module docstring)
+    zeroing: bool = False  # vLLM hands out new blocks to zero (as for Mamba or mixed-precision caches)
 
     def __post_init__(self) -> None:
+        assert self.runner in RUNNERS, f"runner {self.runner!r} is none of {RUNNERS}"
         logging.getLogger("vllm").setLevel(logging.ERROR)
         init_none_hash(sha256)
         self._hasher = get_request_block_hasher(self.block_size, sha256)
@@ -256,7 +173,7 @@ class SimEngine:
             groups = [KVCacheGroupSpec([LAYER_NAMES[0]], spec), KVCacheGroupSpec([LAYER_NAMES[1]], sliding)]
         else:
             groups = [KVCacheGroupSpec(list(LAYER_NAMES), spec)]
-        self.kv_cache_config = KVCacheConfig(
+        self.kv_cache_config = (ZeroingKVCacheConfig if self.zeroing else KVCacheConfig)(
             num_blocks=self.num_blocks,
             kv_cache_tensors=[KVCacheTensor(size=page * self.num_blocks, layers=[name], layer_stride=0,
                                             block_stride=page) for name in LAYER_NAMES],
@@ -265,23 +182,37 @@ class SimEngine:
         rank_kv = [self._kv_tensors(page) for _ in range(self.mla_ranks)]
         self.kv = rank_kv[0]
         self.workers: list[KVTierConnector] = []
-        if self.kvtier is not None:
-            parallel = self.vllm_config.parallel_config
-            for rank, kv in enumerate(rank_kv):
-                parallel.rank = rank  # what each worker process's config says; read in the constructor
-                worker = KVTierConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
-                worker.register_kv_caches(kv)
-                self.workers.append(worker)
-            parallel.rank = 0
+        with _runner_env(self.runner):
+            if self.kvtier is not None:
+                parallel = self.vllm_config.parallel_config
+                for rank, kv in enumerate(rank_kv):
+                    parallel.rank = rank  # what each worker process's config says; read in the constructor
+                    worker = KVTierConnector(self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config)
+                    worker.register_kv_caches(kv)
+                    self.workers.append(worker)
+                parallel.rank = 0
+            self.scheduler = Scheduler(
+                vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
+                structured_output_manager=StructuredOutputManager(self.vllm_config),
+                block_size=self.block_size, hash_block_size=self.block_size, log_stats=True,
+            )
         self.worker: KVTierConnector | None = self.workers[0] if self.workers else None
         self._aggregator = KVOutputAggregator(expected_finished_count=self.mla_ranks)
-        self.scheduler = Scheduler(
-            vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
-            structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=self.block_size, hash_block_size=self.block_size, log_stats=True,
-        )
         self.model = FakeModel(read_seed(self.model_dir), self.kv, self.block_size, self.kv_heads, self.head_size,
                                replicas=rank_kv[1:], sliding_window=self.sliding_window)
+
+    def _rewrite_blocks(self, so: SchedulerOutput, after_rewrites) -> None:
+        """What the runner does to blocks before the forward: zero the new blocks vLLM names
+        (every rank), then copy-on-write copies."""
+        for kv in [self.kv, *self.model.replicas]:
+            for block_id in so.new_block_ids_to_zero or ():
+                for layer in kv.values():
+                    layer[block_id].zero_()
+            for copy in so.kv_cache_block_copies or ():
+                for layer in kv.values():
+                    layer[copy.dst_block_id].copy_(layer[copy.src_block_id])
+        if after_rewrites is not None:
+            after_rewrites(so)
 
     def _kv_tensors(self, page: int) -> dict[str, torch.Tensor]:
         """One rank's KV tensors in host memory (vLLM-CPU's page layout), zeroed."""
@@ -330,14 +261,19 @@ class SimEngine:
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
     # --- stepping ---------------------------------------------------------------------------
-    def step(self, before_forward=None) -> SchedulerOutput:
-        """One engine step, as vLLM's engine core and model runner do it."""
+    def step(self, before_forward=None, after_rewrites=None) -> SchedulerOutput:
+        """One engine step, as vLLM's engine core and the chosen model runner do it."""
         so = self.scheduler.schedule()
         self.steps += 1
         self.model.update_tables(so)
         meta = so.kv_connector_metadata
+        if self.runner != "v1":
+            self._rewrite_blocks(so, after_rewrites)
         for worker in self.workers:
             worker.handle_preemptions(meta)
+        if self.runner == "v1":
+            self._rewrite_blocks(so, after_rewrites)
+        for worker in self.workers:
             worker.bind_connector_metadata(meta)
             if so.has_sync_kv_loads:
                 worker.start_load_kv(None)
@@ -353,10 +289,12 @@ class SimEngine:
             )
 
         rank_outputs = []
+        deferred_save = self.runner == "v2-speculator"
         for worker in self.workers:
             if not so.has_sync_kv_loads:
                 worker.start_load_kv(None)
-            worker.wait_for_save()
+            if not deferred_save:
+                worker.wait_for_save()
             results = worker.get_transfer_results(so.finished_req_ids)
             output = KVConnectorOutput(
                 finished_sending=results.finished_sending, finished_recving=results.finished_recving,
@@ -365,6 +303,8 @@ class SimEngine:
                 kv_connector_stats=worker.get_kv_connector_stats(),
                 kv_connector_worker_meta=worker.build_connector_worker_meta(),
             )
+            if deferred_save:  # finalize_step, after the drafter ran
+                worker.wait_for_save()
             worker.clear_connector_metadata()
             rank_outputs.append(runner_output(output))
         output_of_step = self._aggregator.aggregate(rank_outputs) if rank_outputs else runner_output(None)
@@ -381,7 +321,7 @@ class SimEngine:
                         list(self.outputs[out.request_id]), local, external, str(out.finish_reason))
         return so
 
-    def run(self, max_steps: int = 2000, before_forward=None, idle_timeout: float = 60.0) -> None:
+    def run(self, max_steps: int = 2000, before_forward=None, idle_timeout: float = 60.0, after_rewrites=None) -> None:
         """Step until no request is left (and the connector has nothing in flight).
 
         Bounded twice, as a deadlock detector: at most ``max_steps`` steps that schedule tokens,
@@ -390,7 +330,7 @@ class SimEngine:
         busy_steps = 0
         idle_since: float | None = None
         while self.scheduler.has_requests() or self._connector_busy():
-            so = self.step(before_forward)
+            so = self.step(before_forward, after_rewrites)
             if so.total_num_scheduled_tokens:
                 busy_steps += 1
                 idle_since = None

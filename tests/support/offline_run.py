@@ -88,7 +88,9 @@ def finish(proc, run_dir: Path, *, timeout: float = 900,
     log = engine_log(run_dir)
     assert proc.returncode == 0, log[-5000:]
     assert not pending, f"rounds {sorted(pending)} never paused"
-    result = json.loads(log.strip().splitlines()[-1])
+    # The result is the harness's last line of JSON: Python may still print warnings after it at
+    # exit (the multiprocessing resource tracker, when vLLM's shutdown ran out of time under load).
+    result = json.loads(next(line for line in reversed(log.strip().splitlines()) if line.startswith("{")))
     result["log"] = log
     result["run_dir"] = str(run_dir)
     return result
@@ -241,7 +243,7 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
     def digest(worker, wanted: list[tuple[int, int]]) -> dict[tuple[int, int], str]:
         import torch
 
-        from kvtier.copy.pages import find_block_dim
+        from kvtier.copy.pages import block_view
 
         context = worker.model_runner.vllm_config.compilation_config.static_forward_context
         out = {}
@@ -250,7 +252,7 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
             for name in layer_names[group]:
                 cache = context[name].kv_cache  # a Mamba layer's: a tuple of state views (conv, ssm, ...)
                 for part in cache if isinstance(cache, list | tuple) else [cache]:
-                    page = part.select(find_block_dim(part.shape, num_blocks), block_id)
+                    page = block_view(part, num_blocks)[block_id]
                     sha.update(page.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
             out[(group, block_id)] = sha.hexdigest()
         return out

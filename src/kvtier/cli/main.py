@@ -9,7 +9,7 @@ import click
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvtier")
 def main() -> None:
-    """kvtier: tiered KV-cache offloading (host DRAM, local disk) for vLLM."""
+    """kvtier: tiered KV-cache offloading (host DRAM, local disk, Redis / Valkey) for vLLM."""
 
 
 @main.command()

@@ -4,20 +4,20 @@ Runs inside each vLLM worker process (one engine per rank). :mod:`~kvtier.copy.b
 contract (:class:`CopyEngine` and its ordering rules), :mod:`~kvtier.copy.pages` the byte-page
 views and the batched page copy, :mod:`~kvtier.copy.cpu` the implementation for KV in host memory,
 :mod:`~kvtier.copy.cuda` the one for KV on a CUDA device (its device calls behind
-:mod:`~kvtier.copy.streams`). :func:`make_copy_engine` picks the implementation for the KV
-tensors' device.
+:mod:`~kvtier.copy.streams`, its batched copies planned by :mod:`~kvtier.copy.runs` and issued
+through :mod:`~kvtier.copy.cudart`), :mod:`~kvtier.copy.pinning` page-locks the host region.
+:func:`make_copy_engine` picks the implementation for the KV tensors' device.
 """
 
 from __future__ import annotations
 
-import torch
-
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
 from kvtier.copy.pages import BlockCopier, CopyPlan, HostSlots, PagedKV
+from kvtier.copy.pinning import HostPinning, pin_host_memory
 from kvtier.copy.streams import DeviceStreams
 
 __all__ = [
-    "BlockCopier", "CopyDone", "CopyEngine", "CopyPlan", "DeviceStreams", "Direction", "HostSlots",
+    "BlockCopier", "CopyDone", "CopyEngine", "CopyPlan", "DeviceStreams", "Direction", "HostPinning", "HostSlots",
     "PageCopy", "PagedKV", "make_copy_engine", "pin_host_memory",
 ]
 
@@ -38,18 +38,3 @@ def make_copy_engine(kv: PagedKV, host: HostSlots, device: DeviceStreams | None 
         return CudaCopyEngine(BlockCopier(kv, host), device if device is not None else TorchCudaStreams(kv.device))
     raise ValueError(f"kvtier: no copy engine for device type {kv.device.type!r}")
 
-
-def pin_host_memory(buffer: torch.Tensor):
-    """Page-lock ``buffer`` for async device copies on CUDA; returns the undo. No-op elsewhere."""
-    import logging
-
-    if not torch.cuda.is_available():
-        return lambda: None
-    cudart = torch.cuda.cudart()
-    ptr, size = buffer.data_ptr(), buffer.numel() * buffer.element_size()
-    err = cudart.cudaHostRegister(ptr, size, 0)
-    if err != 0:
-        logging.getLogger(__name__).warning(
-            "kvtier: cudaHostRegister of %d bytes failed (%s); copies stay pageable", size, err)
-        return lambda: None
-    return lambda: cudart.cudaHostUnregister(ptr)

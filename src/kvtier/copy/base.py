@@ -12,8 +12,10 @@ drives it from the worker's main thread only:
 
 Ordering contract (what makes a hit bit-exact on any device):
 
-- a load's bytes are visible to every engine operation issued after ``start_load`` returns (on
-  CPU the copy is done on return; on CUDA the compute stream waits for the copy's event);
+- a synchronous load's bytes are visible to every engine operation issued after ``start_load``
+  returns (on CPU the copy is done on return; on CUDA the compute stream waits for the copy's
+  event); an asynchronous load's bytes once the job is polled done (its request is in no batch
+  before: vLLM schedules it only after the load is reported finished);
 - a store copies the engine pages as they are once every engine write issued before
   ``start_store`` has completed (on CUDA the copy stream first waits for an event recorded on the
   compute stream at the call);
@@ -22,7 +24,8 @@ Ordering contract (what makes a hit bit-exact on any device):
 
 Buffers: the engine owns the KV tensors, the host tier owns the slots; the caller keeps the
 pages of a job untouched (engine blocks not reused, host slots pinned) until the job is polled.
-A failed copy is a :class:`CopyDone` with ``ok=False``, never an exception into the engine.
+A failed copy is a :class:`CopyDone` with ``ok=False``, never an exception into the engine; a
+failed synchronous load is reported by the first :meth:`CopyEngine.poll` after ``start_load``.
 """
 
 from __future__ import annotations
@@ -65,8 +68,9 @@ class CopyEngine(ABC):
     """Moves pages of one rank. See the module docstring for the ordering contract."""
 
     @abstractmethod
-    def start_load(self, job_id: int, pages: Sequence[PageCopy]) -> None:
-        """Copy host slots into engine pages, ordered before any engine work issued afterwards."""
+    def start_load(self, job_id: int, pages: Sequence[PageCopy], *, synchronous: bool = True) -> None:
+        """Copy host slots into engine pages, ordered after every engine operation issued before;
+        a ``synchronous`` load also before any engine work issued afterwards."""
 
     @abstractmethod
     def start_store(self, job_id: int, pages: Sequence[PageCopy]) -> None:

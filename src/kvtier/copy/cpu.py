@@ -5,7 +5,8 @@ picks the engine for the KV tensors' device). The engine's KV tensors live in DR
 memcpy, one batched ``torch._foreach_copy_`` per job (:meth:`~kvtier.copy.pages.BlockCopier.copy`):
 
 - :meth:`CpuCopyEngine.start_load` copies at once, on the worker's main thread, before the forward
-  (a few MB per block: milliseconds), and reports the job done on the next :meth:`~CpuCopyEngine.poll`;
+  (a few MB per block: milliseconds), and reports the job done on the next :meth:`~CpuCopyEngine.poll`
+  (synchronous or not: done on return is the strongest order);
 - :meth:`CpuCopyEngine.start_store` queues the job for the ``kvtier-copy`` thread, which runs jobs
   in FIFO order at background priority, off the compute cores
   (:func:`kvtier.core.priority.become_background_thread`). The forward has finished writing the
@@ -42,7 +43,7 @@ class CpuCopyEngine(CopyEngine):
         self._thread = threading.Thread(target=self._run, name="kvtier-copy", daemon=True)
         self._thread.start()
 
-    def start_load(self, job_id: int, pages: Sequence[PageCopy]) -> None:
+    def start_load(self, job_id: int, pages: Sequence[PageCopy], *, synchronous: bool = True) -> None:
         start = time.perf_counter()
         ok, num_bytes = True, 0
         try:

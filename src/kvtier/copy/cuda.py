@@ -1,18 +1,28 @@
 """The CUDA copy engine: stores and loads on two side streams, ordered against the compute stream by events.
 
 For KV tensors on a CUDA device (:func:`kvtier.copy.make_copy_engine`). How each rule of the
-contract in :mod:`kvtier.copy.base` holds, per job (the scheme of vLLM's own CPU-offload handler):
+contract in :mod:`kvtier.copy.base` holds, per job (the scheme of vLLM's own CPU-offload handler,
+``v1/kv_offload/cpu/gpu_worker.py:645-687``):
 
 - ``start_store``: an event ``ready`` is recorded on the compute stream at the call, so it marks
-  every engine write issued before; the store stream waits on it, then the job's device->host
-  copies are issued on the store stream (one batched call, no Python copy per page), then an
-  event ``end`` is recorded there. Stores run in FIFO order: they share one stream.
+  every engine write issued before; the store stream waits on it, then the job's copies are issued
+  on the store stream (one batched call, :mod:`kvtier.copy.runs`), then an event ``end`` is
+  recorded there. Stores run in FIFO order: they share one stream.
 - ``start_load``: ``ready`` on the compute stream likewise (kernels issued earlier may still read
-  the engine blocks being overwritten); the load stream waits on it, issues the host->device
-  copies and records ``end``; the compute stream waits on ``end``, so every kernel issued after
-  ``start_load`` returns sees the loaded bytes. Loads share the other stream (FIFO).
+  the engine blocks being overwritten, and vLLM zeroes newly allocated blocks there); the load
+  stream waits on it, issues the copies and records ``end``. A *synchronous* load also makes the
+  compute stream wait on ``end``, so every kernel issued after ``start_load`` returns sees the
+  loaded bytes. An *asynchronous* one does not: its request is in no batch until the job is
+  polled done (vLLM keeps it in WAITING_FOR_REMOTE_KVS; aborted there, its blocks are freed only
+  once the load is reported, vLLM 0.32 ``v1/core/sched/scheduler.py:2700-2706``), and holding the
+  compute stream would stall every other request behind the copy. Loads share the other stream
+  (FIFO).
 - ``poll``: per direction, the leading jobs whose ``end`` completed (event query, never blocks).
 - ``wait``: blocks on the jobs' ``end`` events; ``close`` on every job's.
+
+Side streams are never the compute stream: torch hands out pool streams round robin, and vLLM's
+compute stream is one of them (vLLM ``utils/torch_utils.py:802-857``); a side stream found equal to
+the compute stream (or to the other side stream) is replaced before use.
 
 No call synchronizes a stream per job; only ``wait`` and ``close`` block the calling thread.
 
@@ -21,14 +31,20 @@ the compute stream; the engine has no thread of its own (the device runs the cop
 
 Buffers: engine pages and host slots of a job must stay untouched until the job is polled (the
 copies are in flight until then). The host region should be page-locked
-(:func:`kvtier.copy.pin_host_memory`); pageable memory is copied correctly but synchronously.
+(:func:`kvtier.copy.pinning.pin_host_memory`); pageable memory is copied correctly but synchronously.
 
 Failures: an exception while planning or issuing a job (a page out of range, a device error) is
-logged and the job is reported by :meth:`~CudaCopyEngine.poll` with ``ok=False``, never raised.
-``end`` is still recorded after whatever was issued, and a failed load still holds back the
-compute stream, so a partial copy can neither land on blocks vLLM recomputes nor outlive the
-job's report. If even ``end`` cannot be recorded, the device is unusable: the job is reported
-failed at once.
+logged and the job is reported failed, never raised. ``end`` is still recorded after whatever was
+issued. When it is reported:
+
+- a failed *synchronous load* at once, by the next :meth:`~CudaCopyEngine.poll` (vLLM discards the
+  token sampled on unloaded blocks only if the error arrives in the same step's output, vLLM 0.32
+  ``v1/core/sched/scheduler.py:2062-2090``); the compute stream still waits on its ``end``, so a
+  partial copy lands before the recompute writes those blocks;
+- a failed store or asynchronous load once ``end`` completed if any of its copies may have been
+  issued (a partial copy must not outlive the report: the scheduler reuses the host slots and
+  engine blocks on it), at once otherwise;
+- if even ``end`` cannot be recorded the device is unusable: at once.
 
 The device calls go through :class:`~kvtier.copy.streams.DeviceStreams` (``torch.cuda`` in
 production, a simulated device in the tests).
@@ -44,15 +60,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
-from kvtier.copy.pages import BlockCopier
+from kvtier.copy.pages import BlockCopier, CopyPlan
+from kvtier.copy.runs import ByteRuns, RunPlanner
 from kvtier.copy.streams import DeviceStreams
 
 logger = logging.getLogger(__name__)
 
+_STREAM_TRIES = 64  # more than torch's pool of streams per priority (32): every pool stream is tried
+
 
 @dataclass(frozen=True, slots=True)
 class _InFlight:
-    """A job issued to the device, not yet reported. ``start`` is None when it failed before its copies."""
+    """A job issued to the device, not yet reported (``reported``: its failure already was).
+    ``start`` is None when the job failed; ``plan`` keeps the copy arrays alive while in flight."""
 
     job_id: int
     direction: Direction
@@ -61,28 +81,36 @@ class _InFlight:
     start: Any
     end: Any
     issued_at: float
+    plan: ByteRuns | CopyPlan | None
+    reported: bool = False
 
 
 class CudaCopyEngine(CopyEngine):
     def __init__(self, copier: BlockCopier, device: DeviceStreams):
         self.copier = copier
         self.device = device
-        self._streams = {direction: device.new_stream() for direction in Direction}
+        self.runs = RunPlanner(copier.kv, copier.host) if copier.kv.flat else None
+        self._streams: dict[Direction, Any] = {}
+        compute = device.current_stream()
+        for direction in Direction:
+            self._streams[direction] = self._distinct_stream(compute, direction)
         self._in_flight: dict[Direction, deque[_InFlight]] = {direction: deque() for direction in Direction}
-        self._unordered: list[CopyDone] = []  # failed jobs whose end event could not be recorded
+        self._unordered: list[CopyDone] = []  # failures reported at once (see the module docstring)
         self._closed = False
 
-    def start_load(self, job_id: int, pages: Sequence[PageCopy]) -> None:
-        self._start(job_id, Direction.LOAD, pages)
+    def start_load(self, job_id: int, pages: Sequence[PageCopy], *, synchronous: bool = True) -> None:
+        self._start(job_id, Direction.LOAD, pages, synchronous)
 
     def start_store(self, job_id: int, pages: Sequence[PageCopy]) -> None:
-        self._start(job_id, Direction.STORE, pages)
+        self._start(job_id, Direction.STORE, pages, False)
 
     def poll(self) -> list[CopyDone]:
         done, self._unordered = self._unordered, []
         for jobs in self._in_flight.values():
             while jobs and self.device.query(jobs[0].end):
                 job = jobs.popleft()
+                if job.reported:
+                    continue
                 if job.ok:
                     seconds = self.device.elapsed_seconds(job.start, job.end)
                 else:
@@ -102,21 +130,44 @@ class CudaCopyEngine(CopyEngine):
             self.wait()
             self._closed = True
 
-    def _start(self, job_id: int, direction: Direction, pages: Sequence[PageCopy]) -> None:
+    def _distinct_stream(self, compute: Any, direction: Direction) -> Any:
+        """A side stream for ``direction`` that is neither ``compute`` nor the other side stream."""
+        others = [compute, *(s for d, s in self._streams.items() if d is not direction)]
+        for _ in range(_STREAM_TRIES):
+            stream = self.device.new_stream()
+            if not any(stream == other for other in others):
+                return stream
+        raise RuntimeError("kvtier: the device hands out no side stream distinct from the compute stream")
+
+    def _side_stream(self, direction: Direction, compute: Any) -> Any:
+        stream = self._streams[direction]
+        if stream == compute:
+            logger.info("kvtier: the %s side stream is the compute stream now; taking another", direction.value)
+            stream = self._streams[direction] = self._distinct_stream(compute, direction)
+        return stream
+
+    def _plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns | CopyPlan:
+        return self.runs.plan(direction, pages) if self.runs is not None else self.copier.plan(direction, pages)
+
+    def _start(self, job_id: int, direction: Direction, pages: Sequence[PageCopy], synchronous: bool) -> None:
         if self._closed:
             raise RuntimeError(f"kvtier: job {job_id} started on a closed copy engine")
-        device, stream = self.device, self._streams[direction]
+        device = self.device
         issued_at = time.perf_counter()
-        ok, num_bytes, start = True, 0, None
+        ok, num_bytes, start, plan, copying = True, 0, None, None, False
+        compute = stream = None
         try:
-            plan = self.copier.plan(direction, pages)  # views only: a bad page fails before any device call
+            compute = device.current_stream()
+            stream = self._side_stream(direction, compute)
+            plan = self._plan(direction, pages)  # views and arrays only: a bad page fails before any device call
             ready = device.new_event()
-            device.record(ready, device.current_stream())
+            device.record(ready, compute)
             device.wait(stream, ready)
             start = device.new_event()
             device.record(start, stream)
-            if plan.dsts:
-                device.copy(stream, plan.dsts, plan.srcs)
+            if plan.num_bytes:
+                copying = True
+                device.copy(stream, plan)
             num_bytes = plan.num_bytes
         except Exception:  # reported as a failed job (a load's blocks are recomputed), never raised
             logger.exception("kvtier: %s copy of job %d failed", direction.value, job_id)
@@ -124,10 +175,14 @@ class CudaCopyEngine(CopyEngine):
         try:
             end = device.new_event()
             device.record(end, stream)  # after whatever was issued, ok or not
-            if direction is Direction.LOAD:
-                device.wait(device.current_stream(), end)
+            if direction is Direction.LOAD and synchronous:
+                device.wait(compute, end)
         except Exception:
             logger.exception("kvtier: cannot order %s job %d on the device; reported failed", direction.value, job_id)
             self._unordered.append(CopyDone(job_id, direction, False, 0, time.perf_counter() - issued_at))
             return
-        self._in_flight[direction].append(_InFlight(job_id, direction, ok, num_bytes, start, end, issued_at))
+        at_once = not ok and (not copying or (direction is Direction.LOAD and synchronous))
+        if at_once:
+            self._unordered.append(CopyDone(job_id, direction, False, 0, time.perf_counter() - issued_at))
+        self._in_flight[direction].append(
+            _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once))

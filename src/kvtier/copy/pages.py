@@ -1,24 +1,36 @@
 """Byte-page views of the engine's KV tensors and of one rank's host slots, and the batched page copy.
 
-Engine-agnostic: the engine's KV is one tensor per layer with a *block dimension* somewhere in its
-shape (vLLM's CPU backend: dim 0, ``[blocks, kv_heads, block_size, 2*head]``; FlashAttention: dim
-1, ``[2, blocks, block_size, kv_heads, head]``; MLA: dim 0, ``[blocks, block_size, latent]``). A
-page is "everything of one block of one layer", moved as opaque bytes (viewed as int64 words where
-sizes and alignment allow), never token by token. In a host slot a page is stored contiguously, in
-the logical (row-major) order of the engine page's dimensions, whatever the engine tensor's strides.
+Engine-agnostic, written against the views vLLM 0.32 and 0.33 hand a connector: one tensor per
+layer, ``[blocks, heads, tokens, content]`` (``create_kv_cache_views``, vLLM 0.32
+``v1/kv_cache_interface.py:378-441``), the manager's blocks in dim 0, whatever the physical layout
+(LBHNC on vLLM-CPU, LBNHC by default with FlashAttention on CUDA, ...). When the attention kernel's
+block is smaller than the manager's, dim 0 counts kernel blocks (``num_blocks x ratio``,
+``:319-333, 398-416``); :func:`block_view` regroups them as vLLM's own ``group_kernel_blocks`` does.
+
+A page is "everything of one block of one layer", moved as opaque bytes, never token by token.
+Its byte order in a host slot:
+
+- a *dense* page (its elements fill one contiguous run of memory: every block-compact layout,
+  LBHNC, LBNHC, BLHNC, BLNHC, kernel-split or not, and padded Mamba state pages) is stored as that
+  run, in physical order. With vLLM-CPU's LBHNC that is the logical row-major order; with LBNHC
+  it is not, and the layout is part of the namespace (:mod:`kvtier.vllm.page_format`), so bytes
+  of one layout are never read by an engine with another;
+- a page spread over memory (LHBNC, BHLNC: heads outside blocks, ROCm backends only) is stored in
+  the logical row-major order of its dimensions.
 
 Views only: nothing here allocates KV-sized memory or owns a buffer. :class:`PagedKV` views the
 engine's tensors (owned by vLLM), :class:`HostSlots` views a host region (owned by the worker's
-:class:`~kvtier.tiers.shm.SharedRegion`). A :class:`CopyPlan` is a job's list of page pairs, built
-once per job; :meth:`BlockCopier.copy` moves it with one ``torch._foreach_copy_`` call (the copies
-are issued from C++, and it works across devices, strided page views included). Called by the
-copy engines on whichever thread runs a job.
+:class:`~kvtier.tiers.shm.SharedRegion`). A :class:`CopyPlan` is a job's list of page pairs;
+:meth:`BlockCopier.copy` moves it with one ``torch._foreach_copy_`` call (the CPU engine's path);
+the CUDA engine plans byte runs instead (:mod:`kvtier.copy.runs`). Called by the copy engines on
+whichever thread runs a job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from math import prod
 
 import torch
 
@@ -26,32 +38,75 @@ from kvtier.copy.base import Direction, PageCopy
 from kvtier.core.slots import HostSlotLayout
 
 
-def find_block_dim(shape: Sequence[int], num_blocks: int) -> int:
-    """The dimension of a layer's KV tensor that indexes blocks (first dim equal to ``num_blocks``)."""
-    for dim, size in enumerate(shape):
-        if size == num_blocks:
-            return dim
-    raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV tensor shape {tuple(shape)}")
+def block_view(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``tensor`` with exactly ``num_blocks`` manager blocks in dim 0 (a view). Kernel blocks
+    (dim 0 = ``num_blocks x ratio``) are regrouped into ``[num_blocks, ratio, ...]``. ValueError
+    naming the shape for anything else."""
+    first = tensor.shape[0] if tensor.dim() else 0
+    if first == num_blocks > 0:
+        return tensor
+    if num_blocks > 0 and first > num_blocks and first % num_blocks == 0:
+        return tensor.unflatten(0, (num_blocks, first // num_blocks))
+    raise ValueError(
+        f"KV tensor of shape {tuple(tensor.shape)} has neither num_blocks={num_blocks} nor a multiple of it "
+        "(kernel blocks) in dim 0; kvtier reads vLLM 0.32/0.33's [blocks, heads, tokens, content] KV views"
+    )
+
+
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``tensor`` as a 1-D uint8 tensor (a view, same device)."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+def physical_order(page: torch.Tensor) -> tuple[int, ...] | None:
+    """The dimensions of ``page`` from outermost to innermost in memory if its elements fill one
+    contiguous run (a dense page), else None. Size-1 dimensions are left out."""
+    dims = sorted((d for d in range(page.dim()) if page.shape[d] != 1), key=lambda d: page.stride(d))
+    expected = 1
+    for d in dims:
+        if page.stride(d) != expected:
+            return None
+        expected *= page.shape[d]
+    return tuple(reversed(dims))
+
+
+def page_rows(tensor: torch.Tensor, num_blocks: int, page_bytes: int | None = None) -> torch.Tensor | None:
+    """A ``[num_blocks, page_bytes]`` uint8 view whose row ``b`` is block ``b``'s page as one run of
+    memory, or None when the layer's pages are not dense. ``page_bytes`` (default: the page's own
+    size) may be larger than the page's content: a padded Mamba state page, whose tensor views only
+    the state at the start of the page, is copied whole, padding included. ValueError if the rows
+    would overlap (``page_bytes`` larger than the distance between blocks)."""
+    blocks = block_view(tensor, num_blocks)
+    page = blocks[0]
+    if physical_order(page) is None:
+        return None
+    item = tensor.element_size()
+    content = page.numel() * item
+    size = content if page_bytes is None else page_bytes
+    stride = blocks.stride(0) * item
+    if size < content or (num_blocks > 1 and stride < size):
+        raise ValueError(f"KV tensor of shape {tuple(tensor.shape)}, strides {tensor.stride()} is not {num_blocks} "
+                         f"pages of {size} B")
+    return torch.as_strided(storage_bytes(tensor), (num_blocks, size), (stride, 1), blocks.storage_offset() * item)
 
 
 def padded_pages(tensor: torch.Tensor, num_blocks: int, page_bytes: int) -> torch.Tensor:
-    """A ``[num_blocks, page_bytes]`` byte view of a layer whose pages are padded: its tensor views
-    only the first bytes of each ``page_bytes`` page (vLLM pads a Mamba state page up to the
-    attention page and views the state alone), so the whole padded page is copied, padding
-    included, as for any other layer. ValueError unless the blocks are dim 0, ``page_bytes`` apart."""
-    as_bytes = tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
-    if find_block_dim(tensor.shape, num_blocks) != 0 or tensor.stride(0) * tensor.element_size() != page_bytes:
-        raise ValueError(f"KV tensor of shape {tuple(tensor.shape)}, strides {tensor.stride()} is not "
-                         f"{num_blocks} pages of {page_bytes} B")
-    return torch.as_strided(as_bytes, (num_blocks, page_bytes), (page_bytes, 1))
+    """:func:`page_rows` of a padded state layer (vLLM pads a Mamba state page up to the attention
+    page and views the state alone); ValueError unless its state is one run at each page's start."""
+    rows = page_rows(tensor, num_blocks, page_bytes)
+    if rows is None:
+        raise ValueError(f"KV tensor of shape {tuple(tensor.shape)}, strides {tensor.stride()} does not hold one "
+                         f"state run per page")
+    return rows
 
 
 class PagedKV:
     """The engine's per-layer KV tensors as byte pages ``page(layer, block_id)`` (views, no copies).
 
-    When every layer's pages are contiguous (vLLM-CPU, MLA: block dim 0) pages are rows of a
-    ``[num_blocks, page_bytes]`` view (:attr:`flat`); otherwise (FlashAttention's K and V halves,
-    permuted strides) a page is a strided view of shape :attr:`page_shape`.
+    When every layer's pages are dense (:attr:`flat`: every block-compact layout) pages are rows
+    of a ``[num_blocks, page_bytes]`` view of the layer's storage, and :attr:`rows` holds those
+    views (the CUDA engine computes page addresses from them). Otherwise (LHBNC, BHLNC) a page is a
+    strided uint8 view of shape :attr:`page_shape`, in the logical order of its dimensions.
 
     ``layer_groups``: the layer indices of each KV cache group (default: one group of every
     layer). Under vLLM's hybrid allocator the groups share one block pool (and their layers may
@@ -69,23 +124,25 @@ class PagedKV:
         devices = {t.device for t in layers}
         if len(devices) != 1:
             raise ValueError(f"KV layers are on several devices {sorted(map(str, devices))}; not supported")
-        pages: list[torch.Tensor] = []
-        for tensor in layers:
-            block_dim = find_block_dim(tensor.shape, num_blocks)
-            as_bytes = tensor if tensor.dtype == torch.uint8 else tensor.view(torch.uint8)
-            pages.append(as_bytes.movedim(block_dim, 0))
-        self.flat = all(p.is_contiguous() for p in pages)
-        # Contiguous pages are moved as byte rows: only their size must agree (a Mamba state page
-        # beside attention pages: another shape, the same padded size). Strided ones by shape.
-        page_shapes = {(p[0].numel(),) if self.flat else tuple(p.shape[1:]) for p in pages}
+        rows = [page_rows(tensor, num_blocks) for tensor in layers]
+        self.flat = all(r is not None for r in rows)
+        if self.flat:
+            # Dense pages are moved as byte rows: only their size must agree (a padded Mamba state
+            # page beside attention pages: another shape, the same padded size).
+            pages = rows
+            page_shapes = {(r.shape[1],) for r in rows}
+        else:
+            pages = [_byte_pages(tensor, num_blocks) for tensor in layers]
+            page_shapes = {tuple(p.shape[1:]) for p in pages}
         if len(page_shapes) != 1:
             raise ValueError(f"KV layers have different page shapes {sorted(page_shapes)}; not supported")
         self.page_shape = page_shapes.pop()
-        self.page_bytes = pages[0][0].numel()
+        self.page_bytes = prod(self.page_shape)
         self.num_layers = len(pages)
         self.num_blocks = num_blocks
         self.device = pages[0].device
-        self._pages = [p.reshape(num_blocks, self.page_bytes) for p in pages] if self.flat else pages
+        self.rows: list[torch.Tensor] | None = rows if self.flat else None  # type: ignore[assignment]
+        self._pages = pages
 
     def page(self, layer: int, block_id: int) -> torch.Tensor:
         """A page: a 1-D byte row if :attr:`flat`, else a view of shape :attr:`page_shape`."""
@@ -107,6 +164,12 @@ class PagedKV:
         return views
 
 
+def _byte_pages(tensor: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``[num_blocks, *page]`` uint8 view of a layer whose pages are not dense (logical order)."""
+    blocks = block_view(tensor, num_blocks)
+    return blocks if blocks.dtype == torch.uint8 else blocks.view(torch.uint8)
+
+
 class HostSlots:
     """One rank's host region as ``[num_slots, layers, pages_per_block, page_bytes]`` uint8."""
 
@@ -115,6 +178,7 @@ class HostSlots:
         if buffer.dtype != torch.uint8 or buffer.numel() != expected:
             raise ValueError(f"host buffer must be {expected} uint8 bytes, got {buffer.numel()} {buffer.dtype}")
         self.layout = layout
+        self.buffer = buffer
         self.tensor = buffer.view(layout.num_slots, layout.num_layers, layout.pages_per_block, layout.page_bytes)
         self._rows = buffer.view(-1, layout.page_bytes)
 
@@ -137,13 +201,16 @@ class HostSlots:
 
 @dataclass(frozen=True, slots=True)
 class CopyPlan:
-    """One job's copies: ``dsts[i]`` receives ``srcs[i]`` (same shape, uint8). Views of the engine's
-    and the host's buffers, valid while those live; ``num_bytes`` is the total moved."""
+    """One job's copies as page pairs: ``dsts[i]`` receives ``srcs[i]`` (same shape). Views of the
+    engine's and the host's buffers, valid while those live; ``num_bytes`` is the total moved."""
 
     direction: Direction
     dsts: list[torch.Tensor]
     srcs: list[torch.Tensor]
     num_bytes: int
+
+    def views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return self.dsts, self.srcs
 
 
 class BlockCopier:

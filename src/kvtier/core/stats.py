@@ -54,6 +54,7 @@ class KVTierStats:
     hit_tokens_remote: int = 0
     stores_submitted: int = 0
     stores_dropped: int = 0
+    stores_voided: int = 0  # in flight on blocks the runner rewrote first (V2): never published
     stores_skipped_threshold: int = 0
     disk_writes_dropped: int = 0
     remote_writes_dropped: int = 0

@@ -32,6 +32,7 @@ from kvtier.vllm.geometry import EngineGeometry, model_name
 from kvtier.vllm.identity import model_identity
 from kvtier.vllm.inactive import inactive_reason
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
+from kvtier.vllm.runner import hook_order
 from kvtier.vllm.scheduler_side import KVTierScheduler
 from kvtier.vllm.worker_side import KVTierWorker
 
@@ -75,7 +76,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             events = vllm_config.kv_events_config
             publish = events is not None and events.enable_kv_cache_events
             model = model_identity(vllm_config, config)
-            self._scheduler = KVTierScheduler(geometry, config, model, publish_kv_events=publish)
+            self._scheduler = KVTierScheduler(geometry, config, model, publish_kv_events=publish,
+                                              hook_order=hook_order(vllm_config))
         else:
             self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config)
 
@@ -87,6 +89,18 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self._worker is not None:
             self._worker.register_kv_caches(kv_caches)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        return True  # vLLM 0.33's sleep mode: unregister_kv_caches / restore_kv_caches below
+
+    def unregister_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self) -> None:
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None:

@@ -12,6 +12,9 @@ tables across KV cache groups (one group without the hybrid allocator):
   :meth:`unfence`; :meth:`jobs_to_flush` names the fenced jobs whose blocks vLLM hands to a
   request in this step (new and resumed tables, appended blocks, this step's load destinations,
   copy-on-write targets): the workers must finish those stores before the step writes anything.
+  That holds where ``handle_preemptions`` runs before the step's first write (vLLM's V1 runner);
+  where the runner zeroes or copies blocks first (V2, :mod:`kvtier.vllm.runner`), the scheduler
+  voids the stores :meth:`jobs_reading` names for those blocks.
   This is what makes a store safe whenever vLLM frees a block while the copy is in flight (a
   running request's sliding blocks below its window, Mamba states it retires, a preempted
   request's blocks), with no delayed frees.
@@ -25,7 +28,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from kvtier.vllm.geometry import EngineGeometry
 
-NULL_BLOCK_ID = 0  # vLLM's null block (the pool's first): a table entry with no block behind it
+from kvtier.vllm.runner import NULL_BLOCK_ID
 
 
 class EngineBlocks:
@@ -85,6 +88,13 @@ class EngineBlocks:
                 if not jobs:
                     del self._fenced[block_id]
 
+    def jobs_reading(self, block_ids: Iterable[int]) -> set[int]:
+        """Store jobs in flight that read any of ``block_ids``."""
+        jobs: set[int] = set()
+        for block_id in block_ids:
+            jobs |= self._fenced.get(block_id, set())
+        return jobs
+
     def jobs_to_flush(self, scheduler_output: SchedulerOutput) -> set[int]:
         """Store jobs reading an engine block vLLM hands to a request in this step; ends the
         step's load-destination record."""
@@ -100,7 +110,4 @@ class EngineBlocks:
         for copy in scheduler_output.kv_cache_block_copies or ():
             allocated.add(copy.dst_block_id)
         allocated.discard(NULL_BLOCK_ID)
-        flush: set[int] = set()
-        for block_id in allocated:
-            flush |= self._fenced.get(block_id, set())
-        return flush
+        return self.jobs_reading(allocated)

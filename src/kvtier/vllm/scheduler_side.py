@@ -48,7 +48,6 @@ import enum
 import itertools
 import logging
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -65,8 +64,6 @@ from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.fingerprint import AdapterFingerprints
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
-from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk.layout import Access
 from kvtier.tiers.host import HostIndex
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.engine_blocks import NULL_BLOCK_ID, EngineBlocks
@@ -76,6 +73,8 @@ from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
 from kvtier.vllm.page_format import page_format
 from kvtier.vllm.request_state import RequestState, Uncacheable, block_extras
+from kvtier.vllm.runner import HookOrder, rewritten_before_hooks
+from kvtier.vllm.secondary_tiers import open_secondary_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +108,10 @@ class KVTierScheduler:
         model: ModelIdentity,
         *,
         publish_kv_events: bool = False,
+        hook_order: HookOrder = HookOrder.REWRITES_FIRST,
     ):
         self.config = config
+        self.hook_order = hook_order
         self.geometry = geometry
         layout = geometry.layout
         self._regions = [
@@ -129,36 +130,10 @@ class KVTierScheduler:
         )
         self._digest = self.namespace.engine_digest
         self._adapters = AdapterFingerprints()
-        tiers: list = []
-        if config.disk is not None:
-            disk_config = config.disk
-            tiers.append(DiskTier(
-                root_dir=Path(disk_config.root_dir),
-                model_name=geometry.model_name,
-                engine_digest=self._digest,
-                rank_digests=self.namespace.rank_digests(),
-                namespace_json=self.namespace.config_json(geometry.model_name),
-                payload_bytes=layout.slot_bytes,
-                capacity_bytes=disk_config.capacity_bytes,
-                n_read_threads=disk_config.n_read_threads,
-                n_write_threads=disk_config.n_write_threads,
-                max_pending_writes=disk_config.max_pending_writes,
-                access=Access.GROUP if disk_config.group_access else Access.OWNER,
-            ))
-        if config.remote is not None:
-            from kvtier.tiers.redis import RedisTier  # imports redis-py only when configured
-
-            tiers.append(RedisTier(
-                config.remote,
-                engine_digest=self._digest,
-                rank_digests=self.namespace.rank_digests(),
-                namespace_json=self.namespace.config_json(geometry.model_name),
-                payload_bytes=layout.slot_bytes,
-            ))
         self.orchestrator = Orchestrator(
             host=HostIndex(layout.num_slots, config.eviction_policy),
             host_bytes=HostBytes([r.view for r in self._regions], layout.slot_bytes),
-            tiers=tiers,
+            tiers=open_secondary_tiers(config, geometry, self.namespace),
             admission=StoreAdmission(config.store_threshold, config.max_tracker_size),
         )
         self._events: KVEventTranslator | None = None
@@ -370,11 +345,13 @@ class KVTierScheduler:
             self.orchestrator.wait_for_tiers(IDLE_WAIT_S)
         self.orchestrator.poll()
         self._engine_blocks.begin_step(scheduler_output)
-        for req_id, new_block_ids, preempted in yield_req_data(scheduler_output):
+        for req_id, new_block_ids, is_full_table in yield_req_data(scheduler_output):
+            # vLLM 0.32 names the third value "preempted" (resumed requests only), 0.33
+            # "is_full_table" (new requests too): either way new_block_ids is then the whole table
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            if preempted:
+            if is_full_table:
                 for group_ids in state.block_ids:
                     group_ids.clear()
             if new_block_ids:
@@ -386,6 +363,8 @@ class KVTierScheduler:
             if state is not None:
                 flush |= {j for j in state.jobs if self._jobs[j].kind is JobKind.STORE}
         flush |= self._engine_blocks.jobs_to_flush(scheduler_output)
+        if self.hook_order is HookOrder.REWRITES_FIRST:
+            self._void_stores_rewritten(scheduler_output)
         meta = KVTierConnectorMetadata(
             loads=self._step_loads,
             stores=self._tail_stores + self._build_stores(scheduler_output),
@@ -394,6 +373,18 @@ class KVTierScheduler:
         )
         self._step_loads, self._delayed_free, self._tail_stores = [], [], []
         return meta
+
+    def _void_stores_rewritten(self, scheduler_output: SchedulerOutput) -> None:
+        """V2 runner: stores in flight on blocks this step rewrites before ``handle_preemptions``
+        may have copied the rewritten bytes; they are never published (:mod:`kvtier.vllm.runner`).
+        Tail stores created since the last step start after those rewrites and are safe."""
+        rewritten = rewritten_before_hooks(scheduler_output, self.geometry.state_groups)
+        unsent = {job.job_id for job in self._tail_stores}
+        for job_id in self._engine_blocks.jobs_reading(rewritten) - unsent:
+            job = self._jobs[job_id]
+            if not job.failed:
+                job.failed = True
+                self.orchestrator.stats.stores_voided += len(job.keys)
 
     def _build_stores(self, scheduler_output: SchedulerOutput) -> list[CopyJob]:
         jobs: list[CopyJob] = []

@@ -36,7 +36,7 @@ from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from kvtier.copy import CopyEngine, Direction, HostSlots, PagedKV, make_copy_engine, pin_host_memory
+from kvtier.copy import CopyEngine, Direction, HostPinning, HostSlots, PagedKV, make_copy_engine, pin_host_memory
 from kvtier.copy.pages import padded_pages
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.geometry import EngineGeometry
@@ -55,7 +55,8 @@ class KVTierWorker:
         self.kv_cache_layout = kv_cache_config.kv_cache_layout
         self.region: SharedRegion | None = None
         self.copies: CopyEngine | None = None
-        self._unpin = lambda: None
+        self._buffer: torch.Tensor | None = None
+        self._pinning = HostPinning(None, [])
         self._store_jobs_of: dict[str, set[int]] = {}  # request -> its stores not yet finished here
         self._store_req: dict[int, str] = {}
         self._load_blocks: dict[int, list[int]] = {}  # load job -> engine block ids it writes
@@ -95,8 +96,8 @@ class KVTierWorker:
                     "cannot be stored once for all ranks (replicated MLA latent); this is a bug, please "
                     "report it with both ranks' attention backends"
                 )
-        buffer = torch.frombuffer(self.region.view, dtype=torch.uint8)
-        self._unpin = pin_host_memory(buffer)
+        buffer = self._buffer = torch.frombuffer(self.region.view, dtype=torch.uint8)
+        self._pinning = pin_host_memory(buffer, layout.slot_bytes)
         self.copies = make_copy_engine(paged, HostSlots(buffer, layout))
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
@@ -109,7 +110,7 @@ class KVTierWorker:
         for job in meta.loads:
             self._load_blocks[job.job_id] = [p.block_id for p in job.pages]
             self._load_req[job.job_id] = job.req_id
-            self.copies.start_load(job.job_id, job.pages)
+            self.copies.start_load(job.job_id, job.pages, synchronous=not self.geometry.asynchronous_loads)
 
     def start_stores(self, meta: KVTierConnectorMetadata) -> None:
         assert self.copies is not None
@@ -168,10 +169,25 @@ class KVTierWorker:
         self._meta = KVTierWorkerMetadata()
         return meta
 
+    def unregister_kv_caches(self) -> None:
+        """Sleep mode (vLLM 0.33): finish every copy in flight, then undo the host pinning. The
+        engine steps no request while asleep, so no job starts before :meth:`restore_kv_caches`;
+        finished jobs are reported by the next step as usual. Idempotent."""
+        if self.copies is not None:
+            self.copies.wait()
+        self._pinning.release()
+
+    def restore_kv_caches(self) -> None:
+        """After sleep mode: pin the host region again. The engine's KV tensors keep their
+        addresses (vLLM's sleep allocator remaps the same virtual range), so the copy engine's
+        views and address arrays stay valid. Idempotent."""
+        if self._buffer is not None and not self._pinning.pinned:
+            self._pinning = pin_host_memory(self._buffer, self.geometry.layout.slot_bytes)
+
     def shutdown(self) -> None:
         if self.copies is not None:
             self.copies.close()
             self.copies = None
-        self._unpin()
+        self._pinning.release()
         if self.region is not None and self._stores_pages:
             self.region.unlink()

@@ -1,0 +1,169 @@
+"""A job's page copies as byte runs: what the CUDA engine hands to one batched copy call per job.
+
+vLLM's own offloading issues one batched call per job over arrays of source and destination
+addresses (``v1/kv_offload/cpu/gpu_worker.py:645-687``); a Python ``copy_`` per (layer, page)
+costs milliseconds of host time per job on the thread that launches the forward, and through
+``torch._foreach_copy_`` across devices it is one ``cudaMemcpyAsync`` per pair anyway. So for
+dense pages (:attr:`~kvtier.copy.pages.PagedKV.flat`: every block-compact layout):
+
+- :class:`RunPlanner` computes once, per layer, where block 0's page starts in its storage and how
+  far apart blocks are (vLLM's ``KVCacheTensor`` placement: layer-outermost layouts put a layer's
+  blocks one page apart, block-outermost ones a whole packed block apart), and once where the
+  host region starts;
+- :meth:`RunPlanner.plan` turns a job's pages into arrays of (source, destination, length), one
+  entry per (layer, page), with numpy (no Python loop over layers), sorted in host order, and
+  merges neighbours contiguous on both sides into one run: the pages of a kvtier block of several
+  engine blocks (consecutive engine blocks of a layer, consecutive pages of a host slot), or,
+  under block-outermost layouts, whole blocks and consecutive blocks. A run never crosses a host
+  pinning chunk (:func:`kvtier.copy.pinning.register_chunk_bytes`).
+
+A :class:`ByteRuns` holds its address arrays for as long as the job is in flight, and can also
+be carried out with torch ops on the same memory (:meth:`ByteRuns.views`): how the tests check
+the planning bit for bit on CPU tensors, and the fallback where no CUDA runtime library is found.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvtier.copy.base import Direction, PageCopy
+from kvtier.copy.pages import HostSlots, PagedKV, storage_bytes
+from kvtier.copy.pinning import register_chunk_bytes
+
+
+@dataclass(frozen=True, eq=False)
+class ByteRuns:
+    """One job's copies: run ``i`` moves ``sizes[i]`` bytes from ``storages[src_storage[i]]`` at
+    byte ``src_offset[i]`` to ``storages[dst_storage[i]]`` at ``dst_offset[i]``. ``src_addr`` and
+    ``dst_addr`` are the same places as raw addresses (int64), the arrays a batched copy call
+    reads. ``num_pages`` counts the (layer, page) copies before merging."""
+
+    direction: Direction
+    storages: tuple[torch.Tensor, ...]  # 1-D uint8 views of whole storages (engine ones, then the host region)
+    src_storage: np.ndarray
+    src_offset: np.ndarray
+    dst_storage: np.ndarray
+    dst_offset: np.ndarray
+    sizes: np.ndarray
+    src_addr: np.ndarray
+    dst_addr: np.ndarray
+    num_pages: int
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each run's destination and source as 1-D uint8 views (for ``torch._foreach_copy_``)."""
+        def side(storage: np.ndarray, offset: np.ndarray) -> list[torch.Tensor]:
+            return [self.storages[s].narrow(0, o, n)
+                    for s, o, n in zip(storage.tolist(), offset.tolist(), self.sizes.tolist())]
+
+        return side(self.dst_storage, self.dst_offset), side(self.src_storage, self.src_offset)
+
+
+class RunPlanner:
+    """Plans :class:`ByteRuns` between dense engine pages and host slots (see the module docstring).
+    Built once per copy engine; :meth:`plan` is called on the thread that starts a job."""
+
+    def __init__(self, kv: PagedKV, host: HostSlots):
+        if kv.rows is None:
+            raise ValueError("byte runs need dense KV pages (a block-compact KV cache layout)")
+        storages: list[torch.Tensor] = []
+        index_of: dict[int, int] = {}
+        layer_storage, layer_base, layer_stride = [], [], []
+        for rows in kv.rows:
+            key = rows.untyped_storage().data_ptr()
+            if key not in index_of:
+                index_of[key] = len(storages)
+                storages.append(storage_bytes(rows))
+            layer_storage.append(index_of[key])
+            layer_base.append(rows.storage_offset())
+            layer_stride.append(rows.stride(0))
+        self.host_storage = len(storages)
+        storages.append(host.buffer)
+        self.storages = tuple(storages)
+        self._pointers = np.array([s.data_ptr() for s in storages], dtype=np.int64)
+        self._layer_storage = np.array(layer_storage, dtype=np.int64)
+        self._layer_base = np.array(layer_base, dtype=np.int64)
+        self._layer_stride = np.array(layer_stride, dtype=np.int64)
+        self._groups = [np.array(g, dtype=np.int64) for g in kv.layer_groups]
+        layout = host.layout
+        self.page_bytes = kv.page_bytes
+        self.num_blocks = kv.num_blocks
+        self._layout = layout
+        self.segment_bytes = register_chunk_bytes(layout.slot_bytes)
+
+    def plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns:
+        """The merged runs of a job. IndexError naming the first page out of range, before anything
+        could be copied."""
+        table = np.array([(p.slot, p.sub, p.block_id, p.group) for p in pages], dtype=np.int64).reshape(-1, 4)
+        self._check(table, pages)
+        if len(self._groups) == 1:
+            e_storage, e_offset, h_offset = self._one_group(table)
+        else:
+            e_storage, e_offset, h_offset = self._every_group(table)
+        num_pages = len(h_offset)
+        if num_pages > 1 and not np.all(h_offset[1:] > h_offset[:-1]):
+            order = np.argsort(h_offset)
+            e_storage, e_offset, h_offset = e_storage[order], e_offset[order], h_offset[order]
+        page = self.page_bytes
+        joins = ((h_offset[1:] == h_offset[:-1] + page) & (e_storage[1:] == e_storage[:-1])
+                 & (e_offset[1:] == e_offset[:-1] + page)
+                 & (h_offset[1:] // self.segment_bytes == h_offset[:-1] // self.segment_bytes))
+        starts = np.flatnonzero(np.concatenate(([True], ~joins))) if num_pages else np.zeros(0, dtype=np.int64)
+        sizes = np.diff(np.append(starts, num_pages)) * page
+        e_storage, e_offset, h_offset = e_storage[starts], e_offset[starts], h_offset[starts]
+        h_storage = np.full(len(starts), self.host_storage, dtype=np.int64)
+        if direction is Direction.STORE:
+            src, dst = (e_storage, e_offset), (h_storage, h_offset)
+        else:
+            src, dst = (h_storage, h_offset), (e_storage, e_offset)
+        return ByteRuns(direction, self.storages, src[0], src[1], dst[0], dst[1], sizes.astype(np.int64),
+                        self._pointers[src[0]] + src[1], self._pointers[dst[0]] + dst[1], num_pages)
+
+    def _grid(self, table: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per (page, layer) of ``table``'s pages and ``layers``: engine storage, engine offset,
+        host offset, each ``[pages, layers]``."""
+        layout = self._layout
+        slot, sub, block = table[:, 0:1], table[:, 1:2], table[:, 2:3]
+        engine_storage = np.broadcast_to(self._layer_storage[layers], (len(table), len(layers)))
+        engine_offset = self._layer_base[layers] + block * self._layer_stride[layers]
+        host_offset = ((slot * layout.num_layers + layers) * layout.pages_per_block + sub) * self.page_bytes
+        return engine_storage, engine_offset, host_offset
+
+    def _one_group(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pages sorted by (slot, sub), laid out in host order (slot, layer, sub) without sorting
+        the (page, layer) entries when every slot of the job has its whole block (the usual job);
+        else left for the caller's sort."""
+        table = table[np.lexsort((table[:, 1], table[:, 0]))]
+        grids = self._grid(table, self._groups[0])
+        per_block = self._layout.pages_per_block
+        if per_block > 1 and len(table) % per_block == 0:
+            subs, slots = table[:, 1].reshape(-1, per_block), table[:, 0].reshape(-1, per_block)
+            if (subs == np.arange(per_block)).all() and (slots == slots[:, :1]).all():
+                return tuple(g.reshape(-1, per_block, g.shape[1]).transpose(0, 2, 1).ravel() for g in grids)
+        return tuple(g.ravel() for g in grids)
+
+    def _every_group(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        parts = [self._grid(table[table[:, 3] == group], layers) for group, layers in enumerate(self._groups)]
+        return tuple(np.concatenate([part[i].ravel() for part in parts]) for i in range(3))
+
+    def _check(self, table: np.ndarray, pages: Sequence[PageCopy]) -> None:
+        layout = self._layout
+        bounds = (layout.num_slots, layout.pages_per_block, self.num_blocks, len(self._groups))
+        bad = np.flatnonzero(((table < 0) | (table >= np.array(bounds))).any(axis=1))
+        if len(bad):
+            p = pages[int(bad[0])]
+            raise IndexError(
+                f"page {p} out of range ({layout.num_slots} slots x {layout.pages_per_block} pages per block, "
+                f"engine blocks [0, {self.num_blocks}), {len(self._groups)} KV cache groups)"
+            )

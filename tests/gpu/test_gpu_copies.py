@@ -1,0 +1,162 @@
+"""kvtier's CUDA copy engine on a real device, real streams, pinned /dev/shm host regions
+(run by scripts/gpu-check.sh; skipped without CUDA). What the CPU suite can only simulate:
+
+- a store requested while a long kernel still writes the pages holds the final bytes;
+- a load is reported only after its bytes landed, and a failed one at once;
+- batched copies are bit-exact for every layout vLLM can pick (tests/gpu/gpu_layouts.py, checked
+  against vLLM's own view code on CPU), from and to a pinned /dev/shm region, and leave the same
+  slot bytes as the CPU engine does on the same pages;
+- pinning, including a refused registration that does not poison the CUDA context.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from gpu_layouts import CASES, Case, build
+
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
+from kvtier.copy.cuda import CudaCopyEngine
+from kvtier.copy.cudart import LoadedCudart
+from kvtier.copy.pages import padded_pages
+from kvtier.copy.pinning import pin_host_memory
+from kvtier.copy.streams import TorchCudaStreams
+from kvtier.core.slots import HostSlotLayout
+
+NUM_BLOCKS = 12
+LONG_KERNEL_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s on an H100
+
+
+def engine_for(kv, case: Case, host_buffer: torch.Tensor, num_slots: int):
+    layers = [padded_pages(v, NUM_BLOCKS, case.page_bytes) if i in kv.state_layers else v
+              for i, v in enumerate(kv.views)]
+    paged = PagedKV(layers, NUM_BLOCKS, kv.layer_groups)
+    layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, num_slots)
+    host = HostSlots(host_buffer[: layout.region_bytes], layout)
+    return CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(paged.device)), paged, host
+
+
+def attention_rig(device, shm_region, num_slots=2):
+    """vLLM's default GPU layout (LBNHC) on ``device``, a pinned /dev/shm host region, the engine."""
+    case = CASES["LBNHC-attention"]
+    kv = build(case, NUM_BLOCKS, device)
+    slot_bytes = len(kv.views) * case.page_bytes
+    buffer, _ = shm_region(num_slots * slot_bytes, slot_bytes)
+    engine, paged, host = engine_for(kv, case, buffer, num_slots)
+    return case, kv, engine, paged, host
+
+
+def wait_done(engine, job_ids, timeout=30.0):
+    done, deadline = {}, time.monotonic() + timeout
+    while set(done) != set(job_ids):
+        assert time.monotonic() < deadline, f"jobs {job_ids} not reported in {timeout} s"
+        done.update((d.job_id, d) for d in engine.poll())
+    return done
+
+
+def page_bytes(paged, layer, block):
+    return paged.page(layer, block).contiguous().view(torch.uint8).reshape(-1).cpu()
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, device, shm_region):
+    case = CASES[name]
+    kv = build(case, NUM_BLOCKS, device)
+    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8, device=device))
+    groups = len(kv.layer_groups)
+    slot_bytes = len(kv.views) * case.page_bytes
+    buffer, pinning = shm_region(4 * slot_bytes, slot_bytes)
+    assert pinning.pinned
+    engine, paged, host = engine_for(kv, case, buffer, 4)
+    sources = [[1 + g * 5 + s for s in range(3)] for g in range(groups)]
+    targets = [list(reversed(ids)) for ids in sources]
+    store = [PageCopy(s, 0, sources[g][s], g) for s in range(3) for g in range(groups)]
+    load = [PageCopy(s, 0, targets[g][s], g) for s in range(3) for g in range(groups)]
+    before = {(layer, b): page_bytes(paged, layer, b) for g, layers in enumerate(kv.layer_groups)
+              for layer in layers for b in sources[g]}
+    engine.start_store(1, store)
+    assert wait_done(engine, [1])[1].ok
+    slots = host.buffer.clone()
+
+    cpu = build(case, NUM_BLOCKS, "cpu")  # the same pages on the CPU engine: the same slot bytes
+    cpu.raw.copy_(kv.raw.cpu())
+    cpu_engine_host = torch.zeros_like(slots)
+    cpu_layers = [padded_pages(v, NUM_BLOCKS, case.page_bytes) if i in cpu.state_layers else v
+                  for i, v in enumerate(cpu.views)]
+    BlockCopier(PagedKV(cpu_layers, NUM_BLOCKS, cpu.layer_groups),
+                HostSlots(cpu_engine_host, host.layout)).copy(Direction.STORE, store)
+    assert torch.equal(slots, cpu_engine_host)
+
+    kv.raw.zero_()
+    engine.start_load(2, load)
+    assert wait_done(engine, [2])[2].ok
+    torch.cuda.synchronize()
+    for g, layers in enumerate(kv.layer_groups):
+        for source, target in zip(sources[g], targets[g]):
+            for layer in layers:
+                assert torch.equal(page_bytes(paged, layer, target), before[layer, source]), (name, layer)
+
+
+def test_a_store_requested_while_a_long_kernel_writes_the_pages_holds_the_final_bytes(device, shm_region):
+    case, kv, engine, paged, host = attention_rig(device, shm_region)
+    compute = torch.cuda.current_stream(device)
+    torch.cuda._sleep(LONG_KERNEL_CYCLES)  # the "forward" is still running ...
+    for view in kv.views:
+        view[4].fill_(3.0)  # ... and writes the pages last
+    engine.start_store(1, [PageCopy(0, 0, 4)])
+    assert not compute.query(), "the long kernel finished before the store was issued; the test proves nothing"
+    assert wait_done(engine, [1])[1].ok
+    final = torch.full((case.page_bytes // case.dtype.itemsize,), 3.0, dtype=case.dtype).view(torch.uint8)
+    assert all(torch.equal(host.page(0, layer, 0), final) for layer in range(len(kv.views)))
+
+
+@pytest.mark.parametrize("synchronous", [True, False])
+def test_a_load_is_reported_only_after_its_bytes_landed(synchronous, device, shm_region):
+    case, kv, engine, paged, host = attention_rig(device, shm_region)
+    payload = torch.randint(0, 256, (host.layout.slot_bytes,), dtype=torch.uint8)
+    host.tensor[1].view(-1).copy_(payload)
+    with torch.cuda.stream(engine._streams[Direction.LOAD]):  # noqa: SLF001 - hold the load stream back
+        torch.cuda._sleep(LONG_KERNEL_CYCLES)
+    engine.start_load(1, [PageCopy(1, 0, 7)], synchronous=synchronous)
+    assert engine.poll() == [], "a load was reported while its stream had not even started it"
+    assert wait_done(engine, [1])[1].ok
+    reader = torch.cuda.Stream(device)  # depends on nothing: reads what is in device memory now
+    with torch.cuda.stream(reader):
+        landed = torch.cat([paged.page(i, 7).contiguous().view(torch.uint8).reshape(-1) for i in range(len(kv.views))])
+        landed = landed.to("cpu", non_blocking=False)
+    assert torch.equal(landed, payload)
+
+
+def test_a_failed_load_is_reported_at_once(device, shm_region):
+    _, _, engine, _, _ = attention_rig(device, shm_region)
+    torch.cuda._sleep(LONG_KERNEL_CYCLES)
+    engine.start_load(1, [PageCopy(0, 0, NUM_BLOCKS + 3)])
+    [done] = engine.poll()
+    assert (done.job_id, done.ok) == (1, False)
+
+
+def test_pinning_and_a_refused_registration_that_does_not_poison_the_context(device, shm_region):
+    buffer, pinning = shm_region(8 * 2**20, 2**20)
+    assert pinning.pinned
+    runtime = LoadedCudart.find()
+    assert runtime is not None
+    again = pin_host_memory(buffer, 2**20)  # the driver refuses: already registered
+    assert not again.pinned
+    assert runtime.get_last_error() == 0, "the refused registration's error was left pending"
+    x = torch.ones(1024, device=device)
+    (x + 1).sum().item()  # a kernel launch after the refusal: torch would raise a pending error here
+    torch.cuda.synchronize()
+    pinning.release()
+    assert runtime.get_last_error() == 0
+    pinning = pin_host_memory(buffer, 2**20)  # and it can be registered again
+    assert pinning.pinned
+    pinning.release()
+
+
+def test_the_cuda_runtime_library_is_found_and_batches_copies_where_it_can():
+    runtime = LoadedCudart.find()
+    assert runtime is not None and runtime.version > 0
+    if runtime.version >= 12080:
+        assert runtime.batched, "CUDA runtime >= 12.8 exports cudaMemcpyBatchAsync"
