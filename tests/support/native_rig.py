@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import hash_block_tokens, init_none_hash
 from vllm.v1.kv_offload.base import LookupResult, ReqContext, ScheduleEndContext, make_offload_key
@@ -110,6 +111,22 @@ class NativeRig:
     def keys(self, token_lists: list[list[int]]) -> list[bytes]:
         return chunk_keys(token_lists, self.hash_algo)
 
+    @property
+    def payload_bytes(self) -> int:
+        """The stored part of a row: every rank's payload (the row's padding is not stored)."""
+        run = self.tiers[0].run
+        return run.payload_bytes * run.copies
+
+    def stored_part(self, rows: list[bytes | None]) -> list[bytes | None]:
+        return [None if row is None else row[: self.payload_bytes] for row in rows]
+
+    def store_prompt(self, seed: int, chunks: int) -> tuple[list[bytes], list[bytes]]:
+        """Store the ``chunks`` chunks of prompt ``seed`` with random rows; returns (keys, rows)."""
+        keys = self.keys(prompt(seed, chunks))
+        rows = [payload_of(self, -1) for _ in keys]
+        self.store(keys, rows)
+        return keys, rows
+
     def _context(self) -> ReqContext:
         self._requests += 1
         context = ReqContext(req_id=f"req{self._requests}")
@@ -183,3 +200,11 @@ class NativeRig:
 def payload_of(rig: NativeRig, seed: int) -> bytes:
     """Random bytes of one whole row (every rank's part, padding included)."""
     return os.urandom(rig.rows.shape[1]) if seed < 0 else np.random.default_rng(seed).bytes(rig.rows.shape[1])
+
+
+@pytest.fixture
+def native_env(tmp_path, monkeypatch):
+    """A model folder to fingerprint (fingerprints cached under tmp_path) and no PYTHONHASHSEED."""
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "kvtier-cache"))
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    return make_model(tmp_path / "model")

@@ -29,8 +29,9 @@ import blake3
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ChangeKind
-from kvtier.tiers.base import IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage
 from kvtier.runtime.chunks.rows import Rows
+from kvtier.runtime.orchestrator import REFRESH_INTERVAL_S
+from kvtier.tiers.base import IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage
 
 _KEY_DOMAIN = b"kvtier/vllm-offload-key\0"
 DRAIN_POLL_S = 0.001
@@ -82,8 +83,10 @@ class ChunkStore:
     """``tier`` holding the chunks of one namespace (``namespace_digest``); ``rows`` the engine's region."""
 
     def __init__(self, tier: SecondaryTier, rows: Rows, *, namespace_digest: bytes, chunk_tokens: int,
-                 record_residency: bool = False):
+                 record_residency: bool = False, refresh_interval_s: float = REFRESH_INTERVAL_S):
         self.tier = tier
+        self._refresh_interval_s = refresh_interval_s
+        self._next_refresh = time.monotonic() + refresh_interval_s
         self._rows = rows
         self._digest = bytes(namespace_digest)
         self._chunk_tokens = chunk_tokens
@@ -144,7 +147,13 @@ class ChunkStore:
         self._settle_if_done(job_id, job)
 
     def poll(self) -> list[JobOutcome]:
-        """Engine jobs finished since the last call. Never blocks."""
+        """Engine jobs finished since the last call. Never blocks. Every ``refresh_interval_s`` it
+        also has the tier look for records other engines stored (a shared disk root: a background
+        scan, merged by a later poll)."""
+        now = time.monotonic()
+        if now >= self._next_refresh:
+            self._next_refresh = now + self._refresh_interval_s
+            self.tier.refresh()
         self._collect()
         ready, self._ready = self._ready, []
         return ready

@@ -73,6 +73,7 @@ class KVTierTier(SecondaryTierManager):
 
     kind: ClassVar[TierType]
     default_locality: ClassVar[Locality]
+    tolerates_off_thread_polling: ClassVar[bool] = False  # vLLM 0.33: polled per step only (0.32 ignores it)
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, **tier_keys: Any) -> None:
