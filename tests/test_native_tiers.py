@@ -79,6 +79,11 @@ def test_operator_tools_work_on_a_root_the_native_tier_wrote(tmp_path, model):
     bad.write_bytes(bad.read_bytes()[:-1] + b"\x00")
     verified = runner.invoke(main, ["verify", str(root)])
     assert verified.exit_code != 0 and "1" in verified.output, verified.output
+    line = json.dumps({"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 2**30, "secondary_tiers": [disk(root)]}})
+    doctor = runner.invoke(main, ["doctor", "--json", "--", "vllm", "serve", str(model), "--kv-transfer-config", line])
+    (shared,) = [f for f in json.loads(doctor.output)["findings"] if f["code"] == "shared-root"]
+    assert "32-token blocks" in shared["why"] and str(model) in shared["why"]
     purged = runner.invoke(main, ["purge", str(root), "--all"])
     assert purged.exit_code == 0, purged.output
     assert bin_files(root) == []
