@@ -27,12 +27,14 @@ What vLLM does with a tier, and what this one does in turn (vLLM's tiering/base.
 - ``drain_jobs`` waits for every job (never cuts a copy); ``take_events`` reports what this process
   stored and what left the tier (vLLM turns them into KV events, medium STORAGE); ``get_stats``
   adds kvtier's counters (:mod:`kvtier.vllm.native.metrics`);
-- ``shutdown`` finishes the jobs and closes the tier; a namespace of a per-process hash seed is
-  removed first (no other process could ever read it).
+- ``shutdown`` finishes the jobs and closes the tier; a namespace of a per-process hash seed (no
+  other process could ever read it) is removed then, or at exit if vLLM exits without a shutdown
+  (kvtier_disk: its directories; kvtier_redis: its values, at shutdown only).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections.abc import Collection, Iterable
@@ -56,6 +58,7 @@ from kvtier.runtime.chunks.rows import Rows
 from kvtier.runtime.chunks.run import config_json, namespace
 from kvtier.runtime.chunks.store import Answer, ChunkStore
 from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.layout import Access
 from kvtier.vllm.native import metrics
 from kvtier.vllm.native.run_facts import engine_run
@@ -108,6 +111,8 @@ class KVTierTier(SecondaryTierManager):
         self._opening.clear()
         if not seed.shared:
             logger.warning(private_seed_warning(self.tier_type, seed))
+            # also when vLLM exits without shutting its connector down (one-process mode, a crash)
+            atexit.register(self._remove_private_namespace, tier)
         logger.info("kvtier %s: namespace %s (hash %s, seed %s %s)", self.tier_type, ns.engine_digest.hex()[:16],
                     seed.algorithm, seed.kind.value, seed.digest[:12])
 
@@ -182,12 +187,13 @@ class KVTierTier(SecondaryTierManager):
             self._rows.release()
         else:
             private = self.seed is not None and not self.seed.shared
-            store.close(clear=private)
+            store.close(clear=private and self.kind is TierType.REDIS)
             if private:
-                self._remove_private_namespace(store)
+                self._remove_private_namespace(store.tier)
 
-    def _remove_private_namespace(self, store: ChunkStore) -> None:
-        """After a per-process namespace's records are gone: what is left of it (nothing by default)."""
+    def _remove_private_namespace(self, tier: SecondaryTier) -> None:
+        """Remove what is left of a per-process namespace once its tier is closed (disk: its
+        directories; Redis: nothing, its values were cleared). Runs at shutdown, and at exit."""
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
@@ -221,8 +227,6 @@ class KVTierDiskTier(KVTierTier):
     config: DiskTierConfig
 
     def _open_tier(self, ns: Any, ns_json: str) -> SecondaryTier:
-        from kvtier.tiers.disk import DiskTier
-
         config = self.config
         return DiskTier(
             root_dir=Path(config.root_dir), model_name=self.run.model_name, engine_digest=ns.engine_digest,
@@ -232,10 +236,12 @@ class KVTierDiskTier(KVTierTier):
             access=Access.GROUP if config.group_access else Access.OWNER,
         )
 
-    def _remove_private_namespace(self, store: ChunkStore) -> None:
+    def _remove_private_namespace(self, tier: SecondaryTier) -> None:
+        """Nobody else can read a per-process namespace: its directories go whole (records, ledger,
+        config.json), after the tier's writers stopped (shutdown; at exit, Python joined them)."""
         import shutil
 
-        tier = store.tier
+        assert isinstance(tier, DiskTier)
         for directory in (tier.namespace_dir, *(tier.rank_dir(r) for r in range(self.run.copies))):
             shutil.rmtree(directory, ignore_errors=True)
 
