@@ -93,6 +93,9 @@ def test_every_name_kvtier_reads_of_vllm_exists_in_033():
     assert "create_next_worker_view" in region and "cleanup" in region
     seeds = (VLLM033 / "v1/core/kv_cache_utils.py").read_text()
     assert "\nNONE_HASH: BlockHash" in seeds and "def get_none_hash_seed() -> str:" in seeds
+    assert "NONE_HASH = BlockHash(hash_fn(_NONE_HASH_SEED))" in seeds  # how the seed's algorithm is found
+    init_at = (VLLM033 / "v1/engine/core.py").read_text()
+    assert init_at.index("self.scheduler: SchedulerInterface = Scheduler(") < init_at.index("init_none_hash(")
     assert "PrefixCachingHashAlgo = Literal[" in (VLLM033 / "config/cache.py").read_text()
     assert "def get_hash_fn_by_name(" in (VLLM033 / "utils/hashing.py").read_text()
     stats = methods(source("distributed/kv_transfer/kv_connector/v1/offloading/metrics.py"), "OffloadingConnectorStats")
