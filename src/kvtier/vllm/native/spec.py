@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
+from kvtier.vllm.logs import share_vllm_log_handlers
 from kvtier.vllm.native.worker import KVTierCpuWorker
 
 
@@ -27,6 +28,7 @@ class KVTierOffloadingSpec(TieringOffloadingSpec):
     """vLLM's tiering spec with a worker for vLLM's CPU backend (see the module docstring)."""
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        share_vllm_log_handlers()
         if not current_platform.is_cpu():
             return super().get_worker(kv_caches)
         if self._worker is None:

@@ -60,6 +60,7 @@ from kvtier.runtime.chunks.store import Answer, ChunkStore
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.layout import Access
+from kvtier.vllm.logs import share_vllm_log_handlers
 from kvtier.vllm.native import metrics
 from kvtier.vllm.native.run_facts import engine_run
 from kvtier.vllm.native.seed import SeedWatcher
@@ -81,6 +82,7 @@ class KVTierTier(SecondaryTierManager):
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector: Any = None, **tier_keys: Any) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        share_vllm_log_handlers()
         locality = tier_keys.pop("locality", None)
         operator_identity = tier_keys.pop("model_identity", None)
         self.locality = Locality(locality) if locality is not None else self.default_locality
