@@ -5,9 +5,10 @@ secondary tiers; every output compared with vLLM alone's.
 
 - a fresh engine on a warm root is served from disk; a third of the records flipped, truncated or
   emptied between two rounds: still bit-exact, each bad record counted (and quarantined);
-- another engine block size, and a fine-tuned twin (same config.json, other weights) on the same
-  root: misses, bit-exact (the twin also without kvtier's plugin: module paths);
-- capacity_bytes holds while two engines write one root at the same time;
+- a fine-tuned twin (same config.json, other weights) on the same root: misses (and without
+  kvtier's plugin: module paths);
+- two engines of another engine block size on the same root at the same time: misses, bit-exact,
+  and their namespace stays within capacity_bytes while both write;
 - kvtier_redis: a second engine PROCESS (vLLM's multiprocess mode: scheduler, worker and the shared
   CPU region in separate processes) is served from a real redis-server; the server stopped mid-run
   costs only misses;
@@ -147,12 +148,14 @@ def make_fine_tune(base: Path, runs: Path) -> Path:
     return target
 
 
-def test_another_block_size_and_a_fine_tuned_twin_miss_on_the_same_root(warm, model, expected, tmp_path):
-    root, _ = warm
-    other_block = launch(run_spec(model, [disk(root)], block_size=32), tmp_path)
-    assert cached(other_block) == [0] * 9, "an engine of another block size loaded the warm records"
-    assert metric(other_block, 0, "chunk_hits", "kvtier_disk") == 0
+def namespaces(root: Path) -> dict[str, dict]:
+    """Namespace directory name -> its config.json."""
+    return {p.parent.name: json.loads(p.read_text()) for p in root.glob("*/config.json")}
 
+
+def test_a_fine_tuned_twin_misses_on_the_same_root(warm, model, expected, tmp_path):
+    root, _ = warm
+    before = namespaces(root)
     twin = make_fine_tune(model, tmp_path / "runs")
     # without kvtier's plugin: the spec and the tier found by module path
     module_paths = [{"type": "KVTierDiskTier", "module_path": "kvtier.vllm.native", "root_dir": str(root),
@@ -160,31 +163,39 @@ def test_another_block_size_and_a_fine_tuned_twin_miss_on_the_same_root(warm, mo
     tuned = launch(run_spec(twin, module_paths), tmp_path, env={"VLLM_PLUGINS": ""})
     assert cached(tuned) == [0] * 9, "the fine-tuned twin loaded the base model's records"
     assert tokens(tuned) != expected["prompts"], "the twin must compute other outputs for this to mean anything"
-    configs = [json.loads(p.read_text()) for p in root.glob("*/config.json")]
-    assert len(configs) == 3  # base, other block size, twin: three namespaces side by side
-    # both computed every token themselves (nothing loaded): they are vLLM alone's outputs
-    print(f"other block size: {tokens(other_block)[0]}; twin: {tokens(tuned)[0]}")
+    (added,) = set(namespaces(root)) - set(before)  # the twin's own namespace, beside the base model's
+    assert namespaces(root)[added]["model"]["weights"] not in {c["model"]["weights"] for c in before.values()}
+    # it computed every token itself (nothing loaded): its outputs are vLLM alone's for the twin
 
 
 RECORD_BYTES = 136 + CHUNK * 2 * 2 * 2 * 32 * 4  # header + 64 tokens x 2 layers x K,V x 2 heads x 32 x fp32
 
 
-def test_capacity_holds_while_two_engines_write_one_root(model, expected, tmp_path):
-    """Two engines at once, nine records each, on a root bounded to six: at no time more."""
-    root = tmp_path / "shared"
+def test_another_block_size_misses_and_capacity_holds_while_two_engines_write_one_root(warm, model, expected,
+                                                                                      tmp_path):
+    """Two engines with 32-token engine blocks on the warm root at once: the warm (64-token) records
+    are misses; their own namespace, bounded to six records, never holds more while both write
+    nine each."""
+    root, _ = warm
     capacity = 6 * RECORD_BYTES
-    procs = [start(run_spec(model, [disk(root, capacity)], prompts=prompts), tmp_path)
+    procs = [start(run_spec(model, [disk(root, capacity)], prompts=prompts, block_size=32), tmp_path)
              for prompts in (PROMPTS, OTHER_PROMPTS)]
+
+    def theirs() -> list[Path]:
+        dirs = [name for name, c in namespaces(root).items() if c["ranks"][0]["engine_block_tokens"] == 32]
+        return [p for name in dirs for p in records(root / f"{name}_r0")]
+
     largest = 0
     while any(proc.poll() is None for proc, _ in procs):
-        largest = max(largest, sum(p.stat().st_size for p in records(root) if p.exists()))
+        largest = max(largest, sum(p.stat().st_size for p in theirs() if p.exists()))
         time.sleep(0.02)
     results = [finish(proc, run_dir) for proc, run_dir in procs]
+    assert cached(results[0]) == [0] * 9, "an engine of another block size loaded the warm records"
     assert tokens(results[0]) == expected["prompts"] and tokens(results[1]) == expected["other"]
-    final = sum(p.stat().st_size for p in records(root))
+    final = sum(p.stat().st_size for p in theirs())
     assert 0 < largest <= capacity and final <= capacity, (largest, final, capacity)
     assert sum(metric(r, 0, "kvtier_offload_evictions") for r in results) > 0
-    print(f"capacity {capacity}: at most {largest} bytes of records, {len(records(root))} records at the end")
+    print(f"capacity {capacity}: at most {largest} bytes of records, {len(theirs())} records at the end")
 
 
 def test_redis_serves_a_second_engine_process_and_a_stopped_server_costs_misses(warm, model, redis, expected,
