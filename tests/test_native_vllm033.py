@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.native_rig import NativeRig, make_model
+from support.native_rig import NativeRig, native_env  # noqa: F401  (pytest fixture)
 
 from kvtier.vllm.native.tiers import KVTierDiskTier, KVTierTier
 from kvtier.vllm.native.worker import KVTierCpuWorker
@@ -104,10 +104,9 @@ def test_every_name_kvtier_reads_of_vllm_exists_in_033():
         "cls", "tier_type", "module_path", "class_name"]
 
 
-def test_tier_calls_from_a_second_thread_under_the_managers_lock(tmp_path, monkeypatch):
+def test_tier_calls_from_a_second_thread_under_the_managers_lock(tmp_path, native_env):  # noqa: F811
     """0.33's manager may reach a tier from its tier-poll thread (never concurrently: one lock)."""
-    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
-    model = make_model(tmp_path / "model")
+    model = native_env
     rig = NativeRig(model, [{"type": "kvtier_disk", "root_dir": str(tmp_path / "root"), "capacity_bytes": 10**8}])
     lock, stop, errors = threading.Lock(), threading.Event(), []
     tier = rig.tiers[0]

@@ -45,7 +45,12 @@ def make_worker(caches: CanonicalKVCaches, bpc: int, *, rank: int = 0, world: in
     region = SharedOffloadRegion(engine_id=f"test{secrets.token_hex(4)}", num_chunks=NUM_CHUNKS, rank=rank,
                                  kv_bytes_per_chunk=row, cpu_page_size=slot)
     views = [region.create_next_worker_view(PAGE * bpc) for _ in caches.tensors]
-    return KVTierCpuWorker(caches, bpc, views, on_shutdown=region.cleanup), views
+    try:
+        return KVTierCpuWorker(caches, bpc, views, on_shutdown=region.cleanup), views
+    except Exception:
+        views.clear()
+        region.cleanup()  # the region's /dev/shm file goes with it (its creator)
+        raise
 
 
 def vllm_addresses(caches, views, spec: GPULoadStoreSpec, chunks: np.ndarray, bpc: int) -> list[tuple[int, int]]:
@@ -76,6 +81,14 @@ def vllm_addresses(caches, views, spec: GPULoadStoreSpec, chunks: np.ndarray, bp
 def test_pages_land_where_vllms_worker_puts_them_and_load_back(groups, num_tensors, bpc, rank, world):
     caches = make_caches(groups, num_tensors)
     worker, views = make_worker(caches, bpc, rank=rank, world=world)
+    try:
+        check_round_trip(worker, views, caches, groups, bpc)
+    finally:
+        views.clear()
+        worker.shutdown()  # unmaps and removes the region's /dev/shm file
+
+
+def check_round_trip(worker, views, caches, groups, bpc) -> None:
     rng = np.random.default_rng(0)
     sizes = [int(rng.integers(3, 7)) for _ in groups]
     firsts = [int(rng.integers(0, 2 * bpc)) for _ in groups]  # unaligned first chunks
@@ -106,7 +119,6 @@ def test_pages_land_where_vllms_worker_puts_them_and_load_back(groups, num_tenso
     for t, original in zip(caches.tensors, originals):
         assert torch.equal(t.tensor, original)
     assert [d.job_id for d in worker.get_finished()] == [2]
-    worker.shutdown()
 
 
 def test_pages_of_several_sizes_are_refused_with_the_alternative():

@@ -87,6 +87,10 @@ def prompt(seed: int, chunks: int) -> list[list[int]]:
     return [rng.integers(0, 30000, CHUNK_TOKENS).tolist() for _ in range(chunks)]
 
 
+_OPEN: list[NativeRig] = []
+"""Rigs not closed yet: the native_env fixture closes them when a test ends (their /dev/shm region too)."""
+
+
 class NativeRig:
     """One engine's offloading manager (see the module docstring)."""
 
@@ -97,6 +101,7 @@ class NativeRig:
         self.spec = TieringOffloadingSpec(offloading_config(model, tiers, engine_id=f"rig{secrets.token_hex(4)}",
                                                             **config))
         self.manager = self.spec.get_manager()
+        _OPEN.append(self)
         self.tiers = list(self.manager.secondary_tiers)
         init_none_hash(get_hash_fn_by_name(hash_algo))  # what EngineCore does after building its scheduler
         deadline = time.monotonic() + open_timeout
@@ -193,7 +198,11 @@ class NativeRig:
         self.manager.reset_cache()
 
     def close(self) -> None:
-        del self.rows  # our view of vLLM's region: vLLM unmaps it at shutdown
+        """vLLM's shutdown of the manager: tiers, then the CPU tier's region. Idempotent."""
+        if self not in _OPEN:
+            return
+        _OPEN.remove(self)
+        self.__dict__.pop("rows", None)  # our view of vLLM's region: vLLM unmaps it at shutdown
         self.manager.shutdown()
 
 
@@ -207,4 +216,6 @@ def native_env(tmp_path, monkeypatch):
     """A model folder to fingerprint (fingerprints cached under tmp_path) and no PYTHONHASHSEED."""
     monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "kvtier-cache"))
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    return make_model(tmp_path / "model")
+    yield make_model(tmp_path / "model")
+    for rig in list(_OPEN):  # a test that failed before closing its rigs
+        rig.close()
