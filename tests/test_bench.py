@@ -528,3 +528,40 @@ def test_bench_modules_do_not_import_vllm():
             "print(any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_native_modes_launch_vllms_offloading_connector_with_kvtiers_spec(tmp_path):
+    from kvtier.bench.native import NATIVE_MODES, RESTART_MODES
+    from kvtier.bench.runner import is_seeded
+    from kvtier.bench.servers import ServerSettings, launch_spec
+
+    settings = ServerSettings(model=str(tmp_path / "model"), kv_offloading_size_gib=1.0, disk_size_gib=2.0)
+    url = "redis://127.0.0.1:7/0"
+    tiers = {}
+    for i, mode in enumerate(NATIVE_MODES + RESTART_MODES):
+        spec = launch_spec(mode, settings, tmp_path / mode, port=18400 + i, redis_url=url)
+        config = json.loads(spec.argv[spec.argv.index("--kv-transfer-config") + 1])
+        assert config["kv_connector"] == "OffloadingConnector" and config["kv_role"] == "kv_both"
+        extra = config["kv_connector_extra_config"]
+        assert extra["spec_name"] == "KVTierOffloadingSpec" and extra["spec_module_path"] == "kvtier.vllm.native"
+        assert extra["cpu_bytes_to_use"] == 2**30
+        tiers[mode] = extra["secondary_tiers"]
+        assert is_seeded(mode) == mode.endswith("-restart")
+        assert ("restart" in spec.summary) == mode.endswith("-restart")
+    root = str(tmp_path / "native-fs" / "native-root")
+    assert tiers["native-cpu"] == [] and tiers["native-fs"] == [{"type": "fs", "root_dir": root}]
+    assert tiers["native-kvtier-disk"][0]["type"] == "kvtier_disk"
+    assert tiers["native-kvtier-disk"][0]["capacity_bytes"] == 2 * 2**30
+    assert tiers["native-kvtier-redis-restart"] == [{"type": "kvtier_redis", "url": url}]
+    with pytest.raises(ValueError, match="URL of its redis-server"):
+        launch_spec("native-kvtier-redis", settings, tmp_path / "r", port=18500)
+
+
+def test_native_restart_goal_is_kvtier_disk_within_5_percent_of_the_fs_tier():
+    per_mode = {"native-fs-restart": {"ttft_returning_p50_s": 0.40},
+                "native-kvtier-disk-restart": {"ttft_returning_p50_s": 0.41}}
+    g = goals("multi-turn", per_mode, True)
+    assert g["ttft_restart_kvtier_disk_vs_native_fs_p50"] == pytest.approx(1.025)
+    assert g["ttft_restart_kvtier_disk_vs_native_fs_p50_ok"]
+    per_mode["native-kvtier-disk-restart"]["ttft_returning_p50_s"] = 0.43
+    assert not goals("multi-turn", per_mode, True)["ttft_restart_kvtier_disk_vs_native_fs_p50_ok"]

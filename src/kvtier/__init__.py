@@ -5,8 +5,10 @@ enforces it):
 
 Runs inside the serving engine (vLLM's scheduler and worker processes):
 
-- :mod:`kvtier.vllm` -- the connector ``KVTierConnector``; the only code that imports vLLM.
-- :mod:`kvtier.runtime` -- the orchestrator: lookup across tiers, promotion, cascade (scheduler process).
+- :mod:`kvtier.vllm` -- the connector ``KVTierConnector``, and (``kvtier.vllm.native``) kvtier's tiers
+  behind vLLM's own OffloadingConnector; the only code that imports vLLM.
+- :mod:`kvtier.runtime` -- the orchestrator: lookup across tiers, promotion, cascade (scheduler process);
+  ``kvtier.runtime.chunks``: one tier behind an engine's own offloading.
 - :mod:`kvtier.copy` -- worker-side page copies engine <-> host slots (worker processes).
 - :mod:`kvtier.tiers` -- the host, disk tiers and their contract.
 - :mod:`kvtier.policy` -- eviction (LRU, ARC) and store admission.
@@ -18,7 +20,7 @@ Operator tools (never imported by the engine side):
 - :mod:`kvtier.planning` -- ``kvtier plan``'s arithmetic from a model's config.json.
 - :mod:`kvtier.doctor` -- ``kvtier doctor``'s audit, probes and measurements.
 - :mod:`kvtier.cachetools` -- ``kvtier inspect / verify / purge`` on a disk root.
-- :mod:`kvtier.bench` -- ``kvtier bench``: vLLM alone vs ExampleConnector vs kvtier.
+- :mod:`kvtier.bench` -- ``kvtier bench``: vLLM alone vs ExampleConnector vs kvtier (and vLLM's own offloading).
 - :mod:`kvtier.models` -- the embedded default model, converted from its pip package.
 - :mod:`kvtier.cli` -- the ``kvtier`` command: argument parsing and output only.
 """

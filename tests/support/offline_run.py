@@ -17,7 +17,10 @@ into the running engine's tiers meanwhile, see :func:`launch`'s ``before_round``
 (after the round, the result's ``kv_pages[i]`` holds digests of the engine's own KV pages of each
 prompt's full blocks that vLLM's prefix cache holds, see :func:`kv_page_digests`)}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
-optional: engine_id (kv_transfer_config's: names the host tier's shared-memory regions), block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
+optional: connector ("kvtier", the default: kvtier's KVTierConnector; "native": vLLM's own
+OffloadingConnector with this extra config, e.g. kvtier's KVTierOffloadingSpec and tiers; a round's
+"reset_connector": true then also empties vLLM's CPU tier, and ``round_metrics`` also hold vLLM's
+``vllm:kv_offload*`` series), engine_id (kv_transfer_config's: names the host tier's shared-memory regions), block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
 embeddings, looked up in the model's own embedding matrix, instead of token ids).
 engine (dict): more ``LLM(...)`` arguments, overriding the defaults (e.g. a model family's dtype).
 The result also holds ``num_preemptions`` (vLLM's counter over the whole run) and, per round,
@@ -123,6 +126,7 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     kwargs = {}
+    native = spec.get("connector", "kvtier") == "native"
     if spec.get("kv_connector_extra_config") is not None:
         kwargs["kv_transfer_config"] = {
             "kv_connector": "KVTierConnector",
@@ -130,6 +134,11 @@ def main() -> None:
             "kv_role": "kv_both",
             "kv_connector_extra_config": spec["kv_connector_extra_config"],
         }
+        if native:
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": spec["kv_connector_extra_config"],
+            }
         if spec.get("engine_id"):
             kwargs["kv_transfer_config"]["engine_id"] = spec["engine_id"]
     started = time.perf_counter()
@@ -161,7 +170,7 @@ def main() -> None:
         if "file_size_limit" in round_spec:
             limit_file_size(round_spec["file_size_limit"])
         if round_spec.get("reset_prefix_cache"):
-            reset_prefix_cache(llm)
+            reset_prefix_cache(llm, reset_connector=bool(round_spec.get("reset_connector")))
         results = []
         batch = round_spec.get("batch", False)
         prompts = spec["prompts"] if not spec.get("chat") else chat_turn(llm, spec["chat"], rounds, index)
@@ -188,7 +197,7 @@ def main() -> None:
                     }
                 )
         rounds.append(results)
-        round_metrics.append(kvtier_metrics())
+        round_metrics.append(kvtier_metrics(("kvtier_", "vllm:kv_offload") if native else ("kvtier_",)))
         pages.append(kv_page_digests(llm, round_prompt_ids) if round_spec.get("kv_pages") else None)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     del llm
@@ -304,15 +313,16 @@ def wait_for_resume(index: int, timeout: float = 600) -> None:
         time.sleep(0.05)
 
 
-def kvtier_metrics() -> dict[str, float]:
-    """kvtier's Prometheus samples now, as ``name{label=value,...}`` -> value (counters as
-    ``..._total``; vLLM's own labels left out). Read from prometheus_client's registry, where vLLM's
-    stat logger (in this front-end process) keeps them: ``LLM.get_metrics()`` lists only ``vllm:*``."""
+def kvtier_metrics(prefixes: tuple[str, ...] = ("kvtier_",)) -> dict[str, float]:
+    """kvtier's Prometheus samples now (families named with one of ``prefixes``), as
+    ``name{label=value,...}`` -> value (counters as ``..._total``; vLLM's own labels left out). Read
+    from prometheus_client's registry, where vLLM's stat logger (in this front-end process) keeps
+    them: ``LLM.get_metrics()`` lists only ``vllm:*``."""
     from prometheus_client import REGISTRY
 
     values = {}
     for family in REGISTRY.collect():
-        if not family.name.startswith("kvtier_"):
+        if not family.name.startswith(prefixes):
             continue
         for sample in family.samples:
             if sample.name.endswith("_created"):
@@ -333,13 +343,15 @@ def embed(llm, model: str, prompt: str):
     return table[torch.tensor(ids)].to(torch.float32)
 
 
-def reset_prefix_cache(llm, attempts: int = 1000) -> None:
-    """Reset vLLM's own prefix cache. vLLM refuses while blocks are still held, which is the case
+def reset_prefix_cache(llm, attempts: int = 1000, *, reset_connector: bool = False) -> None:
+    """Reset vLLM's own prefix cache (and, ``reset_connector``, the connector's cache: vLLM's
+    OffloadingConnector empties its CPU tier, its secondary tiers keep their blocks). vLLM refuses
+    while blocks are still held, which is the case
     for a few milliseconds after a request finished with kvtier stores in flight (its blocks are
     freed once the stores are done; a finished request's tail store is only issued in the next
     step), so step the engine and retry, giving the copy threads time between steps."""
     for _ in range(attempts):
-        if llm.reset_prefix_cache():
+        if llm.reset_prefix_cache(reset_connector=reset_connector):
             return
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             llm.llm_engine.step()  # one process: the engine only advances when we step it

@@ -1,6 +1,8 @@
 """Run one workload against each mode in turn: start the mode's fresh server, wait for
 ``/health``, warm up (one short request, not counted), scrape ``/metrics``, run the workload,
 scrape again, stop the server. A mode that fails is recorded and the next mode still runs.
+Seeded modes (``kvtier-redis``, ``native-*-restart``) first let another engine serve the workload,
+then measure a fresh engine (:func:`run_seeded_mode`).
 
 Called by :mod:`kvtier.bench.command` in the ``kvtier bench`` process; the servers are subprocesses.
 """
@@ -15,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from kvtier.bench import native
 from kvtier.bench.client import served_model, stream_completion
 from kvtier.bench.driver import WorkloadRun, run_workload
 from kvtier.bench.metrics import CacheSummary, Key, diff, scrape, summarize
@@ -101,9 +104,10 @@ async def run_server_mode(mode_name: str, workload: Workload, settings: ServerSe
     """One mode on its own fresh server, with its scratch folder removed afterwards."""
     scratch = make_scratch(mode_name)
     mode = ModeRun(mode=mode_name, description=mode_name)
-    server = None
+    server = redis = None
     try:
-        spec = launch_spec(mode_name, settings, scratch)
+        redis = _redis_for(mode_name, scratch, settings)
+        spec = launch_spec(mode_name, settings, scratch, redis_url=redis.url if redis else None)
         mode.description, mode.base_url = spec.summary, spec.base_url
         log_path = out_dir / f"server-{mode_name}.log"
         mode.log_path = str(log_path)
@@ -124,29 +128,47 @@ async def run_server_mode(mode_name: str, workload: Workload, settings: ServerSe
     finally:
         if server is not None:
             server.stop(options.stop_grace_s)
+        if redis is not None:
+            redis.stop()
         if not options.keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
     return mode
 
 
-async def run_fleet_mode(workload: Workload, settings: ServerSettings, out_dir: Path, progress: Progress,
-                         options: RunOptions, index: int, total: int) -> ModeRun:
-    """The ``kvtier-redis`` mode: a loopback redis-server; a seeding engine serves ``workload`` into
-    it and stops (gracefully: its block writes land); a fresh engine with host + Redis tiers (no
-    disk) is then measured on :func:`~kvtier.bench.workloads.fleet_workload`."""
+def _redis_for(mode_name: str, scratch: Path, settings: ServerSettings):
+    """A loopback redis-server for a mode whose tier is Redis, else None."""
+    if mode_name != FLEET_MODE and not native.needs_redis(mode_name):
+        return None
     from kvtier.bench.redis_server import LocalRedis
+
+    return LocalRedis.start(scratch / "redis", int(settings.redis_size_gib * 2**30))
+
+
+def is_seeded(mode_name: str) -> bool:
+    return mode_name == FLEET_MODE or mode_name in native.RESTART_MODES
+
+
+async def run_seeded_mode(name: str, workload: Workload, settings: ServerSettings, out_dir: Path,
+                          progress: Progress, options: RunOptions, index: int, total: int) -> ModeRun:
+    """A seeding engine serves ``workload`` and stops (gracefully: its tier writes land); a fresh
+    engine is then measured on :func:`~kvtier.bench.workloads.fleet_workload` (the first use of every
+    prefix). ``kvtier-redis``: host + Redis tiers, the fresh engine on a scratch folder of its own (a
+    new node of a fleet); ``native-*-restart``: the fresh engine on the seeding engine's root and
+    server (a restart)."""
     from kvtier.bench.workloads import fleet_workload
 
-    name = FLEET_MODE
-    scratches = [make_scratch(f"{name}-seed"), make_scratch(name)]
+    scratches = [make_scratch(f"{name}-seed")]
+    scratches.append(make_scratch(name) if name == FLEET_MODE else scratches[0])
     mode = ModeRun(mode=name, description=name)
     redis = server = None
     try:
-        redis = LocalRedis.start(scratches[0] / "redis", int(settings.redis_size_gib * 2**30))
-        seed_spec = launch_spec(name, settings, scratches[0], redis_url=redis.url)
-        spec = launch_spec(name, settings, scratches[1], redis_url=redis.url)
-        mode.description = (f"{spec.summary}; a fresh engine after a first engine served the workload "
-                            f"into a loopback redis-server: the first use of every prefix comes from Redis")
+        redis = _redis_for(name, scratches[0], settings)
+        url = redis.url if redis else None
+        seed_spec = launch_spec(name, settings, scratches[0], redis_url=url)
+        spec = launch_spec(name, settings, scratches[1], redis_url=url)
+        mode.description = spec.summary if name != FLEET_MODE else (
+            f"{spec.summary}; a fresh engine after a first engine served the workload into a loopback "
+            "redis-server: the first use of every prefix comes from Redis")
         mode.base_url = spec.base_url
         mode.log_path = str(out_dir / f"server-{name}.log")
         progress.mode_start(name, index, total, mode.description, mode.log_path)
@@ -175,7 +197,7 @@ async def run_fleet_mode(workload: Workload, settings: ServerSettings, out_dir: 
         if redis is not None:
             redis.stop()
         if not options.keep_scratch:
-            for scratch in scratches:
+            for scratch in set(scratches):
                 shutil.rmtree(scratch, ignore_errors=True)
     return mode
 
@@ -209,8 +231,9 @@ async def run_bench(workload: Workload, modes: list[str], settings: ServerSettin
         assert settings is not None
         runs = []
         for index, name in enumerate(modes, 1):
-            if name == FLEET_MODE:
-                runs.append(await run_fleet_mode(workload, settings, out_dir, progress, options, index, len(modes)))
+            if is_seeded(name):
+                runs.append(await run_seeded_mode(name, workload, settings, out_dir, progress, options, index,
+                                                  len(modes)))
             else:
                 runs.append(await run_server_mode(name, workload, settings, out_dir, progress, options, index,
                                                   len(modes)))

@@ -14,7 +14,10 @@ Modes:
 * ``kvtier-redis`` -- ``kvtier serve`` with host + Redis tiers (no disk): a new node joining a fleet.
   The runner starts a loopback redis-server (:mod:`kvtier.bench.redis_server`), lets a first engine
   serve the workload into it, then measures a second, fresh engine whose only warm tier is Redis
-  (:func:`kvtier.bench.workloads.fleet_workload`).
+  (:func:`kvtier.bench.workloads.fleet_workload`);
+* ``native-*`` -- vLLM's own OffloadingConnector with kvtier's KVTierOffloadingSpec: its CPU tier
+  alone, + its fs tier, + kvtier_disk, + kvtier_redis; ``native-*-restart``: a fresh engine on the
+  root a first engine warmed (:mod:`kvtier.bench.native`).
 
 Every mode gets the same vLLM arguments (:func:`common_vllm_args`) and environment
 (:func:`base_env`). The server runs in its own process group, so stopping it (SIGINT, then SIGKILL
@@ -40,7 +43,9 @@ from typing import Any
 
 import httpx
 
-MODES = ("vllm", "example", "kvtier", "kvtier-redis", "floor")
+from kvtier.bench import native
+
+MODES = ("vllm", "example", "kvtier", "kvtier-redis", "floor", *native.NATIVE_MODES, *native.RESTART_MODES)
 FLEET_MODE = "kvtier-redis"
 FLOOR_MODE = "floor"
 FLOOR_KV_BYTES = 2 * 2**30
@@ -145,8 +150,8 @@ def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[st
 
 def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | None = None,
                 redis_url: str | None = None) -> LaunchSpec:
-    """The command that starts ``mode``'s server; ``scratch`` holds its temporary files;
-    ``redis_url`` is the shared tier of the ``kvtier-redis`` mode."""
+    """The command that starts ``mode``'s server; ``scratch`` holds its temporary files (and a native
+    mode's root); ``redis_url`` is the shared tier of the ``kvtier-redis`` and ``native-kvtier-redis*`` modes."""
     from kvtier.launch.command import ServeOptions, build_serve_command
     from kvtier.launch.vllm_entry import vllm_entrypoint  # the same vLLM CLI as kvtier serve runs
 
@@ -185,6 +190,13 @@ def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | 
         )
         command = build_serve_command(settings.model, options, args, environ=env)
         return LaunchSpec(mode, command.argv, {**env, **command.env}, command.summary, port)
+    if mode in native.NATIVE_MODES or mode in native.RESTART_MODES:
+        root = scratch / "native-root"
+        extra = native.extra_config(mode, cpu_bytes=int(settings.kv_offloading_size_gib * 2**30),
+                                    disk_bytes=int(settings.disk_size_gib * 2**30), root=root, redis_url=redis_url)
+        transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        argv = plain + ["--kv-transfer-config", json.dumps(transfer)] + args
+        return LaunchSpec(mode, argv, env, native.describe(mode, root), port)
     raise ValueError(f"unknown mode {mode!r}; choose from {', '.join(MODES)}")
 
 

@@ -16,6 +16,7 @@ from kvtier.bench.driver import RequestResult
 TTFT_GOAL_VS_VLLM = 0.10  # kvtier TTFT p50 on returning prefixes <= 10% of vLLM alone
 TTFT_GOAL_VS_EXAMPLE = 0.50  # ... and <= half of ExampleConnector's
 THROUGHPUT_GOAL_VS_VLLM = 0.95  # no reuse: kvtier throughput >= 95% of vLLM alone
+TTFT_GOAL_KVTIER_DISK_VS_FS = 1.05  # vLLM's own offloading, restart: kvtier_disk TTFT p50 <= 1.05x its fs tier's
 TTFT_GOAL_REDIS_VS_HOST = 1.5  # a new node's prompts from Redis: TTFT p50 <= 1.5x kvtier's host-tier hits
 TTFT_GOAL_VS_FLOOR = 1.3  # returning turns: TTFT p50 <= 1.3x the floor mode's (only new tokens computed)
 
@@ -148,6 +149,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def goals(workload: str, per_mode: Mapping[str, Mapping[str, Any]], outputs_identical: bool | None) -> dict[str, Any]:
     """The issue's goals that this run can judge (a goal needs its modes and workload)."""
     out: dict[str, Any] = {"outputs_identical": outputs_identical}
+    fs, kvtier_disk = per_mode.get("native-fs-restart"), per_mode.get("native-kvtier-disk-restart")
+    if fs is not None and kvtier_disk is not None:
+        ratio = _ratio(kvtier_disk.get("ttft_returning_p50_s"), fs.get("ttft_returning_p50_s"))
+        out["ttft_restart_kvtier_disk_vs_native_fs_p50"] = ratio
+        out["ttft_restart_kvtier_disk_vs_native_fs_p50_ok"] = ratio is not None and ratio <= TTFT_GOAL_KVTIER_DISK_VS_FS
     kv = per_mode.get("kvtier")
     if kv is None:
         return out

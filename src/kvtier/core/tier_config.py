@@ -158,6 +158,14 @@ def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
     return tuple(tiers)
 
 
+def parse_tier(raw: Mapping[str, Any], tier_type: TierType, where: str) -> SecondaryTierConfig:
+    """One tier entry of ``tier_type`` given without its ``type`` key (vLLM's secondary-tier
+    factory passes the other keys to a tier's constructor): the same keys and checks as a
+    ``secondary_tiers`` entry of kvtier's connector."""
+    entry = {**raw, "type": tier_type.value}
+    return _disk_tier(entry, where) if tier_type is TierType.FS else _redis_tier(entry, where)
+
+
 def _disk_tier(raw: Mapping[str, Any], where: str) -> DiskTierConfig:
     check_keys(raw, _FS_KEYS, where, '{"type": "fs", "root_dir": "/var/cache/kvtier"}')
     root = text_value(raw, "root_dir", where=where)

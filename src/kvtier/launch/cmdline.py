@@ -28,6 +28,7 @@ READ_FLAGS = (
     "--enable-prefix-caching", "--no-enable-prefix-caching", "--tensor-parallel-size",
     "--pipeline-parallel-size", "--kv-cache-dtype", "--max-model-len", "--gpu-memory-utilization",
     "--block-size", "--dtype", "--kv-cache-memory-bytes", "--quantization", "--calculate-kv-scales",
+    "--prefix-caching-hash-algo",
 )
 """The vLLM flags doctor reads; unique prefixes of these are expanded like vLLM's parser does."""
 KVTIER_FLAGS = ("--kv-offloading-size", "--disk-dir", "--disk-size", "--no-disk", "--eviction-policy",

@@ -31,6 +31,7 @@ from kvtier.core.config import KVTierConfig
 from kvtier.vllm.geometry import EngineGeometry, model_name
 from kvtier.vllm.identity import model_identity
 from kvtier.vllm.inactive import inactive_reason
+from kvtier.vllm.logs import share_vllm_log_handlers
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
 from kvtier.vllm.runner import hook_order
 from kvtier.vllm.scheduler_side import KVTierScheduler
@@ -61,7 +62,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config, role, kv_cache_config)
-        _share_vllm_log_handlers()
+        share_vllm_log_handlers()
         config = KVTierConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
         self._scheduler: KVTierScheduler | None = None
         self._worker: KVTierWorker | None = None
@@ -226,15 +227,3 @@ def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
             transfer.kv_load_failure_policy,
         )
         transfer.kv_load_failure_policy = "recompute"
-
-
-def _share_vllm_log_handlers() -> None:
-    """Print kvtier's log records the way vLLM prints its own: vLLM configures only the "vllm"
-    logger, and only once the engine starts (so this runs in the connector's constructor)."""
-    ours, theirs = logging.getLogger("kvtier"), logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level or logging.INFO)
-    ours.propagate = False

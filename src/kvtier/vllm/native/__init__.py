@@ -1,0 +1,38 @@
+"""kvtier's tiers behind vLLM's own offloading (the ``OffloadingConnector``), and a spec that runs it
+on vLLM's CPU backend.
+
+- :mod:`~kvtier.vllm.native.tiers` -- ``KVTierDiskTier`` and ``KVTierRedisTier``, vLLM secondary
+  tiers (types ``kvtier_disk`` / ``kvtier_redis``) over kvtier's disk and Redis tiers;
+- :mod:`~kvtier.vllm.native.spec` -- ``KVTierOffloadingSpec``: vLLM's ``TieringOffloadingSpec`` with
+  a CPU worker (:mod:`~kvtier.vllm.native.worker`, :mod:`~kvtier.vllm.native.region_slots`);
+- :mod:`~kvtier.vllm.native.plugin` -- the ``vllm.general_plugins`` entry point registering them;
+- :mod:`~kvtier.vllm.native.run_facts`, :mod:`~kvtier.vllm.native.seed`,
+  :mod:`~kvtier.vllm.native.metrics` -- what a tier reads of vLLM, and its metrics.
+
+The logic that needs no vLLM is :mod:`kvtier.runtime.chunks`. Names are imported on first access
+(vLLM imports this module by ``spec_module_path`` / ``module_path`` and looks names up with
+``getattr``), so the plugin module loads without vLLM's offloading modules. ``kvtier_disk`` and
+``kvtier_redis`` are aliases, so ``{"type": "kvtier_disk", "module_path": "kvtier.vllm.native"}``
+works where plugins are not loaded.
+"""
+
+from typing import Any
+
+__all__ = ["KVTierDiskTier", "KVTierOffloadingSpec", "KVTierRedisTier", "kvtier_disk", "kvtier_redis"]
+
+_NAMES = {
+    "KVTierOffloadingSpec": ("kvtier.vllm.native.spec", "KVTierOffloadingSpec"),
+    "KVTierDiskTier": ("kvtier.vllm.native.tiers", "KVTierDiskTier"),
+    "KVTierRedisTier": ("kvtier.vllm.native.tiers", "KVTierRedisTier"),
+    "kvtier_disk": ("kvtier.vllm.native.tiers", "KVTierDiskTier"),
+    "kvtier_redis": ("kvtier.vllm.native.tiers", "KVTierRedisTier"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        import importlib
+
+        module, attribute = _NAMES[name]
+        return getattr(importlib.import_module(module), attribute)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

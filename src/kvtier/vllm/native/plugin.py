@@ -1,0 +1,34 @@
+"""kvtier's ``vllm.general_plugins`` entry point: registers kvtier's tier types and spec with vLLM.
+
+vLLM runs every installed general plugin in each of its processes (API server, engine core,
+workers) before it reads the configuration, so ``"type": "kvtier_disk"`` and
+``"spec_name": "KVTierOffloadingSpec"`` resolve without module paths. Registration is lazy on
+vLLM's side (the classes are imported when first used), and this module imports only vLLM's two
+registries. ``VLLM_PLUGINS`` (a comma-separated allow-list) must name ``kvtier`` where it is set.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+MODULE = "kvtier.vllm.native"
+TIER_TYPES = {"kvtier_disk": "KVTierDiskTier", "kvtier_redis": "KVTierRedisTier"}
+SPEC_NAME = "KVTierOffloadingSpec"
+
+
+def register() -> None:
+    """Register :data:`TIER_TYPES` with vLLM's ``SecondaryTierFactory`` and :data:`SPEC_NAME` with its
+    ``OffloadingSpecFactory``. A name already registered (this plugin loaded twice in a process, or
+    another package's) is left as it is."""
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+    from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+    registrations = [(SecondaryTierFactory.register_tier, name, cls) for name, cls in TIER_TYPES.items()]
+    registrations.append((OffloadingSpecFactory.register_spec, SPEC_NAME, SPEC_NAME))
+    for register_one, name, class_name in registrations:
+        try:
+            register_one(name, f"{MODULE}.{'spec' if class_name == SPEC_NAME else 'tiers'}", class_name)
+        except ValueError:
+            logger.debug("kvtier: %s is already registered with vLLM; left as it is", name)

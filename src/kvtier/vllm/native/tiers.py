@@ -1,0 +1,277 @@
+"""kvtier's disk and Redis tiers as vLLM secondary tiers (``SecondaryTierManager``, 0.32 and 0.33).
+
+Configured in the ``secondary_tiers`` of vLLM's ``TieringOffloadingSpec`` (or kvtier's
+:class:`~kvtier.vllm.native.spec.KVTierOffloadingSpec`) with the keys of kvtier's own tiers::
+
+    {"type": "kvtier_disk", "root_dir": "/var/cache/kvtier", "capacity_bytes": 200000000000}
+    {"type": "kvtier_redis", "url": "redis://cache:6379/0"}
+
+(the type names come from kvtier's ``vllm.general_plugins`` entry point; without plugins, add
+``"module_path": "kvtier.vllm.native"``). Two keys more than kvtier's own tiers: ``model_identity``
+(names the weights where they cannot be fingerprinted) and vLLM's ``locality``.
+
+What vLLM does with a tier, and what this one does in turn (vLLM's tiering/base.py and manager.py):
+
+- construction, in the scheduler process: the keys are checked (a bad one stops vLLM with the key's
+  name) and the model's weights fingerprinted; the storage opens once vLLM has set its block-hash
+  seed (:mod:`kvtier.vllm.native.seed`), a few milliseconds later, on a thread of its own. Until then
+  lookups answer RETRY (vLLM asks again next step) and stores fail (each only a future miss);
+- every call below comes from the scheduler thread (0.33: possibly its tier-poll thread, never
+  concurrently: vLLM holds its manager lock), and answers from memory;
+- ``lookup``: HIT / MISS from the tier's index; kvtier_redis answers RETRY while an EXISTS probe is
+  in flight (:class:`~kvtier.tiers.redis.presence.PresenceCache`);
+- ``submit_store`` / ``submit_load``: one kvtier tier job per chunk, run on the tier's threads
+  against the rows vLLM pinned; ``get_finished_jobs`` reports each vLLM job once, with the chunks
+  that failed left out (a failed chunk is a miss; its record is quarantined or forgotten, so it is
+  not offered again);
+- ``drain_jobs`` waits for every job (never cuts a copy); ``take_events`` reports what this process
+  stored and what left the tier (vLLM turns them into KV events, medium STORAGE); ``get_stats``
+  adds kvtier's counters (:mod:`kvtier.vllm.native.metrics`);
+- ``shutdown`` finishes the jobs and closes the tier; a namespace of a per-process hash seed (no
+  other process could ever read it) is removed then, or at exit if vLLM exits without a shutdown
+  (kvtier_disk: its directories; kvtier_redis: its values, at shutdown only).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+from collections.abc import Collection, Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingMetricMetadata,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig, TierType, parse_tier
+from kvtier.runtime.chunks.identity import HashSeed, model_identity, private_seed_warning
+from kvtier.runtime.chunks.rows import Rows
+from kvtier.runtime.chunks.run import config_json, namespace
+from kvtier.runtime.chunks.store import Answer, ChunkStore
+from kvtier.tiers.base import SecondaryTier
+from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.disk.layout import Access
+from kvtier.vllm.logs import share_vllm_log_handlers
+from kvtier.vllm.native import metrics
+from kvtier.vllm.native.run_facts import engine_run
+from kvtier.vllm.native.seed import SeedWatcher
+
+logger = logging.getLogger(__name__)
+
+NATIVE_KEYS = ("locality", "model_identity")
+"""Keys a native kvtier tier takes besides those of kvtier's own tier of its kind."""
+_ANSWERS = {Answer.HIT: LookupResult.HIT, Answer.MISS: LookupResult.MISS, Answer.RETRY: LookupResult.RETRY}
+
+
+class KVTierTier(SecondaryTierManager):
+    """The part the disk and Redis tiers share; a subclass opens its kvtier tier (:meth:`_open_tier`)."""
+
+    kind: ClassVar[TierType]
+    default_locality: ClassVar[Locality]
+    tolerates_off_thread_polling: ClassVar[bool] = False  # vLLM 0.33: polled per step only (0.32 ignores it)
+
+    def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: Any = None, **tier_keys: Any) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        share_vllm_log_handlers()
+        locality = tier_keys.pop("locality", None)
+        operator_identity = tier_keys.pop("model_identity", None)
+        self.locality = Locality(locality) if locality is not None else self.default_locality
+        self.config = parse_tier(tier_keys, self.kind, where=f"secondary_tiers[{tier_type}]")
+        self.run = engine_run(offloading_spec)
+        self.model = model_identity(self.run.model_name, self.run.kv_dtype, operator_identity)
+        self._rows = Rows(primary_kv_view, self.run.copies, self.run.payload_bytes)
+        self._events = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
+        self._metrics = metrics.TierMetrics(tier_type)
+        self._failed: list[JobResult] = []  # jobs refused before the storage opened
+        self._store: ChunkStore | None = None
+        self.seed: HashSeed | None = None
+        self._opening = threading.Event()
+        self._opening.set()
+        self._watcher = SeedWatcher(self._open, self._open_failed, name=f"kvtier-{tier_type}-open")
+        logger.info("kvtier %s: %s; %d-token chunks of %d rank record(s) x %.2f MiB; opens once vLLM "
+                    "has set its block-hash seed", tier_type, self.describe(), self.run.chunk_tokens,
+                    self.run.copies, self.run.payload_bytes / 2**20)
+
+    # ------------------------------------------------------------------ opening (the watcher's thread)
+
+    def _open(self, seed: HashSeed) -> None:
+        ns = namespace(self.run, self.model, seed)
+        tier = self._open_tier(ns, config_json(ns, self.run, seed))
+        self.seed = seed
+        self._store = ChunkStore(tier, self._rows, namespace_digest=ns.engine_digest,
+                                 chunk_tokens=self.run.chunk_tokens, record_residency=self._events)
+        self._opening.clear()
+        if not seed.shared:
+            logger.warning(private_seed_warning(self.tier_type, seed))
+            # also when vLLM exits without shutting its connector down (one-process mode, a crash)
+            atexit.register(self._remove_private_namespace, tier)
+        logger.info("kvtier %s: namespace %s (hash %s, seed %s %s)", self.tier_type, ns.engine_digest.hex()[:16],
+                    seed.algorithm, seed.kind.value, seed.digest[:12])
+
+    def _open_failed(self, exc: BaseException) -> None:
+        logger.error("kvtier %s: cannot open (%s: %s); it serves misses and stores nothing",
+                     self.tier_type, type(exc).__name__, exc)
+        self._opening.clear()
+
+    def _open_tier(self, ns: Any, ns_json: str) -> SecondaryTier:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ vLLM's calls
+
+    def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
+        store = self._store
+        if store is None:
+            return LookupResult.RETRY if self._opening.is_set() else LookupResult.MISS
+        return _ANSWERS[store.lookup(key)]
+
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        store = self._store
+        if store is None:
+            self._failed.append(JobResult(job_id=job_metadata.job_id, success=False))
+            return
+        store.submit_store(job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids)
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        store = self._store
+        if store is None:  # vLLM loads only what lookup() called a HIT, which needs the store
+            self._failed.append(JobResult(job_id=job_metadata.job_id, success=False))
+            return
+        store.submit_load(job_metadata.job_id, list(job_metadata.keys), job_metadata.chunk_ids)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results, self._failed = self._failed, []
+        if self._store is not None:
+            for outcome in self._store.poll():
+                results.append(JobResult(
+                    job_id=outcome.job_id, success=outcome.ok,
+                    successful_keys=outcome.ok_keys or None,
+                    transfer_time=outcome.seconds, transfer_bytes=outcome.num_bytes))
+        return results
+
+    def has_pending_work(self) -> bool:
+        return bool(self._failed) or self._opening.is_set() or (self._store is not None and self._store.busy)
+
+    def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
+        if self._store is not None:
+            self._store.touch(list(keys))
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._store is None:
+            return ()
+        return [OffloadingEvent(keys=keys, medium=Medium.STORAGE, removed=removed, locality=self.locality,
+                                ownership=self.tier_type)
+                for removed, keys in self._store.take_residency()]
+
+    def drain_jobs(self) -> None:
+        if self._store is not None:
+            self._store.drain()
+
+    def shutdown(self) -> None:
+        self._watcher.stop()
+        store, self._store = self._store, None
+        if store is None:
+            self._rows.release()
+        else:
+            private = self.seed is not None and not self.seed.shared
+            store.close(clear=private and self.kind is TierType.REDIS)
+            if private:
+                self._remove_private_namespace(store.tier)
+
+    def _remove_private_namespace(self, tier: SecondaryTier) -> None:
+        """Remove what is left of a per-process namespace once its tier is closed (disk: its
+        directories; Redis: nothing, its values were cleared). Runs at shutdown, and at exit."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        return metrics.definitions()
+
+    def get_stats(self) -> Any:
+        return None if self._store is None else self._metrics.take(self._store)
+
+    @classmethod
+    def config_info_keys(cls, tier_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33's ``vllm:kv_offload_config_info`` labels (0.32 never calls it)."""
+        return ("kvtier_location", "kvtier_capacity_bytes", "kvtier_weights")
+
+    def config_info(self) -> dict[str, str | int]:
+        return {"kvtier_location": self.location(), "kvtier_capacity_bytes": self.capacity(),
+                "kvtier_weights": self.model.weights[:23]}
+
+    def location(self) -> str:
+        raise NotImplementedError
+
+    def capacity(self) -> int:
+        return 0
+
+
+class KVTierDiskTier(KVTierTier):
+    """kvtier's disk tier (checksummed records, a bound shared by every engine on the root)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    kind = TierType.FS
+    default_locality = Locality.LOCAL
+    config: DiskTierConfig
+
+    def _open_tier(self, ns: Any, ns_json: str) -> SecondaryTier:
+        config = self.config
+        return DiskTier(
+            root_dir=Path(config.root_dir), model_name=self.run.model_name, engine_digest=ns.engine_digest,
+            rank_digests=ns.rank_digests(), namespace_json=ns_json, payload_bytes=self.run.payload_bytes,
+            capacity_bytes=config.capacity_bytes, n_read_threads=config.n_read_threads,
+            n_write_threads=config.n_write_threads, max_pending_writes=config.max_pending_writes,
+            access=Access.GROUP if config.group_access else Access.OWNER,
+        )
+
+    def _remove_private_namespace(self, tier: SecondaryTier) -> None:
+        """Nobody else can read a per-process namespace: its directories go whole (records, ledger,
+        config.json), after the tier's writers stopped (shutdown; at exit, Python joined them)."""
+        import shutil
+
+        assert isinstance(tier, DiskTier)
+        for directory in (tier.namespace_dir, *(tier.rank_dir(r) for r in range(self.run.copies))):
+            shutil.rmtree(directory, ignore_errors=True)
+
+    def describe(self) -> str:
+        return f"{self.config.root_dir} ({self.config.capacity_bytes / 2**30:.1f} GiB)"
+
+    def location(self) -> str:
+        return str(self.config.root_dir)
+
+    def capacity(self) -> int:
+        return self.config.capacity_bytes
+
+
+class KVTierRedisTier(KVTierTier):
+    """kvtier's Redis / Valkey tier (shared by engines; a server that is down only costs misses)."""
+
+    kind = TierType.REDIS
+    default_locality = Locality.REMOTE
+    config: RedisTierConfig
+
+    def _open_tier(self, ns: Any, ns_json: str) -> SecondaryTier:
+        from kvtier.tiers.redis import RedisTier
+
+        return RedisTier(self.config, engine_digest=ns.engine_digest, rank_digests=ns.rank_digests(),
+                         namespace_json=ns_json, payload_bytes=self.run.payload_bytes)
+
+    def describe(self) -> str:
+        return self.config.redacted_url()
+
+    def location(self) -> str:
+        return self.config.redacted_url()

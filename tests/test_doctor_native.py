@@ -1,0 +1,86 @@
+"""``kvtier doctor`` on lines that use vLLM's own offloading (OffloadingConnector), with and without
+kvtier's tiers behind it: each finding with a line that raises it and one that does not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvtier.doctor.audit import audit
+
+NATIVE = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+KVTIER_SPEC = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.vllm.native"}
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch, tmp_path):
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setenv("KVTIER_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def line(tiers: list[dict], *flags: str, env: tuple[str, ...] = (), spec: dict | None = None, **extra) -> list[str]:
+    config = {**NATIVE, "kv_connector_extra_config": {**(KVTIER_SPEC if spec is None else spec),
+                                                       "cpu_bytes_to_use": 8 * 2**30, "secondary_tiers": tiers,
+                                                       **extra}}
+    return [*env, "vllm", "serve", "some/model", "--kv-transfer-config", json.dumps(config), *flags]
+
+
+def codes(argv) -> dict[str, str]:
+    return {f.code: f.severity for f in reversed(audit(argv))}
+
+
+def disk(tmp_path, **more) -> dict:
+    return {"type": "kvtier_disk", "root_dir": str(tmp_path / "kv"), "capacity_bytes": 64 * 2**30, **more}
+
+
+def test_xxhash_without_pythonhashseed_with_a_persistent_tier_is_flagged(tmp_path):
+    fs = {"type": "fs", "root_dir": str(tmp_path / "fs")}
+    found = codes(line([fs], "--prefix-caching-hash-algo", "xxhash"))  # the issue's own example
+    assert found["native-random-hash-seed"] == "error"
+    (finding,) = [f for f in audit(line([fs], "--prefix-caching-hash-algo", "xxhash"))
+                  if f.code == "native-random-hash-seed"]
+    assert "PYTHONHASHSEED" in finding.fix and "restart" in finding.title
+    assert "native-random-hash-seed" not in codes(line([fs], "--prefix-caching-hash-algo", "xxhash",
+                                                       env=("PYTHONHASHSEED=7",)))
+    assert "native-random-hash-seed" not in codes(line([disk(tmp_path)]))  # sha256: a fixed seed
+    assert "native-random-hash-seed" not in codes(line([{"type": "example"}], "--prefix-caching-hash-algo",
+                                                       "xxhash_cbor"))
+    assert codes(line([disk(tmp_path)], "--prefix-caching-hash-algo", "xxhash_cbor"))["native-random-hash-seed"]
+
+
+def test_vllms_fs_tier_is_flagged_with_kvtier_disk_as_the_fix(tmp_path):
+    fs = {"type": "fs", "root_dir": str(tmp_path / "fs")}
+    (finding,) = [f for f in audit(line([fs])) if f.code == "native-fs-unchecked"]
+    assert finding.severity == "warning" and "flipped byte" in finding.why and "testing" in finding.why
+    assert '"type": "kvtier_disk"' in finding.fix and str(tmp_path / "fs") in finding.fix
+    assert "native-fs-unchecked" not in codes(line([disk(tmp_path)]))
+
+
+def test_sizes_are_totals_over_the_ranks(tmp_path):
+    found = codes(line([disk(tmp_path, capacity_bytes=2**30)], "-tp", "4"))
+    assert found["native-size-total"] == "info" and found["native-disk-smaller-than-host"] == "warning"
+    found = codes(line([disk(tmp_path)]))
+    assert "native-size-total" not in found and "native-disk-smaller-than-host" not in found
+
+
+def test_tier_types_and_specs_that_will_not_resolve(tmp_path, monkeypatch):
+    assert "kvtier-tier-unresolved" not in codes(line([disk(tmp_path)]))  # kvtier's plugin is installed here
+    monkeypatch.setenv("VLLM_PLUGINS", "lora_filesystem_resolver")  # an allow-list without kvtier
+    found = codes(line([disk(tmp_path)], spec={"spec_name": "KVTierOffloadingSpec"}))
+    assert found["kvtier-tier-unresolved"] == "error" and found["kvtier-spec-unresolved"] == "error"
+    assert "kvtier-tier-unresolved" not in codes(line([disk(tmp_path, module_path="kvtier.vllm.native")]))
+    assert codes(line([disk(tmp_path, module_path="kvtier.tiers")]))["kvtier-tier-module"] == "error"
+    bad = codes(line([{"type": "kvtier_redis", "url": "http://nope"}]))
+    assert bad["kvtier-tier-config"] == "error"
+    assert not (tmp_path / "kv").exists()  # doctor validated the disk tier without creating it
+
+
+def test_vllms_own_specs_on_vllm_cpu_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr("kvtier.launch.command.vllm_runs_on_cpu", lambda environ=None: True)
+    found = codes(line([disk(tmp_path)], spec={"spec_name": "TieringOffloadingSpec"}))
+    assert found["native-offloading-on-cpu"] == "error"
+    assert "native-offloading-on-cpu" not in codes(line([disk(tmp_path)]))
+    monkeypatch.setattr("kvtier.launch.command.vllm_runs_on_cpu", lambda environ=None: False)
+    assert "native-offloading-on-cpu" not in codes(line([disk(tmp_path)], spec={"spec_name": "TieringOffloadingSpec"}))
