@@ -8,6 +8,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -440,6 +441,8 @@ def test_launch_specs(tmp_path, monkeypatch):
         assert "VLLM_CPU_KVCACHE_SPACE" not in spec.env
         assert spec.env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "1"
         assert spec.env["TMPDIR"] == str(tmp_path / mode) and spec.env["VLLM_CACHE_ROOT"].startswith(str(tmp_path / mode))
+    shared = launch_spec("kvtier", replace(settings, vllm_cache_dir=str(tmp_path / "cache")), tmp_path / "k2", port=18009)
+    assert shared.env["VLLM_CACHE_ROOT"] == str(tmp_path / "cache")  # a bench run's servers share one
     assert "--kv-transfer-config" not in specs["vllm"].argv
     example = json.loads(specs["example"].argv[specs["example"].argv.index("--kv-transfer-config") + 1])
     assert example["kv_connector"] == "ExampleConnector" and example["kv_role"] == "kv_both"

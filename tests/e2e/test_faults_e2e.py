@@ -431,10 +431,10 @@ def test_two_engines_write_the_same_blocks_into_one_small_root(tmp_path, model_p
     exceed ``capacity_bytes`` (they could reach twice it if each engine enforced only its own
     budget), both keep serving bit-exact, and both keep writing (the namespace turns over). Both
     write the same 12 blocks in the same order, so under this pressure the second round finds its
-    first blocks evicted (LRU): hits are not expected here. vLLM-CPU's automatic binding puts both
-    engines' compute threads on the same core, where they slow each other far more than 2x
-    (measured: 165 s a round for 3 prompts, vLLM alone 26 s for 6), so each engine is bound to a
-    core of its own where there are two; the workload is small and the round bound counts 6
+    first blocks evicted (LRU): hits are not expected here. Two engines whose compute threads
+    share the cores slow each other ~20x (each runs two OpenMP threads that spin at barriers;
+    measured: 108-127 s a round for 3 prompts, vLLM alone 12 s for 6), so each engine is confined
+    to a core of its own where there are two (one compute thread); the round bound counts 6
     engines' worth."""
     root = tmp_path / "kvdisk"
     capacity = 8 * (HEADER_LEN + BLOCK_BYTES)
@@ -447,8 +447,8 @@ def test_two_engines_write_the_same_blocks_into_one_small_root(tmp_path, model_p
     cpus = sorted(os.sched_getaffinity(0))
     for index, name in enumerate(("a", "b")):
         (tmp_path / name).mkdir()
-        bind = {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[index])} if len(cpus) >= 2 else None
-        engines.append(start(spec(model_path, rounds, config, prompts), tmp_path / name, env=bind))
+        confined = {"cpus": [cpus[index]]} if len(cpus) >= 2 else {}
+        engines.append(start(spec(model_path, rounds, config, prompts, **confined), tmp_path / name))
     results = [finish(proc, run_dir) for proc, run_dir in engines]
     watcher.stop.set()
     watcher.join()

@@ -141,7 +141,7 @@ def test_preemptions_under_a_tiny_kv_space_stay_bit_exact(tmp_path, model_path):
     alone = run_engine(tmp_path, model_path, prompts, [{}], multiprocess=False, **long)
     result = run_engine(
         tmp_path, model_path, prompts, [{"batch": True}, {"reset_prefix_cache": True, "batch": True}],
-        {"cpu_bytes_to_use": 1_000_000_000}, kv_bytes=96 * 2**20, **long,
+        {"cpu_bytes_to_use": 1_000_000_000}, kv_bytes=96 * 2**20, multiprocess=False, **long,
     )
     expected = token_ids(alone["rounds"][0])
     assert result["num_preemptions"] > 0, "the workload should force preemptions"

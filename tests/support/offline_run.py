@@ -17,7 +17,9 @@ into the running engine's tiers meanwhile, see :func:`launch`'s ``before_round``
 (after the round, the result's ``kv_pages[i]`` holds digests of the engine's own KV pages of each
 prompt's full blocks that vLLM's prefix cache holds, see :func:`kv_page_digests`)}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
-optional: connector ("kvtier", the default: kvtier's KVTierConnector; "native": vLLM's own
+optional: cpus (list of CPU ids: the engine process, every thread it starts and torch's compute
+threads stay on those CPUs, one compute thread per CPU; vLLM-CPU's own binding does not confine
+them here, and two engines whose compute threads share the cores slow each other ~20x), connector ("kvtier", the default: kvtier's KVTierConnector; "native": vLLM's own
 OffloadingConnector with this extra config, e.g. kvtier's KVTierOffloadingSpec and tiers; a round's
 "reset_connector": true then also empties vLLM's CPU tier, and ``round_metrics`` also hold vLLM's
 ``vllm:kv_offload*`` series), engine_id (kv_transfer_config's: names the host tier's shared-memory regions), block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
@@ -123,6 +125,8 @@ def cached(result: dict, round_index: int = 0) -> list[int]:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
+    if spec.get("cpus"):
+        confine(spec["cpus"])
     from vllm import LLM, SamplingParams
 
     kwargs = {}
@@ -272,6 +276,15 @@ def kv_page_digests(llm, prompts: list[list[int]]) -> dict:
             "groups": [type(group.kv_cache_spec).__name__ for group in groups],
             "prompts": [[[None if i is None else digests[(g, i)] for g, i in enumerate(row)] for row in ids]
                         for ids in block_ids]}
+
+
+def confine(cpus: list[int]) -> None:
+    """Keep this process on ``cpus``: its threads (those started later inherit it) and torch's
+    compute threads, one per CPU. Called before the engine starts."""
+    import torch
+
+    os.sched_setaffinity(0, set(cpus))
+    torch.set_num_threads(len(cpus))
 
 
 def chat_turn(llm, sessions: list[list[str]], rounds: list[list[dict]], turn: int) -> list[dict]:

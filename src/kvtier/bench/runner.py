@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -230,11 +230,18 @@ async def run_bench(workload: Workload, modes: list[str], settings: ServerSettin
     else:
         assert settings is not None
         runs = []
-        for index, name in enumerate(modes, 1):
-            if is_seeded(name):
-                runs.append(await run_seeded_mode(name, workload, settings, out_dir, progress, options, index,
-                                                  len(modes)))
-            else:
-                runs.append(await run_server_mode(name, workload, settings, out_dir, progress, options, index,
-                                                  len(modes)))
+        cache = make_scratch("vllm-cache") if settings.vllm_cache_dir is None else None  # the run's servers share it
+        if cache is not None:
+            settings = replace(settings, vllm_cache_dir=str(cache))
+        try:
+            for index, name in enumerate(modes, 1):
+                if is_seeded(name):
+                    runs.append(await run_seeded_mode(name, workload, settings, out_dir, progress, options, index,
+                                                      len(modes)))
+                else:
+                    runs.append(await run_server_mode(name, workload, settings, out_dir, progress, options, index,
+                                                      len(modes)))
+        finally:
+            if cache is not None and not options.keep_scratch:
+                shutil.rmtree(cache, ignore_errors=True)
     return runs, time.perf_counter() - t0

@@ -74,6 +74,7 @@ class ServerSettings:
     block_size: int | None = None  # vLLM's --block-size for every mode (None: vLLM's default)
     kv_config: Mapping[str, Any] | None = None  # kvtier modes: more kvtier keys (kvtier serve --kv-config)
     extra_vllm_args: tuple[str, ...] = ()
+    vllm_cache_dir: str | None = None  # VLLM_CACHE_ROOT shared by the run's servers (None: one per scratch)
 
 
 @dataclass
@@ -132,8 +133,12 @@ def make_scratch(mode: str, base: str | None = None) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
 
 
-def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def base_env(scratch: Path, environ: Mapping[str, str] | None = None, vllm_cache_dir: str | None = None) -> dict[str, str]:
     """The environment of every mode's server: ``environ`` plus vLLM-CPU settings and scratch folders.
+
+    ``VLLM_CACHE_ROOT``: ``vllm_cache_dir`` when given (the bench run shares one between its
+    servers: vLLM keeps there only what depends on its own code, such as the model-class inspection
+    it otherwise repeats in a subprocess at every start), else a folder in ``scratch``.
 
     ``VLLM_CPU_KVCACHE_SPACE`` is removed: on vLLM-CPU it *overrides* ``--kv-cache-memory-bytes``
     (vllm/platforms/cpu.py), which would give vLLM 1 GiB or more of KV space instead of the
@@ -143,7 +148,7 @@ def base_env(scratch: Path, environ: Mapping[str, str] | None = None) -> dict[st
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "1"
-    env["VLLM_CACHE_ROOT"] = str(scratch / "vllm-cache")
+    env["VLLM_CACHE_ROOT"] = vllm_cache_dir or str(scratch / "vllm-cache")
     env["TMPDIR"] = str(scratch)
     return env
 
@@ -156,7 +161,7 @@ def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | 
     from kvtier.launch.vllm_entry import vllm_entrypoint  # the same vLLM CLI as kvtier serve runs
 
     port = port or free_port()
-    env = base_env(scratch)
+    env = base_env(scratch, vllm_cache_dir=settings.vllm_cache_dir)
     args = common_vllm_args(settings, port)
     plain = [sys.executable, "-m", vllm_entrypoint(), "serve", settings.model]
     if mode == "vllm":
