@@ -21,9 +21,10 @@ import os
 
 import pytest
 
-E2E_BUDGET_S = 18 * 60.0
-"""The real-engine tests' share of the 30-minute budget (install and the other tests take ~4 min
-on 2 cores; the rest is the margin for a slow day)."""
+E2E_BUDGET_S = 22 * 60.0
+"""The real-engine tests' share of the 30-minute budget on 2 cores: the install takes ~2 min on a
+clean clone and the other tests ~2 min, which leaves ~4 min of margin for a slow day. (2026-11-25,
+clean clone: real-engine tests 21.2 min, whole `.ci/run` 25.0 min.)"""
 
 _FILE_SECONDS: collections.Counter[str] = collections.Counter()
 _E2E_FILES: set[str] = set()
