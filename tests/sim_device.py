@@ -103,9 +103,14 @@ class SimDevice:
     def copy(self, stream: SimStream, plan) -> None:
         """Issue a job's copies (:class:`~kvtier.copy.runs.ByteRuns` or page pairs), carried out
         with torch on the same memory when the stream gets there."""
+        self.plans.append(plan)
+        if hasattr(plan, "carry_out"):  # staged: gather/scatter kernels and host copies, when the stream gets there
+            self.copy_calls.append((stream, plan.num_runs))
+            self.enqueue(stream, lambda: plan.carry_out(lambda runs: torch._foreach_copy_(*runs.views())),
+                         f"staged copy of {plan.num_pages} pages on {stream.name}")
+            return
         dsts, srcs = plan.views()
         self._issue(stream, list(dsts), list(srcs))
-        self.plans.append(plan)
 
     def _issue(self, stream: SimStream, dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
         assert len(dsts) == len(srcs) and all(d.shape == s.shape for d, s in zip(dsts, srcs))
@@ -123,6 +128,9 @@ class SimDevice:
         first, last = start.recorded(), end.recorded()
         assert first.done and last.done and first.stream is last.stream, "elapsed time of unfinished events"
         return (last.tick - first.tick) * 1e-6
+
+    def close(self) -> None:
+        self.closed = True
 
     # ---- driving the simulation (tests) ---------------------------------------------------------
 

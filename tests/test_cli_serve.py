@@ -116,6 +116,24 @@ def test_no_disk():
     assert "kvtier: disk    off" in command.summary
 
 
+def test_node_attaches_to_a_node_service_with_no_tiers_of_its_own(tmp_path):
+    command = build(node=str(tmp_path / "node.sock"), kv_offloading_size_gib=2)
+    extra = transfer_config(command)["kv_connector_extra_config"]
+    assert extra["node"] == str(tmp_path / "node.sock") and "secondary_tiers" not in extra
+    assert extra["cpu_bytes_to_use"] == 2 * 2**30  # this engine's cap in the pool
+    assert f"kvtier: host    the kvtier node at {tmp_path / 'node.sock'} (this engine holds at most 2.0 GiB" in command.summary
+    assert "kvtier: disk    off" in command.summary
+
+
+def test_node_conflicts_with_the_engine_s_own_tiers(tmp_path):
+    sock = str(tmp_path / "node.sock")
+    fails(["--node", sock, "--disk-dir", str(tmp_path)], "--node conflicts with --disk-dir")
+    fails(["--node", sock, "--redis-url", "redis://localhost"], "--node conflicts with --redis-url")
+    disk = {"type": "fs", "root_dir": str(tmp_path), "capacity_bytes": 10**9}
+    fails(["--node", sock, "--kv-config", json.dumps({"secondary_tiers": [disk]})], "--kv-config",
+          "'node' and 'secondary_tiers'")
+
+
 def test_kv_config_merged_last(tmp_path):
     tiers = [{"type": "fs", "root_dir": str(tmp_path / "other"), "capacity_bytes": 1000}]
     command = build(kv_config={"store_threshold": 2, "cpu_bytes_to_use": 12345, "secondary_tiers": tiers})

@@ -21,6 +21,7 @@ from test_transfer import NUM_BLOCKS, cpu_layers
 
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
 from kvtier.copy.cuda import CudaCopyEngine
+from kvtier.copy.cudart import SourceOrder
 from kvtier.copy.pinning import MAX_REGISTER_CHUNK_BYTES, pin_host_memory, register_chunk_bytes
 from kvtier.copy.streams import TorchCudaStreams
 from kvtier.core.slots import HostSlotLayout
@@ -84,6 +85,9 @@ class FakeCuda:
         self.handed += 1
         return stream
 
+    def ExternalStream(self, handle, device):  # noqa: N802 - torch.cuda.ExternalStream
+        return FakeStream(self.recorder, f"own{handle:x}", handle)
+
     def Event(self, enable_timing=False):  # noqa: N802 - torch.cuda.Event
         return FakeEvent(self.recorder, enable_timing)
 
@@ -133,8 +137,16 @@ class FakeRuntime:
     def error_name(self, code):
         return f"cudaError{code}"
 
-    def memcpy_batch(self, dsts, srcs, sizes, stream):
-        self.recorder.calls.append(("memcpy_batch", np.array(dsts), np.array(srcs), np.array(sizes), stream))
+    def memcpy_batch(self, dsts, srcs, sizes, stream, order):
+        self.recorder.calls.append(("memcpy_batch", np.array(dsts), np.array(srcs), np.array(sizes), stream, order))
+
+    def stream_create(self):
+        self.created = getattr(self, "created", 0) + 1
+        self.recorder.calls.append(("stream_create", 0x2000 + self.created))
+        return 0x2000 + self.created
+
+    def stream_destroy(self, handle):
+        self.recorder.calls.append(("stream_destroy", handle))
 
 
 def cuda_rig(runtime: bool = True, foreach=None):
@@ -166,8 +178,9 @@ def test_a_store_is_one_batched_copy_on_the_store_stream_after_the_compute_strea
     assert wait_ready == ("wait", store, record_ready[1])  # the store stream waits for it
     assert record_start[0] == "record" and record_start[2] == store
     assert device == ("device", "cuda:0")
-    _, dsts, srcs, sizes, handle = batch
+    _, dsts, srcs, sizes, handle, order = batch
     assert handle == engine._streams[Direction.STORE].cuda_stream  # noqa: SLF001
+    assert order is SourceOrder.STREAM  # engine memory the compute stream wrote: read in stream order
     plan = engine.runs.plan(Direction.STORE, [PageCopy(0, 0, 3), PageCopy(1, 0, 4)])
     assert (dsts == plan.dst_addr).all() and (srcs == plan.src_addr).all() and (sizes == plan.sizes).all()
     assert record_end[0] == "record" and record_end[2] == store
@@ -183,6 +196,7 @@ def test_a_load_is_one_batched_copy_and_holds_the_compute_stream_only_if_synchro
     engine.start_load(1, [PageCopy(0, 0, 3)], synchronous=synchronous)
     [batch] = [c for c in recorder.calls if c[0] == "memcpy_batch"]
     assert batch[4] == engine._streams[Direction.LOAD].cuda_stream  # noqa: SLF001
+    assert batch[5] is SourceOrder.ANY  # host memory nothing on the load stream writes: any order
     end = [c for c in recorder.calls if c[0] == "record" and c[2] == load][-1][1]
     compute_waits = [c for c in recorder.calls if c[0] == "wait" and c[1] == "pool0"]
     assert compute_waits == ([("wait", "pool0", end)] if synchronous else [])
@@ -194,6 +208,23 @@ def test_without_a_runtime_library_copies_go_through_torch_non_blocking_on_the_s
                                                                                             list(recorder.current))))
     engine.start_store(1, [PageCopy(0, 0, 3)])
     assert seen == [(3, {"non_blocking": True}, [names(engine)[Direction.STORE]])]
+
+
+def test_side_streams_are_kvtiers_own_and_destroyed_at_close():
+    engine, recorder, cuda = cuda_rig()
+    own = {s.cuda_stream for s in engine._streams.values()}  # noqa: SLF001
+    created = {c[1] for c in recorder.calls if c[0] == "stream_create"}
+    assert own == created and len(own) == 2 and cuda.handed == 0  # no pool stream taken
+    engine.start_store(1, [PageCopy(0, 0, 3)])
+    engine.close()
+    assert {c[1] for c in recorder.calls if c[0] == "stream_destroy"} == own
+    assert [c[0] for c in recorder.calls].index("synchronize") < [c[0] for c in recorder.calls].index("stream_destroy")
+
+
+def test_without_a_runtime_library_side_streams_come_from_the_pool_never_the_compute_stream():
+    engine, recorder, cuda = cuda_rig(runtime=False)
+    assert cuda.compute.cuda_stream not in {s.cuda_stream for s in engine._streams.values()}  # noqa: SLF001
+    assert len({s.cuda_stream for s in engine._streams.values()}) == 2  # noqa: SLF001
 
 
 def test_side_streams_are_never_the_compute_stream_or_each_other():

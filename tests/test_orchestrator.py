@@ -20,7 +20,8 @@ def keys(n: int, seed: int = 0) -> list[bytes]:
     return chain_block_keys(NS.digest, [seed * 1000 + i for i in range(4 * n)], 4)
 
 
-def make(tmp_path: Path | None, num_slots=4, threshold=0, ranks=1) -> tuple[Orchestrator, list[bytearray]]:
+def make(tmp_path: Path | None, num_slots=4, threshold=0, ranks=1,
+         max_pending_writes=64) -> tuple[Orchestrator, list[bytearray]]:
     buffers = [bytearray(SLOT * num_slots) for _ in range(ranks)]
     disk = None
     if tmp_path is not None:
@@ -28,7 +29,8 @@ def make(tmp_path: Path | None, num_slots=4, threshold=0, ranks=1) -> tuple[Orch
         disk = DiskTier(
             root_dir=tmp_path, model_name="toy", engine_digest=ns.digest,
             rank_digests=ns.rank_digests(), namespace_json=ns.config_json("toy"),
-            payload_bytes=SLOT, capacity_bytes=10**8, n_read_threads=2, n_write_threads=2, max_pending_writes=64,
+            payload_bytes=SLOT, capacity_bytes=10**8, n_read_threads=2, n_write_threads=2,
+            max_pending_writes=max_pending_writes,
         )
     orch = Orchestrator(
         HostIndex(num_slots), HostBytes([memoryview(b) for b in buffers], SLOT), [disk] if disk else [],
@@ -208,3 +210,17 @@ def test_wait_for_tiers_sleeps_until_a_promotion_lands_and_never_without_a_waiti
     assert orch.wait_for_tiers(30.0) is False and time.monotonic() - started < 10  # r1 got its hit
     orch.release("r1")
     assert orch.wait_for_tiers(30.0) is False
+
+
+def test_a_long_prompt_reaches_a_tier_whose_write_queue_is_shorter(tmp_path):
+    """A prefill step of 300 blocks against a tier that takes 4 writes at a time: every block is
+    written (they wait, pinned in the host tier, and go as room frees), none is dropped."""
+    orch, buffers = make(tmp_path, num_slots=320, max_pending_writes=4)
+    ks = keys(300, seed=9)
+    assert None not in store(orch, buffers, ks)
+    assert orch.has_pending_io()
+    settle(orch, timeout=60)
+    assert all(orch.disk.contains(k) for k in ks)
+    assert orch.stats.disk_writes_dropped == 0
+    assert orch.host.pinned_slots() == 0
+    orch.close()

@@ -72,6 +72,16 @@ def test_lru_touch_changes_victim_in_order() -> None:
     assert drain(lru) == [B, C, A]
 
 
+def test_lru_touch_orders_as_key_by_key_whatever_the_input() -> None:
+    """The one-C-loop path (every key resident) and its fallback end in the same order."""
+    for touched, expected in (([A, X, C], [B, A, C]), ([C, A, C], [B, A, C]), ((k for k in (B, A)), [C, B, A])):
+        lru = LRUPolicy()
+        for k in (A, B, C):
+            lru.insert(k)
+        lru.touch(touched)
+        assert drain(lru) == expected
+
+
 def test_lru_skips_pinned_without_reordering() -> None:
     lru = LRUPolicy()
     for k in (A, B, C):

@@ -252,7 +252,9 @@ def test_a_symlinked_block_file_is_not_read(tmp_path):
         path.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(target, path)
         layout, ledger = disk._layout, disk._ledger  # noqa: SLF001
-        assert disk_files.read_block(layout, ledger, [NS], KEY, [memoryview(bytearray(PAYLOAD))]) is IoError.IO
+        # a symlink where a record should be is no record of kvtier's: corrupt, quarantined, never followed
+        assert disk_files.read_block(layout, ledger, [NS], KEY, [memoryview(bytearray(PAYLOAD))]) is IoError.CORRUPT
+        assert not path.is_symlink() and target.read_bytes() == valid_file()
     finally:
         disk.close()
 

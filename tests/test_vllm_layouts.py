@@ -7,30 +7,47 @@ bit-exact, through each of kvtier's copy paths:
 - the CUDA engine's planning: byte runs (``RunPlanner``), carried out with torch on the same memory,
   whose address arrays (what ``cudaMemcpyBatchAsync`` reads on a GPU) point exactly where the
   views do;
-- the CUDA engine itself on the simulated device.
+- the CUDA engine itself on the simulated device, as runs and staging small pages through a device
+  buffer (gather/scatter, where every page is a row of one allocation).
 
 All three must leave the same bytes in the host slots: engines of one layout share blocks. And the
-worker connector starts on them (two start-up crashes of kvtier on GPUs: a Mamba hybrid under
+worker connector starts on them (start-up crashes of kvtier on GPUs: a Mamba hybrid under
 LBNHC, "KV layers have different page shapes", and kernel blocks, "no dimension of size
-num_blocks").
+num_blocks"; issue 32: attention pages vLLM pads, 2,048 -> 2,560 B, "engine KV page is 2048 B but
+the KV cache spec says 2560 B", skip-quantized sliding-window pages padded to the shared page, a
+3-head group beside a 2-head group padded to its size, and a mixed-type group whose layers keep
+their own page sizes, "KV layers have different page shapes [(2048,), (3072,)]").
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import pytest
 import torch
 from sim_device import SimDevice
 from vllm.v1.kv_cache_layout import KVCacheLayout
-from support.vllm_views import LAYER_COMPACT, attention_spec, layer_views, mamba_spec, mla_spec, vllm_kv_caches
+from support.vllm_views import (
+    LAYER_COMPACT,
+    attention_spec,
+    layer_views,
+    mamba_spec,
+    mixed_type_group,
+    mla_spec,
+    skip_quantized_window_spec,
+    vllm_kv_caches,
+)
 
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.pages import block_view
 from kvtier.copy.runs import RunPlanner
+from kvtier.copy.staging import CopyMethod
 from kvtier.core.slots import HostSlotLayout
 
 ATTENTION = ["model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"]
 MAMBA = ["model.layers.3.mixer", "model.layers.4.mixer"]
+WINDOW = ["model.layers.5.attn", "model.layers.6.attn"]
 
 
 def cases():
@@ -41,7 +58,19 @@ def cases():
         spec = attention_spec(head_size=32)
         out[f"{layout.name}-mamba-hybrid"] = (layout, [(ATTENTION[:2], spec), (MAMBA, mamba_spec(spec.page_size_bytes))],
                                               None)
+        # Pages vLLM pads or sizes per layer (issue 32: each crashed the worker at start-up)
+        out[f"{layout.name}-padded-attention"] = (layout, [(ATTENTION, attention_spec(padded_to=2560))], None)
+        three_heads = attention_spec(kv_heads=3)
+        out[f"{layout.name}-skip-quantized-window"] = (
+            layout, [(ATTENTION, three_heads), (WINDOW, skip_quantized_window_spec(three_heads.page_size_bytes))], None)
+        out[f"{layout.name}-padded-beside-larger"] = (
+            layout, [(ATTENTION, three_heads), (WINDOW, attention_spec(padded_to=three_heads.page_size_bytes))], None)
+        out[f"{layout.name}-mixed-type-group"] = (layout, [(ATTENTION, mixed_type_group(ATTENTION, [2, 3, 2]))], None)
     return out
+
+
+PADDED_OR_MIXED = [name for name in cases() if name.split("-", 1)[1] in
+                   ("padded-attention", "skip-quantized-window", "padded-beside-larger", "mixed-type-group")]
 
 
 CASES = cases()
@@ -95,18 +124,23 @@ def run_byte_runs(paged, host, direction, pages):
     torch._foreach_copy_(dsts, srcs)
 
 
-def run_cuda_engine(paged, host, direction, pages):
+def run_cuda_engine(paged, host, direction, pages, method=CopyMethod.RUNS):
     device = SimDevice()
-    engine = CudaCopyEngine(BlockCopier(paged, host), device)
+    engine = CudaCopyEngine(BlockCopier(paged, host), device, method)
     (engine.start_store if direction is Direction.STORE else engine.start_load)(1, pages)
     device.run_all()
     [done] = engine.poll()
-    layers = sum(len(paged.layer_groups[p.group]) for p in pages)
-    assert done.ok and done.num_bytes == layers * paged.page_bytes
+    assert done.ok and done.num_bytes == sum(paged.layer_bytes[i] for p in pages for i in paged.layer_groups[p.group])
+
+
+def worker_paged(kv):
+    """The engine pages as the worker reads them: vLLM's views with vLLM's per-layer page sizes."""
+    return PagedKV([kv.views[name] for name in kv.layer_names], kv.num_blocks, kv.layer_groups, kv.layer_page_bytes)
 
 
 PATHS = {"page pairs (CPU engine)": run_pairs, "byte runs (CUDA planning)": run_byte_runs,
-         "CUDA engine, simulated device": run_cuda_engine}
+         "CUDA engine, simulated device": run_cuda_engine,
+         "CUDA engine staging small pages, simulated device": partial(run_cuda_engine, method=CopyMethod.STAGED)}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -114,7 +148,7 @@ def test_pages_round_trip_bit_exact_on_every_copy_path(case):
     host_bytes = {}
     for path, run in PATHS.items():
         kv = build(case)
-        paged = PagedKV(layer_views(kv), kv.num_blocks, kv.layer_groups)
+        paged = worker_paged(kv)
         assert paged.page_bytes == kv.page_bytes
         layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, 4)
         host = HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout)
@@ -159,7 +193,7 @@ def worker_config(model_dir, kv):
     return config
 
 
-@pytest.mark.parametrize("case", ["LBNHC-mamba-hybrid", "LBNHC-kernel-blocks"])
+@pytest.mark.parametrize("case", ["LBNHC-mamba-hybrid", "LBNHC-kernel-blocks", *PADDED_OR_MIXED])
 def test_the_worker_connector_starts_on_gpu_kv_caches_and_moves_pages(case, tmp_path):
     """The worker half as vLLM's GPU runner builds it (``register_kv_caches`` with the manager-block
     views, vLLM 0.32 ``v1/worker/gpu/model_runner.py:796-798``): it starts, and its copy engine
@@ -176,7 +210,7 @@ def test_the_worker_connector_starts_on_gpu_kv_caches_and_moves_pages(case, tmp_
         connector.register_kv_caches(kv.views)
         worker = connector._worker  # noqa: SLF001
         assert worker is not None and worker.copies is not None
-        paged = PagedKV(layer_views(kv), kv.num_blocks, kv.layer_groups)
+        paged = worker_paged(kv)
         before = engine_pages(kv, paged)
         store, load, sources, targets = jobs(kv)
         worker.copies.start_store(1, store)
@@ -199,6 +233,8 @@ def vllm_case(case):
         spec = attention_spec(head_size=case.content // 2)
         return vllm_kv_caches(layout, [(ATTENTION[:case.layers], spec),
                                        (MAMBA[:case.state_layers], mamba_spec(spec.page_size_bytes))])
+    if case.padded_to:
+        return vllm_kv_caches(layout, [(ATTENTION[:case.layers], attention_spec(padded_to=case.padded_to))])
     if case.heads == 1:
         return vllm_kv_caches(layout, [(ATTENTION[:case.layers], mla_spec())])
     spec = attention_spec(dtype=case.dtype, kv_heads=case.heads, head_size=case.content // 2)
@@ -220,6 +256,7 @@ def test_the_gpu_kit_builds_the_views_vllm_builds(name):
     assert ours == theirs
     assert kit.raw.untyped_storage().nbytes() == kv.config.kv_cache_tensors[0].size
     assert kit.layer_groups == kv.layer_groups
+    assert kit.page_bytes == kv.layer_page_bytes
 
 
 def test_the_page_description_names_the_memory_order_only_where_it_is_not_row_major():

@@ -7,6 +7,8 @@ Runs inside the serving engine (vLLM's scheduler and worker processes):
 
 - :mod:`kvtier.vllm` -- the connector ``KVTierConnector``, and (``kvtier.vllm.native``) kvtier's tiers
   behind vLLM's own OffloadingConnector; the only code that imports vLLM.
+- :mod:`kvtier.node` -- one cache per node: the ``kvtier node`` service (its own process: the pool, its
+  index and policy) and the client engines attach with.
 - :mod:`kvtier.runtime` -- the orchestrator: lookup across tiers, promotion, cascade (scheduler process);
   ``kvtier.runtime.chunks``: one tier behind an engine's own offloading.
 - :mod:`kvtier.copy` -- worker-side page copies engine <-> host slots (worker processes).

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import pytest
-from support.offline_run import cached, finish, launch, start, tokens
-from support.redis_server import RedisServer
+from support.offline_run import cached, finish, launch, metric, start, tokens
+from support.redis_server import module_redis  # noqa: F401  (pytest fixture)
 from support.tiny_models import write_tiny_model
 
 from kvtier.bench.text import long_prompts
@@ -67,16 +67,9 @@ def records(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.bin") if "quarantine" not in p.parts)
 
 
-def metric(result: dict, round_index: int, *parts: str) -> float:
-    """Sum of the round's samples whose name and labels contain every one of ``parts``."""
-    return sum(v for k, v in result["round_metrics"][round_index].items() if all(p in k for p in parts))
-
-
 @pytest.fixture(scope="module")
-def redis(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.kill()
+def redis(module_redis):  # noqa: F811  (the shared fixture, under this module's name)
+    return module_redis
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ vLLM worker would hand kvtier.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from math import prod
 
 import torch
 
@@ -37,10 +36,12 @@ class Case:
     kernel_tokens: int | None = None
     state_layers: int = 0
     state_bytes: int = 448
+    padded_to: int | None = None  # attention pages padded to this size (vLLM unifying page sizes)
 
     @property
     def page_bytes(self) -> int:
-        return self.heads * self.tokens * self.content * self.dtype.itemsize
+        """The page size in vLLM's spec: padded, or the content."""
+        return self.padded_to or self.heads * self.tokens * self.content * self.dtype.itemsize
 
 
 @dataclass
@@ -49,11 +50,14 @@ class GpuKV:
     views: list[torch.Tensor]  # slot order: attention layers, then state layers
     layer_groups: list[list[int]]
     state_layers: set[int] = field(default_factory=set)
+    page_bytes: list[int] = field(default_factory=list)  # per view: vLLM's page size, padding included
 
 
-def _strides(order, shape, fixed=(None,) * 5):
+def _strides(order, shape, fixed=(None,) * 5, padded_to=None):
     strides, current = [0] * 5, 1
-    for dim in reversed(order):
+    for position, dim in reversed(tuple(enumerate(order))):
+        if padded_to and position == 1:  # compute_layout_strides: pages padded below the L/B grid
+            current = max(current, padded_to)
         strides[dim] = fixed[dim] or current
         current = strides[dim] * shape[dim]
     return strides
@@ -63,8 +67,11 @@ def build(case: Case, num_blocks: int, device: torch.device | str) -> GpuKV:
     order = ORDERS[case.layout]
     item = case.dtype.itemsize
     shape = (case.layers, num_blocks, case.heads, case.tokens, case.content * item)
-    layer_stride, block_stride = _strides(order, shape)[:2]
-    raw = torch.zeros(prod(shape), dtype=torch.int8, device=device)
+    if case.padded_to:
+        assert set(order[:2]) == {0, 1} and not case.kernel_tokens, f"{case.layout} cannot pad pages"
+    layer_stride, block_stride = _strides(order, shape, padded_to=case.padded_to)[:2]
+    size = layer_stride * case.layers if order[0] == 0 else block_stride * num_blocks
+    raw = torch.zeros(size, dtype=torch.int8, device=device)
     ratio = case.tokens // case.kernel_tokens if case.kernel_tokens else 1
     if ratio > 1:  # create_kv_cache_views: kernel blocks a constant stride apart inside a dense page
         assert block_stride == case.page_bytes, f"{case.layout} cannot split blocks"
@@ -83,7 +90,7 @@ def build(case: Case, num_blocks: int, device: torch.device | str) -> GpuKV:
                                           layer * layer_stride))
             states.add(len(views) - 1)
         groups.append(sorted(states))
-    return GpuKV(raw, views, groups, states)
+    return GpuKV(raw, views, groups, states, [case.page_bytes] * len(views))
 
 
 CASES = {
@@ -92,5 +99,8 @@ CASES = {
     "LBNHC-kernel-blocks": Case("LBNHC", kernel_tokens=8),
     "LBHNC-kernel-blocks": Case("LBHNC", kernel_tokens=8),
     "LBNHC-mamba-hybrid": Case("LBNHC", layers=2, state_layers=2),
+    "LBNHC-padded-attention": Case("LBNHC", padded_to=2560),
+    "LBHNC-padded-attention": Case("LBHNC", padded_to=2560),
 }
-"""Every layout vLLM 0.32 can resolve, kernel blocks, MLA, and a Mamba hybrid under LBNHC."""
+"""Every layout vLLM 0.32 can resolve, kernel blocks, MLA, a Mamba hybrid under LBNHC, and attention
+pages padded (2,048 -> 2,560 B) under vLLM-CPU's layout and FlashAttention's."""

@@ -3,7 +3,12 @@
 
 - a store requested while a long kernel still writes the pages holds the final bytes;
 - a load is reported only after its bytes landed, and a failed one at once;
-- batched copies are bit-exact for every layout vLLM can pick (tests/gpu/gpu_layouts.py, checked
+- a synchronous load lands before the compute stream reads the page, read at once with the load
+  stream held behind a long kernel (tests/gpu/kit_checks.py; tests/test_gpu_kit.py shows on CPU
+  that the check fails without the compute-stream wait);
+- every job went out as one batched copy, checked after the copies (a refused batch is counted);
+- batched copies (as runs, and small pages staged through a device buffer) are bit-exact for every
+  layout vLLM can pick (tests/gpu/gpu_layouts.py, checked
   against vLLM's own view code on CPU), from and to a pinned /dev/shm region, and leave the same
   slot bytes as the CPU engine does on the same pages;
 - pinning, including a refused registration that does not poison the CUDA context.
@@ -16,12 +21,13 @@ import time
 import pytest
 import torch
 from gpu_layouts import CASES, Case, build
+from kit_checks import CudaRig, check_a_synchronous_load_lands_before_compute_reads, check_batches_were_not_refused
 
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.cudart import LoadedCudart
-from kvtier.copy.pages import padded_pages
 from kvtier.copy.pinning import pin_host_memory
+from kvtier.copy.staging import CopyMethod
 from kvtier.copy.streams import TorchCudaStreams
 from kvtier.core.slots import HostSlotLayout
 
@@ -29,22 +35,20 @@ NUM_BLOCKS = 12
 LONG_KERNEL_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s on an H100
 
 
-def engine_for(kv, case: Case, host_buffer: torch.Tensor, num_slots: int):
-    layers = [padded_pages(v, NUM_BLOCKS, case.page_bytes) if i in kv.state_layers else v
-              for i, v in enumerate(kv.views)]
-    paged = PagedKV(layers, NUM_BLOCKS, kv.layer_groups)
+def engine_for(kv, case: Case, host_buffer: torch.Tensor, num_slots: int, method: CopyMethod = CopyMethod.AUTO):
+    paged = PagedKV(kv.views, NUM_BLOCKS, kv.layer_groups, kv.page_bytes)
     layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, num_slots)
     host = HostSlots(host_buffer[: layout.region_bytes], layout)
-    return CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(paged.device)), paged, host
+    return CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(paged.device), method), paged, host
 
 
-def attention_rig(device, shm_region, num_slots=2):
+def attention_rig(device, shm_region, num_slots=2, method: CopyMethod = CopyMethod.AUTO):
     """vLLM's default GPU layout (LBNHC) on ``device``, a pinned /dev/shm host region, the engine."""
     case = CASES["LBNHC-attention"]
     kv = build(case, NUM_BLOCKS, device)
     slot_bytes = len(kv.views) * case.page_bytes
     buffer, _ = shm_region(num_slots * slot_bytes, slot_bytes)
-    engine, paged, host = engine_for(kv, case, buffer, num_slots)
+    engine, paged, host = engine_for(kv, case, buffer, num_slots, method)
     return case, kv, engine, paged, host
 
 
@@ -60,8 +64,9 @@ def page_bytes(paged, layer, block):
     return paged.page(layer, block).contiguous().view(torch.uint8).reshape(-1).cpu()
 
 
+@pytest.mark.parametrize("method", [CopyMethod.RUNS, CopyMethod.STAGED], ids=lambda m: m.value)
 @pytest.mark.parametrize("name", CASES)
-def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, device, shm_region):
+def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, method, device, shm_region):
     case = CASES[name]
     kv = build(case, NUM_BLOCKS, device)
     kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8, device=device))
@@ -69,7 +74,7 @@ def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, device, shm_re
     slot_bytes = len(kv.views) * case.page_bytes
     buffer, pinning = shm_region(4 * slot_bytes, slot_bytes)
     assert pinning.pinned
-    engine, paged, host = engine_for(kv, case, buffer, 4)
+    engine, paged, host = engine_for(kv, case, buffer, 4, method)
     sources = [[1 + g * 5 + s for s in range(3)] for g in range(groups)]
     targets = [list(reversed(ids)) for ids in sources]
     store = [PageCopy(s, 0, sources[g][s], g) for s in range(3) for g in range(groups)]
@@ -83,9 +88,7 @@ def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, device, shm_re
     cpu = build(case, NUM_BLOCKS, "cpu")  # the same pages on the CPU engine: the same slot bytes
     cpu.raw.copy_(kv.raw.cpu())
     cpu_engine_host = torch.zeros_like(slots)
-    cpu_layers = [padded_pages(v, NUM_BLOCKS, case.page_bytes) if i in cpu.state_layers else v
-                  for i, v in enumerate(cpu.views)]
-    BlockCopier(PagedKV(cpu_layers, NUM_BLOCKS, cpu.layer_groups),
+    BlockCopier(PagedKV(cpu.views, NUM_BLOCKS, cpu.layer_groups, cpu.page_bytes),
                 HostSlots(cpu_engine_host, host.layout)).copy(Direction.STORE, store)
     assert torch.equal(slots, cpu_engine_host)
 
@@ -93,14 +96,16 @@ def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, device, shm_re
     engine.start_load(2, load)
     assert wait_done(engine, [2])[2].ok
     torch.cuda.synchronize()
+    check_batches_were_not_refused(engine.device.runtime)
     for g, layers in enumerate(kv.layer_groups):
         for source, target in zip(sources[g], targets[g]):
             for layer in layers:
                 assert torch.equal(page_bytes(paged, layer, target), before[layer, source]), (name, layer)
 
 
-def test_a_store_requested_while_a_long_kernel_writes_the_pages_holds_the_final_bytes(device, shm_region):
-    case, kv, engine, paged, host = attention_rig(device, shm_region)
+@pytest.mark.parametrize("method", [CopyMethod.RUNS, CopyMethod.STAGED], ids=lambda m: m.value)
+def test_a_store_requested_while_a_long_kernel_writes_the_pages_holds_the_final_bytes(method, device, shm_region):
+    case, kv, engine, paged, host = attention_rig(device, shm_region, method=method)
     compute = torch.cuda.current_stream(device)
     torch.cuda._sleep(LONG_KERNEL_CYCLES)  # the "forward" is still running ...
     for view in kv.views:
@@ -129,6 +134,15 @@ def test_a_load_is_reported_only_after_its_bytes_landed(synchronous, device, shm
     assert torch.equal(landed, payload)
 
 
+@pytest.mark.parametrize("method", [CopyMethod.RUNS, CopyMethod.STAGED], ids=lambda m: m.value)
+def test_a_synchronous_load_lands_before_the_compute_stream_reads_the_page(method, device, shm_region):
+    compute = torch.cuda.Stream(device)  # vLLM computes on a stream of its own, not the default one
+    with torch.cuda.stream(compute):
+        case, kv, engine, paged, host = attention_rig(device, shm_region, method=method)
+        check_a_synchronous_load_lands_before_compute_reads(CudaRig(engine, paged, host, compute))
+        check_batches_were_not_refused(engine.device.runtime)
+
+
 def test_a_failed_load_is_reported_at_once(device, shm_region):
     _, _, engine, _, _ = attention_rig(device, shm_region)
     torch.cuda._sleep(LONG_KERNEL_CYCLES)
@@ -140,7 +154,7 @@ def test_a_failed_load_is_reported_at_once(device, shm_region):
 def test_pinning_and_a_refused_registration_that_does_not_poison_the_context(device, shm_region):
     buffer, pinning = shm_region(8 * 2**20, 2**20)
     assert pinning.pinned
-    runtime = LoadedCudart.find()
+    runtime = LoadedCudart.find(torch.version.cuda)
     assert runtime is not None
     again = pin_host_memory(buffer, 2**20)  # the driver refuses: already registered
     assert not again.pinned
@@ -155,8 +169,13 @@ def test_pinning_and_a_refused_registration_that_does_not_poison_the_context(dev
     pinning.release()
 
 
-def test_the_cuda_runtime_library_is_found_and_batches_copies_where_it_can():
-    runtime = LoadedCudart.find()
-    assert runtime is not None and runtime.version > 0
+def test_the_cuda_runtime_library_is_torchs_and_batched_every_job_it_was_given(device, shm_region):
+    runtime = LoadedCudart.find(torch.version.cuda)
+    assert runtime is not None and runtime.version // 1000 == int(torch.version.cuda.split(".")[0])
+    case, kv, engine, paged, host = attention_rig(device, shm_region)
+    engine.start_store(1, [PageCopy(0, 0, 3), PageCopy(1, 0, 5)])
+    engine.start_load(2, [PageCopy(0, 0, 8)], synchronous=False)
+    assert all(d.ok for d in wait_done(engine, [1, 2]).values())
     if runtime.version >= 12080:
-        assert runtime.batched, "CUDA runtime >= 12.8 exports cudaMemcpyBatchAsync"
+        assert engine.device.runtime.batch_state.name == "BATCHED", "CUDA runtime >= 12.8 exports cudaMemcpyBatchAsync"
+    check_batches_were_not_refused(engine.device.runtime)

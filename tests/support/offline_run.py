@@ -123,6 +123,11 @@ def cached(result: dict, round_index: int = 0) -> list[int]:
     return [r["num_cached_tokens"] for r in result["rounds"][round_index]]
 
 
+def metric(result: dict, round_index: int, *parts: str) -> float:
+    """Sum of a round's metric samples whose name and labels contain every one of ``parts``."""
+    return sum(v for k, v in result["round_metrics"][round_index].items() if all(p in k for p in parts))
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec.get("cpus"):
@@ -132,17 +137,11 @@ def main() -> None:
     kwargs = {}
     native = spec.get("connector", "kvtier") == "native"
     if spec.get("kv_connector_extra_config") is not None:
+        connector = ({"kv_connector": "OffloadingConnector"} if native
+                     else {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.vllm"})
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "KVTierConnector",
-            "kv_connector_module_path": "kvtier.vllm",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": spec["kv_connector_extra_config"],
+            **connector, "kv_role": "kv_both", "kv_connector_extra_config": spec["kv_connector_extra_config"],
         }
-        if native:
-            kwargs["kv_transfer_config"] = {
-                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": spec["kv_connector_extra_config"],
-            }
         if spec.get("engine_id"):
             kwargs["kv_transfer_config"]["engine_id"] = spec["engine_id"]
     started = time.perf_counter()

@@ -299,6 +299,14 @@ class RedisCluster3:
             node.kill()
 
 
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory) -> Iterator[RedisServer]:
+    """One throwaway redis-server shared by a test module's engines; killed after the module."""
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.kill()
+
+
 @pytest.fixture
 def redis_factory(tmp_path) -> Iterator:
     """``make(**options) -> RedisServer`` (see :class:`RedisServer`); ``make(cluster=True)`` gives a

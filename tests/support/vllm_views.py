@@ -23,6 +23,8 @@ from vllm.v1.kv_cache_interface import (
     KVCacheSpec,
     MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
@@ -44,11 +46,41 @@ class VllmKV:
 
     @property
     def page_bytes(self) -> int:
-        return self.config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        """The host page: the largest layer's page (vLLM's page size, padding included)."""
+        return max(self.layer_page_bytes)
+
+    @property
+    def layer_page_bytes(self) -> list[int]:
+        """Each layer's page size in vLLM's spec (slot order)."""
+        out = []
+        for group in self.config.kv_cache_groups:
+            spec = group.kv_cache_spec
+            for name in group.layer_names:
+                layer = spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+                out.append(layer.page_size_bytes)
+        return out
 
 
-def attention_spec(dtype: torch.dtype = torch.float16, kv_heads: int = 2, head_size: int = 16) -> KVCacheSpec:
-    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype)
+def attention_spec(dtype: torch.dtype = torch.float16, kv_heads: int = 2, head_size: int = 16,
+                   padded_to: int | None = None) -> KVCacheSpec:
+    """Full attention; ``padded_to``: its page padded as vLLM pads it to unify page sizes (a draft
+    model's layers, vLLM 0.32 ``v1/core/kv_cache_utils.py:1336-1345``)."""
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=kv_heads, head_size=head_size, dtype=dtype,
+                             page_size_padded=padded_to)
+
+
+def skip_quantized_window_spec(padded_to: int, kv_heads: int = 2) -> KVCacheSpec:
+    """A sliding-window layer left unquantized beside quantized ones: vLLM pads its page to the
+    shared page (``model_executor/layers/attention/attention.py:626-667``)."""
+    return SlidingWindowSpec(block_size=BLOCK, num_kv_heads=kv_heads, head_size=16, dtype=torch.float16,
+                             sliding_window=4 * BLOCK, page_size_padded=padded_to)
+
+
+def mixed_type_group(names: list[str], heads: list[int]) -> KVCacheSpec:
+    """One group of full-attention layers with per-layer head counts (``UniformTypeKVCacheSpecs``:
+    every layer keeps its own page size, vLLM 0.32 ``v1/kv_cache_interface.py:1225-1254``)."""
+    return UniformTypeKVCacheSpecs(block_size=BLOCK, kv_cache_specs={
+        name: attention_spec(kv_heads=h) for name, h in zip(names, heads)})
 
 
 def mla_spec() -> KVCacheSpec:
@@ -91,8 +123,8 @@ def layer_views(kv: VllmKV) -> list[torch.Tensor]:
     """The views in slot order, state layers as their padded pages (as the worker passes them)."""
     from kvtier.copy.pages import padded_pages
 
-    return [padded_pages(kv.views[name], kv.num_blocks, kv.page_bytes) if i in kv.state_layers else kv.views[name]
-            for i, name in enumerate(kv.layer_names)]
+    return [padded_pages(kv.views[name], kv.num_blocks, size) if i in kv.state_layers else kv.views[name]
+            for i, (name, size) in enumerate(zip(kv.layer_names, kv.layer_page_bytes))]
 
 
 LAYER_COMPACT = [KVCacheLayout.LBHNC, KVCacheLayout.LBNHC]

@@ -25,6 +25,7 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.cachetools.selection import select
+from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.files import rmdir_quiet
 from kvtier.tiers.disk.layout import Removal, remove_file, unlink_quiet
 from kvtier.tiers.disk.ledger import Ledger, ledger_files
@@ -49,7 +50,9 @@ class PurgeSelection:
     of a kind), ``older_spec`` to namespaces written under another key spec (engines of this
     kvtier never read them), ``older_than`` to blocks last used more than that many seconds ago;
     ``quarantine`` empties the quarantine (of the selected namespaces when narrowed); ``all`` is
-    everything, quarantine included, and combines with nothing else."""
+    everything, quarantine included, and combines with nothing else. ``retired_except`` (a fleet
+    key's id): blocks whose records are NOT sealed under that key (under a retired or unknown key,
+    or unauthenticated), read from each record's header (the MAC is ``kvtier verify``'s to check)."""
 
     namespaces: tuple[str, ...] = ()
     models: tuple[str, ...] = ()
@@ -57,6 +60,7 @@ class PurgeSelection:
     quarantine: bool = False
     all: bool = False
     older_spec: bool = False
+    retired_except: bytes | None = None
 
     @property
     def narrowed(self) -> bool:
@@ -65,24 +69,24 @@ class PurgeSelection:
 
     def validate(self) -> None:
         """Raise ValueError for an empty selection, or ``all`` with another selector."""
-        narrowing = self.narrowed or self.older_than is not None or self.quarantine
+        narrowing = self.narrowed or self.older_than is not None or self.quarantine or self.retired_except is not None
         if self.all and narrowing:
             raise ValueError("--all selects everything: do not combine it with other selectors")
         if not (self.all or narrowing):
             raise ValueError(
-                "nothing selected: give --namespace, --model, --older-spec, --older-than, --quarantine or --all")
+                "nothing selected: give --namespace, --model, --older-spec, --older-than, --retired, --quarantine or --all")
         if self.older_than is not None and self.older_than < 0:
             raise ValueError("--older-than must not be negative")
 
     @property
     def blocks(self) -> bool:
         """Whether blocks are deleted (not just the quarantine)."""
-        return self.all or self.narrowed or self.older_than is not None
+        return self.all or self.narrowed or self.older_than is not None or self.retired_except is not None
 
     @property
     def whole_namespaces(self) -> bool:
         """Whether every block of the selected namespaces goes (then config.json may go too)."""
-        return self.blocks and self.older_than is None
+        return self.blocks and self.older_than is None and self.retired_except is None
 
 
 @dataclass(slots=True)
@@ -142,7 +146,8 @@ def purge_cache(
     cutoff_ns = None if selection.older_than is None else int((now - selection.older_than) * 1e9)
     if selection.blocks:
         for ns in chosen:
-            report.namespaces.append(_purge_namespace(ns, cutoff_ns, selection.whole_namespaces, dry_run))
+            report.namespaces.append(_purge_namespace(ns, cutoff_ns, selection.whole_namespaces, dry_run,
+                                                      selection.retired_except))
     if selection.quarantine or selection.all:
         narrowed = selection.narrowed
         prefixes = {ns.prefix for ns in chosen}
@@ -157,7 +162,8 @@ def purge_cache(
     return report
 
 
-def _purge_namespace(ns: CacheNamespace, cutoff_ns: int | None, whole: bool, dry_run: bool) -> NamespacePurge:
+def _purge_namespace(ns: CacheNamespace, cutoff_ns: int | None, whole: bool, dry_run: bool,
+                     keep_key_id: bytes | None = None) -> NamespacePurge:
     result = NamespacePurge(ns.prefix)
     blocks: dict[tuple[int, str], list[CacheFile]] = {}  # (group, key) -> its files
     others = 0  # temp files and other entries that keep config.json in place
@@ -169,6 +175,8 @@ def _purge_namespace(ns: CacheNamespace, cutoff_ns: int | None, whole: bool, dry
     doomed: list[CacheFile] = []
     for files in blocks.values():
         if cutoff_ns is not None and max(f.mtime_ns for f in files) >= cutoff_ns:
+            continue
+        if keep_key_id is not None and all(sealed_under(f.path, keep_key_id) for f in files):
             continue
         if not dry_run and cutoff_ns is not None and _used_since(files, cutoff_ns):
             result.skipped += 1
@@ -207,6 +215,19 @@ def _remove_files(ns: CacheNamespace, files: list[CacheFile]) -> int:
         outcomes = Ledger.for_tool(ns.layout(group)).remove(paths)
         errors += sum(outcome is Removal.FAILED for outcome in outcomes)
     return errors
+
+
+def sealed_under(path: str, key_id: bytes) -> bool:
+    """Whether the block file at ``path`` names fleet key ``key_id`` in its header (False for a
+    plain record or an unreadable one; a vanished file counts as kept)."""
+    try:
+        with open(path, "rb") as f:
+            header = decode_header(f.read(HEADER_LEN))
+    except FileNotFoundError:
+        return True
+    except (OSError, CorruptBlockError):
+        return False
+    return header.sealed and header.key_id == key_id
 
 
 def _used_since(files: list[CacheFile], cutoff_ns: int) -> bool:

@@ -27,10 +27,12 @@ from kvtier.cachetools.inventory import AGE_BUCKETS, Inventory, NamespaceInvento
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
 from kvtier.cachetools.selection import SelectionError
 from kvtier.cachetools.verify import Problem, VerifyReport
+from kvtier.core.fleet_key import AuthConfig
 from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, SpecVersionError, describe_config, stored_ranks_of
 from kvtier.core.tier_config import REDIS_SCHEMES, redact_url
 from kvtier.tiers.blockfile import CorruptBlockError
 from kvtier.tiers.redis.codec import KeySpace, decode_value
+from kvtier.tiers.sealing import PLAIN, KeyState, Sealer
 
 BATCH = 256
 """Keys per pipelined batch of STRLEN / OBJECT IDLETIME / UNLINK."""
@@ -213,11 +215,14 @@ def inspect_remote(target: RemoteTarget, *, now: float | None = None) -> Invento
 
 
 def verify_remote(
-    target: RemoteTarget, selectors: Sequence[str] = (), *, delete: bool = True
+    target: RemoteTarget, selectors: Sequence[str] = (), *, delete: bool = True, auth: AuthConfig | None = None
 ) -> VerifyReport:
     """Read and check every block value of the selected namespaces (by digest or model); delete
     the bad ones unless ``delete`` is False. Values of namespaces without a readable config of
-    this key spec cannot be checked: reported, left alone."""
+    this key spec cannot be checked: reported, left alone. Fleet keys (``auth``) as
+    :func:`~kvtier.cachetools.verify.verify_cache` uses them: without, sealed values are counted
+    ``sealed_unchecked`` and left alone."""
+    sealer = Sealer(auth) if auth is not None else None
     client = target.client()
     spaces = _discover(client, target.key_prefix)
     chosen = (
@@ -248,7 +253,7 @@ def verify_remote(
                     continue
                 report.files_checked += 1
                 report.bytes_checked += len(value)
-                reason = _check(value, rank_digests, ns.space.block_key_of(name), ns.world)
+                reason = _check(value, rank_digests, ns.space.block_key_of(name), ns.world, sealer, report)
                 if reason is None:
                     report.files_ok += 1
                     continue
@@ -279,8 +284,9 @@ def _read_batches(client, names: Sequence[bytes]) -> Iterator[list[tuple[bytes, 
             yield list(zip(group, client.mget(group)))
 
 
-def _check(value: bytes, rank_digests: list[bytes], key: bytes | None, world: int) -> str | None:
-    from kvtier.tiers.blockfile import HEADER_LEN
+def _check(value: bytes, rank_digests: list[bytes], key: bytes | None, world: int, sealer: Sealer | None,
+           report: VerifyReport) -> str | None:
+    from kvtier.tiers.blockfile import HEADER_LEN, decode_header
 
     if key is None:
         return "not a block key"
@@ -289,10 +295,39 @@ def _check(value: bytes, rank_digests: list[bytes], key: bytes | None, world: in
     payload = len(value) // world - HEADER_LEN
     scratch = [memoryview(bytearray(payload)) for _ in range(world)]
     try:
-        decode_value(value, scratch, rank_digests=rank_digests, key=key)
+        header = decode_header(value[:HEADER_LEN])
+        if sealer is None and header.sealed:  # no key to check it with: never deleted for want of one
+            report.sealed_unchecked += 1
+            return None
+        decode_value(value, scratch, rank_digests=rank_digests, key=key, sealer=sealer or PLAIN)
     except CorruptBlockError as exc:
         return str(exc)
+    if sealer is not None and sealer.key_state(header) is KeyState.RETIRED:
+        report.retired[header.key_id.hex()] = report.retired.get(header.key_id.hex(), 0) + 1
     return None
+
+
+def _not_sealed_under(client, names: Sequence[bytes], key_id: bytes) -> list[bytes]:
+    """The values of ``names`` whose first record is not sealed under fleet key ``key_id`` (every
+    rank's record of a value is written at once, under one key)."""
+    from kvtier.tiers.blockfile import HEADER_LEN, decode_header
+
+    out: list[bytes] = []
+    for batch in _batches(names):
+        pipe = client.pipeline(transaction=False)
+        for name in batch:
+            pipe.getrange(name, 0, HEADER_LEN - 1)
+        for name, head in zip(batch, pipe.execute(raise_on_error=False)):
+            if not isinstance(head, bytes) or not head:
+                continue  # gone meanwhile (or an error: left alone)
+            try:
+                header = decode_header(head)
+            except CorruptBlockError:
+                out.append(name)
+                continue
+            if not (header.sealed and header.key_id == key_id):
+                out.append(name)
+    return out
 
 
 def purge_remote(
@@ -312,6 +347,8 @@ def purge_remote(
     for ns in chosen:
         result = NamespacePurge(ns.prefix)
         victims = list(ns.blocks)
+        if selection.retired_except is not None:
+            victims = _not_sealed_under(client, victims, selection.retired_except)
         if selection.older_than is not None:
             idle = _idle_seconds(client, victims)
             victims = [

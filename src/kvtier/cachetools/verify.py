@@ -9,6 +9,13 @@ file away is what the tier itself does on a bad read (an engine then sees a ``NO
 A block file moved from its place is moved under the lock of its group's usage ledger
 (:mod:`kvtier.tiers.disk.ledger`), which gives its bytes back.
 
+Fleet keys: given the tier's keys (``auth``, a :class:`~kvtier.core.fleet_key.AuthConfig`), every record is
+checked as the tier checks it: a record without a valid MAC under one of them (a plain record
+included) is a problem, and records sealed under a retired (read-only) key are listed apart
+(``retired``: ``kvtier purge --retired`` removes them). Without keys, sealed records are checked
+for their header and size only and counted as ``sealed_unchecked``, never quarantined for want
+of a key.
+
 Called by ``kvtier verify`` (:mod:`kvtier.cli.cache`) in the command's process, one thread.
 """
 
@@ -22,10 +29,12 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, discover, iter_files
 from kvtier.cachetools.selection import select
-from kvtier.tiers.blockfile import CorruptBlockError
-from kvtier.tiers.disk.files import verify_file
+from kvtier.core.fleet_key import AuthConfig
+from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
+from kvtier.tiers.disk.files import check_header, verify_file
 from kvtier.tiers.disk.layout import Removal
 from kvtier.tiers.disk.ledger import Ledger
+from kvtier.tiers.sealing import KeyState, Sealer
 
 ProgressCallback = Callable[[int, int], None]
 """Called as ``progress(files_done, files_total)`` while verifying."""
@@ -54,6 +63,8 @@ class VerifyReport:
     bytes_checked: int = 0
     vanished: int = 0  # removed by an engine while verify ran (not a problem)
     problems: list[Problem] = field(default_factory=list)
+    retired: dict[str, int] = field(default_factory=dict)  # key id (hex) -> valid records sealed under it
+    sealed_unchecked: int = 0  # sealed records whose MAC was not checked (no keys given)
 
     @property
     def ok(self) -> bool:
@@ -65,7 +76,8 @@ class VerifyReport:
 
     def to_json(self) -> dict[str, Any]:
         data = {name: getattr(self, name) for name in ("root", "namespaces", "files_checked", "files_ok",
-                                                        "bytes_checked", "vanished")}
+                                                        "bytes_checked", "vanished", "retired",
+                                                        "sealed_unchecked")}
         return {**data, "ok": self.ok, "quarantined": self.quarantined,
                 "problems": [asdict(p) for p in self.problems]}
 
@@ -77,16 +89,18 @@ def verify_cache(
     quarantine: bool = True,
     progress: ProgressCallback | None = None,
     chunk_bytes: int = 1 << 20,
+    auth: AuthConfig | None = None,
 ) -> VerifyReport:
     """Verify the block files of the namespaces ``selectors`` name (digest or model; all if empty).
 
     Problems reported: corrupt files (bad header, namespace or key, size not what the header
-    says, payload checksum), block files in the wrong directory or of a rank beyond the
+    says, payload checksum; with ``auth``: MAC and key, see the module docstring), block files in the wrong directory or of a rank beyond the
     namespace's world size (all quarantined unless ``quarantine`` is False), files that are not
     kvtier's (left in place), namespaces whose config.json is missing or does not match the
     directory name (their files still verified). Writers' temp files are not checked.
     Raises :class:`~kvtier.cachetools.selection.SelectionError` for a selector matching nothing.
     """
+    sealer = Sealer(auth) if auth is not None else None
     cache = discover(root_dir)
     chosen = select(cache, either=selectors)
     report = VerifyReport(cache.root, [ns.prefix for ns in chosen])
@@ -102,7 +116,7 @@ def verify_cache(
             report.problems.append(Problem(ns.config_path, f"{ns.config_problem}: {what}", "left in place", ns.prefix))
     digests = {ns.prefix: ns.rank_digests() for ns in chosen}
     for done, (ns, f) in enumerate(work, 1):
-        problem = _check(ns, f, digests[ns.prefix], report, chunk_bytes)
+        problem = _check(ns, f, digests[ns.prefix], report, chunk_bytes, sealer)
         if problem is not None:
             report.problems.append(_settle(ns, f, problem, quarantine))
         if progress is not None:
@@ -111,7 +125,8 @@ def verify_cache(
 
 
 def _check(
-    ns: CacheNamespace, f: CacheFile, digests: list[bytes] | None, report: VerifyReport, chunk_bytes: int
+    ns: CacheNamespace, f: CacheFile, digests: list[bytes] | None, report: VerifyReport, chunk_bytes: int,
+    sealer: Sealer | None,
 ) -> str | None:
     """Why ``f`` is bad, or None (counted in ``report``)."""
     if f.kind is Kind.STRAY:
@@ -119,14 +134,21 @@ def _check(
     if f.rank >= ns.world:
         return f"rank {f.rank} beyond the namespace's {ns.world} rank(s)"
     report.files_checked += 1
+    namespace = digests[f.rank] if digests is not None else None
+    key = bytes.fromhex(f.hex_key or "")
     try:
-        header = verify_file(
-            f.path,
-            namespace=digests[f.rank] if digests is not None else None,
-            key=bytes.fromhex(f.hex_key or ""),
-            rank=f.rank,
-            chunk_bytes=chunk_bytes,
-        )
+        if sealer is None:
+            with open(f.path, "rb") as file:
+                header = decode_header(file.read(HEADER_LEN))
+                size = os.fstat(file.fileno()).st_size
+            if header.sealed:  # no key to check its MAC with: its structure only
+                check_header(header, size, namespace=namespace, key=key, rank=f.rank)
+                report.sealed_unchecked += 1
+        if sealer is not None or not header.sealed:
+            header = verify_file(f.path, namespace=namespace, key=key, rank=f.rank, chunk_bytes=chunk_bytes,
+                                 **({"sealer": sealer} if sealer is not None else {}))
+        if sealer is not None and sealer.key_state(header) is KeyState.RETIRED:
+            report.retired[header.key_id.hex()] = report.retired.get(header.key_id.hex(), 0) + 1
     except FileNotFoundError:
         report.files_checked -= 1
         report.vanished += 1

@@ -10,6 +10,12 @@ DEFAULT_BLOCK_SIZE = 64
 """Half of vLLM-CPU's 128: a returning chat turn then recomputes ~32 tokens of the previous prompt
 instead of ~64, about 110 ms of a ~600 ms TTFT on 2 cores (docs/benchmarks.md)."""
 EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 KV heads x 64 x 4 bytes
+GPU_LIKE = {"workload": "prefix-repetition", "block_size": 32, "prefix_tokens": 4096, "max_model_len": 8192,
+            "prefixes": 4, "prompts": 8, "kv_cache_memory_bytes": 512 * 2**20, "kv_offloading_size": 2.0,
+            "disk_size": 4.0}
+"""``--shape gpu-like``: the nearest vLLM-CPU runs to a GPU server's shape (16-token blocks there, one
+offloaded chunk per block, 8k-100k-token prompts): 32-token blocks (vLLM-CPU's smallest), chunks
+of one block (the native modes set no offload block size), 4,096-token documents."""
 
 
 @click.command(short_help="Benchmark vLLM alone, vLLM's ExampleConnector and kvtier on the same prompts.")
@@ -63,11 +69,17 @@ EMBEDDED_KV_BYTES_PER_TOKEN = 46_080  # SmolLM2-135M float32: 2 x 30 layers x 3 
                    "(e.g. '{\"offload_prompt_only\": true}').")
 @click.option("--kv-bytes-per-token", default=EMBEDDED_KV_BYTES_PER_TOKEN, show_default=True,
               help="KV bytes per token of the model (for the footprint check; default: embedded model).")
+@click.option("--shape", type=click.Choice(["default", "gpu-like"]), default="default", show_default=True,
+              help="gpu-like: the nearest this machine runs to a GPU server's shape (one offloaded chunk per "
+                   "32-token block, 4,096-token documents): --workload prefix-repetition --block-size 32 "
+                   "--prefix-tokens 4096 --max-model-len 8192 --prefixes 4 --prompts 8 --kv-cache-memory-bytes "
+                   "512 MiB --kv-offloading-size 2 --disk-size 4, each unless given.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="Output folder [default: ./bench-results/<timestamp>/].")
 @click.option("--startup-timeout", default=600.0, show_default=True, help="Seconds to wait for /health.")
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds per request.")
-def bench(**opts) -> None:
+@click.pass_context
+def bench(ctx: click.Context, **opts) -> None:
     """Run one workload against each mode's fresh server (same prompts, greedy, streamed) and compare
     TTFT, latency, throughput, prompt tokens by cache source and kvtier's transfers; check that
     every mode generated the same tokens.
@@ -78,4 +90,13 @@ def bench(**opts) -> None:
     """
     from kvtier.bench.command import run_command
 
-    raise SystemExit(run_command(opts))
+    given = {name for name in opts if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
+    raise SystemExit(run_command(shaped(opts, given)))
+
+
+def shaped(opts: dict, given: set[str]) -> dict:
+    """``opts`` with ``--shape``'s settings applied to the options not in ``given`` (set by the user)."""
+    opts = dict(opts)
+    if opts.pop("shape") == "gpu-like":
+        opts.update({name: value for name, value in GPU_LIKE.items() if name not in given})
+    return opts

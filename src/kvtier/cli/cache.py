@@ -33,6 +33,33 @@ def _target_options(command):
     return click.argument("target", metavar="DIR_OR_URL")(command)
 
 
+def _key_options(command):
+    """The fleet keys a command checks records with (never the key itself on the command line)."""
+    command = click.option("--read-key-file", "read_key_files", multiple=True, metavar="PATH",
+                           help="A retired fleet key still accepted (file); repeatable.")(command)
+    command = click.option("--read-key-env", "read_key_envs", multiple=True, metavar="NAME",
+                           help="A retired fleet key still accepted (environment variable); repeatable.")(command)
+    command = click.option("--auth-key-file", default=None, metavar="PATH",
+                           help="File holding the tier's fleet key (its auth_key_file).")(command)
+    return click.option("--auth-key-env", default=None, metavar="NAME",
+                        help="Environment variable holding the tier's fleet key (its auth_key_env).")(command)
+
+
+def _auth(auth_key_env: str | None, auth_key_file: str | None, read_key_envs: tuple[str, ...],
+          read_key_files: tuple[str, ...]):
+    """The :class:`~kvtier.core.fleet_key.AuthConfig` the key options name, or None (no key)."""
+    from kvtier.core.fleet_key import parse_auth
+    from kvtier.core.values import ConfigError
+
+    raw = {"auth_key_env": auth_key_env, "auth_key_file": auth_key_file,
+           "auth_read_key_envs": list(read_key_envs), "auth_read_key_files": list(read_key_files)}
+    try:
+        return parse_auth({k: v for k, v in raw.items() if v}, "options")
+    except ConfigError as exc:
+        message = str(exc).replace("kv_connector_extra_config: ", "").replace("'options.", "'--")
+        raise click.UsageError(message.replace("_", "-")) from None
+
+
 def _remote(target: str, username: str | None, password_env: str | None, key_prefix: str):
     """A :class:`~kvtier.cachetools.remote.RemoteTarget` for a Redis URL, else None (a directory,
     which must exist)."""
@@ -105,13 +132,17 @@ def _emit_json(data: dict[str, Any]) -> None:
 def inspect_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
                     as_json: bool, count_tails: bool) -> None:
     """Show the namespaces of a disk tier directory or a Redis remote tier: model, layout, blocks,
-    bytes, ages, last use.
+    bytes, ages, last use; or the pool of a running `kvtier node` (its socket's path).
 
     A directory: reads directory entries, file sizes and mtimes and each namespace's config.json
     only (never a block's payload), so it is fast and safe while engines use it. A block is
     complete when every tensor-parallel rank's file is present; ages are by last use (mtime).
     A Redis URL (redis://, rediss://, unix://): SCAN, STRLEN and OBJECT IDLETIME, never KEYS.
+    A node socket: the pool's usage, pins, attached engines and each engine's hits and stores.
     """
+    if _is_socket(target):
+        _inspect_node(target, as_json)
+        return
     from kvtier.cachetools import inspect_cache
 
     remote = _remote(target, username, password_env, key_prefix)
@@ -129,6 +160,49 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
         _emit_json(inventory.to_json())
     else:
         render_inventory(inventory, _console())
+
+
+def _is_socket(target: str) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISSOCK(os.stat(target).st_mode)
+    except OSError:
+        return False
+
+
+def _inspect_node(target: str, as_json: bool) -> None:
+    """``kvtier inspect SOCKET``: the stats of a running node service (one request, as an observer)."""
+    from kvtier.node import NodeClient, NodeError, NodeUnavailable, Role
+
+    try:
+        with NodeClient(target, engine="kvtier-inspect", role=Role.OBSERVER) as client:
+            stats = client.stats()
+    except (NodeError, NodeUnavailable) as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        _emit_json(stats)
+        return
+    from rich.table import Table
+
+    console = _console()
+    stride = stats["slot_stride"] or 0
+    console.print(f"kvtier node at {stats['socket']} (pid {stats['service_pid']}, up {stats['uptime_s']:.0f} s, "
+                  f"{stats['policy']})")
+    console.print(f"pool {fmt_bytes(stats['pool_bytes'])}: {stats['used_slots']} of {stats['num_slots']} slots used "
+                  f"({fmt_bytes(stats['used_slots'] * stride)}), {stats['blocks']} blocks, "
+                  f"{stats['pinned_blocks']} pinned, {stats['evictions']} evicted; slots of "
+                  f"{stats['slot_bytes']} bytes")
+    console.print(f"{stats['attached_engines']} engines attached, {stats['connections']} connections, "
+                  f"{stats['rejected_peers']} peers refused")
+    if stats["engines"]:
+        table = Table("engine", "sessions", "held", "lookups", "blocks asked", "hits", "stored", "duplicates",
+                      "refused")
+        for name, e in stats["engines"].items():
+            table.add_row(name, str(e["sessions"]), fmt_bytes(e["held_slots"] * stride), str(e["lookups"]),
+                          str(e["lookup_blocks"]), str(e["hit_blocks"]), str(e["stored_blocks"]),
+                          str(e["duplicate_blocks"]), str(e["refused_blocks"]))
+        console.print(table)
 
 
 _TABLE_MIN_WIDTH = 120  # narrower consoles get one block of lines per namespace instead of the table
@@ -227,9 +301,18 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
 @click.option("--no-quarantine", is_flag=True,
               help="Only report bad files (values); do not move them to quarantine/ (delete them, on Redis).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@_key_options
 def verify_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
-                   selectors: tuple[str, ...], no_quarantine: bool, as_json: bool) -> None:
+                   selectors: tuple[str, ...], no_quarantine: bool, as_json: bool, auth_key_env: str | None,
+                   auth_key_file: str | None, read_key_envs: tuple[str, ...],
+                   read_key_files: tuple[str, ...]) -> None:
     """Check every block's header, size and payload checksum, as the tier's reader does.
+
+    With the tier's fleet key (--auth-key-env / --auth-key-file, and its retired keys as
+    --read-key-env / --read-key-file): every MAC is checked as the tier does (a record without a
+    valid one, plain records included, is bad), and records under retired keys are counted by key
+    id (kvtier purge --retired removes them). Without a key, sealed records are checked for
+    header and size only, never removed for want of a key.
 
     A directory: bad files are listed and moved to DIR/quarantine/ (where the tier itself puts
     them) unless --no-quarantine; files that are not kvtier's are reported and left in place;
@@ -239,13 +322,14 @@ def verify_command(target: str, username: str | None, password_env: str | None, 
     """
     from kvtier.cachetools import SelectionError, verify_cache
 
+    auth = _auth(auth_key_env, auth_key_file, read_key_envs, read_key_files)
     remote = _remote(target, username, password_env, key_prefix)
     if remote is not None:
         from kvtier.cachetools.remote import verify_remote
 
         start = time.perf_counter()
         try:
-            report = verify_remote(remote, selectors, delete=not no_quarantine)
+            report = verify_remote(remote, selectors, delete=not no_quarantine, auth=auth)
         except SelectionError as exc:
             raise click.UsageError(str(exc)) from None
         except _remote_errors() as exc:
@@ -274,7 +358,8 @@ def verify_command(target: str, username: str | None, password_env: str | None, 
 
     start = time.perf_counter()
     try:
-        report = verify_cache(directory, selectors=selectors, quarantine=not no_quarantine, progress=progress)
+        report = verify_cache(directory, selectors=selectors, quarantine=not no_quarantine, progress=progress,
+                              auth=auth)
     except SelectionError as exc:
         raise click.UsageError(str(exc)) from None
     except OSError as exc:
@@ -303,6 +388,12 @@ def render_verify(report: VerifyReport, console: Console, seconds: float) -> Non
         + (f"[red]{bad} problem(s)[/red], {report.quarantined} quarantined" if bad else "no problems")
         + (f"; {report.vanished} removed meanwhile by an engine" if report.vanished else "")
     )
+    for key_id, count in report.retired.items():
+        console.print(f"[yellow]{count:,} records under retired key {key_id}[/yellow] (still accepted while "
+                      "listed; kvtier purge --retired removes them)")
+    if report.sealed_unchecked:
+        console.print(f"{report.sealed_unchecked:,} sealed records: MACs not checked (give --auth-key-env or "
+                      "--auth-key-file to check them)")
 
 
 # ---------------------------------------------------------------------------- purge
@@ -328,14 +419,24 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
               help="Namespaces written under an older key spec (kvtier inspect marks them): never read again.")
 @click.option("--older-than", callback=_duration, metavar="DURATION",
               help="Blocks last used longer ago than this (by mtime; on Redis by OBJECT IDLETIME), e.g. 30m, 12h, 7d.")
+@click.option("--retired", is_flag=True,
+              help="Blocks not sealed under the current fleet key (--auth-key-env / --auth-key-file): under "
+                   "a retired or unknown key, or unauthenticated.")
 @click.option("--quarantine", is_flag=True, help="Empty the quarantine (of the selected namespaces, if narrowed).")
 @click.option("--all", "all_", is_flag=True, help="Everything: all namespaces' blocks and the quarantine.")
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@_key_options
 def purge_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
                   namespaces: tuple[str, ...], models: tuple[str, ...], older_spec: bool,
-                  older_than: float | None, quarantine: bool, all_: bool, dry_run: bool, as_json: bool) -> None:
-    """Delete blocks by namespace, model or age, and/or empty the quarantine.
+                  older_than: float | None, retired: bool, quarantine: bool, all_: bool, dry_run: bool,
+                  as_json: bool, auth_key_env: str | None, auth_key_file: str | None,
+                  read_key_envs: tuple[str, ...], read_key_files: tuple[str, ...]) -> None:
+    """Delete blocks by namespace, model, age or fleet key, and/or empty the quarantine.
+
+    --retired (with the current fleet key as --auth-key-env / --auth-key-file): blocks whose
+    records are not sealed under it, the last step of a key rotation (kvtier verify with the
+    keys lists what is left under retired keys).
 
     Selectors combine (--model M --older-than 7d: blocks of M unused for 7 days); at least one is
     required. Safe while engines use DIR: only block files are unlinked (a running engine sees a
@@ -346,9 +447,13 @@ def purge_command(target: str, username: str | None, password_env: str | None, k
     """
     from kvtier.cachetools import PurgeSelection, purge_cache
 
+    auth = _auth(auth_key_env, auth_key_file, read_key_envs, read_key_files)
+    if retired and auth is None:
+        raise click.UsageError("--retired needs the current fleet key: --auth-key-env NAME or --auth-key-file PATH.")
     remote = _remote(target, username, password_env, key_prefix)
     failures = _remote_errors() if remote is not None else (OSError,)
-    selection = PurgeSelection(namespaces, models, older_than, quarantine, all_, older_spec)
+    selection = PurgeSelection(namespaces, models, older_than, quarantine, all_, older_spec,
+                               auth.write.key_id if retired and auth is not None else None)
     try:
         if remote is None:
             report = purge_cache(target, selection, dry_run=dry_run)

@@ -54,8 +54,19 @@ def model(dtype: str, cache_dir: str | None) -> None:
                    "never printed; better, pass it in an environment variable (--redis-password-env).")
 @click.option("--redis-password-env", default=None, metavar="NAME",
               help="Name of the environment variable holding the Redis password (with --redis-url).")
+@click.option("--fleet-key-env", default=None, metavar="NAME",
+              help="Name of the environment variable holding the fleet key (64 hex characters, openssl rand "
+                   "-hex 32): every disk and Redis record is signed with it, and only records it signed are "
+                   "served (docs/security.md). Every engine sharing the disk or Redis needs the same key.")
+@click.option("--encrypt", is_flag=True,
+              help="With --fleet-key-env: disk and Redis records encrypted at rest (AES-256-GCM).")
 @click.option("--eviction-policy", type=click.Choice(["lru", "arc"]), default="lru", show_default=True,
               help="Host tier eviction policy; arc resists one-off scans.")
+@click.option("--node", default=None, type=click.Path(dir_okay=False), metavar="PATH",
+              help="Attach to the kvtier node service on this Unix socket (start it first: kvtier node --socket "
+                   "PATH --pool-bytes BYTES): its pool, shared by every engine of the machine, is the host tier, "
+                   "and --kv-offloading-size caps what this engine may hold in it. No disk or Redis tier of the "
+                   "engine's own then (docs/node.md). A node service that stops or restarts costs only misses.")
 @click.option("--kv-config", default=None, metavar="JSON",
               help="A JSON object of more kvtier keys (see docs/configuration.md), merged last into "
                    "kv_connector_extra_config: a top-level key replaces what the flags above set. "
@@ -63,7 +74,8 @@ def model(dtype: str, cache_dir: str | None) -> None:
 @click.pass_context
 def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, disk_dir: str | None,
           disk_size: float, no_disk: bool, redis_url: str | None, redis_password_env: str | None,
-          eviction_policy: str, kv_config: str | None) -> None:
+          fleet_key_env: str | None, encrypt: bool, eviction_policy: str, node: str | None,
+          kv_config: str | None) -> None:
     """Start vLLM's OpenAI-compatible server (vllm serve) with kvtier as its KV connector.
 
     \b
@@ -106,7 +118,7 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
     options = ServeOptions(
         kv_offloading_size_gib=kv_offloading_size, disk_dir=disk_dir, disk_size_gib=disk_size,
         no_disk=no_disk, eviction_policy=eviction_policy, redis_url=redis_url,
-        redis_password_env=redis_password_env,
+        redis_password_env=redis_password_env, node=node, fleet_key_env=fleet_key_env, encrypt=encrypt,
     )
     run(args, options, disk_flags_given=given, kv_config_text=kv_config)
 
@@ -215,6 +227,16 @@ def _add_bench_command() -> None:
 
 
 _add_bench_command()
+
+
+def _add_node_command() -> None:
+    """``node`` (kvtier.cli.node imports only click; the service is imported when it runs)."""
+    from kvtier.cli.node import node_command
+
+    main.add_command(node_command)
+
+
+_add_node_command()
 
 
 if __name__ == "__main__":

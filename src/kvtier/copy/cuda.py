@@ -6,8 +6,8 @@ contract in :mod:`kvtier.copy.base` holds, per job (the scheme of vLLM's own CPU
 
 - ``start_store``: an event ``ready`` is recorded on the compute stream at the call, so it marks
   every engine write issued before; the store stream waits on it, then the job's copies are issued
-  on the store stream (one batched call, :mod:`kvtier.copy.runs`), then an event ``end`` is
-  recorded there. Stores run in FIFO order: they share one stream.
+  on the store stream (one batched call, :mod:`kvtier.copy.runs`; small pages through a staging
+  buffer, :mod:`kvtier.copy.staging`), then an event ``end`` is recorded there. Stores run in FIFO order: they share one stream.
 - ``start_load``: ``ready`` on the compute stream likewise (kernels issued earlier may still read
   the engine blocks being overwritten, and vLLM zeroes newly allocated blocks there); the load
   stream waits on it, issues the copies and records ``end``. A *synchronous* load also makes the
@@ -20,9 +20,11 @@ contract in :mod:`kvtier.copy.base` holds, per job (the scheme of vLLM's own CPU
 - ``poll``: per direction, the leading jobs whose ``end`` completed (event query, never blocks).
 - ``wait``: blocks on the jobs' ``end`` events; ``close`` on every job's.
 
-Side streams are never the compute stream: torch hands out pool streams round robin, and vLLM's
-compute stream is one of them (vLLM ``utils/torch_utils.py:802-857``); a side stream found equal to
-the compute stream (or to the other side stream) is replaced before use.
+Side streams are kvtier's own (:meth:`~kvtier.copy.streams.DeviceStreams.new_stream`), so no
+other work of the process queues on them. Where the device can only hand out torch's pool streams
+(no runtime library found: round robin, vLLM's compute stream among them, vLLM
+``utils/torch_utils.py:802-857``), a side stream found equal to the compute stream (or to the
+other side stream) is replaced before use.
 
 No call synchronizes a stream per job; only ``wait`` and ``close`` block the calling thread.
 
@@ -62,6 +64,7 @@ from typing import Any
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
 from kvtier.copy.pages import BlockCopier, CopyPlan
 from kvtier.copy.runs import ByteRuns, RunPlanner
+from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, choose
 from kvtier.copy.streams import DeviceStreams
 
 logger = logging.getLogger(__name__)
@@ -81,15 +84,25 @@ class _InFlight:
     start: Any
     end: Any
     issued_at: float
-    plan: ByteRuns | CopyPlan | None
+    plan: ByteRuns | StagedRuns | CopyPlan | None
     reported: bool = False
 
 
 class CudaCopyEngine(CopyEngine):
-    def __init__(self, copier: BlockCopier, device: DeviceStreams):
+    """``method``: how jobs of dense pages move (:class:`~kvtier.copy.staging.CopyMethod`; AUTO
+    stages jobs of small runs through a device buffer); strided pages always go page by page."""
+
+    def __init__(self, copier: BlockCopier, device: DeviceStreams, method: CopyMethod = CopyMethod.AUTO):
         self.copier = copier
         self.device = device
         self.runs = RunPlanner(copier.kv, copier.host) if copier.kv.flat else None
+        self.method = method
+        self.staged = None
+        if self.runs is not None and method is not CopyMethod.RUNS:
+            if StagedPlanner.fits(copier.kv):
+                self.staged = StagedPlanner(copier.kv, self.runs, copier.host.buffer)
+            else:
+                logger.info("kvtier: KV pages are not rows of one storage: copies go as runs, never staged")
         self._streams: dict[Direction, Any] = {}
         compute = device.current_stream()
         for direction in Direction:
@@ -129,6 +142,7 @@ class CudaCopyEngine(CopyEngine):
         if not self._closed:
             self.wait()
             self._closed = True
+            self.device.close()
 
     def _distinct_stream(self, compute: Any, direction: Direction) -> Any:
         """A side stream for ``direction`` that is neither ``compute`` nor the other side stream."""
@@ -146,8 +160,16 @@ class CudaCopyEngine(CopyEngine):
             stream = self._streams[direction] = self._distinct_stream(compute, direction)
         return stream
 
-    def _plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns | CopyPlan:
-        return self.runs.plan(direction, pages) if self.runs is not None else self.copier.plan(direction, pages)
+    def _plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns | StagedRuns | CopyPlan:
+        if self.runs is None:
+            return self.copier.plan(direction, pages)
+        entries = self.runs.entries(pages)
+        if self.staged is not None and self.method is CopyMethod.STAGED:
+            return self.staged.plan(direction, entries)
+        if self.staged is not None and choose(self.method, int(entries.sizes.sum()),
+                                              self.runs.count_runs(entries)) is CopyMethod.STAGED:
+            return self.staged.plan(direction, entries)
+        return self.runs.merge(direction, entries)
 
     def _start(self, job_id: int, direction: Direction, pages: Sequence[PageCopy], synchronous: bool) -> None:
         if self._closed:

@@ -3,22 +3,32 @@
 torch's binding (``torch.cuda.cudart()``) has ``cudaHostRegister`` but neither
 ``cudaGetLastError`` (a refused registration leaves its error pending, and torch raises it at the
 next kernel launch: it must be drained, as vLLM does in ``v1/kv_offload/cpu/host_register.py:51-59``)
-nor a batched copy. :class:`LoadedCudart` calls them with ctypes on the ``libcudart`` already
-mapped into the process (so it shares torch's error state and streams; vLLM's ``CudaRTLibrary``
-does the same), or on one found by name when torch links the runtime statically (then a pending
-error of ours stays in our instance, where we drain it).
+nor a batched copy. :class:`LoadedCudart` calls them with ctypes on the ``libcudart`` torch loaded
+(:meth:`LoadedCudart.find`: the soname the dynamic linker resolved for torch, so it shares torch's
+error state and streams; vLLM's ``CudaRTLibrary`` does the same), or on one found by name when
+torch links the runtime statically (then a pending error of ours stays in our instance, where we
+drain it).
+
+The batched copy, ``cudaMemcpyBatchAsync`` (CUDA 12.8+, ``cuda_runtime_api.h``): 9 arguments in
+12.8 and 12.9 (a ``failIdx`` pointer before the stream), 8 from 13.0; one
+``struct cudaMemcpyAttributes`` (24 bytes) for every copy (``attrsIdxs = [0]``, ``numAttrs = 1``);
+the stream last. A refused batch is never silent: :attr:`LoadedCudart.batch_refusals` counts
+them (the GPU kit fails on any), and that job goes run by run.
 
 :class:`CudaRuntime` is what the rest of :mod:`kvtier.copy` asks of it, so the tests drive the
-callers with a recording stand-in. Nothing here runs without a GPU: these calls are checked by
-the GPU kit (``scripts/gpu-check.sh``). Every method is called from the thread that issues the
-engine's forward; none blocks (copies are asynchronous on ``stream``).
+callers with a recording stand-in, and this class against a stand-in C library
+(``tests/test_cudart_binding.py``); the GPU kit (``scripts/gpu-check.sh``) runs it on a real
+runtime. Every method is called from the thread that issues the engine's forward; none blocks
+(copies are asynchronous on ``stream``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import enum
 import logging
+import os
 from typing import Protocol
 
 import numpy as np
@@ -27,8 +37,32 @@ logger = logging.getLogger(__name__)
 
 SUCCESS = 0
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction is inferred from the pointers (unified addressing)
-SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
 FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute
+STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy default stream
+# cudaMemcpyBatchAsync codes that say the call itself is unavailable (not these pointers): batching
+# is off for good after one. Any other refusal falls back for that job only, and is counted.
+UNSUPPORTED = {31: "cudaErrorNotYetImplemented", 36: "cudaErrorCallRequiresNewerDriver",
+               801: "cudaErrorNotSupported"}
+
+
+class SourceOrder(enum.IntEnum):
+    """``cudaMemcpySrcAccessOrder`` of a batched copy's sources (``driver_types.h``).
+
+    STREAM for stores: the source is engine memory the compute stream may still be writing, read
+    once the copy stream reaches the copy. ANY for loads (as vLLM's own offloading loads): the
+    source is host memory no operation on the load stream writes and that outlives the copy (the
+    scheduler reuses a slot only once its load is reported), so the driver may read it early."""
+
+    STREAM = 1
+    ANY = 3
+
+
+class BatchState(enum.Enum):
+    """How a :class:`LoadedCudart` issues a job's runs."""
+
+    BATCHED = "one cudaMemcpyBatchAsync per job"
+    NOT_IN_RUNTIME = "runtime before 12.8 or without cudaMemcpyBatchAsync: one cudaMemcpyAsync per run"
+    UNSUPPORTED = "cudaMemcpyBatchAsync refused as unsupported: one cudaMemcpyAsync per run from then on"
 
 
 class CudaError(RuntimeError):
@@ -52,11 +86,12 @@ class CudaRuntime(Protocol):
     def error_name(self, code: int) -> str:
         """``cudaGetErrorName(code)``."""
 
-    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
+                     order: SourceOrder) -> None:
         """Issue ``dsts[i] <- srcs[i]`` (``sizes[i]`` bytes; int64 arrays of addresses) on
-        ``stream`` (a ``cudaStream_t``, never the legacy default stream), every source read in
-        stream order, in one batched call where the runtime has one. Raises :class:`CudaError`
-        after draining the error it caused."""
+        ``stream`` (a ``cudaStream_t``, never the legacy default stream), sources read in
+        ``order``, in one batched call where the runtime has one. Raises :class:`CudaError` after
+        draining the error it caused."""
 
 
 class _MemLocation(ctypes.Structure):
@@ -64,24 +99,26 @@ class _MemLocation(ctypes.Structure):
 
 
 class _MemcpyAttributes(ctypes.Structure):
-    """``struct cudaMemcpyAttributes`` (CUDA 12.8+). Location hints stay zero: they only matter
-    for managed memory, and pinned host and device allocations are neither."""
+    """``struct cudaMemcpyAttributes`` (CUDA 12.8+, 24 bytes). Location hints stay zero: they only
+    matter for managed memory, and pinned host and device allocations are neither."""
 
     _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
                 ("flags", ctypes.c_uint)]
 
 
-def _loaded_library_path(name: str) -> str | None:
-    """Path of a shared library whose file name starts with ``name`` mapped into this process."""
+def _mapped_libraries(name: str) -> list[str]:
+    """Paths of the shared libraries whose file name starts with ``name`` mapped into this process,
+    in the order they first appear."""
+    paths: list[str] = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
                 path = line.split()[-1] if "/" in line else ""
-                if path.rsplit("/", 1)[-1].startswith(name):
-                    return path
+                if path.rsplit("/", 1)[-1].startswith(name) and path not in paths:
+                    paths.append(path)
     except OSError:
-        return None
-    return None
+        return []
+    return paths
 
 
 class LoadedCudart:
@@ -93,26 +130,47 @@ class LoadedCudart:
                            ("cudaHostUnregister", [ctypes.c_void_p]), ("cudaGetLastError", []),
                            ("cudaRuntimeGetVersion", [ctypes.POINTER(ctypes.c_int)]),
                            ("cudaMemcpyAsync", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                ctypes.c_void_p])):
+                                                ctypes.c_void_p]),
+                           ("cudaStreamCreateWithFlags", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+                           ("cudaStreamDestroy", [ctypes.c_void_p])):
             function = getattr(lib, name)
             function.argtypes, function.restype = args, ctypes.c_int
         lib.cudaGetErrorName.argtypes, lib.cudaGetErrorName.restype = [ctypes.c_int], ctypes.c_char_p
         version = ctypes.c_int(0)
         self.version = version.value if lib.cudaRuntimeGetVersion(ctypes.byref(version)) == SUCCESS else 0
+        self.path = getattr(lib, "_name", "")
         self._batch = self._batch_function()
+        self.batch_state = BatchState.BATCHED if self._batch is not None else BatchState.NOT_IN_RUNTIME
+        self.batch_refusals = 0  # cudaMemcpyBatchAsync calls refused (each such job went run by run)
+        self.last_refusal = ""  # the error name of the latest one
 
     @classmethod
-    def find(cls) -> "LoadedCudart | None":
-        """The runtime torch loaded (or one found by name); None if there is none."""
-        path = _loaded_library_path("libcudart")
-        candidates = [path] if path else [ctypes.util.find_library("cudart"), "libcudart.so.13", "libcudart.so.12"]
+    def find(cls, cuda_version: str | None) -> "LoadedCudart | None":
+        """The runtime torch loaded, for torch built against CUDA ``cuda_version``
+        (``torch.version.cuda``, e.g. "12.8"); None if there is none. In order: the library of
+        soname ``libcudart.so.<major>`` the dynamic linker already resolved for torch
+        (``RTLD_NOLOAD``: never a second copy); else a mapped ``libcudart*`` of that major (not
+        merely the first one mapped: another package may bring its own); else, for a torch
+        linking the runtime statically, one found by name, of that major."""
+        major = int(cuda_version.split(".")[0]) if cuda_version else None
+        soname = f"libcudart.so.{major}" if major else None
+        if soname:
+            try:
+                return cls(ctypes.CDLL(soname, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL))
+            except (OSError, AttributeError):
+                pass
+        candidates = _mapped_libraries("libcudart") or [soname, ctypes.util.find_library("cudart")]
         for candidate in candidates:
             if not candidate:
                 continue
             try:
-                return cls(ctypes.CDLL(candidate))
+                runtime = cls(ctypes.CDLL(candidate))
             except (OSError, AttributeError):
                 continue
+            if major is None or runtime.version // 1000 == major:
+                return runtime
+            logger.info("kvtier: %s is CUDA runtime %d but torch uses CUDA %s: not that one", candidate,
+                        runtime.version, cuda_version)
         return None
 
     def _batch_function(self):
@@ -130,8 +188,9 @@ class LoadedCudart:
 
     @property
     def batched(self) -> bool:
-        """Whether copies go out as one ``cudaMemcpyBatchAsync`` per job (else one call per run)."""
-        return self._batch is not None
+        """Whether jobs go out as one ``cudaMemcpyBatchAsync`` each (else one call per run). A
+        refused batch of one job does not change this: :attr:`batch_refusals` counts those."""
+        return self.batch_state is BatchState.BATCHED
 
     def host_register(self, ptr: int, size: int) -> int:
         return self._lib.cudaHostRegister(ptr, size, 0)
@@ -146,18 +205,34 @@ class LoadedCudart:
         name = self._lib.cudaGetErrorName(code)
         return name.decode() if name else f"cudaError {code}"
 
-    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+    def stream_create(self) -> int:
+        """A new non-blocking ``cudaStream_t`` on the current device, kvtier's alone (torch's pool
+        streams are shared round robin, with vLLM's compute stream among them)."""
+        stream = ctypes.c_void_p(0)
+        code = self._lib.cudaStreamCreateWithFlags(ctypes.byref(stream), STREAM_NON_BLOCKING)
+        if code != SUCCESS:
+            self.get_last_error()
+            raise CudaError("cudaStreamCreateWithFlags", code, self.error_name(code))
+        return int(stream.value or 0)
+
+    def stream_destroy(self, stream: int) -> None:
+        """``cudaStreamDestroy``; a failure is drained and logged, never raised (shutdown)."""
+        code = self._lib.cudaStreamDestroy(stream)
+        if code != SUCCESS:
+            self.get_last_error()
+            logger.warning("kvtier: cudaStreamDestroy(0x%x) failed: %s", stream, self.error_name(code))
+
+    def memcpy_batch(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int,
+                     order: SourceOrder) -> None:
         count = len(sizes)
         if count == 0:
             return
         dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (dsts, srcs, sizes))
         if self._batch is not None:
             function, with_fail_index = self._batch
-            # Sources in stream order, loads included: vLLM lets loads read host memory out of order
-            # (ANY), which a pageable region (pinning refused) may not allow; this holds for both.
-            attributes = _MemcpyAttributes(SRC_ACCESS_ORDER_STREAM, _MemLocation(0, 0), _MemLocation(0, 0),
+            attributes = _MemcpyAttributes(int(order), _MemLocation(0, 0), _MemLocation(0, 0),
                                            FLAG_PREFER_OVERLAP_WITH_COMPUTE)
-            first = ctypes.c_size_t(0)
+            first = ctypes.c_size_t(0)  # attrsIdxs = [0], numAttrs = 1: one attribute for every copy
             args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count, ctypes.byref(attributes),
                     ctypes.byref(first), 1]
             fail_index = ctypes.c_size_t(0)
@@ -165,13 +240,25 @@ class LoadedCudart:
             if code == SUCCESS:
                 return
             self.get_last_error()
-            # Not supported by this driver, or refused for these pointers: the runs go one by one
-            # (a real device error shows again there, and is raised).
-            logger.warning("kvtier: cudaMemcpyBatchAsync failed (%s); copying run by run from now on",
-                           self.error_name(code))
-            self._batch = None
+            self._refused(code)
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
             code = self._lib.cudaMemcpyAsync(dst, src, size, MEMCPY_DEFAULT, stream)
             if code != SUCCESS:
                 self.get_last_error()
                 raise CudaError("cudaMemcpyAsync", code, self.error_name(code))
+
+    def _refused(self, code: int) -> None:
+        """A refused batch: counted (the GPU kit fails on any); the job goes run by run, and
+        batching is off for good only when the call itself is unsupported (:data:`UNSUPPORTED`)."""
+        name = self.error_name(code)
+        self.batch_refusals += 1
+        first_of_kind = name != self.last_refusal
+        self.last_refusal = name
+        if code in UNSUPPORTED:
+            self._batch = None
+            self.batch_state = BatchState.UNSUPPORTED
+            logger.warning("kvtier: cudaMemcpyBatchAsync is not supported here (%s): copying run by run from now "
+                           "on, slower for small pages", name)
+        elif first_of_kind:
+            logger.warning("kvtier: cudaMemcpyBatchAsync refused a job (%s): it is copied run by run "
+                           "(refusals so far: %d)", name, self.batch_refusals)

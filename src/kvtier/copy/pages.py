@@ -104,8 +104,10 @@ class PagedKV:
     """The engine's per-layer KV tensors as byte pages ``page(layer, block_id)`` (views, no copies).
 
     When every layer's pages are dense (:attr:`flat`: every block-compact layout) pages are rows
-    of a ``[num_blocks, page_bytes]`` view of the layer's storage, and :attr:`rows` holds those
-    views (the CUDA engine computes page addresses from them). Otherwise (LHBNC, BHLNC) a page is a
+    of a ``[num_blocks, layer_bytes[i]]`` view of layer ``i``'s storage, and :attr:`rows` holds
+    those views (the CUDA engine computes page addresses from them). ``page_bytes`` (per layer,
+    default: each page's content) is vLLM's page size from the KV cache spec, padding included:
+    a padded page is copied whole. :attr:`page_bytes` is the host page, the largest layer's. Otherwise (LHBNC, BHLNC) a page is a
     strided uint8 view of shape :attr:`page_shape`, in the logical order of its dimensions.
 
     ``layer_groups``: the layer indices of each KV cache group (default: one group of every
@@ -114,35 +116,53 @@ class PagedKV:
     """
 
     def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int,
-                 layer_groups: Sequence[Sequence[int]] | None = None):
+                 layer_groups: Sequence[Sequence[int]] | None = None,
+                 page_bytes: Sequence[int | None] | None = None):
         if not layers:
             raise ValueError("no KV layers to offload")
         groups = [list(g) for g in layer_groups] if layer_groups is not None else [list(range(len(layers)))]
         if sorted(i for g in groups for i in g) != list(range(len(layers))):
             raise ValueError(f"layer groups {groups} do not cover layers 0..{len(layers) - 1} once each")
+        sizes = list(page_bytes) if page_bytes is not None else [None] * len(layers)
+        if len(sizes) != len(layers):
+            raise ValueError(f"{len(sizes)} page sizes for {len(layers)} KV layers")
         self.layer_groups = groups
         devices = {t.device for t in layers}
         if len(devices) != 1:
             raise ValueError(f"KV layers are on several devices {sorted(map(str, devices))}; not supported")
-        rows = [page_rows(tensor, num_blocks) for tensor in layers]
+        rows = [page_rows(tensor, num_blocks, size) for tensor, size in zip(layers, sizes)]
         self.flat = all(r is not None for r in rows)
         if self.flat:
-            # Dense pages are moved as byte rows: only their size must agree (a padded Mamba state
-            # page beside attention pages: another shape, the same padded size).
+            # Dense pages are moved as byte rows of each layer's own page size, padding included
+            # (vLLM pads attention pages to unify page sizes, skip-quantized sliding-window pages,
+            # and Mamba state pages; a mixed-type group's layers may differ). The host page is the
+            # largest of them; a smaller layer fills the start of its host page.
             pages = rows
-            page_shapes = {(r.shape[1],) for r in rows}
+            self.layer_bytes: tuple[int, ...] = tuple(r.shape[1] for r in rows)
+            self.page_shape: tuple[int, ...] = (max(self.layer_bytes),)
         else:
             pages = [_byte_pages(tensor, num_blocks) for tensor in layers]
             page_shapes = {tuple(p.shape[1:]) for p in pages}
-        if len(page_shapes) != 1:
-            raise ValueError(f"KV layers have different page shapes {sorted(page_shapes)}; not supported")
-        self.page_shape = page_shapes.pop()
+            if len(page_shapes) != 1:
+                raise ValueError(f"KV layers have different page shapes {sorted(page_shapes)} and their pages are "
+                                 "not dense (heads outside blocks); not supported")
+            self.page_shape = page_shapes.pop()
+            content = prod(self.page_shape)
+            if any(size is not None and size != content for size in sizes):
+                raise ValueError(f"KV pages of {content} B padded to {sorted(set(sizes))} B are not dense "
+                                 "(heads outside blocks); not supported")
+            self.layer_bytes = (content,) * len(pages)
         self.page_bytes = prod(self.page_shape)
         self.num_layers = len(pages)
         self.num_blocks = num_blocks
         self.device = pages[0].device
         self.rows: list[torch.Tensor] | None = rows if self.flat else None  # type: ignore[assignment]
         self._pages = pages
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer's page is :attr:`page_bytes` long (else :attr:`layer_bytes` differ)."""
+        return all(size == self.page_bytes for size in self.layer_bytes)
 
     def page(self, layer: int, block_id: int) -> torch.Tensor:
         """A page: a 1-D byte row if :attr:`flat`, else a view of shape :attr:`page_shape`."""
@@ -217,7 +237,8 @@ class BlockCopier:
     """Copies pages between :class:`PagedKV` and :class:`HostSlots` (same layer count and page size).
 
     Pages are copied as int64 words when sizes, strides and alignment allow (always for vLLM's
-    layouts), else as bytes: same bytes either way, but a page of up to 256 KiB is then under
+    layouts), else as bytes. A layer whose page is smaller than the host page (:attr:`PagedKV.uniform`
+    false) fills the start of its host page: same bytes either way, but a page of up to 256 KiB is then under
     torch's parallel grain (32,768 elements), so each page copy is one plain loop on the calling
     thread rather than an OpenMP region, which stalls when the other cores are busy.
     """
@@ -230,10 +251,19 @@ class BlockCopier:
             )
         self.kv = kv
         self.host = host
-        words = kv.word_views(torch.int64) if host.tensor.data_ptr() % 8 == 0 else None
+        aligned = host.tensor.data_ptr() % 8 == 0 and (kv.uniform or kv.page_bytes % 8 == 0)
+        words = kv.word_views(torch.int64) if aligned else None
         self.word = torch.uint8 if words is None else torch.int64
         self._engine = kv.word_views(torch.uint8) if words is None else words
         self._page_shape = tuple(self._engine[0].shape[1:])
+        self._layer_words = [layer.shape[1] for layer in self._engine] if not kv.uniform else None
+
+    def _host_pages(self, slot: int, sub: int) -> tuple[torch.Tensor, ...]:
+        """Every layer's page ``sub`` of host ``slot`` as the engine's word views see it."""
+        if self._layer_words is None:
+            return self.host.block_pages(slot, sub, self.word, self._page_shape)
+        first = self.host.block_pages(slot, sub, torch.uint8, (self.kv.page_bytes,))  # range check
+        return tuple(first[layer].view(self.word)[:words] for layer, words in enumerate(self._layer_words))
 
     def plan(self, direction: Direction, pages: Iterable[PageCopy]) -> CopyPlan:
         """The page pairs of a job (layers x pages), views only, no bytes moved. Raises IndexError
@@ -243,7 +273,7 @@ class BlockCopier:
         num_blocks = self.kv.num_blocks
         groups = self.kv.layer_groups
         for p in pages:
-            host_pages = self.host.block_pages(p.slot, p.sub, self.word, self._page_shape)
+            host_pages = self._host_pages(p.slot, p.sub)
             if not 0 <= p.block_id < num_blocks:
                 raise IndexError(f"engine block {p.block_id} out of range [0, {num_blocks})")
             if not 0 <= p.group < len(groups):
@@ -254,7 +284,10 @@ class BlockCopier:
             else:
                 host.extend(host_pages[i] for i in groups[p.group])
                 engine.extend(self._engine[i][p.block_id] for i in groups[p.group])
-        num_bytes = len(engine) * self.kv.page_bytes
+        if self._layer_words is None:
+            num_bytes = len(engine) * self.kv.page_bytes
+        else:
+            num_bytes = sum(page.numel() for page in engine) * self.word.itemsize
         if direction is Direction.STORE:
             return CopyPlan(direction, host, engine, num_bytes)
         return CopyPlan(direction, engine, host, num_bytes)

@@ -69,7 +69,7 @@ def pin_host_memory(buffer: torch.Tensor, slot_bytes: int, runtime: CudaRuntime 
     if runtime is None:
         if not cuda_available():
             return HostPinning(None, [])
-        runtime = LoadedCudart.find()
+        runtime = LoadedCudart.find(torch.version.cuda)
         if runtime is None:
             logger.warning("kvtier: no CUDA runtime library found to pin the host tier; copies stay pageable")
             return HostPinning(None, [])

@@ -70,6 +70,20 @@ class ByteRuns:
         return side(self.dst_storage, self.dst_offset), side(self.src_storage, self.src_offset)
 
 
+@dataclass(frozen=True, eq=False)
+class PageEntries:
+    """A job's (layer, page) copies in host order, one entry each: engine storage index and byte
+    offset, host region byte offset, bytes."""
+
+    e_storage: np.ndarray
+    e_offset: np.ndarray
+    h_offset: np.ndarray
+    sizes: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
 class RunPlanner:
     """Plans :class:`ByteRuns` between dense engine pages and host slots (see the module docstring).
     Built once per copy engine; :meth:`plan` is called on the thread that starts a job."""
@@ -95,6 +109,7 @@ class RunPlanner:
         self._layer_storage = np.array(layer_storage, dtype=np.int64)
         self._layer_base = np.array(layer_base, dtype=np.int64)
         self._layer_stride = np.array(layer_stride, dtype=np.int64)
+        self._layer_bytes = np.array(kv.layer_bytes, dtype=np.int64)
         self._groups = [np.array(g, dtype=np.int64) for g in kv.layer_groups]
         layout = host.layout
         self.page_bytes = kv.page_bytes
@@ -102,25 +117,33 @@ class RunPlanner:
         self._layout = layout
         self.segment_bytes = register_chunk_bytes(layout.slot_bytes)
 
-    def plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns:
-        """The merged runs of a job. IndexError naming the first page out of range, before anything
-        could be copied."""
+    def entries(self, pages: Sequence[PageCopy]) -> PageEntries:
+        """The job's (layer, page) copies in host order, not merged. IndexError naming the first
+        page out of range, before anything could be copied."""
         table = np.array([(p.slot, p.sub, p.block_id, p.group) for p in pages], dtype=np.int64).reshape(-1, 4)
         self._check(table, pages)
         if len(self._groups) == 1:
-            e_storage, e_offset, h_offset = self._one_group(table)
+            e_storage, e_offset, h_offset, size = self._one_group(table)
         else:
-            e_storage, e_offset, h_offset = self._every_group(table)
-        num_pages = len(h_offset)
-        if num_pages > 1 and not np.all(h_offset[1:] > h_offset[:-1]):
+            e_storage, e_offset, h_offset, size = self._every_group(table)
+        if len(h_offset) > 1 and not np.all(h_offset[1:] > h_offset[:-1]):
             order = np.argsort(h_offset)
-            e_storage, e_offset, h_offset = e_storage[order], e_offset[order], h_offset[order]
-        page = self.page_bytes
-        joins = ((h_offset[1:] == h_offset[:-1] + page) & (e_storage[1:] == e_storage[:-1])
-                 & (e_offset[1:] == e_offset[:-1] + page)
-                 & (h_offset[1:] // self.segment_bytes == h_offset[:-1] // self.segment_bytes))
+            e_storage, e_offset, h_offset, size = e_storage[order], e_offset[order], h_offset[order], size[order]
+        return PageEntries(e_storage, e_offset, h_offset, np.ascontiguousarray(size))
+
+    def plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns:
+        """The merged runs of a job. IndexError naming the first page out of range, before anything
+        could be copied."""
+        return self.merge(direction, self.entries(pages))
+
+    def merge(self, direction: Direction, entries: PageEntries) -> ByteRuns:
+        """``entries`` as runs, neighbours contiguous on both sides merged."""
+        e_storage, e_offset, h_offset, size = entries.e_storage, entries.e_offset, entries.h_offset, entries.sizes
+        num_pages = len(h_offset)
+        joins = self._joins(entries)
         starts = np.flatnonzero(np.concatenate(([True], ~joins))) if num_pages else np.zeros(0, dtype=np.int64)
-        sizes = np.diff(np.append(starts, num_pages)) * page
+        ends = np.append(np.cumsum(size), 0)  # ends[i]: bytes of entries 0..i; ends[-1] = 0
+        sizes = ends[np.append(starts[1:], num_pages) - 1] - ends[starts - 1] if num_pages else starts
         e_storage, e_offset, h_offset = e_storage[starts], e_offset[starts], h_offset[starts]
         h_storage = np.full(len(starts), self.host_storage, dtype=np.int64)
         if direction is Direction.STORE:
@@ -130,17 +153,31 @@ class RunPlanner:
         return ByteRuns(direction, self.storages, src[0], src[1], dst[0], dst[1], sizes.astype(np.int64),
                         self._pointers[src[0]] + src[1], self._pointers[dst[0]] + dst[1], num_pages)
 
-    def _grid(self, table: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def count_runs(self, entries: PageEntries) -> int:
+        """How many runs :meth:`merge` would make of ``entries``."""
+        return len(entries) - int(self._joins(entries).sum()) if len(entries) else 0
+
+    def _joins(self, entries: PageEntries) -> np.ndarray:
+        """``joins[i]``: entry ``i + 1`` continues entry ``i`` on both sides, in one pinning chunk."""
+        e_storage, e_offset, h_offset, size = entries.e_storage, entries.e_offset, entries.h_offset, entries.sizes
+        joins = ((h_offset[1:] == h_offset[:-1] + size[:-1]) & (e_storage[1:] == e_storage[:-1])
+                 & (e_offset[1:] == e_offset[:-1] + size[:-1]))
+        if self.segment_bytes < self._layout.region_bytes:  # several registrations: never across one
+            joins &= h_offset[1:] // self.segment_bytes == h_offset[:-1] // self.segment_bytes
+        return joins
+
+    def _grid(self, table: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, ...]:
         """Per (page, layer) of ``table``'s pages and ``layers``: engine storage, engine offset,
-        host offset, each ``[pages, layers]``."""
+        host offset, bytes, each ``[pages, layers]``."""
         layout = self._layout
         slot, sub, block = table[:, 0:1], table[:, 1:2], table[:, 2:3]
-        engine_storage = np.broadcast_to(self._layer_storage[layers], (len(table), len(layers)))
+        shape = (len(table), len(layers))
+        engine_storage = np.broadcast_to(self._layer_storage[layers], shape)
         engine_offset = self._layer_base[layers] + block * self._layer_stride[layers]
         host_offset = ((slot * layout.num_layers + layers) * layout.pages_per_block + sub) * self.page_bytes
-        return engine_storage, engine_offset, host_offset
+        return engine_storage, engine_offset, host_offset, np.broadcast_to(self._layer_bytes[layers], shape)
 
-    def _one_group(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _one_group(self, table: np.ndarray) -> tuple[np.ndarray, ...]:
         """Pages sorted by (slot, sub), laid out in host order (slot, layer, sub) without sorting
         the (page, layer) entries when every slot of the job has its whole block (the usual job);
         else left for the caller's sort."""
@@ -153,9 +190,9 @@ class RunPlanner:
                 return tuple(g.reshape(-1, per_block, g.shape[1]).transpose(0, 2, 1).ravel() for g in grids)
         return tuple(g.ravel() for g in grids)
 
-    def _every_group(self, table: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _every_group(self, table: np.ndarray) -> tuple[np.ndarray, ...]:
         parts = [self._grid(table[table[:, 3] == group], layers) for group, layers in enumerate(self._groups)]
-        return tuple(np.concatenate([part[i].ravel() for part in parts]) for i in range(3))
+        return tuple(np.concatenate([part[i].ravel() for part in parts]) for i in range(4))
 
     def _check(self, table: np.ndarray, pages: Sequence[PageCopy]) -> None:
         layout = self._layout

@@ -21,9 +21,11 @@ from typing import Any, Protocol
 
 import torch
 
-from kvtier.copy.cudart import CudaRuntime, LoadedCudart
+from kvtier.copy.cudart import CudaRuntime, LoadedCudart, SourceOrder
+from kvtier.copy.base import Direction
 from kvtier.copy.pages import CopyPlan
 from kvtier.copy.runs import ByteRuns
+from kvtier.copy.staging import HostRuns, StagedRuns
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +37,8 @@ class DeviceStreams(Protocol):
         """The stream the engine's compute work is being issued on, now."""
 
     def new_stream(self) -> Any:
-        """A side stream (may, on CUDA, be a pool stream already in use: compare before use)."""
+        """A side stream (where the device cannot make one of kvtier's own, a shared pool stream
+        that may be in use: the engine compares before use)."""
 
     def new_event(self) -> Any:
         """A new event (unrecorded), able to time the work between two recorded events."""
@@ -46,7 +49,7 @@ class DeviceStreams(Protocol):
     def wait(self, stream: Any, event: Any) -> None:
         """Work issued on ``stream`` after this call starts only once ``event`` (as recorded) completed."""
 
-    def copy(self, stream: Any, plan: ByteRuns | CopyPlan) -> None:
+    def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
         """Issue a job's copies on ``stream``, asynchronously to the calling thread."""
 
     def query(self, event: Any) -> bool:
@@ -58,13 +61,19 @@ class DeviceStreams(Protocol):
     def elapsed_seconds(self, start: Any, end: Any) -> float:
         """Device time between two completed events recorded on one stream."""
 
+    def close(self) -> None:
+        """Release the streams made by :meth:`new_stream`; called once every job completed."""
+
 
 class TorchCudaStreams:
     """:class:`DeviceStreams` on ``torch.cuda`` for the KV tensors' ``device``.
 
+    Streams: kvtier's own (:meth:`new_stream`), destroyed by :meth:`close`.
+
     Copies: a job's :class:`~kvtier.copy.runs.ByteRuns` go out in one ``cudaMemcpyBatchAsync``
-    (CUDA runtime 12.8 and later; one ``cudaMemcpyAsync`` per run before, or after the driver
-    refused a batch) on the side stream, sources read in stream order. Strided pages (:class:`~kvtier.copy.pages.CopyPlan`: layouts that are not
+    (CUDA runtime 12.8 and later; one ``cudaMemcpyAsync`` per run before, or where the driver
+    refused a batch) on the side stream, sources read in stream order for stores (engine memory)
+    and in any order for loads (host memory, :class:`~kvtier.copy.cudart.SourceOrder`). Strided pages (:class:`~kvtier.copy.pages.CopyPlan`: layouts that are not
     block-compact), and every job where no CUDA runtime library is found, go through
     ``torch._foreach_copy_(..., non_blocking=True)`` under ``torch.cuda.stream(side stream)``:
     one copy per page pair, a strided one through a device temporary. Asynchronous only with
@@ -79,16 +88,30 @@ class TorchCudaStreams:
                  foreach_copy: Callable[..., Any] = torch._foreach_copy_, find_runtime: bool = True):
         self.device = device
         self._cuda = cuda
-        self.runtime = runtime if runtime is not None or not find_runtime else LoadedCudart.find()
+        self.runtime = runtime if runtime is not None or not find_runtime else LoadedCudart.find(torch.version.cuda)
         if self.runtime is None:
             logger.warning("kvtier: no CUDA runtime library found: copies go one page at a time through torch")
         self._foreach_copy = foreach_copy
+        self._own_streams: list[int] = []
 
     def current_stream(self) -> Any:
         return self._cuda.current_stream(self.device)
 
     def new_stream(self) -> Any:
-        return self._cuda.Stream(device=self.device)
+        """A stream of kvtier's own (``cudaStreamCreateWithFlags``, wrapped as torch's
+        ``ExternalStream``), never one of torch's pool streams, which vLLM's streams share; a pool
+        stream only where no runtime library was found."""
+        if self.runtime is None:
+            return self._cuda.Stream(device=self.device)
+        with self._cuda.device(self.device):
+            handle = self.runtime.stream_create()
+        self._own_streams.append(handle)
+        return self._cuda.ExternalStream(handle, device=self.device)
+
+    def close(self) -> None:
+        streams, self._own_streams = self._own_streams, []
+        for handle in streams:
+            self.runtime.stream_destroy(handle)
 
     def new_event(self) -> Any:
         return self._cuda.Event(enable_timing=True)
@@ -99,14 +122,28 @@ class TorchCudaStreams:
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
-    def copy(self, stream: Any, plan: ByteRuns | CopyPlan) -> None:
+    def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
+        if isinstance(plan, StagedRuns):  # kernels, index upload and staging buffer on the side stream
+            with self._cuda.device(self.device), self._cuda.stream(stream):
+                plan.carry_out(lambda runs: self._host_copies(stream, runs))
+            return
         if isinstance(plan, ByteRuns) and self.runtime is not None:
+            order = SourceOrder.STREAM if plan.direction is Direction.STORE else SourceOrder.ANY
             with self._cuda.device(self.device):
-                self.runtime.memcpy_batch(plan.dst_addr, plan.src_addr, plan.sizes, stream.cuda_stream)
+                self.runtime.memcpy_batch(plan.dst_addr, plan.src_addr, plan.sizes, stream.cuda_stream, order)
             return
         dsts, srcs = plan.views()
         with self._cuda.stream(stream):
             self._foreach_copy(dsts, srcs, non_blocking=True)
+
+    def _host_copies(self, stream: Any, runs: HostRuns) -> None:
+        """One staged chunk's host copies on ``stream`` (the current stream): batched where the
+        runtime allows; the staging buffer, written on this stream, read in stream order."""
+        if self.runtime is None:
+            self._foreach_copy(*runs.views(), non_blocking=True)
+            return
+        order = SourceOrder.STREAM if runs.direction is Direction.STORE else SourceOrder.ANY
+        self.runtime.memcpy_batch(*runs.addresses(), stream.cuda_stream, order)
 
     def query(self, event: Any) -> bool:
         return event.query()

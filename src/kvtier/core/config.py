@@ -69,6 +69,7 @@ class KVTierConfig:
     secondary_tiers: tuple[SecondaryTierConfig, ...] = field(default_factory=tuple)
     self_describing_kv_events: bool = False
     model_identity: str | None = None
+    node: str | None = None  # a kvtier node service's socket: its pool is the host tier (docs/node.md)
 
     @property
     def disk(self) -> DiskTierConfig | None:
@@ -103,6 +104,13 @@ class KVTierConfig:
             )
         if tiers:
             spec_name = SpecName.TIERING
+        node = text_value(extra, "node")
+        if node is not None and tiers:
+            raise ConfigError(
+                "kv_connector_extra_config: 'node' and 'secondary_tiers' are both set; an engine attached "
+                "to a kvtier node service has no disk or Redis tier of its own yet. Remove "
+                "'secondary_tiers', or remove 'node' to keep an embedded host tier with them."
+            )
         return cls(
             cpu_bytes_to_use=int_value(extra, "cpu_bytes_to_use", minimum=1),
             block_size=int_value(extra, "block_size", minimum=1, default=None),
@@ -115,6 +123,7 @@ class KVTierConfig:
             secondary_tiers=tiers,
             self_describing_kv_events=bool_value(extra, "self_describing_kv_events", default=False),
             model_identity=text_value(extra, "model_identity"),
+            node=node,
         )
 
     def offload_block_tokens(self, engine_block_size: int) -> int:
@@ -144,6 +153,7 @@ _TOP_LEVEL_KEYS = frozenset(
         "secondary_tiers",
         "self_describing_kv_events",
         "model_identity",
+        "node",
     }
 )
 

@@ -62,8 +62,10 @@ class KVTierStats:
     promotion_failures: int = 0
     load_errors: int = 0
     checksum_failures: int = 0
+    auth_failures: int = 0  # tier records without a valid MAC under the fleet keys (removed, a miss)
     uncacheable_requests: int = 0
     host_evictions: int = 0
+    node_unavailable: int = 0  # calls that found the kvtier node service unreachable: each a miss or a dropped store
     engine_to_host: TransferCounters = field(default_factory=TransferCounters)
     host_to_engine: TransferCounters = field(default_factory=TransferCounters)
     host_to_disk: TransferCounters = field(default_factory=TransferCounters)

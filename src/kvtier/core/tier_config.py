@@ -4,7 +4,8 @@ Validated at start-up (:func:`parse_secondary_tiers`), in every vLLM process tha
 connector: unknown keys, wrong types and impossible values raise
 :class:`~kvtier.core.values.ConfigError` naming the key. A disk tier's directory is created
 here; a Redis server is not contacted here (the tier connects when it starts, in the scheduler
-process). Secrets: a Redis password may come from the URL or from an environment variable named
+process). Fleet keys (``auth_key_env`` / ``auth_key_file``, retired ``auth_read_key_*``, ``encrypt``)
+are loaded and checked here too (:mod:`kvtier.core.fleet_key`); a key is never printed. Secrets: a Redis password may come from the URL or from an environment variable named
 by ``password_env``; it is never printed (:meth:`RedisTierConfig.redacted_url`, the config's
 ``repr``).
 """
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from kvtier.core.fleet_key import AUTH_KEYS, AuthConfig, parse_auth
 from kvtier.core.values import (
     PREFIX,
     ConfigError,
@@ -54,6 +56,7 @@ class DiskTierConfig:
     n_write_threads: int = 16
     max_pending_writes: int = 256
     group_access: bool = False  # directories 2770 / files 0660 instead of 0700 / 0600
+    auth: AuthConfig | None = None  # fleet key: records signed (and encrypted) with it; None: unauthenticated
 
 
 REDIS_SCHEMES = ("redis", "rediss", "unix")
@@ -76,6 +79,7 @@ class RedisTierConfig:
     connect_timeout_s: float = 1.0
     timeout_s: float = 2.0
     max_pending_writes: int = 64
+    auth: AuthConfig | None = None  # fleet key: records signed (and encrypted) with it; None: unauthenticated
 
     def redacted_url(self) -> str:
         """``url`` with any password replaced by ``***``."""
@@ -96,7 +100,7 @@ class RedisTierConfig:
     def __repr__(self) -> str:
         return (f"RedisTierConfig(url={self.redacted_url()!r}, username={self.username!r}, "
                 f"password_env={self.password_env!r}, key_prefix={self.key_prefix!r}, "
-                f"ttl_seconds={self.ttl_seconds!r}, cluster={self.cluster!r}, nodes={self.nodes!r})")
+                f"ttl_seconds={self.ttl_seconds!r}, cluster={self.cluster!r}, nodes={self.nodes!r}, auth={self.auth!r})")
 
 
 SecondaryTierConfig = DiskTierConfig | RedisTierConfig
@@ -118,11 +122,11 @@ def redact_url(url: str) -> str:
 
 _FS_KEYS = frozenset({
     "type", "root_dir", "capacity_bytes", "n_read_threads", "n_write_threads", "max_pending_writes", "group_access",
-})
+}) | AUTH_KEYS
 _REDIS_KEYS = frozenset({
     "type", "url", "username", "password_env", "key_prefix", "ttl_seconds", "cluster", "nodes",
     "max_connections", "connect_timeout_s", "timeout_s", "max_pending_writes",
-})
+}) | AUTH_KEYS
 
 
 def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
@@ -186,6 +190,7 @@ def _disk_tier(raw: Mapping[str, Any], where: str) -> DiskTierConfig:
         n_write_threads=int_value(raw, "n_write_threads", minimum=1, default=16, where=where),
         max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=256, where=where),
         group_access=bool_value(raw, "group_access", default=False, where=where),
+        auth=parse_auth(raw, where),
     )
 
 
@@ -247,4 +252,5 @@ def _redis_tier(raw: Mapping[str, Any], where: str) -> RedisTierConfig:
         connect_timeout_s=float_value(raw, "connect_timeout_s", 1.0, where=where),
         timeout_s=float_value(raw, "timeout_s", 2.0, where=where),
         max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=64, where=where),
+        auth=parse_auth(raw, where),
     )

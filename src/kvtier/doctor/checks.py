@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
+from kvtier.doctor.fleet_checks import check_fleet_keys
 from kvtier.doctor.model_checks import check_fp8_scales, check_max_model_len, check_model_support, check_tp
 from kvtier.doctor.native_checks import (
     check_native_fs_tier,
     check_native_hash_seed,
+    check_native_lora,
     check_native_resolution,
     check_native_sizes,
 )
@@ -340,6 +342,6 @@ def check_kv_events(s: Setup) -> list[Finding]:
 CHECKS: tuple[Callable[[Setup], list[Finding]], ...] = (
     check_model, check_connector, check_kvtier_config, check_host_size, check_cpu_offload,
     check_prefix_caching, check_model_support, check_tp, check_fp8_scales, check_max_model_len, check_disk,
-    check_remote, check_remote_value_size, check_kv_events,
-    check_native_resolution, check_native_hash_seed, check_native_fs_tier, check_native_sizes,
+    check_remote, check_remote_value_size, check_kv_events, check_fleet_keys,
+    check_native_resolution, check_native_hash_seed, check_native_fs_tier, check_native_sizes, check_native_lora,
 )

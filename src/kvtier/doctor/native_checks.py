@@ -10,6 +10,8 @@ The pitfalls of that stack:
   for testing only (:func:`check_native_fs_tier`);
 - sizes: ``cpu_bytes_to_use`` and a kvtier tier's ``capacity_bytes`` are totals over the engine's
   ranks, not per rank (:func:`check_native_sizes`);
+- LoRA with kvtier's tiers: vLLM's keys name an adapter by its name and path only, so an adapter
+  retrained in place is served the KV of its old weights after a restart (:func:`check_native_lora`);
 - tiers and specs that will not resolve (kvtier not installed where vLLM runs, plugins filtered by
   ``VLLM_PLUGINS``, a wrong module path or key), and vLLM's own spec on vLLM-CPU, which refuses to
   start there (:func:`check_native_resolution`).
@@ -168,3 +170,37 @@ def check_native_sizes(s: Setup) -> list[Finding]:
                 "holds a subset of what the CPU tier holds and adds almost no hits (a size given per rank?).",
                 "Give the disk tier several times cpu_bytes_to_use (both are totals over all ranks)."))
     return out
+
+
+def lora_enabled(s: Setup) -> bool:
+    """Whether the line serves LoRA adapters: ``--enable-lora`` (the last of it and
+    ``--no-enable-lora`` wins, as in vLLM's parser)."""
+    last = None
+    for arg in s.line.argv:
+        if arg.split("=", 1)[0] in ("--enable-lora", "--enable_lora", "--no-enable-lora", "--no_enable_lora"):
+            last = arg.split("=", 1)
+    if last is None:
+        return False
+    name, value = last[0].replace("_", "-"), (last[1] if len(last) > 1 else None)
+    on = value is None or value.lower() in ("1", "true", "yes")
+    return on if name == "--enable-lora" else not on
+
+
+def check_native_lora(s: Setup) -> list[Finding]:
+    tiers = [(i, str(t.get("type"))) for i, t in enumerate(_native_tiers(s)) if str(t.get("type")) in KVTIER_TYPES]
+    if not tiers or not lora_enabled(s):
+        return []
+    where = ", ".join(f"secondary_tiers[{i}] ({t})" for i, t in tiers)
+    kinds = {KVTIER_TYPES[t] for _, t in tiers}
+    target = " / ".join(("DIR" if kind == "fs" else "URL") for kind in sorted(kinds))
+    return [Finding(
+        "native-lora-retrained", "warning",
+        f"LoRA with {where}: an adapter retrained under the same name and path is served its old KV",
+        "Behind vLLM's own offloading, a block's key names a LoRA adapter only by its name and path "
+        "(vLLM's block hash), not by its weights, and kvtier's tiers see nothing else of the request; "
+        "their blocks outlive the engine, so after a restart an adapter retrained in place gets the KV "
+        "its previous weights computed: wrong outputs, no error. (kvtier's own connector fingerprints "
+        "adapter weights and has no such gap.)",
+        f"When you retrain an adapter, give it a new name or path, or purge its model's blocks from these "
+        f"tiers before restarting: kvtier purge {target} --model {s.model or 'MODEL'} (the adapter's blocks "
+        "cannot be told apart from the base model's there).")]

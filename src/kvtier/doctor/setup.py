@@ -101,6 +101,10 @@ def _kvtier_serve_extra(setup: Setup) -> None:
             disk_dir=flags.get("--disk-dir"),
             disk_size_gib=float(flags.get("--disk-size") or ServeOptions.disk_size_gib),
             no_disk="--no-disk" in flags,
+            redis_url=flags.get("--redis-url"),
+            redis_password_env=flags.get("--redis-password-env"),
+            fleet_key_env=flags.get("--fleet-key-env"),
+            encrypt="--encrypt" in flags,
             eviction_policy=flags.get("--eviction-policy") or ServeOptions.eviction_policy,
             kv_config=kv_config,
         )

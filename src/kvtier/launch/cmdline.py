@@ -32,7 +32,7 @@ READ_FLAGS = (
 )
 """The vLLM flags doctor reads; unique prefixes of these are expanded like vLLM's parser does."""
 KVTIER_FLAGS = ("--kv-offloading-size", "--disk-dir", "--disk-size", "--no-disk", "--eviction-policy",
-                "--kv-config")
+                "--kv-config", "--redis-url", "--redis-password-env", "--fleet-key-env", "--encrypt")
 """``kvtier serve``'s own flags (before any ``--``; after it everything is vLLM's)."""
 _VLLM_CLI_MODULES = (
     "vllm.entrypoints.cli.main",
@@ -42,7 +42,7 @@ _VLLM_CLI_MODULES = (
 )
 """vLLM's CLI and kvtier's shim of it (``kvtier.cli.serve`` was the shim's module before)."""
 _BOOL_LIKE = re.compile(r"^--(no-|enable-|disable-)|^--(enforce-eager|trust-remote-code|calculate-kv-scales|"
-                        r"headless|skip-tokenizer-init|async-scheduling)$")
+                        r"headless|skip-tokenizer-init|async-scheduling|encrypt)$")
 
 
 class CommandLineError(ValueError):

@@ -68,8 +68,15 @@ class ServeOptions:
     """A shared Redis / Valkey remote tier (after the disk tier, or alone with ``no_disk``)."""
     redis_password_env: str | None = None
     """Name of the environment variable holding the Redis password."""
+    fleet_key_env: str | None = None
+    """Name of the environment variable holding the fleet key: ``auth_key_env`` of every tier built here."""
+    encrypt: bool = False
+    """``encrypt: true`` on every tier built here (needs ``fleet_key_env``)."""
     kv_config: Mapping[str, Any] | None = None
     """Extra ``kv_connector_extra_config`` keys, merged last (top-level keys replace)."""
+    node: str | Path | None = None
+    """A ``kvtier node`` service's socket: its pool is the host tier (``kv_offloading_size_gib`` then
+    caps this engine's share); no disk or Redis tier of the engine's own (docs/node.md)."""
 
 
 @dataclass(frozen=True)
@@ -123,7 +130,9 @@ def build_extra_config(options: ServeOptions) -> dict:
             f"use one of {', '.join(EVICTION_POLICIES)}.",
         )
     tiers: list[dict[str, Any]] = []
-    if not options.no_disk:
+    if options.node is not None:
+        extra["node"] = os.path.abspath(Path(options.node).expanduser())
+    elif not options.no_disk:
         tiers.append({
             "type": "fs",
             "root_dir": str(resolve_disk_dir(options)),
@@ -134,6 +143,13 @@ def build_extra_config(options: ServeOptions) -> dict:
         if options.redis_password_env is not None:
             remote["password_env"] = options.redis_password_env
         tiers.append(remote)
+    if options.encrypt and options.fleet_key_env is None:
+        raise ServeConfigError("--encrypt", "--encrypt needs a fleet key: --fleet-key-env NAME (docs/security.md).")
+    if options.fleet_key_env is not None:
+        for tier in tiers:
+            tier["auth_key_env"] = options.fleet_key_env
+            if options.encrypt:
+                tier["encrypt"] = True
     if tiers:
         extra["secondary_tiers"] = tiers
     if options.kv_config is not None:
@@ -335,7 +351,11 @@ def _summary(model, options, config, vllm_args, cpu_backend, kv_memory_flag, env
     except ValueError:
         tp = 0
     per_rank = f" ({_gib(total / tp)} GiB per rank x {tp})" if tp >= 1 else ""
-    lines.append(f"kvtier: host    {_gib(total)} GiB total{per_rank}, {config.eviction_policy.value}")
+    if config.node is not None:
+        lines.append(f"kvtier: host    the kvtier node at {config.node} (this engine holds at most {_gib(total)} GiB "
+                     "of its pool)")
+    else:
+        lines.append(f"kvtier: host    {_gib(total)} GiB total{per_rank}, {config.eviction_policy.value}")
     disk = config.disk
     if disk is None:
         lines.append("kvtier: disk    off")

@@ -9,7 +9,9 @@ Block flow::
 
     store:   begin_store (host slot WRITING) -> [engine copies bytes in] -> finish_store
              -> READY in host -> cascade: a write to every secondary tier that lacks the block
-             (the slot is pinned while any of them runs)
+             (the slot is pinned while any of them runs; a tier whose writes in flight are at
+             their bound gets the block later, in order, as its writes complete: the slot stays
+             pinned while it waits, so a long prompt's blocks all reach a slow tier)
     load:    acquire (host READY blocks pinned for the owner; blocks only in a secondary tier are
              promoted into host slots first, from the first tier that holds them, and the caller
              is told to ask again) -> [engine copies bytes out] -> release (unpin)
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from collections import deque
 import logging
 import threading
 import time
@@ -145,12 +148,15 @@ class Orchestrator:
         self._promotion_jobs: dict[int, _Promotion] = {}
         self._cascading: dict[int, _Cascade] = {}  # write job -> what it writes (host slot pinned)
         self._info: dict[BlockKey, BlockInfo] = {}  # for blocks stored but not yet cascaded
+        # per tier: READY host blocks waiting for room in its write queue (slot pinned), in order
+        self._waiting: dict[SecondaryTier, deque[tuple[BlockKey, BlockInfo]]] = {t: deque() for t in tiers}
         self._next_refresh = time.monotonic() + REFRESH_INTERVAL_S
         self._evictions_reported: dict[Medium, int] = {}
         self._asked_again: set[str] = set()  # owners last answered RETRY (waiting for a tier)
         self._bell = threading.Event()  # rung by every tier's workers on each post
-        for tier in self.tiers:
-            tier.outbox.share_bell(self._bell)
+        self._outboxes = [tier.outbox for tier in self.tiers]
+        for outbox in self._outboxes:
+            outbox.share_bell(self._bell)
 
     @property
     def disk(self) -> SecondaryTier | None:
@@ -304,6 +310,11 @@ class Orchestrator:
     def slots_of(self, keys: Sequence[BlockKey]) -> list[int]:
         return [self.host.slot_of(key) for key in keys]
 
+    def held_slots(self, owner: str) -> list[tuple[int, ...]]:
+        """The host slot of each of ``owner``'s held blocks, key order, as 1-tuples: the same
+        slot number on every rank (the shape :class:`kvtier.runtime.node_host.NodeHost` answers)."""
+        return [(slot,) for slot in self.slots_of(self.held(owner))]
+
     # --- stores -----------------------------------------------------------------------------
     def begin_store(self, key: BlockKey, info: BlockInfo) -> int | None:
         """Reserve a host slot to receive ``key`` from the engine, or None (skipped/dropped).
@@ -331,6 +342,16 @@ class Orchestrator:
         self._info[key] = info
         return slot
 
+    def begin_stores(self, blocks: Sequence[tuple[BlockKey, BlockInfo]]) -> list[tuple[int, ...] | None]:
+        """:meth:`begin_store` of each block, in order, each slot as a 1-tuple (the same number on
+        every rank); the batched call :class:`kvtier.runtime.node_host.NodeHost` answers in one
+        round trip."""
+        out: list[tuple[int, ...] | None] = []
+        for key, info in blocks:
+            slot = self.begin_store(key, info)
+            out.append(None if slot is None else (slot,))
+        return out
+
     def finish_store(self, keys: Sequence[BlockKey], ok: bool) -> None:
         """The engine finished (or failed) copying ``keys`` into their slots on every rank."""
         for key in keys:
@@ -346,20 +367,42 @@ class Orchestrator:
         """Write the READY host block ``key`` to each of ``tiers`` that lacks it (slot pinned per write)."""
         if not self.host.is_ready(key):
             return
-        assert self.host_bytes is not None
-        sources = None
         for tier in tiers:
             if tier.contains(key) or (info.tail and tier.medium is Medium.REMOTE):
                 continue
-            if sources is None:
-                sources = self.host_bytes.slot(self.host.slot_of(key))
             self.host.pin(key)
-            job_id = next(self._job_ids)
-            if tier.submit_write(job_id, key, info.parent, info.num_tokens, sources, tail=info.tail):
-                self._cascading[job_id] = _Cascade(key, tier)
+            waiting = self._waiting[tier]
+            if waiting or not tier.write_room():  # others wait first, or no room now (or no writes)
+                waiting.append((key, info))
+                self._feed(tier)
             else:
+                self._write(tier, key, info)
+
+    def _write(self, tier: SecondaryTier, key: BlockKey, info: BlockInfo) -> None:
+        """Submit the pinned READY host block ``key`` to ``tier`` (unpinned if it is refused)."""
+        assert self.host_bytes is not None
+        job_id = next(self._job_ids)
+        sources = self.host_bytes.slot(self.host.slot_of(key))
+        if tier.submit_write(job_id, key, info.parent, info.num_tokens, sources, tail=info.tail):
+            self._cascading[job_id] = _Cascade(key, tier)
+        else:
+            self.host.unpin(key)
+            self.stats.count_write_dropped(tier.medium)
+
+    def _feed(self, tier: SecondaryTier) -> None:
+        """Give ``tier`` the blocks waiting for it while it has room; drop them all (counted, a
+        future miss) while it takes no writes at all (closed, server down)."""
+        waiting = self._waiting[tier]
+        while waiting:
+            room = tier.write_room()
+            if room == 0:
+                return
+            key, info = waiting.popleft()
+            if room is None or not self.host.is_ready(key):
                 self.host.unpin(key)
                 self.stats.count_write_dropped(tier.medium)
+                continue
+            self._write(tier, key, info)
 
     # --- completions ------------------------------------------------------------------------
     def poll(self) -> None:
@@ -378,6 +421,8 @@ class Orchestrator:
                     self._on_write_done(result)
                 else:
                     self._on_read_done(result)
+            if self._waiting[tier]:
+                self._feed(tier)
 
     def _on_write_done(self, result: IoResult) -> None:
         cascade = self._cascading.pop(result.job_id, None)
@@ -402,6 +447,8 @@ class Orchestrator:
             self.stats.promotion_failures += 1
             if result.error is IoError.CORRUPT:
                 self.stats.checksum_failures += 1
+            elif result.error is IoError.UNAUTHENTICATED:
+                self.stats.auth_failures += 1
             logger.warning("kvtier: %s block %s unreadable (%s): it is a miss", medium.value.lower(),
                            key.hex()[:16], result.error)
             return
@@ -426,10 +473,10 @@ class Orchestrator:
         for a caller with nothing else to do meanwhile (an engine step that computes nothing)."""
         if not self._asked_again or not self.tiers:
             return False
-        return wait_for_any([tier.outbox for tier in self.tiers], self._bell, timeout_s)
+        return wait_for_any(self._outboxes, self._bell, timeout_s)
 
     def has_pending_io(self) -> bool:
-        return bool(self._promotion_jobs or self._cascading)
+        return bool(self._promotion_jobs or self._cascading or any(self._waiting.values()))
 
     def _count_evictions(self, evicted: list[BlockKey]) -> None:
         self.stats.host_evictions += len(evicted)
@@ -487,12 +534,14 @@ class Orchestrator:
         deadline = time.monotonic() + drain_timeout_s
         while self.has_pending_io() and time.monotonic() < deadline:
             self.poll()
-            time.sleep(0.005)
+            if self.has_pending_io():
+                wait_for_any(self._outboxes, self._bell, max(0.0, deadline - time.monotonic()))
         if self.has_pending_io():
             logger.warning("%s: shutting down with %d block writes not done after %.0f s (dropped)",
-                           "kvtier", len(self._cascading), drain_timeout_s)
+                           "kvtier", len(self._cascading) + sum(map(len, self._waiting.values())), drain_timeout_s)
         for tier in self.tiers:
             tier.close()
+            self._feed(tier)  # what still waits is dropped (the tier takes no writes now)
         usages = [tier.usage() for tier in self.tiers]
         held = "".join(f", {u.medium.value} tier {u.num_blocks} blocks" for u in usages if u.num_blocks is not None)
         # pinned: blocks still being written or read. 0 once every request finished: more is a leak.

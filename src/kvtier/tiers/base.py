@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.keys import BlockKey
@@ -56,6 +56,7 @@ class IoError(enum.Enum):
 
     NOT_FOUND = "not_found"  # the block vanished (evicted, purged, or deleted by another process)
     CORRUPT = "corrupt"  # bad header, short file or checksum mismatch: quarantined
+    UNAUTHENTICATED = "unauthenticated"  # no valid MAC under the tier's fleet keys (kvtier.tiers.sealing): removed
     IO = "io"  # the OS or server refused (EIO, ENOSPC, connection refused, ...)
     DROPPED = "dropped"  # not stored: no room or no queue space
 
@@ -98,6 +99,17 @@ class SecondaryTier(ABC):
         """What this tier knows of ``key`` from memory (never I/O). Local tiers know."""
         return Presence.PRESENT if self.contains(key) else Presence.ABSENT
 
+    knows_absence: bool = True
+    """Whether a key this tier does not know is absent (a local tier knows its contents); False for
+    a remote tier, which must be asked (:meth:`presence` UNKNOWN, :meth:`probe`)."""
+
+    @property
+    def held_keys(self) -> Container[BlockKey] | None:
+        """A live view of keys this tier holds, for a caller's hot path (``key in held_keys`` is
+        PRESENT without a call; a key not in it is ABSENT only if :attr:`knows_absence`, else ask
+        :meth:`presence`); None for a tier without one. The caller's thread only."""
+        return None
+
     def probe(self, keys: Sequence[BlockKey]) -> None:
         """Find out in the background whether ``keys`` are here (a remote tier asks its server);
         the answers show in :meth:`presence` after a later :meth:`poll`. Local tiers: nothing."""
@@ -127,9 +139,19 @@ class SecondaryTier(ABC):
         """Store ``sources`` (one payload per rank) under ``key``; ``tail``: a partial block
         (``num_tokens`` short of a block), which the tier may evict before blocks.
 
-        Returns False, without queuing anything, when the tier's write queue is full: the caller
-        counts a dropped store and unpins the sources at once.
+        Returns False, without queuing anything, when the tier's write queue is full or the tier
+        takes no writes (:meth:`write_room`): the caller counts a dropped store and unpins the
+        sources at once. A caller with more blocks to write than there is room keeps them and
+        submits them as room frees up (see :meth:`write_room`), rather than drop them.
         """
+
+    @abstractmethod
+    def write_room(self) -> int | None:
+        """How many more writes :meth:`submit_write` would queue now (its bound on I/O in flight);
+        0 while that many are in flight (room frees as their results come out of :meth:`poll`);
+        None when the tier takes no writes at all for now (closed, or a remote tier whose server
+        is down): a caller holding writes back should drop them (a future miss) rather than wait.
+        Memory only."""
 
     @abstractmethod
     def poll(self) -> list[IoResult]:

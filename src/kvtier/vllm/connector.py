@@ -80,7 +80,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = KVTierScheduler(geometry, config, model, publish_kv_events=publish,
                                               hook_order=hook_order(vllm_config))
         else:
-            self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config)
+            self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config, node=config.node)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -7,8 +7,9 @@ KV cache groups (vLLM's hybrid allocator: full-attention layers in one group, ea
 size in others, every group with its own block table over one shared block pool): a kvtier block
 holds the pages of every offloaded layer of every group for the same tokens, in one slot; layer
 ``i`` of the slot is copied through its own group's block table (:attr:`EngineGeometry.layer_groups`).
-Supported when every group has pages of one size and one block size (vLLM makes page sizes equal
-across groups, padding Mamba's): attention over per-token KV, or Mamba / linear-attention state in
+Supported when every group has one block size (vLLM makes page sizes equal across groups, padding
+Mamba's and, where needed, attention's; a mixed-type group's layers may still differ: a slot's page
+is the largest layer's, a smaller page fills its start): attention over per-token KV, or Mamba / linear-attention state in
 vLLM's "align" mode (:attr:`EngineGeometry.state_groups`: a kvtier block then holds the state after
 its last token, and is one engine block). A sliding window must be wider than a kvtier block minus
 one engine block (so a block is never partly freed by vLLM before the step that completes it stores
@@ -56,6 +57,14 @@ def group_spec(spec: KVCacheSpec) -> KVCacheSpec:
     return spec
 
 
+def layer_spec(spec: KVCacheSpec, layer_name: str) -> KVCacheSpec:
+    """One layer's spec in its group's ``spec`` (a UniformTypeKVCacheSpecs group's layers may differ:
+    other head counts, other page sizes, vLLM 0.32 ``v1/kv_cache_interface.py:1225-1254``)."""
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return spec.kv_cache_specs[layer_name]
+    return spec
+
+
 @dataclass(frozen=True)
 class EngineGeometry:
     model_name: str
@@ -74,6 +83,7 @@ class EngineGeometry:
     replicated: bool = False  # every rank holds the same KV bytes: one copy stored (rank 0's)
     layer_groups: tuple[tuple[int, ...], ...] = ()  # per vLLM KV cache group: its layers' slot indices
     state_groups: tuple[int, ...] = ()  # the groups holding Mamba / linear-attention state (align mode)
+    layer_page_bytes: tuple[int, ...] = ()  # per layer (slot order): vLLM's page size, padding included
 
     @property
     def num_groups(self) -> int:
@@ -120,12 +130,14 @@ class EngineGeometry:
         state_groups = tuple(g for g, spec in enumerate(specs) if isinstance(spec, MambaSpec))
         attention_specs = [spec for spec in specs if isinstance(spec, AttentionSpec)]
         spec = attention_specs[0] if attention_specs else specs[0]
-        if len({(s.block_size, s.page_size_bytes) for s in specs}) != 1:
+        if len({s.block_size for s in specs}) != 1:
             raise ConfigError(
-                "kvtier needs one block size and page size across the model's KV cache groups, got "
+                "kvtier needs one block size across the model's KV cache groups, got "
                 + ", ".join(f"{s.block_size} tokens/{s.page_size_bytes} B" for s in specs)
                 + "; start vLLM with --disable-hybrid-kv-cache-manager (one group) to offload this model"
             )
+        layer_page_bytes = tuple(layer_spec(group.kv_cache_spec, name).page_size_bytes
+                                 for group in groups for name in group.layer_names)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
             raise ConfigError("kvtier does not support pipeline parallelism yet (pipeline_parallel_size must be 1)")
@@ -153,7 +165,7 @@ class EngineGeometry:
                 config.cpu_bytes_to_use,
                 num_layers=len(layer_names),
                 pages_per_block=pages_per_block,
-                page_bytes=spec.page_size_bytes,
+                page_bytes=max(layer_page_bytes),  # a smaller (mixed-type group) page fills its start
                 world_size=1 if replicated else parallel.world_size,  # = stored_ranks
             )
         except ValueError as exc:
@@ -177,6 +189,7 @@ class EngineGeometry:
             replicated=replicated,
             layer_groups=tuple(layer_groups),
             state_groups=state_groups,
+            layer_page_bytes=layer_page_bytes,
         )
 
 

@@ -1,7 +1,7 @@
 """The model's identity in the key spec: its weights, its config, and options that change the math.
 
 Built once at start-up in vLLM's scheduler process (:func:`model_identity`; may read the weight
-files, see :mod:`kvtier.runtime.fingerprint`). What it covers, and why:
+files, see :mod:`kvtier.runtime.model_identity`). What it covers, and why:
 
 - ``weights``: a fingerprint of the weight files the engine loads: a local folder or file, or the
   Hugging Face cache snapshot of a repo id. ``load_format=dummy`` (random weights from a seed) is
@@ -16,50 +16,21 @@ files, see :mod:`kvtier.runtime.fingerprint`). What it covers, and why:
 from __future__ import annotations
 
 import json
-import logging
-import os
-from pathlib import Path
 
-import blake3
 from vllm.config import VllmConfig
 
-from kvtier.core.config import ConfigError, KVTierConfig
+from kvtier.core.config import KVTierConfig
 from kvtier.core.keys import ModelIdentity
-from kvtier.runtime.fingerprint import FingerprintError, fingerprint_weights
+from kvtier.runtime.model_identity import config_digest as stable_config_digest
+from kvtier.runtime.model_identity import locate_weights, weights_digest
 
-logger = logging.getLogger(__name__)
-
-_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")
-"""hf config fields that do not change KV bytes but differ between copies of one model."""
+SETTING = "kv_connector_extra_config 'model_identity'"
+"""Where an operator names the weights in the connector's configuration."""
 
 
 def config_digest(vllm_config: VllmConfig) -> str:
     """Digest of the model's config as loaded, minus volatile fields."""
-    hf = vllm_config.model_config.hf_config.to_dict()
-    for key in list(hf):
-        if key.startswith(_VOLATILE_CONFIG_KEYS):
-            del hf[key]
-    payload = json.dumps(hf, sort_keys=True, default=str)
-    return blake3.blake3(payload.encode()).hexdigest()[:32]
-
-
-def weights_folder(vllm_config: VllmConfig) -> Path:
-    """Where the engine's weights are: the model path itself, or the local Hugging Face snapshot
-    of a repo id. Raises ConfigError when neither exists."""
-    model_config = vllm_config.model_config
-    model = str(model_config.model)
-    if os.path.exists(model):
-        return Path(model)
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, revision=model_config.revision, local_files_only=True))
-    except Exception as exc:
-        raise ConfigError(
-            f"kvtier cannot identify the weights of {model!r}: it is neither a local path nor in the "
-            f"Hugging Face cache ({exc}). Set kv_connector_extra_config 'model_identity' to a string "
-            "that changes whenever the weights change (e.g. the release tag), or serve from a local folder."
-        ) from None
+    return stable_config_digest(vllm_config.model_config.hf_config.to_dict())
 
 
 def weights_identity(vllm_config: VllmConfig, config: KVTierConfig) -> str:
@@ -68,19 +39,10 @@ def weights_identity(vllm_config: VllmConfig, config: KVTierConfig) -> str:
     load_format = str(getattr(vllm_config.load_config, "load_format", "auto"))
     if load_format == "dummy":
         return f"dummy:seed={vllm_config.model_config.seed}"
-    folder = weights_folder(vllm_config)
-    try:
-        fingerprint = fingerprint_weights(folder)
-    except FingerprintError as exc:
-        raise ConfigError(
-            f"kvtier cannot fingerprint the weights of {vllm_config.model_config.model!r}: {exc}. "
-            "Set kv_connector_extra_config 'model_identity' to a string that changes whenever the "
-            "weights change."
-        ) from None
-    if fingerprint.seconds > 1:
-        logger.info("kvtier: fingerprinted %d weight files (%.1f GB, %s) in %.1f s; cached for the next start",
-                    fingerprint.files, fingerprint.bytes / 1e9, fingerprint.method, fingerprint.seconds)
-    return fingerprint.digest
+    model_config = vllm_config.model_config
+    model = str(model_config.model)
+    folder = locate_weights(model, setting=SETTING, revision=model_config.revision)
+    return weights_digest(folder, model, setting=SETTING)
 
 
 def model_identity(vllm_config: VllmConfig, config: KVTierConfig) -> ModelIdentity:

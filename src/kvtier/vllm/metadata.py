@@ -22,7 +22,12 @@ from kvtier.core.stats import KVTierStats, TransferCounters
 class CopyJob:
     job_id: int
     req_id: str
-    pages: list[PageCopy]
+    pages: list[PageCopy]  # slots: rank 0's (every rank's, unless rank_slots says otherwise)
+    # Attached to a kvtier node: the pool the slots belong to (a worker mapping another pool
+    # reattaches, else fails the job), and rank 0's slot -> every stored rank's slot, when a
+    # block's slots differ between ranks (tensor parallelism). None: embedded host tier.
+    pool_id: str | None = None
+    rank_slots: dict[int, tuple[int, ...]] | None = None
 
 
 @dataclass
@@ -76,6 +81,7 @@ class KVTierConnectorStats(KVConnectorStats):
             "stores_dropped": stats.stores_dropped,
             "stores_voided": stats.stores_voided,
             "checksum_failures": stats.checksum_failures,
+            "auth_failures": stats.auth_failures,
         }
         for direction in ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote",
                           "remote_to_host"):

@@ -15,7 +15,9 @@ views; kernel blocks regrouped under it, :func:`kvtier.copy.pages.block_view`), 
 shape (so the KV space size does not matter). Plus the engine's resolved KV cache layout, and,
 where some page's elements lie in memory in another order than its row-major one (LBNHC: tokens
 outside heads), each layer's physical order of the page's dimensions: a dense page is stored in
-that order (:mod:`kvtier.copy.pages`), so shape, dtype, order and backend fix the bytes' meaning.
+that order (:mod:`kvtier.copy.pages`), so shape, dtype, order and backend fix the bytes' meaning;
+and whether ROCm's AITER backends shuffle the bytes inside each page (``VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT``,
+:mod:`kvtier.vllm.rocm_layout`), which changes neither shape nor size.
 (vLLM-CPU's LBHNC pages are row-major: their description, and so their namespace, has no orders.)
 """
 
@@ -57,9 +59,12 @@ def attention_backends(vllm_config: VllmConfig, layer_names: Sequence[str]) -> d
 
 def describe_pages(
     layer_tensors: Mapping[str, torch.Tensor], layer_names: Sequence[str], num_blocks: int,
-    backends: Mapping[str, str], kv_cache_layout: str | None,
+    backends: Mapping[str, str], kv_cache_layout: str | None, *, rocm_shuffled: bool = False,
 ) -> dict[str, Any]:
-    """The description a worker publishes (JSON-ready, deterministic for equal engines)."""
+    """The description a worker publishes (JSON-ready, deterministic for equal engines).
+    ``rocm_shuffled``: vLLM keeps the pages in ROCm AITER's shuffled order
+    (:func:`~kvtier.vllm.rocm_layout.rocm_shuffled_kv_cache`); said only when on, so every other
+    description, and the namespaces on disk, stay as they were."""
     layers, orders = [], []
     for name in layer_names:
         tensor = layer_tensors[name]
@@ -72,6 +77,8 @@ def describe_pages(
     description: dict[str, Any] = {"layers": layers, "kv_cache_layout": kv_cache_layout or "default"}
     if any(order is not None for order in orders):
         description["physical_orders"] = orders
+    if rocm_shuffled:  # same shapes and size, other bytes
+        description["rocm_shuffled_kv_cache"] = True
     return description
 
 

@@ -43,9 +43,14 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "promotion_failures": ("kvtier_promotion_failures", "Disk reads that failed (block became a miss)", None, None),
     "load_errors": ("kvtier_load_errors", "Loads into the engine that failed (recomputed by vLLM)", None, None),
     "checksum_failures": ("kvtier_checksum_failures", "Disk blocks that failed verification (quarantined)", None, None),
+    "auth_failures": ("kvtier_auth_failures",
+                      "Disk or Redis records without a valid MAC under the tier's fleet keys (removed; a miss)",
+                      None, None),
     "uncacheable_requests": ("kvtier_uncacheable_requests",
                              "Requests kvtier neither loads nor stores (prompt embeddings, unidentified LoRA)",
                              None, None),
+    "node_unavailable": ("kvtier_node_unavailable", "Calls to the kvtier node service that found it unreachable "
+                         "(each a lookup answered as a miss or a store dropped)", None, None),
     "host_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "host"),
     "disk_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "disk"),
 }

@@ -6,6 +6,11 @@ wait: a step that schedules nothing while a request waits for a tier's reads or 
 until a tier posts an outcome, at most :data:`IDLE_WAIT_S` (otherwise vLLM's one-process engine
 spins through empty steps and starves the tiers' threads of the GIL).
 
+The host tier is the engine's own (:class:`~kvtier.runtime.orchestrator.Orchestrator`) or, with
+``node`` in the config, a ``kvtier node`` service's pool (:class:`~kvtier.runtime.node_host.NodeHost`:
+the same calls, each one round trip, a request's lookup and a step's stores batched); every copy
+job then names the pool its slots are in.
+
 Per request it keeps the block keys of its tokens, its engine block ids, how far stores have
 got, and its in-flight jobs. Invariants:
 
@@ -61,9 +66,13 @@ from kvtier.copy import PageCopy
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
 from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, stateless_key
 from kvtier.core.stats import KVTierStats
+from kvtier.core.values import ConfigError
 from kvtier.policy.admission import StoreAdmission
+from kvtier.node.protocol import Role
 from kvtier.runtime.fingerprint import AdapterFingerprints
+from kvtier.runtime.node_host import NODE_REGION_BYTES, NodeHost, connect_node
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
+from kvtier.tiers.factory import open_tier
 from kvtier.tiers.host import HostIndex
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.engine_blocks import NULL_BLOCK_ID, EngineBlocks
@@ -74,7 +83,6 @@ from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnect
 from kvtier.vllm.page_format import page_format
 from kvtier.vllm.request_state import RequestState, Uncacheable, block_extras
 from kvtier.vllm.runner import HookOrder, rewritten_before_hooks
-from kvtier.vllm.secondary_tiers import open_secondary_tiers
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +122,14 @@ class KVTierScheduler:
         self.hook_order = hook_order
         self.geometry = geometry
         layout = geometry.layout
+        if config.node is not None and publish_kv_events:
+            raise ConfigError(
+                "kv_connector_extra_config: 'node' is set and KV cache events are enabled; an engine attached to "
+                "a kvtier node does not publish kvtier's KV events yet. Remove 'node', or disable "
+                "--kv-events-config's enable_kv_cache_events.")
+        region_bytes = layout.region_bytes if config.node is None else NODE_REGION_BYTES
         self._regions = [
-            SharedRegion.attach(region_name(geometry.engine_id, rank), layout.region_bytes)
+            SharedRegion.attach(region_name(geometry.engine_id, rank), region_bytes)
             for rank in range(geometry.stored_ranks)
         ]
         for region in self._regions:
@@ -130,16 +144,24 @@ class KVTierScheduler:
         )
         self._digest = self.namespace.engine_digest
         self._adapters = AdapterFingerprints()
-        self.orchestrator = Orchestrator(
-            host=HostIndex(layout.num_slots, config.eviction_policy),
-            host_bytes=HostBytes([r.view for r in self._regions], layout.slot_bytes),
-            tiers=open_secondary_tiers(config, geometry, self.namespace),
-            admission=StoreAdmission(config.store_threshold, config.max_tracker_size),
-        )
+        admission = StoreAdmission(config.store_threshold, config.max_tracker_size)
+        self.orchestrator: Orchestrator | NodeHost
+        if config.node is not None:  # the node's pool is the host tier (runtime/node_host.py)
+            client = connect_node(config.node, engine=geometry.engine_id, role=Role.SCHEDULER,
+                                  slot_bytes=layout.slot_bytes, cap_bytes=config.cpu_bytes_to_use,
+                                  map_pool=False)  # the scheduler copies nothing (no secondary tiers here)
+            self.orchestrator = NodeHost(client, geometry.stored_ranks, admission)
+            logger.info("kvtier: attached to the kvtier node at %s (pool %s, %d slots of %.1f MiB); this engine "
+                        "may hold %.2f GiB of it (cpu_bytes_to_use); block %d tokens", config.node,
+                        client.attachment.pool_id if client.attachment else "?",
+                        client.attachment.num_slots if client.attachment else 0, layout.slot_bytes / 2**20,
+                        config.cpu_bytes_to_use / 2**30, geometry.block_tokens)
+        else:
+            self.orchestrator = self._embedded(config, model, admission)
         self._events: KVEventTranslator | None = None
         if publish_kv_events:
             self._events = KVEventTranslator(
-                self.orchestrator,
+                self.orchestrator,  # type: ignore[arg-type]  (never a NodeHost: refused above)
                 block_tokens=geometry.block_tokens,
                 engine_block_tokens=geometry.engine_block_tokens,
                 self_describing=config.self_describing_kv_events,
@@ -156,6 +178,20 @@ class KVTierScheduler:
         self._worker_stats = KVTierStats()
         self._reported_gauges: dict[str, int | None] = {}
         self._said_uncacheable: set[Uncacheable] = set()
+
+    def _embedded(self, config: KVTierConfig, model: ModelIdentity, admission: StoreAdmission) -> Orchestrator:
+        """The engine's own host tier (its ranks' shared-memory regions) and secondary tiers."""
+        geometry = self.geometry
+        layout = geometry.layout
+        orchestrator = Orchestrator(
+            host=HostIndex(layout.num_slots, config.eviction_policy),
+            host_bytes=HostBytes([r.view for r in self._regions], layout.slot_bytes),
+            tiers=[open_tier(tier, model_name=geometry.model_name, namespace=self.namespace,
+                             namespace_json=self.namespace.config_json(geometry.model_name),
+                             payload_bytes=layout.slot_bytes)
+                   for tier in config.secondary_tiers],  # cascade order: disk, then Redis
+            admission=admission,
+        )
         logger.info(
             "kvtier: host tier %d slots x %.1f MiB x %d rank(s)%s = %.2f GiB; block %d tokens%s%s",
             layout.num_slots,
@@ -168,6 +204,7 @@ class KVTierScheduler:
             if geometry.num_groups > 1 else "",
             f"; disk tier {config.disk.root_dir} ({config.disk.capacity_bytes / 2**30:.1f} GiB)" if config.disk else "",
         )
+        return orchestrator
 
     # --- request bookkeeping -------------------------------------------------------------
     def _state(self, request: Request) -> RequestState:
@@ -254,8 +291,10 @@ class KVTierScheduler:
         if self.geometry.state_groups:
             keys = self._resumable_run(keys)
             run_end = first_block + len(keys)
-        else:
+        elif self._tails:  # where a tail could continue the run (without tails, acquire finds the run)
             run_end = first_block + self.orchestrator.leading_run(keys)
+        else:
+            run_end = max_blocks
         tail = self._find_tail(state, run_end, request.num_tokens - 1 - run_end * block)
         if tail is not None:
             keys = keys[: run_end - first_block] + [tail[0]]
@@ -308,7 +347,8 @@ class KVTierScheduler:
         self.orchestrator.trim_hold(request.request_id, end_block - first_block)
         keys = self.orchestrator.held(request.request_id)
         assert len(keys) == end_block - first_block, "load plan out of sync with the hold"
-        slots = self.orchestrator.slots_of(keys)
+        rank_slots = self.orchestrator.held_slots(request.request_id)
+        slots = [s[0] for s in rank_slots]
         pages = [
             PageCopy(slots[engine_index // per_block - first_block], engine_index % per_block, group_ids[engine_index],
                      group)
@@ -318,7 +358,8 @@ class KVTierScheduler:
         ]
         self._engine_blocks.note_load_destinations(p.block_id for p in pages)
         job_id = next(self._job_ids)
-        self._step_loads.append(CopyJob(job_id, request.request_id, pages))
+        self._step_loads.append(self._copy_job(job_id, request.request_id, pages, rank_slots,
+                                               pool_of=request.request_id))
         self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)
         state.jobs.add(job_id)
         if self._events is not None:  # full blocks only (a tail is no block of vLLM's), with their state
@@ -387,7 +428,10 @@ class KVTierScheduler:
                 self.orchestrator.stats.stores_voided += len(job.keys)
 
     def _build_stores(self, scheduler_output: SchedulerOutput) -> list[CopyJob]:
-        jobs: list[CopyJob] = []
+        """The step's store jobs: the blocks each request completed, their slots reserved in ONE
+        batched call for the whole step (one round trip when attached to a node)."""
+        planned: list[tuple[RequestState, list[tuple[BlockKey, int, list, bool]], list[tuple[int, BlockKey]]]] = []
+        blocks_asked: list[tuple[BlockKey, BlockInfo]] = []
         scheduled = scheduler_output.num_scheduled_tokens
         computed_before = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -398,14 +442,14 @@ class KVTierScheduler:
             state = self._requests.get(req_id)
             if state is None or not state.cacheable:
                 continue
-            request = state.request
             limit = self._offload_limit(state, before + scheduled.get(req_id, 0))
             tables = [ids for group, ids in enumerate(state.block_ids) if group not in self.geometry.state_groups]
             num_full = min(limit // block, min(map(len, tables), default=limit) // per_block)
             if num_full <= state.next_store_block:
                 continue
             state.extend_keys(num_full)
-            keys, blocks, pages, present = [], [], [], []
+            wanted: list[tuple[BlockKey, int, list, bool]] = []  # key, block index, its pages, announced
+            present: list[tuple[int, BlockKey]] = []
             for index in range(state.next_store_block, num_full):
                 key = state.keys[index]
                 block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block)
@@ -416,23 +460,45 @@ class KVTierScheduler:
                 if block_pages is None:
                     continue  # a group holds no block for some of it (below a sliding window)
                 announced = key == state.keys[index]  # KV events: blocks a request can resume from
-                slot = self.orchestrator.begin_store(key, BlockInfo(state.parent_of(index), block))
-                if slot is None:
+                wanted.append((key, index, block_pages, announced))
+                blocks_asked.append((key, BlockInfo(state.parent_of(index), block)))
+            state.next_store_block = num_full
+            planned.append((state, wanted, present))
+        slots_of = iter(self.orchestrator.begin_stores(blocks_asked))
+        jobs: list[CopyJob] = []
+        for state, wanted, present in planned:
+            keys, blocks, pages, rank_slots = [], [], [], []
+            for key, index, block_pages, announced in wanted:
+                slots = next(slots_of)
+                if slots is None:
                     if announced:
                         present.append((index, key))  # stored already, or refused (learn() checks)
                     continue
                 keys.append(key)
                 blocks.append(index if announced else -1)
-                pages.extend(PageCopy(slot, sub, block_id, group) for sub, group, block_id in block_pages)
-            state.next_store_block = num_full
+                rank_slots.append(slots)
+                pages.extend(PageCopy(slots[0], sub, block_id, group) for sub, group, block_id in block_pages)
             if present and self._events is not None:
-                self._events.learn(request, present)
+                self._events.learn(state.request, present)
             if keys:
-                jobs.append(self._new_store(state, keys, pages, blocks))
+                jobs.append(self._new_store(state, keys, pages, blocks, rank_slots))
         return jobs
 
+    def _copy_job(self, job_id: int, req_id: str, pages: list[PageCopy],
+                  rank_slots: list[tuple[int, ...]], pool_of: str | None = None) -> CopyJob:
+        """A copy job; attached to a node, it names the pool its slots are in (``pool_of``: the
+        owner whose hold they are, for a load; else the current attachment's, where a step's stores
+        were just reserved) and, when a block's slots differ between ranks, each rank's
+        (``rank_slots``: every block's slots, rank order)."""
+        if not isinstance(self.orchestrator, NodeHost):
+            return CopyJob(job_id, req_id, pages)
+        differ = any(len(set(slots)) > 1 for slots in rank_slots)
+        pool_id = self.orchestrator.held_pool(pool_of) if pool_of is not None else self.orchestrator.pool_id
+        return CopyJob(job_id, req_id, pages, pool_id=pool_id,
+                       rank_slots={slots[0]: slots for slots in rank_slots} if differ else None)
+
     def _new_store(self, state: RequestState, keys: list[BlockKey], pages: list[PageCopy],
-                   blocks: list[int] | None = None) -> CopyJob:
+                   blocks: list[int] | None = None, rank_slots: list[tuple[int, ...]] | None = None) -> CopyJob:
         """Register a store job of ``state``'s request (its engine blocks fenced until it is done)."""
         job_id = next(self._job_ids)
         req_id = state.request.request_id
@@ -440,7 +506,7 @@ class KVTierScheduler:
                                   sources={p.block_id for p in pages})
         self._engine_blocks.fence(job_id, self._jobs[job_id].sources)
         state.jobs.add(job_id)
-        return CopyJob(job_id, req_id, pages)
+        return self._copy_job(job_id, req_id, pages, rank_slots or [])
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -517,11 +583,11 @@ class KVTierScheduler:
         if len(state.keys) < num_full:
             return
         key = state.tail_key_of(num_full, limit)
-        slot = self.orchestrator.begin_store(key, BlockInfo(state.parent_of(num_full), tail_tokens, tail=True))
-        if slot is None:
+        [slots] = self.orchestrator.begin_stores([(key, BlockInfo(state.parent_of(num_full), tail_tokens, tail=True))])
+        if slots is None:
             return
-        pages = [PageCopy(slot, sub, block_id, group) for sub, group, block_id in block_pages]
-        self._tail_stores.append(self._new_store(state, [key], pages))
+        pages = [PageCopy(slots[0], sub, block_id, group) for sub, group, block_id in block_pages]
+        self._tail_stores.append(self._new_store(state, [key], pages, rank_slots=[slots]))
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]

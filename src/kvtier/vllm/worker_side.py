@@ -19,6 +19,14 @@ Runs in each vLLM worker process; vLLM calls every hook on the worker's main thr
 Owns rank ``r``'s host region: creates it in ``register_kv_caches`` and unlinks its name at
 shutdown (the scheduler normally unlinks it first, right after attaching).
 
+Attached to a kvtier node (``node`` in the connector config, :mod:`kvtier.runtime.node_host`):
+rank ``r``'s region holds its page description only; its slots are the node pool's, which each
+rank maps itself (the memfd the service passes at hello, over its own connection) and copies into
+and out of; bytes never cross the socket. A job names the pool its slots belong to (``pool_id``):
+a rank mapping another pool (the service restarted) first reattaches, waiting for its copies in
+flight to finish (they keep the old mapping alive), and fails the job if the ids still differ, so
+no store is copied into one pool and committed in another. A failed load is recomputed by vLLM.
+
 Replicated KV (``EngineGeometry.replicated``: MLA under tensor parallelism, every rank holds the
 same latent): one copy is stored, rank 0's. Rank 0 creates the only region; every other rank
 attaches it (and checks that its own pages are laid out exactly as rank 0 published), loads from
@@ -29,6 +37,7 @@ waits for rank 0's copy, as it waits for every rank's report).
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 
 import torch
@@ -37,18 +46,29 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvtier.copy import CopyEngine, Direction, HostPinning, HostSlots, PagedKV, make_copy_engine, pin_host_memory
-from kvtier.copy.pages import padded_pages
+from kvtier.copy.base import CopyDone
+from kvtier.node import NodeClient, NodeError, NodeUnavailable
+from kvtier.node.protocol import Role
+from kvtier.runtime.node_host import NODE_REGION_BYTES, connect_node
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.vllm.geometry import EngineGeometry
-from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierWorkerMetadata
+from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierWorkerMetadata
 from kvtier.vllm.page_format import attention_backends, describe_pages, encode_description
+from kvtier.vllm.rocm_layout import rocm_shuffled_kv_cache
 
 logger = logging.getLogger(__name__)
 
 
 class KVTierWorker:
-    def __init__(self, vllm_config: VllmConfig, geometry: EngineGeometry, kv_cache_config: KVCacheConfig):
+    def __init__(self, vllm_config: VllmConfig, geometry: EngineGeometry, kv_cache_config: KVCacheConfig,
+                 node: str | None = None):
+        """``node``: the connector config's ``node`` socket (None: an embedded host region)."""
         self.vllm_config = vllm_config
+        self.node = node
+        self._node: NodeClient | None = None
+        self._pool_id: str | None = None
+        self._paged: PagedKV | None = None
+        self._carried: list[CopyDone] = []  # completions of a copy engine replaced at a reattach, or failed jobs
         self.geometry = geometry
         self.rank = vllm_config.parallel_config.rank
         self.num_blocks = kv_cache_config.num_blocks
@@ -69,36 +89,96 @@ class KVTierWorker:
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = self.geometry.layout
-        state_layers = {i for group in self.geometry.state_groups for i in self.geometry.layer_groups[group]}
-        paged = PagedKV(
-            [padded_pages(kv_caches[name], self.num_blocks, layout.page_bytes) if i in state_layers else kv_caches[name]
-             for i, name in enumerate(self.geometry.layer_names)],
-            self.num_blocks, self.geometry.layer_groups or None,
-        )
+        # Each layer's pages as vLLM sized them, padding included (padded attention, skip-quantized
+        # sliding-window and Mamba state pages; per-layer sizes in a mixed-type group).
+        paged = PagedKV([kv_caches[name] for name in self.geometry.layer_names], self.num_blocks,
+                        self.geometry.layer_groups or None, self.geometry.layer_page_bytes or None)
         if paged.page_bytes != layout.page_bytes:
             raise RuntimeError(
                 f"kvtier: engine KV page is {paged.page_bytes} B but the KV cache spec says {layout.page_bytes} B"
             )
         names = self.geometry.layer_names
         description = describe_pages(
-            kv_caches, names, self.num_blocks, attention_backends(self.vllm_config, names), self.kv_cache_layout
+            kv_caches, names, self.num_blocks, attention_backends(self.vllm_config, names), self.kv_cache_layout,
+            rocm_shuffled=rocm_shuffled_kv_cache(),
         )
         published = encode_description(description)
+        region_bytes = layout.region_bytes if self.node is None else NODE_REGION_BYTES
         if self._stores_pages:
-            self.region = SharedRegion.create(region_name(self.geometry.engine_id, self.rank), layout.region_bytes)
+            self.region = SharedRegion.create(region_name(self.geometry.engine_id, self.rank), region_bytes)
             atexit.register(self.region.unlink)  # in case no scheduler ever attached and unlinked it
             self.region.publish(published)  # the scheduler folds it into the namespace
         else:  # replicated KV: rank 0's region (attach waits until rank 0 created and described it)
-            self.region = SharedRegion.attach(region_name(self.geometry.engine_id, 0), layout.region_bytes)
+            self.region = SharedRegion.attach(region_name(self.geometry.engine_id, 0), region_bytes)
             if self.region.description != published:
                 raise RuntimeError(
                     f"kvtier: rank {self.rank}'s KV pages are laid out differently from rank 0's, so the KV "
                     "cannot be stored once for all ranks (replicated MLA latent); this is a bug, please "
                     "report it with both ranks' attention backends"
                 )
+        if self.node is not None:
+            self._paged = paged
+            self._node = connect_node(self.node, engine=f"{self.geometry.engine_id}/rank{self.rank}",
+                                      role=Role.WORKER, slot_bytes=layout.slot_bytes)
+            self._map_pool()
+            return
         buffer = self._buffer = torch.frombuffer(self.region.view, dtype=torch.uint8)
         self._pinning = pin_host_memory(buffer, layout.slot_bytes)
         self.copies = make_copy_engine(paged, HostSlots(buffer, layout))
+
+    # --- the node pool ---------------------------------------------------------------------
+    def _map_pool(self) -> None:
+        """Build the copy engine over the pool the node client just attached to (its mapping is
+        this worker's from now on: the tensors view it until they are dropped)."""
+        assert self._node is not None and self._paged is not None
+        mapping = self._node.take_pool()
+        attachment = self._node.attachment
+        assert mapping is not None and attachment is not None, "a worker's hello always carries the pool"
+        layout = dataclasses.replace(self.geometry.layout, num_slots=mapping.num_slots)
+        if mapping.stride != layout.slot_bytes:
+            raise RuntimeError(
+                f"kvtier: this engine's blocks are {layout.slot_bytes} bytes per rank, not a multiple of 4 KiB, so "
+                f"they cannot be laid out contiguously in the kvtier node's pool (slot stride {mapping.stride}); "
+                "remove 'node' from the connector config, or use another 'block_size'")
+        buffer = self._buffer = torch.frombuffer(mapping.view, dtype=torch.uint8, count=layout.region_bytes)
+        self._pinning = pin_host_memory(buffer, layout.slot_bytes)
+        self.copies = make_copy_engine(self._paged, HostSlots(buffer, layout))
+        self._pool_id = attachment.pool_id
+        logger.info("kvtier: rank %d mapped the kvtier node's pool %s (%d slots)", self.rank, self._pool_id,
+                    mapping.num_slots)
+
+    def _reattach(self) -> None:
+        """The scheduler works in another pool (the service restarted): finish this rank's copies
+        on the old one, then map the new one. On failure the old engine stays (its jobs fail)."""
+        assert self._node is not None
+        try:
+            self._node.connect()
+        except (NodeUnavailable, NodeError) as exc:
+            logger.warning("kvtier: rank %d cannot reattach to the kvtier node: %s", self.rank, exc)
+            return
+        if self.copies is not None:
+            self.copies.wait()
+            self._carried.extend(self.copies.poll())
+            self.copies.close()
+            self.copies = None
+        self._pinning.release()
+        self._map_pool()
+
+    def _runnable(self, job: CopyJob, direction: Direction) -> CopyJob | None:
+        """``job`` with this rank's slots, if its slots are in the pool this rank maps (reattaching
+        first if the pool changed); else None, and the job is reported failed."""
+        if job.pool_id is None or self._node is None:
+            return job
+        if job.pool_id != self._pool_id:
+            self._reattach()
+        if job.pool_id != self._pool_id:
+            self._carried.append(CopyDone(job.job_id, direction, False, 0, 0.0))
+            return None
+        if job.rank_slots is not None and self.rank > 0:
+            table = job.rank_slots
+            job = dataclasses.replace(job, pages=[dataclasses.replace(p, slot=table[p.slot][self.rank])
+                                                  for p in job.pages])
+        return job
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
         if meta.flush_job_ids and self.copies is not None:
@@ -106,14 +186,16 @@ class KVTierWorker:
 
     def start_loads(self, meta: KVTierConnectorMetadata) -> None:
         """Start this step's hits into the engine blocks, ordered before the forward."""
-        assert self.copies is not None
         for job in meta.loads:
             self._load_blocks[job.job_id] = [p.block_id for p in job.pages]
             self._load_req[job.job_id] = job.req_id
-            self.copies.start_load(job.job_id, job.pages, synchronous=not self.geometry.asynchronous_loads)
+            runnable = self._runnable(job, Direction.LOAD)
+            if runnable is None:
+                continue
+            assert self.copies is not None
+            self.copies.start_load(job.job_id, runnable.pages, synchronous=not self.geometry.asynchronous_loads)
 
     def start_stores(self, meta: KVTierConnectorMetadata) -> None:
-        assert self.copies is not None
         self._delayed.update(meta.delayed_free_req_ids)
         for job in meta.stores:
             if not self._stores_pages:
@@ -121,7 +203,11 @@ class KVTierWorker:
                 continue
             self._store_req[job.job_id] = job.req_id
             self._store_jobs_of.setdefault(job.req_id, set()).add(job.job_id)
-            self.copies.start_store(job.job_id, job.pages)
+            runnable = self._runnable(job, Direction.STORE)
+            if runnable is None:
+                continue
+            assert self.copies is not None
+            self.copies.start_store(job.job_id, runnable.pages)
 
     def take_transfer_results(self) -> KVConnectorTransferResults:
         """Collect completed copies. ``finished_sending``: the requests whose delayed block frees
@@ -129,9 +215,10 @@ class KVTierWorker:
         blocks as load errors (vLLM recomputes from the first); an asynchronous load reports its
         request in ``finished_recving``, and also in ``failed_recving`` if it failed."""
         results = KVConnectorTransferResults()
-        if self.copies is None:
+        if self.copies is None and not self._carried:
             return results
-        for done in self.copies.poll():
+        finished, self._carried = self._carried, []
+        for done in finished + (self.copies.poll() if self.copies is not None else []):
             self._meta.completed[done.job_id] = 1
             if not done.ok:
                 self._meta.failed[done.job_id] = 1
@@ -191,3 +278,5 @@ class KVTierWorker:
         self._pinning.release()
         if self.region is not None and self._stores_pages:
             self.region.unlink()
+        if self._node is not None:
+            self._node.close()

@@ -7,7 +7,7 @@ random bytes in every process (:class:`SeedKind`). A namespace therefore carries
 and a digest of the engine's first-block parent hash (:class:`HashSeed`): never the seed, which
 must stay secret for xxhash.
 
-The model is identified as kvtier's own connector does it (:mod:`kvtier.runtime.fingerprint`):
+The model is identified as kvtier's own connector does it (:mod:`kvtier.runtime.model_identity`):
 by its weight files, not its name, so a fine-tune with the same ``config.json`` never matches.
 A native tier sees only the model name vLLM loaded (a folder, or a Hugging Face repo id read from
 the local cache), not vLLM's whole configuration; ``model_identity`` names the weights instead
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import json
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,15 +27,12 @@ from pathlib import Path
 import blake3
 
 from kvtier.core.keys import ModelIdentity
-from kvtier.core.values import ConfigError
-from kvtier.runtime.fingerprint import FingerprintError, fingerprint_weights
-
-logger = logging.getLogger(__name__)
+from kvtier.runtime.model_identity import config_digest as stable_config_digest
+from kvtier.runtime.model_identity import locate_weights, weights_digest
 
 CRYPTOGRAPHIC_HASHES = frozenset({"sha256", "sha256_cbor"})
 """vLLM's prefix-caching hash functions whose default seed is fixed (the others' is random)."""
 _SEED_DOMAIN = b"kvtier/vllm-hash-seed\0"
-_VOLATILE_CONFIG_KEYS = ("_name_or_path", "transformers_version", "_commit_hash", "_attn_implementation")
 
 
 class SeedKind(enum.Enum):
@@ -91,22 +87,14 @@ def private_seed_warning(tier: str, seed: HashSeed) -> str:
     )
 
 
+SETTING = "\"model_identity\" in the tier's entry"
+"""Where an operator names the weights of a native tier."""
+
+
 def weights_folder(model: str) -> Path:
     """Where the weights of ``model`` (what vLLM loaded: a folder, a file, or a Hugging Face repo id
     resolved in the local cache) are. Raises ConfigError naming the fix when none is found."""
-    path = Path(model).expanduser()
-    if path.exists():
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(model, local_files_only=True))
-    except Exception as exc:
-        raise ConfigError(
-            f"kvtier cannot identify the weights of {model!r}: it is neither a local path nor in the "
-            f"Hugging Face cache ({exc}). Set \"model_identity\" in the tier's entry to a string that "
-            "changes whenever the weights change (e.g. the release tag), or serve from a local folder."
-        ) from None
+    return locate_weights(os.path.expanduser(model), setting=SETTING)
 
 
 def config_digest(folder: Path) -> str:
@@ -117,10 +105,7 @@ def config_digest(folder: Path) -> str:
         config = json.loads(config_file.read_text())
     except (OSError, ValueError):
         return ""
-    for key in list(config):
-        if key.startswith(_VOLATILE_CONFIG_KEYS):
-            del config[key]
-    return blake3.blake3(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return stable_config_digest(config)
 
 
 def model_identity(model: str, kv_dtype: str, operator_identity: str | None = None) -> ModelIdentity:
@@ -133,17 +118,8 @@ def model_identity(model: str, kv_dtype: str, operator_identity: str | None = No
         return ModelIdentity(weights="operator:" + operator_identity,
                              config=config_digest(folder) if folder.exists() else "", dtype=kv_dtype)
     folder = weights_folder(model)
-    try:
-        fingerprint = fingerprint_weights(folder)
-    except FingerprintError as exc:
-        raise ConfigError(
-            f"kvtier cannot fingerprint the weights of {model!r}: {exc}. Set \"model_identity\" in the "
-            "tier's entry to a string that changes whenever the weights change."
-        ) from None
-    if fingerprint.seconds > 1:
-        logger.info("kvtier: fingerprinted %d weight files (%.1f GB, %s) in %.1f s; cached for the next start",
-                    fingerprint.files, fingerprint.bytes / 1e9, fingerprint.method, fingerprint.seconds)
-    return ModelIdentity(weights=fingerprint.digest, config=config_digest(folder), dtype=kv_dtype)
+    return ModelIdentity(weights=weights_digest(folder, model, setting=SETTING), config=config_digest(folder),
+                         dtype=kv_dtype)
 
 
 def pythonhashseed() -> str | None:

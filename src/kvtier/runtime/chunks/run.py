@@ -10,9 +10,19 @@ the model (:class:`~kvtier.core.keys.ModelIdentity`) and the hash seed
 through vLLM's offloading holds ordinary kvtier namespaces: ``config.json``, per-rank digests in
 every record header, readable by ``kvtier inspect / verify / purge``.
 
-Facts kvtier's own connector takes from its workers (attention backends, per-layer page shapes)
-are not visible to a scheduler-side tier; the namespace names what is: device type, attention
-backend when the operator pins one, KV cache layout, dtype, bytes per block. Pure data, no I/O.
+Facts kvtier's own connector takes from its workers (the attention backend each layer got, per-layer
+page shapes and memory orders) are not visible to a scheduler-side tier: vLLM picks the backend in
+its workers and hands a tier only its offloading config. The namespace names what is visible and
+changes the bytes: device type, KV cache layout (as configured), dtype, bytes per block, and
+ROCm's shuffled KV layout (``VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT``: same page size, other bytes).
+Engines sharing a root or a Redis server must therefore run the same attention backend (the same
+vLLM build, GPU generation and ``--attention-backend``); kvtier's own connector checks it.
+
+Compatibility: the page format's ``backends`` pair was (device, ``VLLM_ATTENTION_BACKEND`` or
+"auto"); vLLM 0.32 never reads that variable, so it is no longer read and the pair's second slot
+is the constant "auto" every namespace so far was written with (their digests are unchanged). The
+shuffled layout enters the namespace only when on, so other namespaces keep theirs too. Pure data,
+no I/O.
 """
 
 from __future__ import annotations
@@ -25,6 +35,10 @@ from kvtier.runtime.chunks.identity import HashSeed
 
 NATIVE_FORMAT = "vllm-offloading/1"
 """Names this mapping of vLLM's offloaded chunks onto kvtier records (in every namespace's pages)."""
+
+BACKEND_SLOT = "auto"
+"""The second slot of every native page format's ``backends``: a constant (see the module
+docstring: a scheduler-side tier cannot see the backend; "auto" keeps old namespaces' digests)."""
 
 
 @dataclass(frozen=True)
@@ -57,7 +71,7 @@ class EngineRun:
     canonical_layout: bool = False
     kv_cache_layout: str | None = None
     device: str = "cpu"
-    attention_backend: str = "auto"
+    rocm_shuffled_kv: bool = False  # vLLM's ROCm AITER shuffled page layout (same size, other bytes)
     num_kv_heads: int = 0  # per rank, from the model's config.json (0: not known)
     head_size: int = 0
 
@@ -97,13 +111,15 @@ def namespace(run: EngineRun, model: ModelIdentity, seed: HashSeed) -> Namespace
                      "dcp": run.dcp_size, "replicated": run.replicated},
         "canonical_layout": run.canonical_layout,
     }
+    if run.rocm_shuffled_kv:  # only when on: every other namespace keeps its digest
+        facts["rocm_shuffled_kv_cache"] = True
     page = PageFormat(
         engine_block_tokens=run.groups[0].tokens_per_block,
         kv_dtype=run.kv_dtype,
         layout=run.kv_cache_layout or "default",
         attention=",".join("full" if g.sliding_window_chunks is None else f"sliding:{g.sliding_window_chunks}"
                            for g in run.groups),
-        backends=(run.device, run.attention_backend),
+        backends=(run.device, BACKEND_SLOT),
         num_layers=sum(len(group.layer_names) for group in run.groups),
         num_kv_heads=run.num_kv_heads,
         head_size=run.head_size,

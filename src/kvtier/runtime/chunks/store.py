@@ -5,6 +5,20 @@ An engine job moves several chunks at once (rows of the engine's shared region, 
 submits one tier job per chunk and reports each engine job once, when all of its chunks are done
 (:class:`JobOutcome`: which chunks succeeded; a chunk that failed is a miss).
 
+A store job of any size is taken whole. vLLM hands a whole step's chunks over at once (an 8k-token
+prefill in 16-token chunks: ~512) and never retries; the tier bounds only its writes in flight
+(:meth:`~kvtier.tiers.base.SecondaryTier.write_room`). Chunks beyond that wait here, in order,
+and go to the tier as its writes complete (on :meth:`ChunkStore.poll`); their rows stay pinned by
+the engine until the job's outcome is reported. The job then takes as long as the tier needs, which
+is what vLLM's backpressure detector measures (seconds per byte of a successful job): its cascade
+slows instead of losing chunks. Only a tier that takes no writes at all (closed, server down) fails
+the chunks still waiting (``stores_dropped``).
+
+Recency. A chunk offered for storing that the tier already holds is a use of it: the tier touches
+it (the disk tier's LRU; Redis: EXPIRE or TOUCH) and the job succeeds without I/O. vLLM 0.32's
+connector never calls a secondary tier's ``touch``; it offers every chunk of a request, hits
+included, to tiers that ask for request-level offloading (see :mod:`kvtier.vllm.native.tiers`).
+
 Keys. An engine key (vLLM: block hash + group index) becomes a 32-byte kvtier key bound to the
 namespace (:func:`chunk_key`), so a record is found only in the namespace that wrote it, and its
 header (namespace digest, key, checksum) is checked on every read by the tier itself: a record of
@@ -21,7 +35,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -32,9 +46,14 @@ from kvtier.core.residency import ChangeKind
 from kvtier.runtime.chunks.rows import Rows
 from kvtier.runtime.orchestrator import REFRESH_INTERVAL_S
 from kvtier.tiers.base import IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage
+from kvtier.tiers.outbox import wait_for_any
 
 _KEY_DOMAIN = b"kvtier/vllm-offload-key\0"
-DRAIN_POLL_S = 0.001
+MAX_REMEMBERED_KEYS = 1 << 20
+"""Engine key -> kvtier key pairs a store remembers (~200 MB at most) before it starts over."""
+_PRESENT, _UNKNOWN = Presence.PRESENT, Presence.UNKNOWN
+DRAIN_WAIT_S = 1.0
+"""The longest :meth:`ChunkStore.drain` sleeps between checks (it wakes when the tier posts)."""
 
 
 def chunk_key(namespace_digest: bytes, engine_key: bytes) -> BlockKey:
@@ -50,6 +69,7 @@ class Answer(enum.Enum):
     HIT = "hit"
     MISS = "miss"
     RETRY = "retry"  # a remote tier is being asked; ask again later
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,25 +94,36 @@ class _OpenJob:
     failed: list[bytes] = field(default_factory=list)
 
 
-READ_FAILURES = {IoError.CORRUPT: "rejected", IoError.NOT_FOUND: "vanished", IoError.IO: "io_error"}
+READ_FAILURES = {IoError.CORRUPT: "rejected", IoError.UNAUTHENTICATED: "unauthenticated",
+                 IoError.NOT_FOUND: "vanished", IoError.IO: "io_error"}
 """How a failed read is counted: ``rejected`` (bad checksum, short or foreign record: quarantined or
-deleted), ``vanished`` (evicted or deleted since the lookup), ``io_error``."""
+deleted), ``unauthenticated`` (no valid MAC under the tier's fleet keys: quarantined or deleted), ``vanished`` (evicted or deleted since the lookup), ``io_error``."""
 
 
 class ChunkStore:
     """``tier`` holding the chunks of one namespace (``namespace_digest``); ``rows`` the engine's region."""
 
     def __init__(self, tier: SecondaryTier, rows: Rows, *, namespace_digest: bytes, chunk_tokens: int,
-                 record_residency: bool = False, refresh_interval_s: float = REFRESH_INTERVAL_S):
+                 record_residency: bool = False, refresh_interval_s: float = REFRESH_INTERVAL_S,
+                 answers: tuple[object, object, object] = (Answer.HIT, Answer.MISS, Answer.RETRY)):
+        """``answers``: what :meth:`lookup` returns for a hit, a miss and "ask again" (an engine's own
+        values, so that its hot path needs no translation)."""
         self.tier = tier
+        self._hit, self._miss, self._retry = answers
         self._refresh_interval_s = refresh_interval_s
         self._next_refresh = time.monotonic() + refresh_interval_s
         self._rows = rows
         self._digest = bytes(namespace_digest)
         self._chunk_tokens = chunk_tokens
         self._ids = itertools.count(1)
+        self._keys: dict[bytes, BlockKey] = {}  # engine key -> kvtier key (see key_of)
+        self._presence = tier.presence
+        self._held = tier.held_keys
+        self._knows_absence = tier.knows_absence
         self._subs: dict[int, tuple[int, bytes]] = {}  # tier job id -> (engine job id, engine key)
         self._jobs: dict[int, _OpenJob] = {}
+        # chunks taken but not yet given to the tier (no room): (engine job id, engine key, row), in order
+        self._waiting: deque[tuple[int, bytes, int]] = deque()
         self._ready: list[JobOutcome] = []
         self.counts: Counter[str] = Counter()
         # kvtier key -> engine key, for residency changes (kept only while they are recorded)
@@ -101,21 +132,41 @@ class ChunkStore:
             tier.residency.enable()
 
     def key_of(self, engine_key: bytes) -> BlockKey:
-        return chunk_key(self._digest, engine_key)
+        """The kvtier key of ``engine_key``, derived once and remembered (a deferred request asks
+        for the same keys on every step: a dict lookup instead of a BLAKE3 each time)."""
+        key = self._keys.get(engine_key)
+        if key is None:
+            if len(self._keys) >= MAX_REMEMBERED_KEYS:
+                self._keys.clear()
+            key = self._keys[engine_key] = chunk_key(self._digest, engine_key)
+        return key
 
     # ------------------------------------------------------------------ lookups
 
-    def lookup(self, engine_key: bytes) -> Answer:
-        """From memory: HIT, MISS, or RETRY while a remote tier asks its server (probe queued)."""
-        key = self.key_of(engine_key)
-        presence = self.tier.presence(key)
-        if presence is Presence.PRESENT:
-            self._name(key, engine_key)
-            return Answer.HIT
-        if presence is Presence.UNKNOWN:
+    def lookup(self, engine_key: bytes, _context: object = None) -> object:
+        """From memory: hit, miss, or "ask again" while a remote tier asks its server (probe
+        queued), as the ``answers`` given at construction. The scheduler's hot path (once per chunk
+        per lookup pass): kept flat; ``_context`` (ignored) lets an engine call it as its own lookup."""
+        key = self._keys.get(engine_key)
+        if key is None:
+            key = self.key_of(engine_key)
+        held = self._held
+        if held is not None:  # the keys the tier vouches for (a local tier: its index), without a call
+            if key in held:
+                if self._names is not None:
+                    self._names[key] = engine_key
+                return self._hit
+            if self._knows_absence:
+                return self._miss
+        presence = self._presence(key)
+        if presence is _PRESENT:
+            if self._names is not None:
+                self._names[key] = engine_key
+            return self._hit
+        if presence is _UNKNOWN:
             self.tier.probe([key])
-            return Answer.RETRY
-        return Answer.MISS
+            return self._retry
+        return self._miss
 
     def touch(self, engine_keys: Sequence[bytes]) -> None:
         self.tier.touch([self.key_of(k) for k in engine_keys])
@@ -123,17 +174,22 @@ class ChunkStore:
     # ------------------------------------------------------------------ jobs
 
     def submit_store(self, job_id: int, engine_keys: Sequence[bytes], rows: Sequence[int]) -> None:
-        """Write each chunk's row under its key (a queue that is full drops the chunk: counted)."""
+        """Write each chunk's row under its key: every chunk is taken (see the module docstring);
+        those beyond the tier's room wait here, in order, and are submitted by later polls."""
         job = self._open(job_id, IoKind.WRITE)
+        waiting, held = self._waiting, []
         for engine_key, row in zip(engine_keys, rows, strict=True):
-            sub, key = next(self._ids), self.key_of(engine_key)
-            if self.tier.submit_write(sub, key, self._digest, self._chunk_tokens, self._rows.payloads(int(row))):
-                self._subs[sub] = (job_id, engine_key)
-                job.pending += 1
-                self._name(key, engine_key)
-            else:
-                self.counts["stores_dropped"] += 1
-                job.failed.append(engine_key)
+            key = self.key_of(engine_key)
+            if self._presence(key) is _PRESENT:  # held already: a use of it (recency), no I/O
+                held.append(key)
+                job.done.append(engine_key)
+                continue
+            job.pending += 1
+            waiting.append((job_id, engine_key, int(row)))
+        if held:
+            self.tier.touch(held)
+            self.counts["stores_held"] += len(held)
+        self._feed()
         self._settle_if_done(job_id, job)
 
     def submit_load(self, job_id: int, engine_keys: Sequence[bytes], rows: Sequence[int]) -> None:
@@ -160,20 +216,38 @@ class ChunkStore:
 
     @property
     def busy(self) -> bool:
-        """Whether a job is still in flight."""
+        """Whether a job is still in flight (chunks waiting for room included)."""
         return bool(self._jobs)
+
+    @property
+    def reading(self) -> bool:
+        """Whether a load job is in flight (a request of the engine waits for it)."""
+        return any(job.kind is IoKind.READ for job in self._jobs.values())
+
+    def wait_for_outcome(self, timeout_s: float) -> bool:
+        """Block until the tier posts its next outcome, at most ``timeout_s``; True if one came.
+        Only for a caller with nothing better to do (see :mod:`kvtier.tiers.outbox`)."""
+        outbox = self.tier.outbox
+        return wait_for_any([outbox], outbox.bell, timeout_s)
+
+    @property
+    def waiting(self) -> int:
+        """Chunks taken but not yet given to the tier (waiting for room)."""
+        return len(self._waiting)
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Block until every job submitted so far is done (their outcomes come out of the next
         :meth:`poll`); a copy in flight is never cut. False if ``timeout_s`` passed first."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        outbox = self.tier.outbox
         while True:
             self._collect()
             if not self._jobs:
                 return True
-            if deadline is not None and time.monotonic() > deadline:
+            left = DRAIN_WAIT_S if deadline is None else min(DRAIN_WAIT_S, deadline - time.monotonic())
+            if left <= 0:
                 return False
-            time.sleep(DRAIN_POLL_S)
+            wait_for_any([outbox], outbox.bell, left)  # until the tier posts an outcome
 
     # ------------------------------------------------------------------ residency, usage, shutdown
 
@@ -221,6 +295,28 @@ class ChunkStore:
     def _collect(self) -> None:
         for result in self.tier.poll():
             self._apply(result)
+        if self._waiting:
+            self._feed()
+
+    def _feed(self) -> None:
+        """Give waiting chunks to the tier while it has room; fail them all if it takes no writes."""
+        waiting, tier = self._waiting, self.tier
+        room = tier.write_room()
+        while waiting and (room is None or room > 0):
+            job_id, engine_key, row = waiting.popleft()
+            sub, key = next(self._ids), self.key_of(engine_key)
+            if room is not None and tier.submit_write(sub, key, self._digest, self._chunk_tokens,
+                                                      self._rows.payloads(row)):
+                self._subs[sub] = (job_id, engine_key)
+                self._name(key, engine_key)
+                room = tier.write_room()
+                continue
+            self.counts["stores_dropped"] += 1  # the tier takes no writes (closed, server down)
+            job = self._jobs[job_id]
+            job.pending -= 1
+            job.failed.append(engine_key)
+            self._settle_if_done(job_id, job)
+            room = tier.write_room()
 
     def _apply(self, result: IoResult) -> None:
         owner = self._subs.pop(result.job_id, None)
@@ -243,9 +339,8 @@ class ChunkStore:
         self._settle_if_done(job_id, job)
 
     def _settle_if_done(self, job_id: int, job: _OpenJob) -> None:
-        if job.pending:
+        if job.pending or self._jobs.pop(job_id, None) is None:  # running, or reported already
             return
-        del self._jobs[job_id]
         ok = not job.failed
         self._ready.append(JobOutcome(job_id, ok, None if ok else tuple(job.done), job.num_bytes,
                                       time.monotonic() - job.started))

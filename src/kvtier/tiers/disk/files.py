@@ -14,6 +14,7 @@ submitted. :func:`check_header` and :func:`verify_file` (shared with ``kvtier ve
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Sequence
@@ -26,11 +27,10 @@ from kvtier.tiers.blockfile import (
     BlockHeader,
     CorruptBlockError,
     decode_header,
-    payload_checksum,
-    payload_hasher,
 )
 from kvtier.tiers.disk.layout import DiskLayout, Removal, ScanResult, is_unit, remove_file
 from kvtier.tiers.disk.ledger import Ledger, Reconciled
+from kvtier.tiers.sealing import PLAIN, Sealer, UnauthenticatedRecord
 
 logger = logging.getLogger(__name__)
 
@@ -68,28 +68,41 @@ def _as_byte_view(buf: memoryview, *, writable: bool, what: str) -> memoryview:
 
 # ---------------------------------------------------------------------- reads
 
+NOT_A_BLOCK_FILE = frozenset({errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENXIO, errno.ENODEV})
+"""Errors that say a record's path holds something no writer of kvtier puts there (a symlink, which
+the open refuses to follow; a directory; a device or socket): treated as a corrupt record."""
+
 
 def read_block(
-    layout: DiskLayout, ledger: Ledger, namespaces: Sequence[bytes], key: BlockKey, dests: Sequence[memoryview]
+    layout: DiskLayout, ledger: Ledger, namespaces: Sequence[bytes], key: BlockKey, dests: Sequence[memoryview],
+    sealer: Sealer = PLAIN,
 ) -> IoError | None:
     """Read and verify every rank's file of ``key`` into ``dests``; None when all are valid.
 
-    A corrupt file (bad header, wrong size, checksum mismatch) is moved into quarantine. After a
-    successful read the files' mtimes are refreshed (they order blocks after a restart).
+    A corrupt file (bad header, wrong size, checksum mismatch) is moved into quarantine, and so is
+    one that ``sealer`` does not accept (``UNAUTHENTICATED``: no valid MAC under the tier's keys,
+    or sealed where it has none). After a successful read the files' mtimes are refreshed (they
+    order blocks after a restart).
     """
     hex_key = key.hex()
     paths = layout.paths(hex_key)
     rank = 0
     try:
         for rank, (path, dest) in enumerate(zip(paths, dests)):
-            _read_file(path, namespaces[rank], rank, key, dest)
+            _read_file(path, namespaces[rank], rank, key, dest, sealer)
     except CorruptBlockError as exc:
-        logger.warning("kvtier disk: corrupt block file %s (%s); quarantined", paths[rank], exc)
+        unauthenticated = isinstance(exc, UnauthenticatedRecord)
+        logger.warning("kvtier disk: %s block file %s (%s); quarantined",
+                       "unauthenticated" if unauthenticated else "corrupt", paths[rank], exc)
         ledger.remove([paths[rank]], lambda _: layout.quarantine(hex_key, rank))
-        return IoError.CORRUPT
+        return IoError.UNAUTHENTICATED if unauthenticated else IoError.CORRUPT
     except FileNotFoundError:
         return IoError.NOT_FOUND
     except OSError as exc:
+        if exc.errno in NOT_A_BLOCK_FILE:  # a symlink (the open refuses to follow it), a directory, ...
+            logger.warning("kvtier disk: %s is not a block file (%s); quarantined", paths[rank], exc.strerror)
+            ledger.remove([paths[rank]], lambda _: layout.quarantine(hex_key, rank))
+            return IoError.CORRUPT
         logger.warning("kvtier disk: reading %s failed: %s", paths[rank], exc)
         return IoError.IO
     except Exception:  # a bug, but the job must still complete
@@ -99,20 +112,22 @@ def read_block(
     return None
 
 
-def _read_file(path: str, namespace: bytes, rank: int, key: BlockKey, dest: memoryview) -> None:
+def _read_file(path: str, namespace: bytes, rank: int, key: BlockKey, dest: memoryview, sealer: Sealer) -> None:
     fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_CLOEXEC | _O_NOFOLLOW)
     try:
         size = os.fstat(fd).st_size
-        header = decode_header(os.pread(fd, HEADER_LEN, 0))
+        raw = os.pread(fd, HEADER_LEN, 0)
+        header = decode_header(raw)
         check_header(header, size, namespace=namespace, key=key, rank=rank, payload_len=dest.nbytes)
+        opener = sealer.opener(header, raw)
         view, offset = dest, HEADER_LEN
         while view.nbytes:
             n = os.preadv(fd, [view], offset)
             if n <= 0:
                 raise CorruptBlockError(f"short read at offset {offset}")
             view, offset = view[n:], offset + n
-        if payload_checksum(dest) != header.checksum:
-            raise CorruptBlockError("payload checksum mismatch")
+        opener.land_in_place(dest)  # checksum or MAC (AES-GCM: decrypted in place)
+        opener.finish()
     finally:
         os.close(fd)
 
@@ -140,10 +155,11 @@ def check_header(
 
 
 def verify_file(
-    path: str, *, namespace: bytes | None, key: bytes | None, rank: int, chunk_bytes: int = 1 << 20
+    path: str, *, namespace: bytes | None, key: bytes | None, rank: int, chunk_bytes: int = 1 << 20,
+    sealer: Sealer = PLAIN,
 ) -> BlockHeader:
-    """Check one block file as :func:`read_block` does, reading the payload in ``chunk_bytes``
-    chunks (bounded memory) and copying it nowhere; returns its header.
+    """Check one block file as :func:`read_block` does (accepting what ``sealer`` accepts), reading
+    the payload in ``chunk_bytes`` chunks (bounded memory) and copying it nowhere; returns its header.
 
     Raises :class:`CorruptBlockError` (the reason) or ``OSError`` (``FileNotFoundError`` if the
     file vanished). Does not refresh the mtime: verifying is not a use.
@@ -151,19 +167,19 @@ def verify_file(
     fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
-        header = decode_header(os.pread(fd, HEADER_LEN, 0))
+        raw = os.pread(fd, HEADER_LEN, 0)
+        header = decode_header(raw)
         check_header(header, size, namespace=namespace, key=key, rank=rank)
-        hasher = payload_hasher()
+        opener = sealer.opener(header, raw)
         buf = memoryview(bytearray(min(chunk_bytes, header.payload_len) or 1))
         offset, remaining = HEADER_LEN, header.payload_len
         while remaining:
             n = os.preadv(fd, [buf[: min(remaining, buf.nbytes)]], offset)
             if n <= 0:
                 raise CorruptBlockError(f"short read at offset {offset}")
-            hasher.update(buf[:n])
+            opener.land_in_place(buf[:n])
             offset, remaining = offset + n, remaining - n
-        if hasher.intdigest() != header.checksum:
-            raise CorruptBlockError("payload checksum mismatch")
+        opener.finish()
         return header
     finally:
         os.close(fd)

@@ -31,7 +31,8 @@ class DiskTierStats:
     """Counters of one :class:`~kvtier.tiers.disk.DiskTier` (a snapshot; read ``DiskTier.stats`` again).
 
     ``read_misses`` counts ``NOT_FOUND`` reads, ``corrupt_quarantined`` files moved to quarantine
-    (by reads or by scans), ``io_errors`` failed reads, writes and unlinks. ``writes_dropped``
+    (by reads or by scans), ``unauthenticated`` reads of files without a valid MAC under the tier's
+    fleet keys (or sealed where the tier has none: quarantined too), ``io_errors`` failed reads, writes and unlinks. ``writes_dropped``
     counts writes refused because the queue was full (``submit_write`` returned False) or that
     completed ``DROPPED``: block larger than the capacity, no evictable space, a re-store of a
     block whose write :meth:`~kvtier.tiers.disk.DiskTier.clear` cancelled while it was in flight,
@@ -44,6 +45,7 @@ class DiskTierStats:
     reads_ok: int = 0
     read_misses: int = 0
     corrupt_quarantined: int = 0
+    unauthenticated: int = 0
     io_errors: int = 0
     writes_ok: int = 0
     writes_dropped: int = 0
@@ -93,6 +95,9 @@ class DiskIndex:
         self.cancelled: dict[BlockKey, bool] = {}
         self.reading: dict[BlockKey, int] = {}  # keys with reads in flight (never evicted)
         self.removed_while_reading: set[BlockKey] = set()  # such keys deleted meanwhile: never adopt
+        # Keys whose read failed with an I/O error (EIO, EACCES, ...): no longer offered, and not
+        # adopted again by a scan (the file is still there) until this process writes them anew.
+        self.unreadable: set[BlockKey] = set()
         self.unlinking: dict[BlockKey, Future] = {}  # keys whose files an unlink job will remove
         self.gen = 0  # bumped on every index insert
         self.scan_running = False
@@ -278,12 +283,16 @@ class DiskIndex:
             counts["read_misses"] += 1
         elif result.error is IoError.CORRUPT:
             counts["corrupt_quarantined"] += 1
+        elif result.error is IoError.UNAUTHENTICATED:
+            counts["unauthenticated"] += 1
         else:
             counts["io_errors"] += 1
-            return  # maybe transient: keep the block
+            # Maybe transient, but offered again it could fail again on every step (vLLM asks
+            # again after a failed promotion): the block is a miss from now on, its file left alone.
+            self.unreadable.add(key)
         if gen is not None and self.index.get(key) == gen:  # not rewritten since the read was submitted
             self.forget(key)
-            if result.error is IoError.CORRUPT:
+            if result.error in (IoError.CORRUPT, IoError.UNAUTHENTICATED):
                 self.schedule_unlink([key])  # the other ranks' files are useless now
 
     def finish_write(self, result: IoResult, outcome: WriteOutcome) -> None:
@@ -305,6 +314,7 @@ class DiskIndex:
                 self.give_way()
             return
         counts["writes_ok"] += 1
+        self.unreadable.discard(key)  # its files are this write's now
         counts["bytes_written"] += result.num_bytes
         counts["write_seconds"] += result.seconds
         if key in self.cancelled:
@@ -340,7 +350,7 @@ class DiskIndex:
                 key = fromhex(hex_key)
             except ValueError:  # not a name kvtier writes: leave the file alone
                 continue
-            if scan_gen is not None and (
+            if key in self.unreadable or scan_gen is not None and (
                 key in index or key in self.writing or key in self.unlinking or key in forgotten
             ):
                 continue

@@ -60,14 +60,14 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.core.priority import become_background_thread
 from kvtier.core.residency import ResidencyLog
-from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier, TierUsage
+from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, SecondaryTier, TierUsage
 from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import files as disk_io
 from kvtier.tiers.disk.index import DiskIndex, DiskTierStats
@@ -76,9 +76,11 @@ from kvtier.tiers.disk.ledger import Ledger, Sharing
 from kvtier.tiers.disk.messages import Msg, WriteJob, distinct_futures
 from kvtier.tiers.disk.snapshot import read_snapshot, write_snapshot
 from kvtier.tiers.disk.writer import NoSpaceLog, WriteOutcome, write_block
+from kvtier.tiers.sealing import PLAIN, Sealer
 from kvtier.tiers.outbox import Outbox
 
 logger = logging.getLogger(__name__)
+_PRESENT, _ABSENT = Presence.PRESENT, Presence.ABSENT
 
 NO_ROOM_RETRIES = 4
 """How often a write the usage ledger refuses is retried, each time after this process evicted its
@@ -109,6 +111,7 @@ class DiskTier(SecondaryTier):
         max_pending_writes: int,
         group: int = 0,
         access: Access = Access.OWNER,
+        sealer: Sealer = PLAIN,
     ) -> None:
         if len(engine_digest) < 8:
             raise ValueError(f"engine_digest must be at least 8 bytes, got {len(engine_digest)}")
@@ -130,6 +133,7 @@ class DiskTier(SecondaryTier):
 
         self._layout = DiskLayout(root_dir, model_name, engine_digest, len(rank_digests), group, access)
         self._rank_digests = tuple(bytes(d) for d in rank_digests)
+        self._sealer = sealer  # how records are sealed and which are accepted (kvtier.tiers.sealing)
         self._world = len(self._rank_digests)
         self._payload_bytes = payload_bytes
         self._file_bytes = HEADER_LEN + payload_bytes
@@ -138,6 +142,7 @@ class DiskTier(SecondaryTier):
         self._state = DiskIndex(
             block_bytes=self._world * self._file_bytes, capacity_bytes=capacity_bytes, remove_files=self._remove_files
         )
+        self._index = self._state.index  # the same dict for the tier's life (presence reads it)
         self._done = Outbox()  # the workers' posts
         self._applied: list[IoResult] = []  # results applied by close(), not yet returned by poll()
         self._closed = False
@@ -198,6 +203,13 @@ class DiskTier(SecondaryTier):
     def contains(self, key: BlockKey) -> bool:
         return key in self._state.index
 
+    def presence(self, key: BlockKey) -> Presence:
+        return _PRESENT if key in self._index else _ABSENT
+
+    @property
+    def held_keys(self) -> Container[BlockKey]:
+        return self._index
+
     def submit_read(self, job_id: int, key: BlockKey, dests: Sequence[memoryview]) -> None:
         views = self._byte_views(dests, writable=True, what="dests")
         if len(key) != KEY_BYTES:
@@ -246,6 +258,11 @@ class DiskTier(SecondaryTier):
             self._state.tail_writes.add(key)
         self._write_pool.submit(self._write_job, WriteJob(job_id, key, parent, num_tokens, views), wait_for)
         return True
+
+    def write_room(self) -> int | None:
+        if self._closed:
+            return None
+        return max(0, self._max_pending_writes - len(self._state.writing))
 
     def poll(self) -> list[IoResult]:
         results, self._applied = self._applied, []
@@ -444,7 +461,7 @@ class DiskTier(SecondaryTier):
     def _read_job(self, job_id: int, key: BlockKey, gen: int | None, dests: list[memoryview]) -> None:
         """Read every rank's file of ``key`` into ``dests`` and post the result (``gen``: see Msg.IO)."""
         start = time.perf_counter()
-        error = disk_io.read_block(self._layout, self._ledger, self._rank_digests, key, dests)
+        error = disk_io.read_block(self._layout, self._ledger, self._rank_digests, key, dests, self._sealer)
         seconds = time.perf_counter() - start
         nbytes = 0 if error is not None else self._payload_bytes * self._world
         self._done.put((Msg.IO, IoResult(job_id, IoKind.READ, key, error is None, nbytes, seconds, error), gen))
@@ -456,7 +473,7 @@ class DiskTier(SecondaryTier):
         start = time.perf_counter()
         outcome = write_block(
             self._layout, self._ledger, self._no_space, self._rank_digests,
-            job.key, job.parent, job.num_tokens, job.sources,
+            job.key, job.parent, job.num_tokens, job.sources, self._sealer,
         )
         if outcome is WriteOutcome.NO_ROOM:
             self._done.put((Msg.NO_ROOM, job))

@@ -35,9 +35,10 @@ from dataclasses import dataclass
 
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError
-from kvtier.tiers.blockfile import HEADER_LEN, encode_header, payload_checksum
+from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk.layout import DiskLayout, Removal, remove_file, unlink_quiet
 from kvtier.tiers.disk.ledger import Ledger
+from kvtier.tiers.sealing import PLAIN, Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +85,10 @@ def write_block(
     parent: BlockKey,
     num_tokens: int,
     sources: Sequence[memoryview],
+    sealer: Sealer = PLAIN,
 ) -> WriteOutcome:
-    """Write every rank's file of ``key`` from ``sources`` (see the module docstring)."""
+    """Write every rank's file of ``key`` from ``sources``, records sealed by ``sealer`` (see the
+    module docstring; an encrypted record's ciphertext is a buffer of this call's)."""
     hex_key = key.hex()
     file_bytes = HEADER_LEN + sources[0].nbytes  # every rank's payload has the same size
     temps: list[_Temp] = []
@@ -100,11 +103,10 @@ def write_block(
         charged = file_bytes * len(sources)
         surplus: list[_Temp] = []  # files another process published first
         for rank, (temp, source) in enumerate(zip(temps, sources)):
-            header = encode_header(
-                namespace=namespaces[rank], key=key, parent=parent, num_tokens=num_tokens,
-                payload_len=source.nbytes, checksum=payload_checksum(source),
+            header, payload = sealer.seal(
+                namespace=namespaces[rank], key=key, parent=parent, num_tokens=num_tokens, source=source,
             )
-            _fill(temp, header, source)
+            _fill(temp, header, payload)
             if _publish(layout, temp):
                 published.append(temp.final)
             else:

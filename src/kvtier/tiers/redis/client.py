@@ -147,6 +147,11 @@ class Replies(list):
     round_trips: int = 0
 
 
+MIN_READ_SIZE = 64 << 10
+MAX_READ_SIZE = 4 << 20
+"""Bounds of a connection's receive buffer (``socket_read_size``): a value's size, within these."""
+
+
 class RedisClient:
     """redis-py connections of one tier, and batches of data commands on them."""
 
@@ -155,6 +160,10 @@ class RedisClient:
         reader keeps a buffer that size plus slack between replies (:func:`reply_parser`)."""
         self.config = config
         self._parser = reply_parser(reply_bytes + READER_SLACK) if reply_bytes > 0 else None
+        # One recv per this many bytes: each needs the GIL again, and in an engine whose scheduler
+        # thread spins (vLLM's one-process mode, a step that schedules nothing) every GIL hand-over
+        # can wait the 5 ms switch interval; 64 KiB (redis-py's default) made a 5.9 MB value ~90.
+        self._read_size = min(max(reply_bytes, MIN_READ_SIZE), MAX_READ_SIZE)
         self.cluster = bool(config.cluster or config.nodes)
         self._lock = threading.Lock()
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
@@ -192,6 +201,7 @@ class RedisClient:
             options["command_packer"] = COMMAND_PACKER
             if self._parser is not None:
                 options["parser_class"] = self._parser
+                options["socket_read_size"] = self._read_size
         return options
 
     def _build(self) -> redis.Redis | redis.cluster.RedisCluster:

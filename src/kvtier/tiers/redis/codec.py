@@ -17,6 +17,9 @@ operator tool can verify it with nothing but the value, and a reader accepts it 
 :func:`verify_value` passes: total length, each header (magic, version, header checksum), the
 namespace digest of ITS rank, the key, the payload length and the payload checksum. There is no
 pickle or other code-loading format anywhere: a value is bytes that are checked, then copied.
+A tier with a fleet key seals each record (:mod:`kvtier.tiers.sealing`: the header's checksums
+replaced by a MAC, the payload encrypted with ``encrypt``): every function here takes the tier's
+:class:`~kvtier.tiers.sealing.Sealer` and accepts only what it accepts.
 
 A big single-rank value may be read in pieces (``GETRANGE``) and landed piece by piece
 (:class:`PieceLander`, the same checks as :func:`decode_value`).
@@ -35,15 +38,10 @@ from dataclasses import dataclass
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.tiers.blockfile import (
     HEADER_LEN,
-    BlockHeader,
     CorruptBlockError,
-    copy_and_hash,
-    copy_with_checksum,
     decode_header,
-    encode_header,
-    payload_checksum,
-    payload_hasher,
 )
+from kvtier.tiers.sealing import PLAIN, Opener, Sealer
 
 __all__ = [
     "HEADER_LEN",
@@ -110,25 +108,20 @@ def encode_value(
     parent: BlockKey,
     num_tokens: int,
     sources: Sequence[memoryview],
+    sealer: Sealer = PLAIN,
 ) -> list[bytes | memoryview]:
     """The value of a block as its parts, in order: ``[header 0, payload 0, header 1, ...]``.
 
-    The payloads are the caller's buffers themselves (not copied); the write path sends the parts
-    back to back as one value (:class:`~kvtier.tiers.redis.wire.ValueParts`), uncopied.
+    The payloads are the caller's buffers themselves (not copied; encrypted records: new buffers
+    holding the ciphertext); the write path sends the parts back to back as one value
+    (:class:`~kvtier.tiers.redis.wire.ValueParts`), uncopied.
     """
     parts: list[bytes | memoryview] = []
     for namespace, source in zip(rank_digests, sources, strict=True):
-        parts.append(
-            encode_header(
-                namespace=namespace,
-                key=key,
-                parent=parent,
-                num_tokens=num_tokens,
-                payload_len=source.nbytes,
-                checksum=payload_checksum(source),
-            )
-        )
-        parts.append(source)
+        header, payload = sealer.seal(namespace=namespace, key=key, parent=parent, num_tokens=num_tokens,
+                                      source=source)
+        parts.append(header)
+        parts.append(payload)
     return parts
 
 
@@ -138,11 +131,13 @@ def check_headers(
     *,
     rank_digests: Sequence[bytes],
     key: BlockKey,
-) -> list[BlockHeader]:
+    sealer: Sealer = PLAIN,
+) -> list[Opener]:
     """Decode a value's headers (``headers[r]``, followed by ``payload_lens[r]`` payload bytes)
     and raise :class:`CorruptBlockError` (the reason) unless each is ``key``'s record of rank r in
-    that rank's namespace with that payload length. The payload checksums are the caller's to check
-    (each :class:`BlockHeader`'s ``checksum``)."""
+    that rank's namespace with that payload length, of a kind and key ``sealer`` accepts
+    (:class:`~kvtier.tiers.sealing.UnauthenticatedRecord` otherwise). Returns each record's
+    :class:`~kvtier.tiers.sealing.Opener`: the payloads are the caller's to land through it."""
     if len(headers) != len(rank_digests) or len(payload_lens) != len(rank_digests):
         raise CorruptBlockError(f"{len(headers)} records, expected {len(rank_digests)}")
     decoded = []
@@ -160,7 +155,10 @@ def check_headers(
             raise CorruptBlockError(
                 f"rank {rank}: payload length {header.payload_len}, expected {payload_len}"
             )
-        decoded.append(header)
+        try:
+            decoded.append(sealer.opener(header, raw))
+        except CorruptBlockError as exc:
+            raise type(exc)(f"rank {rank}: {exc}") from None
     return decoded
 
 
@@ -170,17 +168,17 @@ def verify_value(
     *,
     rank_digests: Sequence[bytes],
     key: BlockKey,
+    sealer: Sealer = PLAIN,
 ) -> None:
     """Check a value already split into its records (``headers[r]``, ``payloads[r]``): raise
     :class:`CorruptBlockError` (the reason) unless every record is ``key``'s record of rank r in
-    that rank's namespace, with the announced length and checksum (:func:`check_headers`, then
-    the payloads, where they are)."""
-    decoded = check_headers(
-        headers, [payload.nbytes for payload in payloads], rank_digests=rank_digests, key=key
+    that rank's namespace, with the announced length and checksum or MAC (:func:`check_headers`,
+    then the payloads, where they are; an encrypted payload is decrypted into a scratch copy)."""
+    openers = check_headers(
+        headers, [payload.nbytes for payload in payloads], rank_digests=rank_digests, key=key, sealer=sealer
     )
-    for rank, (header, payload) in enumerate(zip(decoded, payloads)):
-        if payload_checksum(payload) != header.checksum:
-            raise CorruptBlockError(f"rank {rank}: payload checksum mismatch")
+    for rank, (opener, payload) in enumerate(zip(openers, payloads)):
+        _finish(rank, opener, payload, memoryview(bytearray(payload.nbytes)))
 
 
 def decode_value(
@@ -189,6 +187,7 @@ def decode_value(
     *,
     rank_digests: Sequence[bytes],
     key: BlockKey,
+    sealer: Sealer = PLAIN,
 ) -> None:
     """Check a whole value (a GET reply) and copy its payloads into ``dests`` (one per rank): the
     tier's read path, one pass over the bytes. The total length and every header are checked
@@ -203,19 +202,28 @@ def decode_value(
         raise CorruptBlockError(f"value is {view.nbytes} bytes, expected {expected}")
     record = HEADER_LEN + payload_bytes
     headers = [view[r * record : r * record + HEADER_LEN] for r in range(len(dests))]
-    decoded = check_headers(headers, [payload_bytes] * len(dests), rank_digests=rank_digests, key=key)
-    for rank, (header, dest) in enumerate(zip(decoded, dests)):
-        payload = view[rank * record + HEADER_LEN : (rank + 1) * record]
-        if copy_with_checksum(payload, dest) != header.checksum:
-            raise CorruptBlockError(f"rank {rank}: payload checksum mismatch")
+    openers = check_headers(headers, [payload_bytes] * len(dests), rank_digests=rank_digests, key=key,
+                            sealer=sealer)
+    for rank, (opener, dest) in enumerate(zip(openers, dests)):
+        _finish(rank, opener, view[rank * record + HEADER_LEN : (rank + 1) * record], dest)
+
+
+def _finish(rank: int, opener: Opener, payload: memoryview, dest: memoryview) -> None:
+    """Land ``payload`` into ``dest`` through ``opener`` and check it; errors name the rank."""
+    opener.land(payload, dest)
+    try:
+        opener.finish()
+    except CorruptBlockError as exc:
+        raise type(exc)(f"rank {rank}: {exc}") from None
 
 
 class PieceLander:
     """Lands ONE single-rank value read as consecutive pieces (``GETRANGE``): :meth:`feed` each
     piece in order as it arrives, then :meth:`finish`. The header is checked as soon as its 136
     bytes are in (namespace, key, payload length: :func:`check_headers`); the payload is copied
-    into ``dest`` and hashed as it lands (:func:`~kvtier.tiers.blockfile.copy_and_hash`), and
-    :meth:`finish` checks the total length and the checksum. Any mismatch raises
+    into ``dest`` and checked as it lands (the record's :class:`~kvtier.tiers.sealing.Opener`: hashed,
+    or for an encrypted record decrypted), and
+    :meth:`finish` checks the total length and the checksum or MAC. Any mismatch raises
     :class:`CorruptBlockError`; ``dest`` then holds bytes that must not be used.
 
     Pieces are not one atomic read: the value may be replaced between two of them. A payload
@@ -226,42 +234,45 @@ class PieceLander:
 
     Owned by the read thread that feeds it; ``dest`` is the caller's buffer, borrowed."""
 
-    def __init__(self, dest: memoryview, *, rank_digest: bytes, key: BlockKey) -> None:
+    def __init__(self, dest: memoryview, *, rank_digest: bytes, key: BlockKey, sealer: Sealer = PLAIN) -> None:
         self.dest = dest
         self.rank_digest = rank_digest
         self.key = key
+        self.sealer = sealer
         self.expected = HEADER_LEN + dest.nbytes
         self.received = 0
         self.done = False
         self._header_bytes = bytearray()
-        self._header: BlockHeader | None = None
-        self._hasher = payload_hasher()
+        self._opener: Opener | None = None
 
     def feed(self, piece: bytes | bytearray | memoryview) -> None:
         """Land the value's next piece (its bytes from offset :attr:`received` on)."""
         view = memoryview(piece).cast("B")
         if self.received + view.nbytes > self.expected:
             raise CorruptBlockError(f"value is longer than the {self.expected} bytes expected")
-        if self._header is None:
+        if self._opener is None:
             take = min(view.nbytes, HEADER_LEN - len(self._header_bytes))
             self._header_bytes += view[:take]
             self.received += take
             view = view[take:]
             if len(self._header_bytes) < HEADER_LEN:
                 return
-            (self._header,) = check_headers(
-                [self._header_bytes], [self.dest.nbytes], rank_digests=[self.rank_digest], key=self.key
+            (self._opener,) = check_headers(
+                [self._header_bytes], [self.dest.nbytes], rank_digests=[self.rank_digest], key=self.key,
+                sealer=self.sealer,
             )
         if view.nbytes:
             start = self.received - HEADER_LEN
-            copy_and_hash(view, self.dest[start : start + view.nbytes], self._hasher)
+            self._opener.land(view, self.dest[start : start + view.nbytes])
             self.received += view.nbytes
 
     def finish(self) -> None:
         """Check that the whole value came in and that its payload is the one its header names."""
         if self.received != self.expected:
             raise CorruptBlockError(f"value is {self.received} bytes, expected {self.expected}")
-        assert self._header is not None  # received == expected > HEADER_LEN
-        if self._hasher.intdigest() != self._header.checksum:
-            raise CorruptBlockError("rank 0: payload checksum mismatch")
+        assert self._opener is not None  # received == expected > HEADER_LEN
+        try:
+            self._opener.finish()
+        except CorruptBlockError as exc:
+            raise type(exc)(f"rank 0: {exc}") from None
         self.done = True

@@ -66,6 +66,7 @@ from kvtier.tiers.redis.codec import (
     value_bytes,
 )
 from kvtier.tiers.redis.wire import ValueParts
+from kvtier.tiers.sealing import PLAIN, Sealer, UnauthenticatedRecord
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +129,7 @@ class DataPath:
         breaker: CircuitBreaker,
         post: Callable[[list[tuple]], None],
         piece_bytes: int = PIECE_BYTES,
+        sealer: Sealer = PLAIN,
     ) -> None:
         self.client = client
         self.keys = keys
@@ -137,6 +139,7 @@ class DataPath:
         self.ttl_seconds = ttl_seconds
         self.breaker = breaker
         self.post = post
+        self.sealer = sealer  # how records are sealed and which are accepted (kvtier.tiers.sealing)
         self.piece_bytes = read_reply_bytes(self.world, payload_bytes, piece_bytes)
         self.piecewise = self.piece_bytes < HEADER_LEN + payload_bytes
         """Reads go as pieces (:meth:`_read_pieces`): one rank, values of at least two ``piece_bytes``."""
@@ -184,7 +187,7 @@ class DataPath:
             if reply is LANDED:
                 pass
             elif isinstance(reply, CorruptBlockError):
-                error = self._corrupt(job.key, str(reply), corrupt)
+                error = self._corrupt(job.key, str(reply), corrupt, isinstance(reply, UnauthenticatedRecord))
             elif reply is None:
                 error = IoError.NOT_FOUND
             elif isinstance(reply, ResponseError) and error_code(reply) == "WRONGTYPE":
@@ -214,7 +217,8 @@ class DataPath:
             if not isinstance(reply, bytes):
                 return reply
             try:
-                decode_value(reply, jobs[index].dests, rank_digests=self.rank_digests, key=jobs[index].key)
+                decode_value(reply, jobs[index].dests, rank_digests=self.rank_digests, key=jobs[index].key,
+                             sealer=self.sealer)
             except CorruptBlockError as exc:
                 return exc
             return LANDED
@@ -235,7 +239,7 @@ class DataPath:
         total = HEADER_LEN + self.payload_bytes
         offsets = range(0, total, self.piece_bytes)
         for job in jobs:
-            lander = PieceLander(job.dests[0], rank_digest=self.rank_digests[0], key=job.key)
+            lander = PieceLander(job.dests[0], rank_digest=self.rank_digests[0], key=job.key, sealer=self.sealer)
             landers.append(lander)
             name = self.keys.block(job.key)
             for offset in offsets:
@@ -270,12 +274,13 @@ class DataPath:
             outcomes.append(lost if lost is not None else LANDED if lander.done else REREAD)
         return outcomes
 
-    def _corrupt(self, key: BlockKey, reason: str, corrupt: list[BlockKey]) -> IoError:
+    def _corrupt(self, key: BlockKey, reason: str, corrupt: list[BlockKey], unauthenticated: bool = False) -> IoError:
         logger.warning(
-            "kvtier redis: corrupt value for block %s (%s); deleting it", key.hex()[:16], safe_text(reason)
+            "kvtier redis: %s value for block %s (%s); deleting it",
+            "unauthenticated" if unauthenticated else "corrupt", key.hex()[:16], safe_text(reason)
         )
         corrupt.append(key)
-        return IoError.CORRUPT
+        return IoError.UNAUTHENTICATED if unauthenticated else IoError.CORRUPT
 
     # ------------------------------------------------------------------ writes
 
@@ -345,7 +350,8 @@ class DataPath:
     def _value(self, job: WriteJob) -> ValueParts:
         """The value of ``job``'s block: every rank's header and payload (the job's sources,
         borrowed: they stay pinned until the job's result is polled)."""
-        return ValueParts(encode_value(self.rank_digests, job.key, job.parent, job.num_tokens, job.sources))
+        return ValueParts(encode_value(self.rank_digests, job.key, job.parent, job.num_tokens, job.sources,
+                                       self.sealer))
 
     # ------------------------------------------------------------------ probes
 
@@ -382,9 +388,12 @@ class DataPath:
         self._per_key(b"UNLINK", keys, removal=True)
 
     def expire(self, keys: Sequence[BlockKey]) -> None:
-        """Refresh ``keys``' TTL (EXPIRE ttl_seconds); nothing without a TTL."""
+        """Mark ``keys`` used: EXPIRE ttl_seconds (the TTL starts again), or without a TTL, TOUCH
+        (the server's LRU/LFU clock of the key)."""
         if self.ttl_seconds:
             self._per_key(b"EXPIRE", keys, removal=False, extra=(self.ttl_seconds,))
+        else:
+            self._per_key(b"TOUCH", keys, removal=False)
 
     def _per_key(self, command: bytes, keys: Sequence[BlockKey], *, removal: bool, extra: tuple = ()) -> None:
         if not keys:

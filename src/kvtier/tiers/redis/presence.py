@@ -41,7 +41,7 @@ Threading: the caller's (orchestrator's) thread only; no locks, no I/O.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.core.keys import BlockKey
@@ -51,6 +51,8 @@ from kvtier.tiers.base import Presence
 PRESENT_TTL = 30.0
 ABSENT_TTL = 1.0
 MAX_ENTRIES = 1 << 20
+_PRESENT, _ABSENT, _UNKNOWN = Presence.PRESENT, Presence.ABSENT, Presence.UNKNOWN
+_NEVER = float("-inf")
 
 
 class _Entry:
@@ -82,7 +84,11 @@ class PresenceCache:
         self.max_entries = max_entries
         self.clock = clock
         self._entries: OrderedDict[BlockKey, _Entry] = OrderedDict()
-        self._stale_before = float("-inf")
+        self._stale_before = _NEVER
+        # Keys answered PRESENT now, as one set a caller's hot path can test without a call (see
+        # :attr:`present_keys`); their expiries in the order they were set, swept by :meth:`expire`.
+        self.present_keys: set[BlockKey] = set()
+        self._expiries: deque[tuple[float, BlockKey]] = deque()
         self.probing: set[BlockKey] = set()
 
     def __len__(self) -> int:
@@ -91,13 +97,15 @@ class PresenceCache:
     # ------------------------------------------------------------------ answers
 
     def get(self, key: BlockKey, now: float | None = None) -> Presence:
+        # The scheduler's hot path (once per chunk per lookup pass): module constants, no enum look-ups.
         entry = self._entries.get(key)
         if entry is None:
-            return Presence.UNKNOWN
-        now = self.clock() if now is None else now
-        if not self._fresh(entry, now):
-            return Presence.UNKNOWN
-        return Presence.PRESENT if entry.present else Presence.ABSENT
+            return _UNKNOWN
+        if now is None:
+            now = self.clock()
+        if now >= entry.until or (self._stale_before != _NEVER and not self._fresh(entry, now)):
+            return _UNKNOWN
+        return _PRESENT if entry.present else _ABSENT
 
     def to_probe(self, keys: Iterable[BlockKey]) -> list[BlockKey]:
         """The keys of ``keys`` worth probing (no fresh answer, no probe in flight), each once;
@@ -134,6 +142,7 @@ class PresenceCache:
         else:
             entry.until, entry.present = now + self.absent_ttl, False
             self._entries.move_to_end(key)
+        self.present_keys.discard(key)
 
     def probed(self, keys: Sequence[BlockKey], found: Sequence[bool] | None) -> None:
         """A probe of ``keys`` answered (``found[i]``), or failed (None)."""
@@ -150,6 +159,19 @@ class PresenceCache:
     def invalidate(self) -> None:
         """Make every answer stale (the server may have lost everything)."""
         self._stale_before = self.clock()
+        self.present_keys.clear()
+        self._expiries.clear()
+
+    def expire(self, now: float | None = None) -> None:
+        """Take the keys whose PRESENT answer has expired out of :attr:`present_keys` (call it often:
+        each step). Amortized O(1) per answer set."""
+        now = self.clock() if now is None else now
+        expiries, entries, present = self._expiries, self._entries, self.present_keys
+        while expiries and expiries[0][0] <= now:
+            until, key = expiries.popleft()
+            entry = entries.get(key)
+            if entry is None or not entry.present or entry.until <= now:
+                present.discard(key)
 
     def forget_all(self) -> int:
         """Drop every entry (a clear), recording REMOVED for reported ones; returns how many
@@ -162,6 +184,8 @@ class PresenceCache:
             if entry.reported:
                 self.residency.removed(key)
         self._entries.clear()
+        self.present_keys.clear()
+        self._expiries.clear()
         return present
 
     # ------------------------------------------------------------------ internals
@@ -174,6 +198,11 @@ class PresenceCache:
 
     def _set(self, key: BlockKey, present: bool, now: float) -> None:
         until = now + (self.present_ttl if present else self.absent_ttl)
+        if present:
+            self.present_keys.add(key)
+            self._expiries.append((until, key))
+        else:
+            self.present_keys.discard(key)
         entry = self._entries.get(key)
         if entry is None:
             if present:
@@ -194,5 +223,6 @@ class PresenceCache:
         entries[key] = entry
         while len(entries) > self.max_entries:
             old_key, old = entries.popitem(last=False)
+            self.present_keys.discard(old_key)
             if old.reported:
                 self.residency.removed(old_key)

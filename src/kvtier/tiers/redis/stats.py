@@ -16,7 +16,8 @@ class RedisTierStats:
     """Counters of one :class:`RedisTier` (a snapshot; read ``RedisTier.stats`` again).
 
     Reads: ``reads_ok``; ``read_misses`` (NOT_FOUND); ``corrupt`` (values that failed a check:
-    never served, deleted); ``io_errors`` (reads, writes and removals that failed, including
+    never served, deleted); ``unauthenticated`` (values without a valid MAC under the tier's fleet
+    keys, or sealed where the tier has none: never served, deleted); ``io_errors`` (reads, writes and removals that failed, including
     ``breaker_rejects``: reads refused at once while the breaker was open). Writes:
     ``writes_ok``; ``writes_dropped`` (not stored: queue full, breaker open, or server full;
     ``writes_oom`` of them refused by a full server); ``writes_deduped`` (completed at once: the
@@ -29,6 +30,7 @@ class RedisTierStats:
     reads_ok: int = 0
     read_misses: int = 0
     corrupt: int = 0
+    unauthenticated: int = 0
     io_errors: int = 0
     breaker_rejects: int = 0
     writes_ok: int = 0

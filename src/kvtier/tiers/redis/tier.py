@@ -61,7 +61,8 @@ from __future__ import annotations
 
 import logging
 import queue
-from collections.abc import Sequence
+import time
+from collections.abc import Container, Sequence
 
 from redis.exceptions import NoPermissionError
 
@@ -93,6 +94,7 @@ from kvtier.tiers.redis.jobs import (
 from kvtier.tiers.redis.monitor import USAGE_INTERVAL, Monitor
 from kvtier.tiers.redis.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL, PresenceCache
 from kvtier.tiers.redis.stats import COUNTED, RedisTierStats
+from kvtier.tiers.sealing import Sealer
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +103,9 @@ BATCH_BYTES = 64 << 20
 PROBE_BATCH_KEYS = 4096
 """Most keys in one EXISTS batch."""
 REMOVE_BATCH_KEYS = 1000
+_ABSENT = Presence.ABSENT
+TOUCH_INTERVAL_S = 30.0
+"""A key is touched on the server at most once per this many seconds (see :meth:`RedisTier.touch`)."""
 """Most keys in one UNLINK / EXPIRE batch."""
 
 
@@ -108,6 +113,7 @@ class RedisTier(SecondaryTier):
     """Blocks in Redis / Valkey; see the module docstring for threading, batching and failures."""
 
     medium = Medium.REMOTE
+    knows_absence = False  # the server may hold what this process never heard of
 
     def __init__(
         self,
@@ -146,11 +152,15 @@ class RedisTier(SecondaryTier):
         self._presence = PresenceCache(
             self._residency, present_ttl=presence_ttl, absent_ttl=absent_ttl, max_entries=presence_entries
         )
+        self._presence_get = self._presence.get
         self._counts: dict[str, float] = dict.fromkeys(COUNTED, 0)
         self._writing: dict[BlockKey, int] = {}  # key -> writes in flight
         self._pending_writes = 0
         self._cancelled: set[BlockKey] = set()  # deleted while a write of it was in flight
         self._clear_epoch = 0
+        self._sweeps_asked = self._sweeps_done = 0  # clear()'s sweeps (close() runs a dropped one)
+        self._touched: set[BlockKey] = set()  # keys touched since _touch_epoch_ends - TOUCH_INTERVAL_S
+        self._touch_epoch_ends = 0.0
         self._usage = (0, 0)
         self._done = Outbox()  # workers' posts, each a list of messages (jobs.py)
         self._waited: list[tuple] | None = None  # taken off _done by wait(), applied by the next poll()
@@ -170,6 +180,7 @@ class RedisTier(SecondaryTier):
             breaker=self._breaker,
             post=self._done.put,
             piece_bytes=piece_bytes,
+            sealer=Sealer(config.auth),
         )
         try:
             self._client.connect()
@@ -217,13 +228,19 @@ class RedisTier(SecondaryTier):
     def presence(self, key: BlockKey) -> Presence:
         """From memory only (see :mod:`~kvtier.tiers.redis.presence`); ABSENT while the breaker is open."""
         if self._closed or not self._breaker.closed:
-            return Presence.ABSENT
+            return _ABSENT
         if self._breaker.generation != self._seen_generation:
             self._sync_breaker()
-        return self._presence.get(key)
+        return self._presence_get(key)
 
     def contains(self, key: BlockKey) -> bool:
         return self.presence(key) is Presence.PRESENT
+
+    @property
+    def held_keys(self) -> Container[BlockKey]:
+        """The keys answered PRESENT now (emptied while the breaker is open, expired each poll);
+        a key not in it may still be on the server: ask :meth:`presence`."""
+        return self._presence.present_keys
 
     def probe(self, keys: Sequence[BlockKey]) -> None:
         """Queue one EXISTS batch for the keys without a fresh answer and no probe in flight."""
@@ -265,7 +282,9 @@ class RedisTier(SecondaryTier):
         if (key in self._writing and key not in self._cancelled) or self._presence.get(
             key
         ) is Presence.PRESENT:
-            # Content addressed: the bytes stored (or on their way) are these bytes.
+            # Content addressed: the bytes stored (or on their way) are these bytes. Offered again:
+            # the prefix is in use, so its value's TTL (or the server's LRU clock) starts again.
+            self.touch((key,))
             self._done.put([(MSG_IO, IoResult(job_id, IoKind.WRITE, key, True), "dedup")])
             return True
         self._writing[key] = self._writing.get(key, 0) + 1
@@ -274,6 +293,11 @@ class RedisTier(SecondaryTier):
             WriteJob(job_id, key, parent, num_tokens, views, self._clear_epoch), self._value_bytes
         )
         return True
+
+    def write_room(self) -> int | None:
+        if self._closed or not self._breaker.closed:
+            return None
+        return max(0, self.config.max_pending_writes - self._pending_writes)
 
     def poll(self) -> list[IoResult]:
         results: list[IoResult] = []
@@ -290,6 +314,7 @@ class RedisTier(SecondaryTier):
             posted = None
         if self._breaker.generation != self._seen_generation:
             self._sync_breaker()
+        self._presence.expire()
         return results
 
     def _apply(self, msg: tuple, results: list[IoResult]) -> None:
@@ -331,11 +356,19 @@ class RedisTier(SecondaryTier):
         return True
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
-        """Refresh the keys' TTL (EXPIRE, in the background) when ``ttl_seconds`` is set; else nothing."""
-        if not self.config.ttl_seconds or self._closed or not self._breaker.closed:
+        """Mark ``keys`` used on the server, in the background: EXPIRE (their TTL starts again) when
+        ``ttl_seconds`` is set, else TOUCH (the server's LRU/LFU eviction sees the use). A key is
+        sent at most once per :data:`TOUCH_INTERVAL_S` (a hot prefix is offered on every request)."""
+        if self._closed or not self._breaker.closed:
             return
+        now = time.monotonic()
+        if now >= self._touch_epoch_ends:
+            self._touched.clear()
+            self._touch_epoch_ends = now + TOUCH_INTERVAL_S
         for key in keys:
-            self._expires.submit(key, 1)
+            if key not in self._touched:
+                self._touched.add(key)
+                self._expires.submit(key, 1)
 
     def delete(self, keys: Sequence[BlockKey]) -> int:
         """UNLINK ``keys`` in the background. Returns how many of them were known PRESENT (an
@@ -358,8 +391,14 @@ class RedisTier(SecondaryTier):
         count = self._presence.forget_all()
         self._clear_epoch += 1
         if not self._closed:
-            self._write_pool.submit(self._path.sweep)
+            self._sweeps_asked += 1
+            self._write_pool.submit(self._sweep)
         return count
+
+    def _sweep(self) -> None:
+        """A write thread's (or, at close, the caller's) sweep for :meth:`clear`."""
+        self._path.sweep()
+        self._sweeps_done += 1
 
     def usage(self) -> TierUsage:
         """The server's ``used_memory`` and ``maxmemory`` (0: unlimited) as of the last refresh."""
@@ -380,10 +419,13 @@ class RedisTier(SecondaryTier):
         if self._closed:
             return
         self._closed = True
+        self._presence.present_keys.clear()
         if self._monitor is not None:
             self._monitor.stop()
         for pool in (self._probe_pool, self._read_pool, self._write_pool):
             pool.shutdown()
+        if self._sweeps_done < self._sweeps_asked:  # a clear() whose sweep the shutdown dropped
+            self._sweep()
         cancelled = (
             [
                 (MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), None)
@@ -427,6 +469,8 @@ class RedisTier(SecondaryTier):
         self._seen_generation = self._breaker.generation
         if self._breaker.closed:  # back after an outage: the server may have lost everything
             self._presence.invalidate()
+        else:  # down: nothing is vouched for (presence() answers ABSENT meanwhile)
+            self._presence.present_keys.clear()
 
     def _finish_read(self, result: IoResult, detail: str | None) -> None:
         counts = self._counts
@@ -440,6 +484,9 @@ class RedisTier(SecondaryTier):
             self._presence.missing(result.key)
         elif result.error is IoError.CORRUPT:
             counts["corrupt"] += 1
+            self._presence.missing(result.key)
+        elif result.error is IoError.UNAUTHENTICATED:
+            counts["unauthenticated"] += 1
             self._presence.missing(result.key)
         else:
             counts["io_errors"] += 1

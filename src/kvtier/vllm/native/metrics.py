@@ -33,7 +33,8 @@ def definitions() -> dict[str, OffloadingMetricMetadata]:
     return {
         FAILED_READS: OffloadingCounterMetadata(
             documentation="Chunks a kvtier tier failed to read, by reason: rejected (checksum, length or "
-                          "namespace check failed: quarantined or deleted), vanished, io_error. Each is "
+                          "namespace check failed: quarantined or deleted), unauthenticated (no valid MAC under "
+                          "the tier's fleet keys: quarantined or deleted), vanished, io_error. Each is "
                           "a miss, recomputed by vLLM.",
             labelnames=("tier", "reason")),
         STORES_DROPPED: OffloadingCounterMetadata(

@@ -4,18 +4,21 @@
 sliding window in chunks and the model's ``max_model_len``) as a vLLM-free
 :class:`~kvtier.runtime.chunks.run.EngineRun`. Runs in the scheduler process, in the tier's
 constructor; reads the model's ``config.json`` (KV heads and head size, for operators' displays).
+The attention backend is not among the facts: vLLM picks it in its workers and tells a tier nothing
+of it (see :mod:`kvtier.runtime.chunks.run`); ROCm's shuffled page layout is
+(:mod:`kvtier.vllm.rocm_layout`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import OffloadingSpec
 
 from kvtier.runtime.chunks.run import EngineRun, GroupFacts
+from kvtier.vllm.rocm_layout import rocm_shuffled_kv_cache
 
 
 def _heads(model: str, tp_size: int) -> tuple[int, int]:
@@ -56,7 +59,7 @@ def engine_run(spec: OffloadingSpec) -> EngineRun:
         canonical_layout=config.canonical_layout,
         kv_cache_layout=config.kv_cache_layout,
         device=str(current_platform.device_type),
-        attention_backend=os.environ.get("VLLM_ATTENTION_BACKEND") or "auto",
+        rocm_shuffled_kv=rocm_shuffled_kv_cache(),
         num_kv_heads=heads,
         head_size=head_size,
     )

@@ -35,31 +35,36 @@ What vLLM does with a tier, and what this one does in turn (vLLM's tiering/base.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Collection, Iterable
-from pathlib import Path
 from typing import Any, ClassVar
 
+import vllm.envs as vllm_envs
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
     OffloadingMetricMetadata,
+    OffloadPolicy,
     ReqContext,
     RequestOffloadingContext,
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig, TierType, parse_tier
 from kvtier.runtime.chunks.identity import HashSeed, model_identity, private_seed_warning
 from kvtier.runtime.chunks.rows import Rows
 from kvtier.runtime.chunks.run import config_json, namespace
-from kvtier.runtime.chunks.store import Answer, ChunkStore
+from kvtier.runtime.chunks.store import ChunkStore
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.disk import DiskTier
-from kvtier.tiers.disk.layout import Access
+from kvtier.tiers.disk.owners import mark_owned, reclaim_orphans
+from kvtier.tiers.factory import check_tier, open_tier
 from kvtier.vllm.logs import share_vllm_log_handlers
 from kvtier.vllm.native import metrics
 from kvtier.vllm.native.run_facts import engine_run
@@ -67,13 +72,29 @@ from kvtier.vllm.native.seed import SeedWatcher
 
 logger = logging.getLogger(__name__)
 
+OPEN_WAIT_S = 5.0
+"""While the storage opens, lookups answer "ask again" (a fresh engine's first requests can be served
+from it) for at most this long after the tier was made; then misses until it is open."""
+OPEN_REPORT_S = 60.0
+"""A tier not open this long after vLLM set its seed says so in the log (a hung mount, a slow scan)."""
+ONE_PROCESS_WAIT_S = 0.002
+"""The longest a step of vLLM's one-process engine waits for a load of this tier (see on_schedule_end)."""
+SHUTDOWN_DRAIN_S = 30.0
+"""How long a shutdown waits for the chunks still being written (or waiting for room) to land."""
+PRIVATE_TTL_S = 3600
+"""The longest a Redis value of a per-process namespace lives (its process may die without a shutdown)."""
 NATIVE_KEYS = ("locality", "model_identity")
 """Keys a native kvtier tier takes besides those of kvtier's own tier of its kind."""
-_ANSWERS = {Answer.HIT: LookupResult.HIT, Answer.MISS: LookupResult.MISS, Answer.RETRY: LookupResult.RETRY}
+_ANSWERS = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY)
+
+
+def _miss(key: bytes, req_context: ReqContext | None = None) -> LookupResult:
+    return LookupResult.MISS
+
 
 
 class KVTierTier(SecondaryTierManager):
-    """The part the disk and Redis tiers share; a subclass opens its kvtier tier (:meth:`_open_tier`)."""
+    """The part the disk and Redis tiers share (a subclass names its kind, locality and place)."""
 
     kind: ClassVar[TierType]
     default_locality: ClassVar[Locality]
@@ -87,16 +108,21 @@ class KVTierTier(SecondaryTierManager):
         operator_identity = tier_keys.pop("model_identity", None)
         self.locality = Locality(locality) if locality is not None else self.default_locality
         self.config = parse_tier(tier_keys, self.kind, where=f"secondary_tiers[{tier_type}]")
+        check_tier(self.config, where=f"secondary_tiers[{tier_type}]")  # ConfigError stops start-up
         self.run = engine_run(offloading_spec)
         self.model = model_identity(self.run.model_name, self.run.kv_dtype, operator_identity)
         self._rows = Rows(primary_kv_view, self.run.copies, self.run.payload_bytes)
         self._events = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
+        self._one_process = not vllm_envs.VLLM_ENABLE_V1_MULTIPROCESSING
         self._metrics = metrics.TierMetrics(tier_type)
         self._failed: list[JobResult] = []  # jobs refused before the storage opened
         self._store: ChunkStore | None = None
+        self._lookup = self._lookup_while_opening  # then _miss (OPEN_WAIT_S), or the store's once open
         self.seed: HashSeed | None = None
         self._opening = threading.Event()
         self._opening.set()
+        self._opening_since = time.monotonic()
+        self._retry_until = self._opening_since + OPEN_WAIT_S
         self._watcher = SeedWatcher(self._open, self._open_failed, name=f"kvtier-{tier_type}-open")
         logger.info("kvtier %s: %s; %d-token chunks of %d rank record(s) x %.2f MiB; opens once vLLM "
                     "has set its block-hash seed", tier_type, self.describe(), self.run.chunk_tokens,
@@ -106,25 +132,46 @@ class KVTierTier(SecondaryTierManager):
 
     def _open(self, seed: HashSeed) -> None:
         ns = namespace(self.run, self.model, seed)
-        tier = self._open_tier(ns, config_json(ns, self.run, seed))
+        self._opening_since = time.monotonic()
+        report = threading.Timer(OPEN_REPORT_S, self._report_slow_open)
+        report.daemon = True
+        report.start()
+        config = self.config
+        if not seed.shared and isinstance(config, RedisTierConfig):
+            config = dataclasses.replace(config, ttl_seconds=min(config.ttl_seconds or PRIVATE_TTL_S, PRIVATE_TTL_S))
+        tier = open_tier(config, model_name=self.run.model_name, namespace=ns,
+                         namespace_json=config_json(ns, self.run, seed), payload_bytes=self.run.payload_bytes)
+        self._opened(tier, seed)
         self.seed = seed
         self._store = ChunkStore(tier, self._rows, namespace_digest=ns.engine_digest,
-                                 chunk_tokens=self.run.chunk_tokens, record_residency=self._events)
-        self._opening.clear()
+                                 chunk_tokens=self.run.chunk_tokens, record_residency=self._events, answers=_ANSWERS)
         if not seed.shared:
             logger.warning(private_seed_warning(self.tier_type, seed))
             # also when vLLM exits without shutting its connector down (one-process mode, a crash)
             atexit.register(self._remove_private_namespace, tier)
         logger.info("kvtier %s: namespace %s (hash %s, seed %s %s)", self.tier_type, ns.engine_digest.hex()[:16],
                     seed.algorithm, seed.kind.value, seed.digest[:12])
+        self._lookup = self._store.lookup  # lookups see the storage from here on
+        if type(self).lookup is KVTierTier.lookup:
+            # vLLM's calls then reach the store's lookup without this class's frame (same arguments,
+            # vLLM's own answers): ~40 ns of ~150 per chunk. A subclass that overrides lookup keeps it.
+            self.lookup = self._store.lookup  # type: ignore[method-assign]
+        self._opening.clear()
 
     def _open_failed(self, exc: BaseException) -> None:
         logger.error("kvtier %s: cannot open (%s: %s); it serves misses and stores nothing",
                      self.tier_type, type(exc).__name__, exc)
+        self._lookup = _miss
         self._opening.clear()
 
-    def _open_tier(self, ns: Any, ns_json: str) -> SecondaryTier:
-        raise NotImplementedError
+    def _report_slow_open(self) -> None:
+        if self._opening.is_set() and self._store is None:
+            logger.error("kvtier %s: %s is still not open %.0f s after vLLM set its seed (a hung mount or "
+                         "server, a large root without a snapshot?): lookups are misses until it opens",
+                         self.tier_type, self.describe(), time.monotonic() - self._opening_since)
+
+    def _opened(self, tier: SecondaryTier, seed: HashSeed) -> None:
+        """The storage is open (the watcher's thread, before lookups see it)."""
 
     def describe(self) -> str:
         raise NotImplementedError
@@ -132,10 +179,12 @@ class KVTierTier(SecondaryTierManager):
     # ------------------------------------------------------------------ vLLM's calls
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
-        store = self._store
-        if store is None:
-            return LookupResult.RETRY if self._opening.is_set() else LookupResult.MISS
-        return _ANSWERS[store.lookup(key)]
+        # The scheduler's hot path, once per chunk per lookup pass: the store's lookup answers in
+        # vLLM's own values. Until the storage is open: "ask again" for OPEN_WAIT_S, then misses.
+        return self._lookup(key, req_context)
+
+    def _lookup_while_opening(self, key: bytes, req_context: ReqContext | None = None) -> LookupResult:
+        return LookupResult.RETRY if time.monotonic() <= self._retry_until else LookupResult.MISS
 
     def submit_store(self, job_metadata: TransferJob) -> None:
         store = self._store
@@ -161,15 +210,30 @@ class KVTierTier(SecondaryTierManager):
                     transfer_time=outcome.seconds, transfer_bytes=outcome.num_bytes))
         return results
 
+    def on_schedule_end(self, context: Any) -> None:
+        """vLLM's one-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) steps again at once when
+        a step computes nothing, holding the GIL, so this tier's reader threads wait up to the 5 ms
+        switch interval each time they need it back (its multiprocess engine core sleeps 1 ms per
+        idle step for this reason). While a load of this tier is in flight, a step there ends by
+        waiting for the tier's next outcome, at most :data:`ONE_PROCESS_WAIT_S`: the scheduler's
+        one bounded wait, in that mode only."""
+        store = self._store
+        if store is not None and self._one_process and store.reading:
+            store.wait_for_outcome(ONE_PROCESS_WAIT_S)
+
     def has_pending_work(self) -> bool:
-        return bool(self._failed) or self._opening.is_set() or (self._store is not None and self._store.busy)
+        return bool(self._failed) or (self._store is not None and self._store.busy)
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         if self._store is not None:
             self._store.touch(list(keys))
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
+        """Request-level offloading: vLLM then offers this tier every chunk of the request, the
+        prefix it already holds included (0.32's connector never calls :meth:`touch`). A chunk the
+        tier holds is touched, not written again (:class:`~kvtier.runtime.chunks.store.ChunkStore`):
+        this is how a prefix that stays hot in vLLM's own tiers stays recent here."""
+        return RequestOffloadingContext(policy=OffloadPolicy.REQUEST_LEVEL)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._store is None:
@@ -185,10 +249,16 @@ class KVTierTier(SecondaryTierManager):
     def shutdown(self) -> None:
         self._watcher.stop()
         store, self._store = self._store, None
+        self._lookup = _miss
+        if self.__dict__.get("lookup") is not None and store is not None and self.__dict__["lookup"] == store.lookup:
+            del self.lookup  # the class's lookup again: misses
         if store is None:
             self._rows.release()
         else:
             private = self.seed is not None and not self.seed.shared
+            if not private and not store.drain(SHUTDOWN_DRAIN_S):  # what the engine stored is kept
+                logger.warning("kvtier %s: shutting down with %d chunks not written after %.0f s (dropped)",
+                               self.tier_type, store.waiting, SHUTDOWN_DRAIN_S)
             store.close(clear=private and self.kind is TierType.REDIS)
             if private:
                 self._remove_private_namespace(store.tier)
@@ -228,15 +298,14 @@ class KVTierDiskTier(KVTierTier):
     default_locality = Locality.LOCAL
     config: DiskTierConfig
 
-    def _open_tier(self, ns: Any, ns_json: str) -> SecondaryTier:
-        config = self.config
-        return DiskTier(
-            root_dir=Path(config.root_dir), model_name=self.run.model_name, engine_digest=ns.engine_digest,
-            rank_digests=ns.rank_digests(), namespace_json=ns_json, payload_bytes=self.run.payload_bytes,
-            capacity_bytes=config.capacity_bytes, n_read_threads=config.n_read_threads,
-            n_write_threads=config.n_write_threads, max_pending_writes=config.max_pending_writes,
-            access=Access.GROUP if config.group_access else Access.OWNER,
-        )
+    def _opened(self, tier: SecondaryTier, seed: HashSeed) -> None:
+        """A per-process namespace is marked with its owner, so that whoever opens the root after
+        this process died without a shutdown (SIGKILL, OOM) removes it; such namespaces of dead
+        processes are removed now."""
+        assert isinstance(tier, DiskTier)
+        if not seed.shared:
+            mark_owned(tier.namespace_dir)
+        reclaim_orphans(self.config.root_dir)
 
     def _remove_private_namespace(self, tier: SecondaryTier) -> None:
         """Nobody else can read a per-process namespace: its directories go whole (records, ledger,
@@ -258,17 +327,15 @@ class KVTierDiskTier(KVTierTier):
 
 
 class KVTierRedisTier(KVTierTier):
-    """kvtier's Redis / Valkey tier (shared by engines; a server that is down only costs misses)."""
+    """kvtier's Redis / Valkey tier (shared by engines; a server that is down only costs misses).
+    Medium STORAGE, locality REMOTE, as vLLM's own remote store (``obj``); hits EXTERNAL_UNSPECIFIED,
+    vLLM's source for a remote store (the DISK it would derive from STORAGE would be false)."""
 
+    medium: ClassVar[Medium] = Medium.STORAGE
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
     kind = TierType.REDIS
     default_locality = Locality.REMOTE
     config: RedisTierConfig
-
-    def _open_tier(self, ns: Any, ns_json: str) -> SecondaryTier:
-        from kvtier.tiers.redis import RedisTier
-
-        return RedisTier(self.config, engine_digest=ns.engine_digest, rank_digests=ns.rank_digests(),
-                         namespace_json=ns_json, payload_bytes=self.run.payload_bytes)
 
     def describe(self) -> str:
         return self.config.redacted_url()

@@ -1,0 +1,100 @@
+"""``kvtier node``: run the node service (one cache per node) in the foreground.
+
+Argument parsing only; the service is :mod:`kvtier.node` (imported when the command runs).
+"""
+
+from __future__ import annotations
+
+import re
+
+import click
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ByteSize(click.ParamType):
+    """A byte count: 8000000000, 8G (10^9), 8GiB (2^30); K, M, T likewise."""
+
+    name = "BYTES"
+
+    def convert(self, value, param, ctx):  # noqa: ANN001 (click's signature)
+        if isinstance(value, int):
+            return value
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt](?:ib)?)?b?\s*", str(value), re.IGNORECASE)
+        if not match:
+            self.fail(f"{value!r} is not a byte count (examples: 8000000000, 8G, 8GiB)", param, ctx)
+        number, unit = match.groups()
+        return int(float(number) * _UNITS[(unit or "").lower()])
+
+
+@click.command("node", short_help="Run the node service: one KV cache pool shared by every engine on this machine.",
+               epilog="\b\nExamples:\n"
+                      "  kvtier node --socket /run/kvtier/node.sock --pool-bytes 64GiB\n"
+                      "  kvtier node --socket /run/kvtier/node.sock --pool-bytes 64GiB --group kvtier \\\n"
+                      "      --eviction-policy arc --metrics-port 9400")
+@click.option("--socket", "socket_path", required=True, type=click.Path(dir_okay=False), metavar="PATH",
+              help="Unix socket the engines attach to; its directory must exist. Created owner-only (0600), or "
+                   "0660 for --group. A second service on the same socket is refused.")
+@click.option("--pool-bytes", required=True, type=ByteSize(),
+              help="The pool: shared memory held by this process for every engine's blocks (8000000000, 8G or "
+                   "8GiB). Refused if larger than the node's available memory (or the cgroup's memory.max).")
+@click.option("--slot-bytes", type=ByteSize(), default=None,
+              help="Bytes of one block of one rank (one slot). Default: set by the first engine that attaches; "
+                   "one service serves one block size (engines with another one are refused).")
+@click.option("--eviction-policy", type=click.Choice(["lru", "arc"]), default="lru", show_default=True,
+              help="Which unpinned block leaves a full pool first.")
+@click.option("--group", default=None, metavar="GROUP",
+              help="Also admit this group's members (the socket becomes 0660 owned by GROUP). Without it only "
+                   "root and the service's own user may attach; every peer's credentials are checked.")
+@click.option("--metrics-port", type=int, default=None,
+              help="Serve Prometheus metrics (pool usage, hits per engine, pins, attached engines) on this port.")
+@click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address for --metrics-port.")
+@click.option("--no-prefault", is_flag=True,
+              help="Do not touch every page of the pool at start-up (faster start, first stores pay the faults).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
+def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, eviction_policy: str,
+                 group: str | None, metrics_port: int | None, metrics_host: str, no_prefault: bool,
+                 log_level: str) -> None:
+    """Run kvtier's node service in the foreground until SIGTERM or Ctrl-C.
+
+    \b
+    One process per machine owns a pool of slots in shared memory and
+    its index (LRU/ARC): every engine on the machine that is configured
+    with "node": "PATH" (kvtier's connector, or `kvtier serve --node PATH`)
+    shares it. A block one engine stored is a hit for every engine of the
+    same model and layout, and is held once however many engines store it.
+    Engines map the pool and copy their pages themselves; the socket
+    carries control only (lookups, reservations, pins, commits).
+
+    \b
+    An engine's cpu_bytes_to_use caps what it may hold in the pool.
+    Everything an engine holds is released when its connection drops
+    (SIGKILL included). The pool lives as long as this process: after a
+    restart it is empty and engines reattach by themselves; while it is
+    down they only miss. Inspect a running service: kvtier inspect PATH.
+
+    \b
+    Not yet: disk and Redis tiers owned by the service (engines keep their
+    own secondary_tiers).
+    """
+    import logging
+    import os
+    from pathlib import Path
+
+    from kvtier.core.config import PolicyName
+    from kvtier.node.pool import PoolTooLargeError
+    from kvtier.node.server import NodeAlreadyRunning, NodeConfigError, NodeOptions
+    from kvtier.node.service import run
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s kvtier node: %(message)s")
+    options = NodeOptions(Path(socket_path), pool_bytes, slot_bytes, PolicyName(eviction_policy), group,
+                          prefault=not no_prefault)
+
+    def ready(server) -> None:  # noqa: ANN001 (a NodeServer; imported lazily above)
+        click.echo(f"kvtier node: serving {socket_path} (pool {pool_bytes} bytes, pid {os.getpid()})", err=True)
+
+    try:
+        run(options, metrics_port=metrics_port, metrics_host=metrics_host, ready=ready)
+    except (NodeAlreadyRunning, NodeConfigError, PoolTooLargeError) as exc:
+        raise click.ClickException(str(exc)) from None

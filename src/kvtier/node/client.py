@@ -1,0 +1,249 @@
+"""The engine's end of the node service: one connection, one request at a time.
+
+Who calls what: the scheduler process holds one :class:`NodeClient` with ``Role.SCHEDULER`` (it
+looks up, reserves, commits and pins for its engine); each worker rank holds one with
+``Role.WORKER`` only to receive and map the pool (:attr:`NodeClient.pool`). Calls are
+synchronous request/reply, serialized by a lock (any thread may call; one waits for another's
+reply). A call blocks at most ``timeout_s`` (memory-only work on the service: microseconds).
+
+Failure is only ever a miss for the caller: a service that is gone, or stops answering, raises
+:class:`NodeUnavailable` (the connection is dropped and everything it held is released by the
+service); the next call after ``retry_interval_s`` reconnects by itself (a fresh hello, maybe a
+new pool: :attr:`NodeClient.generation` counts attachments, so callers drop slot numbers of an
+older one). A request the service refuses raises :class:`NodeError` with its message.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from kvtier.core.keys import BlockKey
+from kvtier.node.pool import PoolMapping
+from kvtier.node.protocol import PROTOCOL_VERSION, FrameReader, Op, ProtocolError, Reservation, Role, pack
+
+
+class NodeUnavailable(ConnectionError):
+    """The node service cannot be reached now (not running, restarting, or not answering)."""
+
+
+class NodeError(RuntimeError):
+    """The node service refused a request; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """What the service told this client at hello."""
+
+    pool_bytes: int
+    slot_bytes: int | None
+    slot_stride: int
+    num_slots: int
+    session: int
+    service_pid: int
+    pool_id: str  # a restarted service has another pool: slot numbers of an older pool_id mean nothing
+
+
+class Hit(NamedTuple):
+    """A lookup's answer: ``hits`` leading keys READY; with a pin, their slots (flat, ``width`` per
+    key) and the handle that pins them (0: nothing pinned)."""
+
+    hits: int
+    slots: list[int]
+    pin: int
+
+
+class NodeClient:
+    """A connection to ``kvtier node`` at ``socket_path``. See the module docstring."""
+
+    def __init__(self, socket_path: str | os.PathLike[str], *, engine: str, role: Role = Role.SCHEDULER,
+                 slot_bytes: int | None = None, cap_bytes: int | None = None, map_pool: bool | None = None,
+                 timeout_s: float = 5.0, retry_interval_s: float = 1.0) -> None:
+        self.socket_path = Path(socket_path)
+        self.engine = engine
+        self.role = role
+        self.slot_bytes = slot_bytes
+        self.cap_bytes = cap_bytes
+        self.map_pool = role.maps_pool if map_pool is None else map_pool
+        self.timeout_s = timeout_s
+        self.retry_interval_s = retry_interval_s
+        self.generation = 0
+        self.attachment: Attachment | None = None
+        self.pool: PoolMapping | None = None
+        self._sock: socket.socket | None = None
+        self._reader = FrameReader()
+        self._pending: list[dict[str, Any]] = []
+        self._lock = threading.RLock()
+        self._last_attempt = -float("inf")
+
+    # --- connection ----------------------------------------------------------------------
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self) -> Attachment:
+        """Connect and say hello now (raises :class:`NodeUnavailable` / :class:`NodeError`)."""
+        with self._lock:
+            self._disconnect()
+            self._last_attempt = time.monotonic()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout_s)
+            try:
+                sock.connect(str(self.socket_path))
+            except FileNotFoundError:
+                sock.close()
+                raise NodeUnavailable(f"no kvtier node at {self.socket_path} (start one: kvtier node --socket "
+                                      f"{self.socket_path} --pool-bytes BYTES)") from None
+            except PermissionError:
+                sock.close()
+                raise NodeError(f"permission denied on {self.socket_path}: the kvtier node there admits another "
+                                f"user (this process is uid {os.getuid()}); run as its user or start it with "
+                                "--group GROUP") from None
+            except OSError as exc:
+                sock.close()
+                raise NodeUnavailable(f"kvtier node at {self.socket_path}: {exc}") from None
+            self._sock = sock
+            self._reader = FrameReader()
+            self._pending = []
+            reply, fds = self._roundtrip({"op": Op.HELLO.value, "version": PROTOCOL_VERSION, "engine": self.engine,
+                                          "role": self.role.value, "slot_bytes": self.slot_bytes,
+                                          "cap_bytes": self.cap_bytes}, want_fds=True)
+            try:
+                attachment = Attachment(reply["pool_bytes"], reply["slot_bytes"], reply["slot_stride"],
+                                        reply["num_slots"], reply["session"], reply["service_pid"],
+                                        reply["pool_id"])
+                if self.map_pool and fds:
+                    self.pool = PoolMapping(fds[0], attachment.pool_bytes, attachment.slot_bytes or 0,
+                                            attachment.slot_stride)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            self.attachment = attachment
+            self.generation += 1
+            return attachment
+
+    def take_pool(self) -> PoolMapping | None:
+        """The mapping of the pool this client attached to, handed to the caller, who then owns it
+        (the client no longer closes it when it disconnects or reattaches): for a worker whose
+        tensors view the pool and must outlive a service restart until its copies finish."""
+        with self._lock:
+            pool, self.pool = self.pool, None
+            return pool
+
+    def close(self) -> None:
+        with self._lock:
+            self._disconnect()
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+        self.attachment = None
+
+    def _ensure(self) -> None:
+        if self._sock is not None:
+            return
+        if time.monotonic() - self._last_attempt < self.retry_interval_s:
+            raise NodeUnavailable(f"kvtier node at {self.socket_path} is unavailable (retrying every "
+                                  f"{self.retry_interval_s:g} s)")
+        self.connect()
+
+    # --- one request ---------------------------------------------------------------------
+    def _roundtrip(self, request: dict[str, Any], want_fds: bool = False) -> tuple[dict[str, Any], list[int]]:
+        sock = self._sock
+        assert sock is not None
+        fds: list[int] = []
+        try:
+            try:
+                sock.sendall(pack(request))
+            except OSError:
+                self._read_refusal(sock)  # a service that refused us wrote why before closing
+                raise
+            while not self._pending:
+                if want_fds:
+                    data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
+                    fds.extend(got)
+                else:
+                    data = sock.recv(1 << 20)
+                if not data:
+                    raise NodeUnavailable(f"kvtier node at {self.socket_path} closed the connection")
+                self._pending.extend(self._reader.feed(data))
+        except (OSError, ProtocolError) as exc:
+            for fd in fds:
+                os.close(fd)
+            self._disconnect()
+            if isinstance(exc, NodeUnavailable):
+                raise
+            raise NodeUnavailable(f"kvtier node at {self.socket_path}: {exc}") from None
+        reply = self._pending.pop(0)
+        if not reply.get("ok"):
+            for fd in fds:
+                os.close(fd)
+            if request["op"] == Op.HELLO.value:
+                self._disconnect()
+            raise NodeError(reply.get("error", "request refused"))
+        return reply, fds
+
+    def _read_refusal(self, sock: socket.socket) -> None:
+        """Raise the service's error frame if one is waiting on a connection it closed."""
+        try:
+            sock.settimeout(0.5)
+            messages = self._reader.feed(sock.recv(1 << 16))
+        except (OSError, ProtocolError):
+            return
+        for message in messages:
+            if not message.get("ok", True):
+                self._disconnect()
+                raise NodeError(message.get("error", "refused"))
+
+    def _call(self, op: Op, **fields: Any) -> dict[str, Any]:
+        with self._lock:
+            self._ensure()
+            reply, _ = self._roundtrip({"op": op.value, **fields})
+            return reply
+
+    # --- operations ----------------------------------------------------------------------
+    def lookup(self, keys: Sequence[BlockKey], *, pin: bool = False, width: int = 1) -> Hit:
+        """Leading run of ``keys`` the pool holds READY with ``width`` slots each (one round trip
+        for all of them). With ``pin`` the run is pinned for this engine under ``Hit.pin`` (release
+        it with :meth:`unpin`) and its slots are returned, ``width`` per key, in key order."""
+        reply = self._call(Op.LOOKUP, keys=keys if isinstance(keys, list) else list(keys), pin=pin, width=width)
+        return Hit(reply["hits"], reply["slots"], reply["pin"])
+
+    def reserve(self, keys: Sequence[BlockKey], width: int = 1, tails: Sequence[int] = ()
+                ) -> list[tuple[Reservation, list[int] | None]]:
+        """Reserve ``width`` slots per key to write; each key's outcome and slots (RESERVED only).
+        ``tails``: positions in ``keys`` of tails (partial blocks: the pool evicts them first)."""
+        reply = self._call(Op.RESERVE, keys=list(keys), width=width, tails=list(tails))
+        return [(Reservation(s), slots) for s, slots in zip(reply["status"], reply["slots"])]
+
+    def commit(self, keys: Sequence[BlockKey]) -> int:
+        """The reserved slots of ``keys`` are written on every rank: they become hits for everyone."""
+        return self._call(Op.COMMIT, keys=list(keys))["unknown"]
+
+    def abort(self, keys: Sequence[BlockKey]) -> int:
+        return self._call(Op.ABORT, keys=list(keys))["unknown"]
+
+    def unpin(self, pins: Sequence[int]) -> int:
+        """Release pin handles (from :meth:`lookup`); returns how many this session did not hold."""
+        return self._call(Op.UNPIN, pins=list(pins))["unknown"]
+
+    def stats(self) -> dict[str, Any]:
+        reply = dict(self._call(Op.STATS))
+        reply.pop("ok", None)
+        return reply
+
+    def __enter__(self) -> NodeClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,60 @@
+"""Prometheus metrics of a running node service, read from :meth:`NodeServer.snapshot` at scrape time.
+
+Runs on prometheus_client's HTTP thread; takes :attr:`NodeServer.lock` for the snapshot only
+(the loop holds it per request: microseconds), so a scrape never stalls an engine for long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvtier.node.server import NodeServer
+
+
+class NodeCollector(Collector):
+    def __init__(self, server: NodeServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        with self._server.lock:
+            s = self._server.snapshot()
+        stride = s["slot_stride"]
+        yield GaugeMetricFamily("kvtier_node_pool_bytes", "Bytes of the node's pool.", value=s["pool_bytes"])
+        yield GaugeMetricFamily("kvtier_node_pool_used_bytes", "Bytes of the pool's slots in use (ready or "
+                                "being written).", value=s["used_slots"] * stride)
+        yield GaugeMetricFamily("kvtier_node_blocks", "Blocks held by the pool.", value=s["blocks"])
+        yield GaugeMetricFamily("kvtier_node_pinned_blocks", "Blocks being written or read (not evictable).",
+                                value=s["pinned_blocks"])
+        yield GaugeMetricFamily("kvtier_node_attached_engines", "Engines with a live connection.",
+                                value=s["attached_engines"])
+        yield CounterMetricFamily("kvtier_node_evictions", "Blocks evicted from the pool.", value=s["evictions"])
+        yield CounterMetricFamily("kvtier_node_rejected_peers", "Connections refused by their credentials.",
+                                  value=s["rejected_peers"])
+        per_engine = {
+            "lookups": ("kvtier_node_lookups", "Lookup requests (one per request's lookup)."),
+            "lookup_blocks": ("kvtier_node_lookup_blocks", "Blocks asked for in lookups."),
+            "hit_blocks": ("kvtier_node_hit_blocks", "Blocks found in the pool (leading runs)."),
+            "stored_blocks": ("kvtier_node_stored_blocks", "Blocks committed into the pool."),
+            "duplicate_blocks": ("kvtier_node_duplicate_blocks", "Stores of blocks the pool already held "
+                                 "(kept once)."),
+            "refused_blocks": ("kvtier_node_refused_blocks", "Stores refused (pool pinned full, or engine cap)."),
+        }
+        for field, (name, doc) in per_engine.items():
+            family = CounterMetricFamily(name, doc, labels=["engine"])
+            for engine, stats in s["engines"].items():
+                family.add_metric([engine], stats[field])
+            yield family
+        held = GaugeMetricFamily("kvtier_node_engine_held_bytes", "Bytes of the pool charged to each engine.",
+                                 labels=["engine"])
+        for engine, stats in s["engines"].items():
+            held.add_metric([engine], stats["held_slots"] * stride)
+        yield held
+
+
+def registry_for(server: NodeServer) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(server))
+    return registry

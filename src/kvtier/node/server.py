@@ -1,0 +1,481 @@
+"""The ``kvtier node`` service: one process per node that owns the pool and its index.
+
+Threads: one loop thread (the caller of :meth:`NodeServer.serve_forever`) accepts connections,
+reads requests and answers them from memory (:class:`kvtier.node.index.NodeIndex`); it never
+waits on any one client: sockets are non-blocking, replies queue per connection and are written
+as the peer reads them, so an engine that stops reading stalls only itself (its connection is
+dropped once :data:`MAX_QUEUED_REPLY_BYTES` are waiting). The Prometheus exporter's thread (if
+any) reads :meth:`NodeServer.snapshot` under :attr:`NodeServer.lock`, which the loop holds while
+it handles a request.
+
+Start-up refuses, with an error naming what to change:
+
+- a second service on the same socket (an ``flock`` on ``<socket>.lock`` held while it runs:
+  :class:`NodeAlreadyRunning`); a socket file nobody serves (a dead service's) is replaced;
+- a pool larger than the node's memory (:class:`kvtier.node.pool.PoolTooLargeError`).
+
+Access: the socket is created owner-only (0600), or 0660 and owned by ``group`` when one is
+given; each peer's credentials (``SO_PEERCRED``) are checked at accept: root, the service's own
+uid, or (with a group) a member of it. Any other peer gets an error frame naming its uid and is
+disconnected.
+
+When a connection drops (close, crash, SIGKILL: the kernel closes the socket), everything its
+session held is released (reservations aborted, pins dropped). The pool lives as long as this
+process: a restarted service starts with an empty pool and engines reattach by themselves.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import grp
+import logging
+import os
+import secrets
+import selectors
+import socket
+import stat
+import struct
+import statistics
+import threading
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.core.config import PolicyName
+from kvtier.node.index import NodeIndex, Session
+from kvtier.node.pool import check_pool_size, create_pool_fd, slot_stride
+from kvtier.node.protocol import PROTOCOL_VERSION, FrameReader, Op, ProtocolError, Role, pack
+
+log = logging.getLogger("kvtier.node")
+
+MAX_QUEUED_REPLY_BYTES = 16 * 2**20
+"""Replies waiting for a peer that does not read; beyond this its connection is dropped."""
+_UCRED = struct.Struct("3i")
+KEEP_DETACHED_ENGINES = 64
+"""Stats of this many engines that left are kept (for inspect and metrics); older ones holding
+nothing in the pool are forgotten."""
+
+
+class NodeAlreadyRunning(RuntimeError):
+    """Another live service holds the socket's lock."""
+
+
+class NodeConfigError(ValueError):
+    """A service option cannot work (named in the message)."""
+
+
+@dataclass(frozen=True)
+class NodeOptions:
+    """What ``kvtier node`` was started with."""
+
+    socket_path: Path
+    pool_bytes: int
+    slot_bytes: int | None = None  # fixed up front, or by the first engine that attaches
+    policy: PolicyName = PolicyName.LRU
+    group: str | None = None  # admit this group's members too (socket 0660 owned by it)
+    prefault: bool = True
+
+
+class _Conn:
+    """One client connection: its socket, frame reader, reply queue and (after hello) session."""
+
+    __slots__ = ("sock", "reader", "out", "session", "role", "uid", "pid", "closing")
+
+    def __init__(self, sock: socket.socket, uid: int, pid: int) -> None:
+        self.sock = sock
+        self.reader = FrameReader()
+        self.out = bytearray()
+        self.session: Session | None = None
+        self.role: Role | None = None
+        self.uid = uid
+        self.pid = pid
+        self.closing = False
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+
+
+def _groups_of(pid: int) -> set[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Groups:"):
+                return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
+
+
+def _percentiles(seconds: deque[float]) -> dict[str, float]:
+    """p50/p99 in microseconds of the latest lookups' handling time (index work only, no socket)."""
+    if len(seconds) < 2:
+        return {"count": len(seconds)}
+    q = statistics.quantiles(seconds, n=100)
+    return {"count": len(seconds), "p50": round(statistics.median(seconds) * 1e6, 1), "p99": round(q[98] * 1e6, 1)}
+
+
+class NodeServer:
+    """The service. :meth:`start` binds (or raises); :meth:`serve_forever` runs the loop until
+    :meth:`stop`; :meth:`close` releases the socket, its lock and the pool."""
+
+    def __init__(self, options: NodeOptions) -> None:
+        self.options = options
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sel = selectors.DefaultSelector()
+        self._listener: socket.socket | None = None
+        self._lock_fd: int | None = None
+        self._pool_fd: int | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._next_session = 1
+        self._gid = self._resolve_group(options.group)
+        self.slot_bytes: int | None = None
+        self.stride = 0
+        self.index: NodeIndex | None = None
+        self.started_at = time.time()
+        self.pool_id = secrets.token_hex(8)  # names this pool: a restarted service's pool is another one
+        self.rejected_peers = 0
+        self.protocol_errors = 0
+        self.sessions_released = 0
+        self._detached: OrderedDict[str, None] = OrderedDict()  # engines with no session, last to leave last
+        self.lookup_seconds: deque[float] = deque(maxlen=4096)  # the service's own time per lookup, latest
+        if options.slot_bytes is not None:
+            self._cut(options.slot_bytes)
+
+    # --- start-up ------------------------------------------------------------------------
+    @staticmethod
+    def _resolve_group(group: str | None) -> int | None:
+        if group is None:
+            return None
+        try:
+            return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+        except KeyError:
+            raise NodeConfigError(f"--group {group!r}: no such group on this node") from None
+
+    def _cut(self, slot_bytes: int) -> None:
+        """Cut the pool into slots of ``slot_bytes`` (only while it holds nothing)."""
+        if slot_bytes <= 0:
+            raise NodeConfigError(f"slot size must be positive, got {slot_bytes}")
+        stride = slot_stride(slot_bytes)
+        if stride > self.options.pool_bytes:
+            raise NodeConfigError(
+                f"--pool-bytes {self.options.pool_bytes} is smaller than one slot ({stride} bytes for blocks "
+                f"of {slot_bytes} bytes): give a larger --pool-bytes")
+        self.slot_bytes, self.stride = slot_bytes, stride
+        self.index = NodeIndex(self.options.pool_bytes // stride, self.options.policy)
+
+    def start(self) -> None:
+        path = self.options.socket_path
+        check_pool_size(self.options.pool_bytes)
+        if not path.parent.is_dir():
+            raise NodeConfigError(f"--socket {path}: directory {path.parent} does not exist")
+        lock_path = path.with_name(path.name + ".lock")
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise NodeAlreadyRunning(
+                    f"another kvtier node (pid {holder}) already serves {path}: stop it first, or give this "
+                    "one another --socket") from None
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+        try:
+            if path.exists() or path.is_symlink():
+                if not stat.S_ISSOCK(path.lstat().st_mode):
+                    raise NodeConfigError(f"--socket {path} exists and is not a socket: remove it or choose "
+                                          "another path")
+                path.unlink()  # a dead service's socket: we hold the lock, so nobody serves it
+            self._pool_fd = create_pool_fd(self.options.pool_bytes, prefault=self.options.prefault)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            old = os.umask(0o177)
+            try:
+                listener.bind(str(path))
+            finally:
+                os.umask(old)
+            if self._gid is not None:
+                os.chown(path, -1, self._gid)
+                os.chmod(path, 0o660)
+            else:
+                os.chmod(path, 0o600)
+            listener.listen(128)
+            listener.setblocking(False)
+            self._listener = listener
+            self._sel.register(listener, selectors.EVENT_READ, None)
+        except BaseException:
+            self.close()
+            raise
+        log.info("kvtier node serving %s: pool %d bytes", path, self.options.pool_bytes)
+
+    # --- the loop ------------------------------------------------------------------------
+    def serve_forever(self, poll_s: float = 0.2) -> None:
+        while not self._stop.is_set():
+            for key, events in self._sel.select(timeout=poll_s):
+                if key.data is None:
+                    self._accept()
+                    continue
+                conn: _Conn = key.data
+                if events & selectors.EVENT_READ:
+                    self._read(conn)
+                if events & selectors.EVENT_WRITE and not conn.closing:
+                    self._flush(conn)
+
+    def stop(self) -> None:
+        """Ask the loop to return (any thread, or a signal handler)."""
+        self._stop.set()
+
+    def close(self) -> None:
+        for conn in list(self._conns.values()):
+            self._drop(conn, "service stopping")
+        if self._listener is not None:
+            self._sel.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            try:
+                self.options.socket_path.unlink()
+            except FileNotFoundError:
+                pass
+        if self._pool_fd is not None:
+            os.close(self._pool_fd)
+            self._pool_fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock; the lock file stays (harmless, reused)
+            self._lock_fd = None
+        self._sel.close()
+
+    def _allowed(self, uid: int, gid: int, pid: int) -> bool:
+        if uid in (0, os.getuid()):
+            return True
+        return self._gid is not None and (gid == self._gid or self._gid in _groups_of(pid))
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        pid, uid, gid = peer_credentials(sock)
+        if not self._allowed(uid, gid, pid):
+            self.rejected_peers += 1
+            who = f"uid {os.getuid()}" + (f" and group {self.options.group}" if self._gid is not None else "")
+            message = (f"kvtier node at {self.options.socket_path} admits only {who}; this client runs as "
+                       f"uid {uid} gid {gid} (start the service with --group GROUP to admit a group)")
+            log.warning("refused pid %d: %s", pid, message)
+            try:
+                sock.sendall(pack({"ok": False, "error": message}))
+            except OSError:
+                pass
+            sock.close()
+            return
+        sock.setblocking(False)
+        conn = _Conn(sock, uid, pid)
+        with self.lock:  # the metrics thread iterates the connections
+            self._conns[sock.fileno()] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._drop(conn, f"read failed: {exc}")
+            return
+        if not data:
+            self._drop(conn, "closed by peer")
+            return
+        try:
+            messages = conn.reader.feed(data)
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            self._drop(conn, str(exc))
+            return
+        for message in messages:
+            fds: list[int] = []
+            with self.lock:
+                start = time.perf_counter()
+                try:
+                    reply = self._handle(conn, message, fds)
+                except (KeyError, TypeError, ValueError) as exc:
+                    reply = {"ok": False, "error": f"bad {message.get('op')!r} request: {exc}"}
+                if message.get("op") == "lookup":
+                    self.lookup_seconds.append(time.perf_counter() - start)
+            frame = pack(reply)
+            if fds:
+                self._send_with_fds(conn, frame, fds)
+            else:
+                conn.out += frame
+            if conn.closing:
+                return
+        self._flush(conn)
+
+    def _send_with_fds(self, conn: _Conn, frame: bytes, fds: list[int]) -> None:
+        """The hello reply with the memfd: the first frame on a connection, sent at once."""
+        conn.sock.setblocking(True)
+        try:
+            conn.sock.settimeout(5.0)
+            sent = socket.send_fds(conn.sock, [frame], fds)
+            conn.out += frame[sent:]
+        except OSError as exc:
+            self._drop(conn, f"hello reply failed: {exc}")
+        finally:
+            if not conn.closing:
+                conn.sock.setblocking(False)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.out:
+            try:
+                sent = conn.sock.send(conn.out)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            except OSError as exc:
+                self._drop(conn, f"write failed: {exc}")
+                return
+            del conn.out[:sent]
+        if len(conn.out) > MAX_QUEUED_REPLY_BYTES:
+            self._drop(conn, f"{len(conn.out)} bytes of replies unread")
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        self._sel.modify(conn.sock, want, conn)
+
+    def _drop(self, conn: _Conn, why: str) -> None:
+        if conn.closing:
+            return
+        conn.closing = True
+        with self.lock:
+            if conn.session is not None and self.index is not None:
+                aborted, unpinned = self.index.release_session(conn.session)
+                self.sessions_released += 1
+                log.info("engine %s (pid %d) detached (%s): %d reservations aborted, %d pins released",
+                         conn.session.engine, conn.pid, why, aborted, unpinned)
+            self._conns.pop(conn.sock.fileno(), None)
+            if conn.session is not None:
+                self._note_detached(conn.session.engine)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+
+    # --- requests ------------------------------------------------------------------------
+    def _handle(self, conn: _Conn, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        op = Op(message["op"])
+        if op is Op.HELLO:
+            return self._hello(conn, message, fds)
+        if op is Op.STATS:
+            return {"ok": True, **self.snapshot()}
+        session = conn.session
+        if session is None or conn.role is not Role.SCHEDULER or self.index is None:
+            return {"ok": False, "error": f"{op.value!r} needs a hello as role 'scheduler' first"}
+        if op is Op.UNPIN:
+            return {"ok": True, "unknown": self.index.unpin(session, message["pins"])}
+        keys = message["keys"]
+        if op is Op.LOOKUP:
+            hits, slots, handle = self.index.lookup(session, keys, bool(message.get("pin", False)),
+                                                    int(message.get("width", 1)))
+            return {"ok": True, "hits": hits, "slots": slots, "pin": handle}
+        if op is Op.RESERVE:
+            status, slots = self.index.reserve(session, keys, int(message["width"]),
+                                               frozenset(message.get("tails") or ()))
+            return {"ok": True, "status": [s.value for s in status], "slots": slots}
+        if op is Op.COMMIT:
+            return {"ok": True, "unknown": self.index.commit(session, keys)}
+        return {"ok": True, "unknown": self.index.abort(session, keys)}  # Op.ABORT
+
+    def _hello(self, conn: _Conn, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        self._detached.pop(str(message.get("engine")), None)  # (re)attached: not among the departed
+        if conn.role is not None:
+            return {"ok": False, "error": "hello sent twice on one connection"}
+        if message.get("version") != PROTOCOL_VERSION:
+            return {"ok": False, "error": f"protocol version {message.get('version')} is not this service's "
+                                          f"({PROTOCOL_VERSION}): run the same kvtier version in engines and node"}
+        role = Role(message["role"])
+        slot_bytes = message.get("slot_bytes")
+        if role.maps_pool:
+            if slot_bytes is None and self.slot_bytes is None:
+                return {"ok": False, "error": "this service's slot size is not set yet: the first engine to "
+                                              "attach must give slot_bytes (or start it with --slot-bytes)"}
+            if slot_bytes is not None and slot_bytes != self.slot_bytes:
+                if self.index is not None and (self.index.blocks or self._engines_attached()):
+                    return {"ok": False, "error":
+                            f"this node's pool is cut into slots of {self.slot_bytes} bytes; this engine's "
+                            f"blocks are {slot_bytes} bytes. One service serves one block size: run another "
+                            "kvtier node (another --socket) for this model, or give the engines the same "
+                            "block size"}
+                self._cut(int(slot_bytes))
+        engine = str(message.get("engine") or f"pid-{conn.pid}")
+        cap_bytes = message.get("cap_bytes")
+        if role is Role.SCHEDULER:
+            cap = None if cap_bytes is None else int(cap_bytes) // self.stride
+            if cap is not None and cap < 1:
+                return {"ok": False, "error": f"cpu_bytes_to_use {cap_bytes} is less than one slot of this node's "
+                                              f"pool ({self.stride} bytes)"}
+            conn.session = Session(self._next_session, engine, cap)
+            self._next_session += 1
+        conn.role = role
+        if role.maps_pool:
+            assert self._pool_fd is not None
+            fds.append(self._pool_fd)
+        return {"ok": True, "pool_bytes": self.options.pool_bytes, "slot_bytes": self.slot_bytes,
+                "slot_stride": self.stride, "num_slots": self.index.num_slots if self.index else 0,
+                "session": conn.session.id if conn.session else 0, "service_pid": os.getpid(),
+                "pool_id": self.pool_id}
+
+    def _note_detached(self, engine: str) -> None:
+        """Keep the stats of the last :data:`KEEP_DETACHED_ENGINES` engines that left; forget older
+        ones that hold nothing (engines come and go with fresh names: bounded memory and labels)."""
+        if any(c.session is not None and c.session.engine == engine for c in self._conns.values()):
+            return
+        self._detached[engine] = None
+        self._detached.move_to_end(engine)
+        while len(self._detached) > KEEP_DETACHED_ENGINES:
+            old, _ = self._detached.popitem(last=False)
+            if self.index is not None and not self.index.charged.get(old):
+                self.index.engines.pop(old, None)
+
+    def _engines_attached(self) -> bool:
+        return any(c.role is not None and c.role.maps_pool for c in self._conns.values())
+
+    # --- observability -------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and gauges (call with :attr:`lock` held, or from the loop thread)."""
+        index = self.index
+        attached: dict[str, int] = {}
+        for conn in self._conns.values():
+            if conn.session is not None:
+                attached[conn.session.engine] = attached.get(conn.session.engine, 0) + 1
+        engines = {}
+        if index is not None:
+            for name, stats in index.engines.items():
+                engines[name] = {**asdict(stats), "held_slots": index.charged.get(name, 0),
+                                 "sessions": attached.get(name, 0)}
+        return {
+            "socket": str(self.options.socket_path),
+            "service_pid": os.getpid(),
+            "pool_id": self.pool_id,
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "policy": self.options.policy.value,
+            "pool_bytes": self.options.pool_bytes,
+            "slot_bytes": self.slot_bytes,
+            "slot_stride": self.stride,
+            "num_slots": index.num_slots if index else 0,
+            "used_slots": index.used_slots if index else 0,
+            "blocks": index.blocks if index else 0,
+            "pinned_blocks": index.pinned_entries if index else 0,
+            "evictions": index.evictions if index else 0,
+            "connections": len(self._conns),
+            "attached_engines": len(attached),
+            "sessions_released": self.sessions_released,
+            "lookup_service_us": _percentiles(self.lookup_seconds),
+            "rejected_peers": self.rejected_peers,
+            "protocol_errors": self.protocol_errors,
+            "engines": engines,
+        }

@@ -1,0 +1,180 @@
+"""The GPU kit's own checks, on CPU: each one that guards an output-protecting rule passes on kvtier
+as it is and FAILS when that protection is deleted (tests/gpu/kit_checks.py; the real device runs
+them in tests/gpu/test_gpu_copies.py), so a green GPU run means something.
+
+- the synchronous-load ordering check, on the simulated device (tests/sim_device.py), against the
+  engine as shipped and against a copy of src/kvtier/copy/cuda.py with the compute-stream wait on
+  the load's ``end`` event deleted;
+- the refused-batch check, against the stand-in libcudart of tests/test_cudart_binding.py that
+  accepts or refuses batches: the kit's old check (``batched`` before any copy) passed either way;
+- the kit's verdict (tests/gpu/summarize.py, scripts/gpu-check.sh's one JSON and exit code) on
+  results made by the benchmark's own report functions: it fails on a failed or skipped GPU test, a
+  refused batch, a missed goal; and scripts/gpu-check.sh without a GPU says it skipped, exit 0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from sim_device import SimDevice
+from test_cudart_binding import buffers, compile_standin
+
+import kvtier.copy.cuda as shipped_cuda
+from kvtier.copy import BlockCopier, HostSlots, PagedKV
+from kvtier.copy.cudart import LoadedCudart, SourceOrder
+from kvtier.copy.staging import CopyMethod
+from kvtier.core.slots import HostSlotLayout
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from gpu_layouts import CASES, build  # noqa: E402
+from kit_checks import SimRig, check_a_synchronous_load_lands_before_compute_reads, check_batches_were_not_refused  # noqa: E402
+
+NUM_BLOCKS = 12
+COMPUTE_WAIT = "            if direction is Direction.LOAD and synchronous:\n                device.wait(compute, end)\n"
+
+
+def cuda_module_without(protection: str, name: str):
+    """src/kvtier/copy/cuda.py with ``protection`` deleted, imported as a module of its own."""
+    source = Path(shipped_cuda.__file__).read_text()
+    assert source.count(protection) == 1, "the protection to delete is no longer in cuda.py: update this test"
+    spec = importlib.util.spec_from_loader(name, loader=None)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    exec(compile(source.replace(protection, ""), f"<cuda.py without the protection: {name}>", "exec"),
+         module.__dict__)
+    return module
+
+
+def sim_rig(cuda_module=shipped_cuda, method=CopyMethod.AUTO) -> SimRig:
+    kv = build(CASES["LBNHC-attention"], NUM_BLOCKS, "cpu")
+    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8))
+    paged = PagedKV(kv.views, NUM_BLOCKS)
+    layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, 2)
+    host = HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout)
+    device = SimDevice()
+    engine = cuda_module.CudaCopyEngine(BlockCopier(paged, host), device, method)
+    return SimRig(engine, paged, host, device)
+
+
+METHODS = pytest.mark.parametrize("method", [CopyMethod.RUNS, CopyMethod.STAGED], ids=lambda m: m.value)
+
+
+@METHODS
+def test_the_synchronous_load_ordering_check_passes_on_the_engine_as_shipped(method):
+    check_a_synchronous_load_lands_before_compute_reads(sim_rig(method=method))
+
+
+@METHODS
+def test_the_synchronous_load_ordering_check_fails_without_the_compute_stream_wait(method):
+    broken = cuda_module_without(COMPUTE_WAIT, "kvtier_cuda_without_compute_wait")
+    with pytest.raises(AssertionError, match="before the synchronous load landed"):
+        check_a_synchronous_load_lands_before_compute_reads(sim_rig(broken, broken.CopyMethod(method.value)))
+
+
+def test_the_refused_batch_check_passes_when_every_batch_went_out(tmp_path):
+    runtime = LoadedCudart(ctypes.CDLL(compile_standin(tmp_path, 13000, name="libkit13000.so")))
+    src, dst, dsts, srcs, sizes = buffers()
+    runtime.memcpy_batch(dsts, srcs, sizes, 0x10, SourceOrder.STREAM)
+    check_batches_were_not_refused(runtime)
+    assert np.array_equal(dst, src)
+
+
+def test_the_refused_batch_check_fails_when_a_batch_was_refused(tmp_path):
+    lib = ctypes.CDLL(compile_standin(tmp_path, 13000, name="libkit13000r.so"))
+    lib.standin_configure(1)
+    runtime = LoadedCudart(lib)
+    assert runtime.batched  # the kit's old check, made before any copy: it passed
+    src, dst, dsts, srcs, sizes = buffers()
+    runtime.memcpy_batch(dsts, srcs, sizes, 0x10, SourceOrder.ANY)
+    assert np.array_equal(dst, src)  # every round trip still passes: the copy went run by run
+    with pytest.raises(AssertionError, match="refused 1 job"):
+        check_batches_were_not_refused(runtime)
+
+
+# ---- the kit's verdict (tests/gpu/summarize.py) ------------------------------------------------
+
+GPU_TESTS = ["test_round_trip_is_bit_exact_and_matches_the_cpu_engine[LBNHC-attention]",
+             "test_a_synchronous_load_lands_before_the_compute_stream_reads_the_page"]
+
+
+def write_results(directory, outcomes=None, fraction=0.9, issue_ms=0.4, refusals=0, runtime=12080, layouts=("LBNHC",),
+                  slow=("LBNHC", "store", "8KiB")):
+    """A results directory as scripts/gpu-check.sh leaves it, the bench JSON made by the bench's own
+    report functions from synthetic timings: ``fraction`` of the single copy for ``auto`` at ``slow``."""
+    from argparse import Namespace
+
+    from bench_copies import bench_report, direction_report
+
+    outcomes = outcomes or {name: "passed" for name in GPU_TESTS}
+    cases = []
+    for name, outcome in outcomes.items():
+        inner = {"passed": "", "failed": "<failure message='x'/>", "skipped": "<skipped message='x'/>"}[outcome]
+        cases.append(f"<testcase classname='tests.gpu.test_gpu_copies' name='{name}'>{inner}</testcase>")
+    (directory / "pytest.xml").write_text(f"<testsuites><testsuite>{''.join(cases)}</testsuite></testsuites>")
+    (directory / "device.txt").write_text("NVIDIA Test | torch 2.9 | CUDA 12.8")
+
+    class Runtime:
+        version, batched, path = runtime, True, "libcudart.so.12"
+
+    for layout in layouts:
+        sizes = {}
+        for kib in (8, 16, 64):
+            size = {"batch_refusals": refusals, "auto_picks": "staged"}
+            for direction in ("store", "load"):
+                auto = 1.0 / (fraction if (layout, direction, f"{kib}KiB") == slow else 0.95)
+                timing = {"issue_ms": issue_ms, "issue_ms_max": issue_ms, "issue_ms_first": issue_ms}
+                size[direction] = direction_report(2**30, 1.0, {m: {"device_s": s, **timing} for m, s in
+                                                                (("runs", 2.0), ("staged", auto), ("auto", auto))})
+            sizes[f"{kib}KiB"] = size
+        bench = bench_report(sizes, Runtime(), Namespace(layout=layout, blocks=512, layers=32, repeats=5))
+        (directory / f"bench-{layout}.json").write_text(json.dumps(bench))
+    return directory
+
+
+def verdict(directory):
+    run = subprocess.run([sys.executable, str(Path(__file__).parent / "gpu" / "summarize.py"), str(directory)],
+                         capture_output=True, text=True)
+    return run.returncode, json.loads(run.stdout)
+
+
+def test_the_kit_verdict_passes_when_every_check_passed_and_every_goal_was_met(tmp_path):
+    code, summary = verdict(write_results(tmp_path, layouts=("LBNHC", "BLNHC")))
+    assert (code, summary["ok"], summary["failed"]) == (0, True, [])
+    assert set(summary["checks"].values()) == {"passed"}
+    assert summary["bandwidth"]["LBNHC"]["load 16KiB"]["auto"] == 0.95
+    assert set(summary["issue_ms"]["LBNHC"]) == {f"{d} {k}KiB" for d in ("store", "load") for k in (8, 16, 64)}
+
+
+@pytest.mark.parametrize("results, reason", [
+    (dict(outcomes={GPU_TESTS[0]: "passed", GPU_TESTS[1]: "failed"}), "GPU test test_a_synchronous_load"),
+    (dict(outcomes={GPU_TESTS[0]: "passed", GPU_TESTS[1]: "skipped"}), "skipped"),
+    (dict(fraction=0.79), "LBNHC store 8KiB: 0.79 of one cudaMemcpyAsync"),
+    (dict(issue_ms=1.0), "ms to issue a 512-block job"),
+    (dict(refusals=1), "refused 3 job(s)"),
+    (dict(layouts=("BLNHC",)), "no benchmark of the goal layout LBNHC"),
+])
+def test_the_kit_verdict_fails_on_a_failed_check_or_a_missed_goal(tmp_path, results, reason):
+    code, summary = verdict(write_results(tmp_path, **results))
+    assert code == 1 and not summary["ok"]
+    assert any(reason in failure for failure in summary["failed"]), summary["failed"]
+
+
+def test_a_missed_goal_on_a_layout_that_is_only_reported_does_not_fail(tmp_path):
+    code, summary = verdict(write_results(tmp_path, layouts=("LBNHC", "BLNHC"), fraction=0.5,
+                                          slow=("BLNHC", "load", "64KiB")))
+    assert code == 0 and summary["bandwidth"]["BLNHC"]["load 64KiB"]["auto"] == 0.5
+
+
+def test_gpu_check_without_a_gpu_says_it_skipped_and_exits_0():
+    script = Path(__file__).parents[1] / "scripts" / "gpu-check.sh"
+    run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
+    assert run.returncode == 0 and json.loads(run.stdout)["skipped"].startswith("no GPU to check here")

@@ -1,0 +1,108 @@
+"""kvtier's connector attached to a node service (``"node": SOCKET``) under vLLM's real scheduler
+(tests/support/engine_sim.py) and a real service (tests/support/node_service.py): outputs are
+compared with vLLM alone's and every loaded KV page is checked by the fake model, so a block read
+from the wrong slot or pool fails here."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import pytest
+from support.engine_sim import SimEngine, by_prompt, external, prompts_of, reference_outputs, renamed, tokens_of, \
+    write_model
+from support.node_service import NodeThread
+
+from kvtier.core.config import ConfigError
+from kvtier.core.stats import KVTierStats
+
+SLOT = 4096  # 2 layers x one 32-token page of 1 head x 2 x 8 floats (a multiple of 4 KiB, as the pool needs)
+GEOMETRY = {"kv_heads": 1, "head_size": 8, "block_size": 32}
+PROMPTS = prompts_of(3, 4, 200, shared_prefix=96)  # 6 full blocks each, the first 3 shared
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> Path:
+    return write_model(tmp_path / "model", seed=11)
+
+
+@pytest.fixture
+def ref(model) -> dict[str, list[int]]:
+    return reference_outputs(model, PROMPTS, 4, **GEOMETRY)
+
+
+def attached(model: Path, sock: Path, engine_id: str) -> SimEngine:
+    return SimEngine(model, kvtier={"cpu_bytes_to_use": 2 * 2**20, "node": str(sock)}, engine_id=engine_id,
+                     **GEOMETRY)
+
+
+def test_a_second_engine_is_served_from_the_pool_the_first_filled_and_blocks_are_held_once(model, ref, tmp_path):
+    node = NodeThread(tmp_path / "node.sock", pool_bytes=256 * SLOT)
+    try:
+        with attached(model, node.sock, "a") as a:
+            assert tokens_of(a.generate(PROMPTS, 4)) == ref
+            blocks = node.stats()["blocks"]
+            assert blocks == 3 + 4 * 3, "the shared prefix is not held once"
+            with attached(model, node.sock, "b") as b:
+                second = b.generate(renamed(PROMPTS, "-b"), 4)
+                assert by_prompt(second, "-b") == ref
+                assert sum(external(second)) >= 6 * 32 + 3 * 3 * 32  # every full block not in vLLM's cache
+                assert b.model.kv_mismatches == []
+        deadline = time.monotonic() + 10
+        while node.stats()["attached_engines"]:  # the service sees the closed connections on its loop
+            assert time.monotonic() < deadline, "the engines' connections stayed attached after shutdown"
+            time.sleep(0.02)
+        stats = node.stats()
+        assert stats["blocks"] == blocks and stats["engines"]["b"]["stored_blocks"] == 0
+        assert stats["pinned_blocks"] == 0
+    finally:
+        node.stop()
+
+
+def test_the_service_gone_costs_misses_and_its_successor_is_attached_by_itself(model, ref, tmp_path):
+    sock = tmp_path / "node.sock"
+    node = NodeThread(sock, pool_bytes=256 * SLOT)
+    with attached(model, sock, "a") as sim:
+        sim.kvtier_scheduler.orchestrator.client.retry_interval_s = 0.0
+        sim.worker._worker._node.retry_interval_s = 0.0  # noqa: SLF001
+        host, counted = sim.kvtier_scheduler.orchestrator, KVTierStats()
+        take = host.take_stats
+
+        def collect() -> KVTierStats:  # every interval vLLM collects, also summed here
+            stats = take()
+            counted.add(copy.deepcopy(stats))
+            return stats
+
+        host.take_stats = collect
+        assert tokens_of(sim.generate(PROMPTS, 4)) == ref
+        first_pool = node.stats()["pool_id"]
+        node.stop()
+        assert sim.reset_prefix_cache()
+        down = sim.generate(renamed(PROMPTS, "-down"), 4)
+        assert by_prompt(down, "-down") == ref and sum(external(down)) == 0
+        assert counted.add(host.stats).node_unavailable > 0 and counted.stores_dropped > 0
+        node = NodeThread(sock, pool_bytes=256 * SLOT)
+        try:
+            assert sim.reset_prefix_cache()
+            refill = sim.generate(renamed(PROMPTS, "-refill"), 4)  # stores into the new pool
+            assert by_prompt(refill, "-refill") == ref
+            assert sim.worker._worker._pool_id == node.stats()["pool_id"] != first_pool  # noqa: SLF001
+            assert sim.reset_prefix_cache()
+            again = sim.generate(renamed(PROMPTS, "-again"), 4)
+            assert by_prompt(again, "-again") == ref and sum(external(again)) >= 6 * 32
+            assert sim.model.kv_mismatches == []
+            # Another engine reads what this one stored after the restart: the bytes are in the new
+            # pool (an engine copying into its stale mapping would serve itself right, others zeros).
+            with attached(model, sock, "b") as other:
+                fresh = other.generate(renamed(PROMPTS, "-b"), 4)
+                assert by_prompt(fresh, "-b") == ref and sum(external(fresh)) >= 6 * 32
+                assert other.model.kv_mismatches == []
+        finally:
+            sim.close()
+            node.stop()
+
+
+def test_no_service_on_the_socket_stops_the_engine_naming_the_key(model, tmp_path):
+    with pytest.raises(ConfigError, match=r"'node' = .*no kvtier node at"):
+        attached(model, tmp_path / "none.sock", "a")
