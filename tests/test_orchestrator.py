@@ -1,5 +1,6 @@
 """Orchestrator over a real host index, plain byte buffers and a real disk tier (no engine)."""
 
+import threading
 import time
 from pathlib import Path
 
@@ -112,6 +113,57 @@ def test_cascade_to_disk_then_promotion_restores_exact_bytes(tmp_path):
             assert buf[slot * SLOT : (slot + 1) * SLOT] == bytes([(index + 1 + rank * 7) % 256]) * SLOT
     assert orch.stats.promotions == 3 and orch.stats.disk_to_host.bytes == 3 * 2 * SLOT
     assert expected  # the host copies were the same bytes
+
+
+class _GatedDisk(DiskTier):
+    """A real disk tier whose read of one key waits for a gate: reads land out of order."""
+
+    def __init__(self, gated_key: bytes, **kwargs):
+        super().__init__(**kwargs)
+        self.gated_key, self.gate = gated_key, threading.Event()
+
+    def _read_job(self, job_id, key, gen, views):
+        if key == self.gated_key:
+            assert self.gate.wait(10.0), "the test never opened the gate"
+        return super()._read_job(job_id, key, gen, views)
+
+
+def test_promotions_landing_out_of_order_stay_held_and_counted(tmp_path):
+    """Blocks 2 and 3 read before block 1: the RETRY answers in between keep them pinned for the
+    owner, and the READY answer counts all three as promoted from disk (CI once saw 2 of 3)."""
+    orch, buffers = make(tmp_path)
+    ks = keys(3)
+    store(orch, buffers, ks)
+    settle(orch)
+    plain = orch.tiers[0]
+    plain.close()
+    ns = toy_namespace(block_tokens=4)
+    gated = _GatedDisk(
+        ks[0], root_dir=tmp_path, model_name="toy", engine_digest=ns.digest,
+        rank_digests=ns.rank_digests(), namespace_json=ns.config_json("toy"),
+        payload_bytes=SLOT, capacity_bytes=10**8, n_read_threads=2, n_write_threads=1, max_pending_writes=8,
+    )
+    orch = Orchestrator(HostIndex(4), HostBytes([memoryview(b) for b in buffers], SLOT), [gated],
+                        StoreAdmission(0, 100))
+    deadline = time.monotonic() + 10
+    while not all(gated.contains(k) for k in ks):  # the reopened tier adopts the files
+        assert time.monotonic() < deadline
+        orch.poll()
+        time.sleep(0.005)
+    assert orch.acquire("r1", ks).status is AcquireStatus.RETRY
+    while orch.stats.promotions < 2:
+        assert time.monotonic() < deadline, "blocks 2 and 3 were never read"
+        orch.poll()
+        time.sleep(0.005)
+    again = orch.acquire("r1", ks)
+    assert again.status is AcquireStatus.RETRY and again.num_blocks == 0
+    # blocks 2 and 3 held for r1, block 1's slot being read into
+    assert orch.host.pinned_slots() == 3, "finished promotions must stay pinned for their owner"
+    gated.gate.set()
+    got = acquire_until_ready(orch, "r1", ks)
+    assert got.num_blocks == 3 and got.from_disk == 3 and orch.host.pinned_slots() == 3
+    orch.release("r1")
+    assert orch.host.pinned_slots() == 0
 
 
 def test_corrupt_disk_block_cuts_the_run_and_is_counted(tmp_path):

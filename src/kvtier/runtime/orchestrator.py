@@ -88,10 +88,22 @@ class Acquired:
 
 @dataclass
 class _Hold:
-    """Host blocks pinned for one owner (a request) while it loads them."""
+    """Host blocks pinned for one owner (a request) while it loads them.
+
+    ``keys``: the run its last answer counted, in order. ``parked``: promotions that finished for it
+    outside that run (reads land out of order: a later block can be in while an earlier one is still
+    read), pinned until its next answer takes them into the run or lets them go, so none is evicted
+    before it asks again. ``promoted``: the keys of both that were promoted for it, by source. Every
+    key of ``keys`` and ``parked`` holds one pin, which :meth:`Orchestrator.release` or the next
+    answer gives back.
+    """
 
     keys: list[BlockKey] = field(default_factory=list)
-    promoted: dict[BlockKey, Medium] = field(default_factory=dict)  # held keys promoted for it, by source
+    parked: list[BlockKey] = field(default_factory=list)
+    promoted: dict[BlockKey, Medium] = field(default_factory=dict)
+
+    def pinned(self) -> list[BlockKey]:
+        return self.keys + self.parked
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,10 +263,16 @@ class Orchestrator:
             source.submit_read(job_id, key, self.host_bytes.slot(slot))
             pending = True
             # keep walking: start the whole run's reads at once
-        if previous is not None:
-            for key in previous.keys:
-                self.host.unpin(key)
         held = set(hold.keys)
+        if previous is not None:
+            if pending:  # promotions past the run's end stay pinned until the owner asks again
+                for key in previous.pinned():
+                    if key in hold.promoted and key not in held and self.host.is_ready(key):
+                        self.host.pin(key)
+                        hold.parked.append(key)
+                        held.add(key)
+            for key in previous.pinned():
+                self.host.unpin(key)
         hold.promoted = {key: medium for key, medium in hold.promoted.items() if key in held}
         self._holds[owner] = hold
         if pending:
@@ -304,7 +322,7 @@ class Orchestrator:
         hold = self._holds.pop(owner, None)
         if hold is None:
             return
-        for key in hold.keys:
+        for key in hold.pinned():
             self.host.unpin(key)
 
     def slots_of(self, keys: Sequence[BlockKey]) -> list[int]:
@@ -464,7 +482,7 @@ class Orchestrator:
         if hold is not None:
             # Held for the owner until it asks again, so the promotion cannot be evicted first.
             self.host.pin(key)
-            hold.keys.append(key)
+            hold.parked.append(key)
             hold.promoted[key] = medium
 
     def wait_for_tiers(self, timeout_s: float) -> bool:
