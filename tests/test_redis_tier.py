@@ -749,6 +749,33 @@ def test_unreachable_at_startup_is_not_an_error_and_connects_later(tiers, tmp_pa
         server.kill()
 
 
+def test_reconnect_max_s_caps_the_wait_between_tries(tiers, tmp_path):
+    """With ``reconnect_max_s`` 0.2 a server that is down is tried again every 0.2 s, not after a
+    back-off doubling to 30 s: a server started 3 s later is used within a second."""
+    from support.redis_server import RedisServer, free_port
+
+    port = free_port()
+    config = RedisTierConfig(url=f"redis://127.0.0.1:{port}/0", timeout_s=TIMEOUT, connect_timeout_s=0.1,
+                             reconnect_max_s=0.2)
+    tier = tiers(config)
+    time.sleep(3.0)  # about 10 failed tries; with the default the back-off would be 2-4 s by now
+    assert not tier.breaker.closed and tier.breaker.backoff == 0.2
+    server = RedisServer(tmp_path / "late", port=port)
+    try:
+        assert wait_for(tier, lambda: tier.breaker.closed, timeout=10, what="connected") < 1.5
+    finally:
+        server.kill()
+
+
+def test_reconnect_max_s_must_be_positive():
+    from kvtier.core.tier_config import parse_secondary_tiers
+
+    with pytest.raises(ConfigError, match="reconnect_max_s"):
+        parse_secondary_tiers([{"type": "redis", "url": "redis://127.0.0.1:6379/0", "reconnect_max_s": 0}])
+    (parsed,) = parse_secondary_tiers([{"type": "redis", "url": "redis://h:1/0", "reconnect_max_s": 5}])
+    assert parsed.reconnect_max_s == 5.0
+
+
 def test_queue_bound_and_close(server, tiers):
     tier = tiers(config_for(server, max_pending_writes=2))
     sources = [memoryview(bytes(PAYLOAD))]

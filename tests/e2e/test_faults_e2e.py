@@ -265,7 +265,8 @@ def test_block_files_damaged_replaced_and_purged_while_serving(tmp_path, model_p
 def redis_config(url: str) -> dict:
     return {
         "cpu_bytes_to_use": 6 * BLOCK_BYTES,
-        "secondary_tiers": [{"type": "redis", "url": url, "timeout_s": 1.0, "connect_timeout_s": 0.5}],
+        "secondary_tiers": [{"type": "redis", "url": url, "timeout_s": 1.0, "connect_timeout_s": 0.5,
+                             "reconnect_max_s": 2.0}],
     }
 
 
@@ -299,7 +300,7 @@ def test_redis_flushed_paused_killed_and_restarted_while_serving(tmp_path, model
     def restart() -> None:
         server.restart()
         assert server.running and client.ping()
-        # The tier's circuit breaker retries after its back-off (at most 30 s); a successful trial
+        # The tier's circuit breaker retries after its back-off (at most reconnect_max_s); a successful trial
         # stores the namespace's config key again, then closes the breaker: wait for that key.
         deadline = time.monotonic() + 40
         while not any(client.scan_iter(match=b"kvtier:*:config")):

@@ -79,6 +79,7 @@ class RedisTierConfig:
     connect_timeout_s: float = 1.0
     timeout_s: float = 2.0
     max_pending_writes: int = 64
+    reconnect_max_s: float = 30.0  # longest wait between tries of a server that stopped answering
     auth: AuthConfig | None = None  # fleet key: records signed (and encrypted) with it; None: unauthenticated
 
     def redacted_url(self) -> str:
@@ -125,7 +126,7 @@ _FS_KEYS = frozenset({
 }) | AUTH_KEYS
 _REDIS_KEYS = frozenset({
     "type", "url", "username", "password_env", "key_prefix", "ttl_seconds", "cluster", "nodes",
-    "max_connections", "connect_timeout_s", "timeout_s", "max_pending_writes",
+    "max_connections", "connect_timeout_s", "timeout_s", "max_pending_writes", "reconnect_max_s",
 }) | AUTH_KEYS
 
 
@@ -252,5 +253,6 @@ def _redis_tier(raw: Mapping[str, Any], where: str) -> RedisTierConfig:
         connect_timeout_s=float_value(raw, "connect_timeout_s", 1.0, where=where),
         timeout_s=float_value(raw, "timeout_s", 2.0, where=where),
         max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=64, where=where),
+        reconnect_max_s=float_value(raw, "reconnect_max_s", 30.0, where=where),
         auth=parse_auth(raw, where),
     )

@@ -4,7 +4,8 @@ States: CLOSED (normal) -> OPEN after ``threshold`` consecutive failed batches (
 refused, reset or timed out; a server that answers with an error is NOT a failure) -> after a
 back-off, the tier's monitor thread runs one trial (a PING): HALF_OPEN while it runs -> CLOSED
 if it succeeds, OPEN again with the back-off doubled if not. The back-off starts at
-``base_backoff`` (1 s) and doubles up to ``max_backoff`` (30 s); closing resets it.
+``base_backoff`` (1 s) and doubles up to ``max_backoff`` (the Redis entry's ``reconnect_max_s``,
+30 s by default); closing resets it.
 
 While the breaker is not CLOSED the tier answers from memory without waiting for anyone:
 presence is ABSENT (a miss), reads and probes fail at once, writes are dropped. Batches that

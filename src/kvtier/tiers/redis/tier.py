@@ -166,7 +166,8 @@ class RedisTier(SecondaryTier):
         self._waited: list[tuple] | None = None  # taken off _done by wait(), applied by the next poll()
 
         self._monitor: Monitor | None = None
-        self._breaker = CircuitBreaker(on_open=self._wake_monitor)
+        self._breaker = CircuitBreaker(on_open=self._wake_monitor, base_backoff=min(1.0, config.reconnect_max_s),
+                                       max_backoff=config.reconnect_max_s)
         self._seen_generation = self._breaker.generation
         # Each connection's reader keeps a buffer for the largest reply reads expect (a value, or a piece).
         reply_bytes = read_reply_bytes(self._world, payload_bytes, piece_bytes)
