@@ -12,12 +12,13 @@ from __future__ import annotations
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 from support.namespaces import toy_namespace
 from support.node_service import NodeThread
-from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
+from support.redis_server import free_port, redis_factory  # noqa: F401  (pytest fixture)
 from test_node_service import start_node, stop
 
 from kvtier.core.config import ConfigError, KVTierConfig
@@ -153,12 +154,15 @@ def test_after_a_sigkill_and_restart_on_the_same_disk_dir_lookups_are_disk_hits(
         wait_for(lambda: tier_counts(a).get("written_disk", 0) == 3, what="3 disk writes")
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        proc = start_node(sock, *args)
+        port = free_port()
+        proc = start_node(sock, *args, "--metrics-port", str(port))
         wait_for(lambda: tiers_open(a), what="the restarted service to open the root")  # reattached
         assert a.client.stats()["blocks"] == 0  # a new, empty pool
         retries, hits, data = load(a, [1, 2, 3])
         assert retries >= 1 and hits == 3 and data == [payload(i) for i in (1, 2, 3)]
         assert tier_counts(a)["promoted_disk"] == 3
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'kvtier_node_promoted_blocks_total{tier="disk"} 3.0' in metrics
         a.close()
     finally:
         stop(proc)
