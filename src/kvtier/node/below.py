@@ -17,8 +17,10 @@ With ``--disk-dir`` / ``--redis-url`` the service, not the engines, owns the tie
 - **namespaces**: the disk format keeps the namespace per root directory and every record's
   header names its digests, so tiers are opened per namespace: the first scheduler that says
   hello with a namespace description (:class:`NamespaceInfo`) opens them, on a helper thread
-  (a disk scan or a Redis connect never runs on the loop); until they are open its blocks are
-  pool-only (lookups miss below, commits are not cascaded).
+  (a disk scan or a Redis connect never runs on the loop). While they open, a pinning lookup
+  that misses in the pool answers ``pending`` for at most :data:`OPEN_WAIT_S` (the first lookups
+  after a restart are disk hits, not recomputes); past that, or if they fail to open, the
+  namespace's blocks are pool-only (lookups miss below, commits are not cascaded).
 
 Threads: every method runs on the service's loop thread (holding :attr:`NodeServer.lock`). The
 tiers' workers post outcomes on their outboxes and ring :attr:`NodeTiers.bell` (a
@@ -48,10 +50,14 @@ from kvtier.core.residency import Medium
 from kvtier.core.tier_config import SecondaryTierConfig
 from kvtier.node.index import EntryState, NodeEntry, NodeIndex, Session
 from kvtier.node.protocol import Reservation
-from kvtier.tiers.base import IoError, IoKind, IoResult, Presence, SecondaryTier
+from kvtier.tiers.base import IoError, IoKind, IoResult, SecondaryTier, first_holder
 from kvtier.tiers.factory import open_tier
 
 log = logging.getLogger("kvtier.node")
+
+OPEN_WAIT_S = 5.0
+"""How long pinning lookups that miss in the pool are told to ask again while their namespace's
+tiers are still opening."""
 
 PROMOTER = "node:promoted"
 """The engine name the service's own promotions are charged to (its stats show them)."""
@@ -125,6 +131,7 @@ class _TierSet:
 
     namespace: NamespaceInfo
     opening: Future | None
+    wait_until: float  # lookups are told to ask again until then while the tiers open
     tiers: tuple[SecondaryTier, ...] = ()
     waiting: dict[SecondaryTier, deque[tuple[BlockKey, NodeEntry, int, bool]]] = field(default_factory=dict)
 
@@ -178,7 +185,7 @@ class NodeTiers:
             return
         future = self._opener.submit(self._open, namespace, self.slot_bytes)
         future.add_done_callback(lambda _f: self.bell.set())
-        self._sets[namespace.engine_digest] = _TierSet(namespace, future)
+        self._sets[namespace.engine_digest] = _TierSet(namespace, future, time.monotonic() + OPEN_WAIT_S)
 
     def _open(self, namespace: NamespaceInfo, payload_bytes: int) -> tuple[SecondaryTier, ...]:
         tiers: list[SecondaryTier] = []
@@ -210,6 +217,12 @@ class NodeTiers:
             return None
         return tier_set
 
+    def _opening(self, session: Session) -> bool:
+        """Whether ``session``'s tiers are still opening and its lookups may wait for them."""
+        tier_set = self._sets.get(session.namespace) if session.namespace is not None else None
+        return (tier_set is not None and tier_set.opening is not None
+                and time.monotonic() < tier_set.wait_until)
+
     # --- lookups -----------------------------------------------------------------------------
     def after_lookup(self, session: Session, keys: list[BlockKey], hits: int, width: int, pin: bool
                      ) -> tuple[bool, int]:
@@ -219,12 +232,14 @@ class NodeTiers:
         assert self.index is not None
         tier_set = self._tiers_of(session, width)
         pending, below = False, 0
+        if tier_set is None and pin and hits < len(keys) and self._opening(session):
+            return True, 0
         for position in range(hits, len(keys) if tier_set is not None else hits):
             key = keys[position]
             if self.index.entry(key) is not None:  # being promoted, stored, or READY at another width
                 pending = pending or key in self._promoting
                 break
-            source, unknown = _source_of(tier_set.tiers, key)  # type: ignore[union-attr]
+            source, unknown = first_holder(tier_set.tiers, key)  # type: ignore[union-attr]
             if source is None:
                 if unknown is not None and pin:
                     unknown.probe(keys[position:])
@@ -369,15 +384,3 @@ class NodeTiers:
         self.bell.close()
         self.pool.release()
 
-
-def _source_of(tiers: tuple[SecondaryTier, ...], key: BlockKey
-               ) -> tuple[SecondaryTier | None, SecondaryTier | None]:
-    """The first tier that holds ``key`` (or None), and the first that does not know yet."""
-    unknown = None
-    for tier in tiers:
-        presence = tier.presence(key)
-        if presence is Presence.PRESENT:
-            return tier, None
-        if presence is Presence.UNKNOWN and unknown is None:
-            unknown = tier
-    return None, unknown
