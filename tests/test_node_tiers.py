@@ -10,6 +10,8 @@ while a read is stuck; an engine attached with ``node`` still refuses its own se
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -19,7 +21,7 @@ import pytest
 from support.namespaces import toy_namespace
 from support.node_service import NodeThread
 from support.redis_server import free_port, redis_factory  # noqa: F401  (pytest fixture)
-from test_node_service import start_node, stop
+from test_node_service import ENV, start_node, stop
 
 from kvtier.core.config import ConfigError, KVTierConfig
 from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig
@@ -171,6 +173,9 @@ def test_after_a_sigkill_and_restart_on_the_same_disk_dir_lookups_are_disk_hits(
         assert tier_counts(a)["promoted_disk"] == 3
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'kvtier_node_promoted_blocks_total{tier="disk"} 3.0' in metrics
+        text = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", str(sock)], env=ENV,
+                              capture_output=True, text=True, timeout=60).stdout
+        assert "promoted_disk 3" in text, text
         a.close()
     finally:
         stop(proc)
