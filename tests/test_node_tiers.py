@@ -257,3 +257,13 @@ def test_an_attached_engine_still_refuses_its_own_secondary_tiers_and_says_where
         KVTierConfig.from_extra_config({"node": str(tmp_path / "n.sock"), "cpu_bytes_to_use": 10**9,
                                  "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "d"),
                                                       "capacity_bytes": 10**9}]})
+
+
+def test_a_hello_with_a_malformed_namespace_is_refused_naming_the_field(tmp_path):
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=4 * SLOT, slot_bytes=SLOT, tiers=(disk(tmp_path / "d"),))
+    try:
+        bad = {**NAMESPACE.to_message(), "ranks": [b"short"]}
+        with pytest.raises(ConfigError, match="namespace.ranks"):
+            connect_node(str(svc.sock), engine="A", role=Role.SCHEDULER, slot_bytes=SLOT, namespace=bad)
+    finally:
+        svc.stop()
