@@ -68,7 +68,7 @@ def engine(sock: str, name: str, slot_bytes: int, width: int, keys: list[bytes],
         time.sleep(0.001)
     for _ in range(rounds):
         t0 = time.perf_counter()
-        hits, _, pin = client.lookup(keys, pin=True, width=width)
+        hits, _, pin, _, _ = client.lookup(keys, pin=True, width=width)
         times.append(time.perf_counter() - t0)
         misses += len(keys) - hits
         client.unpin([pin])

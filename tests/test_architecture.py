@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "policy": {"core"},
     "tiers": {"core", "policy"},
     "copy": {"core"},
-    "node": {"core", "policy"},
+    "node": {"core", "policy", "tiers"},  # tiers: the service owns the node's disk/Redis (node/below.py)
     "runtime": {"core", "policy", "tiers", "node"},  # node: the client NodeHost drives (runtime/node_host.py)
     "vllm": {"core", "policy", "tiers", "copy", "runtime", "node"},
     # operator side
@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "doctor": {"core", "planning", "launch", "models"},
     "cachetools": {"core", "tiers"},
     "bench": {"launch", "models"},
-    "cli": {"core", "launch", "planning", "doctor", "cachetools", "bench", "models", "node"},
+    "cli": {"core", "launch", "planning", "doctor", "cachetools", "bench", "models", "node", "tiers"},
 }
 """Which kvtier packages each package may import (besides itself)."""
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.node import NodeClient, NodeError, NodeUnavailable, Role
-from kvtier.node.protocol import Reservation, pack
+from kvtier.node.protocol import PROTOCOL_VERSION, Reservation, pack
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 ENV = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -86,9 +86,9 @@ def test_an_engine_reads_from_its_own_mapping_what_another_engine_wrote(node):
         assert status is Reservation.RESERVED and len(slots) == 2
         for s in slots:
             a.pool.slot(s)[:] = data
-    assert b.lookup(list(payloads), width=2) == (0, [], 0)  # WRITING: not a hit yet
+    assert b.lookup(list(payloads), width=2) == (0, [], 0, False, 0)  # WRITING: not a hit yet
     assert a.commit(list(payloads)) == 0
-    hits, slots, pin = b.lookup([*payloads, key(99)], pin=True, width=2)
+    hits, slots, pin, _, _ = b.lookup([*payloads, key(99)], pin=True, width=2)
     assert hits == 3 and len(slots) == 6 and pin
     for i, data in enumerate(payloads.values()):
         assert all(bytes(b.pool.slot(s)) == data for s in slots[2 * i:2 * i + 2])
@@ -127,7 +127,7 @@ def test_a_killed_engine_releases_its_pins_and_reservations(node):
 def test_an_engine_that_stops_reading_stalls_no_other(node):
     stalled = socket.socket(socket.AF_UNIX)
     stalled.connect(str(node))
-    stalled.sendall(pack({"op": "hello", "version": 1, "engine": "stalled", "role": "observer"}))
+    stalled.sendall(pack({"op": "hello", "version": PROTOCOL_VERSION, "engine": "stalled", "role": "observer"}))
     request = pack({"op": "stats"})
     stalled.setblocking(False)
     sent = 0
@@ -161,7 +161,7 @@ def test_engines_miss_while_the_service_is_down_and_reattach_after_a_restart(tmp
         a.lookup([key(1)])  # within retry_interval_s, or the socket is gone: no hang, an error at once
     proc = start_node(sock, "--pool-bytes", "1MiB", "--slot-bytes", str(SLOT))  # replaces the dead socket
     time.sleep(0.15)
-    assert a.lookup([key(1)]) == (0, [], 0)  # a fresh, empty pool: reattached by itself
+    assert a.lookup([key(1)]) == (0, [], 0, False, 0)  # a fresh, empty pool: reattached by itself
     assert a.generation == 2 and a.pool is not None and a.attachment.pool_id != first_pool
     a.close()
     stop(proc)
@@ -317,7 +317,7 @@ def test_byte_sizes_and_help():
         [8_000_000_000, 8_000_000_000, 8 * 2**30, 3 * 2**19]
     out = CliRunner().invoke(main, ["node", "--help"]).output
     for words in ("--socket", "--pool-bytes", "--slot-bytes", "--group", "--metrics-port", "SIGKILL",
-                  "cpu_bytes_to_use", "kvtier inspect PATH", "Not yet"):
+                  "cpu_bytes_to_use", "kvtier inspect PATH", "--disk-dir", "--disk-size", "--redis-url", "restart"):
         assert words in out
     bad = CliRunner().invoke(main, ["node", "--socket", "/tmp/x.sock", "--pool-bytes", "lots"])
     assert bad.exit_code == 2 and "not a byte count" in bad.output

@@ -7,7 +7,11 @@ every output compared with vLLM alone's.
 - an engine killed with SIGKILL while it holds a reservation (mid-store): the service releases
   it (nothing stays pinned or reserved), and the engine started again is served from the pool;
 - the service killed with SIGKILL while an engine serves: no request fails, outputs stay
-  bit-exact, the misses are counted; started again, the engine reattaches by itself and hits.
+  bit-exact, the misses are counted; started again (an empty pool, the same ``--disk-dir``), the
+  engine reattaches by itself and its next round is served from the service's disk tier through
+  the pool, bit-exact.
+
+The service owns a disk tier (``--disk-dir``): what the engines store is cascaded to it.
 
 Tiny Qwen3-MoE (random weights, tests/support/tiny_models.py); four prompts of 210-222 tokens
 that share a 130-token prefix: three 64-token blocks each, the first two shared.
@@ -66,7 +70,8 @@ class Node:
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "node", "--socket", str(self.sock),
-                                      "--pool-bytes", "64MiB"], env=env, stdout=subprocess.DEVNULL,
+                                      "--pool-bytes", "64MiB", "--disk-dir", str(self.sock.parent / "disk"),
+                                      "--disk-size", "1"], env=env, stdout=subprocess.DEVNULL,
                                      stderr=open(self.sock.with_suffix(".log"), "a"))  # noqa: SIM115
         deadline = time.monotonic() + 60
         while True:
@@ -184,8 +189,8 @@ def test_an_engine_killed_mid_store_leaves_nothing_pinned_and_is_served_from_the
 def test_the_service_killed_while_an_engine_serves_costs_only_misses_and_the_engine_reattaches(
         model, node, expected, engine_a, tmp_path):
     # Round 0: pool hits. Before round 1 the service is killed: misses, nothing fails. Before
-    # round 2 it is started again (an empty pool): the engine reattaches and stores again; round 3
-    # hits what round 2 stored.
+    # round 2 it is started again (an empty pool, the same disk dir): the engine reattaches and is
+    # served from disk through the pool; round 3 hits the pool.
     rounds = ({}, {**RESET, "pause": True}, {**RESET, "pause": True}, RESET)
     proc, run_dir = start(spec(model, node.sock, rounds=rounds, cpu=1, engine_id="survivor"), tmp_path)
 
@@ -200,7 +205,9 @@ def test_the_service_killed_while_an_engine_serves_costs_only_misses_and_the_eng
     assert cached(result, 1) == ALONE_CACHED, "kvtier hits while the service was down"
     assert metric(result, 1, "kvtier_hit_tokens") == metric(result, 0, "kvtier_hit_tokens") == POOL_TOKENS
     assert metric(result, 1, "kvtier_node_unavailable") > 0, "the service's absence was not counted"
-    assert cached(result, 2) == ALONE_CACHED  # a new, empty pool
+    assert cached(result, 2) == HIT, "the restarted service did not serve its disk tier's blocks"
+    assert metric(result, 2, "kvtier_hit_tokens") - metric(result, 1, "kvtier_hit_tokens") == POOL_TOKENS
     assert cached(result, 3) == HIT, "the engine did not reattach to the restarted service"
     pool = node.stats()
+    assert pool["tiers"]["promoted_disk"] == POOL_TOKENS // BLOCK, pool["tiers"]  # round 2's, from disk
     assert pool["blocks"] == 2 + len(PROMPTS) and pool["pinned_blocks"] == 0

@@ -11,9 +11,10 @@ from kvtier.node.server import NodeOptions, NodeServer
 
 
 class NodeThread:
-    def __init__(self, sock: Path, pool_bytes: int, slot_bytes: int | None = None):
+    def __init__(self, sock: Path, pool_bytes: int, slot_bytes: int | None = None, tiers: tuple = ()):
         self.sock = sock
-        self.server = NodeServer(NodeOptions(sock, pool_bytes=pool_bytes, slot_bytes=slot_bytes, prefault=False))
+        self.server = NodeServer(NodeOptions(sock, pool_bytes=pool_bytes, slot_bytes=slot_bytes, prefault=False,
+                                             tiers=tiers))
         self.server.start()
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)
         self.thread.start()

@@ -195,6 +195,8 @@ def _inspect_node(target: str, as_json: bool) -> None:
                   f"{stats['slot_bytes']} bytes")
     console.print(f"{stats['attached_engines']} engines attached, {stats['connections']} connections, "
                   f"{stats['rejected_peers']} peers refused")
+    if stats.get("tiers") is not None:  # --disk-dir / --redis-url: cascades, promotions, failures
+        console.print("tiers: " + ", ".join(f"{k} {v}" for k, v in sorted(stats["tiers"].items()) if isinstance(v, int)))
     if stats["engines"]:
         table = Table("engine", "sessions", "held", "lookups", "blocks asked", "hits", "stored", "duplicates",
                       "refused")

@@ -32,7 +32,9 @@ class ByteSize(click.ParamType):
                epilog="\b\nExamples:\n"
                       "  kvtier node --socket /run/kvtier/node.sock --pool-bytes 64GiB\n"
                       "  kvtier node --socket /run/kvtier/node.sock --pool-bytes 64GiB --group kvtier \\\n"
-                      "      --eviction-policy arc --metrics-port 9400")
+                      "      --eviction-policy arc --metrics-port 9400\n"
+                      "  kvtier node --socket /run/kvtier/node.sock --pool-bytes 64GiB \\\n"
+                      "      --disk-dir /var/cache/kvtier --disk-size 500 --redis-url redis://cache:6379/0")
 @click.option("--socket", "socket_path", required=True, type=click.Path(dir_okay=False), metavar="PATH",
               help="Unix socket the engines attach to; its directory must exist. Created owner-only (0600), or "
                    "0660 for --group. A second service on the same socket is refused.")
@@ -52,10 +54,19 @@ class ByteSize(click.ParamType):
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address for --metrics-port.")
 @click.option("--no-prefault", is_flag=True,
               help="Do not touch every page of the pool at start-up (faster start, first stores pay the faults).")
+@click.option("--disk-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="The node's disk tier, owned by this service (one writer per root): blocks committed to the "
+                   "pool are written here too, and lookups promote them back into the pool. Survives a restart: "
+                   "the first lookups after one are disk hits.")
+@click.option("--disk-size", type=float, default=None, metavar="GiB",
+              help="Capacity of --disk-dir in GiB (2^30 bytes); required with --disk-dir.")
+@click.option("--redis-url", default=None, metavar="URL",
+              help="The node's Redis / Valkey tier (one connection pool for the node), below the disk tier: "
+                   "redis://host:6379/0, rediss://... (TLS) or unix:///path.sock.")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
 def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, eviction_policy: str,
                  group: str | None, metrics_port: int | None, metrics_host: str, no_prefault: bool,
-                 log_level: str) -> None:
+                 disk_dir: str | None, disk_size: float | None, redis_url: str | None, log_level: str) -> None:
     """Run kvtier's node service in the foreground until SIGTERM or Ctrl-C.
 
     \b
@@ -75,8 +86,12 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
     down they only miss. Inspect a running service: kvtier inspect PATH.
 
     \b
-    Not yet: disk and Redis tiers owned by the service (engines keep their
-    own secondary_tiers).
+    With --disk-dir / --redis-url the service owns the node's disk and
+    Redis tiers (engines attached with "node" have none of their own):
+    every block committed to the pool is written below it, and a lookup
+    whose run continues there promotes those blocks into the pool (the
+    engine asks again a moment later). The disk root outlives the
+    service: after a restart, lookups are served from disk.
     """
     import logging
     import os
@@ -89,7 +104,7 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s kvtier node: %(message)s")
     options = NodeOptions(Path(socket_path), pool_bytes, slot_bytes, PolicyName(eviction_policy), group,
-                          prefault=not no_prefault)
+                          prefault=not no_prefault, tiers=_tier_configs(disk_dir, disk_size, redis_url))
 
     def ready(server) -> None:  # noqa: ANN001 (a NodeServer; imported lazily above)
         click.echo(f"kvtier node: serving {socket_path} (pool {pool_bytes} bytes, pid {os.getpid()})", err=True)
@@ -98,3 +113,29 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
         run(options, metrics_port=metrics_port, metrics_host=metrics_host, ready=ready)
     except (NodeAlreadyRunning, NodeConfigError, PoolTooLargeError) as exc:
         raise click.ClickException(str(exc)) from None
+
+
+def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str | None) -> tuple:
+    """The service's tiers from its flags (cascade order: disk, then Redis), checked now: a root
+    this user cannot write, or credentials Redis refuses, stop the service with the flag named."""
+    from pathlib import Path
+
+    from kvtier.core.tier_config import DiskTierConfig, TierType, parse_tier
+    from kvtier.core.values import ConfigError
+    from kvtier.tiers.factory import check_tier
+
+    if (disk_dir is None) != (disk_size is None):
+        raise click.UsageError("--disk-dir and --disk-size go together: give the directory and its capacity in GiB")
+    tiers: list = []
+    try:
+        if disk_dir is not None:
+            if disk_size is None or disk_size <= 0:
+                raise click.BadParameter(f"{disk_size}: a positive number of GiB", param_hint="--disk-size")
+            tiers.append(DiskTierConfig(root_dir=Path(disk_dir).expanduser(), capacity_bytes=int(disk_size * 2**30)))
+            check_tier(tiers[-1], where="--disk-dir")
+        if redis_url is not None:
+            tiers.append(parse_tier({"url": redis_url}, TierType.REDIS, "--redis-url"))
+            check_tier(tiers[-1], where="--redis-url")
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+    return tuple(tiers)

@@ -33,7 +33,8 @@ def run(
         given = " and ".join([*disk_flags_given, *(["--no-disk"] if options.no_disk else []),
                               *(["--redis-url"] if options.redis_url else [])])
         raise click.UsageError(f"--node conflicts with {given}: an engine attached to a kvtier node has no disk or "
-                               "Redis tier of its own (the node's pool is its host tier); drop one of them.")
+                               "Redis tier of its own (the node's pool is its host tier): give them to the service "
+                               "(kvtier node ... --disk-dir DIR --disk-size GIB --redis-url URL), or drop --node.")
     if options.no_disk and disk_flags_given:
         given = " and ".join(disk_flags_given)
         raise click.UsageError(f"--no-disk conflicts with {given}: drop one of them.")

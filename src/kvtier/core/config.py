@@ -108,8 +108,9 @@ class KVTierConfig:
         if node is not None and tiers:
             raise ConfigError(
                 "kv_connector_extra_config: 'node' and 'secondary_tiers' are both set; an engine attached "
-                "to a kvtier node service has no disk or Redis tier of its own yet. Remove "
-                "'secondary_tiers', or remove 'node' to keep an embedded host tier with them."
+                "to a kvtier node service has no disk or Redis tier of its own: the service owns the node's. "
+                "Give them to the service (kvtier node ... --disk-dir DIR --disk-size GIB --redis-url URL) and "
+                "remove 'secondary_tiers', or remove 'node' to keep an embedded host tier with them."
             )
         return cls(
             cpu_bytes_to_use=int_value(extra, "cpu_bytes_to_use", minimum=1),

@@ -57,6 +57,8 @@ class Hit(NamedTuple):
     hits: int
     slots: list[int]
     pin: int
+    pending: bool = False  # the run continues in the service's tiers, being promoted: ask again
+    below: int = 0  # keys after the hits the service's tiers hold
 
 
 class NodeClient:
@@ -64,7 +66,8 @@ class NodeClient:
 
     def __init__(self, socket_path: str | os.PathLike[str], *, engine: str, role: Role = Role.SCHEDULER,
                  slot_bytes: int | None = None, cap_bytes: int | None = None, map_pool: bool | None = None,
-                 timeout_s: float = 5.0, retry_interval_s: float = 1.0) -> None:
+                 timeout_s: float = 5.0, retry_interval_s: float = 1.0, namespace: dict[str, Any] | None = None
+                 ) -> None:
         self.socket_path = Path(socket_path)
         self.engine = engine
         self.role = role
@@ -73,6 +76,7 @@ class NodeClient:
         self.map_pool = role.maps_pool if map_pool is None else map_pool
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
+        self.namespace = namespace  # sent at hello: the service's tiers store this engine's blocks under it
         self.generation = 0
         self.attachment: Attachment | None = None
         self.pool: PoolMapping | None = None
@@ -113,7 +117,8 @@ class NodeClient:
             self._pending = []
             reply, fds = self._roundtrip({"op": Op.HELLO.value, "version": PROTOCOL_VERSION, "engine": self.engine,
                                           "role": self.role.value, "slot_bytes": self.slot_bytes,
-                                          "cap_bytes": self.cap_bytes}, want_fds=True)
+                                          "cap_bytes": self.cap_bytes, "namespace": self.namespace},
+                                         want_fds=True)
             try:
                 attachment = Attachment(reply["pool_bytes"], reply["slot_bytes"], reply["slot_stride"],
                                         reply["num_slots"], reply["session"], reply["service_pid"],
@@ -217,7 +222,7 @@ class NodeClient:
         for all of them). With ``pin`` the run is pinned for this engine under ``Hit.pin`` (release
         it with :meth:`unpin`) and its slots are returned, ``width`` per key, in key order."""
         reply = self._call(Op.LOOKUP, keys=keys if isinstance(keys, list) else list(keys), pin=pin, width=width)
-        return Hit(reply["hits"], reply["slots"], reply["pin"])
+        return Hit(reply["hits"], reply["slots"], reply["pin"], bool(reply.get("pending")), int(reply.get("below", 0)))
 
     def reserve(self, keys: Sequence[BlockKey], width: int = 1, tails: Sequence[int] = ()
                 ) -> list[tuple[Reservation, list[int] | None]]:
@@ -226,9 +231,13 @@ class NodeClient:
         reply = self._call(Op.RESERVE, keys=list(keys), width=width, tails=list(tails))
         return [(Reservation(s), slots) for s, slots in zip(reply["status"], reply["slots"])]
 
-    def commit(self, keys: Sequence[BlockKey]) -> int:
-        """The reserved slots of ``keys`` are written on every rank: they become hits for everyone."""
-        return self._call(Op.COMMIT, keys=list(keys))["unknown"]
+    def commit(self, keys: Sequence[BlockKey], blocks: Sequence[tuple[BlockKey, int, bool]] | None = None) -> int:
+        """The reserved slots of ``keys`` are written on every rank: they become hits for everyone.
+        ``blocks``: each key's ``(parent, num_tokens, tail)``, which the service's tiers store with it."""
+        fields: dict[str, Any] = {"keys": list(keys)}
+        if blocks is not None:
+            fields["blocks"] = [list(b) for b in blocks]
+        return self._call(Op.COMMIT, **fields)["unknown"]
 
     def abort(self, keys: Sequence[BlockKey]) -> int:
         return self._call(Op.ABORT, keys=list(keys))["unknown"]

@@ -25,7 +25,12 @@ Invariants (``tests/test_node_index.py`` checks them after every operation):
 - a pin is a handle: one lookup pins its whole hit run under one id that :meth:`NodeIndex.unpin`
   releases (one request's load = one handle; no key crosses the socket twice);
 - when a session ends (:meth:`NodeIndex.release_session`), every reservation it holds is aborted
-  and every pin it holds is released: nothing stays pinned by a dead engine.
+  and every pin it holds is released: nothing stays pinned by a dead engine;
+- blocks promoted from the service's disk/Redis tiers for a session (:mod:`kvtier.node.below`)
+  are *parked*: pinned for it until a lookup of it that needs no more promotions (the service
+  then lets them go: :meth:`NodeIndex.let_go`) or its end, so none is evicted before it asks again. The service's own pins
+  (:meth:`NodeIndex.hold`, a block being written to a tier) are released by
+  :meth:`NodeIndex.let_go`.
 """
 
 from __future__ import annotations
@@ -72,6 +77,9 @@ class Session:
     reserved: set[BlockKey] = field(default_factory=set)
     pins: dict[int, list[NodeEntry]] = field(default_factory=dict)  # pin handle -> the entries it pins
     next_pin: int = 1
+    namespace: bytes | None = None  # its engine's namespace digest (hello), naming the service's tiers for it
+    parked: list[NodeEntry] = field(default_factory=list)  # promoted for it, pinned until its next lookup
+    closed: bool = False  # its connection dropped (release_session ran)
 
 
 @dataclass
@@ -238,7 +246,23 @@ class NodeIndex:
         self.abort(session, reserved)
         handles = list(session.pins)
         self.unpin(session, handles)
+        self.let_go(session.parked)
+        session.parked = []
+        session.closed = True
         return len(reserved), len(handles)
+
+    def hold(self, key: BlockKey) -> NodeEntry | None:
+        """Pin READY ``key`` for the service itself (a tier write reading its slots); None if absent."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state is not EntryState.READY:
+            return None
+        entry.readers += 1
+        return entry
+
+    def let_go(self, entries: list[NodeEntry]) -> None:
+        """Release pins taken by :meth:`hold` (or parked promotions)."""
+        for entry in entries:
+            entry.readers -= 1
 
     # --- internals ----------------------------------------------------------------------
     def _owner_policy(self, owner: str) -> LRUPolicy:

@@ -52,6 +52,28 @@ class NodeCollector(Collector):
         for engine, stats in s["engines"].items():
             held.add_metric([engine], stats["held_slots"] * stride)
         yield held
+        tiers = s.get("tiers")
+        if tiers is not None:
+            yield from _tier_metrics(tiers)
+
+
+def _tier_metrics(t: dict) -> Iterator[Metric]:
+    """The service's own tiers (``--disk-dir``, ``--redis-url``): cascades and promotions by tier."""
+    for name, doc, prefix in (
+            ("kvtier_node_cascaded_blocks", "Blocks written from the pool to the service's tiers.", "written_"),
+            ("kvtier_node_cascade_dropped_blocks", "Blocks not written to a tier (no room, server down).",
+             "writes_dropped_"),
+            ("kvtier_node_promoted_blocks", "Blocks promoted from the service's tiers into the pool.", "promoted_")):
+        family = CounterMetricFamily(name, doc, labels=["tier"])
+        for tier in ("disk", "remote"):
+            family.add_metric([tier], t.get(prefix + tier, 0))
+        yield family
+    for field, doc in (("promotion_failures", "Promotions that failed (the block is a miss)."),
+                       ("checksum_failures", "Records that failed their checksum (quarantined, a miss)."),
+                       ("auth_failures", "Records without a valid MAC (removed, a miss).")):
+        yield CounterMetricFamily(f"kvtier_node_{field}", doc, value=t.get(field, 0))
+    yield GaugeMetricFamily("kvtier_node_tier_io_in_flight", "Promotions and tier writes in flight.",
+                            value=t["promotions_in_flight"] + t["writes_in_flight"])
 
 
 def registry_for(server: NodeServer) -> CollectorRegistry:

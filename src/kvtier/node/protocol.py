@@ -13,15 +13,20 @@ Messages (fields beyond ``op``):
 op          request                                                reply
 ==========  =====================================================  ===============================================
 hello       version, engine (str), role (Role), slot_bytes         pool_bytes, slot_bytes, slot_stride, num_slots,
-            (int|None), cap_bytes (int|None)                       session (int), service_pid, pool_id (str); + the
-                                                                   memfd
+            (int|None), cap_bytes (int|None), namespace (a         session (int), service_pid, pool_id (str); + the
+            map, schedulers: digest, ranks, json, model; for       memfd
+            the service's tiers, kvtier.node.below)
 lookup      keys (list[bytes]), pin (bool), width (int: slots      hits (int: leading run READY), slots (list[int]:
             per key)                                               width per hit, only if pin), pin (int: the
-                                                                   handle that pins the run; 0 if none)
+                                                                   handle that pins the run; 0 if none), pending
+                                                                   (bool: the run continues in the service's tiers
+                                                                   and is being promoted: ask again), below (int:
+                                                                   keys after the hits the tiers hold)
 reserve     keys (list[bytes]), width (int: slots per key),        status (list[Reservation]), slots
             tails (list[int]: positions of tails, evicted first)
                                                                    (list[list[int] | None])
-commit      keys                                                   unknown (int: keys not reserved by this session)
+commit      keys, blocks (optional: [parent, num_tokens, tail]    unknown (int: keys not reserved by this session)
+            per key, for the service's tiers)
 abort       keys                                                   unknown
 unpin       pins (list[int]: handles from lookup)                  unknown (int: handles not held by this session)
 stats       --                                                     the service's counters (a map; see server.py)
@@ -38,7 +43,7 @@ from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 64 * 2**20
 """A single message larger than this is a broken or hostile peer: its connection is dropped."""
 

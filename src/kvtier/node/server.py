@@ -22,11 +22,18 @@ disconnected.
 When a connection drops (close, crash, SIGKILL: the kernel closes the socket), everything its
 session held is released (reservations aborted, pins dropped). The pool lives as long as this
 process: a restarted service starts with an empty pool and engines reattach by themselves.
+
+Tiers below the pool (``--disk-dir``, ``--redis-url``: :attr:`NodeOptions.tiers`) are the
+service's (:mod:`kvtier.node.below`): commits cascade to them and pinning lookups promote from
+them; their I/O runs on their own threads, which wake the loop through a socket pair it selects
+on, so the loop never waits on tier I/O. A disk root outlives the service: after a restart the
+first lookups are disk hits, promoted into the new pool.
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import fcntl
 import grp
 import logging
@@ -35,8 +42,6 @@ import secrets
 import selectors
 import socket
 import stat
-import struct
-import statistics
 import threading
 import time
 from collections import OrderedDict, deque
@@ -45,18 +50,24 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.config import PolicyName
+from kvtier.core.tier_config import SecondaryTierConfig
+from kvtier.node.below import NamespaceInfo, NodeTiers
+from kvtier.node.conn import Conn, groups_of, peer_credentials, percentiles
 from kvtier.node.index import NodeIndex, Session
 from kvtier.node.pool import check_pool_size, create_pool_fd, slot_stride
-from kvtier.node.protocol import PROTOCOL_VERSION, FrameReader, Op, ProtocolError, Role, pack
+from kvtier.node.protocol import PROTOCOL_VERSION, Op, ProtocolError, Role, pack
 
 log = logging.getLogger("kvtier.node")
 
 MAX_QUEUED_REPLY_BYTES = 16 * 2**20
 """Replies waiting for a peer that does not read; beyond this its connection is dropped."""
-_UCRED = struct.Struct("3i")
 KEEP_DETACHED_ENGINES = 64
 """Stats of this many engines that left are kept (for inspect and metrics); older ones holding
 nothing in the pool are forgotten."""
+
+
+_BELL = object()
+"""The selector's data for the tiers' bell (the listener's is None, a connection's its Conn)."""
 
 
 class NodeAlreadyRunning(RuntimeError):
@@ -77,45 +88,7 @@ class NodeOptions:
     policy: PolicyName = PolicyName.LRU
     group: str | None = None  # admit this group's members too (socket 0660 owned by it)
     prefault: bool = True
-
-
-class _Conn:
-    """One client connection: its socket, frame reader, reply queue and (after hello) session."""
-
-    __slots__ = ("sock", "reader", "out", "session", "role", "uid", "pid", "closing")
-
-    def __init__(self, sock: socket.socket, uid: int, pid: int) -> None:
-        self.sock = sock
-        self.reader = FrameReader()
-        self.out = bytearray()
-        self.session: Session | None = None
-        self.role: Role | None = None
-        self.uid = uid
-        self.pid = pid
-        self.closing = False
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
-    return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-
-
-def _groups_of(pid: int) -> set[int]:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Groups:"):
-                return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
-    return set()
-
-
-def _percentiles(seconds: deque[float]) -> dict[str, float]:
-    """p50/p99 in microseconds of the latest lookups' handling time (index work only, no socket)."""
-    if len(seconds) < 2:
-        return {"count": len(seconds)}
-    q = statistics.quantiles(seconds, n=100)
-    return {"count": len(seconds), "p50": round(statistics.median(seconds) * 1e6, 1), "p99": round(q[98] * 1e6, 1)}
+    tiers: tuple[SecondaryTierConfig, ...] = ()  # owned below the pool, cascade order (disk, then Redis)
 
 
 class NodeServer:
@@ -130,7 +103,7 @@ class NodeServer:
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
         self._pool_fd: int | None = None
-        self._conns: dict[int, _Conn] = {}
+        self._conns: dict[int, Conn] = {}
         self._next_session = 1
         self._gid = self._resolve_group(options.group)
         self.slot_bytes: int | None = None
@@ -143,6 +116,8 @@ class NodeServer:
         self.sessions_released = 0
         self._detached: OrderedDict[str, None] = OrderedDict()  # engines with no session, last to leave last
         self.lookup_seconds: deque[float] = deque(maxlen=4096)  # the service's own time per lookup, latest
+        self.below: NodeTiers | None = None  # the tiers below the pool (made at start: they map it)
+        self._pool_map: mmap.mmap | None = None
         if options.slot_bytes is not None:
             self._cut(options.slot_bytes)
 
@@ -167,6 +142,8 @@ class NodeServer:
                 f"of {slot_bytes} bytes): give a larger --pool-bytes")
         self.slot_bytes, self.stride = slot_bytes, stride
         self.index = NodeIndex(self.options.pool_bytes // stride, self.options.policy)
+        if self.below is not None:
+            self.below.bind(self.index, stride, slot_bytes)
 
     def start(self) -> None:
         path = self.options.socket_path
@@ -195,6 +172,13 @@ class NodeServer:
                                           "another path")
                 path.unlink()  # a dead service's socket: we hold the lock, so nobody serves it
             self._pool_fd = create_pool_fd(self.options.pool_bytes, prefault=self.options.prefault)
+            if self.options.tiers:
+                self._pool_map = mmap.mmap(self._pool_fd, self.options.pool_bytes, mmap.MAP_SHARED,
+                                           mmap.PROT_READ | mmap.PROT_WRITE)
+                self.below = NodeTiers(self.options.tiers, memoryview(self._pool_map))
+                if self.index is not None:
+                    self.below.bind(self.index, self.stride, self.slot_bytes or 0)
+                self._sel.register(self.below.bell.reader, selectors.EVENT_READ, _BELL)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old = os.umask(0o177)
             try:
@@ -222,7 +206,12 @@ class NodeServer:
                 if key.data is None:
                     self._accept()
                     continue
-                conn: _Conn = key.data
+                if key.data is _BELL:  # a tier posted outcomes
+                    assert self.below is not None
+                    with self.lock:
+                        self.below.poll()
+                    continue
+                conn: Conn = key.data
                 if events & selectors.EVENT_READ:
                     self._read(conn)
                 if events & selectors.EVENT_WRITE and not conn.closing:
@@ -235,6 +224,16 @@ class NodeServer:
     def close(self) -> None:
         for conn in list(self._conns.values()):
             self._drop(conn, "service stopping")
+        if self.below is not None:
+            self._sel.unregister(self.below.bell.reader)
+            self.below.close()
+            self.below = None
+        if self._pool_map is not None:
+            try:
+                self._pool_map.close()
+            except BufferError:  # a tier's finished job still views a slot: unmapped when collected
+                pass
+            self._pool_map = None
         if self._listener is not None:
             self._sel.unregister(self._listener)
             self._listener.close()
@@ -254,7 +253,7 @@ class NodeServer:
     def _allowed(self, uid: int, gid: int, pid: int) -> bool:
         if uid in (0, os.getuid()):
             return True
-        return self._gid is not None and (gid == self._gid or self._gid in _groups_of(pid))
+        return self._gid is not None and (gid == self._gid or self._gid in groups_of(pid))
 
     def _accept(self) -> None:
         assert self._listener is not None
@@ -276,12 +275,12 @@ class NodeServer:
             sock.close()
             return
         sock.setblocking(False)
-        conn = _Conn(sock, uid, pid)
+        conn = Conn(sock, uid, pid)
         with self.lock:  # the metrics thread iterates the connections
             self._conns[sock.fileno()] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
 
-    def _read(self, conn: _Conn) -> None:
+    def _read(self, conn: Conn) -> None:
         try:
             data = conn.sock.recv(1 << 20)
         except (BlockingIOError, InterruptedError):
@@ -317,7 +316,7 @@ class NodeServer:
                 return
         self._flush(conn)
 
-    def _send_with_fds(self, conn: _Conn, frame: bytes, fds: list[int]) -> None:
+    def _send_with_fds(self, conn: Conn, frame: bytes, fds: list[int]) -> None:
         """The hello reply with the memfd: the first frame on a connection, sent at once."""
         conn.sock.setblocking(True)
         try:
@@ -330,7 +329,7 @@ class NodeServer:
             if not conn.closing:
                 conn.sock.setblocking(False)
 
-    def _flush(self, conn: _Conn) -> None:
+    def _flush(self, conn: Conn) -> None:
         if conn.out:
             try:
                 sent = conn.sock.send(conn.out)
@@ -346,7 +345,7 @@ class NodeServer:
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
         self._sel.modify(conn.sock, want, conn)
 
-    def _drop(self, conn: _Conn, why: str) -> None:
+    def _drop(self, conn: Conn, why: str) -> None:
         if conn.closing:
             return
         conn.closing = True
@@ -366,7 +365,7 @@ class NodeServer:
         conn.sock.close()
 
     # --- requests ------------------------------------------------------------------------
-    def _handle(self, conn: _Conn, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+    def _handle(self, conn: Conn, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         op = Op(message["op"])
         if op is Op.HELLO:
             return self._hello(conn, message, fds)
@@ -379,18 +378,22 @@ class NodeServer:
             return {"ok": True, "unknown": self.index.unpin(session, message["pins"])}
         keys = message["keys"]
         if op is Op.LOOKUP:
-            hits, slots, handle = self.index.lookup(session, keys, bool(message.get("pin", False)),
-                                                    int(message.get("width", 1)))
-            return {"ok": True, "hits": hits, "slots": slots, "pin": handle}
+            pin, width = bool(message.get("pin", False)), int(message.get("width", 1))
+            hits, slots, handle = self.index.lookup(session, keys, pin, width)
+            pending, below = self.below.after_lookup(session, keys, hits, width, pin) if self.below else (False, 0)
+            return {"ok": True, "hits": hits, "slots": slots, "pin": handle, "pending": pending, "below": below}
         if op is Op.RESERVE:
             status, slots = self.index.reserve(session, keys, int(message["width"]),
                                                frozenset(message.get("tails") or ()))
             return {"ok": True, "status": [s.value for s in status], "slots": slots}
         if op is Op.COMMIT:
-            return {"ok": True, "unknown": self.index.commit(session, keys)}
+            unknown = self.index.commit(session, keys)
+            if self.below is not None and message.get("blocks"):
+                self.below.committed(session, keys, message["blocks"])
+            return {"ok": True, "unknown": unknown}
         return {"ok": True, "unknown": self.index.abort(session, keys)}  # Op.ABORT
 
-    def _hello(self, conn: _Conn, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+    def _hello(self, conn: Conn, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         self._detached.pop(str(message.get("engine")), None)  # (re)attached: not among the departed
         if conn.role is not None:
             return {"ok": False, "error": "hello sent twice on one connection"}
@@ -418,8 +421,11 @@ class NodeServer:
             if cap is not None and cap < 1:
                 return {"ok": False, "error": f"cpu_bytes_to_use {cap_bytes} is less than one slot of this node's "
                                               f"pool ({self.stride} bytes)"}
+            namespace = NamespaceInfo.from_message(message["namespace"]) if message.get("namespace") else None
             conn.session = Session(self._next_session, engine, cap)
             self._next_session += 1
+            if namespace is not None and self.below is not None:
+                self.below.attach(conn.session, namespace)
         conn.role = role
         if role.maps_pool:
             assert self._pool_fd is not None
@@ -474,8 +480,9 @@ class NodeServer:
             "connections": len(self._conns),
             "attached_engines": len(attached),
             "sessions_released": self.sessions_released,
-            "lookup_service_us": _percentiles(self.lookup_seconds),
+            "lookup_service_us": percentiles(self.lookup_seconds),
             "rejected_peers": self.rejected_peers,
             "protocol_errors": self.protocol_errors,
             "engines": engines,
+            "tiers": self.below.snapshot() if self.below is not None else None,
         }

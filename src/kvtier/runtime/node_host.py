@@ -1,8 +1,11 @@
 """The orchestrator of an engine attached to a ``kvtier node`` service: the node's pool is its host tier.
 
 Used instead of :class:`kvtier.runtime.orchestrator.Orchestrator` when the connector config has
-``"node": "<socket>"``; it answers the same calls the scheduler side makes, host tier only (an
-attached engine has no disk or Redis tier of its own: the config refuses both). Lives in vLLM's
+``"node": "<socket>"``; it answers the same calls the scheduler side makes. An attached engine has
+no disk or Redis tier of its own (the config refuses them): the service owns the node's
+(``kvtier node --disk-dir/--redis-url``, :mod:`kvtier.node.below`). A lookup whose run continues
+there is answered ``pending`` while the service promotes the blocks into the pool: :meth:`acquire`
+answers RETRY, and vLLM's scheduler asks again. Lives in vLLM's
 scheduler process and is driven by ONE thread (the scheduler's). It never touches the pool's
 bytes: the workers copy engine pages <-> pool slots themselves (:mod:`kvtier.vllm.worker_side`).
 
@@ -50,6 +53,8 @@ from kvtier.runtime.orchestrator import Acquired, AcquireStatus, BlockInfo
 
 logger = logging.getLogger(__name__)
 
+RETRY_PAUSE_S = 0.002
+"""How long an idle engine step pauses after a RETRY answer before it asks the service again."""
 USAGE_SAMPLE_S = 1.0
 """The pool's usage (a ``stats`` round trip) is sampled at most this often for the engine's gauges."""
 
@@ -74,7 +79,8 @@ class NodeHost:
         self.admission = admission
         self.stats = KVTierStats()
         self._holds: dict[str, _NodeHold] = {}
-        self._writing: dict[BlockKey, int] = {}  # reserved by this engine, not yet committed -> generation
+        self._writing: dict[BlockKey, tuple[int, BlockInfo]] = {}  # reserved, not yet committed -> (generation, info)
+        self._asked_again = False  # the last acquire answered RETRY (the service is promoting)
         self._said: set[str] = set()
         self._usage: tuple[float, dict] | None = None
 
@@ -112,7 +118,8 @@ class NodeHost:
         if not keys:
             return 0
         try:
-            return self.client.lookup(keys, width=self.width).hits
+            hit = self.client.lookup(keys, width=self.width)
+            return hit.hits + hit.below
         except (NodeUnavailable, NodeError) as exc:
             self._failed(exc)
             return 0
@@ -120,8 +127,10 @@ class NodeHost:
     def acquire(self, owner: str, keys: Sequence[BlockKey], first_parent: BlockKey | None = None,
                 block_tokens: int = 0, *, tail_tokens: int = 0) -> Acquired:
         """Pin the leading READY run of ``keys`` in the pool for ``owner`` (replacing any earlier
-        hold of it): one lookup. Never RETRY (the pool is memory). A tail, if ``tail_tokens``, is the
-        last of ``keys`` like any other key: the service keeps tails apart itself."""
+        hold of it): one lookup. RETRY when the run continues in the service's tiers (it promotes
+        those blocks into the pool meanwhile; the run found so far stays pinned until the next
+        call). A tail, if ``tail_tokens``, is the last of ``keys`` like any other key: the service
+        keeps tails apart itself."""
         self.release(owner)
         if not keys:
             return Acquired(AcquireStatus.READY, 0)
@@ -136,6 +145,10 @@ class NodeHost:
             slots = [tuple(hit.slots[i * width:(i + 1) * width]) for i in range(hit.hits)]
             self._holds[owner] = _NodeHold(self.client.generation, hit.pin, self.pool_id, list(keys[:hit.hits]),
                                            slots)
+        self._asked_again = hit.pending
+        if hit.pending:
+            self.stats.lookups_retried += 1
+            return Acquired(AcquireStatus.RETRY, hit.hits)
         return Acquired(AcquireStatus.READY, hit.hits)
 
     def promoted_source(self, owner: str, key: BlockKey) -> Medium | None:
@@ -202,7 +215,7 @@ class NodeHost:
         for index, key, (status, slots) in zip(asked, keys, answers, strict=True):
             if status is Reservation.RESERVED and slots is not None:
                 out[index] = tuple(slots)
-                self._writing[key] = generation
+                self._writing[key] = (generation, blocks[index][1])
                 self.stats.stores_submitted += 1
             elif status is not Reservation.PRESENT:
                 self.stats.stores_dropped += 1
@@ -216,12 +229,17 @@ class NodeHost:
         for every engine of the node, or abort them (one round trip). Reservations of an older
         attachment are forgotten: the service that made them is gone."""
         generation = self.client.generation
-        mine = [key for key in keys if self._writing.pop(key, None) == generation]
+        mine, infos = [], []
+        for key in keys:
+            writing = self._writing.pop(key, None)
+            if writing is not None and writing[0] == generation:
+                mine.append(key)
+                infos.append((writing[1].parent, writing[1].num_tokens, writing[1].tail))
         if not mine or not self.client.connected:
             return
         try:
             if ok:
-                self.client.commit(mine)
+                self.client.commit(mine, infos)  # the service cascades them to its tiers
             else:
                 self.client.abort(mine)
         except (NodeUnavailable, NodeError) as exc:
@@ -229,10 +247,15 @@ class NodeHost:
 
     # --- the rest of the orchestrator's surface ---------------------------------------------
     def poll(self) -> None:
-        """Nothing to collect: the pool has no I/O of its own."""
+        """Nothing to collect: the service runs its tiers' I/O."""
 
     def wait_for_tiers(self, timeout_s: float) -> bool:
-        return False
+        """After a RETRY (the service is promoting), let a step that computes nothing pause a
+        little (at most ``timeout_s``, :data:`RETRY_PAUSE_S`) rather than ask again at once."""
+        if not self._asked_again:
+            return False
+        time.sleep(min(timeout_s, RETRY_PAUSE_S))
+        return True
 
     def has_pending_io(self) -> bool:
         return False
@@ -272,7 +295,7 @@ class NodeHost:
         for owner in list(self._holds):
             self.release(owner)
         generation = self.client.generation
-        writing = [key for key, gen in self._writing.items() if gen == generation]
+        writing = [key for key, (gen, _info) in self._writing.items() if gen == generation]
         self._writing.clear()
         if writing and self.client.connected:
             try:
@@ -288,13 +311,15 @@ namespace reads it, as for an embedded host tier); its slots are the node pool's
 
 
 def connect_node(socket_path: str, *, engine: str, role: Role, slot_bytes: int,
-                 cap_bytes: int | None = None, map_pool: bool | None = None) -> NodeClient:
+                 cap_bytes: int | None = None, map_pool: bool | None = None,
+                 namespace: dict | None = None) -> NodeClient:
     """A client attached to the node service at ``socket_path`` (its hello answered), for the
     connector config key ``node``; ``map_pool``: whether it maps the pool (default: its role's).
     Raises :class:`ConfigError` naming the key when no service answers there or it refuses this
-    engine (another block size, another user)."""
+    engine (another block size, another user). ``namespace``: a scheduler's namespace description
+    (:meth:`kvtier.node.below.NamespaceInfo.to_message`), which the service's tiers store its blocks under."""
     client = NodeClient(socket_path, engine=engine, role=role, slot_bytes=slot_bytes, cap_bytes=cap_bytes,
-                        map_pool=map_pool)
+                        map_pool=map_pool, namespace=namespace)
     try:
         client.connect()
     except NodeUnavailable as exc:

@@ -51,7 +51,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ResidencyChange
 from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
-from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, SecondaryTier
+from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier, first_holder
 from kvtier.tiers.host import HostIndex
 from kvtier.tiers.outbox import wait_for_any
 
@@ -288,14 +288,7 @@ class Orchestrator:
 
     def _source_of(self, key: BlockKey) -> tuple[SecondaryTier | None, SecondaryTier | None]:
         """The first tier that holds ``key`` (or None), and the first tier that does not know yet."""
-        unknown = None
-        for tier in self.tiers:
-            presence = tier.presence(key)
-            if presence is Presence.PRESENT:
-                return tier, None
-            if presence is Presence.UNKNOWN and unknown is None:
-                unknown = tier
-        return None, unknown
+        return first_holder(self.tiers, key)
 
     def promoted_source(self, owner: str, key: BlockKey) -> Medium | None:
         """The tier ``owner``'s held ``key`` was promoted from for it (None: it was in the host tier)."""

@@ -35,7 +35,7 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.residency import Medium, ResidencyLog
 from kvtier.tiers.outbox import Outbox
 
-__all__ = ["IoError", "IoKind", "IoResult", "Medium", "Presence", "SecondaryTier", "TierUsage"]
+__all__ = ["IoError", "IoKind", "IoResult", "Medium", "Presence", "SecondaryTier", "TierUsage", "first_holder"]
 
 
 class Presence(enum.Enum):
@@ -184,3 +184,16 @@ class SecondaryTier(ABC):
     @abstractmethod
     def close(self) -> None:
         """Finish or cancel in-flight jobs and release threads/connections. Idempotent."""
+
+
+def first_holder(tiers: Sequence[SecondaryTier], key: BlockKey) -> tuple[SecondaryTier | None, SecondaryTier | None]:
+    """Where to promote ``key`` from (memory only): the first of ``tiers`` (fastest first) that
+    holds it, or None; and the first that does not know yet (a remote tier to probe), or None."""
+    unknown = None
+    for tier in tiers:
+        presence = tier.presence(key)
+        if presence is Presence.PRESENT:
+            return tier, None
+        if presence is Presence.UNKNOWN and unknown is None:
+            unknown = tier
+    return None, unknown

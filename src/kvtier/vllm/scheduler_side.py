@@ -70,6 +70,7 @@ from kvtier.core.values import ConfigError
 from kvtier.policy.admission import StoreAdmission
 from kvtier.node.protocol import Role
 from kvtier.runtime.fingerprint import AdapterFingerprints
+from kvtier.node.below import NamespaceInfo
 from kvtier.runtime.node_host import NODE_REGION_BYTES, NodeHost, connect_node
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
 from kvtier.tiers.factory import open_tier
@@ -147,9 +148,12 @@ class KVTierScheduler:
         admission = StoreAdmission(config.store_threshold, config.max_tracker_size)
         self.orchestrator: Orchestrator | NodeHost
         if config.node is not None:  # the node's pool is the host tier (runtime/node_host.py)
+            described = NamespaceInfo(self._digest, tuple(self.namespace.rank_digests()),
+                                      self.namespace.config_json(geometry.model_name), geometry.model_name)
             client = connect_node(config.node, engine=geometry.engine_id, role=Role.SCHEDULER,
                                   slot_bytes=layout.slot_bytes, cap_bytes=config.cpu_bytes_to_use,
-                                  map_pool=False)  # the scheduler copies nothing (no secondary tiers here)
+                                  map_pool=False,  # the scheduler copies nothing (the service runs the tiers)
+                                  namespace=described.to_message())
             self.orchestrator = NodeHost(client, geometry.stored_ranks, admission)
             logger.info("kvtier: attached to the kvtier node at %s (pool %s, %d slots of %.1f MiB); this engine "
                         "may hold %.2f GiB of it (cpu_bytes_to_use); block %d tokens", config.node,

@@ -1,0 +1,269 @@
+"""The node service owns the node's disk and Redis tiers (kvtier.node.below): a real service (in
+this process on a thread, or ``kvtier node`` as a process), a real disk root and a real
+redis-server, engines as NodeHosts writing and reading the pool through their own mapping.
+
+Shown: commits cascade below the pool; a block evicted from the pool is promoted back, bit-exact,
+after one RETRY answer (from disk, and from Redis); a service SIGKILLed and restarted on the same
+disk dir serves its first lookups from disk; a corrupt record is a counted miss; the loop answers
+while a read is stuck; an engine attached with ``node`` still refuses its own secondary tiers."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from support.namespaces import toy_namespace
+from support.node_service import NodeThread
+from support.redis_server import free_port, redis_factory  # noqa: F401  (pytest fixture)
+from test_node_service import ENV, start_node, stop
+
+from kvtier.core.config import ConfigError, KVTierConfig
+from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig
+from kvtier.node import NodeUnavailable, Role
+from kvtier.node import below as below_module
+from kvtier.node.below import NamespaceInfo
+from kvtier.policy.admission import StoreAdmission
+from kvtier.runtime.node_host import NodeHost, connect_node
+from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo
+from kvtier.tiers.disk import DiskTier
+
+SLOT = 4096
+NS = toy_namespace()
+NAMESPACE = NamespaceInfo(NS.engine_digest, tuple(NS.rank_digests()), NS.config_json("toy"), "toy")
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(32, "little")
+
+
+def payload(i: int) -> bytes:
+    return bytes([(i * 37 + n) % 251 for n in range(256)]) * (SLOT // 256)
+
+
+def disk(root: Path) -> DiskTierConfig:
+    return DiskTierConfig(root_dir=root, capacity_bytes=64 * 2**20, n_read_threads=2, n_write_threads=2)
+
+
+def engine(sock: Path, name: str = "A") -> NodeHost:
+    client = connect_node(str(sock), engine=name, role=Role.SCHEDULER, slot_bytes=SLOT, map_pool=True,
+                          namespace=NAMESPACE.to_message())
+    client.retry_interval_s = 0.0
+    return NodeHost(client, 1, StoreAdmission(0, 1000))
+
+
+def wait_for(predicate, timeout: float = 10.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what or predicate}"
+        time.sleep(0.01)
+
+
+def tier_counts(host: NodeHost) -> dict:
+    return host.client.stats()["tiers"]
+
+
+def attached(host: NodeHost) -> bool:
+    try:
+        host.client.stats()
+        return True
+    except NodeUnavailable:
+        return False
+
+
+def tiers_open(host: NodeHost) -> bool:
+    try:
+        namespaces = tier_counts(host)["namespaces"]
+    except NodeUnavailable:  # a restarted service: the next call reattaches
+        return False
+    return bool(namespaces) and all(ns["open"] for ns in namespaces.values())
+
+
+def store(host: NodeHost, ids: list[int]) -> None:
+    """Store blocks ``ids`` as an engine does: reserve, copy into the slots, commit."""
+    blocks = [(key(i), BlockInfo(key(i - 1), 16)) for i in ids]
+    slots = host.begin_stores(blocks)
+    assert all(s is not None for s in slots), slots
+    for i, got in zip(ids, slots):
+        host.client.pool.slot(got[0])[:] = payload(i)
+    host.finish_store([key(i) for i in ids], True)
+
+
+def load(host: NodeHost, ids: list[int], owner: str = "req") -> tuple[int, int, list[bytes]]:
+    """Acquire ``ids`` until the answer is READY: (RETRY answers seen, hits, the bytes read)."""
+    retries = 0
+    deadline = time.monotonic() + 10
+    while True:
+        got = host.acquire(owner, [key(i) for i in ids])
+        if got.status is AcquireStatus.READY:
+            break
+        retries += 1
+        assert time.monotonic() < deadline, "still RETRY after 10 s"
+        time.sleep(0.005)
+    data = [bytes(host.client.pool.slot(s[0])) for s in host.held_slots(owner)]
+    host.release(owner)
+    return retries, got.num_blocks, data
+
+
+def test_a_block_evicted_from_the_pool_is_promoted_back_from_disk_bit_exact(tmp_path):
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(disk(tmp_path / "disk"),))
+    try:
+        a = engine(svc.sock)
+        wait_for(lambda: tiers_open(a), what="the namespace's tiers to open")
+        store(a, [1, 2, 3, 4])
+        wait_for(lambda: tier_counts(a).get("written_disk", 0) == 4, what="4 disk writes")
+        for batch in ([5, 6, 7, 8], [9, 10, 11, 12]):  # the pool holds 8: blocks 1-4 are evicted
+            store(a, batch)
+            wait_for(lambda: not tier_counts(a)["writes_in_flight"])
+        assert a.leading_run([key(i) for i in (1, 2, 3, 4)]) == 4  # the pool has none, the disk all
+        assert a.client.lookup([key(1)]).hits == 0
+        retries, hits, data = load(a, [1, 2, 3, 4])
+        assert retries >= 1 and hits == 4
+        assert data == [payload(i) for i in (1, 2, 3, 4)]
+        counts = tier_counts(a)
+        assert counts["promoted_disk"] == 4 and counts.get("promotion_failures", 0) == 0
+        assert svc.stats()["pinned_blocks"] == 0  # parked promotions were let go
+        a.close()
+    finally:
+        svc.stop()
+
+
+def test_a_block_evicted_from_the_pool_is_promoted_back_from_redis(tmp_path, redis_factory):  # noqa: F811
+    redis = redis_factory()
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=4 * SLOT, slot_bytes=SLOT,
+                     tiers=(RedisTierConfig(url=redis.url()),))
+    try:
+        a = engine(svc.sock)
+        wait_for(lambda: tiers_open(a), what="the namespace's tiers to open")
+        store(a, [1, 2])
+        wait_for(lambda: tier_counts(a).get("written_remote", 0) == 2, what="2 Redis writes")
+        store(a, [3, 4, 5, 6])  # evicts 1 and 2 from the pool
+        wait_for(lambda: not tier_counts(a)["writes_in_flight"])
+        retries, hits, data = load(a, [1, 2])
+        assert retries >= 1 and hits == 2 and data == [payload(1), payload(2)]
+        assert tier_counts(a)["promoted_remote"] == 2
+        a.close()
+    finally:
+        svc.stop()
+
+
+def test_after_a_sigkill_and_restart_on_the_same_disk_dir_lookups_are_disk_hits(tmp_path):
+    sock, root = tmp_path / "n.sock", tmp_path / "disk"
+    args = ("--pool-bytes", str(16 * SLOT), "--slot-bytes", str(SLOT), "--no-prefault", "--disk-dir", str(root),
+            "--disk-size", "0.1")
+    proc = start_node(sock, *args)
+    try:
+        a = engine(sock)
+        wait_for(lambda: tiers_open(a))
+        store(a, [1, 2, 3])
+        wait_for(lambda: tier_counts(a).get("written_disk", 0) == 3, what="3 disk writes")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        port = free_port()
+        proc = start_node(sock, *args, "--metrics-port", str(port))
+        wait_for(lambda: attached(a), what="the engine to reattach")  # its tiers may still be opening:
+        assert a.client.stats()["blocks"] == 0  # a new, empty pool              # lookups then ask again
+        retries, hits, data = load(a, [1, 2, 3])
+        assert retries >= 1 and hits == 3 and data == [payload(i) for i in (1, 2, 3)]
+        assert tier_counts(a)["promoted_disk"] == 3
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'kvtier_node_promoted_blocks_total{tier="disk"} 3.0' in metrics
+        text = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", str(sock)], env=ENV,
+                              capture_output=True, text=True, timeout=60).stdout
+        assert "promoted_disk 3" in text, text
+        a.close()
+    finally:
+        stop(proc)
+
+
+def test_a_corrupt_record_is_a_counted_miss(tmp_path):
+    sock, root = tmp_path / "n.sock", tmp_path / "disk"
+    svc = NodeThread(sock, pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(disk(root),))
+    a = engine(sock)
+    wait_for(lambda: tiers_open(a))
+    store(a, [1, 2])
+    wait_for(lambda: tier_counts(a).get("written_disk", 0) == 2)
+    a.close()
+    svc.stop()
+    files = [p for p in root.rglob("*") if p.is_file() and key(2).hex() in p.name]
+    assert len(files) == 1
+    raw = bytearray(files[0].read_bytes())
+    raw[-100] ^= 0xFF  # a flipped payload byte: the checksum no longer matches
+    files[0].write_bytes(bytes(raw))
+    svc = NodeThread(sock, pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(disk(root),))
+    try:
+        a = engine(sock)
+        wait_for(lambda: tiers_open(a))
+        retries, hits, data = load(a, [1, 2])
+        assert hits == 1 and data == [payload(1)]  # block 2 is a miss, never wrong bytes
+        counts = tier_counts(a)
+        assert counts["checksum_failures"] == 1 and counts["promotion_failures"] == 1
+        assert load(a, [1, 2])[1] == 1 and a.leading_run([key(1), key(2)]) == 1  # quarantined: gone below
+        a.close()
+    finally:
+        svc.stop()
+
+
+class _GatedDisk(DiskTier):
+    """A real disk tier whose reads wait for a gate (a stuck device)."""
+
+    gate = threading.Event()
+
+    def _read_job(self, job_id, key, gen, views):
+        assert self.gate.wait(10.0), "the test never opened the gate"
+        return super()._read_job(job_id, key, gen, views)
+
+
+def test_the_loop_answers_while_a_read_is_stuck(tmp_path, monkeypatch):
+    def gated_open(config, *, model_name, namespace, namespace_json, payload_bytes):
+        return _GatedDisk(root_dir=config.root_dir, model_name=model_name, engine_digest=namespace.engine_digest,
+                          rank_digests=namespace.rank_digests(), namespace_json=namespace_json,
+                          payload_bytes=payload_bytes, capacity_bytes=config.capacity_bytes, n_read_threads=1,
+                          n_write_threads=1, max_pending_writes=8)
+
+    monkeypatch.setattr(below_module, "open_tier", gated_open)
+    _GatedDisk.gate = threading.Event()
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=4 * SLOT, slot_bytes=SLOT, tiers=(disk(tmp_path / "d"),))
+    try:
+        a, b = engine(svc.sock, "A"), engine(svc.sock, "B")
+        wait_for(lambda: tiers_open(a))
+        store(a, [1])
+        wait_for(lambda: tier_counts(a).get("written_disk", 0) == 1)
+        store(a, [2, 3, 4, 5])  # evicts 1
+        wait_for(lambda: not tier_counts(a)["writes_in_flight"])
+        assert a.acquire("r", [key(1)]).status is AcquireStatus.RETRY  # its read is stuck
+        started = time.monotonic()
+        assert b.client.lookup([key(5)]).hits == 1  # another engine is answered meanwhile
+        assert a.acquire("r", [key(1)]).status is AcquireStatus.RETRY
+        assert time.monotonic() - started < 1.0
+        assert tier_counts(b)["promotions_in_flight"] == 1
+        _GatedDisk.gate.set()
+        retries, hits, data = load(a, [1])
+        assert hits == 1 and data == [payload(1)]
+        a.close()
+        b.close()
+    finally:
+        _GatedDisk.gate.set()
+        svc.stop()
+
+
+def test_an_attached_engine_still_refuses_its_own_secondary_tiers_and_says_where_they_go(tmp_path):
+    with pytest.raises(ConfigError, match="kvtier node .*--disk-dir"):
+        KVTierConfig.from_extra_config({"node": str(tmp_path / "n.sock"), "cpu_bytes_to_use": 10**9,
+                                 "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "d"),
+                                                      "capacity_bytes": 10**9}]})
+
+
+def test_a_hello_with_a_malformed_namespace_is_refused_naming_the_field(tmp_path):
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=4 * SLOT, slot_bytes=SLOT, tiers=(disk(tmp_path / "d"),))
+    try:
+        bad = {**NAMESPACE.to_message(), "ranks": [b"short"]}
+        with pytest.raises(ConfigError, match="namespace.ranks"):
+            connect_node(str(svc.sock), engine="A", role=Role.SCHEDULER, slot_bytes=SLOT, namespace=bad)
+    finally:
+        svc.stop()
