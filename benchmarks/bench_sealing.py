@@ -6,8 +6,9 @@ Per mode (plain, auth, encrypt), engine A (the embedded default model, one proce
 prompts with a disk tier and a throwaway loopback redis-server as its secondary tiers, both under
 that mode's settings. Then fresh engine processes, one with only the disk tier and one with only
 the Redis tier, serve the same prompts ``--rounds`` times; before every round but the first, vLLM's
-prefix cache and kvtier's host tier are emptied (``reset_prefix_cache(reset_connector=True)``), so
-every request's blocks come from that tier and are checked (and decrypted) on the way in: one
+prefix cache is emptied, and their host tier (``--host-bytes``) holds fewer prompts' KV than are
+sent in turn, so every request's blocks come from that tier and are checked (and decrypted) on
+the way in (``cached_fraction`` and ``bytes_read_per_prompt`` show it): one
 engine start gives ``prompts x rounds`` tier-hit latencies (its first request, which also warms
 the engine up, is left out). Prompts are sent one at a time.
 
@@ -31,7 +32,7 @@ Tier reads (no engine): a fresh DiskTier / RedisTier of each mode reads the same
 ``tier_projected_over_plain`` adds each mode's extra read seconds for the bytes a fresh request
 loads to plain's median fresh latency.
 
-    python benchmarks/bench_sealing.py [--prompts 8] [--words 1400] [--rounds 4] [--reps 3]
+    python benchmarks/bench_sealing.py [--prompts 8] [--words 1400] [--rounds 3] [--reps 4] [--host-bytes 160000000]
 """
 
 from __future__ import annotations
@@ -216,13 +217,15 @@ def tier_reads(block_bytes: int, reps: int, redis_url: str, tmp: str, blocks: in
     return {name: {mode: round(s, 4) for mode, s in modes.items()} for name, modes in best.items()}
 
 
-def spec(model: str, prompts: list[str], max_tokens: int, tiers: list[dict], rounds: int = 1) -> dict:
-    """An engine that serves ``prompts`` ``rounds`` times; before every round but the first, vLLM's
-    prefix cache and kvtier's host tier are emptied, so every round's blocks come from ``tiers``."""
-    again = {"reset_prefix_cache": True, "reset_connector": True}
-    return {"model": model, "prompts": prompts, "rounds": [{}] + [again] * (rounds - 1), "max_tokens": max_tokens,
-            "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048,
-            "kv_connector_extra_config": {"cpu_bytes_to_use": 1_000_000_000, "secondary_tiers": tiers}}
+def spec(model: str, prompts: list[str], max_tokens: int, tiers: list[dict], rounds: int = 1,
+         host_bytes: int = 1_000_000_000) -> dict:
+    """An engine that serves ``prompts`` ``rounds`` times, vLLM's prefix cache emptied before every
+    round but the first. With a host tier (``host_bytes``) smaller than the prompts' KV, sent in
+    order each round, the host tier has evicted a prompt's blocks before it comes back, so they
+    come from ``tiers`` again. (Not kvtier's reset: it also empties a local disk tier.)"""
+    return {"model": model, "prompts": prompts, "rounds": [{}] + [{"reset_prefix_cache": True}] * (rounds - 1),
+            "max_tokens": max_tokens, "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048,
+            "kv_connector_extra_config": {"cpu_bytes_to_use": host_bytes, "secondary_tiers": tiers}}
 
 
 def paired_ratios(runs: dict, mode: str, name: str) -> list[list[float]]:
@@ -276,13 +279,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--words", type=int, default=1400, help="words per prompt (~1.08 tokens each)")
-    parser.add_argument("--rounds", type=int, default=4,
-                        help="times each fresh engine serves the prompts, its caches emptied before each")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="times each fresh engine serves the prompts (every request a tier hit)")
+    parser.add_argument("--host-bytes", type=int, default=160_000_000,
+                        help="fresh engines' host tier: under the prompts' KV, so every round reads the tier")
     parser.add_argument("--max-tokens", type=int, default=1, help="output tokens per request (1 = TTFT)")
     parser.add_argument("--block-bytes", type=int, default=5_898_240,
                         help="buffer of the throughput passes (the default model's 256-token block: 5.9 MB)")
     parser.add_argument("--skip-engines", action="store_true", help="only the throughput passes")
-    parser.add_argument("--reps", type=int, default=3, help="fresh engines per mode and tier (interleaved)")
+    parser.add_argument("--reps", type=int, default=4, help="fresh engines per mode and tier (interleaved)")
     parser.add_argument("--tier-reps", type=int, default=7, help="tier-level reads per mode and tier (interleaved)")
     args = parser.parse_args()
     os.environ["KVTIER_BENCH_KEY"] = os.urandom(32).hex()  # the engines inherit it; never printed
@@ -321,7 +326,8 @@ def main() -> None:
                     for name in ("disk", "redis"):
                         for mode in MODES:
                             result = run_engine(spec(model, prompts, args.max_tokens, [tiers[mode][name]],
-                                                     args.rounds), tmp, f"b-{mode}-{name}-{rep}", False)
+                                                     args.rounds, args.host_bytes), tmp, f"b-{mode}-{name}-{rep}",
+                                                False)
                             rows = [r for rnd in result["rounds"] for r in rnd]
                             # the engine's first request also warms it up (first forward pass): left out
                             runs.setdefault((mode, name), []).append([r["seconds"] for r in rows[1:]])
@@ -335,10 +341,14 @@ def main() -> None:
                                         if k.startswith("kvtier_transfer_bytes_total")
                                         and ("disk_to_host" in k or "remote_to_host" in k))
                             row["bytes_read_per_prompt"] = int(moved / len(rows))
+                            print(f"rep {rep} {name} {mode}: median {statistics.median(runs[(mode, name)][-1]):.4f} s, "
+                                  f"cached {row['cached_fraction']:.1%}, {moved / len(rows) / 1e6:.1f} MB read "
+                                  "per request", flush=True)
                 for (mode, name), seconds in runs.items():
                     fresh[mode][name].update(
                         seconds_median=round(statistics.median(s for rep in seconds for s in rep), 4),
                         per_rep_median=[round(statistics.median(rep), 4) for rep in seconds],
+                        seconds_per_request=[[round(x, 4) for x in rep] for rep in seconds],
                         writer_seconds_median=round(writers[mode], 4))
             finally:
                 redis.stop()
