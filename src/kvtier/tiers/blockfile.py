@@ -41,8 +41,9 @@ differ at every write (random nonce); plain records are deterministic.
 A file is valid only if all of the following hold: the magic and version match, ``header_len``
 is 136, the header checksum matches, ``checksum_alg`` is known, the file is exactly
 ``header_len + payload_len`` bytes long and the payload checksum matches. Readers treat anything
-else as corruption (:class:`CorruptBlockError`). The format carries no timestamps, so the same
-block always encodes to the same bytes whichever process wrote it.
+else as corruption (:class:`CorruptBlockError`). The format carries no timestamps, so a plain record
+of the same block always encodes to the same bytes whichever process wrote it (a sealed one differs
+only in its nonce and tag; either copy is valid).
 
 Durability is deliberately not part of the format: writers do not fsync (it is a cache); a file
 torn by a crash is caught by its checksums.
