@@ -1,6 +1,8 @@
-"""Cost of fleet keys: a fresh engine served from Redis and from disk with records signed (MAC) and
-encrypted (AES-256-GCM) against plain records, and the per-byte cost of each check beside memcpy.
-Prints a table and one JSON object (last line).
+"""Cost of fleet keys: fresh engines served from signed, encrypted and plain records (disk, Redis).
+
+A fresh engine served from Redis and from disk with records signed (MAC) and encrypted
+(AES-256-GCM) against plain records, and the per-byte cost of each check beside memcpy. Prints a
+table and one JSON object (last line).
 
 Per mode (plain, auth, encrypt), engine A (the embedded default model, one process) computes the
 prompts with a disk tier and a throwaway loopback redis-server as its secondary tiers, both under
