@@ -20,28 +20,30 @@ rank's KV bytes, exactly as the host tier holds them). All integers are little-e
        136     -  payload               payload_len bytes
 
 Sealed records (a tier with a fleet key, :mod:`kvtier.tiers.sealing`) keep this layout and size
-and say so in ``checksum_alg``: 2 = keyed BLAKE3 MAC, 3 = AES-256-GCM (payload encrypted). Their
+and say so in ``checksum_alg``: 2 = GMAC (AES-256-GCM, the payload authenticated, not encrypted),
+3 = AES-256-GCM (payload encrypted). Their
 bytes [72, 104) and [120, 136) hold, instead of the parent and the two checksums::
 
         72     8  key_id                public id of the fleet key the record is sealed under
-        80    12  nonce                 AES-GCM nonce (random per record); zeros for a MAC
+        80    12  nonce                 AES-GCM nonce (random per record, both algorithms)
         92     8  header_sum      u64   xxh3_64 of bytes [0, 92) and [100, 120)
        100     4  zero                  (the parent key is not stored in a sealed record)
-       120    16  tag                   MAC or GCM tag over bytes [0, 120) and the payload
+       120    16  tag                   GCM tag over bytes [0, 120) and the payload
 
 The tag covers the namespace (which names the rank) and the key, so a sealed record is valid
 only where it was written. The header sum only tells damage from forgery: a damaged header
 (a flipped ``checksum_alg`` of a plain record included) fails it and is corrupt, like a plain
 header; anyone can compute it, so :func:`decode_header` returns a sealed header that passes it
 still unauthenticated, and the reader must check the tag with the key
-(:class:`kvtier.tiers.sealing.Sealer`) before using a byte of the record. An encrypted record's bytes
-differ at every write (random nonce); plain and MAC records are deterministic.
+(:class:`kvtier.tiers.sealing.Sealer`) before using a byte of the record. A sealed record's bytes
+differ at every write (random nonce); plain records are deterministic.
 
 A file is valid only if all of the following hold: the magic and version match, ``header_len``
 is 136, the header checksum matches, ``checksum_alg`` is known, the file is exactly
 ``header_len + payload_len`` bytes long and the payload checksum matches. Readers treat anything
-else as corruption (:class:`CorruptBlockError`). The format carries no timestamps, so the same
-block always encodes to the same bytes whichever process wrote it.
+else as corruption (:class:`CorruptBlockError`). The format carries no timestamps, so a plain record
+of the same block always encodes to the same bytes whichever process wrote it (a sealed one differs
+only in its nonce and tag; either copy is valid).
 
 Durability is deliberately not part of the format: writers do not fsync (it is a cache); a file
 torn by a crash is caught by its checksums.
@@ -57,7 +59,7 @@ import xxhash
 MAGIC = b"KVTB"
 FORMAT_VERSION = 1
 CHECKSUM_XXH3_64 = 1
-SEAL_MAC = 2  # keyed BLAKE3 tag
+SEAL_MAC = 2  # GMAC tag (AES-256-GCM, payload as associated data)
 SEAL_AEAD = 3  # AES-256-GCM tag, payload encrypted
 SEALED_ALGS = (SEAL_MAC, SEAL_AEAD)
 
