@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 from kvtier.core.keys import BlockKey
 from kvtier.node.pool import PoolMapping
-from kvtier.node.protocol import PROTOCOL_VERSION, FrameReader, Op, ProtocolError, Reservation, Role, pack
+from kvtier.node.protocol import PROTOCOL_VERSION, RECV_BYTES, FrameReader, Op, ProtocolError, Reservation, Role, pack
 
 
 class NodeUnavailable(ConnectionError):
@@ -83,6 +83,7 @@ class NodeClient:
         self._sock: socket.socket | None = None
         self._reader = FrameReader()
         self._pending: list[dict[str, Any]] = []
+        self._recv_view = memoryview(bytearray(RECV_BYTES))  # read buffer, used under _lock
         self._lock = threading.RLock()
         self._last_attempt = -float("inf")
 
@@ -178,7 +179,7 @@ class NodeClient:
                     data, got, _flags, _addr = socket.recv_fds(sock, 1 << 16, 4)
                     fds.extend(got)
                 else:
-                    data = sock.recv(1 << 20)
+                    data = self._recv_view[:sock.recv_into(self._recv_view)]
                 if not data:
                     raise NodeUnavailable(f"kvtier node at {self.socket_path} closed the connection")
                 self._pending.extend(self._reader.feed(data))

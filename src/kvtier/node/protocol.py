@@ -46,6 +46,10 @@ import msgpack
 PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 64 * 2**20
 """A single message larger than this is a broken or hostile peer: its connection is dropped."""
+RECV_BYTES = 1 << 18
+"""Bytes read per ``recv_into`` into a buffer allocated once per reader. Never ``sock.recv(1 << 20)``:
+CPython allocates the whole size per call (an mmap of 1 MiB, page faults, a shrinking realloc),
+~28 us per call measured here, on both ends of every lookup."""
 
 
 class Op(str, enum.Enum):

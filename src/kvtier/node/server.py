@@ -55,7 +55,7 @@ from kvtier.node.below import NamespaceInfo, NodeTiers
 from kvtier.node.conn import Conn, groups_of, peer_credentials, percentiles
 from kvtier.node.index import NodeIndex, Session
 from kvtier.node.pool import check_pool_size, create_pool_fd, slot_stride
-from kvtier.node.protocol import PROTOCOL_VERSION, Op, ProtocolError, Role, pack
+from kvtier.node.protocol import PROTOCOL_VERSION, RECV_BYTES, Op, ProtocolError, Role, pack
 
 log = logging.getLogger("kvtier.node")
 
@@ -104,6 +104,7 @@ class NodeServer:
         self._lock_fd: int | None = None
         self._pool_fd: int | None = None
         self._conns: dict[int, Conn] = {}
+        self._recv_view = memoryview(bytearray(RECV_BYTES))  # the loop thread's one read buffer
         self._next_session = 1
         self._gid = self._resolve_group(options.group)
         self.slot_bytes: int | None = None
@@ -282,17 +283,17 @@ class NodeServer:
 
     def _read(self, conn: Conn) -> None:
         try:
-            data = conn.sock.recv(1 << 20)
+            got = conn.sock.recv_into(self._recv_view)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
             self._drop(conn, f"read failed: {exc}")
             return
-        if not data:
+        if not got:
             self._drop(conn, "closed by peer")
             return
         try:
-            messages = conn.reader.feed(data)
+            messages = conn.reader.feed(self._recv_view[:got])
         except ProtocolError as exc:
             self.protocol_errors += 1
             self._drop(conn, str(exc))
