@@ -14,7 +14,7 @@ import click
 from rich.console import Console
 
 from kvtier.bench import workloads
-from kvtier.bench.servers import MODES, ServerSettings
+from kvtier.bench.servers import MODES, NODE_MODE, ServerSettings
 
 
 def parse_modes(text: str) -> list[str]:
@@ -27,6 +27,13 @@ def parse_modes(text: str) -> list[str]:
     if len(set(modes)) != len(modes):
         raise click.BadParameter("a mode is listed twice", param_hint="--modes")
     return modes
+
+
+def check_node_flag(node: str | None, modes: list[str]) -> None:
+    """``--node`` is for the kvtier-node mode only."""
+    if node is not None and NODE_MODE not in modes:
+        raise click.BadParameter(f"only the {NODE_MODE} mode attaches to a kvtier node: add it to --modes "
+                                 "or drop --node", param_hint="--node")
 
 
 DEFAULT_CONCURRENCY = {"multi-turn": 1, "prefix-repetition": 2, "unique": 2}
@@ -95,6 +102,7 @@ def run_command(opts: dict[str, Any]) -> int:
     console = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
     base_url = opts["base_url"]
     modes = ["external"] if base_url else parse_modes(opts["modes"])
+    check_node_flag(opts.get("node"), modes)
     try:
         workload = make_workload(opts)
     except ValueError as exc:
@@ -125,7 +133,8 @@ def run_command(opts: dict[str, Any]) -> int:
         console.print(f"  {note}")
 
     options = RunOptions(startup_timeout_s=opts["startup_timeout"], request_timeout_s=opts["request_timeout"])
-    runs, wall = asyncio.run(run_bench(workload, modes, settings, out_dir, Progress(console), options, base_url))
+    runs, wall = asyncio.run(run_bench(workload, modes, settings, out_dir, Progress(console), options, base_url,
+                                            node=opts.get("node")))
 
     results = build_results(workload, runs, wall, _settings_json(settings, opts),
                             opts["kv_bytes_per_token"], command=list(sys.argv))

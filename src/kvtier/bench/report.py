@@ -53,6 +53,7 @@ def build_results(workload: Workload, runs: Sequence[ModeRun], wall_s: float, se
             "startup_s": m.startup_s, "error": m.error, "stats": per_mode.get(m.mode),
             "cache": m.cache.to_json() if m.cache else None,
             "requests": [r.to_json() for r in m.run.results] if m.run else [],
+            **({"extra": m.extra} if m.extra else {}),
         }
     return {
         "format": FORMAT_VERSION, "command": command, "machine": machine(), "wall_s": wall_s,

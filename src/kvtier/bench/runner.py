@@ -25,6 +25,7 @@ from kvtier.bench.progress import Progress
 from kvtier.bench.servers import (
     EXTERNAL,
     FLEET_MODE,
+    NODE_MODE,
     ServerError,
     ServerSettings,
     launch_spec,
@@ -50,6 +51,7 @@ class ModeRun:
     run: WorkloadRun | None = None
     cache: CacheSummary | None = None
     error: str | None = None
+    extra: dict | None = None  # mode-specific measures (kvtier-node: the node service's counters)
 
 
 @dataclass
@@ -221,8 +223,10 @@ async def run_external(base_url: str, workload: Workload, out_dir: Path, progres
 
 
 async def run_bench(workload: Workload, modes: list[str], settings: ServerSettings | None, out_dir: Path,
-                    progress: Progress, options: RunOptions, base_url: str | None = None) -> tuple[list[ModeRun], float]:
-    """Every mode in order (or the one external server); returns the mode runs and the wall time."""
+                    progress: Progress, options: RunOptions, base_url: str | None = None,
+                    node: str | None = None) -> tuple[list[ModeRun], float]:
+    """Every mode in order (or the one external server); returns the mode runs and the wall time.
+    ``node``: the running ``kvtier node`` the ``kvtier-node`` mode uses (None: it starts one)."""
     t0 = time.perf_counter()
     out_dir.mkdir(parents=True, exist_ok=True)
     if base_url is not None:
@@ -235,7 +239,12 @@ async def run_bench(workload: Workload, modes: list[str], settings: ServerSettin
             settings = replace(settings, vllm_cache_dir=str(cache))
         try:
             for index, name in enumerate(modes, 1):
-                if is_seeded(name):
+                if name == NODE_MODE:
+                    from kvtier.bench.node_pair import run_node_mode
+
+                    runs.extend(await run_node_mode(workload, settings, out_dir, progress, options, index,
+                                                    len(modes), node))
+                elif is_seeded(name):
                     runs.append(await run_seeded_mode(name, workload, settings, out_dir, progress, options, index,
                                                       len(modes)))
                 else:

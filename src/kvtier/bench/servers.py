@@ -15,6 +15,9 @@ Modes:
   The runner starts a loopback redis-server (:mod:`kvtier.bench.redis_server`), lets a first engine
   serve the workload into it, then measures a second, fresh engine whose only warm tier is Redis
   (:func:`kvtier.bench.workloads.fleet_workload`);
+* ``kvtier-node`` -- two ``kvtier serve --node`` servers on one ``kvtier node`` service (a second
+  replica on the same node) and an embedded ``kvtier`` server for reference, run by
+  :mod:`kvtier.bench.node_pair`; :func:`launch_spec` gives one attached server's command;
 * ``native-*`` -- vLLM's own OffloadingConnector with kvtier's KVTierOffloadingSpec: its CPU tier
   alone, + its fs tier, + kvtier_disk, + kvtier_redis; ``native-*-restart``: a fresh engine on the
   root a first engine warmed (:mod:`kvtier.bench.native`).
@@ -45,7 +48,8 @@ import httpx
 
 from kvtier.bench import native
 
-MODES = ("vllm", "example", "kvtier", "kvtier-redis", "floor", *native.NATIVE_MODES, *native.RESTART_MODES)
+NODE_MODE = "kvtier-node"
+MODES = ("vllm", "example", "kvtier", "kvtier-redis", NODE_MODE, "floor", *native.NATIVE_MODES, *native.RESTART_MODES)
 FLEET_MODE = "kvtier-redis"
 FLOOR_MODE = "floor"
 FLOOR_KV_BYTES = 2 * 2**30
@@ -154,9 +158,10 @@ def base_env(scratch: Path, environ: Mapping[str, str] | None = None, vllm_cache
 
 
 def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | None = None,
-                redis_url: str | None = None) -> LaunchSpec:
+                redis_url: str | None = None, node: str | None = None) -> LaunchSpec:
     """The command that starts ``mode``'s server; ``scratch`` holds its temporary files (and a native
-    mode's root); ``redis_url`` is the shared tier of the ``kvtier-redis`` and ``native-kvtier-redis*`` modes."""
+    mode's root); ``redis_url`` is the shared tier of the ``kvtier-redis`` and ``native-kvtier-redis*`` modes;
+    ``node`` the socket of the ``kvtier node`` service a ``kvtier-node`` server attaches to."""
     from kvtier.launch.command import ServeOptions, build_serve_command
     from kvtier.launch.vllm_entry import vllm_entrypoint  # the same vLLM CLI as kvtier serve runs
 
@@ -184,6 +189,13 @@ def launch_spec(mode: str, settings: ServerSettings, scratch: Path, port: int | 
             disk_size_gib=settings.disk_size_gib, no_disk=False, eviction_policy=settings.eviction_policy,
             kv_config=settings.kv_config,
         )
+        command = build_serve_command(settings.model, options, args, environ=env)
+        return LaunchSpec(mode, command.argv, {**env, **command.env}, command.summary, port)
+    if mode == NODE_MODE:
+        if node is None:
+            raise ValueError("the kvtier-node mode needs the socket of its kvtier node service")
+        options = ServeOptions(kv_offloading_size_gib=settings.kv_offloading_size_gib, node=node,
+                               eviction_policy=settings.eviction_policy, kv_config=settings.kv_config)
         command = build_serve_command(settings.model, options, args, environ=env)
         return LaunchSpec(mode, command.argv, {**env, **command.env}, command.summary, port)
     if mode == FLEET_MODE:

@@ -148,7 +148,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def goals(workload: str, per_mode: Mapping[str, Mapping[str, Any]], outputs_identical: bool | None) -> dict[str, Any]:
     """The issue's goals that this run can judge (a goal needs its modes and workload)."""
-    out: dict[str, Any] = {"outputs_identical": outputs_identical}
+    from kvtier.bench.node_pair import node_goals
+
+    out: dict[str, Any] = {"outputs_identical": outputs_identical, **node_goals(dict(per_mode))}
     fs, kvtier_disk = per_mode.get("native-fs-restart"), per_mode.get("native-kvtier-disk-restart")
     if fs is not None and kvtier_disk is not None:
         ratio = _ratio(kvtier_disk.get("ttft_returning_p50_s"), fs.get("ttft_returning_p50_s"))

@@ -23,7 +23,10 @@ of one block (the native modes set no offload block size), 4,096-token documents
               help="Comma-separated modes, each run on its own fresh server, in this order: "
                    "vllm (no connector), example (vLLM's ExampleConnector), kvtier (host + disk), "
                    "kvtier-redis (a fresh engine with host + Redis after a first engine filled a loopback "
-                   "redis-server: a new node joining a fleet; needs redis-server installed), floor (vLLM "
+                   "redis-server: a new node joining a fleet; needs redis-server installed), kvtier-node (a second "
+                   "replica on the same node: server A and then a fresh server B on one kvtier node service, A's "
+                   "rounds 1 and 2 and B's round 1, then an embedded kvtier server's rounds 1 and 2 for reference; "
+                   "each round is a column 'kvtier-node:<round>'), floor (vLLM "
                    "alone with a KV space holding the whole workload and 32-token blocks: the TTFT of a "
                    "returning turn that computes only its new tokens; a timing reference, outputs not compared); "
                    "vLLM's own OffloadingConnector with kvtier's KVTierOffloadingSpec: native-cpu (its CPU tier "
@@ -32,6 +35,9 @@ of one block (the native modes set no offload block size), 4,096-token documents
                    "native-kvtier-redis-restart: a fresh engine on the root (server) a first engine warmed.")
 @click.option("--base-url", default=None, metavar="URL",
               help="Benchmark this already-running OpenAI-compatible server instead (mode 'external').")
+@click.option("--node", default=None, type=click.Path(dir_okay=False), metavar="PATH",
+              help="kvtier-node mode: attach its servers to this running kvtier node service instead of starting "
+                   "one (its pool should not hold the workload yet, or round 1 measures hits).")
 @click.option("--model", default=None, help="Model to serve [default: the embedded SmolLM2-135M-Instruct].")
 @click.option("--workload", type=click.Choice(["multi-turn", "prefix-repetition", "unique"]),
               default="multi-turn", show_default=True,
