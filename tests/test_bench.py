@@ -579,3 +579,87 @@ def test_the_gpu_like_shape_sets_what_the_user_did_not():
     assert out["prompts"] == 3 and out["modes"] == "native-cpu" and "shape" not in out
     assert shaped({**opts, "shape": "default"}, given=set()) == {k: v for k, v in opts.items() if k != "shape"}
     assert GPU_LIKE["block_size"] % 32 == 0  # vLLM-CPU takes multiples of 32
+
+
+# ---------------------------------------------------------------- kvtier-node mode (two servers on one node)
+def test_node_mode_plan_attaches_a_and_b_to_one_service_and_keeps_an_embedded_reference(tmp_path):
+    from kvtier.bench.node_pair import Phase, Replica, plan
+    from kvtier.bench.servers import MODES, NODE_MODE, ServerSettings, launch_spec
+
+    assert NODE_MODE in MODES
+    settings = ServerSettings(model=str(tmp_path / "model"), kv_offloading_size_gib=0.5, block_size=64)
+    node_plan = plan(settings, tmp_path)
+    assert node_plan.socket == tmp_path / "node.sock" and not node_plan.external
+    assert node_plan.pool_bytes == 2**30  # room for both engines' caps
+
+    def extra(replica):
+        argv = node_plan.specs[replica].argv
+        return json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
+
+    for replica in (Replica.A, Replica.B):
+        config = extra(replica)
+        assert config["node"] == str(tmp_path / "node.sock") and config["cpu_bytes_to_use"] == 2**29
+        assert "secondary_tiers" not in config  # the node's pool is the host tier, nothing of its own
+    assert "node" not in extra(Replica.EMBEDDED) and extra(Replica.EMBEDDED)["secondary_tiers"][0]["type"] == "fs"
+    ports = {spec.port for spec in node_plan.specs.values()}
+    assert len(ports) == 3
+    for replica, spec in node_plan.specs.items():
+        assert spec.env["VLLM_SERVER_DEV_MODE"] == "1"  # the reset between rounds 1 and 2
+        assert spec.env["TMPDIR"] == str(tmp_path / replica.value) and (tmp_path / replica.value).is_dir()
+        assert spec.argv[spec.argv.index("--block-size") + 1] == "64"  # the same engine block size everywhere
+    argv = node_plan.node_argv()
+    assert argv[argv.index("--socket") + 1] == str(tmp_path / "node.sock")
+    assert argv[argv.index("--pool-bytes") + 1] == str(2**30)
+
+    assert [p.value for p in Phase] == ["A-compute", "A-pool-hit", "B-from-A", "embedded-compute", "embedded-host-hit"]
+    assert [p.server for p in Phase] == [Replica.A, Replica.A, Replica.B, Replica.EMBEDDED, Replica.EMBEDDED]
+    assert [p for p in Phase if p.after_reset] == [Phase.A_POOL_HIT, Phase.EMBEDDED_HOST_HIT]
+    assert Phase.B_FROM_A.mode == "kvtier-node:B-from-A"
+
+    (tmp_path / "other").mkdir()
+    given = plan(settings, tmp_path / "other", node=str(tmp_path / "run" / "n.sock"))
+    assert given.external and given.socket == tmp_path / "run" / "n.sock"
+    with pytest.raises(ValueError, match="socket of its kvtier node"):
+        launch_spec(NODE_MODE, settings, tmp_path / "x")
+
+
+def test_node_goals_b_over_a_pool_hit_and_embedded_host_hit():
+    from kvtier.bench.node_pair import Phase
+
+    def ttft(p50, p90):
+        return {"ttft_p50_s": p50, "ttft_p90_s": p90}
+
+    per_mode = {Phase.A_COMPUTE.mode: ttft(1.0, 1.2), Phase.A_POOL_HIT.mode: ttft(0.20, 0.25),
+                Phase.B_FROM_A.mode: ttft(0.21, 0.30), Phase.EMBEDDED_HOST_HIT.mode: ttft(0.2, 0.3)}
+    out = goals("unique", per_mode, True)
+    assert out["ttft_node_b_vs_a_pool_hit_p50"] == pytest.approx(1.05) and out["ttft_node_b_vs_a_pool_hit_p50_ok"]
+    assert out["ttft_node_b_vs_a_pool_hit_p90"] == pytest.approx(1.2) and not out["ttft_node_b_vs_a_pool_hit_p90_ok"]
+    assert out["ttft_node_b_vs_embedded_host_hit_p50"] == pytest.approx(1.05)
+    assert out["ttft_node_b_vs_embedded_host_hit_p90_ok"]
+    del per_mode[Phase.B_FROM_A.mode]  # B failed: nothing to judge
+    assert not any(k.startswith("ttft_node") for k in goals("unique", per_mode, True))
+
+
+def test_node_flag_needs_the_node_mode():
+    from click.testing import CliRunner
+
+    from kvtier.cli.main import main
+
+    result = CliRunner().invoke(main, ["bench", "--modes", "vllm", "--node", "/tmp/none.sock"])
+    assert result.exit_code == 2 and "--node" in result.output and "kvtier-node" in result.output
+    help_text = CliRunner().invoke(main, ["bench", "--help"]).output
+    assert "kvtier-node" in help_text and "--node PATH" in help_text
+
+
+def test_node_mode_starts_a_real_service_and_reads_its_counters(tmp_path):
+    from kvtier.bench.node_pair import _start_node, node_stats, plan
+    from kvtier.bench.servers import ServerSettings
+
+    node_plan = plan(ServerSettings(model="m", kv_offloading_size_gib=1 / 64), tmp_path)
+    service = asyncio.run(_start_node(node_plan, tmp_path / "node.log"))
+    try:
+        stats = node_stats(node_plan.socket)
+        assert stats["pool_bytes"] == 2 * 2**30 // 64 and stats["blocks"] == 0 and stats["engines"] == {}
+    finally:
+        service.terminate()
+        service.wait(timeout=30)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import shutil
 import subprocess
 import sys
@@ -38,7 +39,7 @@ from typing import Any
 import httpx
 
 from kvtier.bench.progress import Progress
-from kvtier.bench.runner import ModeRun, RunOptions, measure
+from kvtier.bench.measure import ModeRun, RunOptions, measure
 from kvtier.bench.servers import NODE_MODE, LaunchSpec, Server, ServerError, ServerSettings, launch_spec, make_scratch, start, wait_healthy
 from kvtier.bench.workloads import Workload
 
@@ -126,19 +127,19 @@ async def reset_prefix_cache(base_url: str, timeout_s: float = RESET_TIMEOUT_S) 
 
 
 def node_stats(socket: Path) -> dict[str, Any]:
-    """The service's pool counters (``kvtier inspect``'s), trimmed to what the rounds show."""
-    from kvtier.node import NodeClient, Role
-
-    with NodeClient(socket, engine="kvtier-bench", role=Role.OBSERVER) as observer:
-        stats = observer.stats()
+    """The service's pool counters (``kvtier inspect SOCKET --json``), trimmed to what the rounds
+    show. Raises :class:`ServerError` when no service answers there."""
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", str(socket), "--json"],
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise ServerError(f"kvtier inspect {socket}: {(done.stderr or done.stdout).strip()}")
+    stats = json.loads(done.stdout)
     keep = ("blocks", "used_slots", "slot_bytes", "pool_bytes", "evictions", "pinned_blocks", "attached_engines")
     return {**{k: stats[k] for k in keep}, "engines": stats["engines"]}
 
 
 async def _start_node(node_plan: NodePlan, log_path: Path) -> subprocess.Popen:
     """Start ``kvtier node`` and wait until it answers on its socket."""
-    from kvtier.node import NodeUnavailable
-
     with open(log_path, "ab") as log:
         process = subprocess.Popen(node_plan.node_argv(), stdout=log, stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
@@ -147,7 +148,7 @@ async def _start_node(node_plan: NodePlan, log_path: Path) -> subprocess.Popen:
         try:
             node_stats(node_plan.socket)
             return process
-        except (NodeUnavailable, OSError):
+        except ServerError:
             if process.poll() is not None or time.monotonic() > deadline:
                 process.kill()
                 raise ServerError(f"kvtier node did not start; log: {log_path}\n{log_path.read_text()[-2000:]}") from None
