@@ -199,9 +199,10 @@ async def run_node_mode(workload: Workload, settings: ServerSettings, out_dir: P
                 failed.add(phase.server)
                 run.error = str(exc) or type(exc).__name__
                 progress.error(phase.mode, run.error)
-    except Exception as exc:  # noqa: BLE001 - the service did not start: every round failed
+    except Exception as exc:  # noqa: BLE001 - no service to attach to: the rounds not run failed
         for run in runs.values():
-            run.error = run.error or str(exc)
+            if run.run is None and not run.error:
+                run.error = str(exc) or type(exc).__name__
         progress.error(NODE_MODE, str(exc))
     finally:
         for server in servers.values():
