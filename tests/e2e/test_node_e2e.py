@@ -7,7 +7,9 @@ every output compared with vLLM alone's.
 - an engine killed with SIGKILL while it holds a reservation (mid-store): the service releases
   it (nothing stays pinned or reserved), and the engine started again is served from the pool;
 - the service killed with SIGKILL while an engine serves: no request fails, outputs stay
-  bit-exact, the misses are counted; started again, the engine reattaches by itself and hits.
+  bit-exact, the misses are counted; started again, the engine reattaches by itself and hits;
+- the same two-engine case through vLLM's own OffloadingConnector (kvtier's CPU spec) with the
+  ``kvtier_node`` secondary tier, on a service of its own.
 
 Tiny Qwen3-MoE (random weights, tests/support/tiny_models.py); four prompts of 210-222 tokens
 that share a 130-token prefix: three 64-token blocks each, the first two shared.
@@ -204,3 +206,35 @@ def test_the_service_killed_while_an_engine_serves_costs_only_misses_and_the_eng
     assert cached(result, 3) == HIT, "the engine did not reattach to the restarted service"
     pool = node.stats()
     assert pool["blocks"] == 2 + len(PROMPTS) and pool["pinned_blocks"] == 0
+
+
+def native_spec(model: Path, sock: Path, cpu: int, engine_id: str) -> dict:
+    """vLLM's OffloadingConnector with kvtier's CPU spec: vLLM's CPU tier, then ``kvtier_node``."""
+    return {**spec(model, None, cpu=cpu, engine_id=engine_id), "connector": "native", "kv_connector_extra_config": {
+        "spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.vllm.native", "cpu_bytes_to_use": 32 * 2**20,
+        "block_size": BLOCK, "secondary_tiers": [{"type": "kvtier_node", "socket": str(sock)}]}}
+
+
+def test_kvtier_node_behind_vllms_own_offloading_serves_a_fresh_engine_what_another_stored_held_once(
+        model, expected, tmp_path):
+    service = Node(tmp_path / "native.sock")  # its own pool: the blocks counted below are these engines'
+    service.start()
+    try:
+        a = launch(native_spec(model, service.sock, 0, "native-a"), tmp_path / "a")
+        assert tokens(a, 0) == expected and cached(a, 0) == ALONE_CACHED
+        pool = service.stats()
+        assert pool["blocks"] == 2 + len(PROMPTS), f"the shared prefix is not held once: {pool['blocks']} blocks"
+        b = launch(native_spec(model, service.sock, 1, "native-b"), tmp_path / "b")  # a fresh process, core 1
+        assert tokens(b, 0) == expected
+        assert cached(b, 0) == HIT, "engine B was not served from the pool engine A filled"
+        pool = service.stats()
+        mine = pool["engines"]["native-b"]
+        assert pool["blocks"] == 2 + len(PROMPTS) and mine["stored_blocks"] == 0, "B stored a second copy"
+        assert mine["hit_blocks"] >= 2 + len(PROMPTS) - 1 and pool["pinned_blocks"] == 0, mine
+        print(f"kvtier_node: B's lookups {mine['lookups']} for {mine['lookup_blocks']} blocks, hits "
+              f"{mine['hit_blocks']}; seconds A {sum(r['seconds'] for r in a['rounds'][0]):.3f}, "
+              f"B {sum(r['seconds'] for r in b['rounds'][0]):.3f}")
+    finally:
+        if service.proc is not None and service.proc.poll() is None:
+            service.proc.send_signal(signal.SIGTERM)
+            service.proc.wait(timeout=30)
