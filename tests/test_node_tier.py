@@ -192,3 +192,33 @@ def test_a_service_of_another_block_size_stops_the_engine_naming_the_socket(tmp_
     finally:
         other.close()
         node.stop()
+
+
+def test_a_store_reserved_in_a_pool_that_dies_never_lands_in_the_next_one(tmp_path):
+    """The service is SIGKILLed and restarted between a reservation and its commit: the copy goes
+    to the old pool's mapping, the commit fails (the reservation died with its connection), the
+    writes are reported dropped, and the new pool holds nothing of them."""
+    node = NodeProcess(tmp_path / "node.sock", "4MiB").start()
+
+    class RestartAfterReserve(NodeTier):
+        def _call(self, name, *args, **kwargs):
+            reply = super()._call(name, *args, **kwargs)
+            if name == "reserve" and not restarted:
+                restarted.append(True)
+                node.kill()
+                node.start()
+            return reply
+
+    restarted: list[bool] = []
+    t = RestartAfterReserve(NodeTierConfig(node.sock, retry_interval_s=0.05), engine="e", payload_bytes=PAYLOAD,
+                            width=WIDTH)
+    try:
+        keys = keys_of("torn", 3)
+        results = store(t, keys, [payloads(1) for _ in keys])
+        assert restarted and [(r.ok, r.error) for r in results] == [(False, IoError.DROPPED)] * 3
+        time.sleep(0.1)
+        assert node.stats()["blocks"] == 0, "a store reserved in the old pool was committed in the new one"
+        assert probe(t, keys) == [Presence.ABSENT] * 3
+    finally:
+        t.close()
+        node.stop()
