@@ -19,18 +19,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support.node_process import NodeProcess as Node
 from support.offline_run import cached, engine_log, finish, launch, start, tokens
 from support.tiny_models import write_tiny_model
 
 from kvtier.bench.text import long_prompts, synthetic_text
-from kvtier.node import NodeClient, Role
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +36,6 @@ MAX_TOKENS = 8
 PREFIX = synthetic_text(7, 100)  # 130 tokens: the prompts' first two blocks are the same
 PROMPTS = [PREFIX + "\n" + text for text in long_prompts(4, 50, seed=9)]
 HIT = [3 * BLOCK] * len(PROMPTS)  # every full block of each prompt (vLLM computes its last tokens)
-SRC = Path(__file__).resolve().parents[2] / "src"
 RESET = {"reset_prefix_cache": True}
 
 
@@ -58,49 +54,12 @@ def spec(model: Path, sock: Path | None, rounds=({},), cpu: int = 0, **more) -> 
     }
 
 
-class Node:
-    """A ``kvtier node`` process on ``sock`` (started, killed, restarted by the tests)."""
-
-    def __init__(self, sock: Path):
-        self.sock = sock
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "node", "--socket", str(self.sock),
-                                      "--pool-bytes", "64MiB"], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=open(self.sock.with_suffix(".log"), "a"))  # noqa: SIM115
-        deadline = time.monotonic() + 60
-        while True:
-            with socket.socket(socket.AF_UNIX) as probe:
-                try:
-                    probe.connect(str(self.sock))
-                    return
-                except OSError:
-                    pass
-            assert self.proc.poll() is None, self.sock.with_suffix(".log").read_text()
-            assert time.monotonic() < deadline, "kvtier node did not start"
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stats(self) -> dict:
-        with NodeClient(self.sock, engine="test", role=Role.OBSERVER) as observer:
-            observer.connect()
-            return observer.stats()
-
-
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
     service = Node(tmp_path_factory.mktemp("node") / "node.sock")
     service.start()
     yield service
-    if service.proc is not None and service.proc.poll() is None:
-        service.proc.send_signal(signal.SIGTERM)
-        service.proc.wait(timeout=30)
+    service.stop()
 
 
 @pytest.fixture(scope="module")
@@ -235,6 +194,4 @@ def test_kvtier_node_behind_vllms_own_offloading_serves_a_fresh_engine_what_anot
               f"{mine['hit_blocks']}; seconds A {sum(r['seconds'] for r in a['rounds'][0]):.3f}, "
               f"B {sum(r['seconds'] for r in b['rounds'][0]):.3f}")
     finally:
-        if service.proc is not None and service.proc.poll() is None:
-            service.proc.send_signal(signal.SIGTERM)
-            service.proc.wait(timeout=30)
+        service.stop()
