@@ -178,6 +178,8 @@ def test_kvtier_node_behind_vllms_own_offloading_serves_a_fresh_engine_what_anot
         model, expected, tmp_path):
     service = Node(tmp_path / "native.sock")  # its own pool: the blocks counted below are these engines'
     service.start()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
     try:
         a = launch(native_spec(model, service.sock, 0, "native-a"), tmp_path / "a")
         assert tokens(a, 0) == expected and cached(a, 0) == ALONE_CACHED
