@@ -222,3 +222,29 @@ def test_a_store_reserved_in_a_pool_that_dies_never_lands_in_the_next_one(tmp_pa
     finally:
         t.close()
         node.stop()
+
+
+def test_a_service_that_is_gone_reaches_vllms_metrics_as_dropped_stores_and_unavailable_calls(tmp_path):
+    """Through the native adapter's ChunkStore and metrics, as kvtier_disk / kvtier_redis count theirs."""
+    pytest.importorskip("vllm")
+    import numpy as np
+
+    from kvtier.runtime.chunks.rows import Rows
+    from kvtier.runtime.chunks.store import ChunkStore
+    from kvtier.vllm.native.metrics import STORES_DROPPED, UNAVAILABLE, TierMetrics
+
+    region = np.zeros((4, WIDTH * PAYLOAD), dtype=np.uint8)
+    t = NodeTier(NodeTierConfig(tmp_path / "none.sock"), engine="e", payload_bytes=PAYLOAD, width=WIDTH)
+    store = ChunkStore(t, Rows(memoryview(region), WIDTH, PAYLOAD), namespace_digest=b"n" * 32, chunk_tokens=64)
+    try:
+        store.submit_store(1, [b"chunk-1", b"chunk-2"], [0, 1])
+        deadline, outcomes = time.monotonic() + 10, []
+        while not outcomes:
+            assert time.monotonic() < deadline
+            outcomes = store.poll()
+            time.sleep(0.005)
+        assert not outcomes[0].ok and store.counts["stores_dropped"] == 2
+        values = TierMetrics("kvtier_node").take(store).data["data"]
+        assert values[STORES_DROPPED] == {("kvtier_node",): 2} and values[UNAVAILABLE] == {("kvtier_node",): 1}, values
+    finally:
+        store.close()
