@@ -74,6 +74,8 @@ def test_tier_types_and_specs_that_will_not_resolve(tmp_path, monkeypatch):
     assert codes(line([disk(tmp_path, module_path="kvtier.tiers")]))["kvtier-tier-module"] == "error"
     bad = codes(line([{"type": "kvtier_redis", "url": "http://nope"}]))
     assert bad["kvtier-tier-config"] == "error"
+    assert codes(line([{"type": "kvtier_node", "sockett": "/run/kvtier/node.sock"}]))["kvtier-tier-config"] == "error"
+    assert "kvtier-tier-config" not in codes(line([{"type": "kvtier_node", "socket": "/run/kvtier/node.sock"}]))
     assert not (tmp_path / "kv").exists()  # doctor validated the disk tier without creating it
 
 

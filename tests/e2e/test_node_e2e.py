@@ -9,9 +9,11 @@ every output compared with vLLM alone's.
 - the service killed with SIGKILL while an engine serves: no request fails, outputs stay
   bit-exact, the misses are counted; started again (an empty pool, the same ``--disk-dir``), the
   engine reattaches by itself and its next round is served from the service's disk tier through
-  the pool, bit-exact.
+  the pool, bit-exact;
+- the same two-engine case through vLLM's own OffloadingConnector (kvtier's CPU spec) with the
+  ``kvtier_node`` secondary tier, on a service of its own.
 
-The service owns a disk tier (``--disk-dir``): what the engines store is cascaded to it.
+The module's service owns a disk tier (``--disk-dir``): what the engines store is cascaded to it.
 
 Tiny Qwen3-MoE (random weights, tests/support/tiny_models.py); four prompts of 210-222 tokens
 that share a 130-token prefix: three 64-token blocks each, the first two shared.
@@ -21,18 +23,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from support.node_process import NodeProcess as Node
 from support.offline_run import cached, engine_log, finish, launch, start, tokens
 from support.tiny_models import write_tiny_model
 
 from kvtier.bench.text import long_prompts, synthetic_text
-from kvtier.node import NodeClient, Role
 
 pytestmark = pytest.mark.e2e
 
@@ -41,7 +40,6 @@ MAX_TOKENS = 8
 PREFIX = synthetic_text(7, 100)  # 130 tokens: the prompts' first two blocks are the same
 PROMPTS = [PREFIX + "\n" + text for text in long_prompts(4, 50, seed=9)]
 HIT = [3 * BLOCK] * len(PROMPTS)  # every full block of each prompt (vLLM computes its last tokens)
-SRC = Path(__file__).resolve().parents[2] / "src"
 RESET = {"reset_prefix_cache": True}
 
 
@@ -60,50 +58,13 @@ def spec(model: Path, sock: Path | None, rounds=({},), cpu: int = 0, **more) -> 
     }
 
 
-class Node:
-    """A ``kvtier node`` process on ``sock`` (started, killed, restarted by the tests)."""
-
-    def __init__(self, sock: Path):
-        self.sock = sock
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "node", "--socket", str(self.sock),
-                                      "--pool-bytes", "64MiB", "--disk-dir", str(self.sock.parent / "disk"),
-                                      "--disk-size", "1"], env=env, stdout=subprocess.DEVNULL,
-                                     stderr=open(self.sock.with_suffix(".log"), "a"))  # noqa: SIM115
-        deadline = time.monotonic() + 60
-        while True:
-            with socket.socket(socket.AF_UNIX) as probe:
-                try:
-                    probe.connect(str(self.sock))
-                    return
-                except OSError:
-                    pass
-            assert self.proc.poll() is None, self.sock.with_suffix(".log").read_text()
-            assert time.monotonic() < deadline, "kvtier node did not start"
-            time.sleep(0.05)
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-
-    def stats(self) -> dict:
-        with NodeClient(self.sock, engine="test", role=Role.OBSERVER) as observer:
-            observer.connect()
-            return observer.stats()
-
-
 @pytest.fixture(scope="module")
 def node(tmp_path_factory):
-    service = Node(tmp_path_factory.mktemp("node") / "node.sock")
+    where = tmp_path_factory.mktemp("node")
+    service = Node(where / "node.sock", "64MiB", "--disk-dir", str(where / "disk"), "--disk-size", "1")
     service.start()
     yield service
-    if service.proc is not None and service.proc.poll() is None:
-        service.proc.send_signal(signal.SIGTERM)
-        service.proc.wait(timeout=30)
+    service.stop()
 
 
 @pytest.fixture(scope="module")
@@ -211,3 +172,35 @@ def test_the_service_killed_while_an_engine_serves_costs_only_misses_and_the_eng
     pool = node.stats()
     assert pool["tiers"]["promoted_disk"] == POOL_TOKENS // BLOCK, pool["tiers"]  # round 2's, from disk
     assert pool["blocks"] == 2 + len(PROMPTS) and pool["pinned_blocks"] == 0
+
+
+def native_spec(model: Path, sock: Path, cpu: int, engine_id: str) -> dict:
+    """vLLM's OffloadingConnector with kvtier's CPU spec: vLLM's CPU tier, then ``kvtier_node``."""
+    return {**spec(model, None, cpu=cpu, engine_id=engine_id), "connector": "native", "kv_connector_extra_config": {
+        "spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.vllm.native", "cpu_bytes_to_use": 32 * 2**20,
+        "block_size": BLOCK, "secondary_tiers": [{"type": "kvtier_node", "socket": str(sock)}]}}
+
+
+def test_kvtier_node_behind_vllms_own_offloading_serves_a_fresh_engine_what_another_stored_held_once(
+        model, expected, tmp_path):
+    service = Node(tmp_path / "native.sock")  # its own pool: the blocks counted below are these engines'
+    service.start()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    try:
+        a = launch(native_spec(model, service.sock, 0, "native-a"), tmp_path / "a")
+        assert tokens(a, 0) == expected and cached(a, 0) == ALONE_CACHED
+        pool = service.stats()
+        assert pool["blocks"] == 2 + len(PROMPTS), f"the shared prefix is not held once: {pool['blocks']} blocks"
+        b = launch(native_spec(model, service.sock, 1, "native-b"), tmp_path / "b")  # a fresh process, core 1
+        assert tokens(b, 0) == expected
+        assert cached(b, 0) == HIT, "engine B was not served from the pool engine A filled"
+        pool = service.stats()
+        mine = pool["engines"]["native-b"]
+        assert pool["blocks"] == 2 + len(PROMPTS) and mine["stored_blocks"] == 0, "B stored a second copy"
+        assert mine["hit_blocks"] >= 2 + len(PROMPTS) - 1 and pool["pinned_blocks"] == 0, mine
+        print(f"kvtier_node: B's lookups {mine['lookups']} for {mine['lookup_blocks']} blocks, hits "
+              f"{mine['hit_blocks']}; seconds A {sum(r['seconds'] for r in a['rounds'][0]):.3f}, "
+              f"B {sum(r['seconds'] for r in b['rounds'][0]):.3f}")
+    finally:
+        service.stop()

@@ -1,4 +1,5 @@
-"""The ``secondary_tiers`` entries: ``type: fs`` (disk) and ``type: redis`` (Redis / Valkey).
+"""The ``secondary_tiers`` entries: ``type: fs`` (disk) and ``type: redis`` (Redis / Valkey); and
+``kvtier_node`` (the pool of a ``kvtier node`` service), behind vLLM's own offloading only.
 
 Validated at start-up (:func:`parse_secondary_tiers`), in every vLLM process that builds the
 connector: unknown keys, wrong types and impossible values raise
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 class TierType(str, enum.Enum):
     FS = "fs"
     REDIS = "redis"
+    NODE = "node"  # only behind vLLM's own offloading (``kvtier_node``); kvtier's connector uses ``"node"``
 
 
 DEFAULT_DISK_FRACTION = 0.5
@@ -106,6 +108,23 @@ class RedisTierConfig:
 
 SecondaryTierConfig = DiskTierConfig | RedisTierConfig
 
+UNIX_PATH_MAX = 107
+"""The longest path a Unix socket can bind or connect to (``sun_path`` less its NUL), in bytes."""
+
+
+@dataclass(frozen=True)
+class NodeTierConfig:
+    """A ``kvtier_node`` entry (vLLM's own offloading): the pool of the ``kvtier node`` service at
+    ``socket``. ``cap_bytes``: the most of the pool this engine may hold (None: no cap of its own);
+    ``timeout_s``: the longest one round trip may take; ``retry_interval_s``: how often a service
+    that is gone is tried again; ``max_pending_writes``: chunks copied into the pool at once."""
+
+    socket: Path
+    cap_bytes: int | None = None
+    timeout_s: float = 2.0
+    retry_interval_s: float = 1.0
+    max_pending_writes: int = 256
+
 
 def redact_url(url: str) -> str:
     """A URL with its password (if any) replaced by ``***``."""
@@ -121,6 +140,7 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
+_NODE_KEYS = frozenset({"type", "socket", "cap_bytes", "timeout_s", "retry_interval_s", "max_pending_writes"})
 _FS_KEYS = frozenset({
     "type", "root_dir", "capacity_bytes", "n_read_threads", "n_write_threads", "max_pending_writes", "group_access",
 }) | AUTH_KEYS
@@ -163,12 +183,35 @@ def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
     return tuple(tiers)
 
 
-def parse_tier(raw: Mapping[str, Any], tier_type: TierType, where: str) -> SecondaryTierConfig:
+def parse_tier(raw: Mapping[str, Any], tier_type: TierType, where: str) -> SecondaryTierConfig | NodeTierConfig:
     """One tier entry of ``tier_type`` given without its ``type`` key (vLLM's secondary-tier
     factory passes the other keys to a tier's constructor): the same keys and checks as a
-    ``secondary_tiers`` entry of kvtier's connector."""
+    ``secondary_tiers`` entry of kvtier's connector (``node``: see :func:`_node_tier`)."""
     entry = {**raw, "type": tier_type.value}
+    if tier_type is TierType.NODE:
+        return _node_tier(entry, where)
     return _disk_tier(entry, where) if tier_type is TierType.FS else _redis_tier(entry, where)
+
+
+def _node_tier(raw: Mapping[str, Any], where: str) -> NodeTierConfig:
+    """A ``kvtier_node`` entry. The service is not contacted here: one that is not running yet only
+    costs misses until it answers (the tier attaches by itself)."""
+    check_keys(raw, _NODE_KEYS, where, '{"type": "kvtier_node", "socket": "/run/kvtier/node.sock"}')
+    path = text_value(raw, "socket", where=where)
+    if not path:
+        raise ConfigError(f"{PREFIX}: '{where}.socket' is required: the path of the kvtier node service's socket "
+                          "(the --socket of `kvtier node`), e.g. /run/kvtier/node.sock.")
+    sock = Path(path).expanduser()
+    if len(os.fsencode(str(sock))) > UNIX_PATH_MAX:
+        raise ConfigError(f"{PREFIX}: '{where}.socket' {str(sock)!r} is {len(os.fsencode(str(sock)))} bytes long; a "
+                          f"Unix socket path may have at most {UNIX_PATH_MAX}. Start the service on a shorter path.")
+    return NodeTierConfig(
+        socket=sock,
+        cap_bytes=int_value(raw, "cap_bytes", minimum=1, default=None, where=where),
+        timeout_s=float_value(raw, "timeout_s", 2.0, where=where),
+        retry_interval_s=float_value(raw, "retry_interval_s", 1.0, where=where),
+        max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=256, where=where),
+    )
 
 
 def _disk_tier(raw: Mapping[str, Any], where: str) -> DiskTierConfig:

@@ -28,12 +28,15 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from kvtier.core.tier_config import TierType, parse_tier
+from kvtier.core.values import ConfigError
 from kvtier.doctor.probes import validate_extra_config
 from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
 from kvtier.launch import command
 from kvtier.planning.sizing import GIB
 
-KVTIER_TYPES = {"kvtier_disk": "fs", "kvtier_redis": "redis", "KVTierDiskTier": "fs", "KVTierRedisTier": "redis"}
+KVTIER_TYPES = {"kvtier_disk": "fs", "kvtier_redis": "redis", "kvtier_node": "node", "KVTierDiskTier": "fs",
+                "KVTierRedisTier": "redis", "KVTierNodeTier": "node"}
 """kvtier's secondary tier types (short names from its plugin; class names for module_path) -> kvtier's kind."""
 KVTIER_MODULE = "kvtier.vllm.native"
 KVTIER_SPEC = "KVTierOffloadingSpec"
@@ -89,7 +92,7 @@ def check_native_resolution(s: Setup) -> list[Finding]:
         if module is None and not plugin:
             out.append(Finding(
                 "kvtier-tier-unresolved", "error", f"{where} will not resolve",
-                "vLLM knows the type kvtier_disk / kvtier_redis only from kvtier's vllm.general_plugins entry "
+                "vLLM knows the types kvtier_disk / kvtier_redis / kvtier_node only from kvtier's vllm.general_plugins entry "
                 "point, which is not installed in this environment or is left out by VLLM_PLUGINS.",
                 f"pip install kvtier where vLLM runs (and name kvtier in VLLM_PLUGINS if you set it), or add "
                 f"\"module_path\": \"{KVTIER_MODULE}\" to the tier's entry."))
@@ -109,6 +112,12 @@ def _tier_keys_error(tier: Mapping[str, Any], kind: str, index: int) -> str | No
     """The error kvtier would raise at start-up for this tier's keys (checked as kvtier's own tier of
     ``kind``, without creating its directory), or None."""
     entry = {k: v for k, v in tier.items() if k not in NATIVE_ONLY_KEYS}
+    if kind == TierType.NODE.value:  # not a tier of kvtier's connector: its own parser (contacts nothing)
+        try:
+            parse_tier(entry, TierType.NODE, f"secondary_tiers[{index}]")
+        except ConfigError as exc:
+            return str(exc)
+        return None
     entry["type"] = kind
     _, error, _ = validate_extra_config({"cpu_bytes_to_use": GIB, "secondary_tiers": [entry]})
     return error.replace("secondary_tiers[0]", f"secondary_tiers[{index}]") if error else None

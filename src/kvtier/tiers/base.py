@@ -114,6 +114,15 @@ class SecondaryTier(ABC):
         """Find out in the background whether ``keys`` are here (a remote tier asks its server);
         the answers show in :meth:`presence` after a later :meth:`poll`. Local tiers: nothing."""
 
+    def flush(self) -> None:
+        """Send what :meth:`probe` and ``submit_*`` buffered, as few round trips as the tier can (a
+        tier that batches until told, such as the node service's: one lookup per request). Never
+        blocks. Default: nothing (tiers that send at once)."""
+
+    unavailable: int = 0
+    """Calls to the tier's server that found it gone or refusing (each a miss or a dropped store),
+    since the tier was made: a running total, for tiers that count them."""
+
     def leading_run(self, keys: Sequence[BlockKey]) -> int:
         """Length of the leading run of ``keys`` present here."""
         for index, key in enumerate(keys):

@@ -200,7 +200,13 @@ class ChunkStore:
             self._subs[sub] = (job_id, engine_key)
             job.pending += 1
             self.tier.submit_read(sub, self.key_of(engine_key), self._rows.payloads(int(row)))
+        self.tier.flush()
         self._settle_if_done(job_id, job)
+
+    def flush(self) -> None:
+        """Have the tier send what it buffered (probes of a lookup pass): see
+        :meth:`~kvtier.tiers.base.SecondaryTier.flush`. The engine calls it once per step."""
+        self.tier.flush()
 
     def poll(self) -> list[JobOutcome]:
         """Engine jobs finished since the last call. Never blocks. Every ``refresh_interval_s`` it
@@ -317,6 +323,7 @@ class ChunkStore:
             job.failed.append(engine_key)
             self._settle_if_done(job_id, job)
             room = tier.write_room()
+        tier.flush()
 
     def _apply(self, result: IoResult) -> None:
         owner = self._subs.pop(result.job_id, None)

@@ -5,7 +5,7 @@ vLLM asks a tier class for its metric definitions in every process that exports 
 (:class:`TierMetrics`). vLLM's tiering manager already counts lookups, hits, bytes and seconds per
 tier (``vllm:kv_offload_tiering_*``); these add what only kvtier sees: records refused on read
 (bad checksum, short, another namespace), stores dropped, evictions, and usage. Every series is
-labelled with the tier's type (``tier``: kvtier_disk, kvtier_redis).
+labelled with the tier's type (``tier``: kvtier_disk, kvtier_redis, kvtier_node).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ STORES_DROPPED = "kvtier_offload_stores_dropped"
 EVICTIONS = "kvtier_offload_evictions"
 USED_BYTES = "kvtier_offload_used_bytes"
 CAPACITY_BYTES = "kvtier_offload_capacity_bytes"
+UNAVAILABLE = "kvtier_offload_unavailable"
 _DROPS = ("stores_dropped", "store_errors")
 
 
@@ -46,7 +47,12 @@ def definitions() -> dict[str, OffloadingMetricMetadata]:
             documentation="Bytes a kvtier tier holds (disk: this namespace's files as this engine indexes "
                           "them; Redis: the server's used_memory)", labelnames=("tier",)),
         CAPACITY_BYTES: OffloadingGaugeMetadata(
-            documentation="A kvtier tier's bound (disk: capacity_bytes; Redis: maxmemory, 0 = none)",
+            documentation="A kvtier tier's bound (disk: capacity_bytes; Redis: maxmemory, 0 = none; "
+                          "kvtier_node: the pool's size)",
+            labelnames=("tier",)),
+        UNAVAILABLE: OffloadingCounterMetadata(
+            documentation="Calls a kvtier tier made to its server that found it gone or refusing (kvtier_node: "
+                          "the node service down or restarting); each a miss or a dropped store",
             labelnames=("tier",)),
     }
 
@@ -58,6 +64,7 @@ class TierMetrics:
         self._label = (tier_label,)
         self._reported: Counter[str] = Counter()
         self._evictions = 0
+        self._unavailable = 0
 
     def take(self, store: ChunkStore) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
@@ -73,6 +80,10 @@ class TierMetrics:
         if evictions > self._evictions:
             stats.increase_counter(EVICTIONS, evictions - self._evictions, self._label)
             self._evictions = evictions
+        unavailable = store.tier.unavailable
+        if unavailable > self._unavailable:
+            stats.increase_counter(UNAVAILABLE, unavailable - self._unavailable, self._label)
+            self._unavailable = unavailable
         usage = store.usage()
         stats.set_gauge(USED_BYTES, usage.used_bytes, self._label)
         stats.set_gauge(CAPACITY_BYTES, usage.capacity_bytes, self._label)

@@ -14,8 +14,10 @@ import logging
 logger = logging.getLogger(__name__)
 
 MODULE = "kvtier.vllm.native"
-TIER_TYPES = {"kvtier_disk": "KVTierDiskTier", "kvtier_redis": "KVTierRedisTier"}
+TIER_TYPES = {"kvtier_disk": "KVTierDiskTier", "kvtier_redis": "KVTierRedisTier", "kvtier_node": "KVTierNodeTier"}
 SPEC_NAME = "KVTierOffloadingSpec"
+MODULES = {SPEC_NAME: "spec", "KVTierNodeTier": "node_tier"}
+"""The module (under :data:`MODULE`) of each registered class not in ``tiers``."""
 
 
 def register() -> None:
@@ -29,6 +31,6 @@ def register() -> None:
     registrations.append((OffloadingSpecFactory.register_spec, SPEC_NAME, SPEC_NAME))
     for register_one, name, class_name in registrations:
         try:
-            register_one(name, f"{MODULE}.{'spec' if class_name == SPEC_NAME else 'tiers'}", class_name)
+            register_one(name, f"{MODULE}.{MODULES.get(class_name, 'tiers')}", class_name)
         except ValueError:
             logger.debug("kvtier: %s is already registered with vLLM; left as it is", name)

@@ -56,6 +56,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvtier.core.keys import Namespace
 from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig, TierType, parse_tier
 from kvtier.runtime.chunks.identity import HashSeed, model_identity, private_seed_warning
 from kvtier.runtime.chunks.rows import Rows
@@ -94,7 +95,7 @@ def _miss(key: bytes, req_context: ReqContext | None = None) -> LookupResult:
 
 
 class KVTierTier(SecondaryTierManager):
-    """The part the disk and Redis tiers share (a subclass names its kind, locality and place)."""
+    """The part the disk, Redis and node tiers share (a subclass names its kind, locality and place)."""
 
     kind: ClassVar[TierType]
     default_locality: ClassVar[Locality]
@@ -139,8 +140,7 @@ class KVTierTier(SecondaryTierManager):
         config = self.config
         if not seed.shared and isinstance(config, RedisTierConfig):
             config = dataclasses.replace(config, ttl_seconds=min(config.ttl_seconds or PRIVATE_TTL_S, PRIVATE_TTL_S))
-        tier = open_tier(config, model_name=self.run.model_name, namespace=ns,
-                         namespace_json=config_json(ns, self.run, seed), payload_bytes=self.run.payload_bytes)
+        tier = self._make_tier(config, ns, seed)
         self._opened(tier, seed)
         self.seed = seed
         self._store = ChunkStore(tier, self._rows, namespace_digest=ns.engine_digest,
@@ -169,6 +169,11 @@ class KVTierTier(SecondaryTierManager):
             logger.error("kvtier %s: %s is still not open %.0f s after vLLM set its seed (a hung mount or "
                          "server, a large root without a snapshot?): lookups are misses until it opens",
                          self.tier_type, self.describe(), time.monotonic() - self._opening_since)
+
+    def _make_tier(self, config: Any, ns: Namespace, seed: HashSeed) -> SecondaryTier:
+        """Open the storage (the watcher's thread): kvtier's tier of this kind for ``config``."""
+        return open_tier(config, model_name=self.run.model_name, namespace=ns,
+                         namespace_json=config_json(ns, self.run, seed), payload_bytes=self.run.payload_bytes)
 
     def _opened(self, tier: SecondaryTier, seed: HashSeed) -> None:
         """The storage is open (the watcher's thread, before lookups see it)."""
