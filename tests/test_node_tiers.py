@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,7 @@ from support.redis_server import free_port, redis_factory  # noqa: F401  (pytest
 from test_node_service import ENV, start_node, stop
 
 from kvtier.core.config import ConfigError, KVTierConfig
+from kvtier.core.fleet_key import AuthConfig, FleetKey
 from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig
 from kvtier.node import NodeUnavailable, Role
 from kvtier.node import below as below_module
@@ -31,7 +33,9 @@ from kvtier.node.below import NamespaceInfo
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.node_host import NodeHost, connect_node
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo
+from kvtier.tiers.blockfile import decode_header
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.sealing import PLAIN, Sealer
 
 SLOT = 4096
 NS = toy_namespace()
@@ -207,6 +211,55 @@ def test_a_corrupt_record_is_a_counted_miss(tmp_path):
         a.close()
     finally:
         svc.stop()
+
+
+def test_with_a_fleet_key_records_are_sealed_and_others_are_counted_misses(tmp_path):
+    """The service's tiers under a fleet key: what it writes is signed (encrypted here); a record
+    re-signed with an attacker's key, or rewritten as a plain record, is an unauthenticated miss."""
+    sock, root = tmp_path / "n.sock", tmp_path / "disk"
+    fleet = AuthConfig(FleetKey(bytes(range(32)), "fleet"), encrypt=True)
+    sealed = replace(disk(root), auth=fleet)
+    svc = NodeThread(sock, pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(sealed,))
+    a = engine(sock)
+    wait_for(lambda: tiers_open(a))
+    store(a, [1, 2, 3])
+    wait_for(lambda: tier_counts(a).get("written_disk", 0) == 3)
+    a.close()
+    svc.stop()
+    files = {i: next(p for p in root.rglob("*.bin") if key(i).hex() in p.name) for i in (1, 2, 3)}
+    raws = {i: f.read_bytes() for i, f in files.items()}
+    assert all(payload(i) not in raws[i] for i in raws), "encrypted at rest: the payload is not in the record"
+    header = decode_header(raws[1])
+    attacker, plain = Sealer(AuthConfig(FleetKey(bytes(range(7, 39)), "attacker"))), PLAIN
+    for i, sealer in ((2, attacker), (3, plain)):  # valid checksums, the right namespace and key
+        head, body = sealer.seal(namespace=header.namespace, key=key(i), parent=key(i - 1), num_tokens=16,
+                                 source=memoryview(payload(9)))
+        files[i].write_bytes(head + bytes(body))
+    svc = NodeThread(sock, pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(sealed,))
+    try:
+        a = engine(sock)
+        wait_for(lambda: tiers_open(a))
+        assert load(a, [1])[1:] == (1, [payload(1)])  # its own record: read, decrypted, bit-exact
+        assert load(a, [2])[1] == 0 and load(a, [3])[1] == 0
+        assert tier_counts(a)["auth_failures"] == 2
+        a.close()
+    finally:
+        svc.stop()
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--encrypt"], "need a fleet key"),
+    (["--fleet-key-env", "KVTIER_TEST_UNSET_KEY", "--disk-dir", "D", "--disk-size", "1"], "--fleet-key-env"),
+    (["--fleet-key-env", "KVTIER_TEST_NODE_KEY"], "--disk-dir"),
+])
+def test_fleet_key_flags_are_checked_at_start_up(tmp_path, flags, message):
+    flags = [str(tmp_path / "d") if f == "D" else f for f in flags]
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "node", "--socket", str(tmp_path / "n.sock"),
+                           "--pool-bytes", "1MiB", *flags], capture_output=True, text=True, timeout=60,
+                          env={**ENV, "KVTIER_TEST_NODE_KEY": bytes(range(32)).hex()})
+    assert done.returncode != 0 and message in done.stderr and "kv_connector_extra_config" not in done.stderr, \
+        done.stderr
+    assert not (tmp_path / "n.sock").exists()
 
 
 class _GatedDisk(DiskTier):

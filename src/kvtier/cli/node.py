@@ -63,10 +63,19 @@ class ByteSize(click.ParamType):
 @click.option("--redis-url", default=None, metavar="URL",
               help="The node's Redis / Valkey tier (one connection pool for the node), below the disk tier: "
                    "redis://host:6379/0, rediss://... (TLS) or unix:///path.sock.")
+@click.option("--fleet-key-env", default=None, metavar="NAME",
+              help="Environment variable holding the fleet key (docs/security.md): every record the service "
+                   "writes to --disk-dir / --redis-url is signed with it, and only records signed with it (or a "
+                   "--read-key-env key) are read back; others are counted misses.")
+@click.option("--read-key-env", multiple=True, metavar="NAME",
+              help="A retired fleet key still accepted for reading (repeatable), while records rotate.")
+@click.option("--encrypt", is_flag=True,
+              help="Encrypt records at rest (AES-256-GCM under keys derived from --fleet-key-env).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
 def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, eviction_policy: str,
                  group: str | None, metrics_port: int | None, metrics_host: str, no_prefault: bool,
-                 disk_dir: str | None, disk_size: float | None, redis_url: str | None, log_level: str) -> None:
+                 disk_dir: str | None, disk_size: float | None, redis_url: str | None, fleet_key_env: str | None,
+                 read_key_env: tuple[str, ...], encrypt: bool, log_level: str) -> None:
     """Run kvtier's node service in the foreground until SIGTERM or Ctrl-C.
 
     \b
@@ -92,6 +101,7 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
     whose run continues there promotes those blocks into the pool (the
     engine asks again a moment later). The disk root outlives the
     service: after a restart, lookups are served from disk.
+    --fleet-key-env signs (with --encrypt, encrypts) their records.
     """
     import logging
     import os
@@ -104,7 +114,9 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s kvtier node: %(message)s")
     options = NodeOptions(Path(socket_path), pool_bytes, slot_bytes, PolicyName(eviction_policy), group,
-                          prefault=not no_prefault, tiers=_tier_configs(disk_dir, disk_size, redis_url))
+                          prefault=not no_prefault,
+                          tiers=_tier_configs(disk_dir, disk_size, redis_url,
+                                              _fleet_keys(fleet_key_env, read_key_env, encrypt)))
 
     def ready(server) -> None:  # noqa: ANN001 (a NodeServer; imported lazily above)
         click.echo(f"kvtier node: serving {socket_path} (pool {pool_bytes} bytes, pid {os.getpid()})", err=True)
@@ -115,9 +127,33 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
         raise click.ClickException(str(exc)) from None
 
 
-def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str | None) -> tuple:
+def _fleet_keys(fleet_key_env: str | None, read_key_envs: tuple[str, ...], encrypt: bool):
+    """The fleet key settings of every tier of the service (an AuthConfig, keys loaded now), or
+    None without ``--fleet-key-env``. Raises ClickException naming the flag."""
+    from kvtier.core.fleet_key import AuthConfig, load_env
+    from kvtier.core.values import PREFIX, ConfigError
+
+    if fleet_key_env is None:
+        if read_key_envs or encrypt:
+            raise click.UsageError("--read-key-env and --encrypt need a fleet key: --fleet-key-env NAME "
+                                   "(docs/security.md says how to make one)")
+        return None
+    try:
+        write = load_env(fleet_key_env, "--fleet-key-env")
+        read = tuple(load_env(name, "--read-key-env") for name in read_key_envs)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc).removeprefix(f"{PREFIX}: ")) from None
+    if len({key.key_id for key in (write, *read)}) != 1 + len(read):
+        raise click.UsageError("--read-key-env: a key is listed twice (or is the --fleet-key-env key); "
+                               "list each retired key once")
+    return AuthConfig(write=write, read=read, encrypt=encrypt)
+
+
+def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str | None, auth=None) -> tuple:
     """The service's tiers from its flags (cascade order: disk, then Redis), checked now: a root
-    this user cannot write, or credentials Redis refuses, stop the service with the flag named."""
+    this user cannot write, credentials Redis refuses or a fleet key that does not load stop the
+    service with the flag named. ``auth``: :func:`_fleet_keys`, the same for every tier."""
+    from dataclasses import replace
     from pathlib import Path
 
     from kvtier.core.tier_config import DiskTierConfig, TierType, parse_tier
@@ -126,15 +162,19 @@ def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str 
 
     if (disk_dir is None) != (disk_size is None):
         raise click.UsageError("--disk-dir and --disk-size go together: give the directory and its capacity in GiB")
+    if auth is not None and disk_dir is None and redis_url is None:
+        raise click.UsageError("--fleet-key-env signs the records of the service's tiers: give --disk-dir and/or "
+                               "--redis-url, or drop it (the pool itself is memory, never a record)")
     tiers: list = []
     try:
         if disk_dir is not None:
             if disk_size is None or disk_size <= 0:
                 raise click.BadParameter(f"{disk_size}: a positive number of GiB", param_hint="--disk-size")
-            tiers.append(DiskTierConfig(root_dir=Path(disk_dir).expanduser(), capacity_bytes=int(disk_size * 2**30)))
+            tiers.append(DiskTierConfig(root_dir=Path(disk_dir).expanduser(), capacity_bytes=int(disk_size * 2**30),
+                                        auth=auth))
             check_tier(tiers[-1], where="--disk-dir")
         if redis_url is not None:
-            tiers.append(parse_tier({"url": redis_url}, TierType.REDIS, "--redis-url"))
+            tiers.append(replace(parse_tier({"url": redis_url}, TierType.REDIS, "--redis-url"), auth=auth))
             check_tier(tiers[-1], where="--redis-url")
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None

@@ -30,8 +30,9 @@ pinned or WRITING while the job runs; the tier drops its reference when the resu
 
 Guarantees are the tiers' own: records carry checksums and their namespace's digests; a corrupt
 or foreign record read back is quarantined and answers a miss (counted in ``checksum_failures``),
-never bytes into a slot that becomes READY. Fleet keys (``auth``) are not offered here yet: the
-node's records are unsealed.
+never bytes into a slot that becomes READY. With a fleet key (``kvtier node --fleet-key-env``:
+the tier configs' ``auth``) records are sealed, and one its keys did not sign is a miss
+(``auth_failures``).
 """
 
 from __future__ import annotations
