@@ -262,6 +262,29 @@ def test_fleet_key_flags_are_checked_at_start_up(tmp_path, flags, message):
     assert not (tmp_path / "n.sock").exists()
 
 
+def test_commits_made_while_the_tiers_open_are_cascaded_once_they_are_open(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real_open = below_module.open_tier
+
+    def slow_open(config, **kwargs):  # a disk scan that takes a while
+        assert gate.wait(10.0), "the test never opened the gate"
+        return real_open(config, **kwargs)
+
+    monkeypatch.setattr(below_module, "open_tier", slow_open)
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(disk(tmp_path / "disk"),))
+    try:
+        a = engine(svc.sock)
+        store(a, [1, 2])
+        assert not tiers_open(a) and tier_counts(a).get("written_disk", 0) == 0
+        gate.set()
+        wait_for(lambda: tier_counts(a).get("written_disk", 0) == 2, what="the 2 early commits written to disk")
+        assert a.client.stats()["pinned_blocks"] == 0
+        a.close()
+    finally:
+        gate.set()
+        svc.stop()
+
+
 class _GatedDisk(DiskTier):
     """A real disk tier whose reads wait for a gate (a stuck device)."""
 

@@ -135,6 +135,9 @@ class _TierSet:
     wait_until: float  # lookups are told to ask again until then while the tiers open
     tiers: tuple[SecondaryTier, ...] = ()
     waiting: dict[SecondaryTier, deque[tuple[BlockKey, NodeEntry, int, bool]]] = field(default_factory=dict)
+    # Commits made while the tiers open (key, [parent, num_tokens, tail]), not pinned: cascaded
+    # once they are open if still in the pool. At most the pool's slot count are remembered.
+    before_open: deque[tuple[BlockKey, Any]] = field(default_factory=deque)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +214,9 @@ class NodeTiers:
             tier_set.waiting[tier] = deque()
         log.info("namespace %s: tiers %s open", tier_set.namespace.engine_digest.hex()[:16],
                  ", ".join(t.medium.value for t in tier_set.tiers))
+        remembered, tier_set.before_open = tier_set.before_open, deque()
+        for key, block in remembered:
+            self._cascade(tier_set, key, block)
 
     def _tiers_of(self, session: Session, width: int) -> _TierSet | None:
         tier_set = self._sets.get(session.namespace) if session.namespace is not None else None
@@ -273,15 +279,32 @@ class NodeTiers:
                 continue
             tier_set = self._tiers_of(session, len(entry.slots))
             if tier_set is None:
-                return
-            parent, num_tokens, tail = bytes(block[0]), int(block[1]), bool(block[2])
-            for tier in tier_set.tiers:
-                if tier.contains(key) or (tail and tier.medium is Medium.REMOTE):
-                    continue
-                held = self.index.hold(key)
-                assert held is not None
-                tier_set.waiting[tier].append((key, parent, num_tokens, tail))
-                self._feed(tier_set, tier)
+                opening = self._sets.get(session.namespace) if session.namespace is not None else None
+                if opening is None or opening.opening is None:
+                    return  # no tiers for this namespace (none configured, failed to open, another width)
+                if len(opening.before_open) < self.index.num_slots:
+                    opening.before_open.append((key, block))
+                else:
+                    self._count("cascades_skipped_opening")
+                continue
+            self._cascade(tier_set, key, block)
+
+    def _cascade(self, tier_set: _TierSet, key: BlockKey, block: Any) -> None:
+        """Queue ``key`` (READY in the pool, else skipped) for each tier of ``tier_set`` that lacks
+        it, held in the pool until written."""
+        assert self.index is not None
+        entry = self.index.entry(key)
+        if (entry is None or entry.state is not EntryState.READY
+                or len(entry.slots) != len(tier_set.namespace.ranks)):
+            return
+        parent, num_tokens, tail = bytes(block[0]), int(block[1]), bool(block[2])
+        for tier in tier_set.tiers:
+            if tier.contains(key) or (tail and tier.medium is Medium.REMOTE):
+                continue
+            held = self.index.hold(key)
+            assert held is not None
+            tier_set.waiting[tier].append((key, parent, num_tokens, tail))
+            self._feed(tier_set, tier)
 
     def _feed(self, tier_set: _TierSet, tier: SecondaryTier) -> None:
         """Submit what waits for ``tier`` while it has room; drop it all (a future miss, counted)
