@@ -63,10 +63,14 @@ def model(dtype: str, cache_dir: str | None) -> None:
 @click.option("--eviction-policy", type=click.Choice(["lru", "arc"]), default="lru", show_default=True,
               help="Host tier eviction policy; arc resists one-off scans.")
 @click.option("--node", default=None, type=click.Path(dir_okay=False), metavar="PATH",
-              help="Attach to the kvtier node service on this Unix socket (start it first: kvtier node --socket "
-                   "PATH --pool-bytes BYTES): its pool, shared by every engine of the machine, is the host tier, "
-                   "and --kv-offloading-size caps what this engine may hold in it. No disk or Redis tier of the "
-                   "engine's own then (docs/node.md). A node service that stops or restarts costs only misses.")
+              help="Attach to the kvtier node service on this Unix socket: its pool, shared by every engine of "
+                   "the machine, is the host tier, and --kv-offloading-size caps what this engine may hold in it. "
+                   "No disk or Redis tier of the engine's own then (docs/node.md). Where no service answers, one "
+                   "is started (kvtier node --socket PATH --pool-bytes --node-pool-size; it keeps running after "
+                   "this server stops). A node service that stops or restarts costs only misses.")
+@click.option("--node-pool-size", type=float, default=None, metavar="GIB",
+              help="With --node: the pool of the node service started when none runs there "
+                   "(default: --kv-offloading-size). A running service keeps its own size.")
 @click.option("--kv-config", default=None, metavar="JSON",
               help="A JSON object of more kvtier keys (see docs/configuration.md), merged last into "
                    "kv_connector_extra_config: a top-level key replaces what the flags above set. "
@@ -75,7 +79,7 @@ def model(dtype: str, cache_dir: str | None) -> None:
 def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, disk_dir: str | None,
           disk_size: float, no_disk: bool, redis_url: str | None, redis_password_env: str | None,
           fleet_key_env: str | None, encrypt: bool, eviction_policy: str, node: str | None,
-          kv_config: str | None) -> None:
+          node_pool_size: float | None, kv_config: str | None) -> None:
     """Start vLLM's OpenAI-compatible server (vllm serve) with kvtier as its KV connector.
 
     \b
@@ -120,7 +124,7 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
         no_disk=no_disk, eviction_policy=eviction_policy, redis_url=redis_url,
         redis_password_env=redis_password_env, node=node, fleet_key_env=fleet_key_env, encrypt=encrypt,
     )
-    run(args, options, disk_flags_given=given, kv_config_text=kv_config)
+    run(args, options, disk_flags_given=given, kv_config_text=kv_config, node_pool_gib=node_pool_size)
 
 
 @main.command(short_help="Size the KV tiers of a deployment from the model's config.json.")

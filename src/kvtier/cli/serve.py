@@ -19,11 +19,14 @@ def run(
     *,
     disk_flags_given: Sequence[str] = (),
     kv_config_text: str | None = None,
+    node_pool_gib: float | None = None,
 ) -> None:
     """The ``kvtier serve`` command body: validate everything, then print the summary and exec
     vLLM. ``args`` is ``[MODEL] [vllm args...]``; ``kv_config_text`` the raw ``--kv-config`` JSON
     (parsed here into ``options.kv_config``); ``disk_flags_given`` the disk flags the user typed
-    (they conflict with ``--no-disk``). Every problem is a click error naming the flag."""
+    (they conflict with ``--no-disk``); ``node_pool_gib`` the pool of the node service started when
+    none answers on ``options.node`` (default: ``options.kv_offloading_size_gib``). Every problem
+    is a click error naming the flag."""
     import dataclasses
     import importlib.util
 
@@ -35,6 +38,9 @@ def run(
         raise click.UsageError(f"--node conflicts with {given}: an engine attached to a kvtier node has no disk or "
                                "Redis tier of its own (the node's pool is its host tier): give them to the service "
                                "(kvtier node ... --disk-dir DIR --disk-size GIB --redis-url URL), or drop --node.")
+    if node_pool_gib is not None and (options.node is None or node_pool_gib <= 0):
+        raise click.UsageError("--node-pool-size sizes the kvtier node service started for --node PATH when none "
+                               f"runs there: give --node, and a positive size (got {node_pool_gib}).")
     if options.no_disk and disk_flags_given:
         given = " and ".join(disk_flags_given)
         raise click.UsageError(f"--no-disk conflicts with {given}: drop one of them.")
@@ -67,5 +73,16 @@ def run(
         except DefaultModelError as exc:
             raise click.ClickException(str(exc)) from None
     command = build_serve_command(model, options, vllm_args)
+    if options.node is not None:
+        from pathlib import Path
+
+        from kvtier.cli.node_autostart import ensure_node_service
+
+        socket_path = Path(options.node).expanduser().absolute()
+        pool_gib = node_pool_gib if node_pool_gib is not None else options.kv_offloading_size_gib
+        started = ensure_node_service(socket_path, int(pool_gib * 2**30))
+        if started is not None:
+            click.echo(f"kvtier: started a kvtier node service on {socket_path} (pid {started}, pool {pool_gib:g} GiB, "
+                       f"log {socket_path}.log); it keeps running after this server stops", err=True)
     click.echo(command.summary)
     launch(command)
