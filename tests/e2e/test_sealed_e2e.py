@@ -7,13 +7,15 @@ counted, and every output equals vLLM alone's.
   record, the same signed and encrypted under an attacker's key), and every value of tenant b by one
   of tenant a's valid values re-addressed to b's key (a replay across cache_salts); a's prompts are
   then served 6 of 9 from Redis, b's none, with every refusal counted in kvtier_auth_failures.
+- the other two pairings (kvtier's connector with a signed disk tier, vLLM's offloading with a
+  signed kvtier_redis): the same three forgeries, 0 served, counted.
 - vLLM's own offloading with kvtier_disk (records signed): the same forgeries on disk, counted in
   kvtier_offload_failed_reads{reason="unauthenticated"}; then key rotation: a fresh engine writing
   under a new key and still listing the old one is served every record, ``kvtier verify`` names
   them as records under the retired key, and a fresh engine without the old key misses them all.
 
 Nine prompts of one 64-token block each, a tiny Qwen3-MoE (random weights), one process per engine,
-five engines in all (tests/support/offline_run.py).
+eight engines in all (tests/support/offline_run.py).
 """
 
 from __future__ import annotations
@@ -197,6 +199,60 @@ def test_native_disk_forgeries_are_misses_and_keys_rotate(model, expected, tmp_p
     dropped = launch(spec(model, [disk(root, auth_key_env="KVTIER_TEST_K2")], native=True), tmp_path, env=ENV)
     assert tokens(dropped) == expected and cached(dropped) == [0] * 9, cached(dropped)
     assert metric(dropped, 0, "kvtier_offload_failed_reads", "unauthenticated") == 9
+
+
+def plant_forgeries(raws: list[bytes], write, sealer_of_fleet: Sealer) -> None:
+    """Replace records 0-2 of ``raws`` (in order) through ``write(i, record)``: another prompt's real
+    KV as a plain record, the same signed under an attacker's key, and a valid record re-addressed."""
+    other = plaintext(raws[4], sealer_of_fleet)
+    write(0, forge(PLAIN, raws[0], other))
+    write(1, forge(Sealer(AuthConfig(ATTACKER)), raws[1], other))
+    write(2, retarget(raws[5], decode_header(raws[2]).key))
+
+
+def test_connector_on_disk_and_native_on_redis_serve_no_forged_record(model, expected, tmp_path):
+    """The two pairings the tests above leave: kvtier's connector with a signed disk tier (a fresh
+    engine reads the root another wrote, three records forged meanwhile), and vLLM's offloading
+    with a signed kvtier_redis (forgeries planted between rounds)."""
+    root = tmp_path / "root"
+    tiers = [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30, "auth_key_env": "KVTIER_TEST_K1"}]
+    whole_blocks = spec(model, tiers)
+    whole_blocks["kv_connector_extra_config"]["offload_partial_blocks"] = False  # one record per prompt
+    writer = launch(whole_blocks, tmp_path, env=ENV)
+    assert tokens(writer) == expected
+    files = records(root)  # (the engine drained its writes before it exited)
+    assert len(files) == 9, files
+    plant_forgeries([f.read_bytes() for f in files], lambda i, record: files[i].write_bytes(record),
+                    Sealer(AuthConfig(K1)))
+    reader = launch(whole_blocks, tmp_path, env=ENV)
+    assert tokens(reader) == expected
+    assert sorted(cached(reader)) == [0] * 3 + [BLOCK] * 6, cached(reader)
+    assert metric(reader, 0, "kvtier_auth_failures_total") == 3
+
+    server = RedisServer(tmp_path / "redis")
+    try:
+        client = server.client()
+        signed = [{"type": "kvtier_redis", "url": server.url(), "auth_key_env": "KVTIER_TEST_K1"}]
+
+        def plant() -> None:
+            deadline = time.monotonic() + 30
+            while True:
+                names = sorted(n for n in client.scan_iter(match=b"kvtier:*") if not n.endswith(b":config"))
+                if len(names) >= 9 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            assert len(names) == 9, names
+            plant_forgeries([client.get(n) for n in names], lambda i, record: client.set(names[i], record),
+                            Sealer(AuthConfig(K1)))
+
+        native = launch(spec(model, signed, rounds=({}, {"pause": True, "reset_prefix_cache": True,
+                                                         "reset_connector": True}), native=True),
+                        tmp_path, env=ENV, before_round={1: plant})
+        assert tokens(native, 0) == expected and tokens(native, 1) == expected
+        assert sorted(cached(native, 1)) == [0] * 3 + [BLOCK] * 6, cached(native, 1)
+        assert metric(native, 1, "kvtier_offload_failed_reads", "unauthenticated") == 3
+    finally:
+        server.kill()
 
 
 def _env() -> dict[str, str]:
