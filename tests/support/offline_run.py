@@ -203,6 +203,8 @@ def main() -> None:
         round_metrics.append(kvtier_metrics(("kvtier_", "vllm:kv_offload") if native else ("kvtier_",)))
         pages.append(kv_page_digests(llm, round_prompt_ids) if round_spec.get("kv_pages") else None)
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        finish_connector_work(llm)
     del llm
     print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions,
                       "round_metrics": round_metrics, "kv_pages": pages}),
@@ -353,6 +355,19 @@ def embed(llm, model: str, prompt: str):
     with safe_open(os.path.join(model, "model.safetensors"), "pt") as weights:
         table = weights.get_tensor("model.embed_tokens.weight")
     return table[torch.tensor(ids)].to(torch.float32)
+
+
+def finish_connector_work(llm, timeout_s: float = 30.0) -> None:
+    """Step a one-process engine while a finished request still waits on its connector (stores in
+    flight, reported in a later step) or the connector has push work pending, as vLLM's engine-core
+    process does by itself (its busy loop steps while ``Scheduler.has_requests``). ``LLM.generate`` returns as soon as the outputs are out, and a
+    one-process engine only advances when stepped: without this, ``del llm`` shuts it down before
+    the last requests' stores are reported, and they never reach the tiers (docs/faults.md)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    deadline = time.monotonic() + timeout_s
+    while scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+        time.sleep(0.005)
 
 
 def reset_prefix_cache(llm, attempts: int = 1000, *, reset_connector: bool = False) -> None:
