@@ -40,10 +40,10 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections import deque
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -246,7 +246,7 @@ class Orchestrator:
                 break
             if key in self.host:  # being stored by the engine right now
                 break
-            source, unknown = self._source_of(key)
+            source, unknown = first_holder(self.tiers, key)
             if source is None:
                 if unknown is not None:  # a remote tier has not looked yet: look, then ask again
                     unknown.probe(keys[index:])
@@ -285,10 +285,6 @@ class Orchestrator:
         for medium in hold.promoted.values():
             promoted[medium] = promoted.get(medium, 0) + 1
         return Acquired(AcquireStatus.READY, len(hold.keys), promoted=promoted)
-
-    def _source_of(self, key: BlockKey) -> tuple[SecondaryTier | None, SecondaryTier | None]:
-        """The first tier that holds ``key`` (or None), and the first tier that does not know yet."""
-        return first_holder(self.tiers, key)
 
     def promoted_source(self, owner: str, key: BlockKey) -> Medium | None:
         """The tier ``owner``'s held ``key`` was promoted from for it (None: it was in the host tier)."""
