@@ -2,7 +2,7 @@
 
 vLLM asks a secondary tier one chunk at a time; ``kvtier_node`` answers an unknown chunk "ask again",
 buffers the keys of the request's lookup pass and asks the service once for all of them
-(:mod:`kvtier.runtime.node_tier`). This measures, against a real ``kvtier node`` process holding
+(:mod:`kvtier.node.pool_tier`). This measures, against a real ``kvtier node`` process holding
 ``--chunks`` chunks of ``--width`` x ``--slot-bytes``:
 
 - ``lookup_one_key_us``: one round trip for one key (what a per-chunk lookup would cost per chunk,
@@ -10,7 +10,7 @@ buffers the keys of the request's lookup pass and asks the service once for all 
 - ``lookup_per_chunk_us``: ``--chunks`` such round trips, one after the other (a request's lookup
   done per chunk);
 - ``lookup_batched_us``: one round trip for all ``--chunks`` keys (what the tier does);
-- ``probe_answered_us``: through :class:`~kvtier.runtime.node_tier.NodeTier`: probe every chunk,
+- ``probe_answered_us``: through :class:`~kvtier.node.pool_tier.NodeTier`: probe every chunk,
   flush, poll until every answer is in (the worker thread's round trip plus the hand-over);
 - ``load_us`` / ``load_gbps``: the tier loading every chunk into plain buffers (one pinned lookup,
   copies out of the pool on the worker thread, one unpin).
@@ -36,7 +36,7 @@ from support.node_process import NodeProcess  # noqa: E402
 
 from kvtier.core.tier_config import NodeTierConfig  # noqa: E402
 from kvtier.node import NodeClient  # noqa: E402
-from kvtier.runtime.node_tier import NodeTier  # noqa: E402
+from kvtier.node.pool_tier import NodeTier  # noqa: E402
 from kvtier.tiers.outbox import wait_for_any  # noqa: E402
 
 

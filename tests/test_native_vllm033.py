@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.vllm.native.tiers import KVTierDiskTier, KVTierTier
+from kvtier.vllm.native.tiers import KVTierDiskTier, VllmTierAdapter
 from kvtier.vllm.native.worker import KVTierCpuWorker
 
 VLLM033_ROOT = Path(sys.prefix) / "kvtier-vllm-0.33.0"
@@ -63,7 +63,7 @@ def abstract(fn: ast.FunctionDef) -> bool:
 
 
 @pytest.mark.parametrize(("relative", "class_name", "ours"), [
-    ("v1/kv_offload/tiering/base.py", "SecondaryTierManager", KVTierTier),
+    ("v1/kv_offload/tiering/base.py", "SecondaryTierManager", VllmTierAdapter),
     ("v1/kv_offload/base.py", "OffloadingWorker", KVTierCpuWorker),
 ])
 def test_every_method_of_033s_interface_is_implemented_with_its_parameters(relative, class_name, ours):
@@ -89,7 +89,7 @@ def test_the_factory_of_033_constructs_the_tier_with_what_it_passes():
     accepted = set(inspect.signature(KVTierDiskTier.__init__).parameters)
     assert passed <= accepted and any(k.arg is None for k in call.keywords)  # **config -> **tier_keys
     assert "tolerates_off_thread_polling" in (VLLM033 / "v1/kv_offload/tiering/base.py").read_text()
-    assert KVTierTier.tolerates_off_thread_polling is False
+    assert VllmTierAdapter.tolerates_off_thread_polling is False
 
 
 def test_every_name_kvtier_reads_of_vllm_exists_in_033():
@@ -123,7 +123,7 @@ def test_every_name_kvtier_reads_of_vllm_exists_in_033():
 @pytest.fixture(scope="module")
 def poll_harness() -> dict:
     """One subprocess on 0.33's files runs every mode of :mod:`support.poll033` (see there)."""
-    src = Path(inspect.getfile(KVTierTier)).parents[3]
+    src = Path(inspect.getfile(VllmTierAdapter)).parents[3]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(VLLM033_ROOT), str(src), str(TESTS)])}
     code = "from support.poll033 import main; main(['kvtier', 'kvtier_redis', 'kvtier_polled', 'thread_confined', 'unlocked'])"
     done = subprocess.run([sys.executable, "-c", code], env=env, cwd=TESTS, capture_output=True, text=True,

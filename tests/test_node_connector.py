@@ -16,6 +16,7 @@ from support.node_service import NodeThread
 
 from kvtier.core.config import ConfigError
 from kvtier.core.stats import KVTierStats
+from kvtier.node import NodeClient, Role
 
 SLOT = 4096  # 2 layers x one 32-token page of 1 head x 2 x 8 floats (a multiple of 4 KiB, as the pool needs)
 GEOMETRY = {"kv_heads": 1, "head_size": 8, "block_size": 32}
@@ -103,6 +104,39 @@ def test_the_service_gone_costs_misses_and_its_successor_is_attached_by_itself(m
             node.stop()
 
 
-def test_no_service_on_the_socket_stops_the_engine_naming_the_key(model, tmp_path):
-    with pytest.raises(ConfigError, match=r"'node' = .*no kvtier node at"):
-        attached(model, tmp_path / "none.sock", "a")
+def test_an_engine_whose_service_is_not_running_yet_starts_misses_and_attaches_by_itself(model, ref, tmp_path):
+    """A node that boots its engines and its service independently: the engine starts without the
+    service, serves (misses, counted), and attaches within ``retry_interval_s`` once it answers."""
+    sock = tmp_path / "node.sock"
+    with attached(model, sock, "a") as sim:
+        host, counted = sim.kvtier_scheduler.orchestrator, KVTierStats()
+        take = host.take_stats
+        host.take_stats = lambda: counted.add(copy.deepcopy(take())) and take()  # vLLM's intervals, summed too
+        first = sim.generate(PROMPTS, 4)
+        assert tokens_of(first) == ref and sum(external(first)) == 0
+        assert counted.add(host.stats).node_unavailable > 0 and counted.stores_dropped > 0
+        node = NodeThread(sock, pool_bytes=256 * SLOT)
+        try:
+            time.sleep(host.client.retry_interval_s)  # the next call attaches
+            assert sim.reset_prefix_cache()
+            stored = sim.generate(renamed(PROMPTS, "-stored"), 4)  # into the pool
+            assert by_prompt(stored, "-stored") == ref and node.stats()["engines"]["a"]["stored_blocks"] > 0
+            assert sim.reset_prefix_cache()
+            again = sim.generate(renamed(PROMPTS, "-again"), 4)
+            assert by_prompt(again, "-again") == ref and sum(external(again)) >= 6 * 32
+            assert sim.model.kv_mismatches == []
+        finally:
+            sim.close()
+            node.stop()
+
+
+def test_a_service_that_refuses_the_engine_at_start_up_stops_it_naming_the_key_and_both_sizes(model, tmp_path):
+    node = NodeThread(tmp_path / "node.sock", pool_bytes=256 * SLOT, slot_bytes=2 * SLOT)
+    other = NodeClient(node.sock, engine="other", role=Role.WORKER, slot_bytes=2 * SLOT)
+    try:
+        other.connect()  # an engine of another block size uses the pool
+        with pytest.raises(ConfigError, match=rf"'node' = .*refused this engine.*{2 * SLOT} bytes.*{SLOT} bytes"):
+            attached(model, node.sock, "a")
+    finally:
+        other.close()
+        node.stop()

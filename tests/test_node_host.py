@@ -1,10 +1,12 @@
 """An engine's scheduler attached to a node service (kvtier.runtime.node_host), against the real
 service (kvtier.node.server, its loop on a thread) over its real Unix socket: batched lookups and
 reservations, blocks shared between engines and held once, per-rank slots, failure as a miss,
-holds of a dead service's session never sent to its successor, and the ``node`` config key."""
+holds of a dead service's session never sent to its successor, no service at start-up only misses
+until one answers, and the ``node`` config key."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,8 @@ from kvtier.core.residency import Medium
 from kvtier.node import NodeClient, Role
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.node_host import NodeHost, connect_node
-from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo
+from kvtier.runtime.host_side import Acquired, AcquireStatus
+from kvtier.tiers.stack import BlockInfo
 
 SLOT = 4096
 
@@ -146,9 +149,26 @@ def test_an_engine_s_cap_is_its_share_of_the_pool(service):
     small.close()
 
 
-def test_no_service_at_the_socket_is_a_config_error_naming_the_key(tmp_path):
-    with pytest.raises(ConfigError, match=r"'node' = .*no kvtier node at .*kvtier node --socket"):
-        connect_node(str(tmp_path / "none.sock"), engine="e", role=Role.SCHEDULER, slot_bytes=SLOT)
+def test_no_service_at_start_up_is_only_misses_until_one_answers_then_it_attaches_by_itself(tmp_path):
+    sock = tmp_path / "node.sock"
+    client = connect_node(str(sock), engine="e", role=Role.SCHEDULER, slot_bytes=SLOT)  # no error: it starts
+    assert not client.connected and client.retry_interval_s == 1.0
+    early = NodeHost(client, 1, StoreAdmission(0, 1000))
+    assert early.acquire("r", [key(1)]) == Acquired(AcquireStatus.READY, 0)
+    assert early.begin_stores([(key(1), INFO)]) == [None]
+    assert early.stats.node_unavailable == 2 and early.stats.stores_dropped == 1  # both misses, counted
+    svc = Service(sock)
+    try:
+        started = time.monotonic()
+        while early.begin_stores([(key(1), INFO)]) == [None]:  # attaches at the first call past the interval
+            assert time.monotonic() - started < 1.0 + 2.0, "not attached within retry_interval_s"
+            time.sleep(0.05)
+        early.finish_store([key(1)], ok=True)
+        assert early.pool_id == svc.stats()["pool_id"]
+        assert host(sock, "other").acquire("r", [key(1)]).num_blocks == 1
+    finally:
+        early.close()
+        svc.stop()
 
 
 def test_another_block_size_is_refused_with_the_key_named(service):

@@ -1,4 +1,4 @@
-"""``kvtier_node``'s storage (:class:`kvtier.runtime.node_tier.NodeTier`) against a real ``kvtier
+"""``kvtier_node``'s storage (:class:`kvtier.node.pool_tier.NodeTier`) against a real ``kvtier
 node`` service process, with plain buffers standing in for vLLM's CPU-tier rows: stores, batched
 lookups and loads bit-exact; a block stored by two tier instances (two engines) held once; the
 service SIGKILLed: misses and dropped stores, counted, then the tier reattaches by itself to the
@@ -16,7 +16,7 @@ from support.node_process import NodeProcess
 
 from kvtier.core.tier_config import NodeTierConfig, TierType, parse_tier
 from kvtier.core.values import ConfigError
-from kvtier.runtime.node_tier import NodeTier
+from kvtier.node.pool_tier import NodeTier
 from kvtier.tiers.base import IoError, IoKind, IoResult, Presence
 
 PAYLOAD = 8192  # one rank's chunk

@@ -1,14 +1,18 @@
-"""The node service owns the node's disk and Redis tiers (kvtier.node.below): a real service (in
+"""The node service owns the node's disk and Redis tiers (kvtier.node.tiers): a real service (in
 this process on a thread, or ``kvtier node`` as a process), a real disk root and a real
 redis-server, engines as NodeHosts writing and reading the pool through their own mapping.
 
 Shown: commits cascade below the pool; a block evicted from the pool is promoted back, bit-exact,
-after one RETRY answer (from disk, and from Redis); a service SIGKILLed and restarted on the same
-disk dir serves its first lookups from disk; a corrupt record is a counted miss; the loop answers
-while a read is stuck; an engine attached with ``node`` still refuses its own secondary tiers."""
+after one RETRY answer (from disk, and from Redis); a Redis hit is kept on the node's disk, as an
+embedded engine keeps it; a record another writer puts into the disk root is found after a
+refresh; a service SIGKILLed and restarted on the same disk dir serves its first lookups from
+disk; a corrupt record is a counted miss; the loop answers while a read is stuck; an engine
+attached with ``node`` still refuses its own secondary tiers."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,18 +32,19 @@ from kvtier.core.config import ConfigError, KVTierConfig
 from kvtier.core.fleet_key import AuthConfig, FleetKey
 from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig
 from kvtier.node import NodeUnavailable, Role
-from kvtier.node import below as below_module
-from kvtier.node.below import NamespaceInfo
+from kvtier.node import tiers as tiers_module
+from kvtier.tiers import stack as stack_module
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.node_host import NodeHost, connect_node
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo
 from kvtier.tiers.blockfile import decode_header
 from kvtier.tiers.disk import DiskTier
+from kvtier.tiers.factory import open_tier
 from kvtier.tiers.sealing import PLAIN, Sealer
 
 SLOT = 4096
 NS = toy_namespace()
-NAMESPACE = NamespaceInfo(NS.engine_digest, tuple(NS.rank_digests()), NS.config_json("toy"), "toy")
+NAMESPACE = NS.config_json("toy")
 
 
 def key(i: int) -> bytes:
@@ -56,7 +61,7 @@ def disk(root: Path) -> DiskTierConfig:
 
 def engine(sock: Path, name: str = "A") -> NodeHost:
     client = connect_node(str(sock), engine=name, role=Role.SCHEDULER, slot_bytes=SLOT, map_pool=True,
-                          namespace=NAMESPACE.to_message())
+                          namespace=NAMESPACE)
     client.retry_interval_s = 0.0
     return NodeHost(client, 1, StoreAdmission(0, 1000))
 
@@ -102,8 +107,8 @@ def load(host: NodeHost, ids: list[int], owner: str = "req") -> tuple[int, int, 
     """Acquire ``ids`` until the answer is READY: (RETRY answers seen, hits, the bytes read)."""
     retries = 0
     deadline = time.monotonic() + 10
-    while True:
-        got = host.acquire(owner, [key(i) for i in ids])
+    while True:  # the chain names the blocks as an engine's lookup does (key i's parent: key i - 1)
+        got = host.acquire(owner, [key(i) for i in ids], key(ids[0] - 1), 16)
         if got.status is AcquireStatus.READY:
             break
         retries += 1
@@ -151,6 +156,66 @@ def test_a_block_evicted_from_the_pool_is_promoted_back_from_redis(tmp_path, red
         retries, hits, data = load(a, [1, 2])
         assert retries >= 1 and hits == 2 and data == [payload(1), payload(2)]
         assert tier_counts(a)["promoted_remote"] == 2
+        a.close()
+    finally:
+        svc.stop()
+
+
+def test_a_redis_hit_is_kept_on_the_nodes_disk_and_serves_once_redis_is_gone(tmp_path, redis_factory):  # noqa: F811
+    """As an embedded engine keeps a remote hit on its local disk: the service restarted with an
+    emptied disk root serves from Redis, and writes what it promoted to its disk; restarted again
+    with Redis stopped, it serves the same blocks from its disk, bit-exact."""
+    redis, sock, root = redis_factory(), tmp_path / "n.sock", tmp_path / "disk"
+    tiers = (disk(root), RedisTierConfig(url=redis.url()))
+
+    def service() -> NodeThread:
+        return NodeThread(sock, pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=tiers)
+
+    svc = service()
+    a = engine(sock)
+    wait_for(lambda: tiers_open(a))
+    store(a, [1, 2, 3])
+    wait_for(lambda: tier_counts(a).get("written_remote", 0) == 3, what="3 Redis writes")
+    a.close()
+    svc.stop()
+    shutil.rmtree(root)
+    svc = service()
+    a = engine(sock)
+    wait_for(lambda: tiers_open(a))
+    assert load(a, [1, 2, 3])[1:] == (3, [payload(i) for i in (1, 2, 3)])
+    counts = tier_counts(a)
+    assert counts["promoted_remote"] == 3 and counts["promoted_disk"] == 0
+    wait_for(lambda: tier_counts(a)["written_disk"] == 3, what="the 3 Redis hits written to the node's disk")
+    a.close()
+    svc.stop()
+    redis.stop()
+    svc = service()
+    try:
+        a = engine(sock)
+        wait_for(lambda: tiers_open(a))
+        assert load(a, [1, 2, 3])[1:] == (3, [payload(i) for i in (1, 2, 3)])
+        assert tier_counts(a)["promoted_disk"] == 3
+        a.close()
+    finally:
+        svc.stop()
+
+
+def test_a_record_another_writer_puts_into_the_disk_root_is_found_after_a_refresh(tmp_path, monkeypatch):
+    """The service's tiers are refreshed as an embedded engine's are (every REFRESH_INTERVAL_S):
+    a record another process wrote into the root after the namespace opened becomes a hit."""
+    monkeypatch.setattr(stack_module, "REFRESH_INTERVAL_S", 0.2)
+    sock, root = tmp_path / "n.sock", tmp_path / "disk"
+    svc = NodeThread(sock, pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(disk(root),))
+    try:
+        a = engine(sock)
+        wait_for(lambda: tiers_open(a))
+        assert a.leading_run([key(7)]) == 0
+        other = open_tier(disk(root), model_name="toy", namespace=NS, namespace_json=NAMESPACE, payload_bytes=SLOT)
+        assert other.submit_write(1, key(7), key(6), 16, [memoryview(payload(7))])
+        wait_for(lambda: [r.ok for r in other.poll()] == [True], what="the other writer's record")
+        other.close()
+        wait_for(lambda: a.leading_run([key(7)]) == 1, what="the service to find the record (a refresh)")
+        assert load(a, [7])[1:] == (1, [payload(7)])
         a.close()
     finally:
         svc.stop()
@@ -248,7 +313,7 @@ def test_with_a_fleet_key_records_are_sealed_and_others_are_counted_misses(tmp_p
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--encrypt"], "need a fleet key"),
+    (["--encrypt"], "needs a fleet key"),
     (["--fleet-key-env", "KVTIER_TEST_UNSET_KEY", "--disk-dir", "D", "--disk-size", "1"], "--fleet-key-env"),
     (["--fleet-key-env", "KVTIER_TEST_NODE_KEY"], "--disk-dir"),
 ])
@@ -264,13 +329,13 @@ def test_fleet_key_flags_are_checked_at_start_up(tmp_path, flags, message):
 
 def test_commits_made_while_the_tiers_open_are_cascaded_once_they_are_open(tmp_path, monkeypatch):
     gate = threading.Event()
-    real_open = below_module.open_tier
+    real_open = tiers_module.open_tier
 
     def slow_open(config, **kwargs):  # a disk scan that takes a while
         assert gate.wait(10.0), "the test never opened the gate"
         return real_open(config, **kwargs)
 
-    monkeypatch.setattr(below_module, "open_tier", slow_open)
+    monkeypatch.setattr(tiers_module, "open_tier", slow_open)
     svc = NodeThread(tmp_path / "n.sock", pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(disk(tmp_path / "disk"),))
     try:
         a = engine(svc.sock)
@@ -302,7 +367,7 @@ def test_the_loop_answers_while_a_read_is_stuck(tmp_path, monkeypatch):
                           payload_bytes=payload_bytes, capacity_bytes=config.capacity_bytes, n_read_threads=1,
                           n_write_threads=1, max_pending_writes=8)
 
-    monkeypatch.setattr(below_module, "open_tier", gated_open)
+    monkeypatch.setattr(tiers_module, "open_tier", gated_open)
     _GatedDisk.gate = threading.Event()
     svc = NodeThread(tmp_path / "n.sock", pool_bytes=4 * SLOT, slot_bytes=SLOT, tiers=(disk(tmp_path / "d"),))
     try:
@@ -338,8 +403,8 @@ def test_an_attached_engine_still_refuses_its_own_secondary_tiers_and_says_where
 def test_a_hello_with_a_malformed_namespace_is_refused_naming_the_field(tmp_path):
     svc = NodeThread(tmp_path / "n.sock", pool_bytes=4 * SLOT, slot_bytes=SLOT, tiers=(disk(tmp_path / "d"),))
     try:
-        bad = {**NAMESPACE.to_message(), "ranks": [b"short"]}
-        with pytest.raises(ConfigError, match="namespace.ranks"):
+        bad = json.dumps({**json.loads(NAMESPACE), "ranks": ["short"]})
+        with pytest.raises(ConfigError, match="'namespace' is not a namespace description"):
             connect_node(str(svc.sock), engine="A", role=Role.SCHEDULER, slot_bytes=SLOT, namespace=bad)
     finally:
         svc.stop()

@@ -30,7 +30,7 @@ from kvtier.tiers.redis.client import (
     is_connection_failure,
     safe_text,
 )
-from kvtier.tiers.redis.presence import PresenceCache
+from kvtier.tiers.presence import PresenceCache
 from kvtier.tiers.redis.jobs import PIECE_BYTES
 from kvtier.tiers.redis.codec import PieceLander
 

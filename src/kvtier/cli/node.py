@@ -66,16 +66,19 @@ class ByteSize(click.ParamType):
 @click.option("--fleet-key-env", default=None, metavar="NAME",
               help="Environment variable holding the fleet key (docs/security.md): every record the service "
                    "writes to --disk-dir / --redis-url is signed with it, and only records signed with it (or a "
-                   "--read-key-env key) are read back; others are counted misses.")
+                   "--read-key-env / --read-key-file key) are read back; others are counted misses.")
+@click.option("--fleet-key-file", default=None, metavar="PATH", help="... or the file holding it.")
 @click.option("--read-key-env", multiple=True, metavar="NAME",
               help="A retired fleet key still accepted for reading (repeatable), while records rotate.")
+@click.option("--read-key-file", multiple=True, metavar="PATH", help="... or the file holding one (repeatable).")
 @click.option("--encrypt", is_flag=True,
               help="Encrypt records at rest (AES-256-GCM under keys derived from --fleet-key-env).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
 def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, eviction_policy: str,
                  group: str | None, metrics_port: int | None, metrics_host: str, no_prefault: bool,
                  disk_dir: str | None, disk_size: float | None, redis_url: str | None, fleet_key_env: str | None,
-                 read_key_env: tuple[str, ...], encrypt: bool, log_level: str) -> None:
+                 fleet_key_file: str | None, read_key_env: tuple[str, ...], read_key_file: tuple[str, ...],
+                 encrypt: bool, log_level: str) -> None:
     """Run kvtier's node service in the foreground until SIGTERM or Ctrl-C.
 
     \b
@@ -101,7 +104,8 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
     whose run continues there promotes those blocks into the pool (the
     engine asks again a moment later). The disk root outlives the
     service: after a restart, lookups are served from disk.
-    --fleet-key-env signs (with --encrypt, encrypts) their records.
+    --fleet-key-env (or --fleet-key-file) signs (with --encrypt,
+    encrypts) their records.
     """
     import logging
     import os
@@ -115,8 +119,9 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s kvtier node: %(message)s")
     options = NodeOptions(Path(socket_path), pool_bytes, slot_bytes, PolicyName(eviction_policy), group,
                           prefault=not no_prefault,
-                          tiers=_tier_configs(disk_dir, disk_size, redis_url,
-                                              _fleet_keys(fleet_key_env, read_key_env, encrypt)))
+                          tiers=_tier_configs(disk_dir, disk_size, redis_url, _fleet_keys(
+                              {"auth_key_env": fleet_key_env, "auth_key_file": fleet_key_file, "encrypt": encrypt,
+                               "auth_read_key_envs": read_key_env, "auth_read_key_files": read_key_file})))
 
     def ready(server) -> None:  # noqa: ANN001 (a NodeServer; imported lazily above)
         click.echo(f"kvtier node: serving {socket_path} (pool {pool_bytes} bytes, pid {os.getpid()})", err=True)
@@ -127,26 +132,22 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
         raise click.ClickException(str(exc)) from None
 
 
-def _fleet_keys(fleet_key_env: str | None, read_key_envs: tuple[str, ...], encrypt: bool):
+_KEY_FLAGS = {"auth_key_env": "--fleet-key-env", "auth_key_file": "--fleet-key-file", "encrypt": "--encrypt",
+              "auth_read_key_envs": "--read-key-env", "auth_read_key_files": "--read-key-file"}
+"""The fleet key flags, by the tier entry key each sets (the same settings as a tier's auth_key_env...)."""
+
+
+def _fleet_keys(raw: dict):
     """The fleet key settings of every tier of the service (an AuthConfig, keys loaded now), or
-    None without ``--fleet-key-env``. Raises ClickException naming the flag."""
-    from kvtier.core.fleet_key import AuthConfig, load_env
+    None without a key; :func:`kvtier.core.fleet_key.parse_auth` reads them as it reads a tier
+    entry's. Raises ClickException naming the flag."""
+    from kvtier.core.fleet_key import parse_auth
     from kvtier.core.values import PREFIX, ConfigError
 
-    if fleet_key_env is None:
-        if read_key_envs or encrypt:
-            raise click.UsageError("--read-key-env and --encrypt need a fleet key: --fleet-key-env NAME "
-                                   "(docs/security.md says how to make one)")
-        return None
     try:
-        write = load_env(fleet_key_env, "--fleet-key-env")
-        read = tuple(load_env(name, "--read-key-env") for name in read_key_envs)
+        return parse_auth({k: v for k, v in raw.items() if v}, "kvtier node", flags=_KEY_FLAGS)
     except ConfigError as exc:
         raise click.ClickException(str(exc).removeprefix(f"{PREFIX}: ")) from None
-    if len({key.key_id for key in (write, *read)}) != 1 + len(read):
-        raise click.UsageError("--read-key-env: a key is listed twice (or is the --fleet-key-env key); "
-                               "list each retired key once")
-    return AuthConfig(write=write, read=read, encrypt=encrypt)
 
 
 def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str | None, auth=None) -> tuple:

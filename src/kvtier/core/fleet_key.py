@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,30 +84,34 @@ class AuthConfig:
         return f"AuthConfig(write={self.write!r}, read={self.read!r}, encrypt={self.encrypt})"
 
 
-def parse_auth(raw: Mapping[str, Any], where: str) -> AuthConfig | None:
+def parse_auth(raw: Mapping[str, Any], where: str, *, flags: Mapping[str, str] | None = None) -> AuthConfig | None:
     """The fleet key settings of tier entry ``raw`` (at ``where``, e.g. ``secondary_tiers[0]``),
-    keys loaded now; None when the entry names no key. Raises ConfigError naming the key."""
-    env = _name(raw, "auth_key_env", where)
-    path = _path(raw, "auth_key_file", where)
-    read_envs = _names(raw, "auth_read_key_envs", where)
-    read_files = _paths(raw, "auth_read_key_files", where)
+    keys loaded now; None when the entry names no key. Raises ConfigError naming the key, or the
+    command-line flag ``flags`` gives for it (``kvtier node --fleet-key-env``: the same settings)."""
+
+    def name(key: str) -> str:
+        return flags[key] if flags is not None else key_name(key, where)
+
+    env = _name(raw, "auth_key_env", name)
+    path = _path(raw, "auth_key_file", name)
+    read_envs = _names(raw, "auth_read_key_envs", name)
+    read_files = _paths(raw, "auth_read_key_files", name)
     encrypt = bool_value(raw, "encrypt", default=False, where=where)
     if env is not None and path is not None:
-        raise ConfigError(f"{PREFIX}: '{key_name('auth_key_env', where)}' and '{key_name('auth_key_file', where)}' "
+        raise ConfigError(f"{PREFIX}: '{name('auth_key_env')}' and '{name('auth_key_file')}' "
                           "are both set; keep one (the key records are written under).")
     if env is None and path is None:
         for key, present in (("encrypt", encrypt), ("auth_read_key_envs", read_envs),
                              ("auth_read_key_files", read_files)):
             if present:
                 raise ConfigError(
-                    f"{PREFIX}: '{key_name(key, where)}' needs a fleet key: set "
-                    f"'{key_name('auth_key_env', where)}' (an environment variable's NAME) or "
-                    f"'{key_name('auth_key_file', where)}' (a file path); {HOW_TO_MAKE}.")
+                    f"{PREFIX}: '{name(key)}' needs a fleet key: set "
+                    f"'{name('auth_key_env')}' (an environment variable's NAME) or "
+                    f"'{name('auth_key_file')}' (a file path); {HOW_TO_MAKE}.")
         return None
-    write = (load_env(env, key_name("auth_key_env", where)) if env is not None
-             else load_file(path, key_name("auth_key_file", where)))
-    read = [load_env(n, f"{key_name('auth_read_key_envs', where)}[{i}]") for i, n in enumerate(read_envs)]
-    read += [load_file(p, f"{key_name('auth_read_key_files', where)}[{i}]") for i, p in enumerate(read_files)]
+    write = (load_env(env, name("auth_key_env")) if env is not None else load_file(path, name("auth_key_file")))
+    read = [load_env(n, f"{name('auth_read_key_envs')}[{i}]") for i, n in enumerate(read_envs)]
+    read += [load_file(p, f"{name('auth_read_key_files')}[{i}]") for i, p in enumerate(read_files)]
     seen = {write.key_id}
     for key in read:
         if key.key_id in seen:
@@ -147,36 +151,36 @@ def _secret(text: str, what: str) -> bytes:
     return secret
 
 
-def _name(raw: Mapping[str, Any], key: str, where: str) -> str | None:
+def _name(raw: Mapping[str, Any], key: str, name: Callable[[str], str]) -> str | None:
     value = raw.get(key)
     if value is None:
         return None
     if not isinstance(value, str) or not _ENV_NAME.match(value) or _HEX_KEY.match(value):
         # Never echo the value: it may be the key itself, pasted in the wrong place.
-        raise ConfigError(f"{PREFIX}: '{key_name(key, where)}' must be the NAME of an environment variable holding "
+        raise ConfigError(f"{PREFIX}: '{name(key)}' must be the NAME of an environment variable holding "
                           "the key (not the key itself).")
     return value
 
 
-def _path(raw: Mapping[str, Any], key: str, where: str) -> str | None:
+def _path(raw: Mapping[str, Any], key: str, name: Callable[[str], str]) -> str | None:
     value = raw.get(key)
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{PREFIX}: '{key_name(key, where)}' must be a file path string.")
+        raise ConfigError(f"{PREFIX}: '{name(key)}' must be a file path string.")
     return value.strip()
 
 
-def _names(raw: Mapping[str, Any], key: str, where: str) -> Sequence[str]:
-    return [_name({key: v if v is not None else ""}, key, where) or "" for v in _list(raw, key, where)]
+def _names(raw: Mapping[str, Any], key: str, name: Callable[[str], str]) -> Sequence[str]:
+    return [_name({key: v if v is not None else ""}, key, name) or "" for v in _list(raw, key, name)]
 
 
-def _paths(raw: Mapping[str, Any], key: str, where: str) -> Sequence[str]:
-    return [_path({key: v if v is not None else ""}, key, where) or "" for v in _list(raw, key, where)]
+def _paths(raw: Mapping[str, Any], key: str, name: Callable[[str], str]) -> Sequence[str]:
+    return [_path({key: v if v is not None else ""}, key, name) or "" for v in _list(raw, key, name)]
 
 
-def _list(raw: Mapping[str, Any], key: str, where: str) -> list[Any]:
+def _list(raw: Mapping[str, Any], key: str, name: Callable[[str], str]) -> list[Any]:
     value = raw.get(key, [])
     if not isinstance(value, list | tuple):
-        raise ConfigError(f"{PREFIX}: '{key_name(key, where)}' must be a list (e.g. [\"OLD_KEY\"]).")
+        raise ConfigError(f"{PREFIX}: '{name(key)}' must be a list (e.g. [\"OLD_KEY\"]).")
     return list(value)

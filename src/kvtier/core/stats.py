@@ -95,6 +95,13 @@ class KVTierStats:
         name = f"{_TIER_NAMES[medium]}_writes_dropped"
         setattr(self, name, getattr(self, name) + 1)
 
+    def count_failed_read(self, counter: str | None) -> None:
+        """A promotion whose read failed (a miss): ``counter`` (``checksum_failures``,
+        ``auth_failures``, or None) names its reason's counter (:data:`kvtier.tiers.base.READ_FAILURES`)."""
+        self.promotion_failures += 1
+        if counter is not None:
+            setattr(self, counter, getattr(self, counter) + 1)
+
     def count_hit_tokens(self, medium: Medium, tokens: int) -> None:
         name = f"hit_tokens_{_TIER_NAMES.get(medium, 'host')}"
         setattr(self, name, getattr(self, name) + tokens)

@@ -66,7 +66,7 @@ class NodeClient:
 
     def __init__(self, socket_path: str | os.PathLike[str], *, engine: str, role: Role = Role.SCHEDULER,
                  slot_bytes: int | None = None, cap_bytes: int | None = None, map_pool: bool | None = None,
-                 timeout_s: float = 5.0, retry_interval_s: float = 1.0, namespace: dict[str, Any] | None = None
+                 timeout_s: float = 5.0, retry_interval_s: float = 1.0, namespace: str | None = None
                  ) -> None:
         self.socket_path = Path(socket_path)
         self.engine = engine
@@ -76,7 +76,7 @@ class NodeClient:
         self.map_pool = role.maps_pool if map_pool is None else map_pool
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
-        self.namespace = namespace  # sent at hello: the service's tiers store this engine's blocks under it
+        self.namespace = namespace  # sent at hello (Namespace.config_json): the service's tiers store its blocks under it
         self.generation = 0
         self.attachment: Attachment | None = None
         self.pool: PoolMapping | None = None
@@ -218,11 +218,16 @@ class NodeClient:
             return reply
 
     # --- operations ----------------------------------------------------------------------
-    def lookup(self, keys: Sequence[BlockKey], *, pin: bool = False, width: int = 1) -> Hit:
+    def lookup(self, keys: Sequence[BlockKey], *, pin: bool = False, width: int = 1, parent: BlockKey | None = None,
+               block_tokens: int = 0, tail_tokens: int = 0) -> Hit:
         """Leading run of ``keys`` the pool holds READY with ``width`` slots each (one round trip
         for all of them). With ``pin`` the run is pinned for this engine under ``Hit.pin`` (release
-        it with :meth:`unpin`) and its slots are returned, ``width`` per key, in key order."""
-        reply = self._call(Op.LOOKUP, keys=keys if isinstance(keys, list) else list(keys), pin=pin, width=width)
+        it with :meth:`unpin`) and its slots are returned, ``width`` per key, in key order.
+        ``parent`` (the key before ``keys[0]``), ``block_tokens`` and ``tail_tokens`` (> 0: the last
+        key is a tail) name the records of blocks the service promotes (kept on its faster tiers)."""
+        chain = {"parent": parent, "tokens": block_tokens, "tail_tokens": tail_tokens} if parent is not None else {}
+        reply = self._call(Op.LOOKUP, keys=keys if isinstance(keys, list) else list(keys), pin=pin, width=width,
+                           **chain)
         return Hit(reply["hits"], reply["slots"], reply["pin"], bool(reply.get("pending")), int(reply.get("below", 0)))
 
     def reserve(self, keys: Sequence[BlockKey], width: int = 1, tails: Sequence[int] = ()

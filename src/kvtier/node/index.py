@@ -26,11 +26,10 @@ Invariants (``tests/test_node_index.py`` checks them after every operation):
   releases (one request's load = one handle; no key crosses the socket twice);
 - when a session ends (:meth:`NodeIndex.release_session`), every reservation it holds is aborted
   and every pin it holds is released: nothing stays pinned by a dead engine;
-- blocks promoted from the service's disk/Redis tiers for a session (:mod:`kvtier.node.below`)
-  are *parked*: pinned for it until a lookup of it that needs no more promotions (the service
-  then lets them go: :meth:`NodeIndex.let_go`) or its end, so none is evicted before it asks again. The service's own pins
-  (:meth:`NodeIndex.hold`, a block being written to a tier) are released by
-  :meth:`NodeIndex.let_go`.
+- the service's own pins (:meth:`NodeIndex.hold`: a block being written to one of its tiers, or
+  promoted from one and parked for the session that asked, :mod:`kvtier.node.tiers`) are
+  released by :meth:`NodeIndex.let_go`; through :class:`kvtier.node.tiers.PoolSlots` this index is
+  the :class:`~kvtier.tiers.stack.SlotIndex` the service's tiers run over.
 """
 
 from __future__ import annotations
@@ -78,8 +77,6 @@ class Session:
     pins: dict[int, list[NodeEntry]] = field(default_factory=dict)  # pin handle -> the entries it pins
     next_pin: int = 1
     namespace: bytes | None = None  # its engine's namespace digest (hello), naming the service's tiers for it
-    parked: list[NodeEntry] = field(default_factory=list)  # promoted for it, pinned until its next lookup
-    closed: bool = False  # its connection dropped (release_session ran)
 
 
 @dataclass
@@ -246,9 +243,6 @@ class NodeIndex:
         self.abort(session, reserved)
         handles = list(session.pins)
         self.unpin(session, handles)
-        self.let_go(session.parked)
-        session.parked = []
-        session.closed = True
         return len(reserved), len(handles)
 
     def hold(self, key: BlockKey) -> NodeEntry | None:
@@ -260,7 +254,7 @@ class NodeIndex:
         return entry
 
     def let_go(self, entries: list[NodeEntry]) -> None:
-        """Release pins taken by :meth:`hold` (or parked promotions)."""
+        """Release pins taken by :meth:`hold`."""
         for entry in entries:
             entry.readers -= 1
 

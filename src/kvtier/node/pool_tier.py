@@ -27,7 +27,7 @@ between, the commit fails and the reservation died with the connection, so a cop
 in another pool (a restarted service has another ``pool_id``). A read copies from slots pinned by
 its own lookup, then unpins them.
 
-Presence (:class:`~kvtier.tiers.redis.presence.PresenceCache`): a key not asked about recently is
+Presence (:class:`~kvtier.tiers.presence.PresenceCache`): a key not asked about recently is
 UNKNOWN; the caller probes it (vLLM: "ask again") and the next lookup pass finds the answer. The
 adapter names the request a probe belongs to (:attr:`NodeTier.group`) so that one lookup round
 trip covers a request's keys. Keys stored or read here are known at once. Another engine's store
@@ -60,11 +60,11 @@ import numpy as np
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import Medium, ResidencyLog
 from kvtier.core.tier_config import NodeTierConfig
-from kvtier.node import NodeClient, NodeError, NodeUnavailable
+from kvtier.node.client import NodeClient, NodeError, NodeUnavailable
 from kvtier.node.protocol import Reservation, Role
 from kvtier.tiers.base import IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage
 from kvtier.tiers.outbox import Outbox
-from kvtier.tiers.redis.presence import PresenceCache
+from kvtier.tiers.presence import PresenceCache
 
 logger = logging.getLogger(__name__)
 

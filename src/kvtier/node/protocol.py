@@ -13,14 +13,15 @@ Messages (fields beyond ``op``):
 op          request                                                reply
 ==========  =====================================================  ===============================================
 hello       version, engine (str), role (Role), slot_bytes         pool_bytes, slot_bytes, slot_stride, num_slots,
-            (int|None), cap_bytes (int|None), namespace (a         session (int), service_pid, pool_id (str); + the
-            map, schedulers: digest, ranks, json, model; for       memfd
-            the service's tiers, kvtier.node.below)
+            (int|None), cap_bytes (int|None), namespace (str,      session (int), service_pid, pool_id (str); + the
+            schedulers: the namespace's JSON, as its engine        memfd
+            writes a disk root's config.json; for the service's
+            tiers, kvtier.node.tiers)
 lookup      keys (list[bytes]), pin (bool), width (int: slots      hits (int: leading run READY), slots (list[int]:
-            per key)                                               width per hit, only if pin), pin (int: the
-                                                                   handle that pins the run; 0 if none), pending
-                                                                   (bool: the run continues in the service's tiers
-                                                                   and is being promoted: ask again), below (int:
+            per key); optional: parent (bytes: the key before      width per hit, only if pin), pin (int: the
+            keys[0]), tokens (int: of a block), tail_tokens        handle that pins the run; 0 if none), pending
+            (int: of the last key, a tail; 0: none): they name     (bool: the run continues in the service's tiers
+            the records of the blocks the service promotes         and is being promoted: ask again), below (int:
                                                                    keys after the hits the tiers hold)
 reserve     keys (list[bytes]), width (int: slots per key),        status (list[Reservation]), slots
             tails (list[int]: positions of tails, evicted first)
@@ -34,16 +35,24 @@ stats       --                                                     the service's
 
 Keys are raw 32-byte block keys (:data:`kvtier.core.keys.BlockKey`): namespaces are already
 chained into them, so two engines share a block exactly when they share its namespace.
+
+Fields a request's handler uses beyond keys and flags are read and checked here, in one place
+(:func:`namespace_of`, :func:`chain_of`, :func:`blocks_of`): a wrong one raises ValueError naming
+it, which the service answers as a refused request.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 import msgpack
 
-PROTOCOL_VERSION = 2
+from kvtier.core.keys import KEY_BYTES, BlockKey, Namespace
+from kvtier.tiers.stack import BlockInfo, Chain
+
+PROTOCOL_VERSION = 3
 MAX_FRAME_BYTES = 64 * 2**20
 """A single message larger than this is a broken or hostile peer: its connection is dropped."""
 RECV_BYTES = 1 << 18
@@ -117,3 +126,63 @@ class FrameReader:
 
 class ProtocolError(Exception):
     """A peer sent something that is not this protocol."""
+
+
+MAX_NAMESPACE_CHARS = 1 << 16
+"""A hello's namespace JSON larger than this is not a namespace."""
+
+
+def namespace_of(message: dict[str, Any]) -> tuple[Namespace, str, str] | None:
+    """A scheduler's hello ``namespace``: (the namespace, its model's display name, its JSON as the
+    service's disk root keeps it), or None if it sent none. The digests are the service's own,
+    computed from it. Raises ValueError naming the field."""
+    raw = message.get("namespace")
+    if raw is None:
+        return None
+    try:
+        if not isinstance(raw, str) or len(raw) > MAX_NAMESPACE_CHARS:
+            raise TypeError(f"a JSON string of at most {MAX_NAMESPACE_CHARS} characters expected")
+        data = json.loads(raw)
+        model = data["model_name"]
+        if not isinstance(model, str):
+            raise TypeError("model_name must be a string")
+        return Namespace.from_dict(data), model, raw
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ValueError(f"hello 'namespace' is not a namespace description: {exc}") from None
+
+
+def chain_of(message: dict[str, Any]) -> Chain:
+    """A lookup's ``parent``, ``tokens`` and ``tail_tokens`` (absent: an unnamed chain)."""
+    parent = message.get("parent")
+    if parent is None:
+        return Chain()
+    return Chain(_key(parent, "lookup 'parent'"), _count(message.get("tokens"), "lookup 'tokens'"),
+                 _count(message.get("tail_tokens", 0), "lookup 'tail_tokens'"))
+
+
+def blocks_of(message: dict[str, Any], keys: list[BlockKey]) -> list[BlockInfo] | None:
+    """A commit's ``blocks``: one ``[parent, num_tokens, tail]`` per key (absent: None)."""
+    raw = message.get("blocks")
+    if not raw:
+        return None
+    if not isinstance(raw, list) or len(raw) != len(keys):
+        raise ValueError(f"commit 'blocks' must list one [parent, num_tokens, tail] per key ({len(keys)})")
+    infos = []
+    for block in raw:
+        if not isinstance(block, list | tuple) or len(block) != 3:
+            raise ValueError("commit 'blocks': each must be [parent, num_tokens, tail]")
+        infos.append(BlockInfo(_key(block[0], "commit 'blocks' parent"), _count(block[1], "commit 'blocks' num_tokens"),
+                               bool(block[2])))
+    return infos
+
+
+def _key(value: Any, what: str) -> BlockKey:
+    if not isinstance(value, bytes) or len(value) != KEY_BYTES:
+        raise ValueError(f"{what} must be a {KEY_BYTES}-byte key")
+    return value
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 31:
+        raise ValueError(f"{what} must be a token count")
+    return value

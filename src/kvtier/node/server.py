@@ -24,9 +24,10 @@ session held is released (reservations aborted, pins dropped). The pool lives as
 process: a restarted service starts with an empty pool and engines reattach by themselves.
 
 Tiers below the pool (``--disk-dir``, ``--redis-url``: :attr:`NodeOptions.tiers`) are the
-service's (:mod:`kvtier.node.below`): commits cascade to them and pinning lookups promote from
-them; their I/O runs on their own threads, which wake the loop through a socket pair it selects
-on, so the loop never waits on tier I/O. A disk root outlives the service: after a restart the
+service's (:mod:`kvtier.node.tiers`, the same promotion and cascade as an embedded engine's):
+commits cascade to them and pinning lookups promote from them; their I/O runs on their own
+threads, which wake the loop through a socket pair it selects on, so the loop never waits on tier
+I/O; the loop also polls them every ``poll_s`` (their periodic refresh). A disk root outlives the service: after a restart the
 first lookups are disk hits, promoted into the new pool.
 """
 
@@ -51,11 +52,12 @@ from typing import Any
 
 from kvtier.core.config import PolicyName
 from kvtier.core.tier_config import SecondaryTierConfig
-from kvtier.node.below import NamespaceInfo, NodeTiers
 from kvtier.node.conn import Conn, groups_of, peer_credentials, percentiles
 from kvtier.node.index import NodeIndex, Session
 from kvtier.node.pool import check_pool_size, create_pool_fd, slot_stride
-from kvtier.node.protocol import PROTOCOL_VERSION, RECV_BYTES, Op, ProtocolError, Role, pack
+from kvtier.node.protocol import (PROTOCOL_VERSION, RECV_BYTES, Op, ProtocolError, Role, blocks_of, chain_of,
+                                  namespace_of, pack)
+from kvtier.node.tiers import NodeTiers
 
 log = logging.getLogger("kvtier.node")
 
@@ -202,21 +204,25 @@ class NodeServer:
 
     # --- the loop ------------------------------------------------------------------------
     def serve_forever(self, poll_s: float = 0.2) -> None:
+        next_poll = 0.0
         while not self._stop.is_set():
+            rang = False
             for key, events in self._sel.select(timeout=poll_s):
                 if key.data is None:
                     self._accept()
                     continue
                 if key.data is _BELL:  # a tier posted outcomes
-                    assert self.below is not None
-                    with self.lock:
-                        self.below.poll()
+                    rang = True
                     continue
                 conn: Conn = key.data
                 if events & selectors.EVENT_READ:
                     self._read(conn)
                 if events & selectors.EVENT_WRITE and not conn.closing:
                     self._flush(conn)
+            if self.below is not None and (rang or time.monotonic() >= next_poll):
+                next_poll = time.monotonic() + poll_s
+                with self.lock:
+                    self.below.poll()
 
     def stop(self) -> None:
         """Ask the loop to return (any thread, or a signal handler)."""
@@ -351,6 +357,8 @@ class NodeServer:
             return
         conn.closing = True
         with self.lock:
+            if conn.session is not None and self.below is not None:
+                self.below.release(conn.session)
             if conn.session is not None and self.index is not None:
                 aborted, unpinned = self.index.release_session(conn.session)
                 self.sessions_released += 1
@@ -381,16 +389,18 @@ class NodeServer:
         if op is Op.LOOKUP:
             pin, width = bool(message.get("pin", False)), int(message.get("width", 1))
             hits, slots, handle = self.index.lookup(session, keys, pin, width)
-            pending, below = self.below.after_lookup(session, keys, hits, width, pin) if self.below else (False, 0)
+            pending, below = (self.below.after_lookup(session, keys, hits, width, pin, chain_of(message))
+                              if self.below else (False, 0))
             return {"ok": True, "hits": hits, "slots": slots, "pin": handle, "pending": pending, "below": below}
         if op is Op.RESERVE:
             status, slots = self.index.reserve(session, keys, int(message["width"]),
                                                frozenset(message.get("tails") or ()))
             return {"ok": True, "status": [s.value for s in status], "slots": slots}
         if op is Op.COMMIT:
+            infos = blocks_of(message, keys)
             unknown = self.index.commit(session, keys)
-            if self.below is not None and message.get("blocks"):
-                self.below.committed(session, keys, message["blocks"])
+            if self.below is not None and infos:
+                self.below.committed(session, keys, infos)
             return {"ok": True, "unknown": unknown}
         return {"ok": True, "unknown": self.index.abort(session, keys)}  # Op.ABORT
 
@@ -422,11 +432,11 @@ class NodeServer:
             if cap is not None and cap < 1:
                 return {"ok": False, "error": f"cpu_bytes_to_use {cap_bytes} is less than one slot of this node's "
                                               f"pool ({self.stride} bytes)"}
-            namespace = NamespaceInfo.from_message(message["namespace"]) if message.get("namespace") else None
+            namespace = namespace_of(message)
             conn.session = Session(self._next_session, engine, cap)
             self._next_session += 1
             if namespace is not None and self.below is not None:
-                self.below.attach(conn.session, namespace)
+                self.below.attach(conn.session, *namespace)
         conn.role = role
         if role.maps_pool:
             assert self._pool_fd is not None

@@ -1,13 +1,14 @@
-"""The orchestrator of an engine attached to a ``kvtier node`` service: the node's pool is its host tier.
+"""The host side of an engine attached to a ``kvtier node`` service: the node's pool is its host tier.
 
-Used instead of :class:`kvtier.runtime.orchestrator.Orchestrator` when the connector config has
-``"node": "<socket>"``; it answers the same calls the scheduler side makes. An attached engine has
-no disk or Redis tier of its own (the config refuses them): the service owns the node's
-(``kvtier node --disk-dir/--redis-url``, :mod:`kvtier.node.below`). A lookup whose run continues
+The :class:`~kvtier.runtime.host_side.HostSide` chosen when the connector config has
+``"node": "<socket>"``. An attached engine has no disk or Redis tier of its own (the config refuses
+them): the service owns the node's (``kvtier node --disk-dir/--redis-url``) and runs the same
+promotion and cascade over its pool as an embedded engine runs over its host tier
+(:class:`~kvtier.tiers.stack.TierStack`, :mod:`kvtier.node.tiers`). A lookup whose run continues
 there is answered ``pending`` while the service promotes the blocks into the pool: :meth:`acquire`
-answers RETRY, and vLLM's scheduler asks again. Lives in vLLM's
-scheduler process and is driven by ONE thread (the scheduler's). It never touches the pool's
-bytes: the workers copy engine pages <-> pool slots themselves (:mod:`kvtier.vllm.worker_side`).
+answers RETRY, and vLLM's scheduler asks again. Lives in vLLM's scheduler process and is driven by
+ONE thread (the scheduler's). It never touches the pool's bytes: the workers copy engine pages <->
+pool slots themselves (:mod:`kvtier.vllm.worker_side`).
 
 Every call is one request/reply on the node socket (memory-only work on the service; a call
 blocks at most the client's ``timeout_s``), batched per request or per step:
@@ -18,10 +19,11 @@ blocks at most the client's ``timeout_s``), batched per request or per step:
 - :meth:`NodeHost.finish_store`: one ``commit`` (or ``abort``) per finished store job;
 - :meth:`NodeHost.release`: one ``unpin`` of the owner's handle.
 
-Failure is a miss, never an error: a service that is gone (:class:`~kvtier.node.NodeUnavailable`)
-answers "no hit" and "store dropped" (counted in ``node_unavailable``) and the client reconnects by
-itself on a later call (``retry_interval_s``); a refused request (:class:`~kvtier.node.NodeError`)
-is logged and handled the same way.
+Failure is a miss, never an error: a service that is gone, or not started yet when the engine
+starts (:class:`~kvtier.node.NodeUnavailable`), answers "no hit" and "store dropped" (counted in
+``node_unavailable``) and the client attaches by itself on a later call (``retry_interval_s``); a
+refused request (:class:`~kvtier.node.NodeError`) is logged (once per message) and handled the same
+way. Only a service that answers at start-up and refuses the engine stops it (:func:`connect_node`).
 
 Generations (a restarted service has a new, empty pool with another ``pool_id``): every hold and
 reservation remembers the client's attachment ``generation`` it was made in. One of an older
@@ -49,7 +51,8 @@ from kvtier.core.values import ConfigError
 from kvtier.node import NodeClient, NodeError, NodeUnavailable
 from kvtier.node.protocol import Reservation, Role
 from kvtier.policy.admission import StoreAdmission
-from kvtier.runtime.orchestrator import Acquired, AcquireStatus, BlockInfo
+from kvtier.runtime.host_side import Acquired, AcquireStatus
+from kvtier.tiers.stack import BlockInfo
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +74,8 @@ class _NodeHold:
 
 
 class NodeHost:
-    """See the module docstring. ``client`` is connected (hello answered) by the caller."""
+    """See the module docstring. ``client`` is attached by :func:`connect_node`, or attaches on a
+    later call."""
 
     def __init__(self, client: NodeClient, width: int, admission: StoreAdmission):
         self.client = client
@@ -98,7 +102,8 @@ class NodeHost:
                 self._said.add("unavailable")
                 logger.warning("kvtier: %s: lookups are misses and stores are dropped until it answers again "
                                "(counted in kvtier_node_unavailable)", exc)
-        else:
+        elif str(exc) not in self._said:
+            self._said.add(str(exc))
             logger.warning("kvtier: the node service refused a request: %s", exc)
 
     def _attached(self) -> None:
@@ -134,8 +139,9 @@ class NodeHost:
         self.release(owner)
         if not keys:
             return Acquired(AcquireStatus.READY, 0)
-        try:
-            hit = self.client.lookup(keys, pin=True, width=self.width)
+        try:  # the chain names what the service promotes, for its faster tiers (a remote hit kept on disk)
+            hit = self.client.lookup(keys, pin=True, width=self.width, parent=first_parent,
+                                     block_tokens=block_tokens, tail_tokens=tail_tokens)
         except (NodeUnavailable, NodeError) as exc:
             self._failed(exc)
             return Acquired(AcquireStatus.READY, 0)
@@ -312,21 +318,21 @@ namespace reads it, as for an embedded host tier); its slots are the node pool's
 
 def connect_node(socket_path: str, *, engine: str, role: Role, slot_bytes: int,
                  cap_bytes: int | None = None, map_pool: bool | None = None,
-                 namespace: dict | None = None) -> NodeClient:
-    """A client attached to the node service at ``socket_path`` (its hello answered), for the
-    connector config key ``node``; ``map_pool``: whether it maps the pool (default: its role's).
-    Raises :class:`ConfigError` naming the key when no service answers there or it refuses this
-    engine (another block size, another user). ``namespace``: a scheduler's namespace description
-    (:meth:`kvtier.node.below.NamespaceInfo.to_message`), which the service's tiers store its blocks under."""
+                 namespace: str | None = None) -> NodeClient:
+    """A client of the node service at ``socket_path``, for the connector config key ``node``;
+    ``map_pool``: whether it maps the pool (default: its role's). Attached now if a service answers
+    there; if none does (not started yet, restarting) it is only logged: the engine starts, misses,
+    and the client attaches by itself once the service answers (every ``retry_interval_s``).
+    Raises :class:`ConfigError` naming the key when a service answers and refuses this engine
+    (another block size, another user). ``namespace``: a scheduler's namespace
+    (:meth:`kvtier.core.keys.Namespace.config_json`), which the service's tiers store its blocks under."""
     client = NodeClient(socket_path, engine=engine, role=role, slot_bytes=slot_bytes, cap_bytes=cap_bytes,
                         map_pool=map_pool, namespace=namespace)
     try:
         client.connect()
     except NodeUnavailable as exc:
-        raise ConfigError(
-            f"kv_connector_extra_config: 'node' = {socket_path!r}: {exc}. Start the service first (kvtier node "
-            f"--socket {socket_path} --pool-bytes BYTES), fix the path, or remove 'node' for an embedded host "
-            "tier.") from None
+        logger.warning("kvtier: 'node' = %r: %s. The engine starts with misses (counted in kvtier_node_unavailable) "
+                       "and attaches by itself once the service answers.", socket_path, exc)
     except NodeError as exc:
         raise ConfigError(f"kv_connector_extra_config: 'node' = {socket_path!r}: the service refused this "
                           f"engine: {exc}") from None

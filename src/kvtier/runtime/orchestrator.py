@@ -1,29 +1,20 @@
-"""The orchestrator: lookup across tiers, admission, promotion, cascade. Knows no engine.
+"""An embedded engine's host side: its host tier and its secondary tiers. Knows no engine.
 
 It lives in one process (vLLM's scheduler process) and is driven by ONE thread; it never blocks
-on I/O. Tier I/O runs on the tiers' own threads and is collected by :meth:`Orchestrator.poll`.
-
-Tiers: the host tier, then the secondary tiers in order (a local disk, then a shared remote).
-
-Block flow::
+on I/O. Lookup across tiers, promotion and cascade are :class:`~kvtier.tiers.stack.TierStack`'s,
+run over the host tier's index (:class:`~kvtier.tiers.host.HostIndex`) and its ranks' bytes
+(:class:`HostBytes`), exactly as the node service runs them over its pool; tier I/O runs on the
+tiers' own threads and is collected by :meth:`Orchestrator.poll`. What this class adds is the
+engine's side of the host tier:
 
     store:   begin_store (host slot WRITING) -> [engine copies bytes in] -> finish_store
-             -> READY in host -> cascade: a write to every secondary tier that lacks the block
-             (the slot is pinned while any of them runs; a tier whose writes in flight are at
-             their bound gets the block later, in order, as its writes complete: the slot stays
-             pinned while it waits, so a long prompt's blocks all reach a slow tier)
-    load:    acquire (host READY blocks pinned for the owner; blocks only in a secondary tier are
-             promoted into host slots first, from the first tier that holds them, and the caller
-             is told to ask again) -> [engine copies bytes out] -> release (unpin)
-    promotion from a slower tier is also cascaded to the faster tiers before it (a remote hit
-    is kept on the local disk).
+             -> READY in host -> cascaded to every secondary tier that lacks the block
+    load:    acquire (the leading run of READY blocks pinned for the owner, a request; blocks
+             only in a secondary tier are promoted into host slots first, and the owner is told
+             to ask again) -> [engine copies bytes out] -> release (unpin)
 
 Tails (the partial block a finished request leaves, :func:`kvtier.core.keys.tail_key`) flow like
-blocks through the host and disk tiers, are evicted before blocks, and stay local: they are never
-written to a shared remote tier (a lookup there would have to probe every candidate length).
-
-A remote tier may not know yet whether it holds a block (:attr:`Presence.UNKNOWN`): the lookup
-asks it to probe (in the background) and answers "ask again"; the next lookup sees the answer.
+blocks through the host and disk tiers, are evicted before blocks, and stay local.
 
 Waiting: the driving thread never waits for I/O, with one bounded exception:
 :meth:`Orchestrator.wait_for_tiers`, for a caller that has nothing else to do while an owner was
@@ -38,12 +29,8 @@ may be evicted and reused by :meth:`begin_store` or promotions.
 
 from __future__ import annotations
 
-import enum
-import itertools
 import logging
-import threading
-import time
-from collections import deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -51,9 +38,10 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ResidencyChange
 from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
-from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier, first_holder
+from kvtier.runtime.host_side import Acquired, AcquireStatus
+from kvtier.tiers.base import Medium, SecondaryTier
 from kvtier.tiers.host import HostIndex
-from kvtier.tiers.outbox import wait_for_any
+from kvtier.tiers.stack import DRAIN_TIMEOUT_S, BlockInfo, Chain, TierStack
 
 logger = logging.getLogger(__name__)
 
@@ -69,106 +57,42 @@ class HostBytes:
         start = slot * self.slot_bytes
         return [view[start : start + self.slot_bytes] for view in self.rank_views]
 
-
-class AcquireStatus(enum.Enum):
-    READY = "ready"  # the returned run is pinned in host slots for the owner
-    RETRY = "retry"  # promotions or presence probes are running; ask again later (never wait)
-
-
-@dataclass(frozen=True)
-class Acquired:
-    status: AcquireStatus
-    num_blocks: int = 0
-    promoted: dict[Medium, int] = field(default_factory=dict)  # of num_blocks: promoted for this owner, by source
-
-    @property
-    def from_disk(self) -> int:
-        return self.promoted.get(Medium.DISK, 0)
+    def views(self, slots: tuple[int, ...]) -> list[memoryview]:
+        """A block's bytes, one view per rank (its slot number is the same on every rank)."""
+        return self.slot(slots[0])
 
 
 @dataclass
 class _Hold:
-    """Host blocks pinned for one owner (a request) while it loads them.
-
-    ``keys``: the run its last answer counted, in order. ``parked``: promotions that finished for it
-    outside that run (reads land out of order: a later block can be in while an earlier one is still
-    read), pinned until its next answer takes them into the run or lets them go, so none is evicted
-    before it asks again. ``promoted``: the keys of both that were promoted for it, by source. Every
-    key of ``keys`` and ``parked`` holds one pin, which :meth:`Orchestrator.release` or the next
-    answer gives back.
-    """
+    """Host blocks pinned for one owner (a request) while it loads them: ``keys``, the run its last
+    answer counted, in order, one pin each; ``promoted``: those promoted for it, by source."""
 
     keys: list[BlockKey] = field(default_factory=list)
-    parked: list[BlockKey] = field(default_factory=list)
     promoted: dict[BlockKey, Medium] = field(default_factory=dict)
-
-    def pinned(self) -> list[BlockKey]:
-        return self.keys + self.parked
-
-
-@dataclass(frozen=True, slots=True)
-class BlockInfo:
-    """What the stored format needs besides the bytes: the chain parent and the token count;
-    ``tail``: a partial block (fewer tokens than a block, never a parent)."""
-
-    parent: BlockKey
-    num_tokens: int
-    tail: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Promotion:
-    key: BlockKey
-    tier: SecondaryTier
-    owner: str
-    info: BlockInfo | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Cascade:
-    key: BlockKey
-    tier: SecondaryTier
-
-
-REFRESH_INTERVAL_S = 30.0
-"""How often secondary tiers look for blocks other engines stored (shared disk roots)."""
-
-
-DRAIN_TIMEOUT_S = 10.0
-"""How long :meth:`Orchestrator.close` waits for block writes in flight to reach their tiers."""
 
 
 class Orchestrator:
-    def __init__(
-        self,
-        host: HostIndex,
-        host_bytes: HostBytes | None,
-        tiers: Sequence[SecondaryTier],
-        admission: StoreAdmission,
-    ):
+    """The engine's own host tier and secondary tiers (a :class:`~kvtier.runtime.host_side.HostSide`)."""
+
+    pool_id: str | None = None  # its slots are its own regions', never a node pool's
+
+    def __init__(self, host: HostIndex, host_bytes: HostBytes | None, tiers: Sequence[SecondaryTier],
+                 admission: StoreAdmission):
         """``tiers``: the secondary tiers, fastest first (lookups and promotions go in this order)."""
         if tiers and host_bytes is None:
             raise ValueError("secondary tiers need the scheduler to map the host tier's bytes")
         self.host = host
         self.host_bytes = host_bytes
-        self.tiers: tuple[SecondaryTier, ...] = tuple(tiers)
         self.admission = admission
-        self.stats = KVTierStats()
-        self._job_ids = itertools.count(1)
+        self.stack = TierStack(host, host_bytes.views if host_bytes else None, tiers)
+        self.tiers = self.stack.tiers
         self._holds: dict[str, _Hold] = {}
-        self._promoting: dict[BlockKey, str] = {}  # key -> owner that asked
-        self._promotion_jobs: dict[int, _Promotion] = {}
-        self._cascading: dict[int, _Cascade] = {}  # write job -> what it writes (host slot pinned)
         self._info: dict[BlockKey, BlockInfo] = {}  # for blocks stored but not yet cascaded
-        # per tier: READY host blocks waiting for room in its write queue (slot pinned), in order
-        self._waiting: dict[SecondaryTier, deque[tuple[BlockKey, BlockInfo]]] = {t: deque() for t in tiers}
-        self._next_refresh = time.monotonic() + REFRESH_INTERVAL_S
-        self._evictions_reported: dict[Medium, int] = {}
-        self._asked_again: set[str] = set()  # owners last answered RETRY (waiting for a tier)
-        self._bell = threading.Event()  # rung by every tier's workers on each post
-        self._outboxes = [tier.outbox for tier in self.tiers]
-        for outbox in self._outboxes:
-            outbox.share_bell(self._bell)
+        self._evictions_reported: dict[Medium | None, int] = {}
+
+    @property
+    def stats(self) -> KVTierStats:
+        return self.stack.stats
 
     @property
     def disk(self) -> SecondaryTier | None:
@@ -180,111 +104,47 @@ class Orchestrator:
     # --- lookups (memory only) -------------------------------------------------------------
     def locate(self, key: BlockKey) -> Medium | None:
         """The fastest tier known to hold ``key`` (memory only; UNKNOWN counts as not known)."""
-        if self.host.is_ready(key):
-            return Medium.HOST
-        for tier in self.tiers:
-            if tier.contains(key):
-                return tier.medium
-        return None
+        return self.stack.locate(key)
 
     def leading_run(self, keys: Sequence[BlockKey]) -> int:
         """Blocks at the start of ``keys`` known to be in some tier (memory only)."""
-        for index, key in enumerate(keys):
-            if self.locate(key) is None:
-                return index
-        return len(keys)
+        return self.stack.leading_run(keys)
 
     def media_of(self, key: BlockKey) -> list[Medium]:
         """Every tier ``key`` is known to be readable from (memory only)."""
-        media = [Medium.HOST] if self.host.is_ready(key) else []
-        media += [tier.medium for tier in self.tiers if tier.contains(key)]
-        return media
-
-    def is_stored(self, key: BlockKey) -> bool:
-        """Present or being written anywhere known: a store of ``key`` would be redundant."""
-        return key in self.host or any(tier.contains(key) for tier in self.tiers)
+        return self.stack.media_of(key)
 
     # --- loads ------------------------------------------------------------------------------
-    def acquire(
-        self,
-        owner: str,
-        keys: Sequence[BlockKey],
-        first_parent: BlockKey | None = None,
-        block_tokens: int = 0,
-        *,
-        tail_tokens: int = 0,
-    ) -> Acquired:
-        """Pin the longest available run of ``keys`` in host slots for ``owner``.
-
-        Replaces any earlier hold of ``owner``. Blocks only in a secondary tier are promoted into
-        host slots (asynchronously, from the first tier that holds them): then the answer is
-        RETRY and nothing is pinned yet except finished promotions, which stay held for
-        ``owner`` so they cannot be evicted before it asks again. A tier that does not know yet
-        whether it holds a block is asked to probe the rest of the run, and the answer is RETRY
-        too. A run is cut at the first block that no tier holds, that is being stored, or that
-        cannot get a host slot. ``first_parent`` (the key before ``keys[0]``, or the namespace
-        digest) and ``block_tokens`` let promoted blocks be written to the faster tiers too.
-        ``tail_tokens`` > 0: the last of ``keys`` is a tail of that many tokens.
-        """
+    def acquire(self, owner: str, keys: Sequence[BlockKey], first_parent: BlockKey | None = None,
+                block_tokens: int = 0, *, tail_tokens: int = 0) -> Acquired:
+        """Pin the leading run of ``keys`` READY in host slots for ``owner``, replacing its earlier
+        hold. The blocks of the run that are only in a secondary tier are promoted into host slots
+        (:meth:`TierStack.promote <kvtier.tiers.stack.TierStack.promote>`): then the answer is RETRY,
+        and what lands stays held for ``owner`` until it asks again. ``first_parent`` (the key
+        before ``keys[0]``, or the namespace digest), ``block_tokens`` and ``tail_tokens`` (> 0: the
+        last of ``keys`` is a tail of that many tokens) let promoted blocks be written to the
+        faster tiers too."""
         self.poll()
+        host = self.host
+        run = list(keys[: host.ready_run(keys)])
+        for key in run:
+            host.pin(key)
+        pending = self.stack.promote(owner, keys, len(run), Chain(first_parent, block_tokens, tail_tokens))
         previous = self._holds.pop(owner, None)
-        hold = _Hold(promoted=dict(previous.promoted) if previous else {})
-        pending = False
-        parent = first_parent
-        last = len(keys) - 1
-        for index, key in enumerate(keys):
-            is_tail = bool(tail_tokens) and index == last
-            tokens = tail_tokens if is_tail else block_tokens
-            info = BlockInfo(parent, tokens, is_tail) if parent is not None and tokens else None
-            parent = key
-            if self.host.is_ready(key):
-                self.host.pin(key)
-                hold.keys.append(key)
-                continue
-            if key in self._promoting:
-                pending = True
-                break
-            if key in self.host:  # being stored by the engine right now
-                break
-            source, unknown = first_holder(self.tiers, key)
-            if source is None:
-                if unknown is not None:  # a remote tier has not looked yet: look, then ask again
-                    unknown.probe(keys[index:])
-                    pending = True
-                break
-            slot, evicted = self.host.allocate(key, tail=is_tail)
-            self._count_evictions(evicted)
-            if slot is None:
-                break
-            job_id = next(self._job_ids)
-            self._promoting[key] = owner
-            self._promotion_jobs[job_id] = _Promotion(key, source, owner, info)
-            assert self.host_bytes is not None
-            source.submit_read(job_id, key, self.host_bytes.slot(slot))
-            pending = True
-            # keep walking: start the whole run's reads at once
-        held = set(hold.keys)
+        promoted: dict[BlockKey, Medium] = {}
         if previous is not None:
-            if pending:  # promotions past the run's end stay pinned until the owner asks again
-                for key in previous.pinned():
-                    if key in hold.promoted and key not in held and self.host.is_ready(key):
-                        self.host.pin(key)
-                        hold.parked.append(key)
-                        held.add(key)
-            for key in previous.pinned():
-                self.host.unpin(key)
-        hold.promoted = {key: medium for key, medium in hold.promoted.items() if key in held}
-        self._holds[owner] = hold
+            for key in previous.keys:
+                host.unpin(key)
+            promoted = previous.promoted
+        if not pending:
+            promoted.update(self.stack.settle(owner))
+        held = set(run)
+        self._holds[owner] = _Hold(run, {key: medium for key, medium in promoted.items() if key in held})
         if pending:
             self.stats.lookups_retried += 1
-            self._asked_again.add(owner)
-            return Acquired(AcquireStatus.RETRY, len(hold.keys))
-        self._asked_again.discard(owner)
-        self.host.touch(hold.keys)
-        promoted: dict[Medium, int] = {}
-        for medium in hold.promoted.values():
-            promoted[medium] = promoted.get(medium, 0) + 1
-        return Acquired(AcquireStatus.READY, len(hold.keys), promoted=promoted)
+            return Acquired(AcquireStatus.RETRY, len(run))
+        host.touch(run)
+        return Acquired(AcquireStatus.READY, len(run), dict(Counter(self._holds[owner].promoted.values())))
 
     def promoted_source(self, owner: str, key: BlockKey) -> Medium | None:
         """The tier ``owner``'s held ``key`` was promoted from for it (None: it was in the host tier)."""
@@ -307,20 +167,22 @@ class Orchestrator:
 
     def release(self, owner: str) -> None:
         """Unpin everything held for ``owner``. Idempotent."""
-        self._asked_again.discard(owner)
+        self.stack.forget(owner)
         hold = self._holds.pop(owner, None)
-        if hold is None:
-            return
-        for key in hold.pinned():
-            self.host.unpin(key)
+        if hold is not None:
+            for key in hold.keys:
+                self.host.unpin(key)
 
     def slots_of(self, keys: Sequence[BlockKey]) -> list[int]:
         return [self.host.slot_of(key) for key in keys]
 
     def held_slots(self, owner: str) -> list[tuple[int, ...]]:
-        """The host slot of each of ``owner``'s held blocks, key order, as 1-tuples: the same
-        slot number on every rank (the shape :class:`kvtier.runtime.node_host.NodeHost` answers)."""
+        """The host slot of each of ``owner``'s held blocks, key order, as 1-tuples: the same slot
+        number on every rank."""
         return [(slot,) for slot in self.slots_of(self.held(owner))]
+
+    def held_pool(self, owner: str) -> str | None:
+        return None
 
     # --- stores -----------------------------------------------------------------------------
     def begin_store(self, key: BlockKey, info: BlockInfo) -> int | None:
@@ -340,8 +202,7 @@ class Orchestrator:
         if not self.admission.offer(key):
             self.stats.stores_skipped_threshold += 1
             return None
-        slot, evicted = self.host.allocate(key, tail=info.tail)
-        self._count_evictions(evicted)
+        slot, _evicted = self.host.allocate(key, tail=info.tail)
         if slot is None:
             self.stats.stores_dropped += 1
             return None
@@ -351,8 +212,7 @@ class Orchestrator:
 
     def begin_stores(self, blocks: Sequence[tuple[BlockKey, BlockInfo]]) -> list[tuple[int, ...] | None]:
         """:meth:`begin_store` of each block, in order, each slot as a 1-tuple (the same number on
-        every rank); the batched call :class:`kvtier.runtime.node_host.NodeHost` answers in one
-        round trip."""
+        every rank)."""
         out: list[tuple[int, ...] | None] = []
         for key, info in blocks:
             slot = self.begin_store(key, info)
@@ -368,125 +228,21 @@ class Orchestrator:
                 continue
             self.host.commit(key)
             if info is not None:
-                self._cascade(key, info, self.tiers)
-
-    def _cascade(self, key: BlockKey, info: BlockInfo, tiers: Sequence[SecondaryTier]) -> None:
-        """Write the READY host block ``key`` to each of ``tiers`` that lacks it (slot pinned per write)."""
-        if not self.host.is_ready(key):
-            return
-        for tier in tiers:
-            if tier.contains(key) or (info.tail and tier.medium is Medium.REMOTE):
-                continue
-            self.host.pin(key)
-            waiting = self._waiting[tier]
-            if waiting or not tier.write_room():  # others wait first, or no room now (or no writes)
-                waiting.append((key, info))
-                self._feed(tier)
-            else:
-                self._write(tier, key, info)
-
-    def _write(self, tier: SecondaryTier, key: BlockKey, info: BlockInfo) -> None:
-        """Submit the pinned READY host block ``key`` to ``tier`` (unpinned if it is refused)."""
-        assert self.host_bytes is not None
-        job_id = next(self._job_ids)
-        sources = self.host_bytes.slot(self.host.slot_of(key))
-        if tier.submit_write(job_id, key, info.parent, info.num_tokens, sources, tail=info.tail):
-            self._cascading[job_id] = _Cascade(key, tier)
-        else:
-            self.host.unpin(key)
-            self.stats.count_write_dropped(tier.medium)
-
-    def _feed(self, tier: SecondaryTier) -> None:
-        """Give ``tier`` the blocks waiting for it while it has room; drop them all (counted, a
-        future miss) while it takes no writes at all (closed, server down)."""
-        waiting = self._waiting[tier]
-        while waiting:
-            room = tier.write_room()
-            if room == 0:
-                return
-            key, info = waiting.popleft()
-            if room is None or not self.host.is_ready(key):
-                self.host.unpin(key)
-                self.stats.count_write_dropped(tier.medium)
-                continue
-            self._write(tier, key, info)
+                self.stack.cascade(key, info)
 
     # --- completions ------------------------------------------------------------------------
     def poll(self) -> None:
         """Collect tier completions. Cheap when idle; call it every step."""
-        if not self.tiers:
-            return
-        now = time.monotonic()
-        refresh = now >= self._next_refresh
-        if refresh:
-            self._next_refresh = now + REFRESH_INTERVAL_S
-        for tier in self.tiers:
-            if refresh:
-                tier.refresh()
-            for result in tier.poll():
-                if result.kind is IoKind.WRITE:
-                    self._on_write_done(result)
-                else:
-                    self._on_read_done(result)
-            if self._waiting[tier]:
-                self._feed(tier)
-
-    def _on_write_done(self, result: IoResult) -> None:
-        cascade = self._cascading.pop(result.job_id, None)
-        if cascade is None:
-            return
-        self.host.unpin(cascade.key)
-        medium = cascade.tier.medium
-        if result.ok:
-            self.stats.written_to(medium).record(result.num_bytes, result.seconds)
-        elif result.error is IoError.DROPPED:
-            self.stats.count_write_dropped(medium)
-
-    def _on_read_done(self, result: IoResult) -> None:
-        promotion = self._promotion_jobs.pop(result.job_id, None)
-        if promotion is None:
-            return
-        key = promotion.key
-        owner = self._promoting.pop(key, None)
-        medium = promotion.tier.medium
-        if not result.ok:
-            self.host.abort(key)
-            self.stats.promotion_failures += 1
-            if result.error is IoError.CORRUPT:
-                self.stats.checksum_failures += 1
-            elif result.error is IoError.UNAUTHENTICATED:
-                self.stats.auth_failures += 1
-            logger.warning("kvtier: %s block %s unreadable (%s): it is a miss", medium.value.lower(),
-                           key.hex()[:16], result.error)
-            return
-        self.host.commit(key)
-        self.stats.promotions += 1
-        self.stats.read_from(medium).record(result.num_bytes, result.seconds)
-        if not self.host.is_ready(key):
-            return  # deleted while the read ran (clear(), reset_prefix_cache): commit freed the slot
-        faster = self.tiers[: self.tiers.index(promotion.tier)]
-        if faster and promotion.info is not None:
-            self._cascade(key, promotion.info, faster)  # keep a remote hit on the local disk
-        hold = self._holds.get(owner) if owner is not None else None
-        if hold is not None:
-            # Held for the owner until it asks again, so the promotion cannot be evicted first.
-            self.host.pin(key)
-            hold.parked.append(key)
-            hold.promoted[key] = medium
+        self.stack.poll()
 
     def wait_for_tiers(self, timeout_s: float) -> bool:
         """If an owner was told to ask again (its blocks are being read or probed), block until any
         tier posts an outcome, at most ``timeout_s``; True if one is ready for :meth:`poll`. Only
         for a caller with nothing else to do meanwhile (an engine step that computes nothing)."""
-        if not self._asked_again or not self.tiers:
-            return False
-        return wait_for_any(self._outboxes, self._bell, timeout_s)
+        return self.stack.wait(timeout_s)
 
     def has_pending_io(self) -> bool:
-        return bool(self._promotion_jobs or self._cascading or any(self._waiting.values()))
-
-    def _count_evictions(self, evicted: list[BlockKey]) -> None:
-        self.stats.host_evictions += len(evicted)
+        return self.stack.busy
 
     # --- residency (KV events) -------------------------------------------------------------
     def track_residency(self) -> None:
@@ -508,17 +264,15 @@ class Orchestrator:
     # --- management -------------------------------------------------------------------------
     def clear(self) -> None:
         """Drop every block from the host tier and the local secondary tiers (blocks in flight are
-        freed when they complete). A shared remote tier is left alone: one engine's reset must not
-        wipe the fleet's cache (``kvtier purge`` clears it)."""
+        freed when they complete); a shared remote tier is left alone."""
         self.host.clear()
-        for tier in self.tiers:
-            if tier.medium is not Medium.REMOTE:
-                tier.clear()
+        self.stack.clear_local()
 
     def take_stats(self) -> KVTierStats:
         """The counters since the last call, with a fresh sample of every tier's usage."""
-        stats, self.stats = self.stats, KVTierStats()
+        stats, self.stack.stats = self.stack.stats, KVTierStats()
         host = self.host
+        stats.host_evictions = self._since_reported(None, host.stats.evictions)
         stats.host_blocks = host.used_slots
         stats.host_pinned_blocks = host.pinned_slots()
         if self.host_bytes is not None:
@@ -527,28 +281,22 @@ class Orchestrator:
         for tier in self.tiers:
             usage = tier.usage()
             stats.set_usage(tier.medium, usage.used_bytes, usage.capacity_bytes, usage.num_blocks)
-            evictions = tier.evictions
+            evictions = self._since_reported(tier.medium, tier.evictions)
             if tier.medium is Medium.DISK:
-                stats.disk_evictions = evictions - self._evictions_reported.get(Medium.DISK, 0)
-            self._evictions_reported[tier.medium] = evictions
+                stats.disk_evictions = evictions
         return stats
 
+    def _since_reported(self, medium: Medium | None, total: int) -> int:
+        """``total`` (a running count of ``medium``, None: the host tier) less what was reported."""
+        since = total - self._evictions_reported.get(medium, 0)
+        self._evictions_reported[medium] = total
+        return since
+
     def close(self, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
-        """Shut down (the engine is stopping; caller's thread). Blocks in flight to a secondary
-        tier (and the cascades they start) are given up to ``drain_timeout_s`` to land, so a
-        graceful shutdown keeps what the engine stored for the next start and for other engines;
-        then every tier closes (in-flight writes finish, queued ones fail)."""
-        deadline = time.monotonic() + drain_timeout_s
-        while self.has_pending_io() and time.monotonic() < deadline:
-            self.poll()
-            if self.has_pending_io():
-                wait_for_any(self._outboxes, self._bell, max(0.0, deadline - time.monotonic()))
-        if self.has_pending_io():
-            logger.warning("%s: shutting down with %d block writes not done after %.0f s (dropped)",
-                           "kvtier", len(self._cascading) + sum(map(len, self._waiting.values())), drain_timeout_s)
-        for tier in self.tiers:
-            tier.close()
-            self._feed(tier)  # what still waits is dropped (the tier takes no writes now)
+        """Shut down (the engine is stopping; caller's thread): blocks in flight to a secondary
+        tier get up to ``drain_timeout_s`` to land (:meth:`TierStack.close
+        <kvtier.tiers.stack.TierStack.close>`), then every tier closes."""
+        self.stack.close(drain_timeout_s)
         usages = [tier.usage() for tier in self.tiers]
         held = "".join(f", {u.medium.value} tier {u.num_blocks} blocks" for u in usages if u.num_blocks is not None)
         # pinned: blocks still being written or read. 0 once every request finished: more is a leak.

@@ -30,12 +30,14 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Container, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import Medium, ResidencyLog
 from kvtier.tiers.outbox import Outbox
 
-__all__ = ["IoError", "IoKind", "IoResult", "Medium", "Presence", "SecondaryTier", "TierUsage", "first_holder"]
+__all__ = ["READ_FAILURES", "IoError", "IoKind", "IoResult", "Medium", "Presence", "ReadFailure", "SecondaryTier",
+           "TierUsage", "first_holder", "read_failure"]
 
 
 class Presence(enum.Enum):
@@ -59,6 +61,30 @@ class IoError(enum.Enum):
     UNAUTHENTICATED = "unauthenticated"  # no valid MAC under the tier's fleet keys (kvtier.tiers.sealing): removed
     IO = "io"  # the OS or server refused (EIO, ENOSPC, connection refused, ...)
     DROPPED = "dropped"  # not stored: no room or no queue space
+
+
+class ReadFailure(NamedTuple):
+    """How one failed read is counted, whichever way in: ``reason``, the label of
+    ``kvtier_offload_failed_reads`` (kvtier's tiers behind vLLM's offloading); ``counter``, the
+    :class:`~kvtier.core.stats.KVTierStats` counter it adds to besides ``promotion_failures`` (an
+    embedded engine, the node service), or None."""
+
+    reason: str
+    counter: str | None
+
+
+READ_FAILURES: dict[IoError, ReadFailure] = {
+    IoError.CORRUPT: ReadFailure("rejected", "checksum_failures"),  # quarantined or deleted
+    IoError.UNAUTHENTICATED: ReadFailure("unauthenticated", "auth_failures"),  # quarantined or deleted
+    IoError.NOT_FOUND: ReadFailure("vanished", None),  # evicted or deleted since the lookup
+    IoError.IO: ReadFailure("io_error", None),
+}
+"""The one IoError -> counter mapping of failed reads."""
+
+
+def read_failure(error: IoError | None) -> ReadFailure:
+    failure = READ_FAILURES.get(error) if error is not None else None
+    return failure or READ_FAILURES[IoError.IO]
 
 
 @dataclass(frozen=True, slots=True)

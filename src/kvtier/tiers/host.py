@@ -1,7 +1,8 @@
 """The host tier's index: which block sits in which slot, and which slots may be reused.
 
 The bytes live in :mod:`kvtier.tiers.shm` regions (one per rank, same slot numbering); this
-index lives only in the scheduler process and is driven by one thread (the orchestrator's).
+index lives only in the scheduler process and is driven by one thread (the orchestrator's). It is
+the :class:`~kvtier.tiers.stack.SlotIndex` an embedded engine's tiers run over.
 
 Slot life cycle::
 
@@ -86,6 +87,10 @@ class HostIndex:
     def slot_of(self, key: BlockKey) -> int:
         return self._entries[key].slot
 
+    def slots(self, key: BlockKey) -> tuple[int, ...]:
+        """``key``'s slot, the same number on every rank (:class:`~kvtier.tiers.stack.SlotIndex`)."""
+        return (self._entries[key].slot,)
+
     def ready_run(self, keys: Iterable[BlockKey]) -> int:
         """Length of the leading run of ``keys`` that are READY."""
         count = 0
@@ -128,6 +133,12 @@ class HostIndex:
         self._entries[key] = SlotEntry(slot, SlotState.WRITING, tail=tail)
         self._pinned += 1
         return slot, evicted
+
+    def take(self, key: BlockKey, tail: bool) -> tuple[int, ...] | None:
+        """:meth:`allocate` for a promotion (:class:`~kvtier.tiers.stack.SlotIndex`; evictions are
+        counted in :attr:`stats`)."""
+        slot, _evicted = self.allocate(key, tail=tail)
+        return None if slot is None else (slot,)
 
     def commit(self, key: BlockKey) -> None:
         """WRITING -> READY: the slot's bytes are complete on every rank."""

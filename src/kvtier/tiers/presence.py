@@ -1,4 +1,7 @@
-"""What the Redis tier knows about which blocks the server holds, answered from memory.
+"""What a tier behind a server knows about which blocks the server holds, answered from memory.
+
+Used by the Redis tier (:mod:`kvtier.tiers.redis`) and by the node pool's tier for vLLM's own
+offloading (:mod:`kvtier.node.pool_tier`); the Redis tier is the example below.
 
 A shared remote cannot be asked on the caller's thread (a round trip is 0.1-1 ms on a LAN and
 up to ``timeout_s`` on a sick server, and the caller is vLLM's scheduler). So the tier answers

@@ -6,10 +6,10 @@ wait: a step that schedules nothing while a request waits for a tier's reads or 
 until a tier posts an outcome, at most :data:`IDLE_WAIT_S` (otherwise vLLM's one-process engine
 spins through empty steps and starves the tiers' threads of the GIL).
 
-The host tier is the engine's own (:class:`~kvtier.runtime.orchestrator.Orchestrator`) or, with
-``node`` in the config, a ``kvtier node`` service's pool (:class:`~kvtier.runtime.node_host.NodeHost`:
-the same calls, each one round trip, a request's lookup and a step's stores batched); every copy
-job then names the pool its slots are in.
+The host tier (:class:`~kvtier.runtime.host_side.HostSide`, chosen by
+:func:`~kvtier.runtime.host_factory.open_host_side`) is the engine's own or, with ``node`` in the
+config, a ``kvtier node`` service's pool (the same calls, each one round trip, a request's lookup
+and a step's stores batched); every copy job then names the pool its slots are in.
 
 Per request it keeps the block keys of its tokens, its engine block ids, how far stores have
 got, and its in-flight jobs. Invariants:
@@ -67,15 +67,13 @@ from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
 from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, stateless_key
 from kvtier.core.stats import KVTierStats
 from kvtier.core.values import ConfigError
-from kvtier.policy.admission import StoreAdmission
-from kvtier.node.protocol import Role
 from kvtier.runtime.fingerprint import AdapterFingerprints
-from kvtier.node.below import NamespaceInfo
-from kvtier.runtime.node_host import NODE_REGION_BYTES, NodeHost, connect_node
-from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
-from kvtier.tiers.factory import open_tier
-from kvtier.tiers.host import HostIndex
+from kvtier.runtime.host_factory import open_host_side
+from kvtier.runtime.host_side import AcquireStatus, HostSide
+from kvtier.runtime.node_host import NODE_REGION_BYTES
+from kvtier.runtime.orchestrator import Orchestrator
 from kvtier.tiers.shm import SharedRegion, region_name
+from kvtier.tiers.stack import BlockInfo
 from kvtier.vllm.engine_blocks import NULL_BLOCK_ID, EngineBlocks
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.hit_sources import clip_sources, tokens_by_source, vllm_sources
@@ -145,27 +143,16 @@ class KVTierScheduler:
         )
         self._digest = self.namespace.engine_digest
         self._adapters = AdapterFingerprints()
-        admission = StoreAdmission(config.store_threshold, config.max_tracker_size)
-        self.orchestrator: Orchestrator | NodeHost
-        if config.node is not None:  # the node's pool is the host tier (runtime/node_host.py)
-            described = NamespaceInfo(self._digest, tuple(self.namespace.rank_digests()),
-                                      self.namespace.config_json(geometry.model_name), geometry.model_name)
-            client = connect_node(config.node, engine=geometry.engine_id, role=Role.SCHEDULER,
-                                  slot_bytes=layout.slot_bytes, cap_bytes=config.cpu_bytes_to_use,
-                                  map_pool=False,  # the scheduler copies nothing (the service runs the tiers)
-                                  namespace=described.to_message())
-            self.orchestrator = NodeHost(client, geometry.stored_ranks, admission)
-            logger.info("kvtier: attached to the kvtier node at %s (pool %s, %d slots of %.1f MiB); this engine "
-                        "may hold %.2f GiB of it (cpu_bytes_to_use); block %d tokens", config.node,
-                        client.attachment.pool_id if client.attachment else "?",
-                        client.attachment.num_slots if client.attachment else 0, layout.slot_bytes / 2**20,
-                        config.cpu_bytes_to_use / 2**30, geometry.block_tokens)
-        else:
-            self.orchestrator = self._embedded(config, model, admission)
+        self.orchestrator: HostSide = open_host_side(config, self.namespace, engine_id=geometry.engine_id,
+                                                     model_name=geometry.model_name, layout=layout,
+                                                     rank_views=[r.view for r in self._regions])
+        if config.node is None:
+            self._log_host_tier()
         self._events: KVEventTranslator | None = None
         if publish_kv_events:
+            assert isinstance(self.orchestrator, Orchestrator)  # a node's engine was refused above
             self._events = KVEventTranslator(
-                self.orchestrator,  # type: ignore[arg-type]  (never a NodeHost: refused above)
+                self.orchestrator,
                 block_tokens=geometry.block_tokens,
                 engine_block_tokens=geometry.engine_block_tokens,
                 self_describing=config.self_describing_kv_events,
@@ -183,19 +170,10 @@ class KVTierScheduler:
         self._reported_gauges: dict[str, int | None] = {}
         self._said_uncacheable: set[Uncacheable] = set()
 
-    def _embedded(self, config: KVTierConfig, model: ModelIdentity, admission: StoreAdmission) -> Orchestrator:
-        """The engine's own host tier (its ranks' shared-memory regions) and secondary tiers."""
-        geometry = self.geometry
+    def _log_host_tier(self) -> None:
+        """Say what the engine's own host tier and disk tier are."""
+        geometry, config = self.geometry, self.config
         layout = geometry.layout
-        orchestrator = Orchestrator(
-            host=HostIndex(layout.num_slots, config.eviction_policy),
-            host_bytes=HostBytes([r.view for r in self._regions], layout.slot_bytes),
-            tiers=[open_tier(tier, model_name=geometry.model_name, namespace=self.namespace,
-                             namespace_json=self.namespace.config_json(geometry.model_name),
-                             payload_bytes=layout.slot_bytes)
-                   for tier in config.secondary_tiers],  # cascade order: disk, then Redis
-            admission=admission,
-        )
         logger.info(
             "kvtier: host tier %d slots x %.1f MiB x %d rank(s)%s = %.2f GiB; block %d tokens%s%s",
             layout.num_slots,
@@ -208,7 +186,6 @@ class KVTierScheduler:
             if geometry.num_groups > 1 else "",
             f"; disk tier {config.disk.root_dir} ({config.disk.capacity_bytes / 2**30:.1f} GiB)" if config.disk else "",
         )
-        return orchestrator
 
     # --- request bookkeeping -------------------------------------------------------------
     def _state(self, request: Request) -> RequestState:
@@ -494,10 +471,10 @@ class KVTierScheduler:
         owner whose hold they are, for a load; else the current attachment's, where a step's stores
         were just reserved) and, when a block's slots differ between ranks, each rank's
         (``rank_slots``: every block's slots, rank order)."""
-        if not isinstance(self.orchestrator, NodeHost):
+        pool_id = self.orchestrator.held_pool(pool_of) if pool_of is not None else self.orchestrator.pool_id
+        if pool_id is None:  # the engine's own regions
             return CopyJob(job_id, req_id, pages)
         differ = any(len(set(slots)) > 1 for slots in rank_slots)
-        pool_id = self.orchestrator.held_pool(pool_of) if pool_of is not None else self.orchestrator.pool_id
         return CopyJob(job_id, req_id, pages, pool_id=pool_id,
                        rank_slots={slots[0]: slots for slots in rank_slots} if differ else None)
 

@@ -26,6 +26,7 @@ and out of; bytes never cross the socket. A job names the pool its slots belong 
 a rank mapping another pool (the service restarted) first reattaches, waiting for its copies in
 flight to finish (they keep the old mapping alive), and fails the job if the ids still differ, so
 no store is copied into one pool and committed in another. A failed load is recomputed by vLLM.
+A rank whose service is not running yet at start-up maps the pool at the first job that names one.
 
 Replicated KV (``EngineGeometry.replicated``: MLA under tensor parallelism, every rank holds the
 same latent): one copy is stored, rank 0's. Rank 0 creates the only region; every other rank
@@ -120,7 +121,8 @@ class KVTierWorker:
             self._paged = paged
             self._node = connect_node(self.node, engine=f"{self.geometry.engine_id}/rank{self.rank}",
                                       role=Role.WORKER, slot_bytes=layout.slot_bytes)
-            self._map_pool()
+            if self._node.connected:  # else it maps the pool at the first job that names one
+                self._map_pool()
             return
         buffer = self._buffer = torch.frombuffer(self.region.view, dtype=torch.uint8)
         self._pinning = pin_host_memory(buffer, layout.slot_bytes)

@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -44,9 +44,9 @@ import blake3
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ChangeKind
 from kvtier.runtime.chunks.rows import Rows
-from kvtier.runtime.orchestrator import REFRESH_INTERVAL_S
-from kvtier.tiers.base import IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage
+from kvtier.tiers.base import IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage, read_failure
 from kvtier.tiers.outbox import wait_for_any
+from kvtier.tiers.stack import REFRESH_INTERVAL_S, WriteBacklog
 
 _KEY_DOMAIN = b"kvtier/vllm-offload-key\0"
 MAX_REMEMBERED_KEYS = 1 << 20
@@ -94,12 +94,6 @@ class _OpenJob:
     failed: list[bytes] = field(default_factory=list)
 
 
-READ_FAILURES = {IoError.CORRUPT: "rejected", IoError.UNAUTHENTICATED: "unauthenticated",
-                 IoError.NOT_FOUND: "vanished", IoError.IO: "io_error"}
-"""How a failed read is counted: ``rejected`` (bad checksum, short or foreign record: quarantined or
-deleted), ``unauthenticated`` (no valid MAC under the tier's fleet keys: quarantined or deleted), ``vanished`` (evicted or deleted since the lookup), ``io_error``."""
-
-
 class ChunkStore:
     """``tier`` holding the chunks of one namespace (``namespace_digest``); ``rows`` the engine's region."""
 
@@ -123,7 +117,7 @@ class ChunkStore:
         self._subs: dict[int, tuple[int, bytes]] = {}  # tier job id -> (engine job id, engine key)
         self._jobs: dict[int, _OpenJob] = {}
         # chunks taken but not yet given to the tier (no room): (engine job id, engine key, row), in order
-        self._waiting: deque[tuple[int, bytes, int]] = deque()
+        self._waiting: WriteBacklog[tuple[int, bytes, int]] = WriteBacklog(tier)
         self._ready: list[JobOutcome] = []
         self.counts: Counter[str] = Counter()
         # kvtier key -> engine key, for residency changes (kept only while they are recorded)
@@ -185,7 +179,7 @@ class ChunkStore:
                 job.done.append(engine_key)
                 continue
             job.pending += 1
-            waiting.append((job_id, engine_key, int(row)))
+            waiting.add((job_id, engine_key, int(row)))
         if held:
             self.tier.touch(held)
             self.counts["stores_held"] += len(held)
@@ -193,7 +187,8 @@ class ChunkStore:
         self._settle_if_done(job_id, job)
 
     def submit_load(self, job_id: int, engine_keys: Sequence[bytes], rows: Sequence[int]) -> None:
-        """Read each chunk into its row; a chunk that fails (see :data:`READ_FAILURES`) is a miss."""
+        """Read each chunk into its row; a chunk that fails is a miss, counted by its reason
+        (:data:`~kvtier.tiers.base.READ_FAILURES`)."""
         job = self._open(job_id, IoKind.READ)
         for engine_key, row in zip(engine_keys, rows, strict=True):
             sub = next(self._ids)
@@ -306,24 +301,25 @@ class ChunkStore:
 
     def _feed(self) -> None:
         """Give waiting chunks to the tier while it has room; fail them all if it takes no writes."""
-        waiting, tier = self._waiting, self.tier
-        room = tier.write_room()
-        while waiting and (room is None or room > 0):
-            job_id, engine_key, row = waiting.popleft()
-            sub, key = next(self._ids), self.key_of(engine_key)
-            if room is not None and tier.submit_write(sub, key, self._digest, self._chunk_tokens,
-                                                      self._rows.payloads(row)):
-                self._subs[sub] = (job_id, engine_key)
-                self._name(key, engine_key)
-                room = tier.write_room()
-                continue
-            self.counts["stores_dropped"] += 1  # the tier takes no writes (closed, server down)
-            job = self._jobs[job_id]
-            job.pending -= 1
-            job.failed.append(engine_key)
-            self._settle_if_done(job_id, job)
-            room = tier.write_room()
-        tier.flush()
+        self._waiting.feed(self._write, self._drop)
+        self.tier.flush()
+
+    def _write(self, tier: SecondaryTier, chunk: tuple[int, bytes, int]) -> bool:
+        job_id, engine_key, row = chunk
+        sub, key = next(self._ids), self.key_of(engine_key)
+        if not tier.submit_write(sub, key, self._digest, self._chunk_tokens, self._rows.payloads(row)):
+            return False
+        self._subs[sub] = (job_id, engine_key)
+        self._name(key, engine_key)
+        return True
+
+    def _drop(self, tier: SecondaryTier, chunk: tuple[int, bytes, int]) -> None:
+        self.counts["stores_dropped"] += 1  # the tier takes no writes (closed, server down)
+        job_id, engine_key, _row = chunk
+        job = self._jobs[job_id]
+        job.pending -= 1
+        job.failed.append(engine_key)
+        self._settle_if_done(job_id, job)
 
     def _apply(self, result: IoResult) -> None:
         owner = self._subs.pop(result.job_id, None)
@@ -338,7 +334,7 @@ class ChunkStore:
         else:
             job.failed.append(engine_key)
             if result.kind is IoKind.READ:
-                self.counts[READ_FAILURES.get(result.error, "io_error")] += 1
+                self.counts[read_failure(result.error).reason] += 1
             else:
                 self.counts["stores_dropped" if result.error is IoError.DROPPED else "store_errors"] += 1
                 if self._names is not None:

@@ -4,8 +4,8 @@ Lives in vLLM's scheduler process, driven by the orchestrator's thread; network 
 tier's own threads. :mod:`~kvtier.tiers.redis.tier` is the tier (:class:`RedisTier`; read its
 docstring for threading, batching and failures), :mod:`~kvtier.tiers.redis.codec` the key names
 and the value format (one self-describing, checksummed value per block: the disk tier's block
-file bytes, rank by rank), :mod:`~kvtier.tiers.redis.presence` what the tier answers without
-asking the server, :mod:`~kvtier.tiers.redis.client` the connections (redis-py pools and
+file bytes, rank by rank), :mod:`~kvtier.tiers.presence` (shared with the node pool's tier) what the tier
+answers without asking the server, :mod:`~kvtier.tiers.redis.client` the connections (redis-py pools and
 connections: all Redis traffic goes through redis-py), :mod:`~kvtier.tiers.redis.jobs` the data
 path, :mod:`~kvtier.tiers.redis.breaker` and :mod:`~kvtier.tiers.redis.monitor` what happens when
 the server does not answer, :mod:`~kvtier.tiers.redis.stats` the counters.

@@ -3,7 +3,7 @@
 Modules: :mod:`~kvtier.tiers.redis.codec` (key names, the value format and its verification),
 :mod:`~kvtier.tiers.redis.client` (redis-py connections and pipelines; one round trip per server
 and batch), :mod:`~kvtier.tiers.redis.breaker` (the circuit breaker),
-:mod:`~kvtier.tiers.redis.presence` (what the tier knows without asking),
+:mod:`~kvtier.tiers.presence` (what the tier knows without asking),
 :mod:`~kvtier.tiers.redis.batcher` (jobs submitted together go out together),
 :mod:`~kvtier.tiers.redis.jobs` (what the worker threads do), :mod:`~kvtier.tiers.redis.monitor`
 (recovery and usage) and this one (the contract, submission, :meth:`RedisTier.poll`).
@@ -92,7 +92,7 @@ from kvtier.tiers.redis.jobs import (
     read_reply_bytes,
 )
 from kvtier.tiers.redis.monitor import USAGE_INTERVAL, Monitor
-from kvtier.tiers.redis.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL, PresenceCache
+from kvtier.tiers.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL, PresenceCache
 from kvtier.tiers.redis.stats import COUNTED, RedisTierStats
 from kvtier.tiers.sealing import Sealer
 
@@ -227,7 +227,7 @@ class RedisTier(SecondaryTier):
         return self._residency
 
     def presence(self, key: BlockKey) -> Presence:
-        """From memory only (see :mod:`~kvtier.tiers.redis.presence`); ABSENT while the breaker is open."""
+        """From memory only (see :mod:`~kvtier.tiers.presence`); ABSENT while the breaker is open."""
         if self._closed or not self._breaker.closed:
             return _ABSENT
         if self._breaker.generation != self._seen_generation:

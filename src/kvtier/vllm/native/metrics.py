@@ -19,7 +19,8 @@ from vllm.v1.kv_offload.base import (
     OffloadingMetricMetadata,
 )
 
-from kvtier.runtime.chunks.store import READ_FAILURES, ChunkStore
+from kvtier.runtime.chunks.store import ChunkStore
+from kvtier.tiers.base import READ_FAILURES
 
 FAILED_READS = "kvtier_offload_failed_reads"
 STORES_DROPPED = "kvtier_offload_stores_dropped"
@@ -68,7 +69,7 @@ class TierMetrics:
 
     def take(self, store: ChunkStore) -> OffloadingConnectorStats | None:
         stats = OffloadingConnectorStats()
-        for reason in READ_FAILURES.values():
+        for reason, _counter in READ_FAILURES.values():
             delta = store.counts[reason] - self._reported[reason]
             if delta:
                 stats.increase_counter(FAILED_READS, delta, self._label + (reason,))

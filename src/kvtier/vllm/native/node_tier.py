@@ -9,8 +9,8 @@ Configured like ``kvtier_disk`` / ``kvtier_redis``, in the ``secondary_tiers`` o
 vLLM's own GPU path then share one copy of each block in the node's DRAM: a block any of them
 stored is a hit for all (same namespace: the same seeded keys as ``kvtier_disk``), held once.
 
-The same adapter as the disk and Redis tiers (:class:`~kvtier.vllm.native.tiers.KVTierTier`) over
-:class:`~kvtier.runtime.node_tier.NodeTier`; what this class adds, all on vLLM's scheduler thread:
+The same adapter as the disk and Redis tiers (:class:`~kvtier.vllm.native.tiers.VllmTierAdapter`) over
+:class:`~kvtier.node.pool_tier.NodeTier`; what this class adds, all on vLLM's scheduler thread:
 
 - start-up: one hello to the service with this engine's chunk size. A service that refuses it
   (another block size, another user) stops vLLM with the key ``socket`` named; one that is not
@@ -35,12 +35,12 @@ from kvtier.core.values import ConfigError
 from kvtier.node import NodeClient, NodeError, NodeUnavailable
 from kvtier.node.protocol import Role
 from kvtier.runtime.chunks.identity import HashSeed
-from kvtier.runtime.node_tier import NodeTier
+from kvtier.node.pool_tier import NodeTier
 from kvtier.tiers.base import SecondaryTier
-from kvtier.vllm.native.tiers import ONE_PROCESS_WAIT_S, KVTierTier, logger
+from kvtier.vllm.native.tiers import ONE_PROCESS_WAIT_S, VllmTierAdapter, logger
 
 
-class KVTierNodeTier(KVTierTier):
+class KVTierNodeTier(VllmTierAdapter):
     """The node service's pool (DRAM shared by every engine of the machine): medium CPU, local."""
 
     medium: ClassVar[Medium] = Medium.CPU

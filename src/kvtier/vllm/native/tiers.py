@@ -19,7 +19,7 @@ What vLLM does with a tier, and what this one does in turn (vLLM's tiering/base.
 - every call below comes from the scheduler thread (0.33: possibly its tier-poll thread, never
   concurrently: vLLM holds its manager lock), and answers from memory;
 - ``lookup``: HIT / MISS from the tier's index; kvtier_redis answers RETRY while an EXISTS probe is
-  in flight (:class:`~kvtier.tiers.redis.presence.PresenceCache`);
+  in flight (:class:`~kvtier.tiers.presence.PresenceCache`);
 - ``submit_store`` / ``submit_load``: one kvtier tier job per chunk, run on the tier's threads
   against the rows vLLM pinned; ``get_finished_jobs`` reports each vLLM job once, with the chunks
   that failed left out (a failed chunk is a miss; its record is quarantined or forgotten, so it is
@@ -94,8 +94,10 @@ def _miss(key: bytes, req_context: ReqContext | None = None) -> LookupResult:
 
 
 
-class KVTierTier(SecondaryTierManager):
-    """The part the disk, Redis and node tiers share (a subclass names its kind, locality and place)."""
+class VllmTierAdapter(SecondaryTierManager):
+    """Adapts one kvtier tier (disk, Redis, the node pool) to vLLM's ``SecondaryTierManager`` API,
+    through a :class:`~kvtier.runtime.chunks.store.ChunkStore`; a subclass names its kind, locality
+    and place."""
 
     kind: ClassVar[TierType]
     default_locality: ClassVar[Locality]
@@ -152,7 +154,7 @@ class KVTierTier(SecondaryTierManager):
         logger.info("kvtier %s: namespace %s (hash %s, seed %s %s)", self.tier_type, ns.engine_digest.hex()[:16],
                     seed.algorithm, seed.kind.value, seed.digest[:12])
         self._lookup = self._store.lookup  # lookups see the storage from here on
-        if type(self).lookup is KVTierTier.lookup:
+        if type(self).lookup is VllmTierAdapter.lookup:
             # vLLM's calls then reach the store's lookup without this class's frame (same arguments,
             # vLLM's own answers): ~40 ns of ~150 per chunk. A subclass that overrides lookup keeps it.
             self.lookup = self._store.lookup  # type: ignore[method-assign]
@@ -295,7 +297,7 @@ class KVTierTier(SecondaryTierManager):
         return 0
 
 
-class KVTierDiskTier(KVTierTier):
+class KVTierDiskTier(VllmTierAdapter):
     """kvtier's disk tier (checksummed records, a bound shared by every engine on the root)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
@@ -331,7 +333,7 @@ class KVTierDiskTier(KVTierTier):
         return self.config.capacity_bytes
 
 
-class KVTierRedisTier(KVTierTier):
+class KVTierRedisTier(VllmTierAdapter):
     """kvtier's Redis / Valkey tier (shared by engines; a server that is down only costs misses).
     Medium STORAGE, locality REMOTE, as vLLM's own remote store (``obj``); hits EXTERNAL_UNSPECIFIED,
     vLLM's source for a remote store (the DISK it would derive from STORAGE would be false)."""
