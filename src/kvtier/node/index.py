@@ -1,7 +1,8 @@
 """The node pool's index: which block sits in which slots, who is charged for it, who holds it.
 
 Driven by the service's one loop thread only (:mod:`kvtier.node.server`); not thread-safe.
-Memory only, never blocks.
+Memory only, never blocks. The life cycle is the host tier's (:class:`kvtier.tiers.host.SlotTable`:
+WRITING -> READY, pins, tails evicted first); this index adds who writes, pins and pays.
 
 A block (one key) occupies ``width`` slots: one per tensor-parallel rank of the engines that
 store it (all its engines share its namespace, so they agree on ``width``). Life cycle::
@@ -9,32 +10,26 @@ store it (all its engines share its namespace, so they agree on ``width``). Life
     (absent) --reserve(session)--> WRITING --commit(same session)--> READY --evict--> (absent)
                                        \\--abort, or the session's connection drops--> (absent)
 
-Invariants (``tests/test_node_index.py`` checks them after every operation):
+Invariants (``tests/test_node_index.py`` checks them after every operation), besides the shared ones:
 
-- every slot is either free or in exactly one entry: ``free + sum(width) == num_slots``;
 - a WRITING entry belongs to exactly one session (its writer); no one else sees it as a hit;
-- a READY entry with ``readers > 0`` (pinned by some session) or a WRITING entry is never evicted;
 - a key is held at most once, whoever stores it: a second reserve of a present key answers
   :attr:`Reservation.PRESENT` (stored once, counted as a duplicate);
 - each READY or WRITING entry is charged to its owner (the engine name that reserved it):
   ``charged[owner]`` is the number of slots it holds; an engine with a cap never holds more than
   its cap (it evicts its own oldest unpinned blocks first, in the order it stored them, else its
   reserve is CAPPED);
-- tails (partial blocks) live in their own LRU order and are evicted before any full block, as
-  in the embedded host tier (:mod:`kvtier.tiers.host`): a tail saves less than a block;
 - a pin is a handle: one lookup pins its whole hit run under one id that :meth:`NodeIndex.unpin`
   releases (one request's load = one handle; no key crosses the socket twice);
 - when a session ends (:meth:`NodeIndex.release_session`), every reservation it holds is aborted
   and every pin it holds is released: nothing stays pinned by a dead engine;
 - the service's own pins (:meth:`NodeIndex.hold`: a block being written to one of its tiers, or
   promoted from one and parked for the session that asked, :mod:`kvtier.node.tiers`) are
-  released by :meth:`NodeIndex.let_go`; through :class:`kvtier.node.tiers.PoolSlots` this index is
-  the :class:`~kvtier.tiers.stack.SlotIndex` the service's tiers run over.
+  released by :meth:`NodeIndex.let_go`.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
@@ -42,28 +37,17 @@ from itertools import chain, takewhile
 from operator import attrgetter, is_not
 
 from kvtier.core.keys import BlockKey
-from kvtier.policy import EvictionPolicy, PolicyName, make_policy
-from kvtier.policy.lru import LRUPolicy
 from kvtier.node.protocol import Reservation
+from kvtier.policy import PolicyName
+from kvtier.policy.lru import LRUPolicy
+from kvtier.tiers.host import SlotEntry as NodeEntry
+from kvtier.tiers.host import SlotState as EntryState
+from kvtier.tiers.host import SlotTable
 
+__all__ = ["EngineStats", "EntryState", "NodeEntry", "NodeIndex", "Session"]
 
 _is_entry = partial(is_not, None)
 _slots_of = attrgetter("slots")
-
-
-class EntryState(enum.Enum):
-    WRITING = "writing"
-    READY = "ready"
-
-
-@dataclass(slots=True)
-class NodeEntry:
-    slots: tuple[int, ...]
-    state: EntryState
-    owner: str
-    writer: int | None  # the session that reserved it, while WRITING
-    readers: int = 0
-    tail: bool = False  # a partial block (kvtier.core.keys.tail_key): evicted before any full block
 
 
 @dataclass
@@ -89,28 +73,17 @@ class EngineStats:
     refused_blocks: int = 0
 
 
-class NodeIndex:
+class NodeIndex(SlotTable):
     """Slots of the node pool. See the module docstring for the state machine and invariants."""
 
     def __init__(self, num_slots: int, policy: PolicyName = PolicyName.LRU) -> None:
-        if num_slots <= 0:
-            raise ValueError("the node pool needs at least one slot")
-        self.num_slots = num_slots
-        self._free: list[int] = list(range(num_slots - 1, -1, -1))
-        self._entries: dict[BlockKey, NodeEntry] = {}
-        self._policy: EvictionPolicy = make_policy(policy, num_slots)
-        self._tails = LRUPolicy()  # READY tails, evicted before anything in _policy
+        super().__init__(num_slots, policy, "the node pool")
         self._by_owner: dict[str, LRUPolicy] = {}  # READY keys of each owner, oldest stored first (never touched)
         self.charged: Counter = Counter()  # owner -> slots held (READY + WRITING)
         self.engines: dict[str, EngineStats] = {}
         self._ready: dict[int, dict[BlockKey, NodeEntry]] = {}  # width -> READY entries of that width
-        self.evictions = 0
 
     # --- queries ------------------------------------------------------------------------
-    @property
-    def used_slots(self) -> int:
-        return self.num_slots - len(self._free)
-
     @property
     def pinned_entries(self) -> int:
         """Entries WRITING or with readers (never evictable). O(blocks): for stats, not hot paths."""
@@ -173,24 +146,22 @@ class NodeIndex:
         slots: list[tuple[int, ...] | None] = []
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
+            got = None
             if entry is not None:
                 (self._tails if entry.tail else self._policy).touch((key,))
                 stats.duplicate_blocks += 1
-                status.append(Reservation.PRESENT)
-                slots.append(None)
-                continue
-            outcome = self._make_room(session, width)
-            if outcome is not Reservation.RESERVED:
-                stats.refused_blocks += 1
-                status.append(outcome)
-                slots.append(None)
-                continue
-            got = tuple(self._free.pop() for _ in range(width))
-            self._entries[key] = NodeEntry(got, EntryState.WRITING, session.engine, session.id,
-                                           tail=position in tails)
-            self.charged[session.engine] += width
-            session.reserved.add(key)
-            status.append(Reservation.RESERVED)
+                outcome = Reservation.PRESENT
+            else:
+                outcome = self._within_cap(session, width)
+                if outcome is Reservation.RESERVED:
+                    got = self._reserve(key, width, position in tails, session.engine, session.id)
+                if got is None:
+                    stats.refused_blocks += 1
+                    outcome = Reservation.FULL if outcome is Reservation.RESERVED else outcome
+                else:
+                    self.charged[session.engine] += width
+                    session.reserved.add(key)
+            status.append(outcome)
             slots.append(got)
         return status, slots
 
@@ -203,11 +174,9 @@ class NodeIndex:
             if entry is None or entry.state is not EntryState.WRITING or entry.writer != session.id:
                 unknown += 1
                 continue
-            entry.state = EntryState.READY
-            entry.writer = None
+            self._commit(key, entry)
             self._ready_of(len(entry.slots))[key] = entry
             session.reserved.discard(key)
-            (self._tails if entry.tail else self._policy).insert(key)
             self._owner_policy(entry.owner).insert(key)
             stats.stored_blocks += 1
         return unknown
@@ -221,7 +190,7 @@ class NodeIndex:
                 unknown += 1
                 continue
             session.reserved.discard(key)
-            self._drop(key, entry)
+            self._drop(key)
         return unknown
 
     def unpin(self, session: Session, handles: list[int]) -> int:
@@ -265,18 +234,14 @@ class NodeIndex:
             policy = self._by_owner[owner] = LRUPolicy()
         return policy
 
-    def _evictable(self, key: BlockKey) -> bool:
-        entry = self._entries[key]
-        return entry.state is EntryState.READY and entry.readers == 0
-
     def _ready_of(self, width: int) -> dict[BlockKey, NodeEntry]:
         ready = self._ready.get(width)
         if ready is None:
             ready = self._ready[width] = {}
         return ready
 
-    def _drop(self, key: BlockKey, entry: NodeEntry) -> None:
-        del self._entries[key]
+    def _drop(self, key: BlockKey) -> NodeEntry:
+        entry = super()._drop(key)
         if entry.state is EntryState.READY:
             del self._ready[len(entry.slots)][key]
         owner = self._by_owner.get(entry.owner)
@@ -285,30 +250,21 @@ class NodeIndex:
         self.charged[entry.owner] -= len(entry.slots)
         if not self.charged[entry.owner]:
             del self.charged[entry.owner]
-        self._free.extend(entry.slots)
+        return entry
 
-    def _make_room(self, session: Session, width: int) -> Reservation:
-        """Evict until ``width`` slots are free and the session's engine stays within its cap."""
+    def _within_cap(self, session: Session, width: int) -> Reservation:
+        """Evict the session's engine's own oldest unpinned blocks until ``width`` more slots stay
+        within its cap: RESERVED, or CAPPED if they cannot."""
         cap = session.cap_slots
-        if cap is not None:
-            if width > cap:
+        if cap is None:
+            return Reservation.RESERVED
+        if width > cap:
+            return Reservation.CAPPED
+        own = self._owner_policy(session.engine)
+        while self.charged[session.engine] + width > cap:
+            victim = own.evict(self._evictable)
+            if victim is None:
                 return Reservation.CAPPED
-            own = self._owner_policy(session.engine)
-            while self.charged[session.engine] + width > cap:
-                victim = own.evict(self._evictable)
-                if victim is None:
-                    return Reservation.CAPPED
-                entry = self._entries[victim]
-                (self._tails if entry.tail else self._policy).remove(victim)
-                self._drop(victim, entry)
-                self.evictions += 1
-        while len(self._free) < width:
-            victim = self._tails.evict(self._evictable)
-            if victim is None:
-                victim = self._policy.evict(self._evictable)
-            if victim is None:
-                return Reservation.FULL
-            entry = self._entries[victim]
-            self._drop(victim, entry)
-            self.evictions += 1
+            (self._tails if self._entries[victim].tail else self._policy).remove(victim)
+            self._evict(victim)
         return Reservation.RESERVED

@@ -181,7 +181,7 @@ class NodeServer:
                 self.below = NodeTiers(self.options.tiers, memoryview(self._pool_map))
                 if self.index is not None:
                     self.below.bind(self.index, self.stride, self.slot_bytes or 0)
-                self._sel.register(self.below.bell.reader, selectors.EVENT_READ, _BELL)
+                self._sel.register(self.below.bell.fd, selectors.EVENT_READ, _BELL)
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old = os.umask(0o177)
             try:
@@ -232,7 +232,7 @@ class NodeServer:
         for conn in list(self._conns.values()):
             self._drop(conn, "service stopping")
         if self.below is not None:
-            self._sel.unregister(self.below.bell.reader)
+            self._sel.unregister(self.below.bell.fd)
             self.below.close()
             self.below = None
         if self._pool_map is not None:

@@ -2,37 +2,31 @@
 
 With ``--disk-dir`` / ``--redis-url`` the service, not the engines, owns the tiers below its pool
 (one writer per disk root, one Redis connection pool per node). Lookup across them, promotion and
-cascade are :class:`~kvtier.tiers.stack.TierStack`'s, run over the pool's index exactly as an
-embedded engine runs them over its host tier: what the service does for a block is what an
-embedded engine does (a commit is cascaded to every tier that lacks it; a pinning lookup whose run
-continues below promotes it, the engine being told ``pending``; a promotion is parked for the
-session that asked until one of its lookups needs no more; a remote hit is kept on the node's
-disk; the tiers are refreshed every :data:`~kvtier.tiers.stack.REFRESH_INTERVAL_S`). Promotions
-reserve pool slots for the service's own session (``node:promoted``, :data:`PROMOTER`).
+cascade are :class:`~kvtier.tiers.stack.TierStack`'s, run over the pool's index as an embedded
+engine runs them over its host tier: what the service does for a block is what an embedded engine
+does. Promotions reserve pool slots for the service's own session (:data:`PROMOTER`) and are parked
+for the session that asked; a pinning lookup that needs no more promotions lets them go.
 
 Namespaces: the disk format keeps the namespace per root directory and every record's header names
-its digests, so tiers are opened per namespace: the first scheduler that says hello with its
-namespace (:func:`kvtier.node.protocol.namespace_of`) opens them, on a helper thread (a disk scan or
-a Redis connect never runs on the loop). While they open, a pinning lookup that misses in the pool
-answers ``pending`` for at most :data:`OPEN_WAIT_S` (the first lookups after a restart are disk
-hits, not recomputes), and commits are remembered (not pinned; at most the pool's slot count) and
-cascaded once they are open; if they fail to open, the namespace's blocks are pool-only.
+its digests, so tiers are opened per namespace, by the first scheduler that says hello with it
+(:func:`kvtier.node.protocol.namespace_of`), on a helper thread (a disk scan or a Redis connect
+never runs on the loop). While they open, a pinning lookup that misses in the pool answers
+``pending`` for at most :data:`OPEN_WAIT_S` (the first lookups after a restart are disk hits, not
+recomputes) and commits are remembered (unpinned, at most the pool's slot count) and cascaded once
+they are open; if they fail to open, the namespace's blocks are pool-only.
 
 Threads: every method runs on the service's loop thread (holding :attr:`NodeServer.lock`). The
-tiers' workers post outcomes on their outboxes and ring :attr:`NodeTiers.bell` (a :class:`Waker`
-the loop's selector watches); the loop then calls :meth:`NodeTiers.poll`, which never waits.
-Buffers: reads go into and writes come from pool slots (the service's own mapping), WRITING or
-pinned while the job runs.
-
-Guarantees are the tiers' own: a corrupt or foreign record read back is quarantined and is a miss
-(``checksum_failures``), never bytes in a READY slot; with a fleet key (``kvtier node
---fleet-key-env``) records are sealed, and one its keys did not sign is a miss (``auth_failures``).
+tiers' workers ring :attr:`NodeTiers.bell` (a :class:`Waker` the loop's selector watches); the loop
+then calls :meth:`NodeTiers.poll`, which never waits. Buffers: reads go into and writes come from
+pool slots (the service's own mapping), WRITING or pinned while the job runs. Records are the
+tiers' own (checksums, namespaces, fleet-key seals: a bad one is a counted miss).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import socket
+import os
 import threading
 import time
 from collections import deque
@@ -60,33 +54,25 @@ PROMOTER = "node:promoted"
 
 
 class Waker(threading.Event):
-    """A tier bell the loop's selector can wait on: each ``set`` also writes a byte to a socket
-    pair whose :attr:`reader` the selector watches. ``set`` from any thread; the rest from the loop."""
+    """A tier bell the loop's selector can wait on (:attr:`fd`, an eventfd each ``set`` also
+    signals). ``set`` from any thread; the rest from the loop."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.reader, self._writer = socket.socketpair()
-        self.reader.setblocking(False)
-        self._writer.setblocking(False)
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
 
     def set(self) -> None:
         super().set()
-        try:
-            self._writer.send(b"\0")
-        except OSError:  # full (the loop will drain it) or closed
-            pass
+        with contextlib.suppress(OSError):  # closed (the service stopped)
+            os.eventfd_write(self.fd, 1)
 
     def drain(self) -> None:
         self.clear()
-        try:
-            while self.reader.recv(4096):
-                pass
-        except OSError:
-            pass
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.fd)
 
     def close(self) -> None:
-        self.reader.close()
-        self._writer.close()
+        os.close(self.fd)
 
 
 class PoolSlots:

@@ -1,30 +1,19 @@
 """An embedded engine's host side: its host tier and its secondary tiers. Knows no engine.
 
-It lives in one process (vLLM's scheduler process) and is driven by ONE thread; it never blocks
-on I/O. Lookup across tiers, promotion and cascade are :class:`~kvtier.tiers.stack.TierStack`'s,
-run over the host tier's index (:class:`~kvtier.tiers.host.HostIndex`) and its ranks' bytes
-(:class:`HostBytes`), exactly as the node service runs them over its pool; tier I/O runs on the
-tiers' own threads and is collected by :meth:`Orchestrator.poll`. What this class adds is the
-engine's side of the host tier:
+Lives in vLLM's scheduler process, driven by ONE thread; never blocks on I/O (but for
+:meth:`Orchestrator.wait_for_tiers`, bounded, when a step has nothing else to do). Lookup across
+tiers, promotion and cascade are :class:`~kvtier.tiers.stack.TierStack`'s, run over the host tier's
+index (:class:`~kvtier.tiers.host.HostIndex`) and its ranks' bytes (:class:`HostBytes`) as the node
+service runs them over its pool. This class adds the engine's side of the host tier:
 
     store:   begin_store (host slot WRITING) -> [engine copies bytes in] -> finish_store
              -> READY in host -> cascaded to every secondary tier that lacks the block
-    load:    acquire (the leading run of READY blocks pinned for the owner, a request; blocks
-             only in a secondary tier are promoted into host slots first, and the owner is told
-             to ask again) -> [engine copies bytes out] -> release (unpin)
+    load:    acquire (the leading run READY in host pinned for the owner, a request; blocks of
+             it only in a secondary tier promoted first, the owner told to ask again)
+             -> [engine copies bytes out] -> release (unpin)
 
-Tails (the partial block a finished request leaves, :func:`kvtier.core.keys.tail_key`) flow like
-blocks through the host and disk tiers, are evicted before blocks, and stay local.
-
-Waiting: the driving thread never waits for I/O, with one bounded exception:
-:meth:`Orchestrator.wait_for_tiers`, for a caller that has nothing else to do while an owner was
-told to ask again (an engine step that computes nothing): it blocks until any tier posts an
-outcome (the tiers share one bell, :mod:`kvtier.tiers.outbox`) or the timeout passes, so the
-tiers' threads run instead of waiting for the GIL behind a spinning loop.
-
-Ownership of host slots: a slot is written only by its WRITING owner (the engine's store job or
-a promotion); a READY slot may be read by any number of pinned readers; unpinned READY slots
-may be evicted and reused by :meth:`begin_store` or promotions.
+Host slots: a slot is written only by its WRITING owner (the engine's store job or a promotion);
+a READY slot may be read by any number of pinned readers; unpinned READY slots may be evicted.
 """
 
 from __future__ import annotations
@@ -103,27 +92,20 @@ class Orchestrator:
 
     # --- lookups (memory only) -------------------------------------------------------------
     def locate(self, key: BlockKey) -> Medium | None:
-        """The fastest tier known to hold ``key`` (memory only; UNKNOWN counts as not known)."""
         return self.stack.locate(key)
 
     def leading_run(self, keys: Sequence[BlockKey]) -> int:
-        """Blocks at the start of ``keys`` known to be in some tier (memory only)."""
         return self.stack.leading_run(keys)
 
     def media_of(self, key: BlockKey) -> list[Medium]:
-        """Every tier ``key`` is known to be readable from (memory only)."""
         return self.stack.media_of(key)
 
     # --- loads ------------------------------------------------------------------------------
     def acquire(self, owner: str, keys: Sequence[BlockKey], first_parent: BlockKey | None = None,
                 block_tokens: int = 0, *, tail_tokens: int = 0) -> Acquired:
-        """Pin the leading run of ``keys`` READY in host slots for ``owner``, replacing its earlier
-        hold. The blocks of the run that are only in a secondary tier are promoted into host slots
-        (:meth:`TierStack.promote <kvtier.tiers.stack.TierStack.promote>`): then the answer is RETRY,
-        and what lands stays held for ``owner`` until it asks again. ``first_parent`` (the key
-        before ``keys[0]``, or the namespace digest), ``block_tokens`` and ``tail_tokens`` (> 0: the
-        last of ``keys`` is a tail of that many tokens) let promoted blocks be written to the
-        faster tiers too."""
+        """See :meth:`HostSide.acquire <kvtier.runtime.host_side.HostSide.acquire>`: the leading
+        READY run pinned, the rest of the run promoted (:meth:`TierStack.promote
+        <kvtier.tiers.stack.TierStack.promote>`; RETRY, what lands held for ``owner``)."""
         self.poll()
         host = self.host
         run = list(keys[: host.ready_run(keys)])
@@ -236,9 +218,8 @@ class Orchestrator:
         self.stack.poll()
 
     def wait_for_tiers(self, timeout_s: float) -> bool:
-        """If an owner was told to ask again (its blocks are being read or probed), block until any
-        tier posts an outcome, at most ``timeout_s``; True if one is ready for :meth:`poll`. Only
-        for a caller with nothing else to do meanwhile (an engine step that computes nothing)."""
+        """:meth:`TierStack.wait <kvtier.tiers.stack.TierStack.wait>` (an engine step that computes
+        nothing while an owner was told to ask again)."""
         return self.stack.wait(timeout_s)
 
     def has_pending_io(self) -> bool:
@@ -272,7 +253,7 @@ class Orchestrator:
         """The counters since the last call, with a fresh sample of every tier's usage."""
         stats, self.stack.stats = self.stack.stats, KVTierStats()
         host = self.host
-        stats.host_evictions = self._since_reported(None, host.stats.evictions)
+        stats.host_evictions = self._since_reported(None, host.evictions)
         stats.host_blocks = host.used_slots
         stats.host_pinned_blocks = host.pinned_slots()
         if self.host_bytes is not None:

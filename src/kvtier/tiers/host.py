@@ -1,31 +1,35 @@
-"""The host tier's index: which block sits in which slot, and which slots may be reused.
+"""Slot indexes: which block sits in which slots, and which slots may be reused.
 
-The bytes live in :mod:`kvtier.tiers.shm` regions (one per rank, same slot numbering); this
-index lives only in the scheduler process and is driven by one thread (the orchestrator's). It is
-the :class:`~kvtier.tiers.stack.SlotIndex` an embedded engine's tiers run over.
+:class:`SlotTable` is the life cycle the host tier and the node pool share; :class:`HostIndex` is an
+embedded engine's host tier (in vLLM's scheduler process; the bytes live in :mod:`kvtier.tiers.shm`
+regions, one per rank, same slot numbering) and :class:`kvtier.node.index.NodeIndex` the node
+pool's (a block takes ``width`` slots there, one per rank). Each is driven by one thread (the
+orchestrator's; the service's loop); memory only, never blocks. The tiers below run over either
+(:class:`~kvtier.tiers.stack.TierStack`).
 
-Slot life cycle::
+Life cycle::
 
-    FREE --allocate--> WRITING --commit--> READY --evict/delete--> FREE
-                          \\--abort--> FREE
+    FREE --reserve--> WRITING --commit--> READY --evict/delete--> FREE
+                         \\--abort--> FREE
 
-Invariants (checked by ``tests/test_host_index.py``):
+Invariants (checked by ``tests/test_host_index.py`` and ``tests/test_node_index.py``):
 
-- a slot is handed out by :meth:`allocate` only when FREE: never twice;
-- a WRITING slot, or a READY slot with ``readers > 0`` (pinned), is never evicted or freed;
-- ``len(free) + len(slot_of) == num_slots``: usage never exceeds capacity;
-- only READY keys are visible to :meth:`is_ready` and live in the eviction policy;
-- tails (partial blocks, see :func:`kvtier.core.keys.tail_key`) live in their own LRU order and
-  are evicted before any full block: a tail saves less than a block and is cheaper to lose;
-- :attr:`HostIndex.residency` records a key STORED when it turns READY and REMOVED when it stops
-  being visible (evicted, or deleted: a pinned block is invisible at once, freed on release).
+- every slot is free or in exactly one entry (``len(free) + sum(width) == num_slots``): a slot is
+  never handed out twice and usage never exceeds capacity;
+- a WRITING entry, or a READY one with ``readers > 0`` (pinned), is never evicted or freed;
+- only READY keys live in the eviction policy; tails (partial blocks, see
+  :func:`kvtier.core.keys.tail_key`) live in their own LRU order and are evicted before any full
+  block: a tail saves less than a block and is cheaper to lose;
+- host tier: only READY keys are visible to :meth:`HostIndex.is_ready`; a block deleted while
+  pinned is invisible at once and freed on release; :attr:`HostIndex.residency` records a key
+  STORED when it turns READY and REMOVED when it stops being visible (evicted, or deleted).
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ResidencyLog
@@ -41,36 +45,84 @@ class SlotState(enum.Enum):
 
 @dataclass(slots=True)
 class SlotEntry:
-    slot: int
+    slots: tuple[int, ...]  # one per rank in the node pool; one for all ranks in the host tier
     state: SlotState
+    owner: str = ""  # the engine charged for it (node pool)
+    writer: int | None = None  # the session that reserved it, while WRITING (node pool)
     readers: int = 0
-    doomed: bool = False  # deleted while pinned: freed when the last reader unpins
+    doomed: bool = False  # deleted while pinned (host tier): freed when the last reader unpins
     tail: bool = False  # a partial block: evicted before full blocks
+
+
+class SlotTable:
+    """The shared life cycle (see the module docstring): reserving with eviction, committing, dropping."""
+
+    def __init__(self, num_slots: int, policy: PolicyName, name: str) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"{name} needs at least one slot")
+        self.num_slots = num_slots
+        self.evictions = 0
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._entries: dict[BlockKey, SlotEntry] = {}
+        self._policy: EvictionPolicy = make_policy(policy, num_slots)
+        self._tails = LRUPolicy()  # READY tails, evicted before anything in _policy
+
+    @property
+    def used_slots(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def _reserve(self, key: BlockKey, width: int, tail: bool, owner: str = "", writer: int | None = None
+                 ) -> tuple[int, ...] | None:
+        """``width`` slots WRITING for absent ``key``, evicting unpinned READY blocks (tails first);
+        None when that many cannot be freed."""
+        free = self._free
+        while len(free) < width:
+            victim = self._tails.evict(self._evictable)
+            if victim is None:
+                victim = self._policy.evict(self._evictable)
+            if victim is None:
+                return None
+            self._evict(victim)
+        got = (free.pop(),) if width == 1 else tuple(free.pop() for _ in range(width))
+        self._entries[key] = SlotEntry(got, SlotState.WRITING, owner, writer, tail=tail)
+        return got
+
+    def _commit(self, key: BlockKey, entry: SlotEntry) -> None:
+        entry.state = SlotState.READY
+        entry.writer = None
+        (self._tails if entry.tail else self._policy).insert(key)
+
+    def _evict(self, key: BlockKey) -> None:
+        """READY, unpinned ``key``, already out of the eviction policies, leaves."""
+        self._drop(key)
+        self.evictions += 1
+
+    def _drop(self, key: BlockKey) -> SlotEntry:
+        entry = self._entries.pop(key)
+        self._free.extend(entry.slots)
+        return entry
+
+    def _evictable(self, key: BlockKey) -> bool:
+        entry = self._entries[key]
+        return entry.state is SlotState.READY and entry.readers == 0
 
 
 @dataclass
 class HostIndexStats:
-    evictions: int = 0
     allocation_failures: int = 0
 
 
-@dataclass
-class HostIndex:
-    """Slots of the host tier. See the module docstring for the state machine and invariants."""
+class HostIndex(SlotTable):
+    """Slots of the host tier, one block each (a :class:`~kvtier.tiers.stack.SlotIndex`). See the
+    module docstring for the state machine and invariants."""
 
-    num_slots: int
-    policy_name: PolicyName = PolicyName.LRU
-    stats: HostIndexStats = field(default_factory=HostIndexStats)
-    residency: ResidencyLog = field(default_factory=lambda: ResidencyLog(Medium.HOST), init=False)
-
-    def __post_init__(self) -> None:
-        if self.num_slots <= 0:
-            raise ValueError("host tier needs at least one slot")
-        self._free: list[int] = list(range(self.num_slots - 1, -1, -1))
-        self._entries: dict[BlockKey, SlotEntry] = {}
-        self._policy: EvictionPolicy = make_policy(self.policy_name, self.num_slots)
-        self._tails = LRUPolicy()  # READY tails, evicted before anything in _policy
+    def __init__(self, num_slots: int, policy_name: PolicyName = PolicyName.LRU) -> None:
+        super().__init__(num_slots, policy_name, "host tier")
+        self.policy_name = policy_name
+        self.stats = HostIndexStats()
+        self.residency = ResidencyLog(Medium.HOST)
         self._pinned = 0  # entries WRITING or with readers (kept by every transition: O(1) to read)
+        self._evicted: list[BlockKey] = []  # by the current allocate()
 
     # --- queries (memory only) -------------------------------------------------------------
     def is_ready(self, key: BlockKey) -> bool:
@@ -85,11 +137,11 @@ class HostIndex:
         return key in self._entries
 
     def slot_of(self, key: BlockKey) -> int:
-        return self._entries[key].slot
+        return self._entries[key].slots[0]
 
     def slots(self, key: BlockKey) -> tuple[int, ...]:
-        """``key``'s slot, the same number on every rank (:class:`~kvtier.tiers.stack.SlotIndex`)."""
-        return (self._entries[key].slot,)
+        """``key``'s slot, the same number on every rank."""
+        return self._entries[key].slots
 
     def ready_run(self, keys: Iterable[BlockKey]) -> int:
         """Length of the leading run of ``keys`` that are READY."""
@@ -100,43 +152,30 @@ class HostIndex:
             count += 1
         return count
 
-    @property
-    def used_slots(self) -> int:
-        return self.num_slots - len(self._free)
-
     def pinned_slots(self) -> int:
         """Slots being written or read (never evictable): 0 whenever no job is in flight."""
         return self._pinned
 
+    def is_tail(self, key: BlockKey) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.tail
+
     # --- mutations ------------------------------------------------------------------------
     def allocate(self, key: BlockKey, *, tail: bool = False) -> tuple[int | None, list[BlockKey]]:
         """Reserve a slot for writing ``key`` (a tail if ``tail``); evicts unpinned READY blocks
-        if needed, tails first.
-
-        Returns ``(slot, evicted_keys)``; ``slot`` is None when every slot is pinned (the
-        caller drops the store). ``key`` must not be in the index.
-        """
+        if needed, tails first. Returns ``(slot, evicted_keys)``; ``slot`` is None when every slot
+        is pinned (the caller drops the store). ``key`` must not be in the index."""
         assert key not in self._entries, "allocate() of a key already in the host tier"
-        evicted: list[BlockKey] = []
-        if not self._free:
-            victim = self._tails.evict(self._evictable)
-            if victim is None:
-                victim = self._policy.evict(self._evictable)
-            if victim is None:
-                self.stats.allocation_failures += 1
-                return None, evicted
-            self._free.append(self._entries.pop(victim).slot)
-            self.stats.evictions += 1
-            self.residency.removed(victim)
-            evicted.append(victim)
-        slot = self._free.pop()
-        self._entries[key] = SlotEntry(slot, SlotState.WRITING, tail=tail)
+        self._evicted = []
+        got = self._reserve(key, 1, tail)
+        if got is None:
+            self.stats.allocation_failures += 1
+            return None, self._evicted
         self._pinned += 1
-        return slot, evicted
+        return got[0], self._evicted
 
     def take(self, key: BlockKey, tail: bool) -> tuple[int, ...] | None:
-        """:meth:`allocate` for a promotion (:class:`~kvtier.tiers.stack.SlotIndex`; evictions are
-        counted in :attr:`stats`)."""
+        """:meth:`allocate` for a promotion (evictions are counted in :attr:`evictions`)."""
         slot, _evicted = self.allocate(key, tail=tail)
         return None if slot is None else (slot,)
 
@@ -144,19 +183,18 @@ class HostIndex:
         """WRITING -> READY: the slot's bytes are complete on every rank."""
         entry = self._entries[key]
         assert entry.state is SlotState.WRITING
-        entry.state = SlotState.READY
         self._pinned -= 1  # no reader can have pinned a WRITING slot
         if entry.doomed and entry.readers == 0:
             self._free_entry(key)
             return
-        (self._tails if entry.tail else self._policy).insert(key)
+        self._commit(key, entry)
         self.residency.stored(key)
 
     def abort(self, key: BlockKey) -> None:
         """WRITING -> FREE: the write failed or was cancelled."""
         entry = self._entries[key]
         assert entry.state is SlotState.WRITING and entry.readers == 0
-        self._free.append(self._entries.pop(key).slot)
+        self._drop(key)
         self._pinned -= 1
 
     def pin(self, key: BlockKey) -> None:
@@ -178,10 +216,6 @@ class HostIndex:
         keys = list(keys)
         self._policy.touch(keys)
         self._tails.touch(keys)
-
-    def is_tail(self, key: BlockKey) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and entry.tail
 
     def delete(self, key: BlockKey) -> bool:
         """Remove ``key``; a pinned or in-flight block is freed once released. True if present."""
@@ -206,12 +240,12 @@ class HostIndex:
         return removed
 
     # --- internals ------------------------------------------------------------------------
-    def _evictable(self, key: BlockKey) -> bool:
-        entry = self._entries[key]
-        return entry.state is SlotState.READY and entry.readers == 0
+    def _evict(self, key: BlockKey) -> None:
+        super()._evict(key)
+        self.residency.removed(key)
+        self._evicted.append(key)
 
     def _free_entry(self, key: BlockKey) -> None:
-        entry = self._entries.pop(key)
+        self._drop(key)
         self._policy.remove(key)
         self._tails.remove(key)
-        self._free.append(entry.slot)

@@ -1,39 +1,29 @@
 """A slot index and the secondary tiers below it: lookup across them, promotion into slots,
-cascade out of slots, their completions and counters. Written once, for every way in.
+cascade out of slots, their completions and counters. Written once, for every way in: an embedded
+engine runs it over its host tier (:class:`kvtier.runtime.orchestrator.Orchestrator`), the node
+service over its pool, one per namespace (:class:`kvtier.node.tiers.NodeTiers`), so what happens
+to a block is the same whichever way it came in:
 
-It runs over a :class:`SlotIndex`, which two indexes satisfy:
-
-- an embedded engine's host tier (:class:`kvtier.tiers.host.HostIndex` over its ranks' shared-memory
-  regions), for :class:`kvtier.runtime.orchestrator.Orchestrator`;
-- the node service's pool (:class:`kvtier.node.index.NodeIndex`, one stack per namespace), for
-  :class:`kvtier.node.tiers.NodeTiers`.
-
-So what happens to a block is the same whichever way it came in:
-
-- **lookup** (memory only): :meth:`TierStack.locate`, :meth:`TierStack.leading_run`;
-- **promotion** (:meth:`TierStack.promote`): every block of a run that is not READY in the slots
-  is read, all of the run at once, from the first tier that holds it into slots reserved for it
-  (WRITING); a remote tier that does not know yet whether it holds one is asked to probe. The
-  asker is told to ask again. A promotion that lands is *parked* for its asker: pinned until its
-  answer is final (:meth:`TierStack.settle`) or it goes away (:meth:`TierStack.forget`), so it is
-  not evicted before it asks again. A block read from a slower tier is also written to the faster
-  ones before it: a remote hit is kept on the local disk;
+- **lookup** (memory only): READY in the slots, else the first tier that holds it;
+- **promotion** (:meth:`TierStack.promote`): the blocks of a run not READY in the slots are read,
+  all at once, from the first tier that holds each into slots reserved for them (WRITING); a
+  remote tier that does not know yet is asked to probe; the asker is told to ask again. What
+  lands is *parked* for the asker (pinned) until its answer is final (:meth:`TierStack.settle`)
+  or it goes (:meth:`TierStack.forget`), so it is not evicted before it asks again; a block read
+  from a slower tier is also written to the faster ones (a remote hit is kept on the local disk);
 - **cascade** (:meth:`TierStack.cascade`): a READY block is written to each tier that lacks it, in
-  order (tails stay off a remote tier: a lookup there would probe every length), its slots pinned
-  until the write completes. A tier whose writes in flight are at their bound gets it later, in
-  order, as its writes complete (:class:`WriteBacklog`), so a long prompt's blocks all reach a
-  slow tier; one that takes no writes at all (closed, server down) drops them (counted);
-- **completions** (:meth:`TierStack.poll`), counted in :attr:`TierStack.stats` (a failed read as
-  :data:`~kvtier.tiers.base.READ_FAILURES` says); every :data:`REFRESH_INTERVAL_S` the tiers look
-  for blocks other processes stored (a shared disk root).
+  order (tails stay off a remote tier: a lookup there would probe every length), pinned until the
+  write completes; a tier at its bound of writes in flight gets it later, in order
+  (:class:`WriteBacklog`), so a long prompt's blocks all reach a slow tier; one that takes no
+  writes (closed, server down) drops them, counted;
+- **completions** (:meth:`TierStack.poll`) are counted in :attr:`TierStack.stats` (failed reads by
+  :data:`~kvtier.tiers.base.READ_FAILURES`); every :data:`REFRESH_INTERVAL_S` the tiers look for
+  blocks other processes stored.
 
-Threads: ONE thread calls every method (the engine's scheduler thread, the service's loop) and
-never waits on I/O, except in :meth:`TierStack.wait` and :meth:`TierStack.close`. The tiers'
-workers post their outcomes on their outboxes, which all ring :attr:`TierStack.bell`.
-
-Buffers: a block's slots are WRITING while a promotion reads into them, and pinned while a write
-reads them, from ``submit_*`` until the job's result comes out of :meth:`TierStack.poll`; the
-slots' bytes are :class:`SlotViews`' (one memoryview per rank).
+Threads: ONE thread calls every method and never waits on I/O, except in :meth:`TierStack.wait`
+and :meth:`TierStack.close`; the tiers' workers post on outboxes that ring :attr:`TierStack.bell`.
+Buffers: a block's slots are WRITING while a promotion reads into them and pinned while a write
+reads them, from ``submit_*`` until the job's result comes out of :meth:`TierStack.poll`.
 """
 
 from __future__ import annotations
@@ -88,21 +78,18 @@ class Chain:
 
 
 class SlotIndex(Protocol):
-    """What the stack needs of a slot index (one thread, memory only). A block is READY (readable;
-    evictable unless pinned) or being written (WRITING: invisible to lookups, never evicted)."""
+    """What the stack needs of a slot index (:class:`~kvtier.tiers.host.HostIndex`, the node pool's
+    :class:`~kvtier.node.tiers.PoolSlots`): one thread, memory only."""
 
     def is_ready(self, key: BlockKey) -> bool: ...
 
-    def __contains__(self, key: object) -> bool:
-        """READY or being written."""
+    def __contains__(self, key: object) -> bool: ...  # READY or being written
 
-    def take(self, key: BlockKey, tail: bool) -> tuple[int, ...] | None:
-        """Slots WRITING for a promotion of absent ``key`` (evicting unpinned READY blocks, tails
-        first), one per rank; None when none can be freed."""
+    def take(self, key: BlockKey, tail: bool) -> tuple[int, ...] | None: ...  # WRITING slots (evicting), or None
 
     def commit(self, key: BlockKey) -> None: ...  # WRITING -> READY (a block deleted meanwhile goes)
 
-    def abort(self, key: BlockKey) -> None: ...  # WRITING -> gone
+    def abort(self, key: BlockKey) -> None: ...
 
     def pin(self, key: BlockKey) -> None: ...  # a READY block: not evicted until unpinned
 
