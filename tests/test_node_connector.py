@@ -38,6 +38,19 @@ def attached(model: Path, sock: Path, engine_id: str) -> SimEngine:
                      **GEOMETRY)
 
 
+def counting(host) -> KVTierStats:
+    """Every interval of counters vLLM collects from ``host``, also summed into the stats returned."""
+    counted, take = KVTierStats(), host.take_stats
+
+    def collect() -> KVTierStats:
+        stats = take()
+        counted.add(copy.deepcopy(stats))
+        return stats
+
+    host.take_stats = collect
+    return counted
+
+
 def test_a_second_engine_is_served_from_the_pool_the_first_filled_and_blocks_are_held_once(model, ref, tmp_path):
     node = NodeThread(tmp_path / "node.sock", pool_bytes=256 * SLOT)
     try:
@@ -67,15 +80,8 @@ def test_the_service_gone_costs_misses_and_its_successor_is_attached_by_itself(m
     with attached(model, sock, "a") as sim:
         sim.kvtier_scheduler.orchestrator.client.retry_interval_s = 0.0
         sim.worker._worker._node.retry_interval_s = 0.0  # noqa: SLF001
-        host, counted = sim.kvtier_scheduler.orchestrator, KVTierStats()
-        take = host.take_stats
-
-        def collect() -> KVTierStats:  # every interval vLLM collects, also summed here
-            stats = take()
-            counted.add(copy.deepcopy(stats))
-            return stats
-
-        host.take_stats = collect
+        host = sim.kvtier_scheduler.orchestrator
+        counted = counting(host)
         assert tokens_of(sim.generate(PROMPTS, 4)) == ref
         first_pool = node.stats()["pool_id"]
         node.stop()
@@ -109,22 +115,19 @@ def test_an_engine_whose_service_is_not_running_yet_starts_misses_and_attaches_b
     service, serves (misses, counted), and attaches within ``retry_interval_s`` once it answers."""
     sock = tmp_path / "node.sock"
     with attached(model, sock, "a") as sim:
-        host, counted = sim.kvtier_scheduler.orchestrator, KVTierStats()
-        take = host.take_stats
-        host.take_stats = lambda: counted.add(copy.deepcopy(take())) and take()  # vLLM's intervals, summed too
+        host = sim.kvtier_scheduler.orchestrator
+        counted = counting(host)
         first = sim.generate(PROMPTS, 4)
         assert tokens_of(first) == ref and sum(external(first)) == 0
         assert counted.add(host.stats).node_unavailable > 0 and counted.stores_dropped > 0
         node = NodeThread(sock, pool_bytes=256 * SLOT)
+        time.sleep(host.client.retry_interval_s)  # the next call attaches
         try:
-            time.sleep(host.client.retry_interval_s)  # the next call attaches
-            assert sim.reset_prefix_cache()
-            stored = sim.generate(renamed(PROMPTS, "-stored"), 4)  # into the pool
-            assert by_prompt(stored, "-stored") == ref and node.stats()["engines"]["a"]["stored_blocks"] > 0
-            assert sim.reset_prefix_cache()
-            again = sim.generate(renamed(PROMPTS, "-again"), 4)
-            assert by_prompt(again, "-again") == ref and sum(external(again)) >= 6 * 32
-            assert sim.model.kv_mismatches == []
+            for suffix, loaded in (("-stored", 0), ("-again", 6 * 32)):  # into the pool, then from it
+                assert sim.reset_prefix_cache()
+                out = sim.generate(renamed(PROMPTS, suffix), 4)
+                assert by_prompt(out, suffix) == ref and sum(external(out)) >= loaded
+            assert node.stats()["engines"]["a"]["stored_blocks"] > 0 and sim.model.kv_mismatches == []
         finally:
             sim.close()
             node.stop()

@@ -11,7 +11,14 @@ every output compared with vLLM alone's.
   engine reattaches by itself and its next round is served from the service's disk tier through
   the pool, bit-exact;
 - the same two-engine case through vLLM's own OffloadingConnector (kvtier's CPU spec) with the
-  ``kvtier_node`` secondary tier, on a service of its own.
+  ``kvtier_node`` secondary tier, on a service of its own;
+- an engine started before its service (none on the socket): it starts, its outputs are vLLM
+  alone's, the misses are counted; the service started later is attached to within the client's
+  retry interval, filled and then hit;
+- the service's tiers do for a block what an embedded engine's do: with ``--disk-dir`` and
+  ``--redis-url``, round A fills both; the service restarted with an emptied disk root serves round
+  B from Redis (and keeps those hits on its disk); restarted again with Redis stopped, it serves
+  round C from its disk: every prompt's full blocks (>= 80% of its tokens), bit-exact.
 
 The module's service owns a disk tier (``--disk-dir``): what the engines store is cascaded to it.
 
@@ -22,6 +29,7 @@ that share a 130-token prefix: three 64-token blocks each, the first two shared.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -29,6 +37,7 @@ from pathlib import Path
 import pytest
 from support.node_process import NodeProcess as Node
 from support.offline_run import cached, engine_log, finish, launch, start, tokens
+from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
 from support.tiny_models import write_tiny_model
 
 from kvtier.bench.text import long_prompts, synthetic_text
@@ -204,3 +213,72 @@ def test_kvtier_node_behind_vllms_own_offloading_serves_a_fresh_engine_what_anot
               f"B {sum(r['seconds'] for r in b['rounds'][0]):.3f}")
     finally:
         service.stop()
+
+
+def test_an_engine_started_before_its_service_serves_misses_then_attaches_by_itself_and_hits(
+        model, expected, tmp_path):
+    late = Node(tmp_path / "late.sock")  # nothing serves the socket when the engine starts
+    rounds = ({}, {**RESET, "pause": True}, RESET)
+
+    def service_appears() -> None:
+        late.start()
+        time.sleep(1.2)  # past the client's retry interval (1 s): round 1's first call attaches
+
+    proc, run_dir = start(spec(model, late.sock, rounds=rounds, cpu=0, engine_id="early"), tmp_path)
+    try:
+        result = finish(proc, run_dir, before_round={1: service_appears})
+        pool = late.stats()
+    finally:
+        late.stop()
+    for index in range(3):
+        assert tokens(result, index) == expected, f"round {index} differs from vLLM alone"
+    assert cached(result, 0) == ALONE_CACHED and metric(result, 0, "kvtier_node_unavailable") > 0
+    assert cached(result, 1) == ALONE_CACHED  # attached: an empty pool, filled by this round
+    assert pool["engines"]["early"]["stored_blocks"] == 2 + len(PROMPTS), pool["engines"]
+    assert cached(result, 2) == HIT and metric(result, 2, "kvtier_hit_tokens") == POOL_TOKENS
+    assert pool["pinned_blocks"] == 0
+
+
+DISTINCT = long_prompts(4, 160, seed=31)  # ~215 tokens each, no block in common: all 3 come from kvtier
+
+
+def test_a_redis_hit_is_kept_on_the_nodes_disk_and_serves_once_redis_is_gone(
+        model, vllm_alone, tmp_path, redis_factory):  # noqa: F811
+    redis, root = redis_factory(), tmp_path / "disk"
+    service = Node(tmp_path / "tiers.sock", "64MiB", "--disk-dir", str(root), "--disk-size", "1",
+                   "--redis-url", redis.url()).start()
+    want = tokens(vllm_alone(spec(model, None, prompts=DISTINCT)))
+    settle = {"settle": True}  # each round's last stores reach the service before it is restarted
+    rounds = (settle, {**RESET, **settle, "pause": True}, {**RESET, "pause": True})
+    pools: list[dict] = []
+
+    def restart(without_redis: bool) -> None:
+        pools.append(service.stats())
+        service.stop()  # graceful: its writes in flight land first
+        if without_redis:
+            redis.stop()
+        else:
+            shutil.rmtree(root)  # a node whose disk was wiped: only Redis holds round A's blocks
+        service.start()
+        time.sleep(1.2)  # past the client's retry interval: the round's first lookup reattaches
+
+    proc, run_dir = start(spec(model, service.sock, rounds=rounds, cpu=1, engine_id="tiers", prompts=DISTINCT),
+                          tmp_path)
+    try:
+        result = finish(proc, run_dir, before_round={1: lambda: restart(False), 2: lambda: restart(True)})
+        pools.append(service.stats())
+    finally:
+        service.stop()
+    blocks = 3 * len(DISTINCT)
+    for index in range(3):
+        assert tokens(result, index) == want, f"round {index} differs from vLLM alone"
+    assert cached(result, 1) == [3 * BLOCK] * len(DISTINCT), "round B was not served from Redis"
+    a, b, c = pools[0]["tiers"], pools[1]["tiers"], pools[2]["tiers"]
+    assert a["written_remote"] == a["written_disk"] == blocks, a
+    assert b["promoted_remote"] == blocks and b["written_disk"] >= blocks, b  # its Redis hits kept on disk
+    assert cached(result, 2) == [3 * BLOCK] * len(DISTINCT), "round C was not served from the node's disk"
+    assert c["promoted_disk"] == blocks and c["promoted_remote"] == 0, c
+    served = metric(result, 2, "kvtier_hit_tokens") - metric(result, 1, "kvtier_hit_tokens")
+    prompt_tokens = sum(r["prompt_tokens"] for r in result["rounds"][2])
+    assert served == blocks * BLOCK and served >= 0.8 * prompt_tokens, (served, prompt_tokens)
+    print(f"round C: {served} of {prompt_tokens} prompt tokens ({served / prompt_tokens:.0%}) from the node's disk")

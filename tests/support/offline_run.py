@@ -15,7 +15,9 @@ null lifts it), "pause": bool (before the round the
 harness creates ``$TMPDIR/paused<i>`` and waits for ``$TMPDIR/resume<i>``: the test injects a fault
 into the running engine's tiers meanwhile, see :func:`launch`'s ``before_round``), "kv_pages": bool
 (after the round, the result's ``kv_pages[i]`` holds digests of the engine's own KV pages of each
-prompt's full blocks that vLLM's prefix cache holds, see :func:`kv_page_digests`)}),
+prompt's full blocks that vLLM's prefix cache holds, see :func:`kv_page_digests`), "settle": bool (after
+the round, a one-process engine is stepped until no request waits on its connector, as at the end
+of the run: its last stores have reached the tiers before a later round's pause)}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
 optional: cpus (list of CPU ids: the engine process, every thread it starts and torch's compute
 threads stay on those CPUs, one compute thread per CPU; vLLM-CPU's own binding does not confine
@@ -199,6 +201,8 @@ def main() -> None:
                         "seconds": seconds,
                     }
                 )
+        if round_spec.get("settle") and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+            finish_connector_work(llm)
         rounds.append(results)
         round_metrics.append(kvtier_metrics(("kvtier_", "vllm:kv_offload") if native else ("kvtier_",)))
         pages.append(kv_page_digests(llm, round_prompt_ids) if round_spec.get("kv_pages") else None)

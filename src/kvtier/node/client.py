@@ -10,7 +10,9 @@ Failure is only ever a miss for the caller: a service that is gone, or stops ans
 :class:`NodeUnavailable` (the connection is dropped and everything it held is released by the
 service); the next call after ``retry_interval_s`` reconnects by itself (a fresh hello, maybe a
 new pool: :attr:`NodeClient.generation` counts attachments, so callers drop slot numbers of an
-older one). A request the service refuses raises :class:`NodeError` with its message.
+older one). A call that finds its connection closed by the service (restarted since) is tried
+once more at once, on a fresh attachment. A request the service refuses raises
+:class:`NodeError` with its message.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ class NodeUnavailable(ConnectionError):
 
 class NodeError(RuntimeError):
     """The node service refused a request; the message says why and what to change."""
+
+
+class _Closed(NodeUnavailable):
+    """The service closed this connection (it stopped or restarted): a fresh one may be served."""
 
 
 @dataclass(frozen=True)
@@ -181,7 +187,7 @@ class NodeClient:
                 else:
                     data = self._recv_view[:sock.recv_into(self._recv_view)]
                 if not data:
-                    raise NodeUnavailable(f"kvtier node at {self.socket_path} closed the connection")
+                    raise _Closed(f"kvtier node at {self.socket_path} closed the connection")
                 self._pending.extend(self._reader.feed(data))
         except (OSError, ProtocolError) as exc:
             for fd in fds:
@@ -189,7 +195,8 @@ class NodeClient:
             self._disconnect()
             if isinstance(exc, NodeUnavailable):
                 raise
-            raise NodeUnavailable(f"kvtier node at {self.socket_path}: {exc}") from None
+            gone = _Closed if isinstance(exc, BrokenPipeError | ConnectionResetError) else NodeUnavailable
+            raise gone(f"kvtier node at {self.socket_path}: {exc}") from None
         reply = self._pending.pop(0)
         if not reply.get("ok"):
             for fd in fds:
@@ -212,9 +219,15 @@ class NodeClient:
                 raise NodeError(message.get("error", "refused"))
 
     def _call(self, op: Op, **fields: Any) -> dict[str, Any]:
+        """One request; on a connection the service closed since (it restarted), one fresh attempt
+        at once, in a new attachment (a timeout is not retried: a hung service blocks one call)."""
         with self._lock:
             self._ensure()
-            reply, _ = self._roundtrip({"op": op.value, **fields})
+            try:
+                reply, _ = self._roundtrip({"op": op.value, **fields})
+            except _Closed:
+                self.connect()
+                reply, _ = self._roundtrip({"op": op.value, **fields})
             return reply
 
     # --- operations ----------------------------------------------------------------------
