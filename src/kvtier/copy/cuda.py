@@ -62,9 +62,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
+from kvtier.copy.choice import MethodChooser, TrialKey
 from kvtier.copy.pages import BlockCopier, CopyPlan
 from kvtier.copy.runs import ByteRuns, RunPlanner
-from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, choose
+from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
 from kvtier.copy.streams import DeviceStreams
 
 logger = logging.getLogger(__name__)
@@ -86,13 +87,17 @@ class _InFlight:
     issued_at: float
     plan: ByteRuns | StagedRuns | CopyPlan | None
     reported: bool = False
+    trial: TrialKey | None = None  # a timed trial of the method chooser
 
 
 class CudaCopyEngine(CopyEngine):
     """``method``: how jobs of dense pages move (:class:`~kvtier.copy.staging.CopyMethod`; AUTO
-    stages jobs of small runs through a device buffer); strided pages always go page by page."""
+    picks per job, by measurement, :mod:`kvtier.copy.choice`); strided pages always go page by
+    page. ``staging``: options of the :class:`~kvtier.copy.staging.StagedPlanner` (chunk bytes,
+    buffers)."""
 
-    def __init__(self, copier: BlockCopier, device: DeviceStreams, method: CopyMethod = CopyMethod.AUTO):
+    def __init__(self, copier: BlockCopier, device: DeviceStreams, method: CopyMethod = CopyMethod.AUTO,
+                 **staging: int):
         self.copier = copier
         self.device = device
         self.runs = RunPlanner(copier.kv, copier.host) if copier.kv.flat else None
@@ -100,9 +105,10 @@ class CudaCopyEngine(CopyEngine):
         self.staged = None
         if self.runs is not None and method is not CopyMethod.RUNS:
             if StagedPlanner.fits(copier.kv):
-                self.staged = StagedPlanner(copier.kv, self.runs, copier.host.buffer)
+                self.staged = StagedPlanner(copier.kv, self.runs, copier.host.buffer, **staging)
             else:
                 logger.info("kvtier: KV pages are not rows of one storage: copies go as runs, never staged")
+        self.chooser = MethodChooser(method, staged=self.staged is not None)
         self._streams: dict[Direction, Any] = {}
         compute = device.current_stream()
         for direction in Direction:
@@ -128,7 +134,10 @@ class CudaCopyEngine(CopyEngine):
                     seconds = self.device.elapsed_seconds(job.start, job.end)
                 else:
                     seconds = time.perf_counter() - job.issued_at
-                done.append(CopyDone(job.job_id, job.direction, job.ok, job.num_bytes, seconds))
+                method = _method_of(job.plan)
+                if job.trial is not None:
+                    self.chooser.observe(job.trial, method, job.num_bytes, seconds, job.ok)
+                done.append(CopyDone(job.job_id, job.direction, job.ok, job.num_bytes, seconds, method.value))
         return done
 
     def wait(self, job_ids: Iterable[int] | None = None) -> None:
@@ -160,28 +169,34 @@ class CudaCopyEngine(CopyEngine):
             stream = self._streams[direction] = self._distinct_stream(compute, direction)
         return stream
 
-    def _plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns | StagedRuns | CopyPlan:
+    def _plan(self, direction: Direction, pages: Sequence[PageCopy]
+              ) -> tuple[ByteRuns | StagedRuns | CopyPlan, TrialKey | None]:
         if self.runs is None:
-            return self.copier.plan(direction, pages)
+            return self.copier.plan(direction, pages), None
         entries = self.runs.entries(pages)
-        if self.staged is not None and self.method is CopyMethod.STAGED:
-            return self.staged.plan(direction, entries)
-        if self.staged is not None and choose(self.method, int(entries.sizes.sum()),
-                                              self.runs.count_runs(entries)) is CopyMethod.STAGED:
-            return self.staged.plan(direction, entries)
-        return self.runs.merge(direction, entries)
+        runs = self.runs.count_runs(entries) if self.method is CopyMethod.AUTO else len(entries)
+        method, trial = self.chooser.pick(direction, int(entries.sizes.sum()), runs)
+        if method is CopyMethod.STAGED and self.staged is not None:
+            try:
+                return self.staged.plan(direction, entries), trial
+            except StagingUnavailable as exc:
+                logger.warning("kvtier: %s; copies go as runs from now on", exc)
+                self.staged = None
+                self.chooser = MethodChooser(self.method, staged=False)
+                trial = None
+        return self.runs.merge(direction, entries), trial
 
     def _start(self, job_id: int, direction: Direction, pages: Sequence[PageCopy], synchronous: bool) -> None:
         if self._closed:
             raise RuntimeError(f"kvtier: job {job_id} started on a closed copy engine")
         device = self.device
         issued_at = time.perf_counter()
-        ok, num_bytes, start, plan, copying = True, 0, None, None, False
+        ok, num_bytes, start, plan, copying, trial = True, 0, None, None, False, None
         compute = stream = None
         try:
             compute = device.current_stream()
             stream = self._side_stream(direction, compute)
-            plan = self._plan(direction, pages)  # views and arrays only: a bad page fails before any device call
+            plan, trial = self._plan(direction, pages)  # views and arrays only: a bad page fails before any device call
             ready = device.new_event()
             device.record(ready, compute)
             device.wait(stream, ready)
@@ -207,4 +222,13 @@ class CudaCopyEngine(CopyEngine):
         if at_once:
             self._unordered.append(CopyDone(job_id, direction, False, 0, time.perf_counter() - issued_at))
         self._in_flight[direction].append(
-            _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once))
+            _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once, trial=trial))
+
+
+def _method_of(plan: ByteRuns | StagedRuns | CopyPlan | None) -> CopyMethod:
+    """How a job moved (PAGES: page pairs, strided layouts or a job that failed before planning)."""
+    if isinstance(plan, StagedRuns):
+        return CopyMethod.STAGED
+    if isinstance(plan, ByteRuns):
+        return CopyMethod.RUNS
+    return CopyMethod.PAGES

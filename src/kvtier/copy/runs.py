@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.copy.base import Direction, PageCopy
+from kvtier.copy.base import Direction, PageCopy, page_table
 from kvtier.copy.pages import HostSlots, PagedKV, storage_bytes
 from kvtier.copy.pinning import register_chunk_bytes
 
@@ -110,6 +110,9 @@ class RunPlanner:
         self._layer_base = np.array(layer_base, dtype=np.int64)
         self._layer_stride = np.array(layer_stride, dtype=np.int64)
         self._layer_bytes = np.array(kv.layer_bytes, dtype=np.int64)
+        self._storages_vary = len(set(layer_storage)) > 1  # else entries hold one value, broadcast
+        self._sizes_vary = not kv.uniform
+        self._strides_vary = len(set(layer_stride)) > 1
         self._groups = [np.array(g, dtype=np.int64) for g in kv.layer_groups]
         layout = host.layout
         self.page_bytes = kv.page_bytes
@@ -120,7 +123,7 @@ class RunPlanner:
     def entries(self, pages: Sequence[PageCopy]) -> PageEntries:
         """The job's (layer, page) copies in host order, not merged. IndexError naming the first
         page out of range, before anything could be copied."""
-        table = np.array([(p.slot, p.sub, p.block_id, p.group) for p in pages], dtype=np.int64).reshape(-1, 4)
+        table = page_table(pages)
         self._check(table, pages)
         if len(self._groups) == 1:
             e_storage, e_offset, h_offset, size = self._one_group(table)
@@ -129,7 +132,7 @@ class RunPlanner:
         if len(h_offset) > 1 and not np.all(h_offset[1:] > h_offset[:-1]):
             order = np.argsort(h_offset)
             e_storage, e_offset, h_offset, size = e_storage[order], e_offset[order], h_offset[order], size[order]
-        return PageEntries(e_storage, e_offset, h_offset, np.ascontiguousarray(size))
+        return PageEntries(e_storage, e_offset, h_offset, size)
 
     def plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns:
         """The merged runs of a job. IndexError naming the first page out of range, before anything
@@ -172,23 +175,30 @@ class RunPlanner:
         layout = self._layout
         slot, sub, block = table[:, 0:1], table[:, 1:2], table[:, 2:3]
         shape = (len(table), len(layers))
-        engine_storage = np.broadcast_to(self._layer_storage[layers], shape)
-        engine_offset = self._layer_base[layers] + block * self._layer_stride[layers]
-        host_offset = ((slot * layout.num_layers + layers) * layout.pages_per_block + sub) * self.page_bytes
-        return engine_storage, engine_offset, host_offset, np.broadcast_to(self._layer_bytes[layers], shape)
+        engine_storage = np.broadcast_to(self._layer_storage[layers] if self._storages_vary else 0, shape)
+        if self._strides_vary:
+            engine_offset = self._layer_base[layers] + block * self._layer_stride[layers]
+        else:  # one [pages, layers] operation instead of two
+            engine_offset = block * int(self._layer_stride[0]) + self._layer_base[layers]
+        # ((slot * num_layers + layer) * pages_per_block + sub) * page, with one [pages, layers] operation
+        page_run = layout.pages_per_block * self.page_bytes
+        host_offset = (slot * (layout.num_layers * page_run) + sub * self.page_bytes) + layers * page_run
+        sizes = np.broadcast_to(self._layer_bytes[layers] if self._sizes_vary else self.page_bytes, shape)
+        return engine_storage, engine_offset, host_offset, sizes
 
     def _one_group(self, table: np.ndarray) -> tuple[np.ndarray, ...]:
         """Pages sorted by (slot, sub), laid out in host order (slot, layer, sub) without sorting
         the (page, layer) entries when every slot of the job has its whole block (the usual job);
         else left for the caller's sort."""
-        table = table[np.lexsort((table[:, 1], table[:, 0]))]
-        grids = self._grid(table, self._groups[0])
         per_block = self._layout.pages_per_block
+        if per_block > 1 or len(table) < 2 or not np.all(table[1:, 0] > table[:-1, 0]):
+            table = table[np.lexsort((table[:, 1], table[:, 0]))]
+        grids = self._grid(table, self._groups[0])
         if per_block > 1 and len(table) % per_block == 0:
             subs, slots = table[:, 1].reshape(-1, per_block), table[:, 0].reshape(-1, per_block)
             if (subs == np.arange(per_block)).all() and (slots == slots[:, :1]).all():
-                return tuple(g.reshape(-1, per_block, g.shape[1]).transpose(0, 2, 1).ravel() for g in grids)
-        return tuple(g.ravel() for g in grids)
+                grids = tuple(g.reshape(-1, per_block, g.shape[1]).transpose(0, 2, 1) for g in grids)
+        return tuple(_flat(g) for g in grids)
 
     def _every_group(self, table: np.ndarray) -> tuple[np.ndarray, ...]:
         parts = [self._grid(table[table[:, 3] == group], layers) for group, layers in enumerate(self._groups)]
@@ -204,3 +214,11 @@ class RunPlanner:
                 f"page {p} out of range ({layout.num_slots} slots x {layout.pages_per_block} pages per block, "
                 f"engine blocks [0, {self.num_blocks}), {len(self._groups)} KV cache groups)"
             )
+
+
+def _flat(grid: np.ndarray) -> np.ndarray:
+    """``grid`` flattened in C order; a grid of one value (a broadcast: one storage, one page
+    size) as a 1-D broadcast of it, without copying."""
+    if grid.size and grid.strides and not any(grid.strides):
+        return np.broadcast_to(grid.flat[0], (grid.size,))
+    return grid.ravel()

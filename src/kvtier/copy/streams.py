@@ -25,7 +25,7 @@ from kvtier.copy.cudart import CudaRuntime, LoadedCudart, SourceOrder
 from kvtier.copy.base import Direction
 from kvtier.copy.pages import CopyPlan
 from kvtier.copy.runs import ByteRuns
-from kvtier.copy.staging import HostRuns, StagedRuns
+from kvtier.copy.staging import HostRuns, Lane, StagedRuns
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,12 @@ class TorchCudaStreams:
 
     Streams: kvtier's own (:meth:`new_stream`), destroyed by :meth:`close`.
 
+    Staged jobs (:class:`~kvtier.copy.staging.StagedRuns`) run on two lanes: the side stream
+    (TRANSFER: host copies) and a KERNEL stream of kvtier's own paired with it (gathers, scatters,
+    the index upload), ordered by events of the runtime made once per pair
+    (:class:`_CudaLanes`); the KERNEL stream is current while a job is issued, so the torch ops
+    run there.
+
     Copies: a job's :class:`~kvtier.copy.runs.ByteRuns` go out in one ``cudaMemcpyBatchAsync``
     (CUDA runtime 12.8 and later; one ``cudaMemcpyAsync`` per run before, or where the driver
     refused a batch) on the side stream, sources read in stream order for stores (engine memory)
@@ -93,6 +99,7 @@ class TorchCudaStreams:
             logger.warning("kvtier: no CUDA runtime library found: copies go one page at a time through torch")
         self._foreach_copy = foreach_copy
         self._own_streams: list[int] = []
+        self._lanes: dict[Any, _CudaLanes] = {}  # per side stream (a staged job's TRANSFER lane)
 
     def current_stream(self) -> Any:
         return self._cuda.current_stream(self.device)
@@ -109,6 +116,9 @@ class TorchCudaStreams:
         return self._cuda.ExternalStream(handle, device=self.device)
 
     def close(self) -> None:
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for pair in lanes:
+            pair.close()
         streams, self._own_streams = self._own_streams, []
         for handle in streams:
             self.runtime.stream_destroy(handle)
@@ -123,9 +133,12 @@ class TorchCudaStreams:
         stream.wait_event(event)
 
     def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
-        if isinstance(plan, StagedRuns):  # kernels, index upload and staging buffer on the side stream
-            with self._cuda.device(self.device), self._cuda.stream(stream):
-                plan.carry_out(lambda runs: self._host_copies(stream, runs))
+        if isinstance(plan, StagedRuns):  # kernels on the pair's KERNEL stream, host copies on ``stream``
+            lanes = self._lanes.get(stream)
+            if lanes is None:
+                lanes = self._lanes[stream] = _CudaLanes(self, stream, self._kernel_stream(stream))
+            with self._cuda.device(self.device), self._cuda.stream(lanes.kernel_stream):
+                plan.issue(lanes)
             return
         if isinstance(plan, ByteRuns) and self.runtime is not None:
             order = SourceOrder.STREAM if plan.direction is Direction.STORE else SourceOrder.ANY
@@ -135,6 +148,16 @@ class TorchCudaStreams:
         dsts, srcs = plan.views()
         with self._cuda.stream(stream):
             self._foreach_copy(dsts, srcs, non_blocking=True)
+
+    def _kernel_stream(self, transfer: Any) -> Any:
+        """A stream for ``transfer``'s KERNEL lane: neither it nor the compute stream (a pool
+        stream only where no runtime library was found: then compared and taken again)."""
+        compute = self.current_stream()
+        for _ in range(64):
+            stream = self.new_stream()
+            if stream != compute and stream != transfer:
+                return stream
+        raise RuntimeError("kvtier: the device hands out no stream for staged copies but the compute stream")
 
     def _host_copies(self, stream: Any, runs: HostRuns) -> None:
         """One staged chunk's host copies on ``stream`` (the current stream): batched where the
@@ -153,3 +176,64 @@ class TorchCudaStreams:
 
     def elapsed_seconds(self, start: Any, end: Any) -> float:
         return start.elapsed_time(end) / 1000.0
+
+
+class _CudaLanes:
+    """:class:`~kvtier.copy.staging.StagingLanes` on a pair of CUDA streams: ``transfer`` (the
+    side stream of a direction) and ``kernel_stream``, with the events of its marks made once
+    (ordering only, no timing) and reused by every job of the pair: a wait binds to a mark's
+    latest record, and each job records a mark before it waits for it. Events come from the
+    runtime where one was found (a third of torch's host time per call), else from torch.
+
+    ``kernel``: the work is run at once; :meth:`TorchCudaStreams.copy` made ``kernel_stream``
+    current around the whole job. Called on the thread that issues the forward only."""
+
+    def __init__(self, streams: TorchCudaStreams, transfer: Any, kernel_stream: Any):
+        self.streams = streams
+        self.transfer_stream = transfer
+        self.kernel_stream = kernel_stream
+        self.runtime = streams.runtime
+        if self.runtime is not None:
+            self._handles = {Lane.TRANSFER: transfer.cuda_stream, Lane.KERNEL: kernel_stream.cuda_stream}
+        else:
+            self._handles = {Lane.TRANSFER: transfer, Lane.KERNEL: kernel_stream}
+        self._events: dict[int, Any] = {}  # mark -> event, made at its first record
+
+    BEGIN, KERNEL_END = -1, -2  # the lanes' own marks (a job's marks are >= 0)
+
+    def begin(self) -> None:
+        self.mark(Lane.TRANSFER, self.BEGIN)
+        self.wait(Lane.KERNEL, self.BEGIN)
+
+    def kernel(self, work: Callable[[], object], what: str) -> None:
+        work()
+
+    def transfer(self, runs: HostRuns) -> None:
+        self.streams._host_copies(self.transfer_stream, runs)
+
+    def mark(self, lane: Lane, mark: int) -> None:
+        event = self._events.get(mark)
+        if event is None:
+            event = self._events[mark] = (self.runtime.event_create() if self.runtime is not None
+                                          else self.streams._cuda.Event())
+        if self.runtime is not None:
+            self.runtime.event_record(event, self._handles[lane])
+        else:
+            event.record(self._handles[lane])
+
+    def wait(self, lane: Lane, mark: int) -> None:
+        if self.runtime is not None:
+            self.runtime.stream_wait_event(self._handles[lane], self._events[mark])
+        else:
+            self._handles[lane].wait_event(self._events[mark])
+
+    def finish(self) -> None:
+        self.mark(Lane.KERNEL, self.KERNEL_END)
+        self.wait(Lane.TRANSFER, self.KERNEL_END)
+
+    def close(self) -> None:
+        """Destroy the events (every job of the pair completed: the engine waited)."""
+        events, self._events = list(self._events.values()), {}
+        if self.runtime is not None:
+            for event in events:
+                self.runtime.event_destroy(event)
