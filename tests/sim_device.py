@@ -201,6 +201,12 @@ class SimLanes:
         self.events: dict[int, SimEvent] = {}
         self.Lane = Lane
 
+    def upload(self, index):
+        device_index = torch.empty(len(index), dtype=torch.int64)
+        source = torch.from_numpy(index.copy())
+        self.kernel(lambda: device_index.copy_(source), "upload the row index")
+        return device_index
+
     def begin(self) -> None:
         self.mark(self.Lane.TRANSFER, -1)
         self.wait(self.Lane.KERNEL, -1)

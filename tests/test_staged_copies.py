@@ -22,7 +22,7 @@ from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
 from kvtier.copy.choice import TIMED_BYTES, TRIALS, MethodChooser
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.runs import RunPlanner
-from kvtier.copy.staging import STAGE_BELOW_BYTES, CopyMethod, StagedPlanner, StagingUnavailable
+from kvtier.copy.staging import STAGE_BELOW_BYTES, CopyMethod, StagedPlanner, StagingBuffers
 from kvtier.core.slots import HostSlotLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
@@ -173,17 +173,19 @@ def test_staged_jobs_move_the_widest_word_the_page_allows():
 
 
 def test_the_engine_falls_back_to_runs_when_staging_memory_cannot_be_had(caplog, monkeypatch):
-    engine, device, paged, host, kv = rig("LBNHC-attention")
+    """Staging buffers are allocated when the engine is built (vLLM registering its KV caches):
+    a device out of memory then turns staging off, logged, and every job goes as runs."""
+    def out_of_memory(self, *args):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 64.00 MiB")
 
-    def refuse(direction):
-        raise StagingUnavailable("cannot allocate 2 x 1 B of staging buffers on cpu: out of memory")
-
-    monkeypatch.setattr(engine.staged, "_staging", refuse)
-    pages = job(kv, range(4), [3, 11, 1, 8])
+    monkeypatch.setattr(StagingBuffers, "__init__", out_of_memory)
     with caplog.at_level(logging.WARNING):
-        engine.start_store(1, pages)
-    assert type(device.plans[-1]).__name__ == "ByteRuns" and engine.staged is None
-    assert "copies go as runs from now on" in caplog.text
+        engine, device, paged, host, kv = rig("LBNHC-attention")
+    assert engine.staged is None and "staged copies are off" in caplog.text
+    assert "CUDA out of memory" in caplog.text
+    pages = job(kv, range(4), [3, 11, 1, 8])
+    engine.start_store(1, pages)
+    assert type(device.plans[-1]).__name__ == "ByteRuns"
     device.run_all()
     assert torch.equal(host.buffer, expected_host(paged, host, pages))
     assert [(d.ok, d.method) for d in engine.poll()] == [(True, "runs")]

@@ -14,6 +14,13 @@ times after ``WARMUPS`` of each; medians), so drift of the link or the host cann
 A fraction above :data:`MEASUREMENT_ERROR` is reported as a measurement error (nothing beats one
 copy of the same bytes over the same link).
 
+Each copy, the single ones too, is queued behind :data:`GATE_MS` of compute on the compute stream,
+as kvtier's copies are in serving (a store waits for the forward that wrote its KV, a load for
+the work issued before it): the device time measured, from the job's own start and end events,
+is then the copy's own, with the host's issue time overlapped by that compute (the issue time is
+reported apart). ``idle_fraction`` is ``auto`` again from an idle device, host issue included
+(reported, not judged).
+
 Also: host time to issue a job (``start_store`` / ``start_load``, call to return, median after the
 first); and what kvtier's copies cost the forward pass: a bf16 GEMM loop on the compute stream
 alone and beside an ``auto`` store, an ``auto`` load and one plain ``cudaMemcpyAsync`` of the same
@@ -58,6 +65,7 @@ GOAL_ISSUE_MS = 0.2
 GOAL_STORE_SLOWDOWN = 1.05
 LOAD_SLOWDOWN_TOLERANCE = 0.02  # a load may slow the GEMM as much as one plain copy does, within this noise
 WARMUPS = 2
+GATE_MS = 25  # compute queued ahead of each measured copy: longer than any job's host issue time
 TOKENS, CONTENT = 16, 256  # per head and block: 16 tokens x (K + V: 2 x 128) bf16 values = 8 KiB
 METHODS = (CopyMethod.RUNS, CopyMethod.STAGED, CopyMethod.AUTO)
 
@@ -74,9 +82,17 @@ def host_region(size: int, slot_bytes: int):
     return buffer, pin_host_memory(buffer, slot_bytes), where
 
 
-def timed(work, stream) -> float:
-    """Device seconds of ``work()`` issued on ``stream``."""
+def gate() -> None:
+    """Queue :data:`GATE_MS` of compute on the current (compute) stream."""
+    torch.cuda._sleep(int(GATE_MS * CYCLES_PER_MS))
+
+
+def timed(work, stream, gated: bool = False) -> float:
+    """Device seconds of ``work()`` issued on ``stream`` (after a gate of compute if ``gated``)."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    if gated:
+        gate()
+        stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         start.record(stream)
         work()
@@ -85,9 +101,25 @@ def timed(work, stream) -> float:
     return start.elapsed_time(end) / 1000.0
 
 
-def run_job(engine: CudaCopyEngine, direction: Direction, pages, job_id: int):
+def cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond, measured."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    return 50_000_000 / start.elapsed_time(end)
+
+
+CYCLES_PER_MS = 2e6  # measured in main()
+
+
+def run_job(engine: CudaCopyEngine, direction: Direction, pages, job_id: int, gated: bool = True):
     """One job, waited for and polled (so the chooser sees its timing): (device seconds, issue ms, method)."""
     torch.cuda.synchronize()
+    if gated:
+        gate()
     began = time.perf_counter()
     if direction is Direction.STORE:
         engine.start_store(job_id, pages)
@@ -100,12 +132,12 @@ def run_job(engine: CudaCopyEngine, direction: Direction, pages, job_id: int):
     return done.seconds, issue_ms, done.method
 
 
-def measure(engine, direction, pages, single, repeats: int, job_ids) -> dict:
+def measure(engine, direction, pages, single, repeats: int, job_ids, gated: bool = True) -> dict:
     """Interleaved single copies and jobs, warm-ups first: medians of each."""
     singles, device_s, issue_ms, methods = [], [], [], set()
     for i in range(WARMUPS + repeats):
-        single_s = single()
-        seconds, issued, method = run_job(engine, direction, pages, next(job_ids))
+        single_s = single(gated)
+        seconds, issued, method = run_job(engine, direction, pages, next(job_ids), gated)
         if i >= WARMUPS:
             singles.append(single_s)
             device_s.append(seconds)
@@ -137,9 +169,9 @@ def contention(engine, pages, single, job_ids, rounds: int = 9) -> dict:
     cases = {
         "alone": lambda: None,
         "store": lambda: engine.start_store(next(job_ids), pages),
-        "single_store": lambda: single[Direction.STORE](),
+        "single_store": lambda: single[Direction.STORE](False),
         "load": lambda: engine.start_load(next(job_ids), pages, synchronous=False),
-        "single_load": lambda: single[Direction.LOAD](),
+        "single_load": lambda: single[Direction.LOAD](False),
     }
     times: dict[str, list[float]] = {name: [] for name in cases}
     for r in range(rounds + WARMUPS):
@@ -182,13 +214,17 @@ def bench_page_size(args, device, heads: int, job_ids) -> dict:
     out["auto_choices"] = auto.chooser.choices()
     contiguous = torch.empty(job_bytes, dtype=torch.uint8, device=device)
     side = torch.cuda.Stream(device)
-    single = {Direction.STORE: lambda: timed(lambda: buffer[:job_bytes].copy_(contiguous, non_blocking=True), side),
-              Direction.LOAD: lambda: timed(lambda: contiguous.copy_(buffer[:job_bytes], non_blocking=True), side)}
+    single = {Direction.STORE: lambda gated: timed(lambda: buffer[:job_bytes].copy_(contiguous, non_blocking=True),
+                                                   side, gated),
+              Direction.LOAD: lambda gated: timed(lambda: contiguous.copy_(buffer[:job_bytes], non_blocking=True),
+                                                  side, gated)}
     for direction in Direction:
         name = "store" if direction is Direction.STORE else "load"
         measured = {method.value: measure(engine, direction, pages, single[direction], args.repeats, job_ids)
                     for method, engine in engines.items()}
         out[name] = direction_report(job_bytes, measured)
+        idle = measure(auto, direction, pages, single[direction], args.repeats, job_ids, gated=False)
+        out[name]["auto"]["idle_fraction"] = round(idle["single_s"] / idle["device_s"], 3)
     if heads * 8 == args.contention_kib:
         out["contention"] = contention(auto, pages, single, job_ids)
     for engine in engines.values():
@@ -226,6 +262,8 @@ def main() -> None:
         print(json.dumps({"skipped": "no CUDA device"}))
         return
     device = torch.device("cuda", torch.cuda.current_device())
+    global CYCLES_PER_MS
+    CYCLES_PER_MS = cycles_per_ms()
     job_ids = iter(range(1, 10**9))
     sizes = {}
     for kib in (int(k) for k in args.pages_kib.split(",")):

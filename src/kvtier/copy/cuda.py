@@ -108,11 +108,12 @@ class CudaCopyEngine(CopyEngine):
                 self.staged = StagedPlanner(copier.kv, self.runs, copier.host.buffer, **staging)
             else:
                 logger.info("kvtier: KV pages are not rows of one storage: copies go as runs, never staged")
-        self.chooser = MethodChooser(method, staged=self.staged is not None)
         self._streams: dict[Direction, Any] = {}
         compute = device.current_stream()
         for direction in Direction:
             self._streams[direction] = self._distinct_stream(compute, direction)
+        self._prepare_staging()
+        self.chooser = MethodChooser(method, staged=self.staged is not None)
         self._in_flight: dict[Direction, deque[_InFlight]] = {direction: deque() for direction in Direction}
         self._unordered: list[CopyDone] = []  # failures reported at once (see the module docstring)
         self._closed = False
@@ -152,6 +153,23 @@ class CudaCopyEngine(CopyEngine):
             self.wait()
             self._closed = True
             self.device.close()
+
+    def _prepare_staging(self) -> None:
+        """Everything staged jobs need, made now (at registration, the device idle) rather than at
+        a first job behind the forward pass: the staging buffers, and the device's lanes (streams,
+        events, index uploads, the gather/scatter kernels loaded). Staging that cannot be had is
+        logged and off: jobs go as runs."""
+        if self.staged is None:
+            return
+        try:
+            for direction in Direction:
+                buffers = self.staged.buffers(direction)
+                prepare = getattr(self.device, "prepare_staging", None)
+                if prepare is not None:
+                    prepare(self._streams[direction], buffers.rows[0])
+        except (StagingUnavailable, RuntimeError) as exc:
+            logger.warning("kvtier: staged copies are off (%s); copies go as runs", exc)
+            self.staged = None
 
     def _distinct_stream(self, compute: Any, direction: Direction) -> Any:
         """A side stream for ``direction`` that is neither ``compute`` nor the other side stream."""

@@ -33,8 +33,8 @@ streams (``tests/sim_device.py``), so the same schedule (:meth:`StagedRuns.issue
 bit-exactness and ordering on CPU tensors.
 
 Memory: :data:`STAGING_BUFFERS` buffers of :data:`STAGING_CHUNK_BYTES` per direction (64 MiB, so
-128 MiB of device memory for stores and loads), allocated at the first staged job of each
-direction and kept; a job larger than that goes in chunks. :class:`CopyMethod` and
+128 MiB of device memory for stores and loads), allocated when the copy engine is built (vLLM
+registering its KV caches) and kept; a job larger than that goes in chunks. :class:`CopyMethod` and
 :mod:`kvtier.copy.choice` pick staged or runs per job. Planning is called on the thread that
 starts a job; :meth:`StagedRuns.issue` by the device's ``copy`` on that same thread.
 """
@@ -76,6 +76,11 @@ class StagingLanes(Protocol):
     """The two queues one staged job is issued on, and marks between them (each mark a reusable
     event named by a small integer; a wait binds to the mark's latest record, issued before it).
     Every call issues work and returns at once; nothing here blocks."""
+
+    def upload(self, index: np.ndarray) -> torch.Tensor:
+        """Issue the upload of ``index`` (int64) to the device on the KERNEL lane; the device
+        tensor it lands in (valid for work issued on that lane from now on, until the next
+        upload). Never blocks (from page-locked memory on a GPU)."""
 
     def begin(self) -> None:
         """Both lanes start after everything issued so far on the TRANSFER lane."""
@@ -197,20 +202,11 @@ class StagedRuns:
 
     def issue(self, lanes: StagingLanes) -> None:
         """Issue the whole job on ``lanes`` (see the module docstring); returns at once."""
-        device = self.rows.device
         count = len(self.buffers.rows)
         store = self.direction is Direction.STORE
         chunks = self.num_chunks
+        index = lanes.upload(self.index)  # needs no ordering but the KERNEL lane's own: before begin()
         lanes.begin()
-        uploaded: list[torch.Tensor] = []
-
-        def upload() -> None:  # from page-locked memory on CUDA: never blocks the issuing thread
-            index = torch.from_numpy(self.index)
-            if device.type == "cuda":
-                index = torch.empty(len(self.index), dtype=torch.int64, pin_memory=True).copy_(index)
-            uploaded.append(index.to(device, non_blocking=True))
-
-        lanes.kernel(upload, "upload the row index")
         for c in range(chunks):
             buffer = c % count
             lo = c * self.chunk_pages
@@ -223,7 +219,7 @@ class StagedRuns:
                 if reused:
                     lanes.wait(Lane.KERNEL, freed(buffer))
                 lanes.kernel(lambda lo=lo, pages=pages, staged=staged: torch.index_select(
-                    self.rows, 0, uploaded[0][lo:lo + pages], out=staged), f"gather chunk {c}")
+                    self.rows, 0, index[lo:lo + pages], out=staged), f"gather chunk {c}")
                 lanes.mark(Lane.KERNEL, filled(buffer))
                 lanes.wait(Lane.TRANSFER, filled(buffer))
                 lanes.transfer(runs)
@@ -236,7 +232,7 @@ class StagedRuns:
                 lanes.mark(Lane.TRANSFER, filled(buffer))
                 lanes.wait(Lane.KERNEL, filled(buffer))
                 lanes.kernel(lambda lo=lo, pages=pages, staged=staged: self.rows.index_copy_(
-                    0, uploaded[0][lo:lo + pages], staged), f"scatter chunk {c}")
+                    0, index[lo:lo + pages], staged), f"scatter chunk {c}")
                 if not last_use:
                     lanes.mark(Lane.KERNEL, freed(buffer))
         lanes.finish()
@@ -307,7 +303,7 @@ class StagedPlanner:
         sizes = np.diff(np.append(starts, count)) * page
         chunk_of = starts // chunk
         run_bounds = np.searchsorted(chunk_of, np.arange(-(-count // chunk) + 1), side="left")
-        buffers = self._staging(direction)
+        buffers = self.buffers(direction)
         staging_offset = (starts % chunk) * page
         host_offset = h[starts]
         staging_addr = buffers.addresses[chunk_of % self.buffer_count] + staging_offset
@@ -315,7 +311,9 @@ class StagedPlanner:
         return StagedRuns(direction, self.rows, self.host, entries.e_offset // page, chunk, run_bounds,
                           staging_offset, host_offset, sizes.astype(np.int64), staging_addr, host_addr, buffers)
 
-    def _staging(self, direction: Direction) -> StagingBuffers:
+    def buffers(self, direction: Direction) -> StagingBuffers:
+        """The direction's staging buffers (allocated at the first call). Raises
+        :class:`StagingUnavailable` if they cannot be allocated."""
         buffers = self._buffers.get(direction)
         if buffers is None:
             try:

@@ -16,9 +16,11 @@ only :meth:`~DeviceStreams.synchronize` blocks.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvtier.copy.cudart import CudaRuntime, LoadedCudart, SourceOrder
@@ -132,11 +134,17 @@ class TorchCudaStreams:
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
+    def prepare_staging(self, stream: Any, rows: torch.Tensor) -> None:
+        """Make ``stream``'s staged-job lanes now (see :class:`_CudaLanes`), for pages moved as
+        rows like ``rows`` (a staging buffer: its dtype and row length)."""
+        if stream not in self._lanes:
+            with self._cuda.device(self.device):
+                self._lanes[stream] = _CudaLanes(self, stream, self._kernel_stream(stream), rows)
+
     def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
         if isinstance(plan, StagedRuns):  # kernels on the pair's KERNEL stream, host copies on ``stream``
-            lanes = self._lanes.get(stream)
-            if lanes is None:
-                lanes = self._lanes[stream] = _CudaLanes(self, stream, self._kernel_stream(stream))
+            self.prepare_staging(stream, plan.buffers.rows[0])
+            lanes = self._lanes[stream]
             with self._cuda.device(self.device), self._cuda.stream(lanes.kernel_stream):
                 plan.issue(lanes)
             return
@@ -185,10 +193,19 @@ class _CudaLanes:
     latest record, and each job records a mark before it waits for it. Events come from the
     runtime where one was found (a third of torch's host time per call), else from torch.
 
+    Made when the copy engine is built (the device idle), so that nothing a first job does
+    waits for the device: the gather and scatter kernels of the rows' dtype are loaded (CUDA
+    loads modules lazily, and a load may wait for the work in flight), and index uploads go
+    from a page-locked ring of :data:`UPLOAD_RING_BYTES` made here (a job whose index does not
+    fit, or whose part of the ring the device has not read yet, takes torch's page-locked
+    allocator instead) into one device index tensor, grown when a job needs more.
+
     ``kernel``: the work is run at once; :meth:`TorchCudaStreams.copy` made ``kernel_stream``
     current around the whole job. Called on the thread that issues the forward only."""
 
-    def __init__(self, streams: TorchCudaStreams, transfer: Any, kernel_stream: Any):
+    UPLOAD_RING_BYTES = 4 * 2**20  # 512 Ki pages of index per job and in flight
+
+    def __init__(self, streams: TorchCudaStreams, transfer: Any, kernel_stream: Any, rows: torch.Tensor):
         self.streams = streams
         self.transfer_stream = transfer
         self.kernel_stream = kernel_stream
@@ -198,6 +215,52 @@ class _CudaLanes:
         else:
             self._handles = {Lane.TRANSFER: transfer, Lane.KERNEL: kernel_stream}
         self._events: dict[int, Any] = {}  # mark -> event, made at its first record
+        cuda = streams._cuda
+        self._ring = torch.empty(self.UPLOAD_RING_BYTES, dtype=torch.uint8, pin_memory=True)
+        self._ring_words = self._ring.view(torch.int64)
+        self._ring_head = 0
+        self._ring_pending: deque[tuple[int, int, Any]] = deque()  # (first, end) words, event after its upload
+        with cuda.stream(kernel_stream):
+            self._index = torch.empty(64 * 1024, dtype=torch.int64, device=rows.device)
+            scratch = torch.zeros(2, rows.shape[1], dtype=rows.dtype, device=rows.device)
+            pick = self._index[:1].zero_()
+            torch.index_select(scratch, 0, pick, out=scratch[1:])  # load the kernels now
+            scratch.index_copy_(0, pick, scratch[1:])
+        kernel_stream.synchronize()
+
+    def upload(self, index: np.ndarray) -> torch.Tensor:
+        count = len(index)
+        if count > len(self._index):  # grown on the KERNEL stream: freed memory is reused in its order
+            self._index = torch.empty(max(count, 2 * len(self._index)), dtype=torch.int64,
+                                      device=self._index.device)
+        first = self._take(count)
+        if first is None:
+            host = torch.empty(count, dtype=torch.int64, pin_memory=True)
+        else:
+            host = self._ring_words[first:first + count]
+        host.numpy()[:] = index
+        device = self._index[:count]
+        device.copy_(host, non_blocking=True)
+        if first is not None:
+            done = self.streams._cuda.Event()
+            done.record(self.kernel_stream)
+            self._ring_pending.append((first, first + count, done))
+        return device
+
+    def _take(self, count: int) -> int | None:
+        """Where ``count`` words of the ring can be written now, or None (too large, or those
+        words' last upload not run yet: never waited for)."""
+        size = len(self._ring_words)
+        if count > size:
+            return None
+        while self._ring_pending and self._ring_pending[0][2].query():
+            self._ring_pending.popleft()
+        first = self._ring_head if self._ring_head + count <= size else 0
+        end = first + count
+        if any(a < end and first < b for a, b, _ in self._ring_pending):
+            return None
+        self._ring_head = end
+        return first
 
     BEGIN, KERNEL_END = -1, -2  # the lanes' own marks (a job's marks are >= 0)
 
