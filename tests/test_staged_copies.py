@@ -256,3 +256,46 @@ def test_runs_planner_and_staged_planner_share_the_entries():
     engine, *_ = rig("BLNHC-attention")
     assert isinstance(engine.runs, RunPlanner) and engine.staged.runs is engine.runs
     assert StagedPlanner.fits(engine.copier.kv)
+
+
+# ---- planning per block (SlotJob) equals planning per (block, layer) ---------------------------
+
+@pytest.mark.parametrize("case_name", [n for n in STAGED_CASES if "mamba" not in n])
+@pytest.mark.parametrize("seed", range(4))
+def test_planning_whole_blocks_per_block_gives_the_plans_of_planning_per_page(case_name, seed):
+    """Random jobs (slots in any order, runs of consecutive slots and engine blocks, pinning
+    chunks of one and two slots): the per-block plans (what most jobs take) equal the general
+    per-(block, layer) ones, for staged jobs, runs, and the run count the chooser reads."""
+    rng = np.random.default_rng(seed)
+    engine, device, paged, host, kv = rig(case_name, num_slots=12, chunk_pages=int(rng.integers(1, 9)))
+    runs, staged = engine.runs, engine.staged
+    for segment in (None, host.layout.slot_bytes, 2 * host.layout.slot_bytes):
+        if segment is not None:
+            runs.segment_bytes = staged.segment_bytes = segment
+        count = int(rng.integers(1, 12))
+        slots = rng.permutation(12)[:count] if seed % 2 else np.sort(rng.permutation(12)[:count])
+        blocks = np.arange(count) + int(rng.integers(0, NUM_BLOCKS - count)) if seed < 2 else \
+            rng.permutation(NUM_BLOCKS)[:count]
+        pages = [PageCopy(int(s), 0, int(b)) for s, b in zip(slots, blocks)]
+        table = runs.table(pages)
+        job = runs.slot_job(table)
+        assert job is not None
+        entries = runs.entries(table)
+        assert runs.count_slot_runs(job) == runs.count_runs(entries)
+        fast, general = staged.plan_slots(Direction.STORE, job), staged.plan(Direction.STORE, entries)
+        for name in ("index", "run_bounds", "staging_offset", "host_offset", "sizes", "staging_addr", "host_addr"):
+            assert np.array_equal(getattr(fast, name), getattr(general, name)), name
+        merged = runs.merge_slots(Direction.LOAD, job)
+        if merged is not None:
+            reference = runs.merge(Direction.LOAD, entries)
+            for name in ("src_addr", "dst_addr", "sizes"):
+                assert np.array_equal(getattr(merged, name), getattr(reference, name)), name
+        assert (merged is not None) == case_name.startswith("BL")
+
+
+def test_jobs_that_are_not_whole_one_page_blocks_take_the_general_plan():
+    engine, device, paged, host, kv = rig("LBNHC-mamba-hybrid")  # two KV cache groups
+    assert engine.runs.slot_job(engine.runs.table(job(kv, [0, 1], [3, 4]))) is None
+    engine, device, paged, host, kv = rig("LBNHC-attention")
+    twice = engine.runs.table([PageCopy(1, 0, 3), PageCopy(1, 0, 4)])
+    assert engine.runs.slot_job(twice) is None

@@ -189,20 +189,36 @@ class CudaCopyEngine(CopyEngine):
 
     def _plan(self, direction: Direction, pages: Sequence[PageCopy]
               ) -> tuple[ByteRuns | StagedRuns | CopyPlan, TrialKey | None]:
+        """The job's copies and, if it is one, the chooser's trial it is. Jobs of whole one-page
+        blocks (most) are planned per block (:class:`~kvtier.copy.runs.SlotJob`), others per
+        (block, layer)."""
         if self.runs is None:
             return self.copier.plan(direction, pages), None
-        entries = self.runs.entries(pages)
-        runs = self.runs.count_runs(entries) if self.method is CopyMethod.AUTO else len(entries)
-        method, trial = self.chooser.pick(direction, int(entries.sizes.sum()), runs)
+        table = self.runs.table(pages)
+        slots = self.runs.slot_job(table)
+        entries = self.runs.entries(table) if slots is None else None
+        if slots is not None:
+            num_bytes = len(slots) * self.runs.num_layers * self.runs.page_bytes
+            runs = self.runs.count_slot_runs(slots) if self.method is CopyMethod.AUTO else 1
+        else:
+            assert entries is not None
+            num_bytes = int(entries.sizes.sum())
+            runs = self.runs.count_runs(entries) if self.method is CopyMethod.AUTO else len(entries)
+        method, trial = self.chooser.pick(direction, num_bytes, runs)
         if method is CopyMethod.STAGED and self.staged is not None:
             try:
-                return self.staged.plan(direction, entries), trial
+                plan = self.staged.plan_slots(direction, slots) if slots is not None else \
+                    self.staged.plan(direction, entries)
+                return plan, trial
             except StagingUnavailable as exc:
                 logger.warning("kvtier: %s; copies go as runs from now on", exc)
                 self.staged = None
                 self.chooser = MethodChooser(self.method, staged=False)
                 trial = None
-        return self.runs.merge(direction, entries), trial
+        merged = self.runs.merge_slots(direction, slots) if slots is not None else None
+        if merged is None:
+            merged = self.runs.merge(direction, entries if entries is not None else self.runs.entries(table))
+        return merged, trial
 
     def _start(self, job_id: int, direction: Direction, pages: Sequence[PageCopy], synchronous: bool) -> None:
         if self._closed:

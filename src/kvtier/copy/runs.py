@@ -71,6 +71,20 @@ class ByteRuns:
 
 
 @dataclass(frozen=True, eq=False)
+class SlotJob:
+    """A job of whole kvtier blocks of one engine block each, in slot order, no slot twice: kvtier
+    block ``i`` is host ``slot[i]`` <-> engine block ``block[i]``, every layer (one KV cache
+    group). Most jobs are (:meth:`RunPlanner.slot_job`); planned per block, not per (block,
+    layer), which is what makes planning cheap on the thread that issues the forward."""
+
+    slot: np.ndarray
+    block: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+
+@dataclass(frozen=True, eq=False)
 class PageEntries:
     """A job's (layer, page) copies in host order, one entry each: engine storage index and byte
     offset, host region byte offset, bytes."""
@@ -115,16 +129,21 @@ class RunPlanner:
         self._strides_vary = len(set(layer_stride)) > 1
         self._groups = [np.array(g, dtype=np.int64) for g in kv.layer_groups]
         layout = host.layout
+        page = kv.page_bytes
+        # whether layer l + 1 of a block continues layer l in the engine's memory (block-outermost layouts)
+        self._layer_joins = int(np.sum((self._layer_storage[1:] == self._layer_storage[:-1])
+                                       & (self._layer_base[1:] == self._layer_base[:-1] + page)
+                                       & (self._layer_stride[1:] == self._layer_stride[:-1])))
         self.page_bytes = kv.page_bytes
         self.num_blocks = kv.num_blocks
+        self.num_layers = kv.num_layers
         self._layout = layout
         self.segment_bytes = register_chunk_bytes(layout.slot_bytes)
 
     def entries(self, pages: Sequence[PageCopy]) -> PageEntries:
         """The job's (layer, page) copies in host order, not merged. IndexError naming the first
         page out of range, before anything could be copied."""
-        table = page_table(pages)
-        self._check(table, pages)
+        table = self.table(pages)
         if len(self._groups) == 1:
             e_storage, e_offset, h_offset, size = self._one_group(table)
         else:
@@ -133,6 +152,73 @@ class RunPlanner:
             order = np.argsort(h_offset)
             e_storage, e_offset, h_offset, size = e_storage[order], e_offset[order], h_offset[order], size[order]
         return PageEntries(e_storage, e_offset, h_offset, size)
+
+    def table(self, pages: Sequence[PageCopy]) -> np.ndarray:
+        """The job's pages as an ``[n, 4]`` array, checked: IndexError naming the first page out of
+        range, before anything could be copied."""
+        table = page_table(pages)
+        self._check(table, pages)
+        return table
+
+    def slot_job(self, table: np.ndarray) -> SlotJob | None:
+        """``table`` (checked) as a :class:`SlotJob` when it is one (one KV cache group, one page per
+        kvtier block, one page size, no slot twice), else None."""
+        if len(self._groups) != 1 or self._layout.pages_per_block != 1 or self._sizes_vary or not len(table):
+            return None
+        slot, block = table[:, 0], table[:, 2]
+        if len(slot) > 1 and not np.all(slot[1:] > slot[:-1]):
+            order = np.argsort(slot, kind="stable")
+            slot, block = slot[order], block[order]
+            if np.any(slot[1:] == slot[:-1]):
+                return None
+        return SlotJob(slot, block)
+
+    def engine_rows(self, job: SlotJob) -> np.ndarray:
+        """Byte offsets of the job's pages in their engine storage, host order ([block, layer] flattened)."""
+        if self._strides_vary:
+            return (job.block[:, None] * self._layer_stride + self._layer_base).ravel()
+        return (job.block[:, None] * int(self._layer_stride[0]) + self._layer_base).ravel()
+
+    def block_breaks(self, job: SlotJob) -> np.ndarray:
+        """``breaks[i]`` (i >= 1): kvtier block ``i`` does not continue block ``i - 1`` in the host
+        region (slots not consecutive, or a pinning chunk between them); ``breaks[0]`` is True."""
+        slot = job.slot
+        breaks = np.ones(len(slot), dtype=bool)
+        breaks[1:] = slot[1:] != slot[:-1] + 1
+        if self.segment_bytes < self._layout.region_bytes:
+            chunk = slot * self._layout.slot_bytes // self.segment_bytes
+            breaks[1:] |= chunk[1:] != chunk[:-1]
+        return breaks
+
+    def _block_joins(self, job: SlotJob) -> np.ndarray:
+        """Whether block ``i + 1``'s first layer continues block ``i``'s last on both sides."""
+        last = len(self._layer_base) - 1
+        engine = (job.block[1:] * self._layer_stride[0] + self._layer_base[0]
+                  == job.block[:-1] * self._layer_stride[last] + self._layer_base[last] + self.page_bytes)
+        same = self._layer_storage[0] == self._layer_storage[last]
+        return ~self.block_breaks(job)[1:] & engine & same
+
+    def count_slot_runs(self, job: SlotJob) -> int:
+        """How many runs :meth:`merge` would make of the job's entries (computed per block)."""
+        layers = len(self._layer_base)
+        return len(job) * (layers - self._layer_joins) - int(self._block_joins(job).sum())
+
+    def merge_slots(self, direction: Direction, job: SlotJob) -> ByteRuns | None:
+        """:meth:`merge` of the job's entries computed per block, where every block is one run in
+        the engine (block-outermost layouts); None otherwise."""
+        layers = len(self._layer_base)
+        if self._layer_joins != layers - 1:
+            return None
+        starts = np.flatnonzero(np.concatenate(([True], ~self._block_joins(job))))
+        sizes = np.diff(np.append(starts, len(job))) * (layers * self.page_bytes)
+        e_offset = job.block[starts] * self._layer_stride[0] + self._layer_base[0]
+        h_offset = job.slot[starts] * self._layout.slot_bytes
+        e_storage = np.full(len(starts), self._layer_storage[0], dtype=np.int64)
+        h_storage = np.full(len(starts), self.host_storage, dtype=np.int64)
+        src, dst = ((e_storage, e_offset), (h_storage, h_offset)) if direction is Direction.STORE else \
+            ((h_storage, h_offset), (e_storage, e_offset))
+        return ByteRuns(direction, self.storages, src[0], src[1], dst[0], dst[1], sizes.astype(np.int64),
+                        self._pointers[src[0]] + src[1], self._pointers[dst[0]] + dst[1], len(job) * layers)
 
     def plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns:
         """The merged runs of a job. IndexError naming the first page out of range, before anything
@@ -206,8 +292,10 @@ class RunPlanner:
 
     def _check(self, table: np.ndarray, pages: Sequence[PageCopy]) -> None:
         layout = self._layout
-        bounds = (layout.num_slots, layout.pages_per_block, self.num_blocks, len(self._groups))
-        bad = np.flatnonzero(((table < 0) | (table >= np.array(bounds))).any(axis=1))
+        bounds = np.array((layout.num_slots, layout.pages_per_block, self.num_blocks, len(self._groups)))
+        if not len(table) or (table.min() >= 0 and (table.max(axis=0) < bounds).all()):
+            return
+        bad = np.flatnonzero(((table < 0) | (table >= bounds)).any(axis=1))
         if len(bad):
             p = pages[int(bad[0])]
             raise IndexError(

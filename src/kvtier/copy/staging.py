@@ -51,7 +51,7 @@ import torch
 
 from kvtier.copy.base import Direction
 from kvtier.copy.pages import PagedKV, storage_bytes
-from kvtier.copy.runs import PageEntries, RunPlanner
+from kvtier.copy.runs import PageEntries, RunPlanner, SlotJob
 
 STAGING_CHUNK_BYTES = 32 * 2**20  # one staging buffer; a chunk of a job fills at most one
 STAGING_BUFFERS = 2  # per direction: a chunk crosses the link while the next is gathered
@@ -287,29 +287,47 @@ class StagedPlanner:
         return 2 * self.buffer_count * self.chunk_pages * self.page_bytes
 
     def plan(self, direction: Direction, entries: PageEntries) -> StagedRuns:
-        """The job's chunks and host runs (vectorized). Raises :class:`StagingUnavailable` if the
-        direction's buffers cannot be allocated."""
-        page, chunk = self.page_bytes, self.chunk_pages
-        count = len(entries)
+        """The job's chunks and host runs from its entries (vectorized). Raises
+        :class:`StagingUnavailable` if the direction's buffers cannot be allocated."""
+        page, count = self.page_bytes, len(entries)
         h = entries.h_offset
         if count:
-            position = np.arange(1, count)
-            joins = (h[1:] == h[:-1] + page) & (position % chunk != 0)
+            joins = h[1:] == h[:-1] + page
             if self.segment_bytes < self.host.numel():  # several pinning registrations: never across one
                 joins &= h[1:] // self.segment_bytes == h[:-1] // self.segment_bytes
-            starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+            breaks = np.flatnonzero(np.concatenate(([True], ~joins)))
         else:
-            starts = np.zeros(0, dtype=np.int64)
+            breaks = np.zeros(0, dtype=np.int64)
+        return self._plan(direction, entries.e_offset // page, breaks, lambda starts: h[starts])
+
+    def plan_slots(self, direction: Direction, job: SlotJob) -> StagedRuns:
+        """:meth:`plan` of a :class:`~kvtier.copy.runs.SlotJob`, computed per block: the host runs
+        break only where blocks do (a block's layers are one run of its slot)."""
+        layers = self.runs.num_layers
+        breaks = np.flatnonzero(self.runs.block_breaks(job)) * layers
+
+        def host_offset(starts: np.ndarray) -> np.ndarray:
+            return (job.slot[starts // layers] * layers + starts % layers) * self.page_bytes
+
+        return self._plan(direction, self.runs.engine_rows(job) // self.page_bytes, breaks, host_offset)
+
+    def _plan(self, direction: Direction, index: np.ndarray, breaks: np.ndarray,
+              host_offset: Callable[[np.ndarray], np.ndarray]) -> StagedRuns:
+        """The plan of pages ``index`` (engine rows, host order) whose host copies break at the
+        page positions ``breaks`` and at every chunk's start; ``host_offset(starts)``: where in
+        the host region the pages at positions ``starts`` go."""
+        page, chunk, count = self.page_bytes, self.chunk_pages, len(index)
+        starts = np.union1d(breaks, np.arange(0, count, chunk)) if count else breaks
         sizes = np.diff(np.append(starts, count)) * page
         chunk_of = starts // chunk
         run_bounds = np.searchsorted(chunk_of, np.arange(-(-count // chunk) + 1), side="left")
         buffers = self.buffers(direction)
         staging_offset = (starts % chunk) * page
-        host_offset = h[starts]
+        hosts = host_offset(starts)
         staging_addr = buffers.addresses[chunk_of % self.buffer_count] + staging_offset
-        host_addr = self.host.data_ptr() + host_offset
-        return StagedRuns(direction, self.rows, self.host, entries.e_offset // page, chunk, run_bounds,
-                          staging_offset, host_offset, sizes.astype(np.int64), staging_addr, host_addr, buffers)
+        host_addr = self.host.data_ptr() + hosts
+        return StagedRuns(direction, self.rows, self.host, index, chunk, run_bounds, staging_offset, hosts,
+                          sizes.astype(np.int64), staging_addr, host_addr, buffers)
 
     def buffers(self, direction: Direction) -> StagingBuffers:
         """The direction's staging buffers (allocated at the first call). Raises
