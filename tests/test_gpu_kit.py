@@ -107,7 +107,8 @@ GPU_TESTS = ["test_round_trip_is_bit_exact_and_matches_the_cpu_engine[LBNHC-atte
 
 
 def write_results(directory, outcomes=None, fraction=0.96, issue_ms=0.1, refusals=0, runtime=12080,
-                  layouts=("LBNHC", "BLNHC"), slow=("LBNHC", "store", "8KiB"), store_slowdown=1.01, load_slowdown=1.1):
+                  layouts=("LBNHC", "BLNHC"), slow=("LBNHC", "store", "8KiB"), store_slowdown=1.01, load_slowdown=1.1,
+                  staged_moved_as=("staged",)):
     """A results directory as scripts/gpu-check.sh leaves it, the bench JSON made by the bench's own
     report functions from synthetic timings: ``fraction`` of the single copy for ``auto`` at ``slow``
     (0.97 elsewhere); GEMM slowdowns beside a store and a load (a plain load copy: 1.1x)."""
@@ -133,8 +134,10 @@ def write_results(directory, outcomes=None, fraction=0.96, issue_ms=0.1, refusal
             for direction in ("store", "load"):
                 auto = 1.0 / (fraction if (layout, direction, f"{kib}KiB") == slow else 0.97)
                 timing = {"single_s": 1.0, "issue_ms": issue_ms, "issue_ms_max": issue_ms}
-                size[direction] = direction_report(2**30, {m: {"device_s": s, **timing} for m, s in
-                                                           (("runs", 2.0), ("staged", auto), ("auto", auto))})
+                size[direction] = direction_report(2**30, {m: {"device_s": s, **timing, "methods": list(moved)}
+                                                           for m, s, moved in (("runs", 2.0, ["runs"]),
+                                                                               ("staged", auto, staged_moved_as),
+                                                                               ("auto", auto, ["staged"]))})
             if kib == 16:
                 size["contention"] = {"gemm_ms": 5.8, "slowdown_store": store_slowdown, "slowdown_single_store": 1.0,
                                       "slowdown_load": load_slowdown, "slowdown_single_load": 1.1}
@@ -171,6 +174,7 @@ def test_the_kit_verdict_passes_when_every_check_passed_and_every_goal_was_met(t
     (dict(layouts=("LBNHC",)), "no benchmark of the goal layout BLNHC"),
     (dict(store_slowdown=1.06), "a store slows the GEMM 1.06x"),
     (dict(load_slowdown=1.13), "a load slows the GEMM 1.13x, one cudaMemcpyAsync of the same bytes 1.1x"),
+    (dict(staged_moved_as=("runs",)), "the staged method moved as ['runs']: staging is off"),
 ])
 def test_the_kit_verdict_fails_on_a_failed_check_or_a_missed_goal(tmp_path, results, reason):
     code, summary = verdict(write_results(tmp_path, **results))

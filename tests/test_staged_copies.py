@@ -224,6 +224,17 @@ def test_large_runs_alternate_as_timed_trials_then_the_faster_is_kept(faster, ca
     assert chooser.pick(Direction.LOAD, BIG, runs)[1] is not None  # the other direction is measured apart
 
 
+def test_host_time_to_issue_counts_in_a_trial():
+    """Queued behind compute, one descriptor per page moves at the link's speed but costs the
+    forward's thread its issue: equal device times, the cheaper issue wins."""
+    chooser = MethodChooser()
+    runs = BIG // (64 * 1024)
+    for _ in range(2 * TRIALS):
+        method, key = chooser.pick(Direction.LOAD, BIG, runs)
+        chooser.observe(key, method, BIG, 0.002, True, issue_seconds=0.013 if method is CopyMethod.RUNS else 0.001)
+    assert chooser.pick(Direction.LOAD, BIG, runs) == (CopyMethod.STAGED, None)
+
+
 def test_a_failed_trial_hands_its_turn_out_again():
     chooser = MethodChooser()
     method, key = chooser.pick(Direction.LOAD, BIG, BIG // 2**20)

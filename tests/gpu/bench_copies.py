@@ -31,7 +31,7 @@ every page size both ways, < :data:`GOAL_ISSUE_MS` ms to issue, GEMM slowdown <=
 :data:`GOAL_STORE_SLOWDOWN` beside a store and no more than the plain copy's beside a load.
 
 Usage: python tests/gpu/bench_copies.py [--layout LBNHC] [--pages-kib 8,16,64] [--blocks 512]
-       [--layers 32] [--repeats 7] [--chunk-mib 32] [--buffers 2]
+       [--layers 32] [--repeats 9] [--chunk-mib 32] [--buffers 2]
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ def main() -> None:
     parser.add_argument("--pages-kib", default="8,16,64", help="page sizes in KiB, multiples of 8 (KV heads x 8 KiB)")
     parser.add_argument("--blocks", type=int, default=512)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--chunk-mib", type=int, default=STAGING_CHUNK_BYTES // 2**20, help="staging buffer size")
     parser.add_argument("--buffers", type=int, default=STAGING_BUFFERS, help="staging buffers per direction")
     parser.add_argument("--contention-kib", type=int, default=16, help="page size of the GEMM contention rounds")

@@ -85,6 +85,9 @@ def summarize(results: Path, goal_layouts: tuple[str, ...] = ("LBNHC", "BLNHC"))
                 issue[f"{direction} {size}"] = measured["auto"]["issue_ms"]
                 fastest[f"{direction} {size}"] = (f"{measured['fastest']} (auto moved it as "
                                                   f"{'/'.join(measured['auto'].get('moved_as', ['?']))})")
+                if measured["staged"].get("moved_as", ["staged"]) != ["staged"]:
+                    failed.append(f"{layout} {direction} {size}: the staged method moved as "
+                                  f"{measured['staged']['moved_as']}: staging is off (see bench-{layout}.err)")
                 if auto > goals["measurement_error_above"]:
                     failed.append(f"{layout} {direction} {size}: {auto} of one cudaMemcpyAsync is a measurement "
                                   f"error (above {goals['measurement_error_above']}: the baseline was measured wrong)")

@@ -88,7 +88,8 @@ def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, method, device
     before = {(layer, b): page_bytes(paged, layer, b) for g, layers in enumerate(kv.layer_groups)
               for layer in layers for b in sources[g]}
     engine.start_store(1, store)
-    assert wait_done(engine, [1])[1].ok
+    done = wait_done(engine, [1])[1]
+    assert done.ok and done.method == method.value, f"{method.value} asked, {done.method} done"
     slots = host.buffer.clone()
 
     cpu = build(case, NUM_BLOCKS, "cpu")  # the same pages on the CPU engine: the same slot bytes
@@ -201,8 +202,10 @@ def test_staged_jobs_larger_than_the_staging_buffers_round_trip_bit_exact(name, 
                                      chunk_bytes=chunk_pages * case.page_bytes, buffers=buffers)
     sources, targets = [3, 11, 1, 8, 9, 2, 10, 5], [0, 4, 6, 7, 10, 3, 2, 1]
     store = [PageCopy(s, 0, b, g) for s, b in enumerate(sources) for g in range(groups)]
+    assert engine.staged is not None, "staging is off on this device (see the log)"
     engine.start_store(1, store)
-    assert wait_done(engine, [1])[1].ok
+    done = wait_done(engine, [1])[1]
+    assert done.ok and done.method == "staged"
     cpu = build(case, NUM_BLOCKS, "cpu")
     cpu.raw.copy_(kv.raw.cpu())
     expected = torch.zeros_like(host.buffer)

@@ -11,9 +11,14 @@ and class of mean run size (powers of two):
 - below :data:`~kvtier.copy.staging.STAGE_BELOW_BYTES` per run: STAGED, always (RUNS is never
   worth a trial there);
 - else the first :data:`TRIALS` jobs of at least :data:`TIMED_BYTES` of the class alternate
-  between the two, each timed by its own device events (the job's ``CopyDone.seconds``); then the
-  faster by median bandwidth moves every later job of the class, and the choice is logged. Until
-  then, and for smaller jobs, the class's choice so far (RUNS first).
+  between the two, each costed as its device time (its own events, ``CopyDone.seconds``) plus
+  the host time its issue took on the thread that runs the forward pass; then the cheaper by
+  median moves every later job of the class, and the choice is logged. Until then, and for
+  smaller jobs, the class's choice so far (RUNS first).
+
+Why the host time counts: queued behind compute, as copies are in serving, one descriptor per
+8 KiB page moves at the link's speed, but issuing 16,384 of them costs the calling thread 13 ms
+(H100, CUDA 13; docs/benchmarks.md), which the forward pass waits for.
 
 Every candidate copies the same bytes correctly; a trial only costs time. Called by the copy
 engine on the thread that starts and polls jobs; no locking.
@@ -76,22 +81,24 @@ class MethodChooser:
         state.issued += 1
         return method, key
 
-    def observe(self, key: TrialKey, method: CopyMethod, num_bytes: int, seconds: float, ok: bool) -> None:
-        """A trial job completed: its bandwidth counts towards its class's choice. A failed trial
-        hands its turn out again."""
+    def observe(self, key: TrialKey, method: CopyMethod, num_bytes: int, seconds: float, ok: bool,
+                issue_seconds: float = 0.0) -> None:
+        """A trial job completed: its cost (device seconds plus host ``issue_seconds``) counts
+        towards its class's choice. A failed trial hands its turn out again."""
         state = self._classes[key]
         if state.chosen is not None:
             return
         if not ok or seconds <= 0:
             state.issued -= 1
             return
-        state.timings[method].append(num_bytes / seconds)
+        state.timings[method].append(num_bytes / (seconds + issue_seconds))
         if all(len(t) >= TRIALS for t in state.timings.values()):
             rates = {m: statistics.median(t) for m, t in state.timings.items()}
             state.chosen = max(rates, key=lambda m: rates[m])
-            logger.info("kvtier: %s copies of ~%d KiB runs: %s chosen (staged %.1f GB/s, runs %.1f GB/s, median "
-                        "of %d jobs each)", key.direction.value, 2**key.size_class // 1024, state.chosen.value,
-                        rates[CopyMethod.STAGED] / 1e9, rates[CopyMethod.RUNS] / 1e9, TRIALS)
+            logger.info("kvtier: %s copies of ~%d KiB runs: %s chosen (bytes per second of device and issue time: "
+                        "staged %.1f GB/s, runs %.1f GB/s, median of %d jobs each)", key.direction.value,
+                        2**key.size_class // 1024, state.chosen.value, rates[CopyMethod.STAGED] / 1e9,
+                        rates[CopyMethod.RUNS] / 1e9, TRIALS)
 
     def choices(self) -> dict[str, str]:
         """The method chosen per class so far, e.g. ``{"engine_to_host ~256 KiB runs": "runs"}``."""

@@ -88,6 +88,7 @@ class _InFlight:
     plan: ByteRuns | StagedRuns | CopyPlan | None
     reported: bool = False
     trial: TrialKey | None = None  # a timed trial of the method chooser
+    issue_seconds: float = 0.0  # host time start_load / start_store took
 
 
 class CudaCopyEngine(CopyEngine):
@@ -137,7 +138,7 @@ class CudaCopyEngine(CopyEngine):
                     seconds = time.perf_counter() - job.issued_at
                 method = _method_of(job.plan)
                 if job.trial is not None:
-                    self.chooser.observe(job.trial, method, job.num_bytes, seconds, job.ok)
+                    self.chooser.observe(job.trial, method, job.num_bytes, seconds, job.ok, job.issue_seconds)
                 done.append(CopyDone(job.job_id, job.direction, job.ok, job.num_bytes, seconds, method.value))
         return done
 
@@ -256,7 +257,8 @@ class CudaCopyEngine(CopyEngine):
         if at_once:
             self._unordered.append(CopyDone(job_id, direction, False, 0, time.perf_counter() - issued_at))
         self._in_flight[direction].append(
-            _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once, trial=trial))
+            _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once, trial=trial,
+                      issue_seconds=time.perf_counter() - issued_at))
 
 
 def _method_of(plan: ByteRuns | StagedRuns | CopyPlan | None) -> CopyMethod:

@@ -222,10 +222,11 @@ class _CudaLanes:
         self._ring_pending: deque[tuple[int, int, Any]] = deque()  # (first, end) words, event after its upload
         with cuda.stream(kernel_stream):
             self._index = torch.empty(64 * 1024, dtype=torch.int64, device=rows.device)
-            scratch = torch.zeros(2, rows.shape[1], dtype=rows.dtype, device=rows.device)
             pick = self._index[:1].zero_()
-            torch.index_select(scratch, 0, pick, out=scratch[1:])  # load the kernels now
-            scratch.index_copy_(0, pick, scratch[1:])
+            source = torch.zeros(2, rows.shape[1], dtype=rows.dtype, device=rows.device)
+            target = torch.empty(1, rows.shape[1], dtype=rows.dtype, device=rows.device)
+            torch.index_select(source, 0, pick, out=target)  # load the kernels now
+            source.index_copy_(0, pick, target)
         kernel_stream.synchronize()
 
     def upload(self, index: np.ndarray) -> torch.Tensor:
