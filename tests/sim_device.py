@@ -78,6 +78,7 @@ class SimDevice:
         self.copy_calls: list[tuple[SimStream, int]] = []  # (stream, number of copies: runs or page pairs) per call
         self.plans: list = []  # the plans handed to copy(), in order
         self.executed: list[str] = []  # labels of the operations run, in order
+        self.lanes: dict[str, SimLanes] = {}  # staged jobs' lanes, per side stream
 
     # ---- DeviceStreams ---------------------------------------------------------------------------
 
@@ -102,12 +103,16 @@ class SimDevice:
 
     def copy(self, stream: SimStream, plan) -> None:
         """Issue a job's copies (:class:`~kvtier.copy.runs.ByteRuns` or page pairs), carried out
-        with torch on the same memory when the stream gets there."""
+        with torch on the same memory when the stream gets there. A staged job
+        (:class:`~kvtier.copy.staging.StagedRuns`) runs on two lanes: ``stream`` (host copies)
+        and a kernel stream paired with it (gathers, scatters), as on a GPU."""
         self.plans.append(plan)
-        if hasattr(plan, "carry_out"):  # staged: gather/scatter kernels and host copies, when the stream gets there
+        if hasattr(plan, "issue"):
             self.copy_calls.append((stream, plan.num_runs))
-            self.enqueue(stream, lambda: plan.carry_out(lambda runs: torch._foreach_copy_(*runs.views())),
-                         f"staged copy of {plan.num_pages} pages on {stream.name}")
+            lanes = self.lanes.get(stream.name)
+            if lanes is None:
+                lanes = self.lanes[stream.name] = SimLanes(self, stream, self.new_stream())
+            plan.issue(lanes)
             return
         dsts, srcs = plan.views()
         self._issue(stream, list(dsts), list(srcs))
@@ -183,7 +188,59 @@ class SimDevice:
         self.run_until(lambda: not any(s.ops for s in self.streams), "run_all")
 
 
+class SimLanes:
+    """:class:`~kvtier.copy.staging.StagingLanes` on the simulated device: the TRANSFER lane is the
+    side stream, the KERNEL lane a stream of its own; marks are simulated events (one per mark,
+    re-recorded by each job, as on a GPU)."""
+
+    def __init__(self, device: SimDevice, transfer: SimStream, kernel: SimStream):
+        from kvtier.copy.staging import Lane
+
+        self.device = device
+        self.streams = {Lane.TRANSFER: transfer, Lane.KERNEL: kernel}
+        self.events: dict[int, SimEvent] = {}
+        self.Lane = Lane
+
+    def upload(self, index):
+        device_index = torch.empty(len(index), dtype=torch.int64)
+        source = torch.from_numpy(index.copy())
+        self.kernel(lambda: device_index.copy_(source), "upload the row index")
+        return device_index
+
+    def begin(self) -> None:
+        self.mark(self.Lane.TRANSFER, -1)
+        self.wait(self.Lane.KERNEL, -1)
+
+    def kernel(self, work: Callable[[], object], what: str) -> None:
+        self.device.enqueue(self.streams[self.Lane.KERNEL], work, what)
+
+    def transfer(self, runs) -> None:
+        dsts, srcs = runs.views()
+        self.device._issue(self.streams[self.Lane.TRANSFER], list(dsts), list(srcs))
+
+    def mark(self, lane, mark: int) -> None:
+        event = self.events.setdefault(mark, SimEvent())
+        self.device.record(event, self.streams[lane])
+
+    def wait(self, lane, mark: int) -> None:
+        self.device.wait(self.streams[lane], self.events[mark])
+
+    def finish(self) -> None:
+        self.mark(self.Lane.KERNEL, -2)
+        self.wait(self.Lane.TRANSFER, -2)
+
+
 # ---- deliberately broken devices: each drops one ordering the engine asks for ------------------
+
+
+class LanesIgnoreEachOther(SimDevice):
+    """A staged job's two lanes do not wait for each other (a host copy may read a staging buffer
+    before its gather ran, or a scatter run before the chunk arrived)."""
+
+    def wait(self, stream: SimStream, event: SimEvent) -> None:
+        if any(stream in lanes.streams.values() and event in lanes.events.values() for lanes in self.lanes.values()):
+            return
+        super().wait(stream, event)
 
 
 class SideStreamsIgnoreCompute(SimDevice):

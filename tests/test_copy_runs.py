@@ -1,9 +1,7 @@
 """The CUDA engine's copy planning (kvtier.copy.runs) on vLLM's own KV views (CPU tensors): a job is
 one batched copy of byte runs, neighbours contiguous on both sides merged, in host order, never
 across a host pinning chunk, address arrays pointing where the views do; bad pages refused before
-anything is issued. Small pages through a staging buffer (kvtier.copy.staging), carried out with
-the same torch ops on CPU tensors: the gather/scatter indexing, chunking and host runs land the
-same bytes as the runs do, in whole-slot host copies."""
+anything is issued. Staged copies: tests/test_staged_copies.py."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.runs import RunPlanner
-from kvtier.copy.staging import STAGE_BELOW_BYTES, CopyMethod, StagedPlanner, choose
+from kvtier.copy.staging import CopyMethod, StagedPlanner
 from kvtier.core.slots import HostSlotLayout
 
 LAYERS = [f"model.layers.{i}.attn" for i in range(4)]
@@ -116,66 +114,6 @@ def test_the_cuda_engine_issues_one_batched_copy_per_job():
     assert [plan.num_pages for plan in device.plans] == [16, 16]
     device.run_all()
     assert sorted(d.job_id for d in engine.poll()) == [1, 2]
-
-
-def staged(layout, staging_pages, pages_per_block=2, num_slots=6, num_blocks=16):
-    runs, paged, host = planner(layout, pages_per_block, num_slots, num_blocks)
-    return StagedPlanner(paged, runs, host.buffer, staging_bytes=staging_pages * paged.page_bytes), runs, paged, host
-
-
-def torch_transfer(runs):
-    torch._foreach_copy_(*runs.views())
-
-
-@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC, KVCacheLayout.BLNHC])
-@pytest.mark.parametrize("staging_pages", [3, 8, 1000])
-def test_staged_copies_land_the_same_bytes_as_runs_in_whole_slot_host_copies(layout, staging_pages):
-    planner_, runs, paged, host = staged(layout, staging_pages)
-    store = [PageCopy(slot, sub, block) for slot, blocks in ((0, (3, 9)), (1, (1, 4)), (3, (12, 2)), (4, (5, 6)))
-             for sub, block in enumerate(blocks)]
-    plan = planner_.plan(Direction.STORE, runs.entries(store))
-    plan.carry_out(torch_transfer)
-    assert torch.equal(host.buffer, reference_store(paged, host, store))
-    assert plan.num_pages == len(store) * len(LAYERS) and plan.num_bytes == plan.num_pages * paged.page_bytes
-    # host copies: the contiguous host segments (slots 0-1, slots 3-4: 16 pages each) cut at chunk ends
-    assert plan.num_runs == len({(i // 16, i // staging_pages) for i in range(plan.num_pages)})
-    assert staging_pages < 1000 or plan.num_runs == 2
-    before = {(layer, b): paged.page(layer, b).clone() for layer in range(len(LAYERS)) for b in range(16)}
-    load = [PageCopy(p.slot, p.sub, 15 - p.block_id) for p in store]
-    for layer in range(len(LAYERS)):
-        for b in range(16):
-            paged.page(layer, b).zero_()
-    planner_.plan(Direction.LOAD, runs.entries(load)).carry_out(torch_transfer)
-    for p, q in zip(store, load):
-        for layer in range(len(LAYERS)):
-            assert torch.equal(paged.page(layer, q.block_id), before[layer, p.block_id])
-
-
-def test_staged_host_copies_never_cross_a_pinning_chunk():
-    planner_, runs, paged, host = staged(KVCacheLayout.LBNHC, 1000)
-    planner_.segment_bytes = host.layout.slot_bytes  # each slot registered on its own
-    plan = planner_.plan(Direction.STORE, runs.entries([PageCopy(s, sub, 2 * s + sub) for s in range(4)
-                                                        for sub in range(2)]))
-    assert plan.num_runs == 4 and all((sizes == host.layout.slot_bytes).all() for _, _, sizes in plan.chunks)
-
-
-def test_auto_stages_jobs_of_small_runs_only():
-    assert choose(CopyMethod.AUTO, 100 * (STAGE_BELOW_BYTES - 1), 100) is CopyMethod.STAGED
-    assert choose(CopyMethod.AUTO, 100 * STAGE_BELOW_BYTES, 100) is CopyMethod.RUNS
-    assert choose(CopyMethod.RUNS, 1, 100) is CopyMethod.RUNS and choose(CopyMethod.STAGED, 10**9, 1) is CopyMethod.STAGED
-
-
-def test_the_engine_stages_small_pages_and_runs_large_ones():
-    _, paged, host = planner(KVCacheLayout.LBNHC)  # 1 KiB pages: staged under AUTO
-    device = SimDevice()
-    engine = CudaCopyEngine(BlockCopier(paged, host), device)
-    engine.start_store(1, [PageCopy(s, 0, 11 - 2 * s) for s in range(4)])
-    assert type(device.plans[-1]).__name__ == "StagedRuns" and device.copy_calls[-1][1] == 1  # slots 0-3: one run
-    device.run_all()
-    assert torch.equal(host.buffer, reference_store(paged, host, [PageCopy(s, 0, 11 - 2 * s) for s in range(4)]))
-    engine = CudaCopyEngine(BlockCopier(paged, host), SimDevice(), CopyMethod.RUNS)
-    engine.start_store(1, [PageCopy(0, 0, 3)])
-    assert type(engine.device.plans[-1]).__name__ == "ByteRuns"
 
 
 def test_pages_that_are_not_rows_of_one_storage_are_never_staged():

@@ -35,8 +35,8 @@ struct cudaMemcpyAttributes {  /* driver_types.h, CUDA 12.8+ */
 _Static_assert(sizeof(struct cudaMemcpyAttributes) == 24, "cudaMemcpyAttributes is 24 bytes");
 
 static int version = VERSION, batch_result = 0, pending = 0;
-static size_t rec[16];
-static char streams[8];
+static size_t rec[20];
+static char streams[8], events[8];
 
 void standin_configure(int batch_returns) { batch_result = batch_returns; memset(rec, 0, sizeof rec); }
 void standin_record(size_t *out) { memcpy(out, rec, sizeof rec); }
@@ -54,6 +54,12 @@ int cudaStreamCreateWithFlags(void **stream, unsigned int flags) {
     rec[14] = flags; *stream = &streams[++rec[13] % 8]; return 0;
 }
 int cudaStreamDestroy(void *stream) { rec[15]++; return 0; }
+int cudaEventCreateWithFlags(void **event, unsigned int flags) {
+    rec[19] = flags; *event = &events[++rec[16] % 8]; return 0;
+}
+int cudaEventRecord(void *event, void *stream) { rec[17]++; return stream == (void *)0xBAD ? 400 : 0; }
+int cudaStreamWaitEvent(void *stream, void *event, unsigned int flags) { rec[18]++; return flags ? 1 : 0; }
+int cudaEventDestroy(void *event) { return 0; }
 int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream) {
     rec[1]++; rec[11] = (size_t)stream; rec[12] = kind; memcpy(dst, src, n); return 0;
 }
@@ -72,7 +78,8 @@ int cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_
 }
 """
 FIELDS = ["batch_calls", "async_calls", "count", "num_attrs", "attrs_idx0", "stream", "fail_idx", "order", "flags",
-          "src_hint", "dst_hint", "async_stream", "async_kind", "streams_made", "stream_flags", "streams_destroyed"]
+          "src_hint", "dst_hint", "async_stream", "async_kind", "streams_made", "stream_flags", "streams_destroyed",
+          "events_made", "event_records", "event_waits", "event_flags"]
 
 
 def compile_standin(directory, version: int, soname: str | None = None, name: str | None = None) -> str:
@@ -88,7 +95,7 @@ def compile_standin(directory, version: int, soname: str | None = None, name: st
 
 
 def record(lib) -> dict[str, int]:
-    out = (ctypes.c_size_t * 16)()
+    out = (ctypes.c_size_t * 20)()
     lib.standin_record(out)
     return dict(zip(FIELDS, out))
 
@@ -160,6 +167,30 @@ def test_streams_are_created_non_blocking_and_destroyed(runtime):
     cudart.stream_destroy(first)
     seen = record(lib)
     assert (seen["streams_made"], seen["stream_flags"], seen["streams_destroyed"]) == (2, 1, 1)
+
+
+def test_a_single_run_is_one_plain_async_copy(runtime):
+    cudart, lib = runtime
+    src, dst, dsts, srcs, sizes = buffers(count=1)
+    cudart.memcpy_batch(dsts, srcs, sizes, 0xABC0, SourceOrder.STREAM)
+    seen = record(lib)
+    assert (seen["batch_calls"], seen["async_calls"], seen["async_stream"]) == (0, 1, 0xABC0)
+    assert np.array_equal(dst, src)
+
+
+def test_events_are_made_for_ordering_only_and_errors_are_raised_drained(runtime):
+    from kvtier.copy.cudart import CudaError
+
+    cudart, lib = runtime
+    event = cudart.event_create()
+    cudart.event_record(event, 0xABC0)
+    cudart.stream_wait_event(0xABC0, event)
+    seen = record(lib)
+    assert event and (seen["events_made"], seen["event_records"], seen["event_waits"]) == (1, 1, 1)
+    assert seen["event_flags"] == 2  # cudaEventDisableTiming
+    with pytest.raises(CudaError, match="cudaEventRecord"):
+        cudart.event_record(event, 0xBAD)
+    assert cudart.get_last_error() == 0
 
 
 def test_before_12_8_there_is_no_batched_call(tmp_path):

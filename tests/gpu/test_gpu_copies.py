@@ -11,6 +11,11 @@
   layout vLLM can pick (tests/gpu/gpu_layouts.py, checked
   against vLLM's own view code on CPU), from and to a pinned /dev/shm region, and leave the same
   slot bytes as the CPU engine does on the same pages;
+- staged jobs many times larger than the staging buffers, chunks splitting blocks, bit-exact;
+- the step orders of vLLM's model runners at the copy level (tests/test_runner_orders.py runs them
+  through vLLM's scheduler, which cannot run here: no vLLM on the GPU machine): under V1's order a
+  store flushed before the step rewrites its block holds the old bytes; under V2's, a store still
+  in flight when the step zeroes its block copies the zeros (the hazard kvtier's scheduler voids);
 - pinning, including a refused registration that does not poison the CUDA context.
 """
 
@@ -35,11 +40,12 @@ NUM_BLOCKS = 12
 LONG_KERNEL_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s on an H100
 
 
-def engine_for(kv, case: Case, host_buffer: torch.Tensor, num_slots: int, method: CopyMethod = CopyMethod.AUTO):
+def engine_for(kv, case: Case, host_buffer: torch.Tensor, num_slots: int, method: CopyMethod = CopyMethod.AUTO,
+               **staging):
     paged = PagedKV(kv.views, NUM_BLOCKS, kv.layer_groups, kv.page_bytes)
     layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, num_slots)
     host = HostSlots(host_buffer[: layout.region_bytes], layout)
-    return CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(paged.device), method), paged, host
+    return CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(paged.device), method, **staging), paged, host
 
 
 def attention_rig(device, shm_region, num_slots=2, method: CopyMethod = CopyMethod.AUTO):
@@ -82,7 +88,8 @@ def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, method, device
     before = {(layer, b): page_bytes(paged, layer, b) for g, layers in enumerate(kv.layer_groups)
               for layer in layers for b in sources[g]}
     engine.start_store(1, store)
-    assert wait_done(engine, [1])[1].ok
+    done = wait_done(engine, [1])[1]
+    assert done.ok and done.method == method.value, f"{method.value} asked, {done.method} done"
     slots = host.buffer.clone()
 
     cpu = build(case, NUM_BLOCKS, "cpu")  # the same pages on the CPU engine: the same slot bytes
@@ -179,3 +186,68 @@ def test_the_cuda_runtime_library_is_torchs_and_batched_every_job_it_was_given(d
     if runtime.version >= 12080:
         assert engine.device.runtime.batch_state.name == "BATCHED", "CUDA runtime >= 12.8 exports cudaMemcpyBatchAsync"
     check_batches_were_not_refused(engine.device.runtime)
+
+
+@pytest.mark.parametrize("name", ["LBNHC-attention", "BLNHC-attention", "LBNHC-mamba-hybrid", "LBNHC-kernel-blocks"])
+@pytest.mark.parametrize("chunk_pages, buffers", [(2, 2), (5, 3), (1, 1)])
+def test_staged_jobs_larger_than_the_staging_buffers_round_trip_bit_exact(name, chunk_pages, buffers, device,
+                                                                           shm_region):
+    case = CASES[name]
+    kv = build(case, NUM_BLOCKS, device)
+    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8, device=device))
+    groups = len(kv.layer_groups)
+    slot_bytes = len(kv.views) * case.page_bytes
+    buffer, _ = shm_region(8 * slot_bytes, slot_bytes)
+    engine, paged, host = engine_for(kv, case, buffer, 8, CopyMethod.STAGED,
+                                     chunk_bytes=chunk_pages * case.page_bytes, buffers=buffers)
+    sources, targets = [3, 11, 1, 8, 9, 2, 10, 5], [0, 4, 6, 7, 10, 3, 2, 1]
+    store = [PageCopy(s, 0, b, g) for s, b in enumerate(sources) for g in range(groups)]
+    assert engine.staged is not None, "staging is off on this device (see the log)"
+    engine.start_store(1, store)
+    done = wait_done(engine, [1])[1]
+    assert done.ok and done.method == "staged"
+    cpu = build(case, NUM_BLOCKS, "cpu")
+    cpu.raw.copy_(kv.raw.cpu())
+    expected = torch.zeros_like(host.buffer)
+    BlockCopier(PagedKV(cpu.views, NUM_BLOCKS, cpu.layer_groups, cpu.page_bytes),
+                HostSlots(expected, host.layout)).copy(Direction.STORE, store)
+    assert torch.equal(host.buffer, expected)
+    before = kv.raw.clone()
+    kv.raw.zero_()
+    engine.start_load(2, [PageCopy(s, 0, b, g) for s, b in enumerate(targets) for g in range(groups)], synchronous=False)
+    assert wait_done(engine, [2])[2].ok
+    after = kv.raw.clone()
+    kv.raw.copy_(before)
+    originals = {(layer, b): page_bytes(paged, layer, b) for layer in range(len(kv.views)) for b in sources}
+    kv.raw.copy_(after)
+    for layers in kv.layer_groups:
+        for source, target in zip(sources, targets):
+            for layer in layers:
+                assert torch.equal(page_bytes(paged, layer, target), originals[layer, source]), (name, layer, target)
+
+
+@pytest.mark.parametrize("method", [CopyMethod.RUNS, CopyMethod.STAGED], ids=lambda m: m.value)
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_a_store_in_flight_when_the_next_step_zeroes_its_block(runner, method, device, shm_region):
+    """Step s stores block 4 (the store stream is slow: held behind a long kernel). Step s+1 zeroes
+    block 4 for a new request on the compute stream, V1 after flushing the stores on reused
+    blocks (kvtier's fence, handle_preemptions), V2 before it (vLLM 0.32
+    v1/worker/gpu/model_runner.py:1259-1270 before v1/worker/gpu/kv_connector.py:81)."""
+    case, kv, engine, paged, host = attention_rig(device, shm_region, method=method)
+    for view in kv.views:
+        view[4].fill_(3.0)
+    original = [page_bytes(paged, layer, 4) for layer in range(len(kv.views))]
+    with torch.cuda.stream(engine._streams[Direction.STORE]):  # noqa: SLF001 - a slow store stream
+        torch.cuda._sleep(LONG_KERNEL_CYCLES)
+    engine.start_store(1, [PageCopy(0, 0, 4)])
+    if runner == "v1":
+        engine.wait([1])  # handle_preemptions: the fence, before the step rewrites anything
+    for view in kv.views:  # the step's zeroing kernel, on the compute stream
+        view[4].zero_()
+    assert wait_done(engine, [1])[1].ok
+    stored = [host.page(0, layer, 0)[: case.page_bytes].clone() for layer in range(len(kv.views))]
+    if runner == "v1":
+        assert all(torch.equal(s, o) for s, o in zip(stored, original)), "the fenced store lost the step's bytes"
+    else:
+        assert all(int(s.count_nonzero()) == 0 for s in stored), (
+            "the store in flight did not copy the zeroed block: the V2 hazard kvtier voids did not show here")

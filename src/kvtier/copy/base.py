@@ -31,9 +31,13 @@ failed synchronous load is reported by the first :meth:`CopyEngine.poll` after `
 from __future__ import annotations
 
 import enum
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
 
 
 class Direction(enum.Enum):
@@ -41,11 +45,11 @@ class Direction(enum.Enum):
     LOAD = "host_to_engine"
 
 
-@dataclass(frozen=True, slots=True)
-class PageCopy:
+class PageCopy(NamedTuple):
     """One page of every layer of KV cache group ``group``: that group's engine block
     ``block_id`` <-> page ``sub`` of the kvtier block in host ``slot`` (those layers' part of it).
-    One group (no hybrid allocator): group 0 is every layer."""
+    One group (no hybrid allocator): group 0 is every layer. A tuple, so a job's pages become an
+    array in one numpy call (:func:`page_table`) on the thread that issues the forward."""
 
     slot: int
     sub: int
@@ -53,15 +57,24 @@ class PageCopy:
     group: int = 0
 
 
+def page_table(pages: Sequence[PageCopy]) -> np.ndarray:
+    """A job's pages as an ``[n, 4]`` int64 array of (slot, sub, block_id, group)."""
+    if isinstance(pages, np.ndarray):
+        return pages.reshape(-1, 4).astype(np.int64, copy=False)
+    return np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int64, count=4 * len(pages)).reshape(-1, 4)
+
+
 @dataclass(frozen=True, slots=True)
 class CopyDone:
-    """Completion of one job: bytes moved and the seconds from start to observed completion."""
+    """Completion of one job: bytes moved, the seconds from start to observed completion, and how
+    it moved (``method``: a :class:`~kvtier.copy.staging.CopyMethod` value, "" if unknown)."""
 
     job_id: int
     direction: Direction
     ok: bool
     num_bytes: int
     seconds: float
+    method: str = ""
 
 
 class CopyEngine(ABC):

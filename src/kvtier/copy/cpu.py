@@ -51,7 +51,7 @@ class CpuCopyEngine(CopyEngine):
         except Exception:  # reported as a failed job: vLLM recomputes the blocks
             logger.exception("kvtier: load job %d failed", job_id)
             ok = False
-        self._done.put(CopyDone(job_id, Direction.LOAD, ok, num_bytes, time.perf_counter() - start))
+        self._done.put(CopyDone(job_id, Direction.LOAD, ok, num_bytes, time.perf_counter() - start, "pages"))
 
     def start_store(self, job_id: int, pages: Sequence[PageCopy]) -> None:
         with self._cond:
@@ -91,7 +91,7 @@ class CpuCopyEngine(CopyEngine):
             except Exception:  # a failed copy is reported, never raised into the engine
                 logger.exception("kvtier: %s copy of job %d failed", direction.value, job_id)
                 ok = False
-            self._done.put(CopyDone(job_id, direction, ok, num_bytes, time.perf_counter() - start))
+            self._done.put(CopyDone(job_id, direction, ok, num_bytes, time.perf_counter() - start, "pages"))
             with self._cond:
                 self._pending.discard(job_id)
                 self._cond.notify_all()

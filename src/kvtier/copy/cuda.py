@@ -62,9 +62,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
+from kvtier.copy.choice import MethodChooser, TrialKey
 from kvtier.copy.pages import BlockCopier, CopyPlan
 from kvtier.copy.runs import ByteRuns, RunPlanner
-from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, choose
+from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
 from kvtier.copy.streams import DeviceStreams
 
 logger = logging.getLogger(__name__)
@@ -86,13 +87,18 @@ class _InFlight:
     issued_at: float
     plan: ByteRuns | StagedRuns | CopyPlan | None
     reported: bool = False
+    trial: TrialKey | None = None  # a timed trial of the method chooser
+    issue_seconds: float = 0.0  # host time start_load / start_store took
 
 
 class CudaCopyEngine(CopyEngine):
     """``method``: how jobs of dense pages move (:class:`~kvtier.copy.staging.CopyMethod`; AUTO
-    stages jobs of small runs through a device buffer); strided pages always go page by page."""
+    picks per job, by measurement, :mod:`kvtier.copy.choice`); strided pages always go page by
+    page. ``staging``: options of the :class:`~kvtier.copy.staging.StagedPlanner` (chunk bytes,
+    buffers)."""
 
-    def __init__(self, copier: BlockCopier, device: DeviceStreams, method: CopyMethod = CopyMethod.AUTO):
+    def __init__(self, copier: BlockCopier, device: DeviceStreams, method: CopyMethod = CopyMethod.AUTO,
+                 **staging: int):
         self.copier = copier
         self.device = device
         self.runs = RunPlanner(copier.kv, copier.host) if copier.kv.flat else None
@@ -100,13 +106,15 @@ class CudaCopyEngine(CopyEngine):
         self.staged = None
         if self.runs is not None and method is not CopyMethod.RUNS:
             if StagedPlanner.fits(copier.kv):
-                self.staged = StagedPlanner(copier.kv, self.runs, copier.host.buffer)
+                self.staged = StagedPlanner(copier.kv, self.runs, copier.host.buffer, **staging)
             else:
                 logger.info("kvtier: KV pages are not rows of one storage: copies go as runs, never staged")
         self._streams: dict[Direction, Any] = {}
         compute = device.current_stream()
         for direction in Direction:
             self._streams[direction] = self._distinct_stream(compute, direction)
+        self._prepare_staging()
+        self.chooser = MethodChooser(method, staged=self.staged is not None)
         self._in_flight: dict[Direction, deque[_InFlight]] = {direction: deque() for direction in Direction}
         self._unordered: list[CopyDone] = []  # failures reported at once (see the module docstring)
         self._closed = False
@@ -128,7 +136,10 @@ class CudaCopyEngine(CopyEngine):
                     seconds = self.device.elapsed_seconds(job.start, job.end)
                 else:
                     seconds = time.perf_counter() - job.issued_at
-                done.append(CopyDone(job.job_id, job.direction, job.ok, job.num_bytes, seconds))
+                method = _method_of(job.plan)
+                if job.trial is not None:
+                    self.chooser.observe(job.trial, method, job.num_bytes, seconds, job.ok, job.issue_seconds)
+                done.append(CopyDone(job.job_id, job.direction, job.ok, job.num_bytes, seconds, method.value))
         return done
 
     def wait(self, job_ids: Iterable[int] | None = None) -> None:
@@ -143,6 +154,23 @@ class CudaCopyEngine(CopyEngine):
             self.wait()
             self._closed = True
             self.device.close()
+
+    def _prepare_staging(self) -> None:
+        """Everything staged jobs need, made now (at registration, the device idle) rather than at
+        a first job behind the forward pass: the staging buffers, and the device's lanes (streams,
+        events, index uploads, the gather/scatter kernels loaded). Staging that cannot be had is
+        logged and off: jobs go as runs."""
+        if self.staged is None:
+            return
+        try:
+            for direction in Direction:
+                buffers = self.staged.buffers(direction)
+                prepare = getattr(self.device, "prepare_staging", None)
+                if prepare is not None:
+                    prepare(self._streams[direction], buffers.rows[0])
+        except (StagingUnavailable, RuntimeError) as exc:
+            logger.warning("kvtier: staged copies are off (%s); copies go as runs", exc)
+            self.staged = None
 
     def _distinct_stream(self, compute: Any, direction: Direction) -> Any:
         """A side stream for ``direction`` that is neither ``compute`` nor the other side stream."""
@@ -160,28 +188,50 @@ class CudaCopyEngine(CopyEngine):
             stream = self._streams[direction] = self._distinct_stream(compute, direction)
         return stream
 
-    def _plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns | StagedRuns | CopyPlan:
+    def _plan(self, direction: Direction, pages: Sequence[PageCopy]
+              ) -> tuple[ByteRuns | StagedRuns | CopyPlan, TrialKey | None]:
+        """The job's copies and, if it is one, the chooser's trial it is. Jobs of whole one-page
+        blocks (most) are planned per block (:class:`~kvtier.copy.runs.SlotJob`), others per
+        (block, layer)."""
         if self.runs is None:
-            return self.copier.plan(direction, pages)
-        entries = self.runs.entries(pages)
-        if self.staged is not None and self.method is CopyMethod.STAGED:
-            return self.staged.plan(direction, entries)
-        if self.staged is not None and choose(self.method, int(entries.sizes.sum()),
-                                              self.runs.count_runs(entries)) is CopyMethod.STAGED:
-            return self.staged.plan(direction, entries)
-        return self.runs.merge(direction, entries)
+            return self.copier.plan(direction, pages), None
+        table = self.runs.table(pages)
+        slots = self.runs.slot_job(table)
+        entries = self.runs.entries(table) if slots is None else None
+        if slots is not None:
+            num_bytes = len(slots) * self.runs.num_layers * self.runs.page_bytes
+            runs = self.runs.count_slot_runs(slots) if self.method is CopyMethod.AUTO else 1
+        else:
+            assert entries is not None
+            num_bytes = int(entries.sizes.sum())
+            runs = self.runs.count_runs(entries) if self.method is CopyMethod.AUTO else len(entries)
+        method, trial = self.chooser.pick(direction, num_bytes, runs)
+        if method is CopyMethod.STAGED and self.staged is not None:
+            try:
+                plan = self.staged.plan_slots(direction, slots) if slots is not None else \
+                    self.staged.plan(direction, entries)
+                return plan, trial
+            except StagingUnavailable as exc:
+                logger.warning("kvtier: %s; copies go as runs from now on", exc)
+                self.staged = None
+                self.chooser = MethodChooser(self.method, staged=False)
+                trial = None
+        merged = self.runs.merge_slots(direction, slots) if slots is not None else None
+        if merged is None:
+            merged = self.runs.merge(direction, entries if entries is not None else self.runs.entries(table))
+        return merged, trial
 
     def _start(self, job_id: int, direction: Direction, pages: Sequence[PageCopy], synchronous: bool) -> None:
         if self._closed:
             raise RuntimeError(f"kvtier: job {job_id} started on a closed copy engine")
         device = self.device
         issued_at = time.perf_counter()
-        ok, num_bytes, start, plan, copying = True, 0, None, None, False
+        ok, num_bytes, start, plan, copying, trial = True, 0, None, None, False, None
         compute = stream = None
         try:
             compute = device.current_stream()
             stream = self._side_stream(direction, compute)
-            plan = self._plan(direction, pages)  # views and arrays only: a bad page fails before any device call
+            plan, trial = self._plan(direction, pages)  # views and arrays only: a bad page fails before any device call
             ready = device.new_event()
             device.record(ready, compute)
             device.wait(stream, ready)
@@ -207,4 +257,14 @@ class CudaCopyEngine(CopyEngine):
         if at_once:
             self._unordered.append(CopyDone(job_id, direction, False, 0, time.perf_counter() - issued_at))
         self._in_flight[direction].append(
-            _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once))
+            _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once, trial=trial,
+                      issue_seconds=time.perf_counter() - issued_at))
+
+
+def _method_of(plan: ByteRuns | StagedRuns | CopyPlan | None) -> CopyMethod:
+    """How a job moved (PAGES: page pairs, strided layouts or a job that failed before planning)."""
+    if isinstance(plan, StagedRuns):
+        return CopyMethod.STAGED
+    if isinstance(plan, ByteRuns):
+        return CopyMethod.RUNS
+    return CopyMethod.PAGES

@@ -39,6 +39,7 @@ SUCCESS = 0
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction is inferred from the pointers (unified addressing)
 FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute
 STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy default stream
+EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming: the cheapest event, for ordering only
 # cudaMemcpyBatchAsync codes that say the call itself is unavailable (not these pointers): batching
 # is off for good after one. Any other refusal falls back for that job only, and is counted.
 UNSUPPORTED = {31: "cudaErrorNotYetImplemented", 36: "cudaErrorCallRequiresNewerDriver",
@@ -90,8 +91,22 @@ class CudaRuntime(Protocol):
                      order: SourceOrder) -> None:
         """Issue ``dsts[i] <- srcs[i]`` (``sizes[i]`` bytes; int64 arrays of addresses) on
         ``stream`` (a ``cudaStream_t``, never the legacy default stream), sources read in
-        ``order``, in one batched call where the runtime has one. Raises :class:`CudaError` after
-        draining the error it caused."""
+        ``order``, in one batched call where the runtime has one (a single copy: one
+        ``cudaMemcpyAsync``, stream-ordered, which satisfies either order). Raises
+        :class:`CudaError` after draining the error it caused."""
+
+    def event_create(self) -> int:
+        """A new ``cudaEvent_t`` for ordering only (``cudaEventDisableTiming``). Raises :class:`CudaError`."""
+
+    def event_record(self, event: int, stream: int) -> None:
+        """``cudaEventRecord(event, stream)``. Raises :class:`CudaError`."""
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        """``cudaStreamWaitEvent(stream, event, 0)``: work issued on ``stream`` afterwards waits for
+        ``event`` as last recorded. Raises :class:`CudaError`."""
+
+    def event_destroy(self, event: int) -> None:
+        """``cudaEventDestroy``; a failure is drained and logged, never raised."""
 
 
 class _MemLocation(ctypes.Structure):
@@ -132,7 +147,11 @@ class LoadedCudart:
                            ("cudaMemcpyAsync", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
                                                 ctypes.c_void_p]),
                            ("cudaStreamCreateWithFlags", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
-                           ("cudaStreamDestroy", [ctypes.c_void_p])):
+                           ("cudaStreamDestroy", [ctypes.c_void_p]),
+                           ("cudaEventCreateWithFlags", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
+                           ("cudaEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
+                           ("cudaStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
+                           ("cudaEventDestroy", [ctypes.c_void_p])):
             function = getattr(lib, name)
             function.argtypes, function.restype = args, ctypes.c_int
         lib.cudaGetErrorName.argtypes, lib.cudaGetErrorName.restype = [ctypes.c_int], ctypes.c_char_p
@@ -143,6 +162,10 @@ class LoadedCudart:
         self.batch_state = BatchState.BATCHED if self._batch is not None else BatchState.NOT_IN_RUNTIME
         self.batch_refusals = 0  # cudaMemcpyBatchAsync calls refused (each such job went run by run)
         self.last_refusal = ""  # the error name of the latest one
+        # built once: one attribute struct per source order, and attrsIdxs = [0]
+        self._attributes = {order: _MemcpyAttributes(int(order), _MemLocation(0, 0), _MemLocation(0, 0),
+                                                     FLAG_PREFER_OVERLAP_WITH_COMPUTE) for order in SourceOrder}
+        self._first_attribute = ctypes.c_size_t(0)
 
     @classmethod
     def find(cls, cuda_version: str | None) -> "LoadedCudart | None":
@@ -227,14 +250,15 @@ class LoadedCudart:
         count = len(sizes)
         if count == 0:
             return
-        dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.int64) for a in (dsts, srcs, sizes))
+        if count == 1:  # one descriptor: the plain call costs a third of the batched one's host time
+            self.memcpy(int(dsts[0]), int(srcs[0]), int(sizes[0]), stream)
+            return
+        dsts, srcs, sizes = (a if a.dtype == np.int64 and a.flags.c_contiguous else np.ascontiguousarray(a, np.int64)
+                             for a in (dsts, srcs, sizes))
         if self._batch is not None:
             function, with_fail_index = self._batch
-            attributes = _MemcpyAttributes(int(order), _MemLocation(0, 0), _MemLocation(0, 0),
-                                           FLAG_PREFER_OVERLAP_WITH_COMPUTE)
-            first = ctypes.c_size_t(0)  # attrsIdxs = [0], numAttrs = 1: one attribute for every copy
-            args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count, ctypes.byref(attributes),
-                    ctypes.byref(first), 1]
+            args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, count, ctypes.byref(self._attributes[order]),
+                    ctypes.byref(self._first_attribute), 1]
             fail_index = ctypes.c_size_t(0)
             code = function(*args, *([ctypes.byref(fail_index)] if with_fail_index else []), stream)
             if code == SUCCESS:
@@ -242,10 +266,41 @@ class LoadedCudart:
             self.get_last_error()
             self._refused(code)
         for dst, src, size in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
-            code = self._lib.cudaMemcpyAsync(dst, src, size, MEMCPY_DEFAULT, stream)
-            if code != SUCCESS:
-                self.get_last_error()
-                raise CudaError("cudaMemcpyAsync", code, self.error_name(code))
+            self.memcpy(dst, src, size, stream)
+
+    def memcpy(self, dst: int, src: int, size: int, stream: int) -> None:
+        """One ``cudaMemcpyAsync`` (direction from the pointers) on ``stream``. Raises :class:`CudaError`."""
+        code = self._lib.cudaMemcpyAsync(dst, src, size, MEMCPY_DEFAULT, stream)
+        if code != SUCCESS:
+            self.get_last_error()
+            raise CudaError("cudaMemcpyAsync", code, self.error_name(code))
+
+    def event_create(self) -> int:
+        event = ctypes.c_void_p(0)
+        self._check("cudaEventCreateWithFlags",
+                    self._lib.cudaEventCreateWithFlags(ctypes.byref(event), EVENT_DISABLE_TIMING))
+        return int(event.value or 0)
+
+    def event_record(self, event: int, stream: int) -> None:
+        code = self._lib.cudaEventRecord(event, stream)
+        if code != SUCCESS:
+            self._check("cudaEventRecord", code)
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        code = self._lib.cudaStreamWaitEvent(stream, event, 0)
+        if code != SUCCESS:
+            self._check("cudaStreamWaitEvent", code)
+
+    def event_destroy(self, event: int) -> None:
+        code = self._lib.cudaEventDestroy(event)
+        if code != SUCCESS:
+            self.get_last_error()
+            logger.warning("kvtier: cudaEventDestroy(0x%x) failed: %s", event, self.error_name(code))
+
+    def _check(self, call: str, code: int) -> None:
+        if code != SUCCESS:
+            self.get_last_error()
+            raise CudaError(call, code, self.error_name(code))
 
     def _refused(self, code: int) -> None:
         """A refused batch: counted (the GPU kit fails on any); the job goes run by run, and

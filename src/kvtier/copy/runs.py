@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.copy.base import Direction, PageCopy
+from kvtier.copy.base import Direction, PageCopy, page_table
 from kvtier.copy.pages import HostSlots, PagedKV, storage_bytes
 from kvtier.copy.pinning import register_chunk_bytes
 
@@ -68,6 +68,20 @@ class ByteRuns:
                     for s, o, n in zip(storage.tolist(), offset.tolist(), self.sizes.tolist())]
 
         return side(self.dst_storage, self.dst_offset), side(self.src_storage, self.src_offset)
+
+
+@dataclass(frozen=True, eq=False)
+class SlotJob:
+    """A job of whole kvtier blocks of one engine block each, in slot order, no slot twice: kvtier
+    block ``i`` is host ``slot[i]`` <-> engine block ``block[i]``, every layer (one KV cache
+    group). Most jobs are (:meth:`RunPlanner.slot_job`); planned per block, not per (block,
+    layer), which is what makes planning cheap on the thread that issues the forward."""
+
+    slot: np.ndarray
+    block: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.slot)
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,18 +124,26 @@ class RunPlanner:
         self._layer_base = np.array(layer_base, dtype=np.int64)
         self._layer_stride = np.array(layer_stride, dtype=np.int64)
         self._layer_bytes = np.array(kv.layer_bytes, dtype=np.int64)
+        self._storages_vary = len(set(layer_storage)) > 1  # else entries hold one value, broadcast
+        self._sizes_vary = not kv.uniform
+        self._strides_vary = len(set(layer_stride)) > 1
         self._groups = [np.array(g, dtype=np.int64) for g in kv.layer_groups]
         layout = host.layout
+        page = kv.page_bytes
+        # whether layer l + 1 of a block continues layer l in the engine's memory (block-outermost layouts)
+        self._layer_joins = int(np.sum((self._layer_storage[1:] == self._layer_storage[:-1])
+                                       & (self._layer_base[1:] == self._layer_base[:-1] + page)
+                                       & (self._layer_stride[1:] == self._layer_stride[:-1])))
         self.page_bytes = kv.page_bytes
         self.num_blocks = kv.num_blocks
+        self.num_layers = kv.num_layers
         self._layout = layout
         self.segment_bytes = register_chunk_bytes(layout.slot_bytes)
 
     def entries(self, pages: Sequence[PageCopy]) -> PageEntries:
         """The job's (layer, page) copies in host order, not merged. IndexError naming the first
         page out of range, before anything could be copied."""
-        table = np.array([(p.slot, p.sub, p.block_id, p.group) for p in pages], dtype=np.int64).reshape(-1, 4)
-        self._check(table, pages)
+        table = self.table(pages)
         if len(self._groups) == 1:
             e_storage, e_offset, h_offset, size = self._one_group(table)
         else:
@@ -129,7 +151,74 @@ class RunPlanner:
         if len(h_offset) > 1 and not np.all(h_offset[1:] > h_offset[:-1]):
             order = np.argsort(h_offset)
             e_storage, e_offset, h_offset, size = e_storage[order], e_offset[order], h_offset[order], size[order]
-        return PageEntries(e_storage, e_offset, h_offset, np.ascontiguousarray(size))
+        return PageEntries(e_storage, e_offset, h_offset, size)
+
+    def table(self, pages: Sequence[PageCopy]) -> np.ndarray:
+        """The job's pages as an ``[n, 4]`` array, checked: IndexError naming the first page out of
+        range, before anything could be copied."""
+        table = page_table(pages)
+        self._check(table, pages)
+        return table
+
+    def slot_job(self, table: np.ndarray) -> SlotJob | None:
+        """``table`` (checked) as a :class:`SlotJob` when it is one (one KV cache group, one page per
+        kvtier block, one page size, no slot twice), else None."""
+        if len(self._groups) != 1 or self._layout.pages_per_block != 1 or self._sizes_vary or not len(table):
+            return None
+        slot, block = table[:, 0], table[:, 2]
+        if len(slot) > 1 and not np.all(slot[1:] > slot[:-1]):
+            order = np.argsort(slot, kind="stable")
+            slot, block = slot[order], block[order]
+            if np.any(slot[1:] == slot[:-1]):
+                return None
+        return SlotJob(slot, block)
+
+    def engine_rows(self, job: SlotJob) -> np.ndarray:
+        """Byte offsets of the job's pages in their engine storage, host order ([block, layer] flattened)."""
+        if self._strides_vary:
+            return (job.block[:, None] * self._layer_stride + self._layer_base).ravel()
+        return (job.block[:, None] * int(self._layer_stride[0]) + self._layer_base).ravel()
+
+    def block_breaks(self, job: SlotJob) -> np.ndarray:
+        """``breaks[i]`` (i >= 1): kvtier block ``i`` does not continue block ``i - 1`` in the host
+        region (slots not consecutive, or a pinning chunk between them); ``breaks[0]`` is True."""
+        slot = job.slot
+        breaks = np.ones(len(slot), dtype=bool)
+        breaks[1:] = slot[1:] != slot[:-1] + 1
+        if self.segment_bytes < self._layout.region_bytes:
+            chunk = slot * self._layout.slot_bytes // self.segment_bytes
+            breaks[1:] |= chunk[1:] != chunk[:-1]
+        return breaks
+
+    def _block_joins(self, job: SlotJob) -> np.ndarray:
+        """Whether block ``i + 1``'s first layer continues block ``i``'s last on both sides."""
+        last = len(self._layer_base) - 1
+        engine = (job.block[1:] * self._layer_stride[0] + self._layer_base[0]
+                  == job.block[:-1] * self._layer_stride[last] + self._layer_base[last] + self.page_bytes)
+        same = self._layer_storage[0] == self._layer_storage[last]
+        return ~self.block_breaks(job)[1:] & engine & same
+
+    def count_slot_runs(self, job: SlotJob) -> int:
+        """How many runs :meth:`merge` would make of the job's entries (computed per block)."""
+        layers = len(self._layer_base)
+        return len(job) * (layers - self._layer_joins) - int(self._block_joins(job).sum())
+
+    def merge_slots(self, direction: Direction, job: SlotJob) -> ByteRuns | None:
+        """:meth:`merge` of the job's entries computed per block, where every block is one run in
+        the engine (block-outermost layouts); None otherwise."""
+        layers = len(self._layer_base)
+        if self._layer_joins != layers - 1:
+            return None
+        starts = np.flatnonzero(np.concatenate(([True], ~self._block_joins(job))))
+        sizes = np.diff(np.append(starts, len(job))) * (layers * self.page_bytes)
+        e_offset = job.block[starts] * self._layer_stride[0] + self._layer_base[0]
+        h_offset = job.slot[starts] * self._layout.slot_bytes
+        e_storage = np.full(len(starts), self._layer_storage[0], dtype=np.int64)
+        h_storage = np.full(len(starts), self.host_storage, dtype=np.int64)
+        src, dst = ((e_storage, e_offset), (h_storage, h_offset)) if direction is Direction.STORE else \
+            ((h_storage, h_offset), (e_storage, e_offset))
+        return ByteRuns(direction, self.storages, src[0], src[1], dst[0], dst[1], sizes.astype(np.int64),
+                        self._pointers[src[0]] + src[1], self._pointers[dst[0]] + dst[1], len(job) * layers)
 
     def plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns:
         """The merged runs of a job. IndexError naming the first page out of range, before anything
@@ -172,23 +261,30 @@ class RunPlanner:
         layout = self._layout
         slot, sub, block = table[:, 0:1], table[:, 1:2], table[:, 2:3]
         shape = (len(table), len(layers))
-        engine_storage = np.broadcast_to(self._layer_storage[layers], shape)
-        engine_offset = self._layer_base[layers] + block * self._layer_stride[layers]
-        host_offset = ((slot * layout.num_layers + layers) * layout.pages_per_block + sub) * self.page_bytes
-        return engine_storage, engine_offset, host_offset, np.broadcast_to(self._layer_bytes[layers], shape)
+        engine_storage = np.broadcast_to(self._layer_storage[layers] if self._storages_vary else 0, shape)
+        if self._strides_vary:
+            engine_offset = self._layer_base[layers] + block * self._layer_stride[layers]
+        else:  # one [pages, layers] operation instead of two
+            engine_offset = block * int(self._layer_stride[0]) + self._layer_base[layers]
+        # ((slot * num_layers + layer) * pages_per_block + sub) * page, with one [pages, layers] operation
+        page_run = layout.pages_per_block * self.page_bytes
+        host_offset = (slot * (layout.num_layers * page_run) + sub * self.page_bytes) + layers * page_run
+        sizes = np.broadcast_to(self._layer_bytes[layers] if self._sizes_vary else self.page_bytes, shape)
+        return engine_storage, engine_offset, host_offset, sizes
 
     def _one_group(self, table: np.ndarray) -> tuple[np.ndarray, ...]:
         """Pages sorted by (slot, sub), laid out in host order (slot, layer, sub) without sorting
         the (page, layer) entries when every slot of the job has its whole block (the usual job);
         else left for the caller's sort."""
-        table = table[np.lexsort((table[:, 1], table[:, 0]))]
-        grids = self._grid(table, self._groups[0])
         per_block = self._layout.pages_per_block
+        if per_block > 1 or len(table) < 2 or not np.all(table[1:, 0] > table[:-1, 0]):
+            table = table[np.lexsort((table[:, 1], table[:, 0]))]
+        grids = self._grid(table, self._groups[0])
         if per_block > 1 and len(table) % per_block == 0:
             subs, slots = table[:, 1].reshape(-1, per_block), table[:, 0].reshape(-1, per_block)
             if (subs == np.arange(per_block)).all() and (slots == slots[:, :1]).all():
-                return tuple(g.reshape(-1, per_block, g.shape[1]).transpose(0, 2, 1).ravel() for g in grids)
-        return tuple(g.ravel() for g in grids)
+                grids = tuple(g.reshape(-1, per_block, g.shape[1]).transpose(0, 2, 1) for g in grids)
+        return tuple(_flat(g) for g in grids)
 
     def _every_group(self, table: np.ndarray) -> tuple[np.ndarray, ...]:
         parts = [self._grid(table[table[:, 3] == group], layers) for group, layers in enumerate(self._groups)]
@@ -196,11 +292,21 @@ class RunPlanner:
 
     def _check(self, table: np.ndarray, pages: Sequence[PageCopy]) -> None:
         layout = self._layout
-        bounds = (layout.num_slots, layout.pages_per_block, self.num_blocks, len(self._groups))
-        bad = np.flatnonzero(((table < 0) | (table >= np.array(bounds))).any(axis=1))
+        bounds = np.array((layout.num_slots, layout.pages_per_block, self.num_blocks, len(self._groups)))
+        if not len(table) or (table.min() >= 0 and (table.max(axis=0) < bounds).all()):
+            return
+        bad = np.flatnonzero(((table < 0) | (table >= bounds)).any(axis=1))
         if len(bad):
             p = pages[int(bad[0])]
             raise IndexError(
                 f"page {p} out of range ({layout.num_slots} slots x {layout.pages_per_block} pages per block, "
                 f"engine blocks [0, {self.num_blocks}), {len(self._groups)} KV cache groups)"
             )
+
+
+def _flat(grid: np.ndarray) -> np.ndarray:
+    """``grid`` flattened in C order; a grid of one value (a broadcast: one storage, one page
+    size) as a 1-D broadcast of it, without copying."""
+    if grid.size and grid.strides and not any(grid.strides):
+        return np.broadcast_to(grid.flat[0], (grid.size,))
+    return grid.ravel()

@@ -1,32 +1,42 @@
-"""Small pages moved through a device staging buffer: one gather (or scatter) kernel and a few large
-DMA copies per job, instead of one DMA descriptor per (layer, page).
+"""Small pages moved through device staging buffers, pipelined: gathers (or scatters) at the device
+memory's speed on one queue, large DMA copies on another, overlapped chunk by chunk.
 
 Why: under FlashAttention's default layout (LBNHC) a page is one layer of one block, and a kvtier
 block's pages are consecutive in the engine's memory only when its engine block ids are, so a job
 is one descriptor per (layer, page) (:mod:`kvtier.copy.runs`). With tensor parallelism a page is
-small (one KV head x 16 tokens x 256 values x bf16 = 8 KiB), and copy engines move small
-descriptors far below the link's bandwidth; vLLM's own offloading switches to a Triton copy
-kernel below ~28 KiB per descriptor (vLLM 0.32 ``v1/kv_offload/cpu/swap_blocks_triton.py:12-20``,
-``v1/kv_offload/cpu/gpu_worker.py:38-61``). Here, with torch ops only (no Triton needed):
+small (one KV head x 16 tokens x 256 values x bf16 = 8 KiB); copy engines move small descriptors
+far below the link's bandwidth (0.06-0.33 of one ``cudaMemcpyAsync`` at 8-16 KiB, measured on an
+H100), and issuing 16,384 descriptors costs the calling thread 10-15 ms. Copy kernels that read or
+write host memory directly reach the link but take a third to half of the GPU's SMs from the
+forward pass for the whole copy (docs/benchmarks.md). So, with torch ops and DMA only:
 
-- store: ``index_select`` gathers the job's pages, in host order, from the engine's storage viewed
-  as ``[rows, page_bytes]`` into a staging buffer on the device; then the staging buffer goes to the
-  host slots in runs as long as the host slots are contiguous (a whole slot at least: every layer
-  of a block), one batched call per chunk;
-- load: the host runs into the staging buffer, then ``index_copy_`` scatters the rows into the
-  engine's pages.
+- store, per chunk: ``index_select`` gathers the chunk's pages, in host order, from the engine's
+  storage viewed as ``[rows, page]`` words into staging buffer ``k`` (on the KERNEL lane, at
+  ~1 TB/s); the TRANSFER lane waits for it and copies buffer ``k`` to the host slots in runs as
+  long as the host slots are contiguous (a whole slot at least), then marks ``k`` free; the
+  gather of chunk ``c + buffers`` waits for that mark. While chunk ``c`` crosses the link, chunk
+  ``c + 1`` is gathered: the link never waits for a gather but the first.
+- load, per chunk: the TRANSFER lane copies the host runs into buffer ``k``; the KERNEL lane waits
+  and ``index_copy_`` scatters the rows into the engine's pages, then marks ``k`` free for the
+  transfer of chunk ``c + buffers``.
 
-Everything runs on the copy engine's side stream, ordered by it (:mod:`kvtier.copy.cuda`): the
-kernels, the copies, and the upload of the row indices (from page-locked memory, so the upload
-never blocks the calling thread). The staging buffer is at most :data:`STAGING_BYTES` per side
-stream, allocated once on that stream and reused: chunks of a job, and jobs, follow one another
-in stream order. :class:`CopyMethod` picks the path per job; which one is faster at which page
-size is for the GPU kit to measure (``scripts/gpu-check.sh``): the threshold
-:data:`STAGE_BELOW_BYTES` follows vLLM's and has not been measured on a GPU with kvtier.
+Ordering: a job begins on both lanes after everything issued before it on its side stream (the
+TRANSFER lane; the copy engine made it wait for the compute stream), and ends with the TRANSFER
+lane waiting for the KERNEL lane, so the copy engine's ``end`` event (:mod:`kvtier.copy.cuda`)
+covers the whole job and every ordering rule of :mod:`kvtier.copy.base` holds as for one stream.
+Consecutive jobs of a direction reuse its buffers safely: the next job's KERNEL lane starts after
+the TRANSFER lane reached it, i.e. after every copy out of (or into) the buffers before it.
 
-A :class:`StagedRuns` is carried out with torch ops on whatever device holds the KV (CPU tensors
-in the tests, where the host transfers are torch copies too), so its indexing is tested on CPU.
-Called on the thread that starts a job (planning) and by the device's ``copy`` (issuing).
+:class:`StagingLanes` is what a job asks of the device; :class:`~kvtier.copy.streams.TorchCudaStreams`
+implements it with two CUDA streams and events, the tests' simulated device with two simulated
+streams (``tests/sim_device.py``), so the same schedule (:meth:`StagedRuns.issue`) is checked for
+bit-exactness and ordering on CPU tensors.
+
+Memory: :data:`STAGING_BUFFERS` buffers of :data:`STAGING_CHUNK_BYTES` per direction (64 MiB, so
+128 MiB of device memory for stores and loads), allocated when the copy engine is built (vLLM
+registering its KV caches) and kept; a job larger than that goes in chunks. :class:`CopyMethod` and
+:mod:`kvtier.copy.choice` pick staged or runs per job. Planning is called on the thread that
+starts a job; :meth:`StagedRuns.issue` by the device's ``copy`` on that same thread.
 """
 
 from __future__ import annotations
@@ -34,46 +44,94 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from kvtier.copy.base import Direction
 from kvtier.copy.pages import PagedKV, storage_bytes
-from kvtier.copy.runs import PageEntries, RunPlanner
+from kvtier.copy.runs import PageEntries, RunPlanner, SlotJob
 
-STAGING_BYTES = 16 * 2**20  # per side stream; a job larger than this goes in chunks of it
-STAGE_BELOW_BYTES = 32 * 2**10  # AUTO stages a job whose runs average fewer bytes (vLLM: ~28 KiB)
+STAGING_CHUNK_BYTES = 32 * 2**20  # one staging buffer; a chunk of a job fills at most one
+STAGING_BUFFERS = 2  # per direction: a chunk crosses the link while the next is gathered
+STAGE_BELOW_BYTES = 32 * 2**10  # runs averaging fewer bytes are always staged (vLLM: ~28 KiB)
 
 
 class CopyMethod(enum.Enum):
     """How the CUDA engine moves a job of dense pages."""
 
     RUNS = "runs"  # one DMA descriptor per merged run (cudaMemcpyBatchAsync)
-    STAGED = "staged"  # gather/scatter kernel through a device staging buffer, large host runs
-    AUTO = "auto"  # STAGED when the job's runs average below STAGE_BELOW_BYTES, else RUNS
+    STAGED = "staged"  # gather/scatter kernels through device staging buffers, pipelined with large DMAs
+    AUTO = "auto"  # per job: staged below STAGE_BELOW_BYTES per run, else the faster one as measured
+    PAGES = "pages"  # not a choice: how strided pages (and the CPU engine's) move, one copy per page pair
+
+
+class Lane(enum.Enum):
+    KERNEL = "kernel"  # gathers and scatters (device memory only)
+    TRANSFER = "transfer"  # host copies; the job's side stream
+
+
+class StagingLanes(Protocol):
+    """The two queues one staged job is issued on, and marks between them (each mark a reusable
+    event named by a small integer; a wait binds to the mark's latest record, issued before it).
+    Every call issues work and returns at once; nothing here blocks."""
+
+    def upload(self, index: np.ndarray) -> torch.Tensor:
+        """Issue the upload of ``index`` (int64) to the device on the KERNEL lane; the device
+        tensor it lands in (valid for work issued on that lane from now on, until the next
+        upload). Never blocks (from page-locked memory on a GPU)."""
+
+    def begin(self) -> None:
+        """Both lanes start after everything issued so far on the TRANSFER lane."""
+
+    def kernel(self, work: Callable[[], object], what: str) -> None:
+        """Issue torch device work ``work()`` on the KERNEL lane (``what`` names it in traces)."""
+
+    def transfer(self, runs: HostRuns) -> None:
+        """Issue one chunk's host copies on the TRANSFER lane."""
+
+    def mark(self, lane: Lane, mark: int) -> None:
+        """Record ``mark`` at the point ``lane`` has reached."""
+
+    def wait(self, lane: Lane, mark: int) -> None:
+        """Work issued on ``lane`` from now on waits for ``mark`` (as last recorded)."""
+
+    def finish(self) -> None:
+        """The TRANSFER lane waits for everything issued on the KERNEL lane."""
+
+
+def filled(buffer: int) -> int:
+    """The mark of staging buffer ``buffer`` holding its chunk (gathered, or arrived from the host)."""
+    return 2 * buffer
+
+
+def freed(buffer: int) -> int:
+    """The mark of staging buffer ``buffer`` free again (its chunk copied out, or scattered)."""
+    return 2 * buffer + 1
 
 
 @dataclass(frozen=True, eq=False)
 class HostRuns:
-    """One chunk's copies between the staging buffer and the host region: run ``i`` is
+    """One chunk's copies between a staging buffer and the host region: run ``i`` is
     ``sizes[i]`` bytes at ``staging_offset[i]`` of ``staging`` and ``host_offset[i]`` of ``host``;
-    to the host for a store, from it for a load."""
+    to the host for a store, from it for a load. ``staging_addr`` / ``host_addr``: the same
+    places as raw addresses (what a batched copy call reads)."""
 
     direction: Direction
-    staging: torch.Tensor  # 1-D uint8, on the device
+    staging: torch.Tensor  # 1-D uint8 view of one staging buffer, on the device
     host: torch.Tensor  # 1-D uint8, the whole host region
     staging_offset: np.ndarray
     host_offset: np.ndarray
     sizes: np.ndarray
+    staging_addr: np.ndarray
+    host_addr: np.ndarray
 
     def addresses(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(destinations, sources, sizes) as raw addresses, what a batched copy call reads."""
-        staging = self.staging.data_ptr() + self.staging_offset
-        host = self.host.data_ptr() + self.host_offset
+        """(destinations, sources, sizes) as raw addresses."""
         if self.direction is Direction.STORE:
-            return host, staging, self.sizes
-        return staging, host, self.sizes
+            return self.host_addr, self.staging_addr, self.sizes
+        return self.staging_addr, self.host_addr, self.sizes
 
     def views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(destinations, sources) as 1-D uint8 views, for torch copies."""
@@ -83,74 +141,135 @@ class HostRuns:
         return (host, staging) if self.direction is Direction.STORE else (staging, host)
 
 
+class StagingBuffers:
+    """One direction's staging buffers: ``count`` device buffers of ``chunk_pages`` pages each, as
+    ``[chunk_pages, words]`` views (``words`` of the planner's word type) and as flat bytes.
+    Allocated once, on the calling thread (the memory is never freed while the engine lives, so no
+    stream of the allocator's bookkeeping matters); used in the order of the direction's lanes."""
+
+    def __init__(self, device: torch.device, count: int, chunk_pages: int, page_words: int, word: torch.dtype):
+        whole = torch.empty(count * chunk_pages, page_words, dtype=word, device=device)
+        self.rows = list(whole.view(count, chunk_pages, page_words).unbind(0))
+        self.flat = [rows.view(-1).view(torch.uint8) for rows in self.rows]
+        self.addresses = np.array([flat.data_ptr() for flat in self.flat], dtype=np.int64)
+        self.bytes = whole.numel() * whole.element_size()
+
+
 @dataclass(frozen=True, eq=False)
 class StagedRuns:
-    """One job through the staging buffer (see the module docstring). ``index``: the engine row of
-    each page, host order; chunk ``c`` is pages ``[c * chunk_pages, (c + 1) * chunk_pages)``."""
+    """One job through the staging buffers (see the module docstring). ``index``: the engine row
+    of each page, host order; chunk ``c`` is pages ``[c * chunk_pages, (c + 1) * chunk_pages)``
+    and runs ``[run_bounds[c], run_bounds[c + 1])`` of the run arrays (``staging_offset`` within
+    the chunk's buffer, ``host_offset`` in the host region, ``sizes``, ``staging_addr`` /
+    ``host_addr``: the same in raw addresses, buffer ``c % len(buffers.rows)``)."""
 
     direction: Direction
-    rows: torch.Tensor  # [rows, page_bytes] uint8 view of the engine's storage
+    rows: torch.Tensor  # [rows, words] view of the engine's storage
     host: torch.Tensor
     index: np.ndarray
     chunk_pages: int
-    chunks: tuple[tuple[np.ndarray, np.ndarray, np.ndarray], ...]  # per chunk: staging offset, host offset, size
-    staging: Callable[[int], torch.Tensor]  # the side stream's staging buffer, at least n bytes
+    run_bounds: np.ndarray
+    staging_offset: np.ndarray
+    host_offset: np.ndarray
+    sizes: np.ndarray
+    staging_addr: np.ndarray
+    host_addr: np.ndarray
+    buffers: StagingBuffers
 
     @property
     def num_bytes(self) -> int:
-        return len(self.index) * self.rows.shape[1]
+        return len(self.index) * self.rows.shape[1] * self.rows.element_size()
 
     @property
     def num_pages(self) -> int:
         return len(self.index)
 
     @property
+    def num_chunks(self) -> int:
+        return len(self.run_bounds) - 1
+
+    @property
     def num_runs(self) -> int:
         """Host copies (DMA descriptors) of the job."""
-        return sum(len(chunk[2]) for chunk in self.chunks)
+        return len(self.sizes)
 
-    def carry_out(self, transfer: Callable[[HostRuns], None]) -> None:
-        """Issue the job on the current stream of the engine's device: index upload, then per
-        chunk the gather and its host copies (store) or the host copies and the scatter (load);
-        ``transfer`` issues one chunk's host copies on that stream."""
-        device = self.rows.device
-        page = self.rows.shape[1]
-        index = torch.from_numpy(self.index)
-        if device.type == "cuda":  # from page-locked memory: the upload never blocks this thread
-            index = torch.empty(len(self.index), dtype=torch.int64, pin_memory=True).copy_(index)
-        index = index.to(device, non_blocking=True)
-        buffer = self.staging(min(len(self.index), self.chunk_pages) * page)
-        for c, (staging_offset, host_offset, sizes) in enumerate(self.chunks):
-            rows = index[c * self.chunk_pages:(c + 1) * self.chunk_pages]
-            staged = buffer[: len(rows) * page]
-            runs = HostRuns(self.direction, staged, self.host, staging_offset, host_offset, sizes)
-            if self.direction is Direction.STORE:
-                torch.index_select(self.rows, 0, rows, out=staged.view(len(rows), page))
-                transfer(runs)
+    def chunk_runs(self, chunk: int) -> HostRuns:
+        """Chunk ``chunk``'s host copies, through its staging buffer."""
+        lo, hi = int(self.run_bounds[chunk]), int(self.run_bounds[chunk + 1])
+        buffer = chunk % len(self.buffers.flat)
+        return HostRuns(self.direction, self.buffers.flat[buffer], self.host, self.staging_offset[lo:hi],
+                        self.host_offset[lo:hi], self.sizes[lo:hi], self.staging_addr[lo:hi], self.host_addr[lo:hi])
+
+    def issue(self, lanes: StagingLanes) -> None:
+        """Issue the whole job on ``lanes`` (see the module docstring); returns at once."""
+        count = len(self.buffers.rows)
+        store = self.direction is Direction.STORE
+        chunks = self.num_chunks
+        index = lanes.upload(self.index)  # needs no ordering but the KERNEL lane's own: before begin()
+        lanes.begin()
+        for c in range(chunks):
+            buffer = c % count
+            lo = c * self.chunk_pages
+            pages = min(self.chunk_pages, len(self.index) - lo)
+            staged = self.buffers.rows[buffer][:pages]
+            reused = c >= count  # an earlier chunk of this job went through this buffer
+            last_use = c + count >= chunks  # no later chunk waits for this buffer
+            runs = self.chunk_runs(c)
+            if store:
+                if reused:
+                    lanes.wait(Lane.KERNEL, freed(buffer))
+                lanes.kernel(lambda lo=lo, pages=pages, staged=staged: torch.index_select(
+                    self.rows, 0, index[lo:lo + pages], out=staged), f"gather chunk {c}")
+                lanes.mark(Lane.KERNEL, filled(buffer))
+                lanes.wait(Lane.TRANSFER, filled(buffer))
+                lanes.transfer(runs)
+                if not last_use:
+                    lanes.mark(Lane.TRANSFER, freed(buffer))
             else:
-                transfer(runs)
-                self.rows.index_copy_(0, rows, staged.view(len(rows), page))
+                if reused:
+                    lanes.wait(Lane.TRANSFER, freed(buffer))
+                lanes.transfer(runs)
+                lanes.mark(Lane.TRANSFER, filled(buffer))
+                lanes.wait(Lane.KERNEL, filled(buffer))
+                lanes.kernel(lambda lo=lo, pages=pages, staged=staged: self.rows.index_copy_(
+                    0, index[lo:lo + pages], staged), f"scatter chunk {c}")
+                if not last_use:
+                    lanes.mark(Lane.KERNEL, freed(buffer))
+        lanes.finish()
+
+
+class StagingUnavailable(RuntimeError):
+    """The staging buffers could not be allocated (device memory): jobs go as runs instead."""
 
 
 class StagedPlanner:
     """Plans :class:`StagedRuns` from a :class:`~kvtier.copy.runs.RunPlanner`'s entries. Only for
     KV whose every page is a row of one storage seen as ``[rows, page_bytes]`` (:meth:`fits`):
     one allocation (vLLM 0.32 allocates one), one page size, every page starting at a multiple of
-    it (LBNHC, LBHNC, BLNHC, BLHNC, padded or not; kernel-split blocks regrouped)."""
+    it (LBNHC, LBHNC, BLNHC, BLHNC, padded or not; kernel-split blocks regrouped; MLA; Mamba state
+    pages padded to the attention page). Pages move as the widest word (int64 where the page size
+    allows): torch's ``index_copy_`` moves uint8 rows at a third of the speed.
 
-    def __init__(self, kv: PagedKV, runs: RunPlanner, host: torch.Tensor, staging_bytes: int = STAGING_BYTES):
+    Owns the staging buffers, one :class:`StagingBuffers` per direction (each direction's jobs
+    run in its lanes' order)."""
+
+    def __init__(self, kv: PagedKV, runs: RunPlanner, host: torch.Tensor,
+                 chunk_bytes: int = STAGING_CHUNK_BYTES, buffers: int = STAGING_BUFFERS):
         if not self.fits(kv):
             raise ValueError("staged copies need every page as a row of one storage ([rows, page_bytes])")
         assert kv.rows is not None
         page = kv.page_bytes
         storage = storage_bytes(kv.rows[0])
-        self.rows = storage[: storage.numel() // page * page].view(-1, page)
+        word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if page % w.itemsize == 0)
+        self.rows = storage[: storage.numel() // page * page].view(-1, page).view(word)
+        self.word = word
         self.page_bytes = page
         self.runs = runs
         self.host = host
         self.segment_bytes = runs.segment_bytes
-        self.chunk_pages = max(staging_bytes // page, 1)
-        self._buffers: dict[int, torch.Tensor] = {}  # per current stream (the side streams)
+        self.chunk_pages = max(chunk_bytes // page, 1)
+        self.buffer_count = max(buffers, 1)
+        self._buffers: dict[Direction, StagingBuffers] = {}
 
     @staticmethod
     def fits(kv: PagedKV) -> bool:
@@ -162,37 +281,65 @@ class StagedPlanner:
             rows.storage_offset() % page == 0 and (rows.shape[0] < 2 or rows.stride(0) % page == 0)
             for rows in kv.rows)
 
+    @property
+    def staging_bytes(self) -> int:
+        """Device memory the staging buffers take once both directions staged a job."""
+        return 2 * self.buffer_count * self.chunk_pages * self.page_bytes
+
     def plan(self, direction: Direction, entries: PageEntries) -> StagedRuns:
-        page, chunk = self.page_bytes, self.chunk_pages
-        count = len(entries)
+        """The job's chunks and host runs from its entries (vectorized). Raises
+        :class:`StagingUnavailable` if the direction's buffers cannot be allocated."""
+        page, count = self.page_bytes, len(entries)
         h = entries.h_offset
-        position = np.arange(count)
-        joins = (h[1:] == h[:-1] + page) & (position[1:] % chunk != 0)
-        if self.segment_bytes < self.host.numel():  # several pinning registrations: never across one
-            joins &= h[1:] // self.segment_bytes == h[:-1] // self.segment_bytes
-        starts = np.flatnonzero(np.concatenate(([True], ~joins))) if count else np.zeros(0, dtype=np.int64)
+        if count:
+            joins = h[1:] == h[:-1] + page
+            if self.segment_bytes < self.host.numel():  # several pinning registrations: never across one
+                joins &= h[1:] // self.segment_bytes == h[:-1] // self.segment_bytes
+            breaks = np.flatnonzero(np.concatenate(([True], ~joins)))
+        else:
+            breaks = np.zeros(0, dtype=np.int64)
+        return self._plan(direction, entries.e_offset // page, breaks, lambda starts: h[starts])
+
+    def plan_slots(self, direction: Direction, job: SlotJob) -> StagedRuns:
+        """:meth:`plan` of a :class:`~kvtier.copy.runs.SlotJob`, computed per block: the host runs
+        break only where blocks do (a block's layers are one run of its slot)."""
+        layers = self.runs.num_layers
+        breaks = np.flatnonzero(self.runs.block_breaks(job)) * layers
+
+        def host_offset(starts: np.ndarray) -> np.ndarray:
+            return (job.slot[starts // layers] * layers + starts % layers) * self.page_bytes
+
+        return self._plan(direction, self.runs.engine_rows(job) // self.page_bytes, breaks, host_offset)
+
+    def _plan(self, direction: Direction, index: np.ndarray, breaks: np.ndarray,
+              host_offset: Callable[[np.ndarray], np.ndarray]) -> StagedRuns:
+        """The plan of pages ``index`` (engine rows, host order) whose host copies break at the
+        page positions ``breaks`` and at every chunk's start; ``host_offset(starts)``: where in
+        the host region the pages at positions ``starts`` go."""
+        page, chunk, count = self.page_bytes, self.chunk_pages, len(index)
+        starts = np.union1d(breaks, np.arange(0, count, chunk)) if count else breaks
         sizes = np.diff(np.append(starts, count)) * page
         chunk_of = starts // chunk
+        run_bounds = np.searchsorted(chunk_of, np.arange(-(-count // chunk) + 1), side="left")
+        buffers = self.buffers(direction)
         staging_offset = (starts % chunk) * page
-        chunks = tuple((staging_offset[chunk_of == c], h[starts][chunk_of == c], sizes[chunk_of == c])
-                       for c in range(-(-count // chunk)))
-        return StagedRuns(direction, self.rows, self.host, entries.e_offset // page, chunk, chunks, self._staging)
+        hosts = host_offset(starts)
+        staging_addr = buffers.addresses[chunk_of % self.buffer_count] + staging_offset
+        host_addr = self.host.data_ptr() + hosts
+        return StagedRuns(direction, self.rows, self.host, index, chunk, run_bounds, staging_offset, hosts,
+                          sizes.astype(np.int64), staging_addr, host_addr, buffers)
 
-    def _staging(self, size: int) -> torch.Tensor:
-        """The current stream's staging buffer, ``chunk_pages`` pages (allocated on that stream at
-        its first job, then reused in that stream's order)."""
-        device = self.rows.device
-        key = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        buffer = self._buffers.get(key)
-        if buffer is None:
-            buffer = self._buffers[key] = torch.empty(self.chunk_pages * self.page_bytes, dtype=torch.uint8,
-                                                      device=device)
-        assert buffer.numel() >= size
-        return buffer
-
-
-def choose(method: CopyMethod, runs_bytes: int, num_runs: int) -> CopyMethod:
-    """The path of one job under ``method``: RUNS or STAGED."""
-    if method is not CopyMethod.AUTO:
-        return method
-    return CopyMethod.STAGED if num_runs and runs_bytes / num_runs < STAGE_BELOW_BYTES else CopyMethod.RUNS
+    def buffers(self, direction: Direction) -> StagingBuffers:
+        """The direction's staging buffers (allocated at the first call). Raises
+        :class:`StagingUnavailable` if they cannot be allocated."""
+        buffers = self._buffers.get(direction)
+        if buffers is None:
+            try:
+                buffers = StagingBuffers(self.rows.device, self.buffer_count, self.chunk_pages, self.rows.shape[1],
+                                         self.word)
+            except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+                raise StagingUnavailable(
+                    f"cannot allocate {self.buffer_count} x {self.chunk_pages * self.page_bytes} B of staging "
+                    f"buffers on {self.rows.device}: {exc}") from exc
+            self._buffers[direction] = buffers
+        return buffers

@@ -16,16 +16,18 @@ only :meth:`~DeviceStreams.synchronize` blocks.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvtier.copy.cudart import CudaRuntime, LoadedCudart, SourceOrder
 from kvtier.copy.base import Direction
 from kvtier.copy.pages import CopyPlan
 from kvtier.copy.runs import ByteRuns
-from kvtier.copy.staging import HostRuns, StagedRuns
+from kvtier.copy.staging import HostRuns, Lane, StagedRuns
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,12 @@ class TorchCudaStreams:
 
     Streams: kvtier's own (:meth:`new_stream`), destroyed by :meth:`close`.
 
+    Staged jobs (:class:`~kvtier.copy.staging.StagedRuns`) run on two lanes: the side stream
+    (TRANSFER: host copies) and a KERNEL stream of kvtier's own paired with it (gathers, scatters,
+    the index upload), ordered by events of the runtime made once per pair
+    (:class:`_CudaLanes`); the KERNEL stream is current while a job is issued, so the torch ops
+    run there.
+
     Copies: a job's :class:`~kvtier.copy.runs.ByteRuns` go out in one ``cudaMemcpyBatchAsync``
     (CUDA runtime 12.8 and later; one ``cudaMemcpyAsync`` per run before, or where the driver
     refused a batch) on the side stream, sources read in stream order for stores (engine memory)
@@ -93,6 +101,7 @@ class TorchCudaStreams:
             logger.warning("kvtier: no CUDA runtime library found: copies go one page at a time through torch")
         self._foreach_copy = foreach_copy
         self._own_streams: list[int] = []
+        self._lanes: dict[Any, _CudaLanes] = {}  # per side stream (a staged job's TRANSFER lane)
 
     def current_stream(self) -> Any:
         return self._cuda.current_stream(self.device)
@@ -109,6 +118,9 @@ class TorchCudaStreams:
         return self._cuda.ExternalStream(handle, device=self.device)
 
     def close(self) -> None:
+        lanes, self._lanes = list(self._lanes.values()), {}
+        for pair in lanes:
+            pair.close()
         streams, self._own_streams = self._own_streams, []
         for handle in streams:
             self.runtime.stream_destroy(handle)
@@ -122,10 +134,19 @@ class TorchCudaStreams:
     def wait(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
+    def prepare_staging(self, stream: Any, rows: torch.Tensor) -> None:
+        """Make ``stream``'s staged-job lanes now (see :class:`_CudaLanes`), for pages moved as
+        rows like ``rows`` (a staging buffer: its dtype and row length)."""
+        if stream not in self._lanes:
+            with self._cuda.device(self.device):
+                self._lanes[stream] = _CudaLanes(self, stream, self._kernel_stream(stream), rows)
+
     def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
-        if isinstance(plan, StagedRuns):  # kernels, index upload and staging buffer on the side stream
-            with self._cuda.device(self.device), self._cuda.stream(stream):
-                plan.carry_out(lambda runs: self._host_copies(stream, runs))
+        if isinstance(plan, StagedRuns):  # kernels on the pair's KERNEL stream, host copies on ``stream``
+            self.prepare_staging(stream, plan.buffers.rows[0])
+            lanes = self._lanes[stream]
+            with self._cuda.device(self.device), self._cuda.stream(lanes.kernel_stream):
+                plan.issue(lanes)
             return
         if isinstance(plan, ByteRuns) and self.runtime is not None:
             order = SourceOrder.STREAM if plan.direction is Direction.STORE else SourceOrder.ANY
@@ -135,6 +156,16 @@ class TorchCudaStreams:
         dsts, srcs = plan.views()
         with self._cuda.stream(stream):
             self._foreach_copy(dsts, srcs, non_blocking=True)
+
+    def _kernel_stream(self, transfer: Any) -> Any:
+        """A stream for ``transfer``'s KERNEL lane: neither it nor the compute stream (a pool
+        stream only where no runtime library was found: then compared and taken again)."""
+        compute = self.current_stream()
+        for _ in range(64):
+            stream = self.new_stream()
+            if stream != compute and stream != transfer:
+                return stream
+        raise RuntimeError("kvtier: the device hands out no stream for staged copies but the compute stream")
 
     def _host_copies(self, stream: Any, runs: HostRuns) -> None:
         """One staged chunk's host copies on ``stream`` (the current stream): batched where the
@@ -153,3 +184,120 @@ class TorchCudaStreams:
 
     def elapsed_seconds(self, start: Any, end: Any) -> float:
         return start.elapsed_time(end) / 1000.0
+
+
+class _CudaLanes:
+    """:class:`~kvtier.copy.staging.StagingLanes` on a pair of CUDA streams: ``transfer`` (the
+    side stream of a direction) and ``kernel_stream``, with the events of its marks made once
+    (ordering only, no timing) and reused by every job of the pair: a wait binds to a mark's
+    latest record, and each job records a mark before it waits for it. Events come from the
+    runtime where one was found (a third of torch's host time per call), else from torch.
+
+    Made when the copy engine is built (the device idle), so that nothing a first job does
+    waits for the device: the gather and scatter kernels of the rows' dtype are loaded (CUDA
+    loads modules lazily, and a load may wait for the work in flight), and index uploads go
+    from a page-locked ring of :data:`UPLOAD_RING_BYTES` made here (a job whose index does not
+    fit, or whose part of the ring the device has not read yet, takes torch's page-locked
+    allocator instead) into one device index tensor, grown when a job needs more.
+
+    ``kernel``: the work is run at once; :meth:`TorchCudaStreams.copy` made ``kernel_stream``
+    current around the whole job. Called on the thread that issues the forward only."""
+
+    UPLOAD_RING_BYTES = 4 * 2**20  # 512 Ki pages of index per job and in flight
+
+    def __init__(self, streams: TorchCudaStreams, transfer: Any, kernel_stream: Any, rows: torch.Tensor):
+        self.streams = streams
+        self.transfer_stream = transfer
+        self.kernel_stream = kernel_stream
+        self.runtime = streams.runtime
+        if self.runtime is not None:
+            self._handles = {Lane.TRANSFER: transfer.cuda_stream, Lane.KERNEL: kernel_stream.cuda_stream}
+        else:
+            self._handles = {Lane.TRANSFER: transfer, Lane.KERNEL: kernel_stream}
+        self._events: dict[int, Any] = {}  # mark -> event, made at its first record
+        cuda = streams._cuda
+        self._ring = torch.empty(self.UPLOAD_RING_BYTES, dtype=torch.uint8, pin_memory=True)
+        self._ring_words = self._ring.view(torch.int64)
+        self._ring_head = 0
+        self._ring_pending: deque[tuple[int, int, Any]] = deque()  # (first, end) words, event after its upload
+        with cuda.stream(kernel_stream):
+            self._index = torch.empty(64 * 1024, dtype=torch.int64, device=rows.device)
+            pick = self._index[:1].zero_()
+            source = torch.zeros(2, rows.shape[1], dtype=rows.dtype, device=rows.device)
+            target = torch.empty(1, rows.shape[1], dtype=rows.dtype, device=rows.device)
+            torch.index_select(source, 0, pick, out=target)  # load the kernels now
+            source.index_copy_(0, pick, target)
+        kernel_stream.synchronize()
+
+    def upload(self, index: np.ndarray) -> torch.Tensor:
+        count = len(index)
+        if count > len(self._index):  # grown on the KERNEL stream: freed memory is reused in its order
+            self._index = torch.empty(max(count, 2 * len(self._index)), dtype=torch.int64,
+                                      device=self._index.device)
+        first = self._take(count)
+        if first is None:
+            host = torch.empty(count, dtype=torch.int64, pin_memory=True)
+        else:
+            host = self._ring_words[first:first + count]
+        host.numpy()[:] = index
+        device = self._index[:count]
+        device.copy_(host, non_blocking=True)
+        if first is not None:
+            done = self.streams._cuda.Event()
+            done.record(self.kernel_stream)
+            self._ring_pending.append((first, first + count, done))
+        return device
+
+    def _take(self, count: int) -> int | None:
+        """Where ``count`` words of the ring can be written now, or None (too large, or those
+        words' last upload not run yet: never waited for)."""
+        size = len(self._ring_words)
+        if count > size:
+            return None
+        while self._ring_pending and self._ring_pending[0][2].query():
+            self._ring_pending.popleft()
+        first = self._ring_head if self._ring_head + count <= size else 0
+        end = first + count
+        if any(a < end and first < b for a, b, _ in self._ring_pending):
+            return None
+        self._ring_head = end
+        return first
+
+    BEGIN, KERNEL_END = -1, -2  # the lanes' own marks (a job's marks are >= 0)
+
+    def begin(self) -> None:
+        self.mark(Lane.TRANSFER, self.BEGIN)
+        self.wait(Lane.KERNEL, self.BEGIN)
+
+    def kernel(self, work: Callable[[], object], what: str) -> None:
+        work()
+
+    def transfer(self, runs: HostRuns) -> None:
+        self.streams._host_copies(self.transfer_stream, runs)
+
+    def mark(self, lane: Lane, mark: int) -> None:
+        event = self._events.get(mark)
+        if event is None:
+            event = self._events[mark] = (self.runtime.event_create() if self.runtime is not None
+                                          else self.streams._cuda.Event())
+        if self.runtime is not None:
+            self.runtime.event_record(event, self._handles[lane])
+        else:
+            event.record(self._handles[lane])
+
+    def wait(self, lane: Lane, mark: int) -> None:
+        if self.runtime is not None:
+            self.runtime.stream_wait_event(self._handles[lane], self._events[mark])
+        else:
+            self._handles[lane].wait_event(self._events[mark])
+
+    def finish(self) -> None:
+        self.mark(Lane.KERNEL, self.KERNEL_END)
+        self.wait(Lane.TRANSFER, self.KERNEL_END)
+
+    def close(self) -> None:
+        """Destroy the events (every job of the pair completed: the engine waited)."""
+        events, self._events = list(self._events.values()), {}
+        if self.runtime is not None:
+            for event in events:
+                self.runtime.event_destroy(event)

@@ -66,6 +66,9 @@ class KVTierStats:
     uncacheable_requests: int = 0
     host_evictions: int = 0
     node_unavailable: int = 0  # calls that found the kvtier node service unreachable: each a miss or a dropped store
+    copy_jobs_staged: int = 0  # engine <-> host copy jobs (each rank's), by how they moved (kvtier.copy)
+    copy_jobs_runs: int = 0
+    copy_jobs_pages: int = 0
     engine_to_host: TransferCounters = field(default_factory=TransferCounters)
     host_to_engine: TransferCounters = field(default_factory=TransferCounters)
     host_to_disk: TransferCounters = field(default_factory=TransferCounters)
@@ -101,6 +104,12 @@ class KVTierStats:
         self.promotion_failures += 1
         if counter is not None:
             setattr(self, counter, getattr(self, counter) + 1)
+
+    def count_copy_job(self, method: str, jobs: int = 1) -> None:
+        """Engine <-> host copy jobs moved as ``method`` ("staged", "runs" or "pages"; others ignored)."""
+        name = f"copy_jobs_{method}"
+        if hasattr(self, name):
+            setattr(self, name, getattr(self, name) + jobs)
 
     def count_hit_tokens(self, medium: Medium, tokens: int) -> None:
         name = f"hit_tokens_{_TIER_NAMES.get(medium, 'host')}"

@@ -44,10 +44,14 @@ class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
     failed: dict[int, int] = field(default_factory=dict)  # job id -> number of workers that failed it
     engine_to_host: TransferCounters = field(default_factory=TransferCounters)
     host_to_engine: TransferCounters = field(default_factory=TransferCounters)
+    copy_methods: dict[str, int] = field(default_factory=dict)  # copy jobs by how they moved (CopyDone.method)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, KVTierWorkerMetadata)
         merged = KVTierWorkerMetadata(dict(self.completed), dict(self.failed))
+        for methods in (self.copy_methods, other.copy_methods):
+            for method, jobs in methods.items():
+                merged.copy_methods[method] = merged.copy_methods.get(method, 0) + jobs
         for job_id, count in other.completed.items():
             merged.completed[job_id] = merged.completed.get(job_id, 0) + count
         for job_id, count in other.failed.items():

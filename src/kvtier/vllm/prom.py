@@ -51,6 +51,10 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
                              None, None),
     "node_unavailable": ("kvtier_node_unavailable", "Calls to the kvtier node service that found it unreachable "
                          "(each a lookup answered as a miss or a store dropped)", None, None),
+    **{f"copy_jobs_{method}": ("kvtier_copy_jobs", "Copy jobs between the engine's KV cache and the host tier (per "
+                               "rank), by how they moved: staged (gathers pipelined with large DMAs), runs (one DMA "
+                               "per run), pages (page by page)", "method", method)
+       for method in ("staged", "runs", "pages")},
     "host_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "host"),
     "disk_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "disk"),
 }

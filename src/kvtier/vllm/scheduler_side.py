@@ -494,6 +494,8 @@ class KVTierScheduler:
         if isinstance(meta, KVTierWorkerMetadata):
             self._worker_stats.engine_to_host.add(meta.engine_to_host)
             self._worker_stats.host_to_engine.add(meta.host_to_engine)
+            for method, jobs in meta.copy_methods.items():
+                self._worker_stats.count_copy_job(method, jobs)
             for job_id, count in meta.failed.items():
                 if job_id in self._jobs:
                     self._jobs[job_id].failed = True

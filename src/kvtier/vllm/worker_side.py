@@ -178,7 +178,7 @@ class KVTierWorker:
             return None
         if job.rank_slots is not None and self.rank > 0:
             table = job.rank_slots
-            job = dataclasses.replace(job, pages=[dataclasses.replace(p, slot=table[p.slot][self.rank])
+            job = dataclasses.replace(job, pages=[p._replace(slot=table[p.slot][self.rank])
                                                   for p in job.pages])
         return job
 
@@ -222,6 +222,8 @@ class KVTierWorker:
         finished, self._carried = self._carried, []
         for done in finished + (self.copies.poll() if self.copies is not None else []):
             self._meta.completed[done.job_id] = 1
+            if done.method:
+                self._meta.copy_methods[done.method] = self._meta.copy_methods.get(done.method, 0) + 1
             if not done.ok:
                 self._meta.failed[done.job_id] = 1
             if done.direction is Direction.LOAD:

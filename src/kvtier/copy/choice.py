@@ -1,0 +1,106 @@
+"""Which copy method moves a job of dense pages: chosen by measuring this engine's own jobs, not by a constant.
+
+Two candidates (:class:`~kvtier.copy.staging.CopyMethod`): RUNS (one DMA descriptor per merged
+run) and STAGED (gathers into device buffers pipelined with large DMAs). What decides is the size
+of a job's runs: under block-outermost layouts (BLNHC) a run is a whole block of every layer and
+RUNS reach the link; under layer-outermost ones (LBNHC, FlashAttention's default) a run is one
+page, and descriptors of 8-64 KiB do not (measured on an H100: RUNS at 0.06-0.33 of one
+``cudaMemcpyAsync`` below 32 KiB, 0.65-0.78 at 64 KiB; docs/benchmarks.md). So, per direction
+and class of mean run size (powers of two):
+
+- below :data:`~kvtier.copy.staging.STAGE_BELOW_BYTES` per run: STAGED, always (RUNS is never
+  worth a trial there);
+- else the first :data:`TRIALS` jobs of at least :data:`TIMED_BYTES` of the class alternate
+  between the two, each costed as its device time (its own events, ``CopyDone.seconds``) plus
+  the host time its issue took on the thread that runs the forward pass; then the cheaper by
+  median moves every later job of the class, and the choice is logged. Until then, and for
+  smaller jobs, the class's choice so far (RUNS first).
+
+Why the host time counts: queued behind compute, as copies are in serving, one descriptor per
+8 KiB page moves at the link's speed, but issuing 16,384 of them costs the calling thread 13 ms
+(H100, CUDA 13; docs/benchmarks.md), which the forward pass waits for.
+
+Every candidate copies the same bytes correctly; a trial only costs time. Called by the copy
+engine on the thread that starts and polls jobs; no locking.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from kvtier.copy.base import Direction
+from kvtier.copy.staging import STAGE_BELOW_BYTES, CopyMethod
+
+logger = logging.getLogger(__name__)
+
+TRIALS = 3  # timed jobs per candidate before a class's method is chosen
+TIMED_BYTES = 4 * 2**20  # smaller jobs are latency-bound: their time says little about bandwidth
+
+
+@dataclass(frozen=True, slots=True)
+class TrialKey:
+    direction: Direction
+    size_class: int  # floor(log2(mean run bytes))
+
+
+@dataclass
+class _Class:
+    timings: dict[CopyMethod, list[float]] = field(default_factory=lambda: {CopyMethod.RUNS: [], CopyMethod.STAGED: []})
+    issued: int = 0  # trials handed out
+    chosen: CopyMethod | None = None
+
+
+class MethodChooser:
+    """Picks RUNS or STAGED per job under ``method`` (AUTO measures; RUNS or STAGED are fixed).
+    ``staged``: whether staging is possible at all (else RUNS, always)."""
+
+    def __init__(self, method: CopyMethod = CopyMethod.AUTO, staged: bool = True):
+        self.method = method
+        self.staged = staged
+        self._classes: dict[TrialKey, _Class] = {}
+
+    def pick(self, direction: Direction, num_bytes: int, num_runs: int) -> tuple[CopyMethod, TrialKey | None]:
+        """The method of one job, and the key to report its timing under if it is a trial."""
+        if not self.staged:
+            return CopyMethod.RUNS, None
+        if self.method is not CopyMethod.AUTO:
+            return self.method, None
+        mean = num_bytes / num_runs if num_runs else 0
+        if mean < STAGE_BELOW_BYTES:
+            return CopyMethod.STAGED, None
+        key = TrialKey(direction, int(math.log2(mean)))
+        state = self._classes.setdefault(key, _Class())
+        if state.chosen is not None:
+            return state.chosen, None
+        if num_bytes < TIMED_BYTES or state.issued >= 2 * TRIALS:
+            return CopyMethod.RUNS, None
+        method = (CopyMethod.RUNS, CopyMethod.STAGED)[state.issued % 2]
+        state.issued += 1
+        return method, key
+
+    def observe(self, key: TrialKey, method: CopyMethod, num_bytes: int, seconds: float, ok: bool,
+                issue_seconds: float = 0.0) -> None:
+        """A trial job completed: its cost (device seconds plus host ``issue_seconds``) counts
+        towards its class's choice. A failed trial hands its turn out again."""
+        state = self._classes[key]
+        if state.chosen is not None:
+            return
+        if not ok or seconds <= 0:
+            state.issued -= 1
+            return
+        state.timings[method].append(num_bytes / (seconds + issue_seconds))
+        if all(len(t) >= TRIALS for t in state.timings.values()):
+            rates = {m: statistics.median(t) for m, t in state.timings.items()}
+            state.chosen = max(rates, key=lambda m: rates[m])
+            logger.info("kvtier: %s copies of ~%d KiB runs: %s chosen (bytes per second of device and issue time: "
+                        "staged %.1f GB/s, runs %.1f GB/s, median of %d jobs each)", key.direction.value,
+                        2**key.size_class // 1024, state.chosen.value, rates[CopyMethod.STAGED] / 1e9,
+                        rates[CopyMethod.RUNS] / 1e9, TRIALS)
+
+    def choices(self) -> dict[str, str]:
+        """The method chosen per class so far, e.g. ``{"engine_to_host ~256 KiB runs": "runs"}``."""
+        return {f"{key.direction.value} ~{2**key.size_class // 1024} KiB runs": state.chosen.value
+                for key, state in self._classes.items() if state.chosen is not None}
