@@ -243,8 +243,8 @@ class CurveRun:
         return {
             "fraction": KNEE_FRACTION, "host_bytes": host_bytes, "host_slots": slots, "hit_rate": rate,
             "unlimited_hit_rate": _ratio(unlimited.kvtier, unlimited.prompt_tokens), "method": self.knee_method,
-            "text": f"{_gib(host_bytes)} of host reaches {served / unlimited.kvtier:.0%} of the hit rate that "
-                    f"unlimited host memory gives ({rate:.1%} of {_ratio(unlimited.kvtier, unlimited.prompt_tokens):.1%})",
+            "text": f"{_gib(host_bytes)} of host reaches {KNEE_FRACTION:.0%} of the hit rate that unlimited host "
+                    f"memory gives ({rate:.1%} of {_ratio(unlimited.kvtier, unlimited.prompt_tokens):.1%})",
         }
 
     def _bisect_knee(self, target: float, max_replays: int = 12) -> tuple[int, int]:
@@ -270,6 +270,8 @@ def _ratio(part: float, whole: float) -> float:
 
 
 def _gib(n: int) -> str:
+    if n >= 100 * GIB:
+        return f"{n / GIB:,.0f} GiB"
     if n >= GIB:
         return f"{n / GIB:.3g} GiB"
     if n >= 2**20:

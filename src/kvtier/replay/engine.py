@@ -31,9 +31,9 @@ Single thread; no I/O.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
-from itertools import takewhile
+from itertools import repeat, takewhile
 
 
 class EnginePoolTooSmall(ValueError):
@@ -41,19 +41,27 @@ class EnginePoolTooSmall(ValueError):
 
 
 class EnginePrefixCache:
-    """The block pool of one engine. ``start`` a request (its hit), later ``finish`` it."""
+    """The block pool of one engine. ``start`` a request (its hit), later ``finish`` it.
+
+    State: ``_free`` holds the cached blocks nobody uses, in eviction order (a block is its hash,
+    or ``(hash, n)`` for a second block of a hash: vLLM does not deduplicate); ``_cached`` the
+    hashes of every cached block (in use or free), ``_copies`` how many blocks beyond the first a
+    hash has; ``_held`` how many running requests hold each hash. Bulk operations run in C
+    (``map`` over dict methods); the per-block Python work is where the rare cases are.
+    """
 
     def __init__(self, num_blocks: int, block_tokens: int):
         if num_blocks < 2:
             raise ValueError(f"the engine's KV cache needs at least 2 blocks (one is vLLM's null block), got {num_blocks}")
         self.block_tokens = block_tokens
         self.usable = num_blocks - 1
-        self._free: OrderedDict = OrderedDict()  # cached blocks nobody uses, evicted from the front
+        self._free: OrderedDict = OrderedDict()
         self._unhashed_free = self.usable  # free blocks without a hash: taken first
-        self._cached: Counter[bytes] = Counter()  # hash -> blocks holding it (in use or free)
-        self._held: Counter[bytes] = Counter()  # hash -> references by running requests
+        self._cached: dict[bytes, None] = {}
+        self._copies: dict[bytes, int] = {}
+        self._held: dict[bytes, int] = {}
         self._running: dict[int, tuple[list[bytes], int]] = {}  # request -> (its cached blocks, unhashed ones)
-        self._dup = 0
+        self._serial = 0
 
     def start(self, request: int, keys: Sequence[bytes], prompt_tokens: int, computed_tokens: int) -> int:
         """Schedule request ``request`` whose full blocks are named ``keys`` (of its
@@ -61,17 +69,17 @@ class EnginePrefixCache:
         engine's own cache serves."""
         block = self.block_tokens
         max_hit = min((prompt_tokens - 1) // block, len(keys)) if prompt_tokens > 0 else 0
-        cached = self._cached
-        hit = sum(1 for _ in takewhile(cached.__contains__, keys[:max_hit]))
+        cached, free, held = self._cached, self._free, self._held
+        hit_keys = list(takewhile(cached.__contains__, keys[:max_hit]))
+        hit = len(hit_keys)
+        # touch: a free hit block leaves the free queue; one a running request holds is shared
+        missing = [key for key, found in zip(hit_keys, map(free.pop, hit_keys, repeat(False))) if found is False]
+        for key in missing:
+            if not held.get(key):  # only a second block of this hash is free
+                del free[next(k for k in free if isinstance(k, tuple) and k[0] == key)]
         total = -(-max(computed_tokens, prompt_tokens) // block)
         full = min(len(keys), computed_tokens // block)
         new = total - hit
-        free = self._free
-        for key in keys[:hit]:  # touch: a free hit block leaves the free queue; a running one is shared
-            if key in free:
-                del free[key]
-            elif self._held[key] == 0:
-                free.pop(next(k for k in free if isinstance(k, tuple) and k[0] == key))
         available = self._unhashed_free + len(free)
         if new > available:
             raise EnginePoolTooSmall(
@@ -79,39 +87,65 @@ class EnginePrefixCache:
                 f"but only {available} of the engine's {self.usable} are free")
         from_unhashed = min(new, self._unhashed_free)
         self._unhashed_free -= from_unhashed
-        for _ in range(new - from_unhashed):  # popleft: evict the least recently freed cached block
-            victim, _ = free.popitem(last=False)
-            name = victim if isinstance(victim, bytes) else victim[0]
-            left = cached[name] - 1
-            if left:
-                cached[name] = left
+        if new > from_unhashed:  # popleft: evict the least recently freed cached blocks
+            popitem = free.popitem
+            victims = [popitem(False)[0] for _ in range(new - from_unhashed)]
+            if self._copies or not all(map(bytes.__instancecheck__, victims)):
+                for victim in victims:
+                    self._uncache(victim)
             else:
-                del cached[name]
+                deque(map(cached.pop, victims), maxlen=0)
         mine = list(keys[:full])
-        cached.update(mine[hit:])
-        self._held.update(mine)
+        fresh = mine[hit:]
+        again = list(filter(cached.__contains__, fresh))  # a second block of a cached hash
+        for key in again:
+            self._copies[key] = self._copies.get(key, 0) + 1
+        cached.update(zip(fresh, repeat(None)))
+        if held or again:
+            for key in mine:
+                held[key] = held.get(key, 0) + 1
+        else:
+            held.update(zip(mine, repeat(1)))
         self._running[request] = (mine, total - full)
         return hit * block
+
+    def _uncache(self, victim) -> None:
+        """A free cached block was taken: its hash goes unless another block holds it too."""
+        name = victim if isinstance(victim, bytes) else victim[0]
+        left = self._copies.get(name, 0)
+        if left:
+            if left == 1:
+                del self._copies[name]
+            else:
+                self._copies[name] = left - 1
+        else:
+            del self._cached[name]
 
     def finish(self, request: int) -> None:
         """The request finished: its blocks are freed in reverse order."""
         mine, unhashed = self._running.pop(request)
-        held = self._held
-        freed = []
-        for key in reversed(mine):
-            left = held[key] - 1
-            if left:
-                held[key] = left
-                continue
-            del held[key]
-            freed.append(key)
-        free = self._free
-        for key in freed:
-            if key in free:  # a second block with this hash (vLLM does not deduplicate)
-                self._dup += 1
-                free[(key, self._dup)] = None
-            else:
-                free[key] = None
+        held, free = self._held, self._free
+        if not self._running and not self._copies:  # it held every reference: all its blocks are freed
+            held.clear()
+            freed = mine[::-1]
+        else:
+            freed = []
+            for key in reversed(mine):
+                left = held[key] - 1
+                if left:
+                    held[key] = left
+                else:
+                    del held[key]
+                    freed.append(key)
+        if any(map(free.__contains__, freed)):
+            for key in freed:
+                if key in free:  # a second block with this hash (vLLM does not deduplicate)
+                    self._serial += 1
+                    free[(key, self._serial)] = None
+                else:
+                    free[key] = None
+        else:
+            free.update(zip(freed, repeat(None)))
         self._unhashed_free += unhashed
 
     @property
@@ -120,4 +154,4 @@ class EnginePrefixCache:
 
     def cached_blocks(self) -> int:
         """Blocks holding a hash (running or free)."""
-        return sum(self._cached.values())
+        return len(self._cached) + sum(self._copies.values())

@@ -38,12 +38,15 @@ from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
+from operator import add, eq
 
 from kvtier.replay.workload import FINISH, START, ReplayRequest, ReplaySettings
 from kvtier.runtime.requests import offload_limit
 
 NEVER = 1 << 62
-"""The distance of a block never used before (a miss at every size)."""
+"""More slots than any tier has: the unlimited host tier."""
+NEVER_USED = -(1 << 62)
+"""Below every stream position: where a block never used before was "last used"."""
 
 
 class _RangeCounts:
@@ -129,6 +132,24 @@ def stack_applies(settings: ReplaySettings, disk: bool, remote: bool) -> str | N
     return None
 
 
+def _runs(prevs: list[int]) -> list[tuple[int, int]]:
+    """``(first, end)`` index ranges of ``prevs`` whose values go up by one (blocks last used one
+    after another). Found in C: a byte per neighbour pair says whether it continues the run."""
+    count = len(prevs)
+    if count == 0:
+        return []
+    continues = bytes(map(eq, prevs[1:], map(add, prevs, repeat(1))))
+    runs = []
+    first = 0
+    while True:
+        end = continues.find(0, first)
+        if end < 0:
+            runs.append((first, count))
+            return runs
+        runs.append((first, end + 1))
+        first = end + 1
+
+
 def stack_pass(events: Iterable[tuple[str, ReplayRequest]], settings: ReplaySettings, stream_blocks: int) -> StackCurve:
     """One pass over ``events`` (:func:`~kvtier.replay.workload.replay_events`); ``stream_blocks``
     bounds the blocks the requests offer (their computed tokens over the block size)."""
@@ -141,26 +162,21 @@ def stack_pass(events: Iterable[tuple[str, ReplayRequest]], settings: ReplaySett
     position = 0
     needs, tokens = curve.needs, curve.tokens
 
-    def use(keys: list[bytes], start: int) -> None:
-        """``keys`` are used at positions start, start+1, ...: record their reuse pairs."""
-        prevs = list(map(last.get, keys, repeat(-1)))
+    def previous(keys: list[bytes]) -> list[int]:
+        """Where each key was last used; a key never used gets a distinct negative number, one up
+        from its neighbour's, so that new blocks form runs of their own."""
+        return list(map(last.get, keys, range(NEVER_USED, NEVER_USED + len(keys))))
+
+    def use(keys: list[bytes], prevs: list[int], start: int) -> None:
+        """``keys`` (last used at ``prevs``) are used at positions start, start+1, ...: each reused
+        run of them is a run of reuse pairs."""
         last.update(zip(keys, range(start, start + len(keys))))
-        run_start = -1
-        expect = -2
-        for prev in prevs:
-            if prev != expect:
-                if run_start >= 0:
-                    pairs.add_range(run_start, expect - 1)
-                run_start = prev
-            expect = prev + 1 if prev >= 0 else -2
-            if prev < 0:
-                run_start = -1
-        if run_start >= 0:
-            pairs.add_range(run_start, expect - 1)
+        for first, end in _runs(prevs):
+            if prevs[first] >= 0:
+                pairs.add_range(prevs[first], prevs[end - 1])
 
     for kind, request in events:
-        chain = request.chain
-        keys = chain.keys
+        keys = request.chain.keys
         if kind == START:
             prompt = request.prompt_tokens
             curve.requests += 1
@@ -168,32 +184,25 @@ def stack_pass(events: Iterable[tuple[str, ReplayRequest]], settings: ReplaySett
             curve.engine += request.engine_hit
             first = request.engine_hit // block
             max_blocks = min((prompt - 1) // block, len(keys))
+            limit = offload_limit(prompt, prompt, prompt, prompt_only=prompt_only,
+                                  max_offload_tokens=request.max_offload_tokens)
+            count = min(limit // block, len(keys))
+            prevs = previous(keys[: max(count, max_blocks)])
             if first < max_blocks:
-                lookup = keys[first:max_blocks]
-                prevs = list(map(last.get, lookup, repeat(-1)))
                 before = position - 1
                 reused = pairs.count_to(before)
                 running = -1
                 extra = first * block - request.engine_hit  # a kvtier block the engine partly holds
-                index = 0
-                count = len(prevs)
-                while index < count:
-                    prev = prevs[index]
+                lookup = prevs[first:max_blocks]
+                for start, end in _runs(lookup):
+                    prev = lookup[start]
                     if prev < 0:
-                        break
-                    distance = (before - prev) - (reused - pairs.count_to(prev))
-                    end = index + 1
-                    while end < count and prevs[end] == prevs[end - 1] + 1:
-                        end += 1
-                    running = max(running, distance)
+                        break  # a block never stored before: the run ends at every size
+                    running = max(running, (before - prev) - (reused - pairs.count_to(prev)))
                     needs.append(running)
-                    tokens.append((end - index) * block + extra)
+                    tokens.append((end - start) * block + extra)
                     extra = 0
-                    index = end
-            limit = offload_limit(prompt, prompt, prompt, prompt_only=prompt_only,
-                                  max_offload_tokens=request.max_offload_tokens)
-            count = min(limit // block, len(keys))
-            use(keys[:count], position)
+            use(keys[:count], prevs[:count], position)
             position += count
             offered[request.index] = count
         elif kind == FINISH:
@@ -203,7 +212,8 @@ def stack_pass(events: Iterable[tuple[str, ReplayRequest]], settings: ReplaySett
             first_new = offered.pop(request.index)
             count = min(limit // block, len(keys))
             if count > first_new:
-                use(keys[first_new:count], position)
+                fresh = keys[first_new:count]
+                use(fresh, previous(fresh), position)
                 position += count - first_new
     curve.distinct_blocks = len(last)
     return curve

@@ -221,7 +221,7 @@ def _access_line(data: dict[str, Any], number: int, where: str) -> TraceRequest:
     if len(keys) != computed // block:
         raise TraceError(f"{where}: {len(keys)} keys for {computed} tokens in blocks of {block} "
                          f"(expected {computed // block})")
-    parsed = tuple(_key(key, f"{where}: keys[{i}]") for i, key in enumerate(keys))
+    parsed = _keys(keys, f"{where}: keys")
     tails: dict[tuple[int, int], bytes] = {}
     raw_tails = data.get("tails", [])
     if not isinstance(raw_tails, list):
@@ -250,17 +250,17 @@ def _access_line(data: dict[str, Any], number: int, where: str) -> TraceRequest:
 
 
 def token_array(value: Any, name: str, where: str) -> array:
-    """``value`` as u32 token ids; :class:`TraceError` if it is not a list of ids."""
+    """``value`` as u32 token ids; :class:`TraceError` naming the first bad entry if it is not a
+    list of ids (checked in bulk: a trace holds millions)."""
     if not isinstance(value, list):
         raise TraceError(f"{where}: {name!r} must be a list of token ids, got {type(value).__name__}")
     try:
         ids = array("I", value)
+        if ids and max(ids) > MAX_TOKEN_ID or bool in set(map(type, value)):
+            raise TypeError
     except (TypeError, OverflowError):
-        bad = next((i for i, v in enumerate(value) if not _is_count(v) or v > MAX_TOKEN_ID), 0)
+        bad = next(i for i, v in enumerate(value) if not _is_count(v) or v > MAX_TOKEN_ID)
         raise TraceError(f"{where}: {name}[{bad}] is {value[bad]!r}, not a token id (an integer 0..{MAX_TOKEN_ID})") from None
-    if any(isinstance(v, bool) for v in value) or (ids and max(ids) > MAX_TOKEN_ID):
-        bad = next(i for i, v in enumerate(value) if isinstance(v, bool) or v > MAX_TOKEN_ID)
-        raise TraceError(f"{where}: {name}[{bad}] is {value[bad]!r}, not a token id (an integer 0..{MAX_TOKEN_ID})")
     return ids
 
 
@@ -276,8 +276,25 @@ def _messages(value: Any, where: str) -> list[dict[str, Any]]:
     return value
 
 
+def _keys(values: list[Any], where: str) -> tuple[bytes, ...]:
+    """Hex keys as bytes, checked in bulk (a trace has millions); the first bad one is named."""
+    width = KEY_HEX_CHARS
+    try:
+        if set(map(len, values)) - {width}:
+            raise TypeError
+        raw = bytes.fromhex("".join(values))
+        if len(raw) * 2 != width * len(values):  # fromhex skips blanks
+            raise ValueError
+    except (TypeError, ValueError):
+        for i, value in enumerate(values):
+            _key(value, f"{where}[{i}]")
+        raise AssertionError("unreachable: a bad key was not found") from None
+    size = width // 2
+    return tuple(raw[i : i + size] for i in range(0, len(raw), size))
+
+
 def _key(value: Any, where: str) -> bytes:
-    if not isinstance(value, str) or len(value) != KEY_HEX_CHARS:
+    if not isinstance(value, str) or len(value) != KEY_HEX_CHARS or not value.isalnum():
         raise TraceError(f"{where}: expected {KEY_HEX_CHARS} hex digits, got {value!r}")
     try:
         return bytes.fromhex(value)
