@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from kvtier.runtime.access_log import FORMAT_MARK, FORMAT_VERSION, KEY_HEX_CHARS
 
 MAX_TOKEN_ID = 2**32 - 3
@@ -159,6 +161,7 @@ def parse_line(line: str, number: int, path: str | Path = "<trace>") -> TraceReq
         raise TraceError(f"{where}: expected a JSON object per line, got {type(data).__name__}")
     if FORMAT_MARK in data:
         return _access_line(data, number, where)
+    bools = "true" in line or "false" in line
     body = data.get("body")
     if isinstance(body, dict):
         data = {**body, **{k: v for k, v in data.items() if k != "body"}}
@@ -180,14 +183,14 @@ def parse_line(line: str, number: int, path: str | Path = "<trace>") -> TraceReq
             raise TraceError(f"{where}: 'prompt' is empty")
         request.text = value
     else:
-        request.prompt = token_array(value, name, where)
+        request.prompt = token_array(value, name, where, bools)
         if not request.prompt:
             raise TraceError(f"{where}: {name!r} is empty")
     request.timestamp = _number(data.get("timestamp"), "timestamp", where)
     request.salt = _text(data.get("cache_salt"), "cache_salt", where)
     output = data.get("output_token_ids")
     if output is not None:
-        request.output = token_array(output, "output_token_ids", where)
+        request.output = token_array(output, "output_token_ids", where, bools)
     max_tokens = _count(data.get("max_tokens"), "max_tokens", where)
     if request.output is not None:
         if max_tokens is not None and max_tokens < len(request.output):
@@ -249,14 +252,16 @@ def _access_line(data: dict[str, Any], number: int, where: str) -> TraceRequest:
     )
 
 
-def token_array(value: Any, name: str, where: str) -> array:
+def token_array(value: Any, name: str, where: str, maybe_bools: bool = True) -> array:
     """``value`` as u32 token ids; :class:`TraceError` naming the first bad entry if it is not a
-    list of ids (checked in bulk: a trace holds millions)."""
+    list of ids (checked in bulk: a trace holds millions). ``maybe_bools`` False: the line has no
+    ``true``/``false`` at all, so no entry can be a bool."""
     if not isinstance(value, list):
         raise TraceError(f"{where}: {name!r} must be a list of token ids, got {type(value).__name__}")
     try:
-        ids = array("I", value)
-        if ids and max(ids) > MAX_TOKEN_ID or bool in set(map(type, value)):
+        ids = array("I", value)  # refuses floats, strings, negatives and ids past 2**32 - 1
+        if ids and int(np.frombuffer(ids, dtype=np.uint32).max()) > MAX_TOKEN_ID or (
+                maybe_bools and bool in set(map(type, value))):
             raise TypeError
     except (TypeError, OverflowError):
         bad = next(i for i, v in enumerate(value) if not _is_count(v) or v > MAX_TOKEN_ID)
