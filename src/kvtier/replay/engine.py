@@ -46,7 +46,8 @@ class EnginePrefixCache:
     State: ``_free`` holds the cached blocks nobody uses, in eviction order (a block is its hash,
     or ``(hash, n)`` for a second block of a hash: vLLM does not deduplicate); ``_cached`` the
     hashes of every cached block (in use or free), ``_copies`` how many blocks beyond the first a
-    hash has; ``_held`` how many running requests hold each hash. Bulk operations run in C
+    hash has; ``_held`` how many running requests hold each hash, counted only while two or more run
+(one request alone holds each of its hashes once). Bulk operations run in C
     (``map`` over dict methods); the per-block Python work is where the rare cases are.
     """
 
@@ -70,6 +71,10 @@ class EnginePrefixCache:
         block = self.block_tokens
         max_hit = min((prompt_tokens - 1) // block, len(keys)) if prompt_tokens > 0 else 0
         cached, free, held = self._cached, self._free, self._held
+        if self._running and not held:  # from now on two requests run at once: count references
+            for others, _ in self._running.values():
+                for key in others:
+                    held[key] = held.get(key, 0) + 1
         hit_keys = list(takewhile(cached.__contains__, keys[:max_hit]))
         hit = len(hit_keys)
         # touch: a free hit block leaves the free queue; one a running request holds is shared
@@ -101,11 +106,9 @@ class EnginePrefixCache:
         for key in again:
             self._copies[key] = self._copies.get(key, 0) + 1
         cached.update(zip(fresh, repeat(None)))
-        if held or again:
+        if held:
             for key in mine:
                 held[key] = held.get(key, 0) + 1
-        else:
-            held.update(zip(mine, repeat(1)))
         self._running[request] = (mine, total - full)
         return hit * block
 
@@ -125,7 +128,7 @@ class EnginePrefixCache:
         """The request finished: its blocks are freed in reverse order."""
         mine, unhashed = self._running.pop(request)
         held, free = self._held, self._free
-        if not self._running and not self._copies:  # it held every reference: all its blocks are freed
+        if not held or not self._running:  # it held every reference: all its blocks are freed
             held.clear()
             freed = mine[::-1]
         else:
