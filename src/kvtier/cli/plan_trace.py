@@ -110,6 +110,12 @@ def run(model: str, inputs: PlanInputs, options: TraceOptions, as_json: bool) ->
             raise click.ClickException(
                 f"the engine's KV cache ({fmt_bytes(geometry.engine_kv_bytes)} per device) holds no block of "
                 f"{engine_block} tokens: give --kv-cache-gib or --gpu-memory")
+        slower = [tier for tier, cost in geometry.load_s_per_token.items() if cost >= geometry.recompute_s_per_token]
+        if slower:
+            notes.append(f"at these rates loading a token from {', '.join(slower)} ("
+                         f"{geometry.load_s_per_token[slower[0]] * 1e6:.2f} us from {slower[0]}) takes no less than "
+                         f"prefilling it ({geometry.recompute_s_per_token * 1e6:.2f} us), so the time saved is not "
+                         "positive there: give the measured --prefill-tps and --host-bw / --disk-bw (kvtier doctor --measure)")
         settings = ReplaySettings(
             block_tokens=block, engine_block_tokens=engine_block, engine_blocks=geometry.engine_blocks,
             concurrency=options.concurrency, eviction_policy=config.eviction_policy,
