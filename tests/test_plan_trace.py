@@ -355,3 +355,26 @@ def test_text_prompts_without_a_tokenizer_say_how_to_give_one(tmp_path):
                                   "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 100}))
     result = CliRunner().invoke(main, ["plan", str(tmp_path), "--trace", str(trace), "--kv-cache-gib", "0.01"])
     assert result.exit_code != 0 and "has no tokenizer files" in result.output and "--tokenizer PATH" in result.output
+
+
+def test_text_prompts_and_chats_are_tokenized_as_vllm_does(tmp_path):
+    """The embedded model's own tokenizer (--tokenizer): a text prompt as vLLM's completions endpoint
+    encodes it, a chat through the model's template with the generation prompt."""
+    from transformers import AutoTokenizer
+
+    from kvtier.models.default import ensure_default_model
+
+    folder = ensure_default_model("float32")
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    chat = [{"role": "user", "content": text}]
+    trace = write_jsonl(tmp_path / "text.jsonl", [{"prompt": text}, {"prompt": text + "Again?"}, {"messages": chat}])
+    result = CliRunner().invoke(main, ["plan", "default", "--trace", str(trace), "--tokenizer", str(folder),
+                                       "--block-size", "16", "--kv-cache-gib", "0.05", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    templated = tokenizer.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    templated = templated["input_ids"] if hasattr(templated, "keys") else templated  # transformers 5: a BatchEncoding
+    expected = len(tokenizer(text)["input_ids"]) + len(tokenizer(text + "Again?")["input_ids"]) + len(templated)
+    assert report["trace"]["prompt_tokens"] == expected
+    assert report["engine"]["tokens"] >= 16 * (len(tokenizer(text)["input_ids"]) // 16 - 1)  # the second shares the first's blocks
