@@ -70,6 +70,7 @@ class KVTierConfig:
     self_describing_kv_events: bool = False
     model_identity: str | None = None
     node: str | None = None  # a kvtier node service's socket: its pool is the host tier (docs/node.md)
+    trace_path: str | None = None  # the access log for `kvtier plan --trace` (kvtier.runtime.access_log)
 
     @property
     def disk(self) -> DiskTierConfig | None:
@@ -125,6 +126,7 @@ class KVTierConfig:
             self_describing_kv_events=bool_value(extra, "self_describing_kv_events", default=False),
             model_identity=text_value(extra, "model_identity"),
             node=node,
+            trace_path=text_value(extra, "trace_path"),
         )
 
     def offload_block_tokens(self, engine_block_size: int) -> int:
@@ -155,6 +157,7 @@ _TOP_LEVEL_KEYS = frozenset(
         "self_describing_kv_events",
         "model_identity",
         "node",
+        "trace_path",
     }
 )
 
