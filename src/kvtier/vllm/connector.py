@@ -33,6 +33,7 @@ from kvtier.vllm.identity import model_identity
 from kvtier.vllm.inactive import inactive_reason
 from kvtier.vllm.logs import share_vllm_log_handlers
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
+from kvtier.vllm.native.plugin import register_connector_name
 from kvtier.vllm.runner import hook_order
 from kvtier.vllm.scheduler_side import KVTierScheduler
 from kvtier.vllm.worker_side import KVTierWorker
@@ -227,3 +228,6 @@ def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
             transfer.kv_load_failure_policy,
         )
         transfer.kv_load_failure_policy = "recompute"
+
+
+register_connector_name()  # vLLM's MultiConnector looks its children's stats classes up by name (native/plugin.py)

@@ -37,6 +37,13 @@ class RequestState:
     next_store_block: int = 0
     jobs: set[int] = field(default_factory=set)
     load_first_token: int = 0  # locally computed tokens when the hit was counted
+    # Under vLLM's MultiConnector: tokens another connector may have loaded (see
+    # KVTierScheduler._note_loaded_elsewhere). lookup_computed: vLLM's own (block-aligned) hit at
+    # the last lookup, until the request is scheduled; own_load_end: where kvtier's own load for
+    # that scheduling ends (0: none); loaded_elsewhere_end: the end of what another connector loaded.
+    lookup_computed: int | None = None
+    own_load_end: int = 0
+    loaded_elsewhere_end: int = 0
     hit_tokens_from: dict[Medium, int] = field(default_factory=dict)  # the hit's tokens by source tier
     finished: bool = False
     load_failed: bool = False  # a load of it failed: it is not offered loads again (vLLM recomputes it)
