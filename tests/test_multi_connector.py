@@ -76,3 +76,49 @@ def test_what_kvtier_relies_on_in_multiconnector_is_unchanged_in_033():
     changed = [name for name in RELIED_ON if ours.get(name) != theirs.get(name)]
     assert not [name for name in RELIED_ON if name not in ours], "0.32's MultiConnector lost a method"
     assert not changed, f"vLLM 0.33 changed MultiConnector.{changed}: check docs/multiconnector.md against it"
+
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "multiconnector.md"
+
+
+def recipe_lines() -> list[list[str]]:
+    """The command lines of docs/multiconnector.md's disaggregated-prefill recipe (its first
+    indented block after the heading), as argv lists."""
+    import shlex
+
+    text = DOCS.read_text().split("## Disaggregated prefill", 1)[1]
+    block = []
+    for line in text.splitlines()[1:]:
+        if line.startswith("    ") or (block and not line.strip()):
+            block.append(line[4:])
+        elif block:
+            break
+    commands = "\n".join(line for line in block if not line.lstrip().startswith("#")).replace("\\\n", " ")
+    return [shlex.split(command) for command in commands.split("\n\n") if command.strip()]
+
+
+def test_the_disaggregated_prefill_recipe_is_well_formed_for_vllm_and_doctor():
+    """Checked by construction only (NIXL needs CUDA): vLLM's own config classes and connector factory
+    accept both lines of the recipe, and kvtier doctor finds no error and no warning in them."""
+    import json
+
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    from kvtier.doctor.audit import audit
+    from kvtier.vllm.connector import KVTierConnector
+
+    lines = recipe_lines()
+    assert len(lines) == 2, lines  # prefill, decode
+    for argv in lines:
+        transfer = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        config = KVTransferConfig(**transfer)
+        children = config.kv_connector_extra_config["connectors"]
+        classes = [KVConnectorFactory.get_connector_class(KVTransferConfig(**c, engine_id="e")) for c in children]
+        assert [c.__name__ for c in classes] == ["NixlPullConnector", "KVTierConnector"]  # (NixlConnector's class)
+        assert classes[1] is KVTierConnector and config.kv_load_failure_policy == "recompute"
+        assert MultiConnector.all_children_support_hma(config)
+        assert not MultiConnector.requires_piecewise_for_cudagraph(config.kv_connector_extra_config)
+        findings = [(f.severity, f.code, f.title) for f in audit(argv) if f.severity != "info"]
+        assert not findings, findings
