@@ -164,6 +164,7 @@ def test_kv_events_under_multiconnector_are_kvtiers_standalone_events(first, sta
     alone_result, _ = standalone
     for index in range(len(ROUNDS)):
         assert tokens(alone_result, index) == expected
+    assert metric(alone_result, len(ROUNDS) - 1, "kvtier_stores_skipped_loaded_elsewhere") == 0  # alone: never
     alone, alone_device = event_history(alone_result)
     multi, multi_device = event_history(first[0])
     assert alone_device == multi_device and alone_device

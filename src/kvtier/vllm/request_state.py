@@ -40,14 +40,18 @@ class RequestState:
     # Under vLLM's MultiConnector: tokens another connector may have loaded (see
     # KVTierScheduler._note_loaded_elsewhere). lookup_computed: vLLM's own (block-aligned) hit at
     # the last lookup, until the request is scheduled; own_load_end: where kvtier's own load for
-    # that scheduling ends (0: none); loaded_elsewhere_end: the end of what another connector loaded.
+    # that scheduling ends (0: none); loaded_elsewhere: token ranges [start, end) another loaded.
     lookup_computed: int | None = None
     own_load_end: int = 0
-    loaded_elsewhere_end: int = 0
+    loaded_elsewhere: list[tuple[int, int]] = field(default_factory=list)
     hit_tokens_from: dict[Medium, int] = field(default_factory=dict)  # the hit's tokens by source tier
     finished: bool = False
     load_failed: bool = False  # a load of it failed: it is not offered loads again (vLLM recomputes it)
     cacheable: bool = True  # False: never loaded nor stored (see KVTierScheduler._request_identity)
+
+    def loaded_elsewhere_overlaps(self, start: int, end: int) -> bool:
+        """Whether tokens ``[start, end)`` hold any that another connector loaded."""
+        return any(first < end and start < last for first, last in self.loaded_elsewhere)
 
     def extend_keys(self, num_blocks: int) -> None:
         """Make ``keys`` cover the first ``num_blocks`` blocks (tokens permitting)."""

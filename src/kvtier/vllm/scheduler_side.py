@@ -458,6 +458,9 @@ class KVTierScheduler:
             wanted: list[tuple[BlockKey, int, list, bool]] = []  # key, block index, its pages, announced
             present: list[tuple[int, BlockKey]] = []
             for index in range(state.next_store_block, num_full):
+                if state.loaded_elsewhere and state.loaded_elsewhere_overlaps(index * block, (index + 1) * block):
+                    self.orchestrator.stats.stores_skipped_loaded_elsewhere += 1
+                    continue  # another connector loaded (some of) it: see _note_loaded_elsewhere
                 key = state.keys[index]
                 block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block)
                 if block_pages is None and self.geometry.state_groups:  # vLLM kept no state at its end
@@ -497,27 +500,27 @@ class KVTierScheduler:
 
         Inside vLLM's MultiConnector, every child is asked for hits and the first that has some
         loads them (``MultiConnector.get_num_new_matched_tokens``); the others see
-        ``update_state_after_alloc`` with 0 tokens. So the whole-engine-block tokens vLLM counts as
-        computed beyond its own hit at the lookup (``state.lookup_computed``) and beyond kvtier's
-        own load (``state.own_load_end``) came from another child. kvtier stores none of its blocks
-        (nor tails) that hold such tokens: the engine did not compute them, the other child holds
-        them, and storing them twice would only double the writes (on a disaggregated decode
-        instance: every prompt NIXL brought). Blocks the engine computes after them are stored.
-        ``store_loaded_elsewhere: true`` stores them anyway. A standalone kvtier never sees such
-        tokens (it is the only connector: vLLM's hit and kvtier's load are everything)."""
+        ``update_state_after_alloc`` with 0 tokens. vLLM then counts as computed its own hit (the
+        block-aligned one kvtier was asked beyond, ``state.lookup_computed``: vLLM drops a sub-block
+        tail of its own hit whenever a connector loads) plus the loader's tokens. So tokens beyond
+        both that and kvtier's own load (``state.own_load_end``) came from another child. kvtier
+        stores none of its blocks (nor tails) that hold such tokens: the engine did not compute
+        them, the other child holds them, and storing them twice would only double the writes (on
+        a disaggregated decode instance: every prompt NIXL brought). Blocks the engine computed
+        before them (vLLM's own hit) or computes after them are stored; ``store_loaded_elsewhere:
+        true`` stores them too. (A request may be scheduled afresh after a preemption: each such
+        range is kept in ``state.loaded_elsewhere``.)
+
+        Less than an engine block beyond is not told apart from vLLM's own sub-block hit (a
+        partial-hash hit, vLLM keeps it when no connector loads): treated as not loaded elsewhere.
+        A standalone kvtier never sees more (vLLM's hit and kvtier's load are everything)."""
         if state.lookup_computed is None:
             return
         known = max(state.lookup_computed, state.own_load_end)
         state.lookup_computed = None
-        engine_block = self.geometry.engine_block_tokens
-        end = computed // engine_block * engine_block  # (a local hit's sub-block tail is vLLM's own)
-        if end <= known or self.config.store_loaded_elsewhere:
+        if computed - known < self.geometry.engine_block_tokens or self.config.store_loaded_elsewhere:
             return
-        state.loaded_elsewhere_end = max(state.loaded_elsewhere_end, end)
-        first_storable = -(-end // self.geometry.block_tokens)
-        if first_storable > state.next_store_block:
-            self.orchestrator.stats.stores_skipped_loaded_elsewhere += first_storable - state.next_store_block
-            state.next_store_block = first_storable
+        state.loaded_elsewhere.append((known, computed))
 
     def _copy_job(self, job_id: int, req_id: str, pages: list[PageCopy],
                   rank_slots: list[tuple[int, ...]], pool_of: str | None = None) -> CopyJob:
@@ -608,7 +611,7 @@ class KVTierScheduler:
         request = state.request
         block = self.geometry.block_tokens
         num_full, tail_tokens = divmod(limit, block)
-        if tail_tokens == 0 or num_full * block < state.loaded_elsewhere_end:
+        if tail_tokens == 0 or state.loaded_elsewhere_overlaps(num_full * block, limit):
             return  # (a tail holding tokens another connector loaded: see _note_loaded_elsewhere)
         block_pages = self._engine_blocks.pages_of(request.request_id, block_ids, num_full * self.geometry.pages_per_block,
                                      -(-tail_tokens // self.geometry.engine_block_tokens))
