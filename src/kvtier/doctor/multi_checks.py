@@ -50,8 +50,8 @@ def is_kvtier(child: Setup) -> bool:
 
 
 def check_multi_children(s: Setup) -> list[Finding]:
-    connectors = (s.extra or {}).get("connectors")
-    if not isinstance(connectors, list) or not connectors:
+    connectors = multi_children(s.extra)
+    if not connectors:
         return [Finding(
             "multi-connectors", "error", "MultiConnector without child connectors",
             "vLLM's MultiConnector reads its children from kv_connector_extra_config.connectors (a list of "
