@@ -35,12 +35,23 @@ class RequestState(RequestKeys):
     next_store_block: int = 0
     jobs: set[int] = field(default_factory=set)
     load_first_token: int = 0  # locally computed tokens when the hit was counted
+    # Under vLLM's MultiConnector: tokens another connector may have loaded (see
+    # KVTierScheduler._note_loaded_elsewhere). lookup_computed: vLLM's own (block-aligned) hit at
+    # the last lookup, until the request is scheduled; own_load_end: where kvtier's own load for
+    # that scheduling ends (0: none); loaded_elsewhere: token ranges [start, end) another loaded.
+    lookup_computed: int | None = None
+    own_load_end: int = 0
+    loaded_elsewhere: list[tuple[int, int]] = field(default_factory=list)
     hit_tokens_from: dict[Medium, int] = field(default_factory=dict)  # the hit's tokens by source tier
     finished: bool = False
     load_failed: bool = False  # a load of it failed: it is not offered loads again (vLLM recomputes it)
     cacheable: bool = True  # False: never loaded nor stored (see KVTierScheduler._request_identity)
     arrival: float = 0.0  # wall time of its first lookup (the access log's "t")
     tail_probe: tuple[int, list] = (0, [])  # its last lookup's tail candidates (for the access log)
+
+    def loaded_elsewhere_overlaps(self, start: int, end: int) -> bool:
+        """Whether tokens ``[start, end)`` hold any that another connector loaded."""
+        return any(first < end and start < last for first, last in self.loaded_elsewhere)
 
 
 def block_extras(request: Request, block_tokens: int, lora: str | None) -> BlockExtras | list[BlockExtras]:
