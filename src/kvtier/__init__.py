@@ -21,6 +21,8 @@ Operator tools (never imported by the engine side):
 
 - :mod:`kvtier.launch` -- the ``vllm serve`` command with kvtier configured (``kvtier serve``).
 - :mod:`kvtier.planning` -- ``kvtier plan``'s arithmetic from a model's config.json.
+- :mod:`kvtier.replay` -- ``kvtier plan --trace``: a request log replayed through the runtime's own
+  policy and admission code, behind a model of vLLM's prefix cache.
 - :mod:`kvtier.doctor` -- ``kvtier doctor``'s audit, probes and measurements.
 - :mod:`kvtier.cachetools` -- ``kvtier inspect / verify / purge`` on a disk root.
 - :mod:`kvtier.bench` -- ``kvtier bench``: vLLM alone vs ExampleConnector vs kvtier (and vLLM's own offloading).
