@@ -236,7 +236,8 @@ class HostIndex(SlotTable):
 
     # --- internals ------------------------------------------------------------------------
     def _evict(self, key: BlockKey) -> None:
-        super()._evict(key)
+        self._drop(key)  # (SlotTable._evict, inlined: a store's hot path)
+        self.evictions += 1
         self.residency.removed(key)
         self._evicted.append(key)
 
