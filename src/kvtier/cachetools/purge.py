@@ -10,7 +10,7 @@ and usage ledgers go with it). Removing blocks also removes the namespace's inde
 start-up then scans the files). Block files are unlinked under the lock of their group's usage ledger
 (:mod:`kvtier.tiers.disk.ledger`), which gives back exactly the bytes of the files removed, so the
 engines sharing the root see the room at once. Everything is reached through the root's
-:class:`~kvtier.tiers.disk.rootfs.RootFS` (:mod:`kvtier.cachetools.scan`): only entries of
+:class:`~kvtier.core.rootfs.RootFS` (:mod:`kvtier.cachetools.scan`): only entries of
 directories inside the root are removed (a planted symlink: the link itself, never its target; a
 symlinked ``quarantine`` or rank directory is never entered), and headers are read only from
 regular files, without waiting.
@@ -32,7 +32,7 @@ from kvtier.cachetools.selection import select
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.layout import Removal, remove_file, unlink_quiet
 from kvtier.tiers.disk.ledger import Ledger, ledger_files
-from kvtier.tiers.disk.rootfs import NOT_THERE, RootFS
+from kvtier.core.rootfs import NOT_THERE, RootFS
 from kvtier.tiers.disk.snapshot import remove_snapshots
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}

@@ -4,7 +4,7 @@ The names are the disk tier's (:mod:`kvtier.tiers.disk.layout`); this module onl
 back and checks every parse by rebuilding the path with :class:`DiskLayout` itself, so a file
 is a block file exactly when the tier would read it from where it lies. Nothing here opens a
 block file or changes anything on disk. Everything below the root is listed through the root's
-:class:`~kvtier.tiers.disk.rootfs.RootFS` (:attr:`CacheRoot.fs`, shared by every namespace's
+:class:`~kvtier.core.rootfs.RootFS` (:attr:`CacheRoot.fs`, shared by every namespace's
 layouts), as the tier reaches it: a symlink is never followed (a symlinked or non-directory entry
 where a directory should be is listed as a stray, never descended into), ``config.json`` is read
 only if it is a regular file of at most 1 MiB, and the status of an entry is its own (``lstat``).
@@ -27,7 +27,7 @@ from typing import Any
 
 from kvtier.core.keys import KEY_BYTES, KEY_SPEC_VERSION, Namespace, SpecVersionError, stored_ranks_of
 from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES, QUARANTINE_DIR, DiskLayout, sanitize_model_name
-from kvtier.tiers.disk.rootfs import NOT_THERE, RootFS
+from kvtier.core.rootfs import NOT_THERE, RootFS
 
 CONFIG_NAME = "config.json"
 _HEX = frozenset("0123456789abcdef")

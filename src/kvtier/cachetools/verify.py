@@ -38,7 +38,7 @@ from kvtier.core.fleet_key import AuthConfig
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.files import check_header, not_a_block_file, verify_file
 from kvtier.tiers.disk.layout import Removal
-from kvtier.tiers.disk.rootfs import READ
+from kvtier.core.rootfs import READ
 from kvtier.tiers.disk.ledger import Ledger
 from kvtier.tiers.sealing import KeyState, Sealer
 

@@ -2,7 +2,7 @@
 :mod:`kvtier.tiers.disk.writer`).
 
 Pure functions on paths (a :class:`~kvtier.tiers.disk.layout.DiskLayout`, whose
-:class:`~kvtier.tiers.disk.rootfs.RootFS` reaches every path without following a symlink and opens
+:class:`~kvtier.core.rootfs.RootFS` reaches every path without following a symlink and opens
 only regular files, never waiting on a FIFO), buffers and the namespace's usage ledger (:mod:`kvtier.tiers.disk.ledger`: every file they remove from its place
 is removed under its lock, which gives its bytes back). They never touch the tier's in-memory
 index or completion queue and never raise for an I/O failure: they return what happened (an
@@ -31,7 +31,7 @@ from kvtier.tiers.blockfile import (
 )
 from kvtier.tiers.disk.layout import DiskLayout, Removal, ScanResult, is_unit
 from kvtier.tiers.disk.ledger import Ledger, Reconciled
-from kvtier.tiers.disk.rootfs import READ, NotRegularFile, RootFS
+from kvtier.core.rootfs import READ, NotRegularFile, RootFS
 from kvtier.tiers.sealing import PLAIN, Sealer, UnauthenticatedRecord
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def _as_byte_view(buf: memoryview, *, writable: bool, what: str) -> memoryview:
 NOT_A_BLOCK_FILE = frozenset({errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENXIO, errno.ENODEV})
 """Errors that say a record's path holds something no writer of kvtier puts there (a symlink, at the
 record or at a directory on the way, which is never followed; a directory; a device or socket):
-treated as a corrupt record, like a :class:`~kvtier.tiers.disk.rootfs.NotRegularFile` (a FIFO)."""
+treated as a corrupt record, like a :class:`~kvtier.core.rootfs.NotRegularFile` (a FIFO)."""
 
 
 def not_a_block_file(exc: OSError) -> bool:
@@ -177,7 +177,7 @@ def verify_file(
     before it is read).
 
     Raises :class:`CorruptBlockError` (the reason) or ``OSError`` (``FileNotFoundError`` if the
-    file vanished; :class:`~kvtier.tiers.disk.rootfs.NotRegularFile`, ``ELOOP``: not a block file).
+    file vanished; :class:`~kvtier.core.rootfs.NotRegularFile`, ``ELOOP``: not a block file).
     Does not refresh the mtime: verifying is not a use.
     """
     fd, st = fs.open_regular(path, READ)

@@ -17,7 +17,7 @@ final name (:mod:`kvtier.tiers.disk.writer`).
 Access: directories kvtier creates are owner-only (0700) and files 0600, unless the operator
 asks for group access (:attr:`Access.GROUP`: 2770 and 0660, the set-gid bit keeping the group of
 the root). Whoever else can write the root: every path below it is resolved by the layout's
-:class:`~kvtier.tiers.disk.rootfs.RootFS` (:attr:`DiskLayout.fs`), which follows no symlink at any
+:class:`~kvtier.core.rootfs.RootFS` (:attr:`DiskLayout.fs`), which follows no symlink at any
 component and opens only regular files, without waiting (``O_NONBLOCK``); every read is bounded by
 what the format allows. A planted symlink, FIFO, device or directory where kvtier expects one of
 its files is a miss (a record: quarantined, i.e. the entry itself renamed into ``quarantine/``),
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
-from kvtier.tiers.disk.rootfs import DIR_OPEN, NOT_THERE, RootFS, lstat_at
+from kvtier.core.rootfs import DIR_OPEN, NOT_THERE, RootFS, lstat_at
 
 logger = logging.getLogger(__name__)
 

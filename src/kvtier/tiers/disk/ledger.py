@@ -15,7 +15,7 @@ blocks (group-writable with ``Access.GROUP``)::
 It is read and rewritten in place only while holding an exclusive ``flock`` on it; every update
 opens it anew (and opens it again if the path was removed or replaced while it waited for the lock),
 so a ledger deleted by hand is recreated, never split between two inodes. It is reached through the
-layout's :class:`~kvtier.tiers.disk.rootfs.RootFS` (no symlink followed, on the way or at the file)
+layout's :class:`~kvtier.core.rootfs.RootFS` (no symlink followed, on the way or at the file)
 and used only if it is a regular file: anything else planted there makes the ledger unusable (as
 on a filesystem that cannot lock), never something written or locked elsewhere.
 
@@ -66,7 +66,7 @@ from dataclasses import dataclass
 import xxhash
 
 from kvtier.tiers.disk.layout import DiskLayout, Removal, per_group_files
-from kvtier.tiers.disk.rootfs import RootFS
+from kvtier.core.rootfs import RootFS
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ native tier on the root next (:func:`reclaim_orphans`) removes every namespace w
 this host and boot and is no longer alive (``kvtier purge --namespace`` removes one by hand). An
 owner on another host (a root shared over the network) is never judged from here.
 
-The owner file is read and written through the root's :class:`~kvtier.tiers.disk.rootfs.RootFS`
+The owner file is read and written through the root's :class:`~kvtier.core.rootfs.RootFS`
 (no symlink followed; read only if a regular file of at most :data:`OWNER_MAX_BYTES`), and
 namespaces are removed with ``shutil.rmtree``, which never follows a symlink.
 
@@ -27,7 +27,7 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvtier.tiers.disk.rootfs import RootFS
+from kvtier.core.rootfs import RootFS
 
 logger = logging.getLogger(__name__)
 

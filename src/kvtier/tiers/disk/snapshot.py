@@ -38,7 +38,7 @@ import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
 from kvtier.tiers.disk.layout import DiskLayout, per_group_files, remove_stale_tmp, unlink_quiet
-from kvtier.tiers.disk.rootfs import NOT_THERE, RootFS
+from kvtier.core.rootfs import NOT_THERE, RootFS
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ first one is logged as a warning, later ones in at most one line a minute. Write
 by themselves once there is space.
 
 Hostile roots. Whoever can write a shared root may plant anything in it. Every path below the
-root is reached through the layout's :class:`~kvtier.tiers.disk.rootfs.RootFS`: no symlink is
+root is reached through the layout's :class:`~kvtier.core.rootfs.RootFS`: no symlink is
 followed at any component (directories included), only regular files are opened, never waiting
 (``O_NONBLOCK``: a FIFO is refused, not read), and every read is bounded by the format (a record
 by its header and ``payload_bytes``, the index snapshot by the capacity, ``config.json`` by
