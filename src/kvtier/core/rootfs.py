@@ -15,7 +15,9 @@ the root is read, written, renamed, removed or touched.
 Files are opened with ``O_NONBLOCK`` (opening a FIFO never waits; a regular file ignores the
 flag) and used only when ``fstat`` says they are regular (:class:`NotRegularFile` otherwise);
 what is read from them is bounded by the caller (:meth:`RootFS.read_bytes` refuses a file longer
-than its limit before reading it). Times are set through the descriptor (``futimens``).
+than its limit before reading it). Times are set relative to the directory reached, never following
+the last component either (``utimensat(AT_SYMLINK_NOFOLLOW)``: nothing is opened), or through a
+descriptor already open (``futimens``).
 
 Trusted: the root itself and the directories above it (the operator's ``root_dir``, which may be
 a symlink, e.g. to a mount). What is not defended: a hard link planted in the root to a file the
@@ -57,6 +59,8 @@ READ = os.O_RDONLY | O_BINARY | O_NONBLOCK
 """Flags to open a file for reading (plus the O_NOFOLLOW | O_CLOEXEC every open here gets)."""
 DIR_OPEN = os.O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
 """Flags to open one directory component relative to another (never through a symlink)."""
+_DIR_PATH = getattr(os, "O_PATH", os.O_RDONLY) | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC
+"""A directory used only as ``dir_fd`` (no read permission needed, nothing to set up)."""
 _ALWAYS = O_NOFOLLOW | O_CLOEXEC
 
 NOT_THERE = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP})
@@ -106,6 +110,7 @@ class _OpenHow(ctypes.Structure):
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
 _SYS_OPENAT2 = 437  # the same number on every Linux architecture (a syscall added after 5.1)
+_HOW_SIZE = ctypes.sizeof(_OpenHow)
 
 
 class _Openat2:
@@ -114,7 +119,7 @@ class _Openat2:
 
     def __init__(self) -> None:
         self.usable = False
-        self._hows: dict[tuple[int, int], _OpenHow] = {}
+        self._hows: dict[tuple[int, int], tuple[_OpenHow, object]] = {}  # (flags, mode) -> (how, byref(how))
         if not sys.platform.startswith("linux") or platform.machine() not in (
             "x86_64", "aarch64", "arm64", "ppc64le", "s390x", "riscv64"
         ):
@@ -135,21 +140,26 @@ class _Openat2:
         self.usable = True
 
     def open(self, dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
-        flags |= _ALWAYS
-        if not flags & (os.O_CREAT | getattr(os, "O_TMPFILE", 0)):
-            mode = 0  # openat2 refuses a mode without O_CREAT
-        how = self._hows.get((flags, mode))
-        if how is None:
-            how = self._hows.setdefault((flags, mode), _OpenHow(flags, mode, _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH))
-        encoded = os.fsencode(path)
+        entry = self._hows.get((flags, mode))
+        if entry is None:
+            entry = self._how(flags, mode)
+        fd = self._call(_SYS_OPENAT2, dir_fd, path.encode(), entry[1], _HOW_SIZE)
+        if fd >= 0:
+            return fd
         for _ in range(8):  # EAGAIN: a rename raced the lookup; the kernel asks to try again
-            fd = self._call(_SYS_OPENAT2, dir_fd, encoded, ctypes.byref(how), ctypes.sizeof(how))
-            if fd >= 0:
-                return fd
             err = ctypes.get_errno()
             if err not in (errno.EAGAIN, errno.EINTR):
                 break
+            fd = self._call(_SYS_OPENAT2, dir_fd, path.encode(), entry[1], _HOW_SIZE)
+            if fd >= 0:
+                return fd
         raise OSError(err, os.strerror(err), path)
+
+    def _how(self, flags: int, mode: int) -> tuple[_OpenHow, object]:
+        full = flags | _ALWAYS
+        how = _OpenHow(full, mode if full & (os.O_CREAT | getattr(os, "O_TMPFILE", 0)) else 0,  # (else EINVAL)
+                       _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH)
+        return self._hows.setdefault((flags, mode), (how, ctypes.byref(how)))
 
 
 _OPENAT2 = _Openat2()
@@ -208,11 +218,12 @@ class RootFS:
 
     def relative(self, path: str) -> str:
         """``path`` relative to the root (``"."`` for the root itself)."""
-        if path == self.root or path + "/" == self._prefix:
+        prefix = self._prefix
+        if path.startswith(prefix) and len(path) > len(prefix):
+            return path[len(prefix):]
+        if path == self.root or path + "/" == prefix:
             return "."
-        if not path.startswith(self._prefix):
-            raise ValueError(f"{path} is not below the disk tier root {self.root}")
-        return path[len(self._prefix):]
+        raise ValueError(f"{path} is not below the disk tier root {self.root}")
 
     def _root_fd(self) -> int:
         fds = self._fds
@@ -239,14 +250,17 @@ class RootFS:
             return True
 
     def _open_rel(self, rel: str, flags: int, mode: int) -> int:
+        fds = self._fds
         try:
-            root_fd = self._root_fd()
+            root_fd = fds[-1] if fds else self._root_fd()
         except FileNotFoundError:
             if not self._root_replaced():
                 raise
             root_fd = self._root_fd()
         try:
-            return self._resolve(root_fd, rel, flags, mode)
+            if self.use_openat2:
+                return _OPENAT2.open(root_fd, rel, flags, mode)
+            return _walk_open(root_fd, rel, flags, mode)
         except FileNotFoundError:
             if not self._root_replaced():
                 raise
@@ -292,19 +306,30 @@ class RootFS:
 
     @contextlib.contextmanager
     def parent(self, path: str) -> Iterator[tuple[int, str]]:
-        """``(descriptor of path's directory, path's last component)``, for an ``*at`` call."""
+        """``(descriptor of path's directory, path's last component)``, for an ``*at`` call (the
+        descriptor is ``O_PATH`` where there is one: it serves as ``dir_fd`` only)."""
+        fd, name = self._parent(path)
+        try:
+            yield fd, name
+        finally:
+            os.close(fd)
+
+    def _parent(self, path: str) -> tuple[int, str]:
+        """:meth:`parent` without a context manager (the hot paths); the caller closes the descriptor."""
         head, _, name = path.rpartition("/")
         if not name or name in (".", ".."):
             raise ValueError(f"{path} names no entry of a directory")
-        with self.directory(head or "/") as fd:
-            yield fd, name
+        return self._open_rel(self.relative(head or "/"), _DIR_PATH, 0), name
 
     # ------------------------------------------------------------------ entries
 
     def lstat(self, path: str) -> os.stat_result:
         """``path``'s own status (a symlink is reported as one, never followed)."""
-        with self.parent(path) as (fd, name):
+        fd, name = self._parent(path)
+        try:
             return os.stat(name, dir_fd=fd, follow_symlinks=False)
+        finally:
+            os.close(fd)
 
     def lexists(self, path: str) -> bool:
         try:
@@ -317,8 +342,11 @@ class RootFS:
 
     def unlink(self, path: str) -> None:
         """Remove the entry at ``path`` (whatever it is but a directory; a symlink itself, never its target)."""
-        with self.parent(path) as (fd, name):
+        fd, name = self._parent(path)
+        try:
             os.unlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def rmdir(self, path: str) -> None:
         """Remove the empty directory at ``path``."""
@@ -408,15 +436,17 @@ class RootFS:
                 raise
 
     def touch(self, path: str) -> None:
-        """Set the regular file at ``path``'s times to now, through its descriptor (``futimens``)."""
-        fd = self.open(path)
+        """Set the times of the entry at ``path`` to now: ``utimensat(AT_SYMLINK_NOFOLLOW)`` relative to
+        its directory, so nothing is opened and a planted symlink's own times are set, never its
+        target's (a FIFO's likewise: its inode, inside the root, never opened)."""
+        fd, name = self._parent(path)
         try:
-            os.utime(fd)
+            os.utime(name, dir_fd=fd, follow_symlinks=False)
         finally:
             os.close(fd)
 
     def touch_quiet(self, path: str) -> None:
-        """:meth:`touch`, skipping a file that is gone, refuses, or is not a regular file."""
+        """:meth:`touch`, skipping an entry that is gone or refuses."""
         try:
             self.touch(path)
         except OSError:
