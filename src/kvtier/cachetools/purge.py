@@ -32,7 +32,7 @@ from kvtier.cachetools.selection import select
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.layout import Removal, remove_file, unlink_quiet
 from kvtier.tiers.disk.ledger import Ledger, ledger_files
-from kvtier.core.rootfs import NOT_THERE, RootFS
+from kvtier.core.rootfs import RootFS
 from kvtier.tiers.disk.snapshot import remove_snapshots
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
@@ -274,12 +274,9 @@ def _remove_empty_dirs(fs: RootFS, directory: str, depth: int = 2) -> None:
     """``rmdir`` the empty directories under ``directory`` (``depth`` levels: a rank directory's
     ``<hhh>/<hh>_g<group>``), then ``directory`` itself; never through a symlink."""
     if depth:
-        try:
-            names = fs.listdir(directory)
-        except OSError as exc:
-            if exc.errno in NOT_THERE:
-                return
-            raise
-        for name in names:
+        listing = fs.listing(directory, stat=False)
+        if listing is None:
+            return
+        for name, _ in listing:
             _remove_empty_dirs(fs, f"{directory}/{name}", depth - 1)
     fs.rmdir_quiet(directory)

@@ -230,52 +230,23 @@ def iter_files(ns: CacheNamespace, *, stat: bool = True) -> Iterator[CacheFile]:
     fs = ns.fs
     for rank in sorted(ns.rank_dirs):
         rank_dir = ns.rank_dirs[rank]
-        for top in _names(fs, rank_dir) or ():
+        for top, _ in fs.listing(rank_dir, stat=False) or ():
             top_path = f"{rank_dir}/{top}"
-            subs = _names(fs, top_path) if len(top) == 3 and _is_hex(top) else None
+            subs = fs.listing(top_path, stat=False) if len(top) == 3 and _is_hex(top) else None
             if subs is None:
                 yield from _stray(fs, top_path, rank, "unexpected entry in a rank directory", stat)
                 continue
-            for sub in subs:
+            for sub, _ in subs:
                 leaf_path = f"{top_path}/{sub}"
                 hh, sep, group = sub[:2], sub[2:4], sub[4:]
                 well_named = _is_hex(hh) and sep == "_g" and group.isdigit()
-                listing = _listing(fs, leaf_path, stat) if well_named else None
+                listing = fs.listing(leaf_path, stat=stat) if well_named else None
                 if listing is None:
                     yield from _stray(fs, leaf_path, rank, "unexpected entry in a rank directory", stat)
                     continue
                 layout = ns.layout(int(group))
                 for name, st in listing:
                     yield from _classify(fs, leaf_path, name, st, rank, int(group), layout, stat)
-
-
-def _names(fs: RootFS, path: str) -> list[str] | None:
-    """The names in the directory ``path``: [] if it vanished, None if it is not a directory (a
-    file, or a symlink: never followed)."""
-    try:
-        return fs.listdir(path)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        if exc.errno in NOT_THERE:
-            return None
-        raise
-
-
-def _listing(fs: RootFS, path: str, stat: bool) -> list[tuple[str, os.stat_result | None]] | None:
-    """``(name, own status or None)`` of the directory ``path``'s entries (status only with ``stat``:
-    taken relative to the open directory); None if ``path`` is not a directory."""
-    if not stat:
-        names = _names(fs, path)
-        return None if names is None else [(name, None) for name in names]
-    try:
-        return fs.entries(path)
-    except FileNotFoundError:
-        return []
-    except OSError as exc:
-        if exc.errno in NOT_THERE:
-            return None
-        raise
 
 
 def _classify(
@@ -337,13 +308,7 @@ class QuarantineFile:
 def iter_quarantine(cache: CacheRoot) -> Iterator[QuarantineFile]:
     """The files in the quarantine directory (named ``<prefix>_r<rank>__<hash>.bin`` by the tier);
     nothing if ``quarantine`` is a symlink or not a directory (never followed)."""
-    try:
-        listing = cache.fs.entries(cache.quarantine_dir)
-    except OSError as exc:
-        if exc.errno in NOT_THERE:
-            return
-        raise
-    for name, st in listing:
+    for name, st in cache.fs.listing(cache.quarantine_dir) or ():
         if st is None or S_ISDIR(st.st_mode):
             continue
         head, sep, _ = name.partition("__")

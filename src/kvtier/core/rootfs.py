@@ -368,6 +368,18 @@ class RootFS:
         with self.directory(path) as fd:
             return [(name, lstat_at(fd, name)) for name in os.listdir(fd)]
 
+    def listing(self, path: str, *, stat: bool = True) -> list[tuple[str, os.stat_result | None]] | None:
+        """:meth:`entries` (statuses None without ``stat``) of ``path`` if it is a directory: None if it
+        is not (a file, a symlink: never followed), [] if it is gone."""
+        try:
+            return self.entries(path) if stat else [(name, None) for name in self.listdir(path)]
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            if exc.errno in NOT_THERE:
+                return None
+            raise
+
     def make_dirs(self, path: str, mode: int) -> None:
         """Create the directory ``path`` and its missing parents with ``mode`` (exactly: the umask does
         not narrow or widen it). Below the root, every component is created and then opened without

@@ -154,7 +154,7 @@ def _block_files(fs: RootFS, directory: str, depth: int) -> Iterator[str]:
     """Regular ``*.bin`` files at most ``depth`` directories below ``directory`` (``quarantine`` and
     symlinks skipped: never followed)."""
     try:
-        entries = fs.entries(directory)
+        entries = fs.listing(directory) or []
     except OSError:
         return
     for name, st in sorted(entries, key=lambda entry: entry[0]):
