@@ -15,9 +15,7 @@ the root is read, written, renamed, removed or touched.
 Files are opened with ``O_NONBLOCK`` (opening a FIFO never waits; a regular file ignores the
 flag) and used only when ``fstat`` says they are regular (:class:`NotRegularFile` otherwise);
 what is read from them is bounded by the caller (:meth:`RootFS.read_bytes` refuses a file longer
-than its limit before reading it). Times are set relative to the directory reached, never following
-the last component either (``utimensat(AT_SYMLINK_NOFOLLOW)``: nothing is opened), or through a
-descriptor already open (``futimens``).
+than its limit before reading it). Times are set through a regular file's descriptor (``futimens``).
 
 Trusted: the root itself and the directories above it (the operator's ``root_dir``, which may be
 a symlink, e.g. to a mount). What is not defended: a hard link planted in the root to a file the
@@ -448,17 +446,16 @@ class RootFS:
                 raise
 
     def touch(self, path: str) -> None:
-        """Set the times of the entry at ``path`` to now: ``utimensat(AT_SYMLINK_NOFOLLOW)`` relative to
-        its directory, so nothing is opened and a planted symlink's own times are set, never its
-        target's (a FIFO's likewise: its inode, inside the root, never opened)."""
-        fd, name = self._parent(path)
+        """Set the times of the regular file at ``path`` to now, through its descriptor (``futimens``):
+        a planted symlink, FIFO or other object is never touched (:class:`NotRegularFile`, ``ELOOP``)."""
+        fd = self.open_regular(path)[0]
         try:
-            os.utime(name, dir_fd=fd, follow_symlinks=False)
+            os.utime(fd)
         finally:
             os.close(fd)
 
     def touch_quiet(self, path: str) -> None:
-        """:meth:`touch`, skipping an entry that is gone or refuses."""
+        """:meth:`touch`, skipping a file that is gone, refuses, or is not a regular file."""
         try:
             self.touch(path)
         except OSError:

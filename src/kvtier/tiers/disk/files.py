@@ -284,9 +284,9 @@ def settle_scan(layout: DiskLayout, ledger: Ledger, result: ScanResult, since: i
 
 
 def touch_blocks(layout: DiskLayout, hex_keys: Sequence[str]) -> None:
-    """Refresh the mtime of every rank's file of ``hex_keys`` (the order after a restart): the entry
-    itself, in its directory reached without following a symlink (a planted symlink's own times,
-    never its target's); entries that are gone or refuse are skipped."""
+    """Refresh the mtime of every rank's file of ``hex_keys`` (the order after a restart), each
+    through its descriptor: only regular files reached without following a symlink; those that are
+    gone, refuse or are something else are skipped."""
     touch = layout.fs.touch_quiet
     for hex_key in hex_keys:
         for path in layout.paths(hex_key):

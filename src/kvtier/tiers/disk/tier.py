@@ -61,8 +61,8 @@ quarantine), a planted directory is ignored by the walks; nothing outside the ro
 written, removed or touched (see docs/security.md).
 
 Order across restarts: the scan orders blocks by file mtime; writes set it, and read hits and
-:meth:`touch` refresh it (a read through the file's descriptor, a touch with ``utimensat`` relative to
-its directory, never following a symlink; off the caller's thread).
+:meth:`touch` refresh it (``futimens`` through the file's descriptor: regular files only, reached
+without following a symlink; off the caller's thread).
 """
 
 from __future__ import annotations
