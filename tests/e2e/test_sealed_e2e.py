@@ -14,8 +14,12 @@ counted, and every output equals vLLM alone's.
   under a new key and still listing the old one is served every record, ``kvtier verify`` names
   them as records under the retired key, and a fresh engine without the old key misses them all.
 
+- a hostile store without a key (issue 38): a root and a Redis server one engine filled, tampered
+  several ways at once (FIFOs, symlinks, a leaf moved outside the root, a 256 MiB value): a fresh
+  engine starts, serves what is intact, recomputes the rest; nothing outside the root changes.
+
 Nine prompts of one 64-token block each, a tiny Qwen3-MoE (random weights), one process per engine,
-eight engines in all (tests/support/offline_run.py).
+ten engines in all (tests/support/offline_run.py).
 """
 
 from __future__ import annotations
