@@ -17,9 +17,9 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.core.keys import describe_config
+from kvtier.core.rootfs import RootFS
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.ledger import ledger_files, peek_bytes
-from kvtier.core.rootfs import RootFS
 from kvtier.tiers.disk.snapshot import peek_count, snapshot_files
 
 AGE_BUCKETS: tuple[tuple[str, float], ...] = (

@@ -29,10 +29,10 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.cachetools.selection import select
+from kvtier.core.rootfs import RootFS
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.layout import Removal, remove_file, unlink_quiet
 from kvtier.tiers.disk.ledger import Ledger, ledger_files
-from kvtier.core.rootfs import RootFS
 from kvtier.tiers.disk.snapshot import remove_snapshots
 
 _UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.keys import KEY_BYTES, KEY_SPEC_VERSION, Namespace, SpecVersionError, stored_ranks_of
-from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES, QUARANTINE_DIR, DiskLayout, sanitize_model_name
 from kvtier.core.rootfs import NOT_THERE, RootFS
+from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES, QUARANTINE_DIR, DiskLayout, sanitize_model_name
 
 CONFIG_NAME = "config.json"
 _HEX = frozenset("0123456789abcdef")

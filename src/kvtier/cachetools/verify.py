@@ -35,10 +35,10 @@ from typing import Any
 from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, discover, iter_files
 from kvtier.cachetools.selection import select
 from kvtier.core.fleet_key import AuthConfig
+from kvtier.core.rootfs import READ
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.files import check_header, not_a_block_file, verify_file
 from kvtier.tiers.disk.layout import Removal
-from kvtier.core.rootfs import READ
 from kvtier.tiers.disk.ledger import Ledger
 from kvtier.tiers.sealing import KeyState, Sealer
 

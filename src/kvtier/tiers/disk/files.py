@@ -3,8 +3,9 @@
 
 Pure functions on paths (a :class:`~kvtier.tiers.disk.layout.DiskLayout`, whose
 :class:`~kvtier.core.rootfs.RootFS` reaches every path without following a symlink and opens
-only regular files, never waiting on a FIFO), buffers and the namespace's usage ledger (:mod:`kvtier.tiers.disk.ledger`: every file they remove from its place
-is removed under its lock, which gives its bytes back). They never touch the tier's in-memory
+only regular files, never waiting on a FIFO), buffers and the namespace's usage ledger
+(:mod:`kvtier.tiers.disk.ledger`: every file they remove from its place is removed under its
+lock, which gives its bytes back). They never touch the tier's in-memory
 index or completion queue and never raise for an I/O failure: they return what happened (an
 :class:`~kvtier.tiers.base.IoError`, or a count of failed removals) and the tier posts it for
 :meth:`~kvtier.tiers.disk.DiskTier.poll` to apply.
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from kvtier.core.keys import BlockKey
+from kvtier.core.rootfs import READ, NotRegularFile, RootFS
 from kvtier.tiers.base import IoError
 from kvtier.tiers.blockfile import (
     HEADER_LEN,
@@ -31,7 +33,6 @@ from kvtier.tiers.blockfile import (
 )
 from kvtier.tiers.disk.layout import DiskLayout, Removal, ScanResult, is_unit
 from kvtier.tiers.disk.ledger import Ledger, Reconciled
-from kvtier.core.rootfs import READ, NotRegularFile, RootFS
 from kvtier.tiers.sealing import PLAIN, Sealer, UnauthenticatedRecord
 
 logger = logging.getLogger(__name__)
@@ -169,12 +170,10 @@ def check_header(
 
 def verify_file(
     fs: RootFS, path: str, *, namespace: bytes | None, key: bytes | None, rank: int, chunk_bytes: int = 1 << 20,
-    sealer: Sealer = PLAIN, payload_len: int | None = None,
+    sealer: Sealer = PLAIN,
 ) -> BlockHeader:
     """Check one block file as :func:`read_block` does (accepting what ``sealer`` accepts), reading
     the payload in ``chunk_bytes`` chunks (bounded memory) and copying it nowhere; returns its header.
-    ``payload_len``: the payload the namespace's records have, when known (a longer one is refused
-    before it is read).
 
     Raises :class:`CorruptBlockError` (the reason) or ``OSError`` (``FileNotFoundError`` if the
     file vanished; :class:`~kvtier.core.rootfs.NotRegularFile`, ``ELOOP``: not a block file).
@@ -185,7 +184,7 @@ def verify_file(
         size = st.st_size
         raw = os.pread(fd, HEADER_LEN, 0)
         header = decode_header(raw)
-        check_header(header, size, namespace=namespace, key=key, rank=rank, payload_len=payload_len)
+        check_header(header, size, namespace=namespace, key=key, rank=rank)
         opener = sealer.opener(header, raw)
         buf = memoryview(bytearray(min(chunk_bytes, header.payload_len) or 1))
         offset, remaining = HEADER_LEN, header.payload_len

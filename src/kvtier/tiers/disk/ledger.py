@@ -65,8 +65,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.tiers.disk.layout import DiskLayout, Removal, per_group_files
 from kvtier.core.rootfs import RootFS
+from kvtier.tiers.disk.layout import DiskLayout, Removal, per_group_files
 
 logger = logging.getLogger(__name__)
 

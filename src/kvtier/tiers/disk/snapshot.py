@@ -37,8 +37,8 @@ import time
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
-from kvtier.tiers.disk.layout import DiskLayout, per_group_files, remove_stale_tmp, unlink_quiet
 from kvtier.core.rootfs import NOT_THERE, RootFS
+from kvtier.tiers.disk.layout import DiskLayout, per_group_files, remove_stale_tmp, unlink_quiet
 
 logger = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.core.keys import BlockKey
+from kvtier.core.rootfs import O_BINARY, O_CLOEXEC, O_NOFOLLOW
 from kvtier.tiers.base import IoError
 from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk.layout import DiskLayout, Removal
 from kvtier.tiers.disk.ledger import Ledger
-from kvtier.core.rootfs import O_BINARY, O_CLOEXEC, O_NOFOLLOW
 from kvtier.tiers.sealing import PLAIN, Sealer
 
 logger = logging.getLogger(__name__)
