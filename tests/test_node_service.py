@@ -275,6 +275,10 @@ def test_a_malformed_peer_is_dropped_alone_and_versions_must_match(node):
     with socket.socket(socket.AF_UNIX) as bad:
         bad.connect(str(node))
         bad.sendall(b"\x93\x01\x02\x03")  # a msgpack array, not a map
+        from kvtier.node.protocol import FrameReader
+
+        refusal = FrameReader().feed(bad.recv(4096))[0]
+        assert not refusal["ok"] and "must be a map" in refusal["error"]
         assert bad.recv(100) == b""  # dropped
     wait_for(lambda: a.stats()["protocol_errors"] == 1)
     assert a.lookup([key(1)]).hits == 1
