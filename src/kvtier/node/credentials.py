@@ -9,7 +9,6 @@ the engine memory that user reads and writes, and would receive the engine's KV.
 from __future__ import annotations
 
 import os
-import pwd
 import socket
 import struct
 from pathlib import Path
@@ -35,20 +34,6 @@ def groups_of(pid: int) -> set[int]:
     except OSError:
         pass
     return set()
-
-
-def resolve_uid(value: int | str, what: str) -> int:
-    """A uid from a number or a user name (``what`` names the setting in the error)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        if value.isdigit():
-            return int(value)
-        try:
-            return pwd.getpwnam(value).pw_uid
-        except KeyError:
-            raise ValueError(f"{what} = {value!r}: no such user on this node") from None
-    raise ValueError(f"{what} must be a uid (an integer >= 0) or a user name, got {value!r}")
 
 
 def check_service(sock: socket.socket, path: str | os.PathLike[str], node_uid: int | None) -> None:

@@ -168,13 +168,16 @@ class FrameReader:
     small multiple of its bytes. Replies (the client's end, from a service whose credentials it
     checked) are bounded by :data:`MAX_REPLY_BYTES` only.
 
-    Raises :class:`ProtocolError` on a frame that breaks these bounds or is not a map. Not
-    thread-safe: one reader per connection, one thread.
+    Raises :class:`ProtocolError` on a frame that breaks these bounds or is not a map; when
+    messages came before it in the same data, they are returned and the error is kept in
+    :attr:`error` (raised by the next :meth:`feed`). Not thread-safe: one reader per connection,
+    one thread.
     """
 
     def __init__(self, *, requests: bool = False) -> None:
         self._fed = 0
         self._containers = 0
+        self.error: ProtocolError | None = None
         if requests:
             self.max_frame = MAX_FRAME_BYTES
             self._unpacker = msgpack.Unpacker(
@@ -194,8 +197,10 @@ class FrameReader:
         return container
 
     def feed(self, data: bytes | memoryview) -> list[dict[str, Any]]:
+        if self.error is not None:
+            raise self.error
         unpacker = self._unpacker
-        messages = []
+        messages: list[dict[str, Any]] = []
         try:
             unpacker.feed(data)
             self._fed += len(data)
@@ -204,12 +209,14 @@ class FrameReader:
                 if not isinstance(message, dict):
                     raise ProtocolError(f"a frame must be a map, got {type(message).__name__}")
                 messages.append(message)
-        except ProtocolError:
-            raise
+            if self._fed - unpacker.tell() > self.max_frame:  # what is left is one frame, unfinished
+                raise ProtocolError(f"a frame larger than {self.max_frame} bytes")
         except Exception as exc:  # noqa: BLE001 (whatever msgpack raises on a frame it cannot decode)
-            raise ProtocolError(f"malformed frame: {type(exc).__name__}: {exc}") from None
-        if self._fed - unpacker.tell() > self.max_frame:  # what is left is one frame, unfinished
-            raise ProtocolError(f"a frame larger than {self.max_frame} bytes")
+            error = exc if isinstance(exc, ProtocolError) else ProtocolError(
+                f"malformed frame: {type(exc).__name__}: {exc}")
+            if not messages:
+                raise error from None
+            self.error = error
         return messages
 
 

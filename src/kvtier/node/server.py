@@ -357,6 +357,11 @@ class NodeServer:
             conn.out += pack(reply)
             if conn.hang_up:
                 break
+        else:
+            if conn.reader.error is not None:  # the stream broke after these messages
+                self.protocol_errors += 1
+                conn.out += pack({"ok": False, "error": f"not this protocol: {conn.reader.error}"})
+                conn.hang_up = True
         self._flush(conn)
         if conn.hang_up and not conn.closing:
             self._drop(conn, "bad request")
