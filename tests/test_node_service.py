@@ -238,6 +238,8 @@ def test_inspect_and_prometheus_metrics_of_a_running_service(tmp_path):
         assert 'kvtier_node_hit_blocks_total{engine="A"} 1.0' in metrics
         assert "kvtier_node_pinned_blocks 1.0" in metrics and "kvtier_node_attached_engines 1.0" in metrics
         assert f"kvtier_node_pool_used_bytes {float(a.attachment.slot_stride)}" in metrics
+        assert "kvtier_node_protocol_errors_total 0.0" in metrics and "kvtier_node_slow_readers_total 0.0" in metrics
+        assert "kvtier_node_internal_errors_total 0.0" in metrics
         a.close()
     finally:
         stop(proc)
