@@ -398,14 +398,14 @@ def test_one_round_trip_per_batch_bounded_by_bytes(server, tiers, monkeypatch):
             assert tier.submit_write(job, key, PARENT, 1, [memoryview(payload_of(key, 0))])
         wait_results(tier, 8)
         assert calls == [8] and executes[-1:] == [8]
-        before = server.client().info("commandstats").get("cmdstat_get", {}).get("calls", 0)
+        before = server.client().info("commandstats").get("cmdstat_getrange", {}).get("calls", 0)
         dests = [bytearray(PAYLOAD) for _ in keys]
         for job, key in enumerate(keys):
             tier.submit_read(job, key, [memoryview(dests[job])])
         assert all(r.ok for r in wait_results(tier, 8))
         assert calls == [8, 8] and tier.stats.read_batches == 1 and tier.stats.write_batches == 1
         assert executes[-2:] == [8, 8]  # one pipeline each: the writes, then the reads
-        after = server.client().info("commandstats")["cmdstat_get"]["calls"]
+        after = server.client().info("commandstats")["cmdstat_getrange"]["calls"]
         assert after - before == 8 and dests == [bytearray(payload_of(k, 0)) for k in keys]
     finally:
         sys.setswitchinterval(interval)

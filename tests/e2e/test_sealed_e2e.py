@@ -14,13 +14,18 @@ counted, and every output equals vLLM alone's.
   under a new key and still listing the old one is served every record, ``kvtier verify`` names
   them as records under the retired key, and a fresh engine without the old key misses them all.
 
+- a hostile store without a key (issue 38): a root and a Redis server one engine filled, tampered
+  several ways at once (FIFOs, symlinks, a leaf moved outside the root, a 256 MiB value): a fresh
+  engine starts, serves what is intact, recomputes the rest; nothing outside the root changes.
+
 Nine prompts of one 64-token block each, a tiny Qwen3-MoE (random weights), one process per engine,
-eight engines in all (tests/support/offline_run.py).
+ten engines in all (tests/support/offline_run.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -259,3 +264,69 @@ def _env() -> dict[str, str]:
     import os
 
     return dict(os.environ)
+
+
+def test_a_tampered_root_and_redis_cost_only_misses(model, expected, tmp_path):
+    """Issue 38 (hostile store), several attacks at once on a shared root and a Redis server that a
+    first engine filled (plain records, kvtier's connector, disk + Redis): the index snapshot is a
+    FIFO; one prompt's record is a FIFO; another's a symlink to a valid copy outside the root, and its
+    Redis value 256 MiB; a third's leaf directory moved outside and replaced by a symlink, beside
+    a dead writer's temp file and a stray ``.bin`` there. A second engine starts (no hang: the FIFOs
+    are ignored or quarantined, never opened for reading), serves the FIFO's and the moved leaf's
+    prompts from Redis, recomputes the prompt whose record is a symlink and whose Redis value is
+    huge, and serves the other six from disk; then its cache reset (the disk tier's ``clear()``) and
+    a round served from Redis alone. Outputs equal vLLM alone's; nothing outside the root is touched."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    server = RedisServer(tmp_path / "redis")
+    try:
+        client = server.client()
+        tiers = [{"type": "fs", "root_dir": str(root), "capacity_bytes": 2**30},
+                 {"type": "redis", "url": server.url()}]
+        def whole_blocks(rounds=({},)) -> dict:  # one record per prompt
+            run = spec(model, tiers, rounds)
+            run["kv_connector_extra_config"]["offload_partial_blocks"] = False
+            return run
+
+        writer = launch(whole_blocks(), tmp_path)
+        assert tokens(writer) == expected
+        files = records(root)
+        names = sorted(n for n in client.scan_iter(match=b"kvtier:*") if not n.endswith(b":config"))
+        assert len(files) == 9 and len(names) == 9, (files, names)
+
+        (snapshot,) = root.glob("*/index_g*.snapshot")
+        snapshot.unlink()
+        os.mkfifo(snapshot)
+        fifo_record, linked_record, moved_record = files[:3]  # (three prompts: which ones does not matter)
+        fifo_record.unlink()
+        os.mkfifo(fifo_record)
+        copy = outside / "copy.bin"
+        copy.write_bytes(linked_record.read_bytes())
+        linked_record.unlink()
+        os.symlink(copy, linked_record)
+        huge = next(n for n in names if n.endswith(decode_header(copy.read_bytes()).key.hex().encode()))
+        client.setrange(huge, (256 << 20) - 1, b"x")
+        leaf = moved_record.parent
+        os.rename(leaf, outside / "leaf")
+        os.symlink(outside / "leaf", leaf)
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        (outside / "leaf" / f"{moved_record.name}.{dead.pid}.0a0b.tmp").write_bytes(b"a dead writer's")
+        (outside / "leaf" / "stray.bin").write_bytes(b"not kvtier's")
+        before = {p: (p.read_bytes(), p.lstat().st_mtime_ns) for p in outside.rglob("*") if p.is_file()}
+
+        reader = launch(whole_blocks(({}, {"reset_prefix_cache": True, "reset_connector": True})), tmp_path,
+                        timeout=300)
+        assert tokens(reader, 0) == expected and tokens(reader, 1) == expected
+        served = cached(reader, 0)
+        assert sorted(served) == [0] + [BLOCK] * 8, served  # the symlinked record whose Redis value is huge: recomputed
+        assert metric(reader, 0, "kvtier_hit_tokens", "disk") == 6 * BLOCK  # the untouched records
+        assert metric(reader, 0, "kvtier_hit_tokens", "remote") == 2 * BLOCK  # the FIFO's and the moved leaf's
+        assert cached(reader, 1) == [BLOCK] * 9, cached(reader, 1)  # after the reset: every prompt from Redis
+        assert sorted(p.name for p in (root / "quarantine").iterdir()) == sorted(
+            f"{fifo_record.parent.parent.parent.name}__{f.stem}.bin" for f in (fifo_record, linked_record))
+        assert {p: (p.read_bytes(), p.lstat().st_mtime_ns) for p in outside.rglob("*") if p.is_file()} == before
+        assert leaf.is_symlink()  # ignored by the scan and by clear(), left where it was planted
+        print(f"served after tampering: {served}; after the reset: {cached(reader, 1)}")
+    finally:
+        server.kill()

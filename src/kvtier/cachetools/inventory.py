@@ -2,7 +2,8 @@
 
 Never opens a block file unless asked to count tails (``count_tails``: one header read of rank 0's
 file per block): cost is one ``stat`` per file (about 1 s per 100,000 files with a warm page
-cache), whatever the blocks' size.
+cache), whatever the blocks' size. Everything is reached as :mod:`kvtier.cachetools.scan` says (no
+symlink followed; headers, ledgers and snapshot headers read only from regular files, bounded).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.core.keys import describe_config
+from kvtier.core.rootfs import RootFS
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.ledger import ledger_files, peek_bytes
 from kvtier.tiers.disk.snapshot import peek_count, snapshot_files
@@ -149,28 +151,31 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]], co
         if ranks & all_ranks == all_ranks:
             summary.complete_blocks += 1
             if summary.tail_blocks is not None:
-                summary.tail_blocks += _is_tail(rank0_paths[block], block_tokens)
+                summary.tail_blocks += _is_tail(ns.fs, rank0_paths[block], block_tokens)
         else:
             summary.incomplete_blocks += 1
         summary.ages[age_bucket(now - mtime_ns / 1e9)] += 1
         newest = max(newest, mtime_ns)
     summary.last_use = newest / 1e9 if newest else None
-    charged = [peek_bytes(path) for path in ledger_files(ns.ns_dir)]
+    charged = [peek_bytes(ns.fs, path) for path in ledger_files(ns.fs, ns.ns_dir)]
     if any(c is not None for c in charged):
         summary.ledger_bytes = sum(c for c in charged if c is not None)
-    for path in snapshot_files(ns.ns_dir):
-        count = peek_count(path)
+    for path in snapshot_files(ns.fs, ns.ns_dir):
+        count = peek_count(ns.fs, path)
         if count is not None:
             summary.snapshot_blocks = (summary.snapshot_blocks or 0) + count
             with contextlib.suppress(OSError):
-                summary.snapshot_written = max(summary.snapshot_written or 0.0, os.stat(path).st_mtime)
+                summary.snapshot_written = max(summary.snapshot_written or 0.0, ns.fs.lstat(path).st_mtime)
     return summary
 
 
-def _is_tail(path: str, block_tokens: int) -> bool:
+def _is_tail(fs: RootFS, path: str, block_tokens: int) -> bool:
     """Whether the block file at ``path`` holds a tail (fewer tokens than a block); unreadable: no."""
     try:
-        with open(path, "rb") as f:
-            return decode_header(f.read(HEADER_LEN)).num_tokens < block_tokens
+        fd = fs.open(path)
+        try:
+            return decode_header(os.pread(fd, HEADER_LEN, 0)).num_tokens < block_tokens
+        finally:
+            os.close(fd)
     except (OSError, CorruptBlockError):
         return False

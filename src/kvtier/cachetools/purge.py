@@ -9,7 +9,11 @@ only with whole namespaces and only if no block or temp file is left in them (th
 and usage ledgers go with it). Removing blocks also removes the namespace's index snapshots (the next
 start-up then scans the files). Block files are unlinked under the lock of their group's usage ledger
 (:mod:`kvtier.tiers.disk.ledger`), which gives back exactly the bytes of the files removed, so the
-engines sharing the root see the room at once.
+engines sharing the root see the room at once. Everything is reached through the root's
+:class:`~kvtier.core.rootfs.RootFS` (:mod:`kvtier.cachetools.scan`): only entries of
+directories inside the root are removed (a planted symlink: the link itself, never its target; a
+symlinked ``quarantine`` or rank directory is never entered), and headers are read only from
+regular files, without waiting.
 
 Called by ``kvtier purge`` (:mod:`kvtier.cli.cache`) in the command's process, one thread.
 """
@@ -25,8 +29,8 @@ from typing import Any
 
 from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, discover, iter_files, iter_quarantine
 from kvtier.cachetools.selection import select
+from kvtier.core.rootfs import RootFS
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
-from kvtier.tiers.disk.files import rmdir_quiet
 from kvtier.tiers.disk.layout import Removal, remove_file, unlink_quiet
 from kvtier.tiers.disk.ledger import Ledger, ledger_files
 from kvtier.tiers.disk.snapshot import remove_snapshots
@@ -154,7 +158,7 @@ def purge_cache(
         for qfile in iter_quarantine(cache):
             if narrowed and qfile.prefix not in prefixes:
                 continue
-            if not dry_run and not unlink_quiet(qfile.path):
+            if not dry_run and not unlink_quiet(cache.fs, qfile.path):
                 report.errors += 1
                 continue
             report.quarantine_files += 1
@@ -176,9 +180,9 @@ def _purge_namespace(ns: CacheNamespace, cutoff_ns: int | None, whole: bool, dry
     for files in blocks.values():
         if cutoff_ns is not None and max(f.mtime_ns for f in files) >= cutoff_ns:
             continue
-        if keep_key_id is not None and all(sealed_under(f.path, keep_key_id) for f in files):
+        if keep_key_id is not None and all(sealed_under(ns.fs, f.path, keep_key_id) for f in files):
             continue
-        if not dry_run and cutoff_ns is not None and _used_since(files, cutoff_ns):
+        if not dry_run and cutoff_ns is not None and _used_since(ns.fs, files, cutoff_ns):
             result.skipped += 1
             continue
         doomed += files
@@ -189,13 +193,13 @@ def _purge_namespace(ns: CacheNamespace, cutoff_ns: int | None, whole: bool, dry
         result.errors += _remove_files(ns, doomed)
     leaves = {os.path.dirname(f.path) for f in doomed} if not dry_run else set()
     for leaf in leaves:
-        rmdir_quiet(leaf)
-        rmdir_quiet(os.path.dirname(leaf))
+        ns.fs.rmdir_quiet(leaf)
+        ns.fs.rmdir_quiet(os.path.dirname(leaf))
     if leaves:  # a restart must not start from a snapshot that names the removed blocks
-        remove_snapshots(ns.ns_dir)
+        remove_snapshots(ns.fs, ns.ns_dir)
     if whole and others == 0 and result.blocks == len(blocks) and not result.errors:
         if dry_run:
-            result.config_removed = os.path.exists(ns.config_path)
+            result.config_removed = _exists(ns.fs, ns.config_path)
         else:
             result.config_removed = _drop_namespace(ns)
     return result
@@ -210,19 +214,22 @@ def _remove_files(ns: CacheNamespace, files: list[CacheFile]) -> int:
         if f.kind is Kind.BLOCK and f.rank < ns.world:
             charged.setdefault(f.group or 0, []).append(f.path)
         else:
-            errors += remove_file(f.path) is Removal.FAILED
+            errors += remove_file(ns.fs, f.path) is Removal.FAILED
     for group, paths in charged.items():
         outcomes = Ledger.for_tool(ns.layout(group)).remove(paths)
         errors += sum(outcome is Removal.FAILED for outcome in outcomes)
     return errors
 
 
-def sealed_under(path: str, key_id: bytes) -> bool:
+def sealed_under(fs: RootFS, path: str, key_id: bytes) -> bool:
     """Whether the block file at ``path`` names fleet key ``key_id`` in its header (False for a
-    plain record or an unreadable one; a vanished file counts as kept)."""
+    plain record, an unreadable one or one that is not a regular file; a vanished file counts as kept)."""
     try:
-        with open(path, "rb") as f:
-            header = decode_header(f.read(HEADER_LEN))
+        fd = fs.open(path)
+        try:
+            header = decode_header(os.pread(fd, HEADER_LEN, 0))
+        finally:
+            os.close(fd)
     except FileNotFoundError:
         return True
     except (OSError, CorruptBlockError):
@@ -230,11 +237,18 @@ def sealed_under(path: str, key_id: bytes) -> bool:
     return header.sealed and header.key_id == key_id
 
 
-def _used_since(files: list[CacheFile], cutoff_ns: int) -> bool:
-    """Whether a file of the block was read or rewritten since it was selected (re-``stat``)."""
+def _exists(fs: RootFS, path: str) -> bool:
+    try:
+        return fs.lexists(path)
+    except OSError:
+        return False
+
+
+def _used_since(fs: RootFS, files: list[CacheFile], cutoff_ns: int) -> bool:
+    """Whether a file of the block was read or rewritten since it was selected (re-``lstat``)."""
     for f in files:
         try:
-            if os.stat(f.path).st_mtime_ns >= cutoff_ns:
+            if fs.lstat(f.path).st_mtime_ns >= cutoff_ns:
                 return True
         except OSError:
             pass
@@ -246,11 +260,23 @@ def _drop_namespace(ns: CacheNamespace) -> bool:
     unless a block or temp file appeared meanwhile."""
     if next(iter_files(ns, stat=False), None) is not None:
         return False
-    removed = os.path.exists(ns.config_path) and unlink_quiet(ns.config_path)
-    for path in ledger_files(ns.ns_dir):  # an engine still writing recreates its own from the files
-        unlink_quiet(path)
+    fs = ns.fs
+    removed = _exists(fs, ns.config_path) and unlink_quiet(fs, ns.config_path)
+    for path in ledger_files(fs, ns.ns_dir):  # an engine still writing recreates its own from the files
+        unlink_quiet(fs, path)
     for rank_dir in ns.rank_dirs.values():
-        for dirpath, _, _ in os.walk(rank_dir, topdown=False):
-            rmdir_quiet(dirpath)
-    rmdir_quiet(ns.ns_dir)
+        _remove_empty_dirs(fs, rank_dir)
+    fs.rmdir_quiet(ns.ns_dir)
     return removed
+
+
+def _remove_empty_dirs(fs: RootFS, directory: str, depth: int = 2) -> None:
+    """``rmdir`` the empty directories under ``directory`` (``depth`` levels: a rank directory's
+    ``<hhh>/<hh>_g<group>``), then ``directory`` itself; never through a symlink."""
+    if depth:
+        listing = fs.listing(directory, stat=False)
+        if listing is None:
+            return
+        for name, _ in listing:
+            _remove_empty_dirs(fs, f"{directory}/{name}", depth - 1)
+    fs.rmdir_quiet(directory)

@@ -7,6 +7,9 @@ the tier's own key names and value format (:mod:`kvtier.tiers.redis.codec`): a n
 (never ``KEYS``), sizes with ``STRLEN``, ages with ``OBJECT IDLETIME`` (not available under an
 LFU eviction policy: then ages are not reported), all pipelined in batches. Verify reads every
 value and deletes (``UNLINK``) the bad ones unless told not to; purge unlinks what it selects.
+Nothing is read whole before its size is known: a config key at most :data:`CONFIG_MAX_BYTES`
+(``GETRANGE``), a block value only when its length (``STRLEN``) is what its first header
+(``GETRANGE``) announces for the namespace's ranks; any other value is a problem, never read.
 Safe while engines use the server: an engine that loses a block to verify or purge sees a miss.
 
 Called by :mod:`kvtier.cli.cache` in the ``kvtier`` command's process, one thread. Passwords come
@@ -30,7 +33,8 @@ from kvtier.cachetools.verify import Problem, VerifyReport
 from kvtier.core.fleet_key import AuthConfig
 from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, SpecVersionError, describe_config, stored_ranks_of
 from kvtier.core.tier_config import REDIS_SCHEMES, redact_url
-from kvtier.tiers.blockfile import CorruptBlockError
+from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
+from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES
 from kvtier.tiers.redis.codec import KeySpace, decode_value
 from kvtier.tiers.sealing import PLAIN, KeyState, Sealer
 
@@ -136,8 +140,9 @@ def _discover(client, key_prefix: str) -> list[_RemoteNamespace]:
         space = KeySpace(head + digest16.encode() + b":")
         config = namespace = version = None
         if digest16 in configs:
+            raw = client.getrange(configs[digest16], 0, CONFIG_MAX_BYTES)  # one byte more shows a longer one
             try:
-                config = json.loads(client.get(configs[digest16]) or b"null")
+                config = json.loads(raw or b"null") if len(raw or b"") <= CONFIG_MAX_BYTES else None
             except ValueError:
                 config = None
             if isinstance(config, dict):
@@ -246,10 +251,15 @@ def verify_remote(
             continue
         rank_digests = ns.namespace.rank_digests()
         bad: list[bytes] = []
-        for batch in _read_batches(client, ns.blocks):
+        for batch in _read_batches(client, ns.blocks, ns.world):
             for name, value in batch:
                 if value is None:
                     report.vanished += 1
+                    continue
+                if isinstance(value, str):  # not read: its size is not what its header says
+                    report.files_checked += 1
+                    bad.append(name)
+                    report.problems.append(Problem(name.decode(), value, "deleted" if delete else "reported"))
                     continue
                 report.files_checked += 1
                 report.bytes_checked += len(value)
@@ -265,23 +275,61 @@ def verify_remote(
     return report
 
 
-def _read_batches(client, names: Sequence[bytes]) -> Iterator[list[tuple[bytes, bytes | None]]]:
-    """GET the values of ``names`` a few at a time (sizes from STRLEN), bounded in bytes per trip."""
+def _read_batches(client, names: Sequence[bytes], world: int) -> Iterator[list[tuple[bytes, bytes | str | None]]]:
+    """The values of ``names`` a few at a time, bounded in bytes per trip: ``(name, value)``, value
+    None when the key vanished, or a reason (str) instead of a value that was not read because its
+    length (``STRLEN``) is not ``world`` records of the payload its first header announces."""
     for batch in _batches(names, 64):
         pipe = client.pipeline(transaction=False)
         for name in batch:
             pipe.strlen(name)
-        sizes = [n if isinstance(n, int) else 0 for n in pipe.execute(raise_on_error=False)]
+            pipe.getrange(name, 0, HEADER_LEN - 1)
+        replies = pipe.execute(raise_on_error=False)
         group: list[bytes] = []
+        group_sizes: list[int] = []
+        skipped: list[tuple[bytes, bytes | str | None]] = []
         total = 0
-        for name, size in zip(batch, sizes):
+        for name, size, head in zip(batch, replies[0::2], replies[1::2]):
+            if not isinstance(size, int) or size == 0:
+                skipped.append((name, None if size == 0 else f"unreadable: {type(size).__name__}"))
+                continue
+            why = _size_problem(size, head, world)
+            if why is not None:
+                skipped.append((name, why))
+                continue
             if group and total + size > READ_BATCH_BYTES:
-                yield list(zip(group, client.mget(group)))
-                group, total = [], 0
+                yield list(zip(group, _get_bounded(client, group, group_sizes)))
+                group, group_sizes, total = [], [], 0
             group.append(name)
+            group_sizes.append(size)
             total += size
         if group:
-            yield list(zip(group, client.mget(group)))
+            yield list(zip(group, _get_bounded(client, group, group_sizes)))
+        if skipped:
+            yield skipped
+
+
+def _size_problem(size: int, head: object, world: int) -> str | None:
+    """Why a value of ``size`` bytes whose first ``HEADER_LEN`` bytes are ``head`` is not read, or None."""
+    if not isinstance(head, bytes):
+        return f"unreadable: {type(head).__name__}"
+    try:
+        header = decode_header(head)
+    except CorruptBlockError as exc:
+        return str(exc)
+    expected = world * (HEADER_LEN + header.payload_len)
+    if size != expected:
+        return f"value of {size} bytes; its header announces {world} record(s) of {expected} bytes in all (not read)"
+    return None
+
+
+def _get_bounded(client, names: Sequence[bytes], sizes: Sequence[int]) -> list[bytes | None]:
+    """The values of ``names``, each read with ``GETRANGE`` up to the size found before and one byte
+    more, so a value that grew since shows without being read whole; None: gone."""
+    pipe = client.pipeline(transaction=False)
+    for name, size in zip(names, sizes):
+        pipe.getrange(name, 0, size)
+    return [v if isinstance(v, bytes) and v else None for v in pipe.execute(raise_on_error=False)]
 
 
 def _check(value: bytes, rank_digests: list[bytes], key: bytes | None, world: int, sealer: Sealer | None,

@@ -3,7 +3,13 @@
 The names are the disk tier's (:mod:`kvtier.tiers.disk.layout`); this module only parses them
 back and checks every parse by rebuilding the path with :class:`DiskLayout` itself, so a file
 is a block file exactly when the tier would read it from where it lies. Nothing here opens a
-block file or changes anything on disk.
+block file or changes anything on disk. Everything below the root is listed through the root's
+:class:`~kvtier.core.rootfs.RootFS` (:attr:`CacheRoot.fs`, shared by every namespace's
+layouts), as the tier reaches it: a symlink is never followed (a symlinked or non-directory entry
+where a directory should be is listed as a stray, never descended into), ``config.json`` is read
+only if it is a regular file of at most 1 MiB, and the status of an entry is its own (``lstat``).
+The tools act on what is listed through the same object, so a path swapped for a symlink after
+it was listed is not followed either.
 
 Called by inspect, verify and purge in the ``kvtier`` command's process, one thread.
 """
@@ -13,13 +19,15 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
+from stat import S_ISDIR
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from kvtier.core.keys import KEY_BYTES, KEY_SPEC_VERSION, Namespace, SpecVersionError, stored_ranks_of
-from kvtier.tiers.disk.layout import QUARANTINE_DIR, DiskLayout, sanitize_model_name
+from kvtier.core.rootfs import NOT_THERE, RootFS
+from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES, QUARANTINE_DIR, DiskLayout, sanitize_model_name
 
 CONFIG_NAME = "config.json"
 _HEX = frozenset("0123456789abcdef")
@@ -60,6 +68,7 @@ class CacheNamespace:
     prefix: str
     model: str  # the sanitized ``<model>`` part of the name
     digest16: str
+    fs: RootFS  # the root's (shared by the namespaces of one CacheRoot)
     config: dict[str, Any] | None = None  # parsed config.json; None when missing or unreadable
     config_problem: str | None = None  # why config.json is unusable, or does not match the name
     namespace: Namespace | None = None  # config.json as a kvtier Namespace, when it is one
@@ -91,7 +100,7 @@ class CacheNamespace:
         layout = self._layouts.get(group)
         if layout is None:
             world = max(self.world, max(self.rank_dirs, default=0) + 1)
-            layout = DiskLayout(self.root, self.model, bytes.fromhex(self.digest16), world, group)
+            layout = DiskLayout(self.root, self.model, bytes.fromhex(self.digest16), world, group, fs=self.fs)
             self._layouts[group] = layout
         return layout
 
@@ -137,6 +146,7 @@ class CacheRoot:
     root: str
     namespaces: list[CacheNamespace]
     strays: list[CacheFile]
+    fs: RootFS
 
     @property
     def quarantine_dir(self) -> str:
@@ -156,17 +166,18 @@ def split_prefix(name: str, root: str) -> tuple[str, str] | None:
 def discover(root_dir: str | Path) -> CacheRoot:
     """The namespaces under ``root_dir`` (from ``<prefix>`` and ``<prefix>_r<rank>`` directories)."""
     root = str(Path(root_dir))
+    fs = RootFS(root)
     found: dict[str, CacheNamespace] = {}
     strays: list[CacheFile] = []
 
     def namespace(prefix: str, parts: tuple[str, str]) -> CacheNamespace:
         if prefix not in found:
-            found[prefix] = CacheNamespace(root, prefix, parts[0], parts[1])
+            found[prefix] = CacheNamespace(root, prefix, parts[0], parts[1], fs)
         return found[prefix]
 
     with os.scandir(root) as entries:
         for entry in sorted(entries, key=lambda e: e.name):
-            if entry.name == QUARANTINE_DIR and entry.is_dir():
+            if entry.name == QUARANTINE_DIR and entry.is_dir(follow_symlinks=False):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 parts = split_prefix(entry.name, root)
@@ -181,13 +192,12 @@ def discover(root_dir: str | Path) -> CacheRoot:
             strays.append(CacheFile(entry.path, Kind.STRAY, -1, reason="not a kvtier namespace or rank directory"))
     for ns in found.values():
         _load_config(ns)
-    return CacheRoot(root, sorted(found.values(), key=lambda n: n.prefix), strays)
+    return CacheRoot(root, sorted(found.values(), key=lambda n: n.prefix), strays, fs)
 
 
 def _load_config(ns: CacheNamespace) -> None:
     try:
-        with open(ns.config_path, encoding="utf-8") as fh:
-            config = json.load(fh)
+        config = json.loads(ns.fs.read_bytes(ns.config_path, CONFIG_MAX_BYTES))
     except FileNotFoundError:
         ns.config_problem = f"{CONFIG_NAME} missing"
         return
@@ -213,66 +223,76 @@ def _load_config(ns: CacheNamespace) -> None:
 def iter_files(ns: CacheNamespace, *, stat: bool = True) -> Iterator[CacheFile]:
     """Every entry under the namespace's rank directories, classified (see :class:`Kind`).
 
-    ``stat``: fill in size and mtime (one ``stat`` per file). Entries that vanish mid-walk are
-    skipped; unexpected directories are reported as one stray entry, not descended into.
+    ``stat``: fill in size and mtime (the entry's own ``lstat``, one per file). Entries that vanish
+    mid-walk are skipped; unexpected entries where directories should be (a symlink, a file, a
+    misnamed directory) are reported as one stray entry each, never descended into.
     """
+    fs = ns.fs
     for rank in sorted(ns.rank_dirs):
         rank_dir = ns.rank_dirs[rank]
-        for top in _entries(rank_dir):
-            if not (len(top.name) == 3 and _is_hex(top.name) and top.is_dir(follow_symlinks=False)):
-                yield _stray(top, rank, "unexpected entry in a rank directory", stat)
+        for top, _ in fs.listing(rank_dir, stat=False) or ():
+            top_path = f"{rank_dir}/{top}"
+            subs = fs.listing(top_path, stat=False) if len(top) == 3 and _is_hex(top) else None
+            if subs is None:
+                yield from _stray(fs, top_path, rank, "unexpected entry in a rank directory", stat)
                 continue
-            for leaf in _entries(top.path):
-                hh, sep, group = leaf.name[:2], leaf.name[2:4], leaf.name[4:]
-                if not (_is_hex(hh) and sep == "_g" and group.isdigit() and leaf.is_dir(follow_symlinks=False)):
-                    yield _stray(leaf, rank, "unexpected entry in a rank directory", stat)
+            for sub, _ in subs:
+                leaf_path = f"{top_path}/{sub}"
+                hh, sep, group = sub[:2], sub[2:4], sub[4:]
+                well_named = _is_hex(hh) and sep == "_g" and group.isdigit()
+                listing = fs.listing(leaf_path, stat=stat) if well_named else None
+                if listing is None:
+                    yield from _stray(fs, leaf_path, rank, "unexpected entry in a rank directory", stat)
                     continue
                 layout = ns.layout(int(group))
-                for entry in _entries(leaf.path):
-                    yield _classify(entry, rank, int(group), layout, stat)
+                for name, st in listing:
+                    yield from _classify(fs, leaf_path, name, st, rank, int(group), layout, stat)
 
 
-def _classify(entry: os.DirEntry, rank: int, group: int, layout: DiskLayout, stat: bool) -> CacheFile:
-    name = entry.name
+def _classify(
+    fs: RootFS, leaf: str, name: str, st: os.stat_result | None, rank: int, group: int, layout: DiskLayout,
+    stat: bool,
+) -> Iterator[CacheFile]:
+    """The entry ``name`` of a leaf directory, classified (nothing if it vanished meanwhile)."""
+    path = f"{leaf}/{name}"
     hex_key = name[:-4] if name.endswith(".bin") else name.partition(".")[0]
     is_key = len(hex_key) == 2 * KEY_BYTES and _is_hex(hex_key)
     if name.endswith(".tmp") and is_key and name.startswith(f"{hex_key}.bin."):
         kind, reason = Kind.TEMP, ""
     elif name.endswith(".bin") and is_key:
-        if layout.path(hex_key, rank) == entry.path:
+        if layout.path(hex_key, rank) == path:
             kind, reason = Kind.BLOCK, ""
         else:
             kind, reason = Kind.STRAY, f"misplaced block file: belongs in {layout.path(hex_key, rank)}"
     else:
-        return _stray(entry, rank, "not a block file", stat)
-    size, mtime_ns = _stat(entry) if stat else (0, 0)
-    return CacheFile(entry.path, kind, rank, group, hex_key, size, mtime_ns, reason)
+        yield from _stray(fs, path, rank, "not a block file", stat, st)
+        return
+    if stat and st is None:
+        return  # vanished
+    size, mtime_ns = (st.st_size, st.st_mtime_ns) if st is not None else (0, 0)
+    yield CacheFile(path, kind, rank, group, hex_key, size, mtime_ns, reason)
 
 
-def _stray(entry: os.DirEntry, rank: int, reason: str, stat: bool) -> CacheFile:
-    is_dir = entry.is_dir(follow_symlinks=False)
-    size, mtime_ns = _stat(entry) if stat and not is_dir else (0, 0)
-    hex_key = entry.name[:-4]
-    if not is_dir and entry.name.endswith(".bin") and len(hex_key) == 2 * KEY_BYTES and _is_hex(hex_key):
+def _stray(
+    fs: RootFS, path: str, rank: int, reason: str, stat: bool, st: os.stat_result | None = None
+) -> Iterator[CacheFile]:
+    """The stray entry at ``path`` (none if it vanished)."""
+    if st is None:
+        try:
+            st = fs.lstat(path)
+        except OSError as exc:
+            if exc.errno in NOT_THERE:
+                return
+            raise
+    is_dir = S_ISDIR(st.st_mode)
+    size, mtime_ns = (st.st_size, st.st_mtime_ns) if stat and not is_dir else (0, 0)
+    name = path.rpartition("/")[2]
+    hex_key = name[:-4]
+    if not is_dir and name.endswith(".bin") and len(hex_key) == 2 * KEY_BYTES and _is_hex(hex_key):
         reason = "misplaced block file: not in a <hhh>/<hh>_g<group> directory"
-        return CacheFile(entry.path, Kind.STRAY, rank, 0, hex_key, size, mtime_ns, reason)
-    return CacheFile(entry.path, Kind.STRAY, rank, size=size, mtime_ns=mtime_ns, reason=reason)
-
-
-def _stat(entry: os.DirEntry) -> tuple[int, int]:
-    try:
-        st = entry.stat(follow_symlinks=False)
-    except OSError:
-        return 0, 0
-    return st.st_size, st.st_mtime_ns
-
-
-def _entries(path: str) -> list[os.DirEntry]:
-    try:
-        with os.scandir(path) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
+        yield CacheFile(path, Kind.STRAY, rank, 0, hex_key, size, mtime_ns, reason)
+        return
+    yield CacheFile(path, Kind.STRAY, rank, size=size, mtime_ns=mtime_ns, reason=reason)
 
 
 @dataclass(frozen=True, slots=True)
@@ -286,12 +306,12 @@ class QuarantineFile:
 
 
 def iter_quarantine(cache: CacheRoot) -> Iterator[QuarantineFile]:
-    """The files in the quarantine directory (named ``<prefix>_r<rank>__<hash>.bin`` by the tier)."""
-    for entry in _entries(cache.quarantine_dir):
-        if entry.is_dir(follow_symlinks=False):
+    """The files in the quarantine directory (named ``<prefix>_r<rank>__<hash>.bin`` by the tier);
+    nothing if ``quarantine`` is a symlink or not a directory (never followed)."""
+    for name, st in cache.fs.listing(cache.quarantine_dir) or ():
+        if st is None or S_ISDIR(st.st_mode):
             continue
-        head, sep, _ = entry.name.partition("__")
+        head, sep, _ = name.partition("__")
         prefix, rsep, rank = head.rpartition("_r")
         owner = prefix if sep and rsep and rank.isdigit() and split_prefix(prefix, cache.root) else None
-        size, mtime_ns = _stat(entry)
-        yield QuarantineFile(entry.path, owner, size, mtime_ns)
+        yield QuarantineFile(os.path.join(cache.quarantine_dir, name), owner, st.st_size, st.st_mtime_ns)

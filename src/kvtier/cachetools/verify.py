@@ -16,6 +16,11 @@ included) is a problem, and records sealed under a retired (read-only) key are l
 for their header and size only and counted as ``sealed_unchecked``, never quarantined for want
 of a key.
 
+Hostile roots: files are reached as :mod:`kvtier.cachetools.scan` says (no symlink followed) and
+opened only when regular, never waiting (``O_NONBLOCK``): a planted symlink, FIFO or other object
+where a block file should be is a problem, quarantined (the entry itself) like a corrupt file. A
+payload is read only as far as its header and the file's size agree.
+
 Called by ``kvtier verify`` (:mod:`kvtier.cli.cache`) in the command's process, one thread.
 """
 
@@ -30,8 +35,9 @@ from typing import Any
 from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, discover, iter_files
 from kvtier.cachetools.selection import select
 from kvtier.core.fleet_key import AuthConfig
+from kvtier.core.rootfs import READ
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
-from kvtier.tiers.disk.files import check_header, verify_file
+from kvtier.tiers.disk.files import check_header, not_a_block_file, verify_file
 from kvtier.tiers.disk.layout import Removal
 from kvtier.tiers.disk.ledger import Ledger
 from kvtier.tiers.sealing import KeyState, Sealer
@@ -138,14 +144,17 @@ def _check(
     key = bytes.fromhex(f.hex_key or "")
     try:
         if sealer is None:
-            with open(f.path, "rb") as file:
-                header = decode_header(file.read(HEADER_LEN))
-                size = os.fstat(file.fileno()).st_size
+            fd, st = ns.fs.open_regular(f.path, READ)
+            try:
+                header = decode_header(os.pread(fd, HEADER_LEN, 0))
+            finally:
+                os.close(fd)
+            size = st.st_size
             if header.sealed:  # no key to check its MAC with: its structure only
                 check_header(header, size, namespace=namespace, key=key, rank=f.rank)
                 report.sealed_unchecked += 1
         if sealer is not None or not header.sealed:
-            header = verify_file(f.path, namespace=namespace, key=key, rank=f.rank, chunk_bytes=chunk_bytes,
+            header = verify_file(ns.fs, f.path, namespace=namespace, key=key, rank=f.rank, chunk_bytes=chunk_bytes,
                                  **({"sealer": sealer} if sealer is not None else {}))
         if sealer is not None and sealer.key_state(header) is KeyState.RETIRED:
             report.retired[header.key_id.hex()] = report.retired.get(header.key_id.hex(), 0) + 1
@@ -156,6 +165,8 @@ def _check(
     except CorruptBlockError as exc:
         return str(exc)
     except OSError as exc:
+        if not_a_block_file(exc):  # a symlink, a FIFO, a directory...: never followed or read
+            return f"not a block file: {exc.strerror}"
         return f"I/O error: {exc}"
     report.files_ok += 1
     report.bytes_checked += header.header_len + header.payload_len
@@ -176,5 +187,9 @@ def _settle(ns: CacheNamespace, f: CacheFile, reason: str, quarantine: bool) -> 
         (outcome,) = Ledger.for_tool(layout).remove([f.path], move)
     else:
         outcome = move(f.path)
-    action = "quarantined" if outcome is Removal.MOVED else ("left in place" if os.path.exists(f.path) else "gone")
+    try:
+        still_there = ns.fs.lexists(f.path)
+    except OSError:
+        still_there = True
+    action = "quarantined" if outcome is Removal.MOVED else ("left in place" if still_there else "gone")
     return Problem(f.path, reason, action, ns.prefix)

@@ -6,8 +6,8 @@ records).
 
 Reads: the line's ``secondary_tiers`` (kvtier's ``fs`` / ``redis``, and ``kvtier_disk`` /
 ``kvtier_redis`` behind vLLM's offloading); the headers (136 bytes) of at most
-:data:`SAMPLE` records per store (block files under the root; Redis values by ``SCAN`` and
-``GETRANGE``). Never a payload, never a key's secret (only its public id), never a write. Caller's
+:data:`SAMPLE` records per store (regular block files under the root, reached without following a
+symlink, :class:`~kvtier.core.rootfs.RootFS`; Redis values by ``SCAN`` and ``GETRANGE``). Never a payload, never a key's secret (only its public id), never a write. Caller's
 thread; a Redis that does not answer within a second is skipped (``check_remote`` reports it).
 """
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.fleet_key import parse_auth
+from kvtier.core.rootfs import RootFS
 from kvtier.core.values import ConfigError
 from kvtier.doctor.setup import Finding, Setup
 
@@ -133,23 +134,38 @@ def _shared_root(entry: Mapping[str, Any]) -> bool:
 
 
 def _disk_headers(root: Path) -> Iterator[bytes]:
+    fs = RootFS(str(root))
     count = 0
+    for path in _block_files(fs, fs.root, depth=3):  # <ns>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin
+        try:
+            fd = fs.open(path)
+            try:
+                yield os.pread(fd, HEADER_LEN, 0)
+            finally:
+                os.close(fd)
+        except OSError:
+            continue
+        count += 1
+        if count >= SAMPLE:
+            return
+
+
+def _block_files(fs: RootFS, directory: str, depth: int) -> Iterator[str]:
+    """Regular ``*.bin`` files at most ``depth`` directories below ``directory`` (``quarantine`` and
+    symlinks skipped: never followed)."""
     try:
-        for dirpath, dirnames, filenames in os.walk(root):
-            dirnames[:] = [d for d in dirnames if d != "quarantine"]
-            for name in filenames:
-                if not name.endswith(".bin"):
-                    continue
-                try:
-                    with open(os.path.join(dirpath, name), "rb") as f:
-                        yield f.read(HEADER_LEN)
-                except OSError:
-                    continue
-                count += 1
-                if count >= SAMPLE:
-                    return
+        entries = fs.listing(directory) or []
     except OSError:
         return
+    for name, st in sorted(entries, key=lambda entry: entry[0]):
+        if st is None:
+            continue
+        path = os.path.join(directory, name)
+        if stat.S_ISDIR(st.st_mode):
+            if depth and name != "quarantine":
+                yield from _block_files(fs, path, depth - 1)
+        elif stat.S_ISREG(st.st_mode) and name.endswith(".bin"):
+            yield path
 
 
 def _redis_headers(entry: Mapping[str, Any]) -> Iterator[bytes]:

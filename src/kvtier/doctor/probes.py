@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.core.keys import describe_config
+from kvtier.core.rootfs import RootFS
 
 RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 _NS_DIR = re.compile(r"^(?P<model>[A-Za-z0-9._-]+)_(?P<digest>[0-9a-f]{16})$")
+_CONFIG_MAX_BYTES = 1 << 20  # the disk tier's own bound (kvtier.tiers.disk.layout.CONFIG_MAX_BYTES)
 _SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale", "k_proj.output_scale", "v_proj.output_scale")
 
 
@@ -58,23 +60,25 @@ def filesystem_type(path: Path, mounts_file: str = "/proc/mounts") -> tuple[str,
 def namespaces_under(root: Path) -> list[dict[str, Any]]:
     """The disk-tier namespaces in ``root``: one dict per ``<model>_<digest16>/config.json`` (the
     namespace JSON kvtier writes, summarized by :func:`kvtier.core.keys.describe_config`), with
-    ``dir`` added. Unreadable ones get ``error``."""
+    ``dir`` added. Unreadable ones get ``error`` (so do a symlink, a FIFO or a file over 1 MiB
+    planted there: never followed, opened or read whole, :class:`~kvtier.core.rootfs.RootFS`)."""
     found: list[dict[str, Any]] = []
     try:
         entries = sorted(os.listdir(root))
     except OSError:
         return found
+    fs = RootFS(str(Path(root)))
     for name in entries:
         if not _NS_DIR.match(name):
             continue
-        config = Path(root, name, "config.json")
-        if not config.is_file():
-            continue
+        config = os.path.join(fs.root, name, "config.json")
         try:
-            data = json.loads(config.read_text())
+            data = json.loads(fs.read_bytes(config, _CONFIG_MAX_BYTES))
             if not isinstance(data, dict):
                 raise ValueError("not an object")
             data = {"model_name": data.get("model_name"), **describe_config(data)}
+        except FileNotFoundError:
+            continue
         except (OSError, ValueError) as exc:
             data = {"error": str(exc)}
         found.append({"dir": name, **data})

@@ -3,7 +3,10 @@
 A tier entry with a fleet key (:mod:`kvtier.core.fleet_key`) writes every record SEALED
 (:mod:`kvtier.tiers.blockfile`, ``checksum_alg`` 2 or 3) and accepts on read only records sealed
 under one of its keys; a tier without one writes PLAIN records (xxh3 checksums) and accepts only
-those. Anything else is an :class:`UnauthenticatedRecord` (a :class:`CorruptBlockError`, so every
+those. A tier with ``encrypt: true`` accepts only encrypted records (:attr:`Seal.AEAD`): a record
+signed but not encrypted, even under its own key, would put plaintext KV in its engines' view of a
+store that is meant to hold none, and says that a writer of the fleet runs without ``encrypt``.
+Anything else is an :class:`UnauthenticatedRecord` (a :class:`CorruptBlockError`, so every
 reader treats it as a miss; the tiers count it under its own reason, ``unauthenticated``).
 
 - :attr:`Seal.MAC`: the tag is a GMAC (AES-256-GCM with an empty plaintext and, as associated
@@ -168,6 +171,10 @@ class Sealer:
                                         "of this tier's keys")
         covered = bytes(memoryview(raw_header)[:SEALED_COVERED])
         if header.checksum_alg == SEAL_MAC:
+            if self.mode is Seal.AEAD:
+                raise UnauthenticatedRecord("record is signed but not encrypted, and this tier has encrypt: true "
+                                            "(it serves only encrypted records: a fleet engine without encrypt "
+                                            "wrote it; give every writer the same setting)")
             return _MacOpener(_record_key(keys.mac, header.namespace, header.key), header.nonce, header.tag, covered)
         return _AeadOpener(_record_key(keys.enc, header.namespace, header.key), header.nonce, header.tag, covered)
 

@@ -1,9 +1,11 @@
 """Block file I/O of the disk tier: what its worker threads do with the files (writes:
 :mod:`kvtier.tiers.disk.writer`).
 
-Pure functions on paths (a :class:`~kvtier.tiers.disk.layout.DiskLayout`), buffers and the
-namespace's usage ledger (:mod:`kvtier.tiers.disk.ledger`: every file they remove from its place
-is removed under its lock, which gives its bytes back). They never touch the tier's in-memory
+Pure functions on paths (a :class:`~kvtier.tiers.disk.layout.DiskLayout`, whose
+:class:`~kvtier.core.rootfs.RootFS` reaches every path without following a symlink and opens
+only regular files, never waiting on a FIFO), buffers and the namespace's usage ledger
+(:mod:`kvtier.tiers.disk.ledger`: every file they remove from its place is removed under its
+lock, which gives its bytes back). They never touch the tier's in-memory
 index or completion queue and never raise for an I/O failure: they return what happened (an
 :class:`~kvtier.tiers.base.IoError`, or a count of failed removals) and the tier posts it for
 :meth:`~kvtier.tiers.disk.DiskTier.poll` to apply.
@@ -21,6 +23,7 @@ from collections.abc import Sequence
 from functools import partial
 
 from kvtier.core.keys import BlockKey
+from kvtier.core.rootfs import READ, NotRegularFile, RootFS
 from kvtier.tiers.base import IoError
 from kvtier.tiers.blockfile import (
     HEADER_LEN,
@@ -28,15 +31,11 @@ from kvtier.tiers.blockfile import (
     CorruptBlockError,
     decode_header,
 )
-from kvtier.tiers.disk.layout import DiskLayout, Removal, ScanResult, is_unit, remove_file
+from kvtier.tiers.disk.layout import DiskLayout, Removal, ScanResult, is_unit
 from kvtier.tiers.disk.ledger import Ledger, Reconciled
 from kvtier.tiers.sealing import PLAIN, Sealer, UnauthenticatedRecord
 
 logger = logging.getLogger(__name__)
-
-_O_BINARY = getattr(os, "O_BINARY", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a planted symlink is never followed (ELOOP: an I/O error)
 
 
 def byte_views(
@@ -69,8 +68,14 @@ def _as_byte_view(buf: memoryview, *, writable: bool, what: str) -> memoryview:
 # ---------------------------------------------------------------------- reads
 
 NOT_A_BLOCK_FILE = frozenset({errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.ENXIO, errno.ENODEV})
-"""Errors that say a record's path holds something no writer of kvtier puts there (a symlink, which
-the open refuses to follow; a directory; a device or socket): treated as a corrupt record."""
+"""Errors that say a record's path holds something no writer of kvtier puts there (a symlink, at the
+record or at a directory on the way, which is never followed; a directory; a device or socket):
+treated as a corrupt record, like a :class:`~kvtier.core.rootfs.NotRegularFile` (a FIFO)."""
+
+
+def not_a_block_file(exc: OSError) -> bool:
+    """Whether ``exc`` says a record's path holds something that is not a block file (see above)."""
+    return isinstance(exc, NotRegularFile) or exc.errno in NOT_A_BLOCK_FILE
 
 
 def read_block(
@@ -81,15 +86,18 @@ def read_block(
 
     A corrupt file (bad header, wrong size, checksum mismatch) is moved into quarantine, and so is
     one that ``sealer`` does not accept (``UNAUTHENTICATED``: no valid MAC under the tier's keys,
-    or sealed where it has none). After a successful read the files' mtimes are refreshed (they
-    order blocks after a restart).
+    or sealed where it has none), and anything planted where a record should be (a symlink, at the
+    record or on the way to it, a FIFO, a directory: never followed or read). After a successful
+    read of a file its mtime is refreshed through its descriptor (mtimes order blocks after a
+    restart). Reads never wait on anything but the file's bytes: the open does not block and at
+    most the header and ``dests``' bytes are read.
     """
     hex_key = key.hex()
     paths = layout.paths(hex_key)
     rank = 0
     try:
         for rank, (path, dest) in enumerate(zip(paths, dests)):
-            _read_file(path, namespaces[rank], rank, key, dest, sealer)
+            _read_file(layout.fs, path, namespaces[rank], rank, key, dest, sealer)
     except CorruptBlockError as exc:
         unauthenticated = isinstance(exc, UnauthenticatedRecord)
         logger.warning("kvtier disk: %s block file %s (%s); quarantined",
@@ -99,7 +107,7 @@ def read_block(
     except FileNotFoundError:
         return IoError.NOT_FOUND
     except OSError as exc:
-        if exc.errno in NOT_A_BLOCK_FILE:  # a symlink (the open refuses to follow it), a directory, ...
+        if not_a_block_file(exc):  # a symlink (never followed), a FIFO, a directory, ...
             logger.warning("kvtier disk: %s is not a block file (%s); quarantined", paths[rank], exc.strerror)
             ledger.remove([paths[rank]], lambda _: layout.quarantine(hex_key, rank))
             return IoError.CORRUPT
@@ -108,14 +116,16 @@ def read_block(
     except Exception:  # a bug, but the job must still complete
         logger.exception("kvtier disk: reading %s failed", paths[rank])
         return IoError.IO
-    utime_quiet(paths)
     return None
 
 
-def _read_file(path: str, namespace: bytes, rank: int, key: BlockKey, dest: memoryview, sealer: Sealer) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_CLOEXEC | _O_NOFOLLOW)
+def _read_file(
+    fs: RootFS, path: str, namespace: bytes, rank: int, key: BlockKey, dest: memoryview, sealer: Sealer
+) -> None:
+    """Read and check one record into ``dest``, then refresh its mtime through its descriptor."""
+    fd, st = fs.open_regular(path, READ)
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         raw = os.pread(fd, HEADER_LEN, 0)
         header = decode_header(raw)
         check_header(header, size, namespace=namespace, key=key, rank=rank, payload_len=dest.nbytes)
@@ -128,6 +138,10 @@ def _read_file(path: str, namespace: bytes, rank: int, key: BlockKey, dest: memo
             view, offset = view[n:], offset + n
         opener.land_in_place(dest)  # checksum or MAC (AES-GCM: decrypted in place)
         opener.finish()
+        try:
+            os.utime(fd)  # futimens: the file read, wherever its name is by now
+        except OSError:
+            pass
     finally:
         os.close(fd)
 
@@ -155,18 +169,19 @@ def check_header(
 
 
 def verify_file(
-    path: str, *, namespace: bytes | None, key: bytes | None, rank: int, chunk_bytes: int = 1 << 20,
+    fs: RootFS, path: str, *, namespace: bytes | None, key: bytes | None, rank: int, chunk_bytes: int = 1 << 20,
     sealer: Sealer = PLAIN,
 ) -> BlockHeader:
     """Check one block file as :func:`read_block` does (accepting what ``sealer`` accepts), reading
     the payload in ``chunk_bytes`` chunks (bounded memory) and copying it nowhere; returns its header.
 
     Raises :class:`CorruptBlockError` (the reason) or ``OSError`` (``FileNotFoundError`` if the
-    file vanished). Does not refresh the mtime: verifying is not a use.
+    file vanished; :class:`~kvtier.core.rootfs.NotRegularFile`, ``ELOOP``: not a block file).
+    Does not refresh the mtime: verifying is not a use.
     """
-    fd = os.open(path, os.O_RDONLY | _O_BINARY | _O_CLOEXEC)
+    fd, st = fs.open_regular(path, READ)
     try:
-        size = os.fstat(fd).st_size
+        size = st.st_size
         raw = os.pread(fd, HEADER_LEN, 0)
         header = decode_header(raw)
         check_header(header, size, namespace=namespace, key=key, rank=rank)
@@ -195,38 +210,56 @@ def unlink_blocks(layout: DiskLayout, ledger: Ledger, keys: Sequence[BlockKey]) 
     for leaf in dict.fromkeys(os.path.dirname(path) for path in paths):
         # Drop the leaf directory if that emptied it, so that churn does not leave up
         # to 4096*256 empty directories per rank for the start-up scan to walk.
-        rmdir_quiet(leaf)
-        layout.forget_checked(leaf)
+        layout.fs.rmdir_quiet(leaf)
     return errors
+
+
+SWEEP_BATCH = 64
+"""Leaf directories whose block files one hold of the ledger's lock removes during a sweep."""
 
 
 def sweep_blocks(layout: DiskLayout, ledger: Ledger) -> int:
-    """Unlink every ``.bin`` of the layout's namespace and group (those in their place under the
-    ledger's lock, a batch of directories at a time), dropping emptied leaf directories. Returns how
-    many unlinks failed."""
+    """Unlink every ``.bin`` entry of the layout's namespace and group (those in their place under
+    the ledger's lock, a batch of directories at a time), dropping emptied leaf directories. Only
+    entries of leaf directories reached without following a symlink are removed (a planted
+    ``.bin`` symlink: the link itself). Returns how many unlinks failed."""
     errors = 0
     for rank_dir in layout.rank_dirs:
-        leaves = layout.leaves(rank_dir)
-        for start in range(0, len(leaves), 64):
-            batch = leaves[start : start + 64]
-            charged: list[str] = []
-            for leaf, prefix in batch:
-                try:
-                    names = os.listdir(leaf)
-                except (FileNotFoundError, NotADirectoryError):
+        batch: list[str] = []
+        charged: list[str] = []
+        for leaf, prefix, leaf_fd in layout.walk_leaves(rank_dir):
+            for name in os.listdir(leaf_fd):
+                if not name.endswith(".bin"):
                     continue
-                for name in names:
-                    if not name.endswith(".bin"):
-                        continue
-                    if is_unit(name, prefix):
-                        charged.append(f"{leaf}/{name}")
-                    else:  # not in its place: never charged
-                        errors += remove_file(f"{leaf}/{name}") is Removal.FAILED
-            errors += sum(outcome is Removal.FAILED for outcome in ledger.remove(charged))
-            for leaf, _ in batch:
-                rmdir_quiet(leaf)
-                layout.forget_checked(leaf)
+                if is_unit(name, prefix):
+                    charged.append(f"{leaf}/{name}")
+                else:  # not in its place: never charged
+                    errors += _unlink_at(leaf_fd, name, leaf)
+            batch.append(leaf)
+            if len(batch) >= SWEEP_BATCH:
+                errors += _settle_sweep(layout, ledger, batch, charged)
+                batch, charged = [], []
+        errors += _settle_sweep(layout, ledger, batch, charged)
     return errors
+
+
+def _settle_sweep(layout: DiskLayout, ledger: Ledger, leaves: list[str], charged: list[str]) -> int:
+    errors = sum(outcome is Removal.FAILED for outcome in ledger.remove(charged))
+    for leaf in leaves:
+        layout.fs.rmdir_quiet(leaf)
+    return errors
+
+
+def _unlink_at(dir_fd: int, name: str, where: str) -> int:
+    """Unlink ``name`` in the directory ``dir_fd``: 0, or 1 if it failed (logged)."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        logger.warning("kvtier disk: cannot remove %s/%s: %s", where, name, exc)
+        return 1
+    return 0
 
 
 def settle_scan(layout: DiskLayout, ledger: Ledger, result: ScanResult, since: int | None) -> None:
@@ -235,7 +268,7 @@ def settle_scan(layout: DiskLayout, ledger: Ledger, result: ScanResult, since: i
     the ledger's lock; see :meth:`Ledger.reconcile`). Fills in ``result.quarantined`` and
     ``io_errors``. Worker threads (the scan thread; the constructor at start-up)."""
     removals = [partial(layout.quarantine, hex_key, rank) for hex_key, rank in result.to_quarantine]
-    removals += [partial(remove_file, path) for path in result.orphans]
+    removals += [partial(layout.remove, path) for path in result.orphans]
     try:
         done = ledger.reconcile(since, result.units, removals)
     except OSError as exc:  # the ledger is unusable: remove anyway (it then counts more than is there)
@@ -250,24 +283,10 @@ def settle_scan(layout: DiskLayout, ledger: Ledger, result: ScanResult, since: i
 
 
 def touch_blocks(layout: DiskLayout, hex_keys: Sequence[str]) -> None:
-    """Refresh the mtime of every rank's file of ``hex_keys`` (the order after a restart)."""
+    """Refresh the mtime of every rank's file of ``hex_keys`` (the order after a restart), each
+    through its descriptor: only regular files reached without following a symlink; those that are
+    gone, refuse or are something else are skipped."""
+    touch = layout.fs.touch_quiet
     for hex_key in hex_keys:
-        utime_quiet(layout.paths(hex_key))
-
-
-def utime_quiet(paths: Sequence[str]) -> None:
-    """Set the mtime of ``paths`` to now; files that are gone or refuse are skipped."""
-    for path in paths:
-        try:
-            os.utime(path)
-        except OSError:
-            pass
-
-
-def rmdir_quiet(path: str) -> None:
-    """Remove ``path`` if it is an empty directory (rmdir refuses a non-empty one, e.g. holding a
-    writer's temp file)."""
-    try:
-        os.rmdir(path)
-    except OSError:
-        pass
+        for path in layout.paths(hex_key):
+            touch(path)

@@ -16,9 +16,12 @@ final name (:mod:`kvtier.tiers.disk.writer`).
 
 Access: directories kvtier creates are owner-only (0700) and files 0600, unless the operator
 asks for group access (:attr:`Access.GROUP`: 2770 and 0660, the set-gid bit keeping the group of
-the root). Nothing is written outside the root: before a file is created its directory's real
-path (symlinks resolved) must lie under the root's, and files are opened with ``O_NOFOLLOW``, so a
-symlink planted in a shared root cannot redirect a write.
+the root). Whoever else can write the root: every path below it is resolved by the layout's
+:class:`~kvtier.core.rootfs.RootFS` (:attr:`DiskLayout.fs`), which follows no symlink at any
+component and opens only regular files, without waiting (``O_NONBLOCK``); every read is bounded by
+what the format allows. A planted symlink, FIFO, device or directory where kvtier expects one of
+its files is a miss (a record: quarantined, i.e. the entry itself renamed into ``quarantine/``),
+or is ignored (a directory of the walk); nothing outside the root is read, written or touched.
 
 Threads: :class:`DiskLayout` is immutable and every function here does file-system work only,
 never touching the tier's in-memory index, so any thread may call it. The tier calls
@@ -29,22 +32,25 @@ scans from its scan thread, and merges each :class:`ScanResult` itself on its ca
 from __future__ import annotations
 
 import enum
+import errno
 import json
 import logging
 import os
 import re
-import secrets
+import stat
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.rootfs import DIR_OPEN, NOT_THERE, RootFS, lstat_at
 
 logger = logging.getLogger(__name__)
 
 QUARANTINE_DIR = "quarantine"
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CONFIG_MAX_BYTES = 1 << 20
+"""The longest ``config.json`` read (a namespace's JSON is a few KiB)."""
 STALE_TMP_SECONDS = 3600.0  # a temp file this old is removed even if its writer's pid looks alive
 ORPHAN_SECONDS = 600.0  # files of a block missing some rank's file, this old, are removed by a scan
 
@@ -63,8 +69,9 @@ class Access(enum.Enum):
         return self.value[1]
 
 
-class OutsideRootError(PermissionError):
-    """A path kvtier would write resolves outside the disk tier's root (a planted symlink)."""
+class PlantedEntryError(OSError):
+    """Something kvtier needs below its root (a namespace or rank directory, ``config.json``) is a
+    symlink, a FIFO or another object kvtier never makes there: the tier refuses to start."""
 
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
@@ -89,11 +96,11 @@ def sanitize_model_name(model_name: str) -> str:
     return name
 
 
-def per_group_files(ns_dir: str, prefix: str, suffix: str = "") -> list[str]:
+def per_group_files(fs: RootFS, ns_dir: str, prefix: str, suffix: str = "") -> list[str]:
     """Files ``<prefix><group digits><suffix>`` of a namespace directory (one per group), sorted;
-    none if the directory cannot be listed."""
+    none if the directory cannot be listed (or is not a directory)."""
     try:
-        names = os.listdir(ns_dir)
+        names = fs.listdir(ns_dir)
     except OSError:
         return []
     return sorted(
@@ -103,9 +110,9 @@ def per_group_files(ns_dir: str, prefix: str, suffix: str = "") -> list[str]:
     )
 
 
-def unlink_quiet(path: str) -> bool:
-    """Unlink ``path``; False only on an error other than "already gone"."""
-    return remove_file(path) is not Removal.FAILED
+def unlink_quiet(fs: RootFS, path: str) -> bool:
+    """Unlink ``path`` (below ``fs``'s root); False only on an error other than "already gone"."""
+    return remove_file(fs, path) is not Removal.FAILED
 
 
 class Removal(enum.Enum):
@@ -123,10 +130,11 @@ class Removal(enum.Enum):
         return self is Removal.UNLINKED or self is Removal.MOVED
 
 
-def remove_file(path: str) -> Removal:
-    """Unlink ``path``: UNLINKED, ABSENT (already gone) or FAILED (logged)."""
+def remove_file(fs: RootFS, path: str) -> Removal:
+    """Unlink the entry at ``path`` (below ``fs``'s root, reached without following a symlink; a
+    planted symlink is removed itself): UNLINKED, ABSENT (already gone) or FAILED (logged)."""
     try:
-        os.unlink(path)
+        fs.unlink(path)
     except FileNotFoundError:
         return Removal.ABSENT
     except OSError as exc:
@@ -154,19 +162,18 @@ class ScanResult:
 
 
 class DiskLayout:
-    """The directories and file names of one namespace, world size and group (see the module docstring)."""
+    """The directories and file names of one namespace, world size and group (see the module
+    docstring), and :attr:`fs`, through which every path below the root is reached."""
 
-    __slots__ = ("root", "prefix", "ns_dir", "rank_dirs", "quarantine_dir", "group_suffix", "world", "access",
-                 "_real_root", "_checked")
+    __slots__ = ("root", "prefix", "ns_dir", "rank_dirs", "quarantine_dir", "group_suffix", "world", "access", "fs")
 
     def __init__(
         self, root_dir: Path | str, model_name: str, engine_digest: bytes, world: int, group: int,
-        access: Access = Access.OWNER,
+        access: Access = Access.OWNER, fs: RootFS | None = None,
     ) -> None:
         self.root = str(Path(root_dir))
         self.access = access
-        self._real_root = os.path.realpath(self.root)
-        self._checked: set[str] = set()  # directories already found inside the root
+        self.fs = RootFS(self.root) if fs is None else fs  # opens nothing until used
         self.prefix = f"{sanitize_model_name(model_name)}_{bytes(engine_digest).hex()[:16]}"
         self.ns_dir = os.path.join(self.root, self.prefix)
         self.rank_dirs = tuple(os.path.join(self.root, f"{self.prefix}_r{rank}") for rank in range(world))
@@ -183,41 +190,22 @@ class DiskLayout:
         return [self.path(hex_key, rank) for rank in range(self.world)]
 
     def make_dir(self, path: str) -> None:
-        """Create ``path`` and its missing parents with the access mode, then check it lies inside the
-        root. Raises :class:`OutsideRootError` if it does not. Any thread."""
-        missing = []
-        current = path
-        while current not in ("", "/") and not os.path.isdir(current):
-            missing.append(current)
-            current = os.path.dirname(current)
-        for directory in reversed(missing):
-            try:
-                os.mkdir(directory, self.access.dir_mode)
-                os.chmod(directory, self.access.dir_mode)  # the umask must not narrow (or widen) it
-            except FileExistsError:
-                pass
-        self.check_inside(path)
+        """Create the directory ``path`` below the root, and its missing parents, with the access mode.
+        Raises ``OSError`` (``ELOOP``, ``ENOTDIR``) if a component is a symlink or not a directory:
+        nothing is ever created through one. Any thread."""
+        self.fs.make_dirs(path, self.access.dir_mode)
 
-    def check_inside(self, directory: str) -> None:
-        """Raise :class:`OutsideRootError` unless ``directory``'s real path is inside the root."""
-        if directory in self._checked:
-            return
-        real = os.path.realpath(directory)
-        if real != self._real_root and not real.startswith(self._real_root + os.sep):
-            raise OutsideRootError(f"{directory} resolves to {real}, outside the disk tier root {self._real_root}")
-        if len(self._checked) < 100_000:
-            self._checked.add(directory)
-
-    def forget_checked(self, directory: str) -> None:
-        """A directory was removed (it may come back as something else): check it again next time."""
-        self._checked.discard(directory)
+    def remove(self, path: str) -> Removal:
+        """Unlink the entry at ``path`` (see :func:`remove_file`)."""
+        return remove_file(self.fs, path)
 
     def quarantine_path(self, hex_key: str, rank: int) -> str:
         return f"{self.quarantine_dir}/{self.prefix}_r{rank}__{hex_key}.bin"
 
     def quarantine(self, hex_key: str, rank: int, src: str | None = None) -> Removal:
         """Move a bad file aside (worker threads): MOVED, or UNLINKED when it cannot be moved,
-        ABSENT when it is gone already, FAILED when it stays (logged).
+        ABSENT when it is gone already, FAILED when it stays (logged). The entry itself is moved
+        (a planted symlink, FIFO or directory too, never what a symlink points to).
 
         ``src``: where the file is when not at :meth:`path` (``kvtier verify`` moves misplaced files).
         Callers that remove a file the usage ledger charges do it through
@@ -225,36 +213,42 @@ class DiskLayout:
         """
         src = self.path(hex_key, rank) if src is None else src
         dst = self.quarantine_path(hex_key, rank)
+        fs = self.fs
         try:
             try:
-                os.rename(src, dst)
+                fs.rename(src, dst)
             except FileNotFoundError:
-                if not os.path.exists(src):
+                if not fs.lexists(src):
                     return Removal.ABSENT
                 self.make_dir(self.quarantine_dir)
-                os.rename(src, dst)
+                fs.rename(src, dst)
         except OSError as exc:
             logger.warning("kvtier disk: cannot quarantine %s: %s; removing it", src, exc)
-            return remove_file(src)
+            return remove_file(fs, src)
         return Removal.MOVED
 
     def create(self, namespace_json: str) -> None:
-        """Create the directories and ``config.json``; refuse a directory of another namespace."""
-        self.make_dir(self.ns_dir)
-        for rank_dir in self.rank_dirs:
-            self.make_dir(rank_dir)
+        """Create the directories and ``config.json``; refuse a directory of another namespace, and
+        one where a symlink or another planted object stands for a directory or ``config.json``
+        (:class:`PlantedEntryError`)."""
         path = os.path.join(self.ns_dir, "config.json")
         try:
-            with open(path, encoding="utf-8") as fh:
-                existing = fh.read()
-        except FileNotFoundError:
-            tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW, self.access.file_mode)
-            os.fchmod(fd, self.access.file_mode)
-            with open(fd, "w", encoding="utf-8") as fh:
-                fh.write(namespace_json)
-            os.replace(tmp, path)  # atomic; a concurrent start-up writes the same bytes
-            return
+            self.make_dir(self.ns_dir)
+            for rank_dir in self.rank_dirs:
+                self.make_dir(rank_dir)
+            try:
+                existing = self.fs.read_bytes(path, CONFIG_MAX_BYTES).decode("utf-8", errors="replace")
+            except FileNotFoundError:
+                self.fs.write_atomic(path, namespace_json.encode("utf-8"), self.access.file_mode)
+                return  # atomic; a concurrent start-up writes the same bytes
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise PlantedEntryError(
+                exc.errno, f"disk tier root {self.root}: {exc.filename or path} is not what kvtier makes there "
+                f"({exc.strerror}): a symlink, FIFO or other object planted by someone who can write the root? "
+                "kvtier never follows or opens one. Remove it, or use another root_dir.", exc.filename,
+            ) from None
         if existing == namespace_json:
             return
         try:
@@ -274,27 +268,52 @@ class DiskLayout:
 
     def leaves(self, rank_dir: str) -> list[tuple[str, str]]:
         """``(directory, name prefix)`` of every ``<hhh>/<hh>_g<group>`` directory under ``rank_dir``:
-        the files that belong there start with the prefix ``<hhh><hh>``."""
+        the files that belong there start with the prefix ``<hhh><hh>``. Symlinks and other
+        entries that are not directories are skipped (never followed)."""
+        found: list[tuple[str, str]] = []
+        for leaf, prefix, _fd in self.walk_leaves(rank_dir):
+            found.append((leaf, prefix))
+        return found
+
+    def walk_leaves(self, rank_dir: str) -> Iterator[tuple[str, str, int]]:
+        """``(directory, name prefix, descriptor)`` of every leaf directory under ``rank_dir`` (see
+        :meth:`leaves`), each opened without following a symlink; the descriptor is valid until the
+        next item is asked for (closed by the walk)."""
         suffix = self.group_suffix
         sub_len = 2 + len(suffix)
-        leaves: list[tuple[str, str]] = []
-        listdir = os.listdir
         try:
-            tops = listdir(rank_dir)
-        except FileNotFoundError:
-            return leaves
-        for top in tops:
-            if len(top) != 3:
-                continue
-            top_dir = f"{rank_dir}/{top}"
-            try:
-                subs = listdir(top_dir)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            leaves.extend(
-                (f"{top_dir}/{sub}", top + sub[:2]) for sub in subs if len(sub) == sub_len and sub.endswith(suffix)
-            )
-        return leaves
+            rank_fd = self.fs.open_dir(rank_dir)
+        except OSError as exc:
+            if exc.errno in NOT_THERE:
+                return
+            raise
+        try:
+            for top in os.listdir(rank_fd):
+                if len(top) != 3:
+                    continue
+                try:
+                    top_fd = os.open(top, DIR_OPEN, dir_fd=rank_fd)
+                except OSError as exc:
+                    if exc.errno in NOT_THERE:  # gone, a file, or a symlink: nothing of the tier's
+                        continue
+                    raise
+                try:
+                    subs = [sub for sub in os.listdir(top_fd) if len(sub) == sub_len and sub.endswith(suffix)]
+                    for sub in subs:
+                        try:
+                            leaf_fd = os.open(sub, DIR_OPEN, dir_fd=top_fd)
+                        except OSError as exc:
+                            if exc.errno in NOT_THERE:
+                                continue
+                            raise
+                        try:
+                            yield f"{rank_dir}/{top}/{sub}", top + sub[:2], leaf_fd
+                        finally:
+                            os.close(leaf_fd)
+                finally:
+                    os.close(top_fd)
+        finally:
+            os.close(rank_fd)
 
     def count_units(self) -> int:
         """How many files the usage ledger charges are on disk: every ``<hash>.bin`` in its place
@@ -303,12 +322,8 @@ class DiskLayout:
         """
         units = 0
         for rank_dir in self.rank_dirs:
-            for leaf, prefix in self.leaves(rank_dir):
-                try:
-                    names = os.listdir(leaf)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                units += sum(1 for name in names if is_unit(name, prefix))
+            for _leaf, prefix, leaf_fd in self.walk_leaves(rank_dir):
+                units += sum(1 for name in os.listdir(leaf_fd) if is_unit(name, prefix))
         return units
 
     def scan(self, known: Sequence[BlockKey] | None, file_bytes: int) -> ScanResult:
@@ -316,24 +331,22 @@ class DiskLayout:
 
         ``known``: keys indexed when the scan started; their files are not ``stat``-ed (None:
         start-up, stat everything). Removes stale temp files (:func:`remove_stale_tmp`); lists files
-        that are not ``file_bytes`` long (to quarantine) and the files of blocks missing some rank's
-        file for more than :data:`ORPHAN_SECONDS` (to remove), and counts the files the usage
-        ledger charges (``units``, those listed included). Files not in their place are ignored.
+        that are not regular files of ``file_bytes`` (to quarantine: a planted symlink, FIFO or
+        directory included) and the files of blocks missing some rank's file for more than
+        :data:`ORPHAN_SECONDS` (to remove), and counts the files the usage ledger charges
+        (``units``, those listed included). Files not in their place are ignored, and so are
+        directories that are symlinks or not directories (never followed).
         """
         known_hex = frozenset(key.hex() for key in known) if known is not None else frozenset()
         result = ScanResult(new=[], vanished=[])
         now = time.time()
-        stat, listdir = os.stat, os.listdir
+        listdir, stat_at, is_reg = os.listdir, os.stat, stat.S_ISREG
         per_rank: list[dict[str, int]] = []  # hex key -> mtime_ns (0 for known keys, not stat-ed)
         units = 0
         for rank, rank_dir in enumerate(self.rank_dirs):
             found: dict[str, int] = {}
-            for leaf, prefix in self.leaves(rank_dir):
-                try:
-                    names = listdir(leaf)
-                except (FileNotFoundError, NotADirectoryError):
-                    continue
-                for name in names:
+            for leaf, prefix, leaf_fd in self.walk_leaves(rank_dir):
+                for name in listdir(leaf_fd):
                     if name.endswith(".bin"):
                         if len(name) != _BIN_NAME_LEN or not name.startswith(prefix):
                             continue
@@ -343,23 +356,23 @@ class DiskLayout:
                             found[hex_key] = 0
                             continue
                         try:
-                            st = stat(f"{leaf}/{name}")
+                            st = stat_at(name, dir_fd=leaf_fd, follow_symlinks=False)
                         except FileNotFoundError:
                             units -= 1
                             continue
                         except OSError:
                             result.io_errors += 1
                             continue
-                        if st.st_size != file_bytes:
+                        if st.st_size != file_bytes or not is_reg(st.st_mode):
                             if set(hex_key) <= _HEX:
                                 logger.warning(
-                                    "kvtier disk: %s/%s is %d bytes, expected %d; quarantined",
-                                    leaf, name, st.st_size, file_bytes,
+                                    "kvtier disk: %s/%s is %s, expected a %d-byte file; quarantined", leaf, name,
+                                    f"{st.st_size} bytes" if is_reg(st.st_mode) else "not a regular file", file_bytes,
                                 )
                                 result.to_quarantine.append((hex_key, rank))
                             continue
                         found[hex_key] = st.st_mtime_ns
-                    elif name.endswith(".tmp") and not remove_stale_tmp(f"{leaf}/{name}", name, now):
+                    elif name.endswith(".tmp") and not remove_stale_tmp(leaf_fd, name, now):
                         units += is_unit(name, prefix)
             per_rank.append(found)
         result.units = units
@@ -379,11 +392,20 @@ class DiskLayout:
             partial = set(first).union(*per_rank[1:]) - complete
             for hex_key in partial:
                 paths = [self.path(hex_key, rank) for rank, found in enumerate(per_rank) if hex_key in found]
-                stamps = _mtimes(paths)
+                stamps = self._mtimes(paths)
                 if stamps and now - max(stamps) / 1e9 > ORPHAN_SECONDS:
                     result.orphans.extend(paths)
         result.vanished = list(known_hex.difference(complete))
         return result
+
+    def _mtimes(self, paths: Sequence[str]) -> list[int]:
+        stamps = []
+        for path in paths:
+            try:
+                stamps.append(self.fs.lstat(path).st_mtime_ns)
+            except OSError:
+                pass
+        return stamps
 
 
 def is_unit(name: str, prefix: str) -> bool:
@@ -401,36 +423,33 @@ def _identity(config: dict) -> dict:
     return {key: value for key, value in config.items() if key != "model_name"}
 
 
-def _mtimes(paths: Sequence[str]) -> list[int]:
-    stamps = []
-    for path in paths:
-        try:
-            stamps.append(os.stat(path).st_mtime_ns)
-        except OSError:
-            pass
-    return stamps
-
-
-def remove_stale_tmp(path: str, name: str, now: float) -> bool:
-    """Remove a temp file whose writer died, or any temp file older than :data:`STALE_TMP_SECONDS`;
-    True if it is gone.
+def remove_stale_tmp(dir_fd: int, name: str, now: float) -> bool:
+    """Remove the temp file ``name`` of the directory ``dir_fd`` if its writer died, or if it is older
+    than :data:`STALE_TMP_SECONDS`; True if it is gone. The entry itself is removed (a planted
+    symlink so named: the link, never its target).
 
     Temp names are ``<hash>.bin.<pid>.<random>.tmp``. A pid from another PID namespace can
     look dead while its writer lives; removing its temp file then only fails that write.
     """
     parts = name.split(".")
     pid = int(parts[-3]) if len(parts) >= 5 and parts[-3].isdigit() else -1
-    if pid > 0 and not _pid_alive(pid):
-        return unlink_quiet(path)
+    if pid <= 0 or _pid_alive(pid):
+        try:
+            st = lstat_at(dir_fd, name)
+        except OSError:
+            return False
+        if st is None:
+            return True
+        if now - st.st_mtime <= STALE_TMP_SECONDS:
+            return False
     try:
-        age = now - os.stat(path).st_mtime
+        os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return True
-    except OSError:
+    except OSError as exc:
+        logger.warning("kvtier disk: cannot remove the stale temp file %s: %s", name, exc)
         return False
-    if age > STALE_TMP_SECONDS:
-        return unlink_quiet(path)
-    return False
+    return True
 
 
 def _pid_alive(pid: int) -> bool:

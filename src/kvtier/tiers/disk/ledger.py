@@ -14,7 +14,10 @@ blocks (group-writable with ``Access.GROUP``)::
 
 It is read and rewritten in place only while holding an exclusive ``flock`` on it; every update
 opens it anew (and opens it again if the path was removed or replaced while it waited for the lock),
-so a ledger deleted by hand is recreated, never split between two inodes.
+so a ledger deleted by hand is recreated, never split between two inodes. It is reached through the
+layout's :class:`~kvtier.core.rootfs.RootFS` (no symlink followed, on the way or at the file)
+and used only if it is a regular file: anything else planted there makes the ledger unusable (as
+on a filesystem that cannot lock), never something written or locked elsewhere.
 
 What is charged: every ``<hash>.bin`` in its place under the group's leaf directories of the
 namespace's ranks, and every block writer's temp file there
@@ -62,7 +65,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.tiers.disk.layout import DiskLayout, Removal, per_group_files, remove_file
+from kvtier.core.rootfs import RootFS
+from kvtier.tiers.disk.layout import DiskLayout, Removal, per_group_files
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +75,6 @@ _RECORD = struct.Struct("<8sQQQ")
 _SUM = struct.Struct("<Q")
 RECORD_BYTES = _RECORD.size + _SUM.size  # 40
 _NAME_PREFIX = "usage_g"  # usage_g<group>
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 """``flock`` errors meaning this filesystem cannot lock (some NFS setups and FUSE filesystems)."""
 REMOVE_BATCH = 256
@@ -97,9 +99,9 @@ def ledger_path(layout: DiskLayout) -> str:
     return os.path.join(layout.ns_dir, f"usage{layout.group_suffix}")
 
 
-def ledger_files(ns_dir: str) -> list[str]:
+def ledger_files(fs: RootFS, ns_dir: str) -> list[str]:
     """The ledger files of a namespace directory (one per group), sorted."""
-    return per_group_files(ns_dir, _NAME_PREFIX)
+    return per_group_files(fs, ns_dir, _NAME_PREFIX)
 
 
 def encode(unit_bytes: int, nbytes: int, version: int) -> bytes:
@@ -119,12 +121,11 @@ def decode(data: bytes) -> tuple[int, int, int]:
     return unit_bytes, nbytes, version
 
 
-def peek_bytes(path: str) -> int | None:
+def peek_bytes(fs: RootFS, path: str) -> int | None:
     """The bytes a ledger file charges, read without its lock (for ``kvtier inspect``; a record
-    caught mid-update fails its checksum); None if it is missing or unreadable."""
+    caught mid-update fails its checksum); None if it is missing, unreadable or not a ledger."""
     try:
-        with open(path, "rb") as f:
-            return decode(f.read(RECORD_BYTES + 1))[1]
+        return decode(fs.read_bytes(path, RECORD_BYTES))[1]
     except (OSError, ValueError):
         return None
 
@@ -244,13 +245,14 @@ class Ledger:
             usage.set(max(0, units - removed) * usage.unit_bytes)
             return Reconciled(outcomes, before, usage.bytes)
 
-    def remove(self, paths: Sequence[str], how: Callable[[str], Removal] = remove_file) -> list[Removal]:
-        """Remove charged files (``how``: unlink, or move into quarantine) while holding the lock, and
+    def remove(self, paths: Sequence[str], how: Callable[[str], Removal] | None = None) -> list[Removal]:
+        """Remove charged files (``how``: unlink, the default, or move into quarantine) while holding the lock, and
         give back the bytes of those actually removed; the outcome of each, in order.
 
         When the ledger cannot be locked (logged), the files are removed anyway and their bytes stay
         charged until a scan reconciles the ledger (it then counts more than is there, never less).
         """
+        how = self._layout.remove if how is None else how
         outcomes: list[Removal] = []
         for start in range(0, len(paths), REMOVE_BATCH):
             batch = paths[start : start + REMOVE_BATCH]
@@ -320,7 +322,7 @@ class Ledger:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
                 mine = os.fstat(fd)
-                current = os.stat(self.path, follow_symlinks=False)
+                current = self._layout.fs.lstat(self.path)
                 if (mine.st_dev, mine.st_ino) == (current.st_dev, current.st_ino):
                     return fd
             except FileNotFoundError:
@@ -332,19 +334,22 @@ class Ledger:
         raise OSError(errno.EAGAIN, f"{self.path} keeps being replaced")
 
     def _open(self) -> int | None:
-        flags = os.O_RDWR | _O_CLOEXEC | _O_NOFOLLOW
+        """The ledger file, opened read-write (created by an engine when missing); raises
+        ``OSError`` if it is not a regular file (``NotRegularFile``) or reached through a symlink."""
+        flags = os.O_RDWR | os.O_NONBLOCK
         mode = self._layout.access.file_mode
+        fs = self._layout.fs
         if self.role is Role.TOOL:
             try:
-                return os.open(self.path, flags)
+                return fs.open(self.path, flags)
             except FileNotFoundError:
                 return None
         for attempt in range(3):
             try:
-                fd = os.open(self.path, flags | os.O_CREAT | os.O_EXCL, mode)
+                fd = fs.open(self.path, flags | os.O_CREAT | os.O_EXCL, mode)
             except FileExistsError:
                 try:
-                    return os.open(self.path, flags)
+                    return fs.open(self.path, flags)
                 except FileNotFoundError:
                     continue  # removed in between: create it
             except FileNotFoundError:

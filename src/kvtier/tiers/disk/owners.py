@@ -10,6 +10,10 @@ native tier on the root next (:func:`reclaim_orphans`) removes every namespace w
 this host and boot and is no longer alive (``kvtier purge --namespace`` removes one by hand). An
 owner on another host (a root shared over the network) is never judged from here.
 
+The owner file is read and written through the root's :class:`~kvtier.core.rootfs.RootFS`
+(no symlink followed; read only if a regular file of at most :data:`OWNER_MAX_BYTES`), and
+namespaces are removed with ``shutil.rmtree``, which never follows a symlink.
+
 Caller's thread; I/O on the root (a directory listing, one small file per namespace, removals).
 """
 
@@ -23,9 +27,13 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvtier.core.rootfs import RootFS
+
 logger = logging.getLogger(__name__)
 
 OWNER_FILE = "owner.json"
+OWNER_MAX_BYTES = 64 << 10
+"""The longest owner file read (one is about 150 bytes)."""
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -55,19 +63,25 @@ class Owner:
         return bool(self.started) and bool(started) and started != self.started  # pid reused
 
 
+def _owner_path(ns_dir: str | os.PathLike[str]) -> tuple[RootFS, str]:
+    """The root's file system (a namespace directory's parent is the root) and the owner file's path."""
+    ns = Path(ns_dir)
+    return RootFS(str(ns.parent)), str(ns / OWNER_FILE)
+
+
 def mark_owned(ns_dir: str | os.PathLike[str], owner: Owner | None = None) -> None:
     """Record that the namespace in ``ns_dir`` belongs to ``owner`` (default: this process)."""
-    path = Path(ns_dir) / OWNER_FILE
-    tmp = path.with_name(f".{OWNER_FILE}.{os.getpid()}")
-    tmp.write_text(json.dumps(asdict(owner or Owner.this_process())))
-    os.replace(tmp, path)
+    fs, path = _owner_path(ns_dir)
+    fs.write_atomic(path, json.dumps(asdict(owner or Owner.this_process())).encode(), 0o644)  # any user may judge it
 
 
 def owner_of(ns_dir: str | os.PathLike[str]) -> Owner | None:
     """The owner recorded in ``ns_dir``; None for a namespace that any process may use (or an
-    unreadable owner file: never judged, never removed)."""
+    unreadable owner file, a planted one that is not a regular file or too long: never judged,
+    never removed)."""
     try:
-        raw = json.loads((Path(ns_dir) / OWNER_FILE).read_text())
+        fs, path = _owner_path(ns_dir)
+        raw = json.loads(fs.read_bytes(path, OWNER_MAX_BYTES))
         return Owner(host=str(raw["host"]), boot=str(raw["boot"]), pid=int(raw["pid"]), started=str(raw["started"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -5,7 +5,10 @@ takes well under a second. The snapshot is only a hint: every block it names is 
 is read (a file gone or corrupt since is a miss, counted and forgotten, as for any read), and
 the tier starts a background rescan at once that adds the files written after the snapshot and
 forgets those removed since. A snapshot that is missing, torn, of another format, world size or
-block size is ignored (the tier then scans the files synchronously, as without snapshots).
+block size is ignored (the tier then scans the files synchronously, as without snapshots), and so
+is one that is not a regular file (a planted FIFO, symlink...: never opened for reading, never
+waited on) or that names more keys than the tier's capacity holds (never read: the read is
+bounded by ``HEADER_BYTES + 32 * capacity_bytes // block bytes``).
 
 Layout (little-endian), at ``<root>/<model>_<digest16>/index_g<group>.snapshot``:
 
@@ -34,6 +37,7 @@ import time
 import xxhash
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.rootfs import NOT_THERE, RootFS
 from kvtier.tiers.disk.layout import DiskLayout, per_group_files, remove_stale_tmp, unlink_quiet
 
 logger = logging.getLogger(__name__)
@@ -52,9 +56,9 @@ def snapshot_path(layout: DiskLayout) -> str:
     return os.path.join(layout.ns_dir, f"index{layout.group_suffix}{_NAME_SUFFIX}")
 
 
-def snapshot_files(ns_dir: str) -> list[str]:
+def snapshot_files(fs: RootFS, ns_dir: str) -> list[str]:
     """The snapshot files of a namespace directory (one per group), sorted."""
-    return per_group_files(ns_dir, _NAME_PREFIX, _NAME_SUFFIX)
+    return per_group_files(fs, ns_dir, _NAME_PREFIX, _NAME_SUFFIX)
 
 
 def _parse_header(data: bytes) -> tuple[int, int, int, int]:
@@ -74,20 +78,23 @@ def _parse_header(data: bytes) -> tuple[int, int, int, int]:
     return world, file_bytes, count, keys_sum
 
 
-def peek_count(path: str) -> int | None:
+def peek_count(fs: RootFS, path: str) -> int | None:
     """How many keys a snapshot file names, from its (checked) header; None if it is unusable.
     For ``kvtier inspect``: reads 48 bytes, not the keys."""
     try:
-        with open(path, "rb") as f:
-            return _parse_header(f.read(HEADER_BYTES))[2]
+        fd = fs.open(path)
+        try:
+            return _parse_header(os.pread(fd, HEADER_BYTES, 0))[2]
+        finally:
+            os.close(fd)
     except (OSError, ValueError):
         return None
 
 
-def remove_snapshots(ns_dir: str) -> int:
+def remove_snapshots(fs: RootFS, ns_dir: str) -> int:
     """Remove every group's snapshot of a namespace (``kvtier purge`` does after removing blocks,
     so a restart does not promise blocks that are gone); returns how many were removed."""
-    return sum(unlink_quiet(path) for path in snapshot_files(ns_dir))
+    return sum(unlink_quiet(fs, path) for path in snapshot_files(fs, ns_dir))
 
 
 def encode(keys_blob: bytes, world: int, file_bytes: int) -> bytes:
@@ -114,23 +121,22 @@ def decode(data: bytes, world: int, file_bytes: int) -> list[BlockKey]:
     return [data[i : i + KEY_BYTES] for i in range(HEADER_BYTES, len(data), KEY_BYTES)]
 
 
-def read_snapshot(layout: DiskLayout, file_bytes: int) -> list[BlockKey] | None:
+def read_snapshot(layout: DiskLayout, file_bytes: int, max_keys: int) -> list[BlockKey] | None:
     """The keys of this namespace's snapshot, or None (absent or unusable: said in the log).
-    Also removes the temp files of snapshot writers that died (a crash while writing one)."""
+    ``max_keys``: the most keys the tier can index (its capacity in blocks); a longer snapshot is
+    not read. Also removes the temp files of snapshot writers that died (a crash while writing one)."""
     path = snapshot_path(layout)
-    _remove_stale_temps(layout.ns_dir, os.path.basename(path))
+    _remove_stale_temps(layout, os.path.basename(path))
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+        data = layout.fs.read_bytes(path, HEADER_BYTES + max(0, max_keys) * KEY_BYTES)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        logger.warning("kvtier disk: index snapshot %s unreadable (%s); scanning the files", path, exc)
+        logger.warning("kvtier disk: index snapshot %s ignored (%s); scanning the files", path, exc)
         return None
     try:
-        with os.fdopen(fd, "rb") as f:
-            data = f.read()
         return decode(data, layout.world, file_bytes)
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:
         logger.warning("kvtier disk: index snapshot %s ignored (%s); scanning the files", path, exc)
         return None
 
@@ -139,30 +145,27 @@ def write_snapshot(layout: DiskLayout, keys_blob: bytes, file_bytes: int) -> boo
     """Publish a snapshot of ``keys_blob`` (file I/O only: any thread). False if it failed
     (logged; the previous snapshot, if any, stays)."""
     path = snapshot_path(layout)
-    tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
     try:
-        data = encode(keys_blob, layout.world, file_bytes)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0),
-                     layout.access.file_mode)
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), layout.access.file_mode)  # the umask must not change it
-            f.write(data)
-        os.replace(tmp, path)
+        layout.fs.write_atomic(path, encode(keys_blob, layout.world, file_bytes), layout.access.file_mode)
         return True
     except OSError as exc:
         logger.warning("kvtier disk: could not write the index snapshot %s (%s)", path, exc)
-        unlink_quiet(tmp)
         return False
 
 
-def _remove_stale_temps(ns_dir: str, snapshot_name: str) -> None:
+def _remove_stale_temps(layout: DiskLayout, snapshot_name: str) -> None:
     """Remove ``<snapshot_name>.<pid>.<random>.tmp`` files of dead writers (or old ones), as the
     scan does for block temp files (:func:`~kvtier.tiers.disk.layout.remove_stale_tmp`)."""
     try:
-        names = os.listdir(ns_dir)
-    except OSError:
+        dir_fd = layout.fs.open_dir(layout.ns_dir)
+    except OSError as exc:
+        if exc.errno not in NOT_THERE:
+            logger.warning("kvtier disk: cannot list %s: %s", layout.ns_dir, exc)
         return
-    now = time.time()
-    for name in names:
-        if name.startswith(snapshot_name + ".") and name.endswith(".tmp"):
-            remove_stale_tmp(os.path.join(ns_dir, name), name, now)
+    try:
+        now = time.time()
+        for name in os.listdir(dir_fd):
+            if name.startswith(snapshot_name + ".") and name.endswith(".tmp"):
+                remove_stale_tmp(dir_fd, name, now)
+    finally:
+        os.close(dir_fd)

@@ -51,8 +51,18 @@ leaves nothing behind, gives its charge back and completes ``DROPPED`` (``writes
 first one is logged as a warning, later ones in at most one line a minute. Writes succeed again
 by themselves once there is space.
 
+Hostile roots. Whoever can write a shared root may plant anything in it. Every path below the
+root is reached through the layout's :class:`~kvtier.core.rootfs.RootFS`: no symlink is
+followed at any component (directories included), only regular files are opened, never waiting
+(``O_NONBLOCK``: a FIFO is refused, not read), and every read is bounded by the format (a record
+by its header and ``payload_bytes``, the index snapshot by the capacity, ``config.json`` by
+1 MiB). A planted record is a counted miss (``corrupt_quarantined``; the entry itself moved into
+quarantine), a planted directory is ignored by the walks; nothing outside the root is read,
+written, removed or touched (see docs/security.md).
+
 Order across restarts: the scan orders blocks by file mtime; writes set it, and read hits and
-:meth:`touch` refresh it (``os.utime``, off the caller's thread).
+:meth:`touch` refresh it (``futimens`` through the file's descriptor: regular files only, reached
+without following a symlink; off the caller's thread).
 """
 
 from __future__ import annotations
@@ -163,7 +173,7 @@ class DiskTier(SecondaryTier):
         )
 
         self._snapshot_taken = (0.0, -1)  # (monotonic time, index signature) of the last snapshot
-        keys = read_snapshot(self._layout, self._file_bytes)
+        keys = read_snapshot(self._layout, self._file_bytes, max_keys=capacity_bytes // self._state.block_bytes)
         if keys is None:
             self._state.merge_scan(self._scan_files(None), scan_gen=None)
         else:
@@ -351,6 +361,7 @@ class DiskTier(SecondaryTier):
         self._write_pool.shutdown(wait=True)
         self._apply_finished(self._applied)  # returned by the next poll()
         write_snapshot(self._layout, b"".join(self._state.index), self._file_bytes)
+        self._layout.fs.close()  # the root's descriptor (opened again if a removal still runs)
 
     # ------------------------------------------------------------------ index snapshots
 

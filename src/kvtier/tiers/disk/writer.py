@@ -2,7 +2,9 @@
 
 :func:`write_block` keeps the usage ledger's invariants (:mod:`kvtier.tiers.disk.ledger`):
 
-1. create every rank's temp file ``<hash>.bin.<pid>.<random>.tmp`` in its final directory;
+1. create every rank's temp file ``<hash>.bin.<pid>.<random>.tmp`` in its final directory, that
+   directory reached from the root without following a symlink (a planted one fails the write:
+   ``ELOOP``) and kept open, so every later step acts in that same directory;
 2. charge the block's bytes to the ledger (refused: :attr:`WriteOutcome.NO_ROOM`, nothing written);
 3. write each temp file and publish it with ``link(temp, final)`` then unlink the temp. ``EEXIST``:
    another process published that file first (content addressed: the same bytes), so its charge is
@@ -34,18 +36,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.core.keys import BlockKey
+from kvtier.core.rootfs import O_BINARY, O_CLOEXEC, O_NOFOLLOW
 from kvtier.tiers.base import IoError
 from kvtier.tiers.blockfile import HEADER_LEN
-from kvtier.tiers.disk.layout import DiskLayout, Removal, remove_file, unlink_quiet
+from kvtier.tiers.disk.layout import DiskLayout, Removal
 from kvtier.tiers.disk.ledger import Ledger
 from kvtier.tiers.sealing import PLAIN, Sealer
 
 logger = logging.getLogger(__name__)
 
-_O_BINARY = getattr(os, "O_BINARY", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)  # a planted symlink is never followed (ELOOP: an I/O error)
-
+_TEMP_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_BINARY | O_CLOEXEC | O_NOFOLLOW
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 """Write errors meaning "no space": a full filesystem, an exhausted quota, a file-size limit."""
 _NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
@@ -71,9 +71,18 @@ class WriteOutcome(enum.Enum):
 
 @dataclass(slots=True)
 class _Temp:
-    path: str
-    final: str
+    """One rank's temp file: its name and its final name in the leaf directory ``dir_fd`` (opened
+    by :func:`_create_temp`, closed by :func:`_close`); ``fd``: the temp file while it is written."""
+
+    name: str
+    final_name: str
+    leaf: str  # the leaf directory's path (for logs and the ledger)
+    dir_fd: int = -1
     fd: int = -1
+
+    @property
+    def final(self) -> str:
+        return f"{self.leaf}/{self.final_name}"
 
 
 def write_block(
@@ -95,27 +104,30 @@ def write_block(
     published: list[str] = []  # final files this call created
     charged = 0
     try:
-        for rank in range(len(sources)):
-            temps.append(_create_temp(layout, hex_key, rank))
-        if not ledger.charge(file_bytes * len(sources)):
-            _remove_temps(temps)
-            return WriteOutcome.NO_ROOM
-        charged = file_bytes * len(sources)
-        surplus: list[_Temp] = []  # files another process published first
-        for rank, (temp, source) in enumerate(zip(temps, sources)):
-            header, payload = sealer.seal(
-                namespace=namespaces[rank], key=key, parent=parent, num_tokens=num_tokens, source=source,
-            )
-            _fill(temp, header, payload)
-            if _publish(layout, temp):
-                published.append(temp.final)
-            else:
-                surplus.append(temp)
-    except Exception as exc:  # noqa: BLE001 - OSError (ENOSPC, EIO, ...) or a bug: the job must still complete
-        _roll_back(ledger, temps, published, charged, file_bytes)
-        return _failed(layout, hex_key, exc, no_space)
-    if surplus:
-        _give_back_surplus(ledger, surplus, file_bytes)
+        try:
+            for rank in range(len(sources)):
+                temps.append(_create_temp(layout, hex_key, rank))
+            if not ledger.charge(file_bytes * len(sources)):
+                _remove_temps(temps)
+                return WriteOutcome.NO_ROOM
+            charged = file_bytes * len(sources)
+            surplus: list[_Temp] = []  # files another process published first
+            for rank, (temp, source) in enumerate(zip(temps, sources)):
+                header, payload = sealer.seal(
+                    namespace=namespaces[rank], key=key, parent=parent, num_tokens=num_tokens, source=source,
+                )
+                _fill(temp, header, payload)
+                if _publish(layout, temp):
+                    published.append(temp.final)
+                else:
+                    surplus.append(temp)
+        except Exception as exc:  # noqa: BLE001 - OSError (ENOSPC, EIO, ...) or a bug: the job must still complete
+            _roll_back(layout, ledger, temps, published, charged, file_bytes)
+            return _failed(layout, hex_key, exc, no_space)
+        if surplus:
+            _give_back_surplus(ledger, surplus, file_bytes)
+    finally:
+        _close_dirs(temps)  # the leaf directories the temps were made in
     no_space.written()
     return WriteOutcome.WRITTEN
 
@@ -141,24 +153,26 @@ def _failed(layout: DiskLayout, hex_key: str, exc: Exception, no_space: NoSpaceL
 
 
 def _create_temp(layout: DiskLayout, hex_key: str, rank: int) -> _Temp:
-    final = layout.path(hex_key, rank)
-    temp = _Temp(f"{final}.{os.getpid()}.{secrets.token_hex(4)}.tmp", final)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_BINARY | _O_CLOEXEC | _O_NOFOLLOW
-    directory = os.path.dirname(final)
+    leaf, _, final_name = layout.path(hex_key, rank).rpartition("/")
+    temp = _Temp(f"{final_name}.{os.getpid()}.{secrets.token_hex(4)}.tmp", final_name, leaf)
     for attempt in range(3):  # the leaf directory may be missing, or removed by an unlink job
         try:
-            layout.check_inside(directory)
-            temp.fd = os.open(temp.path, flags, layout.access.file_mode)
+            temp.dir_fd = layout.fs.open_dir(leaf)
+            temp.fd = os.open(temp.name, _TEMP_FLAGS, layout.access.file_mode, dir_fd=temp.dir_fd)
             break
         except FileNotFoundError:
+            _close_dirs([temp])
             if attempt == 2:
                 raise
-            layout.forget_checked(directory)
-            layout.make_dir(directory)
+            layout.make_dir(leaf)
+        except BaseException:
+            _close_dirs([temp])
+            raise
     try:
         os.fchmod(temp.fd, layout.access.file_mode)  # the umask must not change it
     except BaseException:
         _remove_temps([temp])
+        _close_dirs([temp])
         raise
     return temp
 
@@ -182,9 +196,10 @@ def _fill(temp: _Temp, header: bytes, payload: memoryview) -> None:
 def _publish(layout: DiskLayout, temp: _Temp) -> bool:
     """Give the temp file its final name; False if another process published that file first
     (the temp is then still there)."""
+    dir_fd = temp.dir_fd
     if layout.root not in _RENAME_ROOTS:
         try:
-            os.link(temp.path, temp.final)
+            os.link(temp.name, temp.final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
         except FileExistsError:
             return False
         except OSError as exc:
@@ -197,15 +212,20 @@ def _publish(layout: DiskLayout, temp: _Temp) -> bool:
                 "a rescan", layout.root, exc.strerror or exc,
             )
         else:
-            unlink_quiet(temp.path)
+            _unlink_temp(temp)
             return True
-    if os.path.lexists(temp.final):
+    try:
+        os.stat(temp.final_name, dir_fd=dir_fd, follow_symlinks=False)
         return False
-    os.rename(temp.path, temp.final)
+    except FileNotFoundError:
+        pass
+    os.rename(temp.name, temp.final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return True
 
 
-def _roll_back(ledger: Ledger, temps: list[_Temp], published: list[str], charged: int, file_bytes: int) -> None:
+def _roll_back(
+    layout: DiskLayout, ledger: Ledger, temps: list[_Temp], published: list[str], charged: int, file_bytes: int
+) -> None:
     """Undo a failed write: unlink the files it published and give back its charge (under the
     ledger's lock), then remove its temps (after: a charged temp never disappears first)."""
     for temp in temps:
@@ -215,13 +235,13 @@ def _roll_back(ledger: Ledger, temps: list[_Temp], published: list[str], charged
     if charged:
         try:
             with ledger.locked() as usage:
-                kept = sum(remove_file(path) is Removal.FAILED for path in published)
+                kept = sum(layout.remove(path) is Removal.FAILED for path in published)
                 published = []
                 usage.give_back(charged - kept * file_bytes)
         except OSError as exc:  # the ledger is unusable: its charge stays (more than is there)
             logger.warning("kvtier disk: usage ledger %s: %s", ledger.path, exc)
     for path in published:
-        remove_file(path)
+        layout.remove(path)
     _remove_temps(temps)
 
 
@@ -230,7 +250,25 @@ def _remove_temps(temps: list[_Temp]) -> None:
         if temp.fd >= 0:
             os.close(temp.fd)
             temp.fd = -1
-        unlink_quiet(temp.path)
+        _unlink_temp(temp)
+
+
+def _unlink_temp(temp: _Temp) -> None:
+    if temp.dir_fd < 0:
+        return
+    try:
+        os.unlink(temp.name, dir_fd=temp.dir_fd)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        logger.warning("kvtier disk: cannot remove %s/%s: %s", temp.leaf, temp.name, exc)
+
+
+def _close_dirs(temps: list[_Temp]) -> None:
+    for temp in temps:
+        if temp.dir_fd >= 0:
+            os.close(temp.dir_fd)
+            temp.dir_fd = -1
 
 
 class NoSpaceLog:

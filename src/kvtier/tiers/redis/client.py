@@ -256,7 +256,7 @@ class RedisClient:
         if isinstance(exc, NoPermissionError):
             return ConfigError(
                 f"{where}: the server's ACL refused {what or 'a command'}: {safe_text(str(exc))}. Fix: "
-                f"allow this user the keys '{config.key_prefix}:*' and the commands GET SET EXISTS "
+                f"allow this user the keys '{config.key_prefix}:*' and the commands GETRANGE SET EXISTS "
                 "UNLINK EXPIRE SCAN INFO PING "
                 f"(e.g. ACL SETUSER {self.user} on ~{config.key_prefix}:* +@all), or set 'key_prefix' to a "
                 "prefix it may use."

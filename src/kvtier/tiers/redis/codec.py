@@ -189,7 +189,7 @@ def decode_value(
     key: BlockKey,
     sealer: Sealer = PLAIN,
 ) -> None:
-    """Check a whole value (a GET reply) and copy its payloads into ``dests`` (one per rank): the
+    """Check a whole value (a GETRANGE reply of it all) and copy its payloads into ``dests`` (one per rank): the
     tier's read path, one pass over the bytes. The total length and every header are checked
     before anything is copied; each payload's checksum is computed as it is copied
     (:func:`~kvtier.tiers.blockfile.copy_with_checksum`). Raise :class:`CorruptBlockError` (the
@@ -229,7 +229,7 @@ class PieceLander:
     Pieces are not one atomic read: the value may be replaced between two of them. A payload
     that mixes two writes, or that is not the one its header describes, fails the checksum
     (the header's checksum is of one write's payload), so no mix is ever landed as good; the
-    reader re-reads such a value whole (``GET``) before it calls it corrupt. Single rank only:
+    reader re-reads such a value whole (one ``GETRANGE``, bounded like every read) before it calls it corrupt. Single rank only:
     with several ranks each could pass its own checks while coming from a different write.
 
     Owned by the read thread that feeds it; ``dest`` is the caller's buffer, borrowed."""

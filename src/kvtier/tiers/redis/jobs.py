@@ -9,7 +9,11 @@ post (a list of messages) per batch, after all of its work, so a caller blocked 
 of waking to half a batch and competing with the worker for the GIL while it copies. It never
 touches the tier's caller-side state and never raises.
 
-- Reads: ``GET``; each reply (``bytes``, parsed by redis-py) is handled as soon as it is read,
+- Reads: ``GETRANGE name 0 <value length>``, never ``GET``: a reply is at most one byte longer
+  than a record of this tier can be, so a value planted under a block key that is larger (any
+  size: 256 MiB cost the reader +514 MiB with ``GET``) costs the reader that many bytes and a
+  counted CORRUPT miss, not its size in memory; the extra byte shows that it is longer. (An empty
+  reply is a missing key, or an empty value: both NOT_FOUND.) Each reply (``bytes``, parsed by redis-py) is handled as soon as it is read,
   while the server is already sending the next one (``run(on_reply=...)``): its length and
   headers are checked where it is, then its payloads are copied into the caller's buffers, each
   checksummed as it is copied (:func:`~kvtier.tiers.redis.codec.decode_value`: one pass, the
@@ -210,12 +214,15 @@ class DataPath:
             self.remove(corrupt)
 
     def _read_whole(self, jobs: list[ReadJob], messages: list[tuple]) -> list[Reply]:
-        """One ``GET`` per job; each value landed as soon as it is read. Per job: LANDED, a
-        CorruptBlockError, or the reply as read (None: no such key; an error)."""
+        """One ``GETRANGE`` of the whole value (and one byte more) per job; each value landed as soon
+        as it is read. Per job: LANDED, a CorruptBlockError, or the reply as read (None: no such
+        key, or an empty value; an error)."""
 
         def land(index: int, reply: Reply) -> Reply:
             if not isinstance(reply, bytes):
                 return reply
+            if not reply:
+                return None  # GETRANGE answers "" for a missing key
             try:
                 decode_value(reply, jobs[index].dests, rank_digests=self.rank_digests, key=jobs[index].key,
                              sealer=self.sealer)
@@ -223,7 +230,8 @@ class DataPath:
                 return exc
             return LANDED
 
-        replies = self.client.run([(b"GET", self.keys.block(job.key)) for job in jobs], on_reply=land)
+        last = self.world * (HEADER_LEN + self.payload_bytes)  # inclusive end: one byte past a record
+        replies = self.client.run([(b"GETRANGE", self.keys.block(job.key), 0, last) for job in jobs], on_reply=land)
         messages.append((MSG_BATCH, "read", replies.round_trips))
         return list(replies)
 
