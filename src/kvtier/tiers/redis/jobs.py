@@ -47,7 +47,7 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError, IoKind, IoResult
-from kvtier.tiers.redis.breaker import CircuitBreaker
+from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.redis.client import (
     Reply,
     RedisClient,

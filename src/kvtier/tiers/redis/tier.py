@@ -2,7 +2,7 @@
 
 Modules: :mod:`~kvtier.tiers.redis.codec` (key names, the value format and its verification),
 :mod:`~kvtier.tiers.redis.client` (redis-py connections and pipelines; one round trip per server
-and batch), :mod:`~kvtier.tiers.redis.breaker` (the circuit breaker),
+and batch), :mod:`~kvtier.tiers.breaker` (the circuit breaker),
 :mod:`~kvtier.tiers.presence` (what the tier knows without asking),
 :mod:`~kvtier.tiers.redis.batcher` (jobs submitted together go out together),
 :mod:`~kvtier.tiers.redis.jobs` (what the worker threads do), :mod:`~kvtier.tiers.redis.monitor`
@@ -41,7 +41,7 @@ one piece of a value read in pieces: :data:`~kvtier.tiers.redis.jobs.PIECE_BYTES
 counted in ``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the
 breaker is open.
 
-Failures never raise into the caller and never stall it: see :mod:`~kvtier.tiers.redis.breaker`
+Failures never raise into the caller and never stall it: see :mod:`~kvtier.tiers.breaker`
 (3 consecutive failed batches open it; presence is then ABSENT, reads and probes fail at once,
 writes are dropped; back-off 1 s doubling to 30 s, then one PING from the monitor thread) and
 :mod:`~kvtier.tiers.redis.client` (timeouts, no retries, reconnects). A server unreachable at
@@ -75,7 +75,7 @@ from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, Secon
 from kvtier.tiers.disk.files import byte_views
 from kvtier.tiers.outbox import Outbox
 from kvtier.tiers.redis.batcher import Batcher, WorkerPool
-from kvtier.tiers.redis.breaker import CircuitBreaker
+from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
 from kvtier.tiers.redis.codec import KeySpace, value_bytes
 from kvtier.tiers.redis.heap import raise_mmap_threshold
