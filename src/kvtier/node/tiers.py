@@ -249,7 +249,7 @@ class NodeTiers:
             namespaces[digest.hex()[:16]] = {"open": ns.stack is not None, "tiers": usage}
         counts = {"promotion_failures": total.promotion_failures, "checksum_failures": total.checksum_failures,
                   "auth_failures": total.auth_failures, "cascades_skipped_opening": self.skipped_opening}
-        for medium in (Medium.DISK, Medium.REMOTE):
+        for medium in (Medium.DISK, Medium.REMOTE, Medium.S3):
             name = medium.value.lower()
             counts[f"written_{name}"] = total.written_to(medium).jobs
             counts[f"writes_dropped_{name}"] = getattr(total, f"{name}_writes_dropped")

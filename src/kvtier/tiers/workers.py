@@ -1,4 +1,5 @@
-"""A tier's worker threads: ``n`` threads started with the tier, taking tasks from one FIFO queue.
+"""A tier's worker threads: ``n`` threads started with the tier, taking tasks from one FIFO queue
+(:class:`WorkerPool`); and a queue of jobs they run one at a time (:class:`JobQueue`).
 
 Used by the Redis tier (:mod:`kvtier.tiers.redis`, behind its batcher) and the S3 tier
 (:mod:`kvtier.tiers.s3`). Not a ``ThreadPoolExecutor``: that starts its threads lazily inside
@@ -14,9 +15,13 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
+from typing import Generic, TypeVar
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class WorkerPool:
@@ -69,3 +74,43 @@ class WorkerPool:
                 task(*args)
             except Exception:  # tasks handle their own failures; this is a bug
                 logger.exception("kvtier: a task of worker pool %s failed", self.name)
+
+
+class JobQueue(Generic[T]):
+    """Jobs run by ``run`` on ``pool``'s threads, one job per task, oldest first, as many at once as
+    the pool has threads. :meth:`cancel` takes the jobs no thread has started (a closing tier fails
+    them), so that every job submitted is either run or handed back.
+
+    Threading: :meth:`submit`, :meth:`cancel` and ``len`` from the caller's thread; ``run`` on the
+    pool's threads. The deque is guarded by a lock."""
+
+    def __init__(self, pool: WorkerPool, run: Callable[[T], None]) -> None:
+        self._pool = pool
+        self._run = run
+        self._lock = threading.Lock()
+        self._jobs: deque[T] = deque()
+
+    def submit(self, job: T) -> None:
+        with self._lock:
+            self._jobs.append(job)
+        try:
+            self._pool.submit(self._next)
+        except RuntimeError:  # the pool is shut down: cancel() hands the job back
+            pass
+
+    def cancel(self) -> list[T]:
+        with self._lock:
+            jobs = list(self._jobs)
+            self._jobs.clear()
+        return jobs
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def _next(self) -> None:
+        with self._lock:
+            if not self._jobs:
+                return
+            job = self._jobs.popleft()
+        self._run(job)
