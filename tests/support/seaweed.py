@@ -186,6 +186,15 @@ class SeaweedServer:
                 self.stop()
                 raise RuntimeError(f"weed mini did not answer within {timeout:.0f} s: {self.log_tail()}")
             time.sleep(0.1)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One PUT and DELETE: the first write of a fresh server allocates its volumes (about a second),
+        which a test with short timeouts must not pay."""
+        import obstore
+
+        obstore.put(self.store(), "warm-up", b"x", use_multipart=False)
+        obstore.delete(self.store(), "warm-up")
 
     def answers(self) -> bool:
         """Whether an authenticated LIST of the bucket succeeds now."""

@@ -124,6 +124,7 @@ class S3Tier(SecondaryTier):
         self._written_since = 0  # ... and what this tier wrote after it began
         self._blocks = 0
         self._sweep_asked = False
+        self._clears_asked = self._clears_done = 0  # clear()'s LIST + DELETE runs (close() runs a dropped one)
         self._done = Outbox()
         self._waited: list[tuple] | None = None  # taken off _done by wait(), applied by the next poll()
 
@@ -329,8 +330,14 @@ class S3Tier(SecondaryTier):
         self._listed = set()
         self._clear_epoch += 1
         if not self._closed:
-            self._remove_pool.submit(self._path.clear)
+            self._clears_asked += 1
+            self._remove_pool.submit(self._clear)
         return count
+
+    def _clear(self) -> None:
+        """The removal thread's (or, at close, the caller's) run of :meth:`clear`."""
+        self._path.clear()
+        self._clears_done += 1
 
     def usage(self) -> TierUsage:
         """The last listing's bytes plus this tier's writes since; ``capacity_bytes`` (0: unbounded)."""
@@ -362,6 +369,10 @@ class S3Tier(SecondaryTier):
             self._monitor.join()
         for pool in (self._probe_pool, self._read_pool, self._write_pool, self._remove_pool):
             pool.shutdown()
+        if self._clears_done < self._clears_asked:  # a clear() whose run the shutdown dropped
+            self._stop.clear()
+            self._clear()
+            self._stop.set()
         cancelled = (
             [(MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), None)
              for job in self._reads.cancel()]

@@ -14,7 +14,8 @@ import logging
 logger = logging.getLogger(__name__)
 
 MODULE = "kvtier.vllm.native"
-TIER_TYPES = {"kvtier_disk": "KVTierDiskTier", "kvtier_redis": "KVTierRedisTier", "kvtier_node": "KVTierNodeTier"}
+TIER_TYPES = {"kvtier_disk": "KVTierDiskTier", "kvtier_redis": "KVTierRedisTier", "kvtier_s3": "KVTierS3Tier",
+              "kvtier_node": "KVTierNodeTier"}
 SPEC_NAME = "KVTierOffloadingSpec"
 MODULES = {SPEC_NAME: "spec", "KVTierNodeTier": "node_tier"}
 """The module (under :data:`MODULE`) of each registered class not in ``tiers``."""
