@@ -251,6 +251,15 @@ class SeaweedServer:
                        check=True, capture_output=True, timeout=60, cwd=self.folder)
         time.sleep(1.0)
 
+    def add_identity(self, name: str, access_key: str, secret_key: str, actions: str) -> None:
+        """One more identity the server accepts (``actions``: SeaweedFS's, e.g. ``Read,List``), set with
+        ``weed shell s3.configure`` as an operator does; the server's own identity stays."""
+        command = (f"s3.configure -user={name} -access_key={access_key} -secret_key={secret_key} "
+                   f"-actions={actions} -apply")
+        subprocess.run([weed_binary(), "shell", f"-master=127.0.0.1:{self.master_port}"], input=command.encode(),
+                       check=True, capture_output=True, timeout=60, cwd=self.folder)
+        time.sleep(1.0)
+
     def log_tail(self) -> str:
         return self.log.read_text(errors="replace")[-3000:] if self.log.exists() else ""
 

@@ -253,7 +253,7 @@ def verify_remote(
                     continue
                 report.files_checked += 1
                 report.bytes_checked += len(value)
-                reason = _check(value, rank_digests, ns.space.block_key_of(name), ns.world, sealer, report)
+                reason = check_value(value, rank_digests, ns.space.block_key_of(name), ns.world, sealer, report)
                 if reason is None:
                     report.files_ok += 1
                     continue
@@ -284,8 +284,11 @@ def _read_batches(client, names: Sequence[bytes]) -> Iterator[list[tuple[bytes, 
             yield list(zip(group, client.mget(group)))
 
 
-def _check(value: bytes, rank_digests: list[bytes], key: bytes | None, world: int, sealer: Sealer | None,
-           report: VerifyReport) -> str | None:
+def check_value(value: bytes, rank_digests: list[bytes], key: bytes | None, world: int, sealer: Sealer | None,
+                report: VerifyReport) -> str | None:
+    """Why ``value`` (a whole block value of ``world`` records, read from a Redis key or an S3 object)
+    is not ``key``'s block in the namespace of ``rank_digests``, or None; sealed records without
+    ``sealer`` are counted in ``report.sealed_unchecked``, under a retired key in ``report.retired``."""
     from kvtier.tiers.blockfile import HEADER_LEN, decode_header
 
     if key is None:

@@ -227,6 +227,8 @@ def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str 
 
 def _flag_names(message: str) -> str:
     """A tier ConfigError's message with the S3 entry's keys named as the flags that set them."""
+    from kvtier.core.values import PREFIX
+
     for key, flag in _S3_FLAGS.items():
         message = message.replace(f"'s3.{key}'", flag)
-    return message.replace("'s3'", "--s3-url")
+    return message.replace("'s3'", "--s3-url").removeprefix(f"{PREFIX}: ")

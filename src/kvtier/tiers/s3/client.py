@@ -202,8 +202,9 @@ def make_store(config: S3TierConfig, where: str, source: CredentialSource | None
     try:
         return S3Store(config.bucket, config=s3, client_options=client, retry_config=retry,
                        credential_provider=provider)
-    except Exception as exc:  # obstore refuses a setting (a bad certificate, ...)
-        raise ConfigError(f"{PREFIX}: '{where}' ({config.location}): {describe(exc)}") from None
+    except Exception as exc:  # obstore refuses a setting (a bad certificate, half a key pair, ...)
+        raise ConfigError(f"{PREFIX}: '{where}' ({config.location}): {describe(exc)}; credentials from "
+                          f"{source.description}. Fix: {source.fix}.") from None
 
 
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -227,6 +228,8 @@ def classify(exc: BaseException) -> Fault:
     if isinstance(exc, NotFoundError | FileNotFoundError):
         return Fault.NO_BUCKET if "NoSuchBucket" in text else Fault.NOT_FOUND
     status = status_of(exc)
+    if status is None and "DeleteObjects request failed" in text:  # a bulk DELETE answered, per key
+        return Fault.REFUSED if "AccessDenied" in text else Fault.SERVER
     if status is None:
         return Fault.TLS if "InvalidCertificate" in text or "certificate verify failed" in text else Fault.UNREACHABLE
     if status in (401, 403):
