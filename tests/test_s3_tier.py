@@ -18,6 +18,7 @@ from datetime import datetime, timedelta, timezone
 import obstore
 import pytest
 from support.seaweed import ACCESS_KEY, SECRET_KEY, s3, seaweed  # noqa: F401  (pytest fixtures)
+from test_redis_tier import wait_for as wait_for_redis
 
 from kvtier.core.fleet_key import AuthConfig, FleetKey
 from kvtier.core.residency import ChangeKind, ResidencyLog
@@ -76,12 +77,7 @@ def tiers(request):
 
 
 def wait_for(tier: S3Tier, condition, timeout: float = 10.0, what: str = "condition") -> float:
-    start = time.monotonic()
-    while not condition():
-        tier.poll()
-        assert time.monotonic() - start < timeout, f"{what} not reached after {timeout}s"
-        time.sleep(0.005)
-    return time.monotonic() - start
+    return wait_for_redis(tier, condition, timeout, what)  # the same loop: poll until condition()
 
 
 def wait_results(tier: S3Tier, n: int, timeout: float = 15.0) -> list[IoResult]:

@@ -11,8 +11,9 @@ median within 2.0x of C's host-tier hit; then three of the six block objects are
 re-addressed one, a forged one and an unsigned one: C's round 4 misses them, each read counted
 (kvtier_auth_failures, kvtier_checksum_failures), bit-exact.
 
-kvtier_s3 behind vLLM's own OffloadingConnector (kvtier's CPU spec), 32-token blocks, two ~3,950-token
-prompts (a tiny Qwen3-MoE): a fresh engine is served >= 90% of its prompt tokens from S3, bit-exact.
+kvtier_s3 behind vLLM's own OffloadingConnector at 32-token blocks and ~4,000-token prompts shares
+the engines of tests/e2e/test_gpu_shapes_e2e.py (its filling engine writes kvtier_disk, kvtier_redis
+and kvtier_s3; a fresh engine with kvtier_s3 alone is served >= 95% of the whole chunks, bit-exact).
 
 One process per engine, vLLM's one-process mode (tests/support/offline_run.py).
 """
@@ -21,13 +22,12 @@ from __future__ import annotations
 
 import os
 import statistics
-from pathlib import Path
 
 import obstore
 import pytest
 from support.offline_run import cached, launch, metric, tokens
 from support.seaweed import seaweed  # noqa: F401  (pytest fixture)
-from support.tiny_models import write_tiny_model
+from test_redis_e2e import engine_spec  # the same engines (tests/e2e/test_redis_e2e.py), on other prompts
 
 from kvtier.bench.text import long_prompts
 from kvtier.core.fleet_key import FleetKey
@@ -36,8 +36,6 @@ from kvtier.tiers.sealing import PLAIN
 
 pytestmark = pytest.mark.e2e
 
-MAX_TOKENS = 16
-OFFLOAD_BLOCK = 256
 FLEET = FleetKey(bytes(range(90, 122)), "e2e")
 ENV = {"KVTIER_E2E_S3_KEY": FLEET.secret.hex()}
 
@@ -47,17 +45,6 @@ def model_path() -> str:
     from kvtier.models.default import ensure_default_model
 
     return str(ensure_default_model("float32"))
-
-
-def engine_spec(model: str, prompts: list[str], tiers: list[dict] | None, rounds=({},)) -> dict:
-    """tests/e2e/test_redis_e2e.py's engines, on other prompts."""
-    return {
-        "model": model, "prompts": prompts, "rounds": list(rounds), "max_tokens": MAX_TOKENS,
-        "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048, "block_size": 128,
-        "kv_connector_extra_config": None if tiers is None else {
-            "cpu_bytes_to_use": 500_000_000, "block_size": OFFLOAD_BLOCK, "secondary_tiers": tiers,
-        },
-    }
 
 
 def s3_hit_tokens(result: dict, round_index: int) -> float:
@@ -145,33 +132,3 @@ def test_kvtier_connector_s3_down_back_fresh_engine_and_forgeries(tmp_path, mode
 
 def prompt_tokens(result: dict, round_index: int) -> list[int]:
     return [r["prompt_tokens"] for r in result["rounds"][round_index]]
-
-
-CHUNK = 32
-NATIVE_PROMPTS = long_prompts(2, 3200, seed=40)  # ~3,950 tokens each (the tiny model's tokenizer)
-
-
-def native_spec(model: Path, tiers: list[dict] | None, rounds=({},)) -> dict:
-    return {"model": str(model), "prompts": NATIVE_PROMPTS, "rounds": list(rounds), "max_tokens": 8,
-            "kv_cache_memory_bytes": 32 * 2**20, "max_model_len": 4096, "block_size": CHUNK, "connector": "native",
-            "kv_connector_extra_config": None if tiers is None else {
-                "spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.vllm.native",
-                "cpu_bytes_to_use": 64 * 2**20, "block_size": CHUNK, "secondary_tiers": tiers}}
-
-
-def test_kvtier_s3_behind_vllms_offloading_serves_a_fresh_engine(tmp_path, seaweed):  # noqa: F811
-    seaweed.ensure_running()
-    model = write_tiny_model("qwen3-moe", tmp_path / "tiny")
-    expected = tokens(launch(native_spec(model, None), tmp_path))
-    tier = {"type": "kvtier_s3", **{k: v for k, v in seaweed.tier(f"e2e-native-{os.urandom(4).hex()}").items()
-                                    if k != "type"}}
-    filling = launch(native_spec(model, [tier], rounds=({"settle": True},)), tmp_path)
-    assert tokens(filling) == expected
-    fresh = launch(native_spec(model, [tier]), tmp_path)
-    assert tokens(fresh) == expected
-    total = sum(prompt_tokens(fresh, 0))
-    print(f"kvtier_s3, {CHUNK}-token blocks: a fresh engine had {sum(cached(fresh, 0))} of {total} prompt tokens "
-          f"cached ({cached(fresh, 0)}), prompts {prompt_tokens(fresh, 0)}")
-    assert sum(cached(fresh, 0)) >= 0.9 * total
-    assert metric(fresh, 0, "kvtier_offload_failed_reads") == 0
-

@@ -26,7 +26,7 @@ from typing import Any
 
 from kvtier.cachetools.inventory import Inventory, NamespaceInventory, age_bucket
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
-from kvtier.cachetools.remote import _RemoteNamespace, _select, check_value
+from kvtier.cachetools.remote import _RemoteNamespace, check_value, purged_namespaces
 from kvtier.cachetools.selection import SelectionError
 from kvtier.cachetools.verify import Problem, VerifyReport
 from kvtier.core.fleet_key import AuthConfig
@@ -237,13 +237,8 @@ def purge_objects(target: ObjectTarget, selection: PurgeSelection, *, dry_run: b
     selection.validate()
     now = time.time() if now is None else now
     store = target.store()
-    chosen = _select(_discover(store, target.config.prefix), selection.namespaces, selection.models, target.shown)
-    if selection.older_spec:
-        chosen = [ns for ns in chosen if ns.older_spec]
     report = PurgeReport(target.shown, dry_run)
-    if not selection.blocks:
-        return report
-    for ns in chosen:
+    for ns in purged_namespaces(_discover(store, target.config.prefix), selection, target.shown):
         result = NamespacePurge(ns.prefix)
         victims = list(ns.blocks)
         if selection.retired_except is not None:

@@ -167,6 +167,15 @@ def _select(
     return chosen
 
 
+def purged_namespaces(spaces: list[_RemoteNamespace], selection: PurgeSelection, where: str) -> list[_RemoteNamespace]:
+    """The namespaces of ``spaces`` whose blocks ``selection`` purges (none when it selects no
+    blocks); SelectionError when a selector matches none. Shared with the S3 tools."""
+    chosen = _select(spaces, selection.namespaces, selection.models, where)
+    if selection.older_spec:
+        chosen = [ns for ns in chosen if ns.older_spec]
+    return chosen if selection.blocks else []
+
+
 def _batches(items: Sequence[bytes], size: int = BATCH) -> Iterator[Sequence[bytes]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -340,14 +349,8 @@ def purge_remote(
     deleted where they are found)."""
     selection.validate()
     client = target.client()
-    spaces = _discover(client, target.key_prefix)
-    chosen = _select(spaces, selection.namespaces, selection.models, target.shown)
-    if selection.older_spec:
-        chosen = [ns for ns in chosen if ns.older_spec]
     report = PurgeReport(target.shown, dry_run)
-    if not selection.blocks:
-        return report
-    for ns in chosen:
+    for ns in purged_namespaces(_discover(client, target.key_prefix), selection, target.shown):
         result = NamespacePurge(ns.prefix)
         victims = list(ns.blocks)
         if selection.retired_except is not None:

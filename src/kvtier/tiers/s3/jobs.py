@@ -36,11 +36,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError, IoKind, IoResult
 from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.remote import MSG_IO, MSG_PROBE, ReadJob, WriteJob
 from kvtier.tiers.s3.client import Fault, classify, describe
 from kvtier.tiers.s3.keys import ObjectKeys
 from kvtier.tiers.sealing import PLAIN, Sealer, UnauthenticatedRecord
@@ -49,31 +49,13 @@ from kvtier.tiers.value import CorruptBlockError, decode_value, encode_value
 logger = logging.getLogger(__name__)
 
 # Messages posted on the outbox (each post is a list of them).
-MSG_IO = "io"  # (MSG_IO, IoResult, detail: None | Fault value | "breaker" | "dedup"[, the WriteJob of a write])
-MSG_PROBE = "probe"  # (MSG_PROBE, keys, found: list[bool | None]  (None: no answer for that key))
+# MSG_IO (detail: None | a Fault's value | "breaker") and MSG_PROBE: kvtier.tiers.remote's.
 MSG_REMOVED = "removed"  # (MSG_REMOVED, keys of this namespace removed, objects removed, failed, evicted: bool)
 MSG_LISTED = "listed"  # (MSG_LISTED, Listing)
 MSG_FAULT = "fault"  # (MSG_FAULT, Fault value): a request without a job failed (counted by kind)
 
 DELETE_BATCH = 1000
 """Keys per bulk DELETE (S3's DeleteObjects limit)."""
-
-
-@dataclass(slots=True)
-class ReadJob:
-    job_id: int
-    key: BlockKey
-    dests: list[memoryview]
-
-
-@dataclass(slots=True)
-class WriteJob:
-    job_id: int
-    key: BlockKey
-    parent: BlockKey
-    num_tokens: int
-    sources: list[memoryview]
-    epoch: int = 0  # the tier's clear() count when it was submitted
 
 
 class Throttle:

@@ -7,8 +7,9 @@ a frozen :class:`S3TierStats`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
+
+from kvtier.tiers.remote import counted_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,5 +55,5 @@ class S3TierStats:
     write_seconds: float = 0.0
 
 
-COUNTED = tuple(f.name for f in dataclasses.fields(S3TierStats) if f.name != "breaker_opens")
+COUNTED = counted_fields(S3TierStats)
 """The counters the tier keeps itself (``breaker_opens`` is the breaker's)."""
