@@ -191,3 +191,40 @@ def test_doctor_probes_reach_credentials_permissions_and_latency(s3, tmp_path, m
     unreachable = {**entry, "endpoint": f"http://127.0.0.1:{free_port()}", "timeout_s": 0.5, "connect_timeout_s": 0.2}
     assert doctor_codes(tmp_path, unreachable, monkeypatch)["s3-unreachable"] == "warning"
 
+
+
+def test_kv_events_announce_s3_blocks_as_storage_remote_beside_the_local_disk(s3, tmp_path):
+    """KV events of kvtier's connector: a block in S3 is announced as vLLM announces its own object
+    store's (medium STORAGE, locality REMOTE), apart from the disk tier's (STORAGE, LOCAL); a block
+    deleted from S3 is announced removed from there only."""
+    from test_kv_events import BLOCK, SLOT as EVENT_SLOT, make_request, translator
+    from test_kv_events import NS as EVENT_NS
+    from test_kv_events import store_blocks as store_event_blocks
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    from kvtier.core.keys import chain_block_keys
+
+    disk_tier = DiskTier(root_dir=tmp_path, model_name="toy", engine_digest=EVENT_NS.digest,
+                         rank_digests=[EVENT_NS.for_rank(0).digest], namespace_json=EVENT_NS.config_json("toy"),
+                         payload_bytes=EVENT_SLOT, capacity_bytes=10**7, n_read_threads=1, n_write_threads=1,
+                         max_pending_writes=16)
+    s3_tier = S3Tier(s3_config(s3, f"events-{os.urandom(4).hex()}"), model_name="toy",
+                     engine_digest=EVENT_NS.digest, rank_digests=[EVENT_NS.for_rank(0).digest],
+                     namespace_json=EVENT_NS.config_json("toy"), payload_bytes=EVENT_SLOT)
+    orch = Orchestrator(HostIndex(8), HostBytes([memoryview(bytearray(EVENT_SLOT * 8))], EVENT_SLOT),
+                        [disk_tier, s3_tier], StoreAdmission(0, 10))
+    events = translator(orch, self_describing=False)
+    tokens = list(range(300, 300 + 2 * BLOCK + 1))
+    request = make_request("s3", tokens)
+    blocks = chain_block_keys(EVENT_NS.digest, tokens[: 2 * BLOCK], BLOCK)
+    store_event_blocks(orch, blocks)
+    events.learn(request, enumerate(blocks))
+    settle(orch)
+    got = events.take_events()
+    where = sorted({(e.medium, e.locality) for e in got})
+    assert where == [("CPU", "LOCAL"), ("STORAGE", "LOCAL"), ("STORAGE", "REMOTE")], where
+    assert all(isinstance(e, BlockStored) for e in got) and len(got) == 6
+    assert s3_tier.delete([blocks[0]]) == 1
+    removed = events.take_events()
+    assert [(type(e), e.medium, e.locality) for e in removed] == [(BlockRemoved, "STORAGE", "REMOTE")]
+    orch.close()

@@ -6,8 +6,10 @@ kvtier's connector, S3 as the only secondary tier, records signed with a fleet k
 tier). Engine C starts while the store is stopped: it answers bit-exact from misses; the store
 comes back and C, without a restart, serves its host tier (round 1: the host-tier hit timing),
 stores into S3 (round 2) and is then served from S3 (round 3). While C waits, a fresh engine B is
-served >= 90% of its prompt tokens from S3 in both of its rounds, bit-exact, its second round's
-median within 2.0x of C's host-tier hit; then three of the six block objects are replaced by a
+served >= 90% of its prompt tokens from S3, bit-exact, and then, in turn, from S3 and from its own
+host tier: the S3 rounds' median is within 2.0x of the host-tier rounds' (taken side by side in
+time: on this shared 2-core machine a round's median moves 2-3x within minutes, so rounds minutes
+apart, such as C's host-tier round, do not compare); then three of the six block objects are replaced by a
 re-addressed one, a forged one and an unsigned one: C's round 4 misses them, each read counted
 (kvtier_auth_failures, kvtier_checksum_failures), bit-exact.
 
@@ -93,7 +95,10 @@ def test_kvtier_connector_s3_down_back_fresh_engine_and_forgeries(tmp_path, mode
         seaweed.start()
 
     def fresh_engine_then_forgeries() -> None:
-        result = launch(engine_spec(model_path, prompts, [tier], rounds=({}, fresh)), tmp_path, env=ENV)
+        # from S3 as a new process, then S3 and host-tier hits taken in turn (the comparison's two
+        # sides side by side in time: this machine's load moves a round's median 2-3x within minutes)
+        result = launch(engine_spec(model_path, prompts, [tier], rounds=({}, fresh, reset, fresh, reset)), tmp_path,
+                        env=ENV)
         fresh_engine.update(result)
         blocks = sorted(p for p in seaweed.objects(prefix + "/") if p.endswith(".bin"))
         assert len(blocks) == 6, blocks
@@ -114,14 +119,18 @@ def test_kvtier_connector_s3_down_back_fresh_engine_and_forgeries(tmp_path, mode
     assert s3_hit_tokens(engine_c, 3) >= 0.9 * total, "the store came back: no S3 hits without a restart"
 
     engine_b = fresh_engine
-    for index in (0, 1):
+    for index in range(5):
         assert tokens(engine_b, index) == expected, f"engine B, round {index}"
+    for index in (0, 1, 3):
         assert s3_hit_tokens(engine_b, index) >= 0.9 * total, f"engine B, round {index}: {cached(engine_b, index)}"
-    host_hit = statistics.median(seconds(engine_c, 1))
-    from_s3 = statistics.median(seconds(engine_b, 1))
-    print(f"host-tier hit (engine C, round 1) median {host_hit:.3f} s; fresh engine B served from S3, "
-          f"round 2 median {from_s3:.3f} s ({from_s3 / host_hit:.2f}x); S3 tokens "
-          f"{s3_hit_tokens(engine_b, 0):.0f}/{total} and {s3_hit_tokens(engine_b, 1):.0f}/{total}")
+    for index in (2, 4):
+        assert s3_hit_tokens(engine_b, index) == 0 and sum(cached(engine_b, index)) >= 0.9 * total  # host hits
+    from_s3 = statistics.median(seconds(engine_b, 1) + seconds(engine_b, 3))
+    host_hit = statistics.median(seconds(engine_b, 2) + seconds(engine_b, 4))
+    print(f"fresh engine B: {s3_hit_tokens(engine_b, 0):.0f} of {total} prompt tokens from S3 in its first round; "
+          f"rounds 2 and 4 from S3 median {from_s3:.3f} s, rounds 3 and 5 from its host tier median {host_hit:.3f} s "
+          f"({from_s3 / host_hit:.2f}x); the filling engine's host-tier hit (C, round 2) median "
+          f"{statistics.median(seconds(engine_c, 1)):.3f} s")
     assert from_s3 <= 2.0 * host_hit, (from_s3, host_hit)
 
     # round 4: the three planted objects are misses, each read counted; what they held is recomputed
