@@ -29,7 +29,7 @@ from kvtier.cli.main import main
 from kvtier.core.tier_config import S3TierConfig, TierType, parse_tier
 from kvtier.doctor.audit import audit
 from kvtier.policy.admission import StoreAdmission
-from kvtier.runtime.orchestrator import AcquireStatus, HostBytes, Orchestrator
+from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
 from kvtier.tiers.base import Medium
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostIndex
@@ -81,6 +81,27 @@ def test_embedded_s3_below_disk_serves_a_fresh_engine_and_keeps_its_hits_on_disk
     assert stats.s3_used_bytes is not None and stats.s3_capacity_bytes == 0
     assert second.media_of(blocks[0]) == [Medium.HOST, Medium.DISK, Medium.S3]
     second.close()
+
+
+def test_tails_stay_off_s3_and_a_reset_leaves_it_alone(s3, tmp_path):
+    """A tail (partial block) goes to the local disk, never to the shared store (a lookup there would
+    probe every tail length); one engine's reset clears its local tiers, never the fleet's S3 prefix."""
+    prefix = f"tails-{os.urandom(4).hex()}"
+    orch, buffers = embedded(tmp_path, s3_config(s3, prefix))
+    block, tail = keys(2, seed=8)
+    assert orch.begin_store(block, BlockInfo(NS.digest, 4)) is not None
+    assert orch.begin_store(tail, BlockInfo(block, 2, tail=True)) is not None
+    orch.finish_store([block, tail], ok=True)
+    settle(orch)
+    stats = orch.take_stats()
+    assert stats.host_to_disk.jobs == 2 and stats.host_to_s3.jobs == 1
+    stored = {p for p in s3.objects(prefix + "/") if p.endswith(".bin")}
+    assert len(stored) == 1
+    orch.clear()  # vLLM's reset_prefix_cache(reset_connector=True)
+    settle(orch)
+    assert not orch.disk.contains(block)
+    orch.close()  # (a tier's clear still running when it closes finishes first)
+    assert {p for p in s3.objects(prefix + "/") if p.endswith(".bin")} == stored
 
 
 def test_kvtier_s3_behind_vllms_offloading_serves_a_second_engine(native_env, s3):  # noqa: F811
