@@ -32,7 +32,6 @@ thread; :func:`encode_value` runs on the write pool, :func:`decode_value` (which
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.core.keys import KEY_BYTES, BlockKey
