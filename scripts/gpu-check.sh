@@ -10,13 +10,15 @@
 #   scripts/gpu-check.sh
 #       THERE (a GPU machine with PyTorch + CUDA and Python 3.12, no vLLM, no network): installs those
 #       wheels with --no-index into .gpu-site/ using pip run from its own wheel (no venv, no ensurepip;
-#       the system's torch and numpy are used), runs tests/gpu, then the benchmark (LBNHC: the goal
-#       layout, FlashAttention's default; BLNHC: block-outermost, a layout kvtier could ask vLLM for,
-#       reported only), and prints one JSON: pass/fail per check, copy bandwidth as a fraction of one
-#       cudaMemcpyAsync of the same bytes at 8, 16 and 64 KiB pages for stores and loads, host time to
-#       issue a 512-block job. Exits 1 when a check fails or a goal is missed (>= 0.8 of one
-#       cudaMemcpyAsync at every page size, < 1 ms to issue), 0 otherwise. Takes a few minutes (each
-#       step is bounded; the whole run stays under 10). Details in gpu-check-results/ (and $OUT when the
+#       the system's torch and numpy are used), runs tests/gpu, then the benchmark (LBNHC,
+#       FlashAttention's default, and BLNHC, block-outermost), and prints one JSON: pass/fail per
+#       check, copy bandwidth as a fraction of one cudaMemcpyAsync of the same bytes at 8, 16 and
+#       64 KiB pages for stores and loads, host time to issue a 512-block job, a GEMM's slowdown
+#       beside stores and loads, the card and driver. Exits 1 when a check fails or a goal is missed
+#       (>= 0.95 of one cudaMemcpyAsync at every page size both ways in both layouts, < 0.2 ms to
+#       issue, GEMM slowdown <= 1.05x beside a store and no more than a plain copy's beside a load;
+#       a fraction above 1.05 is a measurement error), 0 otherwise. About 1.5 minutes on an H100
+#       (each step is bounded; the whole run stays under 10). Details in gpu-check-results/ (and $OUT when the
 #       device tool sets it). On a machine without a CUDA device it prints that it skipped and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."

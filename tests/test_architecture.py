@@ -16,7 +16,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvtier"
 
 ENGINE_SIDE = ("core", "policy", "tiers", "copy", "node", "runtime", "vllm")
-OPERATOR_SIDE = ("models", "planning", "launch", "doctor", "cachetools", "bench", "cli")
+OPERATOR_SIDE = ("models", "planning", "launch", "doctor", "cachetools", "bench", "replay", "cli")
 
 ALLOWED: dict[str, set[str]] = {
     # engine side, bottom to top
@@ -34,7 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     "doctor": {"core", "planning", "launch", "models", "tiers"},  # tiers: the S3 probe uses the tier's client
     "cachetools": {"core", "tiers"},
     "bench": {"launch", "models"},
-    "cli": {"core", "launch", "planning", "doctor", "cachetools", "bench", "models", "node", "tiers"},
+    "replay": {"core", "policy", "tiers", "runtime", "planning"},  # kvtier plan --trace runs the engine's own code
+    "cli": {"core", "launch", "planning", "doctor", "cachetools", "bench", "replay", "models", "node", "tiers"},
 }
 """Which kvtier packages each package may import (besides itself)."""
 

@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.bench import workloads as wl
 from kvtier.bench.client import Completion, apply_chunk, completion_body
-from kvtier.bench.driver import RequestResult, run_workload
+from kvtier.bench.driver import RequestResult, WorkloadRun, run_workload
 from kvtier.bench.metrics import CacheSummary, by_label, diff, parse_counters, summarize, total
 from kvtier.bench.stats import compare_outputs, goals, mode_stats, percentile
 
@@ -175,6 +175,31 @@ def test_apply_chunk_real_stream():
     assert result.ttft_s == pytest.approx(1.0) and result.latency_s == pytest.approx(1.4)
     assert result.text == " about a" and result.token_ids == [563, 253] and result.finish_reason == "length"
     assert (result.prompt_tokens, result.output_tokens, result.cached_tokens) == (4, 2, 0)
+    assert result.prompt_token_ids == [1, 2]  # what --save-trace writes
+
+
+def test_save_trace_writes_what_plan_trace_replays(tmp_path):
+    """--save-trace: the kvtier mode's requests in the order sent, prompt and answer token ids as
+    the server saw them; failed requests left out; read back by kvtier plan --trace."""
+    from kvtier.bench.measure import ModeRun
+    from kvtier.bench.trace import trace_mode, write_trace
+    from kvtier.replay.trace import read_trace
+
+    def result(id_: str, start: float, prompt: list[int] | None, error: str | None = None) -> RequestResult:
+        return RequestResult(id=id_, group=0, round=0, returning=False, prompt_chars=5, prompt_tokens=3,
+                             cached_tokens=0, output_tokens=2, output_text="x", output_token_ids=[9, 8],
+                             start_s=start, ttft_s=0.1, latency_s=0.2, error=error, prompt_token_ids=prompt)
+
+    vllm = ModeRun("vllm", "vllm", run=WorkloadRun([result("a", 0.0, [1, 2, 3])], 1.0))
+    kvtier = ModeRun("kvtier", "kvtier", run=WorkloadRun(
+        [result("b", 2.0, [4, 5]), result("a", 1.0, [1, 2, 3]), result("c", 3.0, None, error="HTTP 500")], 1.0))
+    assert trace_mode([vllm, kvtier]) is kvtier
+    assert trace_mode([vllm, ModeRun("x", "x", error="boom")]) is vllm
+    assert write_trace(tmp_path / "t.jsonl", kvtier) == 2
+    trace = read_trace(tmp_path / "t.jsonl")
+    assert [list(r.prompt) for r in trace.requests] == [[1, 2, 3], [4, 5]]  # in the order sent
+    assert [list(r.output) for r in trace.requests] == [[9, 8], [9, 8]] and trace.ordered_by_time
+    assert "prompt_token_ids" not in json.dumps(kvtier.run.results[0].to_json())  # results.json stays lean
 
 
 def _fake_server(log: list[str]) -> httpx.MockTransport:

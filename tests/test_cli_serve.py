@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support.kv_events import KVEventSubscriber
 
 from kvtier.cli import serve as serve_mod
 from kvtier.cli.main import main
@@ -400,35 +401,6 @@ def _http(url: str, body: dict | None = None, method: str | None = None, timeout
         return response.status, response.read().decode()
 
 
-class _KVEventSubscriber:
-    """Collects the KV events vLLM publishes on ZMQ (PUB frames: topic, sequence, msgpack batch).
-
-    Connects to ``endpoint``, which vLLM's publisher binds (an ``ipc://`` path: local only)."""
-
-    def __init__(self, endpoint: str):
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        self._socket = zmq.Context.instance().socket(zmq.SUB)
-        self._socket.setsockopt(zmq.SUBSCRIBE, b"")
-        self._socket.connect(endpoint)
-        self.events: list = []
-
-    def drain(self, seconds: float) -> list:
-        """Receive for ``seconds``; returns every event received so far."""
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0:
-            if self._socket.poll(int(left * 1000)):
-                _topic, _seq, payload = self._socket.recv_multipart()
-                self.events.extend(self._decoder.decode(payload).events)
-        return self.events
-
-    def close(self) -> None:
-        self._socket.close(linger=0)
-
-
 def _check_kv_events(events: list, full_blocks: int) -> None:
     """kvtier announces each of the ``full_blocks`` it stored in host memory (CPU) and on disk (STORAGE)
     with exactly the payload vLLM announced for it on the device (GPU): same hash, parent, tokens."""
@@ -496,7 +468,7 @@ def test_serve_end_to_end(tmp_path):
             assert time.monotonic() < deadline, f"no /health after 300 s:\n{log_tail}"
             time.sleep(1)
         print(f"server healthy after {time.monotonic() - start:.1f} s")
-        subscriber = _KVEventSubscriber(events_endpoint)
+        subscriber = KVEventSubscriber(events_endpoint)
         subscriber.drain(1.0)  # let the subscription reach the publisher before anything is stored
         summary = [line for line in log_path.read_text().splitlines() if line.startswith("kvtier: ")][:5]
         assert [line[:16] for line in summary] == ["kvtier: model   ", "kvtier: host    ", "kvtier: disk    ",

@@ -316,9 +316,12 @@ def test_with_a_fleet_key_records_are_sealed_and_others_are_counted_misses(tmp_p
     (["--encrypt"], "needs a fleet key"),
     (["--fleet-key-env", "KVTIER_TEST_UNSET_KEY", "--disk-dir", "D", "--disk-size", "1"], "--fleet-key-env"),
     (["--fleet-key-env", "KVTIER_TEST_NODE_KEY"], "--disk-dir"),
+    (["--fleet-key-file", "D/missing", "--disk-dir", "D", "--disk-size", "1"], "'--fleet-key-file' = "),
+    (["--fleet-key-env", "KVTIER_TEST_NODE_KEY", "--fleet-key-file", "D/k", "--disk-dir", "D", "--disk-size", "1"],
+     "keep one"),
 ])
 def test_fleet_key_flags_are_checked_at_start_up(tmp_path, flags, message):
-    flags = [str(tmp_path / "d") if f == "D" else f for f in flags]
+    flags = [f.replace("D", str(tmp_path / "d"), 1) if f.startswith("D") else f for f in flags]
     done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "node", "--socket", str(tmp_path / "n.sock"),
                            "--pool-bytes", "1MiB", *flags], capture_output=True, text=True, timeout=60,
                           env={**ENV, "KVTIER_TEST_NODE_KEY": bytes(range(32)).hex()})

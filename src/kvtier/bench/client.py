@@ -2,7 +2,8 @@
 
 Every request is greedy (``temperature: 0``) and streamed, with vLLM's extensions
 ``ignore_eos`` (so every mode generates exactly ``max_tokens`` tokens) and ``return_token_ids``
-(so outputs are compared token by token, not only as text), and
+(so outputs are compared token by token, not only as text; the first chunk also carries the prompt's
+token ids, which ``kvtier bench --save-trace`` writes), and
 ``stream_options.include_usage`` (the final chunk then carries ``usage``, including
 ``prompt_tokens_details.cached_tokens`` when the server runs with
 ``--enable-prompt-tokens-details``).
@@ -29,6 +30,7 @@ class Completion:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None  # as the server tokenized the prompt (first chunk)
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
     output_tokens: int = 0
@@ -66,6 +68,8 @@ def apply_chunk(result: Completion, chunk: dict[str, Any], now: float) -> None:
     for choice in chunk.get("choices") or []:
         text = choice.get("text") or ""
         ids = choice.get("token_ids") or []
+        if choice.get("prompt_token_ids") is not None and result.prompt_token_ids is None:
+            result.prompt_token_ids = list(choice["prompt_token_ids"])
         if (text or ids) and result.first_token is None:
             result.first_token = now
         result.text += text

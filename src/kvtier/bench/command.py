@@ -150,6 +150,16 @@ def run_command(opts: dict[str, Any]) -> int:
     for name, mode in results["modes"].items():
         if mode["error"]:
             console.print(f"{name} failed: {mode['error']}", markup=False)
+    if opts.get("save_trace"):
+        from kvtier.bench.trace import trace_mode, write_trace
+
+        mode = trace_mode(runs)
+        if mode is None:
+            console.print(f"--save-trace {opts['save_trace']}: no mode finished with the prompts' token ids; "
+                          "no trace written", markup=False)
+        else:
+            count = write_trace(Path(opts["save_trace"]), mode)
+            console.print(f"trace: {count} requests of the {mode.mode} mode in {opts['save_trace']}", markup=False)
     console.print(f"wall time {wall:.0f} s; results: {results_path}; figure: {figure_path}", markup=False)
     console.file.flush()
     click.echo(json.dumps(summary(results, results_path, figure_path), separators=(",", ":")))

@@ -36,6 +36,7 @@ class RequestResult:
     ttft_s: float | None
     latency_s: float
     error: str | None
+    prompt_token_ids: list[int] | None = None  # the server's tokens of the prompt (not in results.json)
 
     @property
     def output_tokens_per_s(self) -> float | None:
@@ -44,6 +45,7 @@ class RequestResult:
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.__dict__)
+        del data["prompt_token_ids"]
         data["output_tokens_per_s"] = self.output_tokens_per_s
         return data
 
@@ -61,7 +63,7 @@ def _result(spec: RequestSpec, prompt: str, done: Completion, t0: float) -> Requ
         id=spec.id, group=spec.group, round=spec.round, returning=spec.returning, prompt_chars=len(prompt),
         prompt_tokens=done.prompt_tokens, cached_tokens=done.cached_tokens, output_tokens=done.output_tokens,
         output_text=done.text, output_token_ids=list(done.token_ids), start_s=done.start - t0,
-        ttft_s=done.ttft_s, latency_s=done.latency_s, error=done.error,
+        ttft_s=done.ttft_s, latency_s=done.latency_s, error=done.error, prompt_token_ids=done.prompt_token_ids,
     )
 
 

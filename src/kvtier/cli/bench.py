@@ -82,6 +82,10 @@ of one block (the native modes set no offload block size), 4,096-token documents
                    "512 MiB --kv-offloading-size 2 --disk-size 4, each unless given.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
               help="Output folder [default: ./bench-results/<timestamp>/].")
+@click.option("--save-trace", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+              help="Also write the workload as a trace for kvtier plan --trace: one request per line, its prompt "
+                   "and output token ids as the server saw them, in the order sent (the kvtier mode's requests, "
+                   "else the first mode that finished).")
 @click.option("--startup-timeout", default=600.0, show_default=True, help="Seconds to wait for /health.")
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds per request.")
 @click.pass_context

@@ -127,7 +127,7 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
     run(args, options, disk_flags_given=given, kv_config_text=kv_config, node_pool_gib=node_pool_size)
 
 
-@main.command(short_help="Size the KV tiers of a deployment from the model's config.json.")
+@main.command(short_help="Size the KV tiers from the model's config.json, or by replaying a request log (--trace).")
 @click.argument("model_ref", metavar="MODEL", default="default")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default=None,
@@ -136,18 +136,21 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
               default="auto", show_default=True,
               help="KV cache dtype; auto = --dtype; fp8 = 1 byte (vLLM --kv-cache-dtype).")
 @click.option("--context", type=click.IntRange(min=1), default=None, metavar="TOKENS",
-              help="Tokens per context [default: min(32768, max_position_embeddings)].")
+              help="Tokens per context [default: min(32768, max_position_embeddings)]. Not with --trace.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=None,
-              help="Contexts to keep [default: 16].")
+              help="Contexts to keep [default: 16]. With --trace: requests running at once, each starting "
+                   "when the one this many places before it finishes [default: 1].")
 @click.option("--gpu-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
               help="Memory per device [default: 80].")
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
               help="vLLM's --gpu-memory-utilization [default: 0.9].")
 @click.option("--block-size", type=click.IntRange(min=1), default=None,
-              help="vLLM's KV block size in tokens [default: 16; vLLM-CPU uses 128].")
+              help="vLLM's KV block size in tokens [default: 16; vLLM-CPU uses 128]; kvtier's blocks are the same "
+                   "unless --kv-config gives block_size.")
 @click.option("--kv-cache-gib", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
               help="Fixed engine KV cache per device (--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE) "
-                   "instead of the budget from --gpu-memory.")
+                   "instead of the budget from --gpu-memory. With --trace: the size of vLLM's own prefix cache "
+                   "in front of kvtier.")
 @click.option("--reserve-gib", type=click.FloatRange(min=0), default=None, metavar="GiB",
               help="Per device for activations, CUDA graphs, NCCL [default: 2].")
 @click.option("--weights-gib", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
@@ -160,21 +163,72 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
               help="Measured prefill throughput [default: estimated from FLOPs at --gpu-tflops].")
 @click.option("--gpu-tflops", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Achieved prefill TFLOP/s per device [default: 400].")
+@click.option("--trace", "trace", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Replay this request log (JSONL: OpenAI-style requests with prompt_token_ids, prompt or "
+                   "messages; kvtier's access log, connector key trace_path; kvtier bench --save-trace) through "
+                   "kvtier's own policy and admission code behind a model of vLLM's prefix cache, and report "
+                   "the hit rate per tier size (docs/plan-trace.md).")
+@click.option("--host-sizes", default=None, metavar="SIZES",
+              help="With --trace: host tier sizes, comma-separated GiB or with a unit (0.5,1,4 or 512MiB,2GiB) "
+                   "[default: 8 powers of two up to the trace's distinct blocks].")
+@click.option("--disk-sizes", default=None, metavar="SIZES", help="With --trace: disk tier sizes [default: no disk tier].")
+@click.option("--remote-sizes", default=None, metavar="SIZES",
+              help="With --trace: Redis / Valkey maxmemory (allkeys-lru) sizes [default: no remote tier].")
+@click.option("--eviction-policy", type=click.Choice(["lru", "arc"]), default=None,
+              help="With --trace: the host tier's policy [default: lru].")
+@click.option("--kv-config", default=None, metavar="JSON",
+              help="With --trace: connector keys to replay: store_threshold, max_tracker_size, offload_prompt_only, "
+                   "offload_partial_blocks, block_size, eviction_policy [default: kvtier serve's, answers' KV and "
+                   "tails on].")
+@click.option("--tokenizer", default=None, metavar="PATH",
+              help="With --trace: the tokenizer for text prompts and chats [default: MODEL's folder].")
+@click.option("--method", type=click.Choice(["auto", "stack", "exact"]), default="auto", show_default=True,
+              help="With --trace: stack = one pass for every host size (LRU, host tier only, no tails, no "
+                   "store_threshold); exact = every point through kvtier's code; auto = stack where it applies.")
+@click.option("--png", default=None, type=click.Path(dir_okay=False), metavar="FILE",
+              help="With --trace and no --json: the figure [default: ./kvtier-plan-<trace name>.png].")
+@click.option("--remote-bw", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GB/s",
+              help="With --trace: Redis -> host bandwidth for the time saved [default: 1.25, 10 GbE].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def plan(model_ref: str, as_json: bool, **options: object) -> None:
+def plan(model_ref: str, as_json: bool, trace: str | None, host_sizes: str | None, disk_sizes: str | None,
+         remote_sizes: str | None, eviction_policy: str | None, kv_config: str | None, tokenizer: str | None,
+         method: str, png: str | None, remote_bw: float | None, **options: object) -> None:
     """Size the host and disk tiers for MODEL: a Hugging Face folder, a config.json, a repo id in
     the local Hugging Face cache, or `default` (the embedded SmolLM2-135M-Instruct).
 
     Prints KV bytes per token, the accelerator's KV budget after weights, how many contexts fit,
     the --kv-offloading-size / cpu_bytes_to_use to give (TOTAL across tensor-parallel ranks), a
     disk size, and the time to load a context from each tier against recomputing it.
+
+    With --trace FILE: replays the requests through kvtier's host, disk and remote tiers at each
+    size and prints, per size point, the prompt tokens each tier serves, the hit rate, the prefill
+    saved, and the knee (the smallest host tier reaching 95% of what unlimited host memory serves);
+    a table and a PNG, or one JSON object with --json.
     """
-    from kvtier.cli.plan import run as run_plan
     from kvtier.planning.sizing import PlanInputs
 
     names = {"gpu_memory": "gpu_memory_gib", "host_bw": "host_bw_gbps", "disk_bw": "disk_bw_gbps"}
     given = {names.get(key, key): value for key, value in options.items() if value is not None}
-    run_plan(model_ref, PlanInputs(**given), as_json)
+    trace_only = {"--host-sizes": host_sizes, "--disk-sizes": disk_sizes, "--remote-sizes": remote_sizes,
+                  "--eviction-policy": eviction_policy, "--kv-config": kv_config, "--tokenizer": tokenizer,
+                  "--png": png, "--remote-bw": remote_bw}
+    if trace is None:
+        stray = [flag for flag, value in trace_only.items() if value is not None] + (["--method"] if method != "auto" else [])
+        if stray:
+            raise click.UsageError(f"{', '.join(stray)} only apply with --trace FILE")
+        from kvtier.cli.plan import run as run_plan
+
+        run_plan(model_ref, PlanInputs(**given), as_json)
+        return
+    if "context" in given:
+        raise click.UsageError("--context does not apply with --trace (the trace's prompts are the contexts)")
+    from kvtier.cli.plan_trace import TraceOptions, run as run_trace
+
+    concurrency = int(given.pop("concurrency", 1))  # type: ignore[call-overload]
+    run_trace(model_ref, PlanInputs(**given), TraceOptions(
+        trace=trace, host_sizes=host_sizes, disk_sizes=disk_sizes, remote_sizes=remote_sizes,
+        eviction_policy=eviction_policy, kv_config=kv_config, tokenizer=tokenizer, method=method, png=png,
+        remote_bw=remote_bw, concurrency=concurrency), as_json)
 
 
 @main.command(context_settings={"ignore_unknown_options": True},

@@ -10,8 +10,8 @@ and class of mean run size (powers of two):
 
 - below :data:`~kvtier.copy.staging.STAGE_BELOW_BYTES` per run: STAGED, always (RUNS is never
   worth a trial there);
-- else the first :data:`TRIALS` jobs of at least :data:`TIMED_BYTES` of the class alternate
-  between the two, each costed as its device time (its own events, ``CopyDone.seconds``) plus
+- else jobs of at least :data:`TIMED_BYTES` of the class go by whichever of the two has fewer
+  timings until each has :data:`TRIALS`, each costed as its device time (its own events, ``CopyDone.seconds``) plus
   the host time its issue took on the thread that runs the forward pass; then the cheaper by
   median moves every later job of the class, and the choice is logged. Until then, and for
   smaller jobs, the class's choice so far (RUNS first).
@@ -49,7 +49,6 @@ class TrialKey:
 @dataclass
 class _Class:
     timings: dict[CopyMethod, list[float]] = field(default_factory=lambda: {CopyMethod.RUNS: [], CopyMethod.STAGED: []})
-    issued: int = 0  # trials handed out
     chosen: CopyMethod | None = None
 
 
@@ -75,21 +74,19 @@ class MethodChooser:
         state = self._classes.setdefault(key, _Class())
         if state.chosen is not None:
             return state.chosen, None
-        if num_bytes < TIMED_BYTES or state.issued >= 2 * TRIALS:
+        if num_bytes < TIMED_BYTES:
             return CopyMethod.RUNS, None
-        method = (CopyMethod.RUNS, CopyMethod.STAGED)[state.issued % 2]
-        state.issued += 1
+        timed = state.timings
+        method = CopyMethod.RUNS if len(timed[CopyMethod.RUNS]) <= len(timed[CopyMethod.STAGED]) else CopyMethod.STAGED
         return method, key
 
     def observe(self, key: TrialKey, method: CopyMethod, num_bytes: int, seconds: float, ok: bool,
                 issue_seconds: float = 0.0) -> None:
         """A trial job completed: its cost (device seconds plus host ``issue_seconds``) counts
-        towards its class's choice. A failed trial hands its turn out again."""
+        towards its class's choice; a failed one does not (the method with fewer timings is
+        tried next, so a lost or failed trial is made up by the next job)."""
         state = self._classes[key]
-        if state.chosen is not None:
-            return
-        if not ok or seconds <= 0:
-            state.issued -= 1
+        if state.chosen is not None or not ok or seconds <= 0:
             return
         state.timings[method].append(num_bytes / (seconds + issue_seconds))
         if all(len(t) >= TRIALS for t in state.timings.values()):

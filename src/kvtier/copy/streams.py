@@ -296,7 +296,13 @@ class _CudaLanes:
         self.wait(Lane.TRANSFER, self.KERNEL_END)
 
     def close(self) -> None:
-        """Destroy the events (every job of the pair completed: the engine waited)."""
+        """Release the upload ring and index, then destroy the events, while the pair's streams
+        still exist (every job completed: the engine waited). The ring must go first: torch's
+        page-locked allocator records an event on each stream that used a block when the block
+        is freed, and a destroyed stream makes that fail in a destructor, which aborts the process."""
+        self.kernel_stream.synchronize()
+        self._ring_pending.clear()
+        self._ring = self._ring_words = self._index = None
         events, self._events = list(self._events.values()), {}
         if self.runtime is not None:
             for event in events:

@@ -66,11 +66,14 @@ class KVTierConfig:
     max_tracker_size: int = 64_000
     offload_prompt_only: bool = True
     offload_partial_blocks: bool = False
+    # Inside vLLM's MultiConnector: also store blocks another connector loaded (docs/multiconnector.md)
+    store_loaded_elsewhere: bool = False
     spec_name: SpecName = SpecName.CPU
     secondary_tiers: tuple[SecondaryTierConfig, ...] = field(default_factory=tuple)
     self_describing_kv_events: bool = False
     model_identity: str | None = None
     node: str | None = None  # a kvtier node service's socket: its pool is the host tier (docs/node.md)
+    trace_path: str | None = None  # the access log for `kvtier plan --trace` (kvtier.runtime.access_log)
 
     @property
     def disk(self) -> DiskTierConfig | None:
@@ -125,11 +128,13 @@ class KVTierConfig:
             max_tracker_size=int_value(extra, "max_tracker_size", minimum=1, default=64_000),
             offload_prompt_only=bool_value(extra, "offload_prompt_only", default=True),
             offload_partial_blocks=bool_value(extra, "offload_partial_blocks", default=False),
+            store_loaded_elsewhere=bool_value(extra, "store_loaded_elsewhere", default=False),
             spec_name=spec_name,
             secondary_tiers=tiers,
             self_describing_kv_events=bool_value(extra, "self_describing_kv_events", default=False),
             model_identity=text_value(extra, "model_identity"),
             node=node,
+            trace_path=text_value(extra, "trace_path"),
         )
 
     def offload_block_tokens(self, engine_block_size: int) -> int:
@@ -155,11 +160,13 @@ _TOP_LEVEL_KEYS = frozenset(
         "max_tracker_size",
         "offload_prompt_only",
         "offload_partial_blocks",
+        "store_loaded_elsewhere",
         "spec_name",
         "secondary_tiers",
         "self_describing_kv_events",
         "model_identity",
         "node",
+        "trace_path",
     }
 )
 

@@ -58,6 +58,7 @@ class KVTierStats:
     stores_dropped: int = 0
     stores_voided: int = 0  # in flight on blocks the runner rewrote first (V2): never published
     stores_skipped_threshold: int = 0
+    stores_skipped_loaded_elsewhere: int = 0  # blocks another connector of vLLM's MultiConnector loaded
     disk_writes_dropped: int = 0
     remote_writes_dropped: int = 0
     s3_writes_dropped: int = 0

@@ -28,7 +28,7 @@ from kvtier.doctor.probes import (
 )
 from kvtier.doctor.remote import Reach, probe_remote
 from kvtier.doctor.s3 import check_s3
-from kvtier.doctor.setup import KVTIER_CONNECTOR, Finding, Setup
+from kvtier.doctor.setup import KVTIER_CONNECTOR, NATIVE_CONNECTOR, Finding, Setup
 from kvtier.planning.sizing import GIB
 
 SGLANG_NOTE = ("(SGLang's --hicache-size is per rank; vLLM's --kv-offloading-size and kvtier's size "
@@ -58,6 +58,8 @@ def check_model(s: Setup) -> list[Finding]:
 
 def check_connector(s: Setup) -> list[Finding]:
     line, out = s.line, []
+    if s.child_index is not None:  # a MultiConnector's child: its own kv-transfer config only
+        return _check_transfer(s)
     if line.transfer_error:
         out.append(Finding(
             "kv-transfer-config", "error", "--kv-transfer-config does not parse", line.transfer_error,
@@ -90,22 +92,43 @@ def check_connector(s: Setup) -> list[Finding]:
             "offloading-backend-alone", "warning", "--kv-offloading-backend without a size",
             "vLLM enables KV offloading only when --kv-offloading-size is set; this flag does nothing.",
             "Add --kv-offloading-size N (GiB, total across TP ranks) or remove the backend flag."))
-    config = line.transfer_config or {}
-    if s.connector == KVTIER_CONNECTOR and not config.get("kv_connector_module_path"):
-        out.append(Finding(
-            "kvtier-module-path", "error", "KVTierConnector without kv_connector_module_path",
-            "KVTierConnector is out of tree: vLLM finds it only through its module path.",
-            "Add \"kv_connector_module_path\": \"kvtier.vllm\" to --kv-transfer-config."))
-    if s.connector and line.transfer_config is not None and config.get("kv_role") != "kv_both":
-        out.append(Finding(
-            "kv-role", "error", f"kv_role is {config.get('kv_role')!r}",
-            "An offloading connector both stores and loads KV: vLLM needs kv_role kv_both.",
-            "Add \"kv_role\": \"kv_both\" to --kv-transfer-config."))
+    out.extend(_check_transfer(s))
     if not s.offloading and not line.transfer_error:
         out.append(Finding(
             "no-offloading", "info", "No KV offloading configured",
             "Without --kv-transfer-config or --kv-offloading-size, evicted prefixes are recomputed.",
             "kvtier serve MODEL ... (or see kvtier plan MODEL for the flags)."))
+    return out
+
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+OFFLOADING_CONNECTORS = (KVTIER_CONNECTOR, NATIVE_CONNECTOR)
+
+
+def _check_transfer(s: Setup) -> list[Finding]:
+    """A connector's own kv-transfer config (the line's, or a MultiConnector child's): kvtier's
+    module path, and the role vLLM needs."""
+    out, config = [], s.transfer
+    if config is None or not s.connector:
+        return out
+    target = "this connector's entry in \"connectors\"" if s.where else "--kv-transfer-config"
+    if s.connector == KVTIER_CONNECTOR and not config.get("kv_connector_module_path"):
+        out.append(Finding(
+            "kvtier-module-path", "error", "KVTierConnector without kv_connector_module_path",
+            "KVTierConnector is out of tree: vLLM finds it through its module path (or kvtier's plugin, which "
+            "VLLM_PLUGINS may leave out).",
+            f"Add \"kv_connector_module_path\": \"kvtier.vllm\" to {target}."))
+    role = config.get("kv_role")
+    if s.connector in OFFLOADING_CONNECTORS and role != "kv_both":
+        out.append(Finding(
+            "kv-role", "error", f"kv_role is {role!r}",
+            "An offloading connector both stores and loads KV: vLLM needs kv_role kv_both.",
+            f"Add \"kv_role\": \"kv_both\" to {target}."))
+    elif role not in KV_ROLES:
+        out.append(Finding(
+            "kv-role", "error", f"kv_role is {role!r}",
+            f"vLLM refuses a connector without one of the roles {', '.join(KV_ROLES)} at start-up.",
+            f"Add \"kv_role\" to {target} (\"kv_both\" unless the connector's docs say otherwise)."))
     return out
 
 

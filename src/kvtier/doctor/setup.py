@@ -3,7 +3,10 @@
 :func:`resolve_setup` works out the :class:`Setup` (the connector, the host buffer, the disk tier,
 the model's KV geometry and :func:`kvtier.planning.sizing.make_plan`'s arithmetic for it); each
 check (:mod:`kvtier.doctor.checks`, :mod:`kvtier.doctor.model_checks`) turns it into
-:class:`Finding` s. Nothing here starts vLLM, imports torch or vLLM, or writes files.
+:class:`Finding` s. A ``MultiConnector`` line also gets one :class:`Setup` per child connector
+(:attr:`Setup.children`: the same line and model, the child's own kv-transfer config), which
+:func:`kvtier.doctor.audit.audit` checks as it checks a standalone connector. Nothing here starts
+vLLM, imports torch or vLLM, or writes files.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from kvtier.planning.sizing import (
 SEVERITIES = ("error", "warning", "info")
 KVTIER_CONNECTOR = "KVTierConnector"
 NATIVE_CONNECTOR = "OffloadingConnector"
+MULTI_CONNECTOR = "MultiConnector"
 CPU_BLOCK_SIZE = 128
 
 
@@ -62,6 +66,9 @@ class Setup:
     gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB
     gpu_memory_assumed: bool = True
     notes: list[str] = field(default_factory=list)
+    transfer: dict[str, Any] | None = None  # the connector's own kv-transfer config (a child's, for a child)
+    children: list["Setup"] = field(default_factory=list)  # a MultiConnector's, in its order
+    child_index: int | None = None  # this setup is the MultiConnector's connectors[child_index]
 
     @property
     def is_kvtier(self) -> bool:
@@ -70,6 +77,15 @@ class Setup:
     @property
     def offloading(self) -> bool:
         return self.connector is not None
+
+    @property
+    def is_multi(self) -> bool:
+        return self.connector == MULTI_CONNECTOR
+
+    @property
+    def where(self) -> str:
+        """How findings name this connector: '' for the line's own, else ``connectors[i] (Name)``."""
+        return "" if self.child_index is None else f"connectors[{self.child_index}] ({self.connector or '?'})"
 
     @property
     def disk_dirs(self) -> list[Path]:
@@ -119,18 +135,47 @@ def _connector(setup: Setup) -> None:
         setup.connector, setup.host_flag = KVTIER_CONNECTOR, "--kv-offloading-size"
         _kvtier_serve_extra(setup)
     elif line.transfer_config is not None:
-        setup.connector = str(line.transfer_config.get("kv_connector") or "") or None
-        extra = line.transfer_config.get("kv_connector_extra_config")
-        setup.extra = dict(extra) if isinstance(extra, dict) else {}
+        _from_transfer(setup, line.transfer_config)
     elif line.has("--kv-offloading-size"):
         backend = line.value("--kv-offloading-backend") or "native"
         setup.connector = NATIVE_CONNECTOR if backend == "native" else "LMCacheMPConnector"
         setup.host_flag = "--kv-offloading-size"
         size = line.number("--kv-offloading-size")
         setup.extra = {"cpu_bytes_to_use": int(size * GIB)} if size is not None else {}
+    _host_bytes(setup)
+
+
+def _from_transfer(setup: Setup, transfer: dict[str, Any]) -> None:
+    """The connector and its extra config, from a kv-transfer config (the line's or a child's)."""
+    setup.transfer = transfer
+    setup.connector = str(transfer.get("kv_connector") or "") or None
+    extra = transfer.get("kv_connector_extra_config")
+    setup.extra = dict(extra) if isinstance(extra, dict) else {}
+
+
+def _host_bytes(setup: Setup) -> None:
     raw = (setup.extra or {}).get("cpu_bytes_to_use")
     if isinstance(raw, int | float) and not isinstance(raw, bool) and raw > 0:
         setup.host_bytes = int(raw)
+
+
+def multi_children(extra: dict[str, Any] | None) -> list[Any]:
+    """A MultiConnector's ``connectors`` list as written (entries of any type), or [] if there is none."""
+    children = (extra or {}).get("connectors")
+    return children if isinstance(children, list) else []
+
+
+def _children(setup: Setup) -> None:
+    """One setup per well-formed child of a MultiConnector line (an object naming a connector);
+    :mod:`kvtier.doctor.multi_checks` reports the others."""
+    for index, transfer in enumerate(multi_children(setup.extra)):
+        if not isinstance(transfer, dict) or not transfer.get("kv_connector"):
+            continue
+        child = dataclasses.replace(setup, connector=None, extra=None, extra_error=None, host_bytes=None,
+                                    host_flag="cpu_bytes_to_use", notes=[], children=[], child_index=index)
+        _from_transfer(child, transfer)
+        _host_bytes(child)
+        setup.children.append(child)
 
 
 def plan_inputs(setup: Setup) -> PlanInputs:
@@ -186,4 +231,6 @@ def resolve_setup(argv: Sequence[str], gpu_memory_gib: float | None = None) -> S
             setup.plan = make_plan(setup.source.name, setup.source.config, inputs)
         except (ModelConfigError, ValueError) as exc:
             setup.plan_error = str(exc)
+    if setup.is_multi:
+        _children(setup)
     return setup

@@ -1,5 +1,7 @@
-"""The scheduler-side runtime: the orchestrator that looks blocks up across tiers, promotes them
-into host slots and cascades stores down the tiers. Knows no engine: :mod:`kvtier.vllm` drives it
-from vLLM's scheduler thread; tests drive it with plain byte buffers. :mod:`kvtier.runtime.chunks`
-puts one tier behind an engine's own offloading stack (vLLM's OffloadingConnector).
+"""The scheduler-side runtime: what vLLM's scheduler talks to (:mod:`~kvtier.runtime.host_side`,
+chosen by :mod:`~kvtier.runtime.host_factory`): the engine's own host tier and tiers
+(:mod:`~kvtier.runtime.orchestrator`) or a ``kvtier node`` service's pool
+(:mod:`~kvtier.runtime.node_host`). Knows no engine: :mod:`kvtier.vllm` drives it from vLLM's
+scheduler thread; tests drive it with plain byte buffers. :mod:`kvtier.runtime.chunks` puts one tier
+behind an engine's own offloading stack (vLLM's OffloadingConnector).
 """

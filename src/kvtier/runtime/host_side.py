@@ -1,19 +1,12 @@
 """What the scheduler side talks to: an engine's host tier and what lies below it (:class:`HostSide`).
 
-Two implementations, chosen by :func:`kvtier.runtime.host_factory.open_host_side`:
-
-- :class:`kvtier.runtime.orchestrator.Orchestrator`: the engine's own host tier (its ranks'
-  shared-memory regions) and its secondary tiers;
-- :class:`kvtier.runtime.node_host.NodeHost`: a ``kvtier node`` service's pool, and the service's
-  tiers below it; each call is one round trip (a request's lookup and a step's stores batched).
-
-Both run the same promotion and cascade (:class:`kvtier.tiers.stack.TierStack`: in this process,
-or in the service). Every method is called by ONE thread (vLLM's scheduler) and answers from
-memory (or one bounded round trip); :meth:`HostSide.wait_for_tiers` is the one wait.
-
-Slots: a held or reserved block's slots are a tuple, one per stored rank (the embedded host tier
-uses the same slot number on every rank); ``pool_id`` names the node pool they are in (None: the
-engine's own regions).
+Chosen by :func:`kvtier.runtime.host_factory.open_host_side`: the engine's own host tier and tiers
+(:class:`kvtier.runtime.orchestrator.Orchestrator`), or a ``kvtier node`` service's pool and its
+tiers (:class:`kvtier.runtime.node_host.NodeHost`: each call one round trip). Both run the same
+promotion and cascade (:class:`kvtier.tiers.stack.TierStack`, here or in the service). ONE thread
+(vLLM's scheduler) calls every method; each answers from memory or one bounded round trip, and
+:meth:`HostSide.wait_for_tiers` is the one wait. A block's slots are a tuple, one per stored rank
+(the host tier's same number on every rank), in the pool ``pool_id`` names (None: the engine's own).
 """
 
 from __future__ import annotations

@@ -74,14 +74,11 @@ class Orchestrator:
         self.host_bytes = host_bytes
         self.admission = admission
         self.stack = TierStack(host, host_bytes.views if host_bytes else None, tiers)
+        self.stats = self.stack.stats  # this interval's counters: the stack's (swapped together by take_stats)
         self.tiers = self.stack.tiers
         self._holds: dict[str, _Hold] = {}
         self._info: dict[BlockKey, BlockInfo] = {}  # for blocks stored but not yet cascaded
         self._evictions_reported: dict[Medium | None, int] = {}
-
-    @property
-    def stats(self) -> KVTierStats:
-        return self.stack.stats
 
     @property
     def disk(self) -> SecondaryTier | None:
@@ -251,7 +248,8 @@ class Orchestrator:
 
     def take_stats(self) -> KVTierStats:
         """The counters since the last call, with a fresh sample of every tier's usage."""
-        stats, self.stack.stats = self.stack.stats, KVTierStats()
+        stats = self.stats
+        self.stats = self.stack.stats = KVTierStats()
         host = self.host
         stats.host_evictions = self._since_reported(None, host.evictions)
         stats.host_blocks = host.used_slots

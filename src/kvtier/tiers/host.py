@@ -118,7 +118,6 @@ class HostIndex(SlotTable):
 
     def __init__(self, num_slots: int, policy_name: PolicyName = PolicyName.LRU) -> None:
         super().__init__(num_slots, policy_name, "host tier")
-        self.policy_name = policy_name
         self.stats = HostIndexStats()
         self.residency = ResidencyLog(Medium.HOST)
         self._pinned = 0  # entries WRITING or with readers (kept by every transition: O(1) to read)
@@ -155,10 +154,6 @@ class HostIndex(SlotTable):
     def pinned_slots(self) -> int:
         """Slots being written or read (never evictable): 0 whenever no job is in flight."""
         return self._pinned
-
-    def is_tail(self, key: BlockKey) -> bool:
-        entry = self._entries.get(key)
-        return entry is not None and entry.tail
 
     # --- mutations ------------------------------------------------------------------------
     def allocate(self, key: BlockKey, *, tail: bool = False) -> tuple[int | None, list[BlockKey]]:
@@ -241,7 +236,8 @@ class HostIndex(SlotTable):
 
     # --- internals ------------------------------------------------------------------------
     def _evict(self, key: BlockKey) -> None:
-        super()._evict(key)
+        self._drop(key)  # (SlotTable._evict, inlined: a store's hot path)
+        self.evictions += 1
         self.residency.removed(key)
         self._evicted.append(key)
 

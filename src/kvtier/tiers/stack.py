@@ -237,11 +237,6 @@ class TierStack:
 
     forget = settle
 
-    @property
-    def waiting(self) -> bool:
-        """Whether an asker was told to ask again and has not settled."""
-        return bool(self._parked)
-
     # --- cascade ------------------------------------------------------------------------
     def cascade(self, key: BlockKey, info: BlockInfo, tiers: Sequence[SecondaryTier] | None = None) -> None:
         """Write READY ``key`` to each of ``tiers`` (default: all) that lacks it, pinned per write."""

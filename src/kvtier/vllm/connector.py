@@ -33,6 +33,7 @@ from kvtier.vllm.identity import model_identity
 from kvtier.vllm.inactive import inactive_reason
 from kvtier.vllm.logs import share_vllm_log_handlers
 from kvtier.vllm.metadata import KVTierConnectorMetadata, KVTierConnectorStats
+from kvtier.vllm.native.plugin import register_connector_name
 from kvtier.vllm.runner import hook_order
 from kvtier.vllm.scheduler_side import KVTierScheduler
 from kvtier.vllm.worker_side import KVTierWorker
@@ -219,11 +220,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 def _recompute_failed_loads(vllm_config: "VllmConfig") -> None:
     """A block kvtier fails to load is a cache miss: vLLM must recompute it, not fail the request
     (vLLM 0.32's default ``kv_load_failure_policy`` is "fail"). vLLM's scheduler reads the policy
-    right after it builds this connector, so setting it here takes effect."""
+    right after it builds this connector, so setting it here takes effect, except inside vLLM's
+    MultiConnector: this connector then gets a copy of the engine's config with its own child
+    kv-transfer config, and vLLM reads the MultiConnector's (``kvtier doctor`` flags it)."""
     transfer = vllm_config.kv_transfer_config
     if transfer.kv_load_failure_policy != "recompute":
         logging.getLogger(__name__).info(
-            "kvtier: kv_load_failure_policy %r -> 'recompute' (a block kvtier fails to load is recomputed)",
+            "kvtier: kv_load_failure_policy %r -> 'recompute' (a block kvtier fails to load is recomputed; inside "
+            "vLLM's MultiConnector set it on the MultiConnector, where vLLM reads it)",
             transfer.kv_load_failure_policy,
         )
         transfer.kv_load_failure_policy = "recompute"
+
+
+register_connector_name()  # vLLM's MultiConnector looks its children's stats classes up by name (native/plugin.py)

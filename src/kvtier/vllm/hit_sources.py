@@ -15,19 +15,6 @@ VLLM_SOURCE = {
 }
 
 
-def tokens_by_source(
-    hit_tokens: int, promoted: dict[Medium, int], block_tokens: int, short: tuple[Medium, int] | None = None
-) -> dict[Medium, int]:
-    """A hit's tokens by the tier they came from: promoted blocks from their source, the rest
-    from the host tier (the promoted blocks are the run's last ones). ``short``: a promoted tail's
-    source and the tokens it lacks of a whole block."""
-    by_source = {medium: count * block_tokens for medium, count in promoted.items()}
-    if short is not None:
-        by_source[short[0]] -= short[1]
-    by_source[Medium.HOST] = max(0, hit_tokens - sum(by_source.values()))
-    return by_source
-
-
 def clip_sources(by_source: dict[Medium, int], num_tokens: int) -> dict[Medium, int]:
     """``by_source`` cut to ``num_tokens`` (vLLM may accept fewer than offered): host first."""
     clipped, left = {}, num_tokens

@@ -37,6 +37,9 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "stores_voided": ("kvtier_stores_voided", "Blocks not published because vLLM's V2 runner rewrote their engine "
                       "blocks (zeroing, copy-on-write) while the store was in flight", None, None),
     "stores_skipped_threshold": ("kvtier_stores_skipped_threshold", "Stores skipped by store_threshold", None, None),
+    "stores_skipped_loaded_elsewhere": ("kvtier_stores_skipped_loaded_elsewhere",
+                                        "Blocks not stored because another connector of vLLM's MultiConnector "
+                                        "loaded them (store_loaded_elsewhere: false)", None, None),
     "disk_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
                             "disk full, server down or full), by tier", "tier", "disk"),
     "remote_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "

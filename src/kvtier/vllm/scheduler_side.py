@@ -52,7 +52,8 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from dataclasses import dataclass, field, replace
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -68,15 +69,17 @@ from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, stateless_key
 from kvtier.core.stats import KVTierStats
 from kvtier.core.values import ConfigError
 from kvtier.runtime.fingerprint import AdapterFingerprints
+from kvtier.runtime.access_log import AccessLog, access_record
 from kvtier.runtime.host_factory import open_host_side
 from kvtier.runtime.host_side import AcquireStatus, HostSide
 from kvtier.runtime.node_host import NODE_REGION_BYTES
 from kvtier.runtime.orchestrator import Orchestrator
+from kvtier.runtime.requests import find_hit, offload_limit, tail_ends
 from kvtier.tiers.shm import SharedRegion, region_name
 from kvtier.tiers.stack import BlockInfo
 from kvtier.vllm.engine_blocks import NULL_BLOCK_ID, EngineBlocks
 from kvtier.vllm.geometry import EngineGeometry
-from kvtier.vllm.hit_sources import clip_sources, tokens_by_source, vllm_sources
+from kvtier.vllm.hit_sources import clip_sources, vllm_sources
 from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
 from kvtier.vllm.page_format import page_format
@@ -169,6 +172,7 @@ class KVTierScheduler:
         self._worker_stats = KVTierStats()
         self._reported_gauges: dict[str, int | None] = {}
         self._said_uncacheable: set[Uncacheable] = set()
+        self._access_log = AccessLog(config.trace_path) if config.trace_path else None
 
     def _log_host_tier(self) -> None:
         """Say what the engine's own host tier and disk tier are."""
@@ -194,6 +198,8 @@ class KVTierScheduler:
             lora, uncacheable = self._request_identity(request)
             state = RequestState(
                 request=request,
+                tokens=request.all_token_ids,
+                arrival=time.time(),
                 root=self._digest,
                 block_tokens=self.geometry.block_tokens,
                 extras=block_extras(request, self.geometry.block_tokens, lora),
@@ -224,89 +230,29 @@ class KVTierScheduler:
         digest = self._adapters.get(lora.lora_int_id, lora.lora_path)
         return digest, (Uncacheable.LORA_UNIDENTIFIED if digest is None else None)
 
-    def _resumable_run(self, keys: list[BlockKey]) -> list[BlockKey]:
-        """For a model with state groups: each block's key if it is stored with its state, else
-        its :func:`~kvtier.core.keys.stateless_key` if stored so, up to the first block stored
-        neither way, cut after the last block stored with its state (memory only)."""
-        run: list[BlockKey] = []
-        resumable = 0
-        for key in keys:
-            if self.orchestrator.locate(key) is not None:
-                run.append(key)
-                resumable = len(run)
-                continue
-            variant = stateless_key(key)
-            if self.orchestrator.locate(variant) is None:
-                break
-            run.append(variant)
-        return run[:resumable]
-
-    def _find_tail(self, state: RequestState, block_index: int, max_tokens: int) -> tuple[BlockKey, int] | None:
-        """The longest stored tail (key, tokens) that continues the request's tokens at block
-        ``block_index`` with at most ``max_tokens`` tokens (memory only)."""
-        if max_tokens <= 0 or not self._tails:
-            return None
-        candidates = state.tail_candidates(block_index, max_tokens)
-        for length in range(len(candidates), 0, -1):
-            if self.orchestrator.locate(candidates[length - 1]) is not None:
-                return candidates[length - 1], length
-        return None
-
     # --- lookups -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
+        state.lookup_computed, state.own_load_end = num_computed_tokens, 0  # (see _note_loaded_elsewhere)
         if not state.cacheable:
             return 0, False
         if state.jobs:
             return None, False  # stores of an earlier run of this request are still in flight
         if state.load_failed:
             return 0, False  # its load failed once: vLLM computes it
-        block = self.geometry.block_tokens
-        max_blocks = (request.num_tokens - 1) // block  # vLLM must compute at least one token
-        first_block = num_computed_tokens // block
-        if first_block > max_blocks or (first_block == max_blocks and not self._tails):
-            return 0, False
-        state.extend_keys(max_blocks)
-        stats = self.orchestrator.stats
-        keys = state.keys[first_block:max_blocks]
-        if self.geometry.state_groups:
-            keys = self._resumable_run(keys)
-            run_end = first_block + len(keys)
-        elif self._tails:  # where a tail could continue the run (without tails, acquire finds the run)
-            run_end = first_block + self.orchestrator.leading_run(keys)
-        else:
-            run_end = max_blocks
-        tail = self._find_tail(state, run_end, request.num_tokens - 1 - run_end * block)
-        if tail is not None:
-            keys = keys[: run_end - first_block] + [tail[0]]
-        acquired = self.orchestrator.acquire(
-            request.request_id, keys, state.parent_of(first_block), block,
-            tail_tokens=tail[1] if tail is not None else 0,
-        )
-        if acquired.status is AcquireStatus.RETRY:
+        hit = find_hit(self.orchestrator, request.request_id, state, request.num_tokens, num_computed_tokens,
+                       tails=self._tails, state_groups=bool(self.geometry.state_groups))
+        if hit is None:
             return None, False
-        if self.geometry.state_groups:  # a hit ends at a block stored with its state
-            ends = [n for n in range(acquired.num_blocks, 0, -1) if keys[n - 1] == state.keys[first_block + n - 1]]
-            acquired = replace(acquired, num_blocks=ends[0] if ends else 0)
-            self.orchestrator.trim_hold(request.request_id, acquired.num_blocks)
-        stats.lookups += 1
-        servable_end = request.num_tokens - 1 if self._tails else max_blocks * block
-        stats.lookup_tokens += servable_end - num_computed_tokens
-        if acquired.num_blocks == 0:
-            self.orchestrator.release(request.request_id)
+        state.tail_probe = hit.tail_probe
+        if not hit.tokens:
             return 0, False
-        hit_tokens = (first_block + acquired.num_blocks) * block - num_computed_tokens
-        tail_source = None
-        if tail is not None and acquired.num_blocks == len(keys):
-            hit_tokens -= block - tail[1]  # the run ends with the tail
-            tail_source = self.orchestrator.promoted_source(request.request_id, tail[0])
         state.load_first_token = num_computed_tokens
-        short = (tail_source, block - tail[1]) if tail_source is not None else None
-        state.hit_tokens_from = tokens_by_source(hit_tokens, acquired.promoted, block, short)
+        state.hit_tokens_from = hit.by_source
         # The blocks are in host memory now (disk blocks were promoted first): synchronous, the
         # copy runs in the step that computes the rest of the prompt (no extra engine step), unless
         # several groups make vLLM's per-request failure report (asynchronous loads) the only one.
-        return hit_tokens, self.geometry.asynchronous_loads
+        return hit.tokens, self.geometry.asynchronous_loads
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
@@ -325,6 +271,7 @@ class KVTierScheduler:
         end_token = first_token + num_external_tokens  # vLLM may accept less than we offered
         first_block = first_token // block
         end_block = -(-end_token // block)
+        state.own_load_end = end_token
         self.orchestrator.trim_hold(request.request_id, end_block - first_block)
         keys = self.orchestrator.held(request.request_id)
         assert len(keys) == end_block - first_block, "load plan out of sync with the hold"
@@ -423,6 +370,7 @@ class KVTierScheduler:
             state = self._requests.get(req_id)
             if state is None or not state.cacheable:
                 continue
+            self._note_loaded_elsewhere(state, before)
             limit = self._offload_limit(state, before + scheduled.get(req_id, 0))
             tables = [ids for group, ids in enumerate(state.block_ids) if group not in self.geometry.state_groups]
             num_full = min(limit // block, min(map(len, tables), default=limit) // per_block)
@@ -432,6 +380,9 @@ class KVTierScheduler:
             wanted: list[tuple[BlockKey, int, list, bool]] = []  # key, block index, its pages, announced
             present: list[tuple[int, BlockKey]] = []
             for index in range(state.next_store_block, num_full):
+                if state.loaded_elsewhere and state.loaded_elsewhere_overlaps(index * block, (index + 1) * block):
+                    self.orchestrator.stats.stores_skipped_loaded_elsewhere += 1
+                    continue  # another connector loaded (some of) it: see _note_loaded_elsewhere
                 key = state.keys[index]
                 block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block)
                 if block_pages is None and self.geometry.state_groups:  # vLLM kept no state at its end
@@ -464,6 +415,34 @@ class KVTierScheduler:
             if keys:
                 jobs.append(self._new_store(state, keys, pages, blocks, rank_slots))
         return jobs
+
+    def _note_loaded_elsewhere(self, state: RequestState, computed: int) -> None:
+        """At a request's first scheduling after a lookup (``computed``: the tokens vLLM counts as
+        computed then), find what another connector loaded, and keep kvtier from storing it.
+
+        Inside vLLM's MultiConnector, every child is asked for hits and the first that has some
+        loads them (``MultiConnector.get_num_new_matched_tokens``); the others see
+        ``update_state_after_alloc`` with 0 tokens. vLLM then counts as computed its own hit (the
+        block-aligned one kvtier was asked beyond, ``state.lookup_computed``: vLLM drops a sub-block
+        tail of its own hit whenever a connector loads) plus the loader's tokens. So tokens beyond
+        both that and kvtier's own load (``state.own_load_end``) came from another child. kvtier
+        stores none of its blocks (nor tails) that hold such tokens: the engine did not compute
+        them, the other child holds them, and storing them twice would only double the writes (on
+        a disaggregated decode instance: every prompt NIXL brought). Blocks the engine computed
+        before them (vLLM's own hit) or computes after them are stored; ``store_loaded_elsewhere:
+        true`` stores them too. (A request may be scheduled afresh after a preemption: each such
+        range is kept in ``state.loaded_elsewhere``.)
+
+        Less than an engine block beyond is not told apart from vLLM's own sub-block hit (a
+        partial-hash hit, vLLM keeps it when no connector loads): treated as not loaded elsewhere.
+        A standalone kvtier never sees more (vLLM's hit and kvtier's load are everything)."""
+        if state.lookup_computed is None:
+            return
+        known = max(state.lookup_computed, state.own_load_end)
+        state.lookup_computed = None
+        if computed - known < self.geometry.engine_block_tokens or self.config.store_loaded_elsewhere:
+            return
+        state.loaded_elsewhere.append((known, computed))
 
     def _copy_job(self, job_id: int, req_id: str, pages: list[PageCopy],
                   rank_slots: list[tuple[int, ...]], pool_of: str | None = None) -> CopyJob:
@@ -528,15 +507,10 @@ class KVTierScheduler:
                 del self._requests[job.req_id]
 
     def _offload_limit(self, state: RequestState, computed: int) -> int:
-        """How many of the request's first tokens may be stored once ``computed`` have their KV:
-        capped by its tokens, ``offload_prompt_only`` and its ``max_offload_tokens``."""
+        """How many of the request's first tokens may be stored once ``computed`` have their KV."""
         request = state.request
-        limit = min(computed, len(request.all_token_ids))
-        if self.config.offload_prompt_only:
-            limit = min(limit, request.num_prompt_tokens)
-        if state.max_offload_tokens is not None:
-            limit = min(limit, state.max_offload_tokens)
-        return limit
+        return offload_limit(computed, len(request.all_token_ids), request.num_prompt_tokens,
+                             prompt_only=self.config.offload_prompt_only, max_offload_tokens=state.max_offload_tokens)
 
     def _store_tails(self, state: RequestState, block_ids: tuple[list[int], ...]) -> None:
         """Store the finished request's tails, read from the engine blocks that hold them now
@@ -545,19 +519,17 @@ class KVTierScheduler:
         resends), and its prompt but the last token after the prompt's last full block (what a
         resend of the same prompt, a "regenerate", can load: a hit leaves one token to compute)."""
         request = state.request
-        computed = self._offload_limit(state, request.num_computed_tokens - request.num_in_flight_tokens)
-        self._store_tail(state, block_ids, computed)
-        prompt_end = min(computed, request.num_prompt_tokens - 1)
-        if prompt_end != computed:
-            self._store_tail(state, block_ids, prompt_end)
+        limit = self._offload_limit(state, request.num_computed_tokens - request.num_in_flight_tokens)
+        for end in tail_ends(limit, request.num_prompt_tokens):
+            self._store_tail(state, block_ids, end)
 
     def _store_tail(self, state: RequestState, block_ids: tuple[list[int], ...], limit: int) -> None:
         """Store the tail of the request's first ``limit`` tokens after their last full block."""
         request = state.request
         block = self.geometry.block_tokens
         num_full, tail_tokens = divmod(limit, block)
-        if tail_tokens == 0:
-            return
+        if tail_tokens == 0 or state.loaded_elsewhere_overlaps(num_full * block, limit):
+            return  # (a tail holding tokens another connector loaded: see _note_loaded_elsewhere)
         block_pages = self._engine_blocks.pages_of(request.request_id, block_ids, num_full * self.geometry.pages_per_block,
                                      -(-tail_tokens // self.geometry.engine_block_tokens))
         if block_pages is None:
@@ -580,6 +552,12 @@ class KVTierScheduler:
         if state is None:
             return False, None
         state.finished = True
+        if self._access_log is not None and state.cacheable:
+            self._access_log.write(access_record(
+                state, arrival=state.arrival, num_prompt_tokens=request.num_prompt_tokens,
+                num_computed_tokens=request.num_computed_tokens - request.num_in_flight_tokens,
+                salt=getattr(request, "cache_salt", None), max_offload_tokens=state.max_offload_tokens,
+                probe=state.tail_probe))
         loading = any(self._jobs[j].kind is JobKind.LOAD for j in state.jobs)
         if state.cacheable and self._tails and not loading:
             self._store_tails(state, block_ids)  # (not while a load still fills its blocks: aborted)
@@ -613,6 +591,8 @@ class KVTierScheduler:
 
     def shutdown(self) -> None:
         self._adapters.close()
+        if self._access_log is not None:
+            self._access_log.close()
         self.orchestrator.close()
         for region in self._regions:
             region.close()
