@@ -34,6 +34,7 @@ from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.disk.files import byte_views
 from kvtier.tiers.outbox import Outbox
 from kvtier.tiers.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL, PresenceCache
+from kvtier.tiers.value import value_bytes
 
 MSG_IO = "io"  # (MSG_IO, IoResult, detail[, the WriteJob of a write])
 MSG_PROBE = "probe"  # (MSG_PROBE, keys, found: list[bool | None]  (None: the probe of that key failed))
@@ -69,12 +70,13 @@ class RemoteTier(SecondaryTier):
     knows_absence = False  # the server may hold what this process never heard of
 
     _monitor: Any = None  # the tier's monitor thread (``wake()``: the breaker opened), once started
+    stats_type: type  # the tier's frozen counters dataclass: its fields, less ``breaker_opens``, are counted here
 
-    def __init__(self, *, medium: Medium, counted: Sequence[str], rank_digests: Sequence[bytes],
+    def __init__(self, *, medium: Medium, rank_digests: Sequence[bytes],
                  payload_bytes: int, max_pending_writes: int, reconnect_max_s: float,
                  presence_ttl: float = PRESENT_TTL, absent_ttl: float = ABSENT_TTL,
                  presence_entries: int = MAX_ENTRIES) -> None:
-        """``counted``: the names of the tier's counters (each starts at 0); ``rank_digests``: each
+        """The tier's counters (:attr:`stats_type`'s fields) start at 0; ``rank_digests``: each
         rank's namespace digest (ValueError when malformed), ``payload_bytes`` one rank's payload;
         ``reconnect_max_s``: the breaker's longest back-off (it starts at 1 s, or at that if less)."""
         if not rank_digests:
@@ -87,13 +89,14 @@ class RemoteTier(SecondaryTier):
         self._rank_digests = tuple(bytes(d) for d in rank_digests)
         self._world = len(self._rank_digests)
         self._payload_bytes = payload_bytes
+        self._value_bytes = value_bytes(self._world, payload_bytes)
         self._max_pending_writes = max_pending_writes
         self._closed = False
         self._residency = ResidencyLog(medium)
         self._presence = PresenceCache(self._residency, present_ttl=presence_ttl, absent_ttl=absent_ttl,
                                        max_entries=presence_entries)
         self._presence_get = self._presence.get
-        self._counts: dict[str, float] = dict.fromkeys(counted, 0)
+        self._counts: dict[str, float] = dict.fromkeys(counted_fields(self.stats_type), 0)
         self._writing: dict[BlockKey, int] = {}  # key -> writes in flight
         self._pending_writes = 0
         self._cancelled: set[BlockKey] = set()  # deleted while a write of it was in flight
@@ -261,6 +264,16 @@ class RemoteTier(SecondaryTier):
     def breaker(self) -> CircuitBreaker:
         """The circuit breaker (state, back-off; for tests and metrics)."""
         return self._breaker
+
+    @property
+    def stats(self) -> Any:
+        """A snapshot of the tier's counters (its :attr:`stats_type`)."""
+        return self.stats_type(**self._counts, breaker_opens=self._breaker.opens)
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one stored value (every rank's header and payload)."""
+        return self._value_bytes
 
     # ------------------------------------------------------------------ caller-thread helpers
 

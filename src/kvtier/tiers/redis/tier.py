@@ -72,7 +72,7 @@ from kvtier.core.values import ConfigError
 from kvtier.tiers.base import IoResult, Medium, Presence, TierUsage
 from kvtier.tiers.redis.batcher import Batcher, WorkerPool
 from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
-from kvtier.tiers.redis.codec import KeySpace, value_bytes
+from kvtier.tiers.redis.codec import KeySpace
 from kvtier.tiers.redis.heap import raise_mmap_threshold
 from kvtier.tiers.redis.jobs import (
     MSG_BATCH,
@@ -84,7 +84,7 @@ from kvtier.tiers.redis.jobs import (
 )
 from kvtier.tiers.redis.monitor import USAGE_INTERVAL, Monitor
 from kvtier.tiers.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL
-from kvtier.tiers.redis.stats import COUNTED, RedisTierStats
+from kvtier.tiers.redis.stats import RedisTierStats
 from kvtier.tiers.remote import ReadJob, RemoteTier, WriteJob
 from kvtier.tiers.sealing import Sealer
 
@@ -105,6 +105,7 @@ class RedisTier(RemoteTier):
     The caller-side bookkeeping (presence, writes in flight, poll) is :class:`~kvtier.tiers.remote.RemoteTier`'s."""
 
     medium = Medium.REMOTE
+    stats_type = RedisTierStats
 
     def __init__(
         self,
@@ -125,11 +126,10 @@ class RedisTier(RemoteTier):
         # Caller-thread state (presence, counters, writes in flight): RemoteTier's, changed only in
         # the submit methods and poll().
         super().__init__(
-            medium=Medium.REMOTE, counted=COUNTED, rank_digests=rank_digests, payload_bytes=payload_bytes,
+            medium=Medium.REMOTE, rank_digests=rank_digests, payload_bytes=payload_bytes,
             max_pending_writes=config.max_pending_writes, reconnect_max_s=config.reconnect_max_s,
             presence_ttl=presence_ttl, absent_ttl=absent_ttl, presence_entries=presence_entries)
         self._keys = KeySpace.of(config.key_prefix, engine_digest)
-        self._value_bytes = value_bytes(self._world, payload_bytes)
         raise_mmap_threshold(self._value_bytes)  # replies on the heap, not one mmap each (heap.py)
         self._namespace_json = namespace_json
         self._sweeps_asked = self._sweeps_done = 0  # clear()'s sweeps (close() runs a dropped one)
@@ -293,18 +293,9 @@ class RedisTier(RemoteTier):
     # ------------------------------------------------------------------ extras
 
     @property
-    def stats(self) -> RedisTierStats:
-        return RedisTierStats(**self._counts, breaker_opens=self._breaker.opens)
-
-    @property
     def keys(self) -> KeySpace:
         """This namespace's Redis key names."""
         return self._keys
-
-    @property
-    def value_bytes(self) -> int:
-        """Bytes of one stored value (every rank's header and payload)."""
-        return self._value_bytes
 
     # ------------------------------------------------------------------ caller-thread helpers
 

@@ -1,15 +1,13 @@
 """Counters of the S3 tier: what :attr:`~kvtier.tiers.s3.S3Tier.stats` returns.
 
-The tier keeps them in a dict keyed by :data:`COUNTED` on the caller's thread (only
-:meth:`~kvtier.tiers.s3.S3Tier.poll` and the submit methods change them) and snapshots them into
-a frozen :class:`S3TierStats`.
+The tier keeps them in a dict keyed by the fields' names (:class:`~kvtier.tiers.remote.RemoteTier`)
+on the caller's thread (only :meth:`~kvtier.tiers.s3.S3Tier.poll` and the submit methods change
+them) and snapshots them into a frozen :class:`S3TierStats`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from kvtier.tiers.remote import counted_fields
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +51,3 @@ class S3TierStats:
     bytes_written: int = 0
     read_seconds: float = 0.0
     write_seconds: float = 0.0
-
-
-COUNTED = counted_fields(S3TierStats)
-"""The counters the tier keeps itself (``breaker_opens`` is the breaker's)."""

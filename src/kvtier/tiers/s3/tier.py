@@ -59,9 +59,8 @@ from kvtier.tiers.s3.client import Access, check_access, credentials, make_store
 from kvtier.tiers.s3.jobs import MSG_FAULT, MSG_LISTED, MSG_REMOVED, ObjectPath, Throttle
 from kvtier.tiers.s3.keys import ObjectKeys
 from kvtier.tiers.s3.monitor import Listing, Monitor
-from kvtier.tiers.s3.stats import COUNTED, S3TierStats
+from kvtier.tiers.s3.stats import S3TierStats
 from kvtier.tiers.sealing import Sealer
-from kvtier.tiers.value import value_bytes
 from kvtier.tiers.workers import JobQueue, WorkerPool
 
 logger = logging.getLogger(__name__)
@@ -76,6 +75,7 @@ class S3Tier(RemoteTier):
     The caller-side bookkeeping (presence, writes in flight, poll) is :class:`~kvtier.tiers.remote.RemoteTier`'s."""
 
     medium = Medium.S3
+    stats_type = S3TierStats
 
     def __init__(self, config: S3TierConfig, *, model_name: str, engine_digest: bytes,
                  rank_digests: Sequence[bytes], namespace_json: str, payload_bytes: int, where: str = "s3 tier",
@@ -85,11 +85,10 @@ class S3Tier(RemoteTier):
         # Caller-thread state (presence, counters, writes in flight): RemoteTier's, changed only in
         # the submit methods and poll(); and what the listings found, below.
         super().__init__(
-            medium=Medium.S3, counted=COUNTED, rank_digests=rank_digests, payload_bytes=payload_bytes,
+            medium=Medium.S3, rank_digests=rank_digests, payload_bytes=payload_bytes,
             max_pending_writes=config.max_pending_writes, reconnect_max_s=config.reconnect_max_s,
             presence_ttl=presence_ttl, absent_ttl=absent_ttl, presence_entries=presence_entries)
         self._keys = ObjectKeys.of(config.prefix, model_name, engine_digest)
-        self._value_bytes = value_bytes(self._world, payload_bytes)
         self._listed: set[BlockKey] = set()  # the latest listing's keys, less those found gone since
         self._listed_bytes = 0  # the last listing's bytes ...
         self._written_since = 0  # ... and what this tier wrote after it began
@@ -274,18 +273,9 @@ class S3Tier(RemoteTier):
     # ------------------------------------------------------------------ extras
 
     @property
-    def stats(self) -> S3TierStats:
-        return S3TierStats(**self._counts, breaker_opens=self._breaker.opens)
-
-    @property
     def keys(self) -> ObjectKeys:
         """This namespace's object keys."""
         return self._keys
-
-    @property
-    def value_bytes(self) -> int:
-        """Bytes of one stored object (every rank's header and payload)."""
-        return self._value_bytes
 
     @property
     def store(self):
