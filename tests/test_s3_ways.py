@@ -20,7 +20,7 @@ from support.native_rig import NativeRig, native_env  # noqa: F401  (pytest fixt
 from support.node_service import NodeThread
 from support.redis_server import free_port
 from support.seaweed import REGION, SECRET_KEY, s3, seaweed  # noqa: F401  (pytest fixtures)
-from test_node_service import ENV
+from test_node_service import ENV, stop
 from test_node_tiers import disk, engine, load, payload, store, tier_counts, tiers_open, wait_for
 from test_orchestrator import NS, SLOT, keys, settle
 from test_orchestrator import store as store_blocks
@@ -167,13 +167,22 @@ def test_the_node_service_keeps_an_s3_hit_on_its_disk(s3, tmp_path):
         svc.stop()
 
 
-def test_kvtier_node_refuses_s3_credentials_naming_the_flag(s3, tmp_path):
-    env = {**ENV, "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": "wrong-secret"}
-    proc = start_node_with(tmp_path / "n.sock", env, "--pool-bytes", "1M", "--s3-url", f"s3://{s3.bucket}/node-auth",
-                           "--s3-endpoint", s3.endpoint, "--s3-region", REGION)
+def test_kvtier_node_starts_with_s3_flags_and_refuses_credentials_naming_the_flag(s3, tmp_path):
+    flags = ("--pool-bytes", "1M", "--s3-url", f"s3://{s3.bucket}/node-flags", "--s3-endpoint", s3.endpoint,
+             "--s3-region", REGION, "--s3-size", "1")
+    env = {**ENV, "AWS_ACCESS_KEY_ID": os.environ["AWS_ACCESS_KEY_ID"], "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
+    proc = start_node_with(tmp_path / "ok.sock", env, *flags)
+    try:
+        wait_for(lambda: (tmp_path / "ok.sock").exists() or proc.poll() is not None, what="the service's socket")
+        assert proc.poll() is None, proc.communicate()[1]
+    finally:
+        stop(proc)
+    proc = start_node_with(tmp_path / "n.sock", {**env, "AWS_SECRET_ACCESS_KEY": "wrong-secret"}, *flags)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert "--s3-url" in err and "AWS_ACCESS_KEY_ID" in err and "wrong-secret" not in err + out, err
+    bad_size = start_node_with(tmp_path / "s.sock", env, *flags[:-1], "0")
+    assert bad_size.wait(60) != 0 and "--s3-size" in bad_size.communicate()[1]
 
 
 def start_node_with(sock: Path, env: dict, *args: str):
