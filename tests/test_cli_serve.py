@@ -331,7 +331,7 @@ def test_unknown_policy():
         ('{"store_threshold": -1}', "'store_threshold' must be >= 0"),
         ('{"eviction_policy": "fifo"}', "'eviction_policy' is 'fifo'"),
         ('{"cpu_bytes_to_use": 0}', "'cpu_bytes_to_use' must be >= 1"),
-        ('{"secondary_tiers": [{"type": "s3"}]}', "secondary_tiers[0].type"),
+        ('{"secondary_tiers": [{"type": "gcs"}]}', "secondary_tiers[0].type"),
         ('{"spec_name": "CPUOffloadingSpec"}', "--no-disk"),
     ],
 )

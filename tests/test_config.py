@@ -63,7 +63,7 @@ def test_fs_tier_without_spec_name_implies_tiering_and_default_capacity(tmp_path
         ({"cpu_bytes_to_use": 1, "store_loaded_elsewhere": 1}, "store_loaded_elsewhere"),
         ({"cpu_bytes_to_use": 1, "spec_name": "Nope"}, "spec_name"),
         ({"cpu_bytes_to_use": 1, "secondary_tiers": {"type": "fs"}}, "secondary_tiers"),
-        ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "s3"}]}, "secondary_tiers[0].type"),
+        ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "gcs"}]}, "secondary_tiers[0].type"),
         ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs"}]}, "secondary_tiers[0].root_dir"),
         ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs", "root_dir": "/tmp", "size": 1}]}, "size"),
         (

@@ -20,7 +20,7 @@ from kvtier.core.values import ConfigError
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, encode_header, payload_checksum
 from kvtier.tiers.redis import KeySpace, RedisTier, decode_value, encode_value
-from kvtier.tiers.redis.breaker import BreakerState, CircuitBreaker
+from kvtier.tiers.breaker import BreakerState, CircuitBreaker
 import kvtier.tiers.redis.client as redis_client_module
 from kvtier.tiers.redis.client import (
     COMMAND_PACKER,

@@ -12,8 +12,8 @@ Runs inside the serving engine (vLLM's scheduler and worker processes):
 - :mod:`kvtier.node` -- one cache per node: the ``kvtier node`` service (its own process: the pool, its
   index and policy, its tiers) and the clients engines attach with.
 - :mod:`kvtier.copy` -- worker-side page copies engine <-> host slots (worker processes).
-- :mod:`kvtier.tiers` -- the one core (lookup across tiers, promotion, cascade), the host, disk and Redis
-  tiers and their contract.
+- :mod:`kvtier.tiers` -- the one core (lookup across tiers, promotion, cascade), the host, disk, Redis
+  and S3 tiers and their contract.
 - :mod:`kvtier.policy` -- eviction (LRU, ARC) and store admission.
 - :mod:`kvtier.core` -- the shared vocabulary: keys, config, slot layout, stats, residency, thread priority.
 

@@ -6,10 +6,11 @@ tier hundreds of chunks in one step. The nearest vLLM-CPU runs: 32-token engine 
 per block, two prompts of ~4,000 tokens (~125 chunks each; vLLM-CPU prefills 2,048 tokens per step,
 so a step cascades ~64 chunks per tier, as many as the Redis tier takes in flight).
 
-- vLLM's OffloadingConnector with kvtier's spec, kvtier_disk + kvtier_redis: an engine computes and
-  stores; a FRESH engine (new process, vLLM's CPU tier empty) is served at least 95% of its prompts'
-  whole chunks from kvtier_disk alone, and another from kvtier_redis alone; outputs bit-exact with
-  vLLM alone. Before the fix, a fresh engine got ~1% of its tokens from kvtier_redis.
+- vLLM's OffloadingConnector with kvtier's spec, kvtier_disk + kvtier_redis + kvtier_s3 (a real
+  SeaweedFS, tests/support/seaweed.py): an engine computes and stores; a FRESH engine (new process,
+  vLLM's CPU tier empty) is served at least 95% of its prompts' whole chunks from kvtier_disk alone,
+  another from kvtier_redis alone, and another from kvtier_s3 alone; outputs bit-exact with vLLM
+  alone. Before the fix, a fresh engine got ~1% of its tokens from kvtier_redis.
 - The disk engine then meets records replaced by a symlink, a directory and a truncated file (its
   index believes them): it finishes, bit-exact, the faults counted, each read once.
 - kvtier's own connector with Redis as its only secondary tier: the same, through its host -> Redis
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 from support.offline_run import cached, launch, metric, tokens
 from support.redis_server import module_redis  # noqa: F401  (pytest fixture)
+from support.seaweed import seaweed  # noqa: F401  (pytest fixture)
 from support.tiny_models import write_tiny_model
 
 from kvtier.bench.text import long_prompts
@@ -86,6 +88,16 @@ def redis(module_redis):  # noqa: F811  (the shared fixture, under this module's
 
 
 @pytest.fixture(scope="module")
+def s3_tier(seaweed) -> dict:  # noqa: F811  (the session's SeaweedFS)
+    """A kvtier_s3 entry on a prefix of this module's own."""
+    import os
+
+    seaweed.ensure_running()
+    entry = seaweed.tier(f"gpu-shapes-{os.urandom(4).hex()}")
+    return {**{k: v for k, v in entry.items() if k != "type"}, "type": "kvtier_s3"}
+
+
+@pytest.fixture(scope="module")
 def expected(model, prompts, vllm_alone) -> list[list[int]]:
     result = vllm_alone(spec(model, prompts, None, native=False))
     outputs = tokens(result)
@@ -94,13 +106,13 @@ def expected(model, prompts, vllm_alone) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def warm(model, prompts, redis, expected, tmp_path_factory) -> Path:
-    """One engine writes both tiers (round 0), and is then served from them (round 1, vLLM's prefix
-    cache and CPU tier reset): the chunks all landed before it exits."""
+def warm(model, prompts, redis, s3_tier, expected, tmp_path_factory) -> Path:
+    """One engine writes the three tiers (round 0), and is then served from them (round 1, vLLM's
+    prefix cache and CPU tier reset): the chunks all landed before it exits."""
     tmp = tmp_path_factory.mktemp("warm")
     root = tmp / "root"
     tiers = [{"type": "kvtier_disk", "root_dir": str(root), "capacity_bytes": 2**30},
-             {"type": "kvtier_redis", "url": redis.url()}]
+             {"type": "kvtier_redis", "url": redis.url()}, s3_tier]
     result = launch(spec(model, prompts, native(tiers), native=True,
                          rounds=({}, {"reset_prefix_cache": True, "reset_connector": True})), tmp)
     assert tokens(result, 0) == expected and tokens(result, 1) == expected
@@ -141,6 +153,17 @@ def test_fresh_engines_are_served_whole_prompts_from_disk_and_from_redis(warm, m
     failed = metric(from_disk, 1, "kvtier_offload_failed_reads")
     assert 1 <= failed <= 3, failed  # each read once (the rest of a prompt's prefix waits behind the first)
     assert sum(cached(from_disk, 1)) < sum(cached(from_disk, 0))
+
+
+def test_a_fresh_engine_is_served_whole_prompts_from_kvtier_s3(warm, model, prompts, s3_tier, expected, tmp_path):
+    """kvtier_s3 behind vLLM's OffloadingConnector (issue "An S3-compatible object tier"): 32-token
+    blocks, ~4,000-token prompts, a fresh engine with the S3 tier alone."""
+    whole = whole_chunk_tokens(model, prompts)
+    from_s3 = launch(spec(model, prompts, native([s3_tier]), native=True), tmp_path)
+    assert tokens(from_s3) == expected
+    print(f"fresh engine, kvtier_s3 alone: {sum(cached(from_s3))} of {whole} whole-chunk prompt tokens")
+    assert sum(cached(from_s3)) >= SHARE * whole
+    assert metric(from_s3, 0, "kvtier_offload_failed_reads") == 0
 
 
 def test_kvtiers_connector_keeps_long_prompts_whole_in_redis(model, prompts, redis, expected, tmp_path):

@@ -11,7 +11,7 @@ Counters read (real names on vLLM 0.32 with kvtier; the text format adds ``_tota
   no remote source), as does an uninstrumented connector such as ExampleConnector);
 * ``kvtier_transfer_bytes{direction=...}`` / ``kvtier_transfer_seconds{direction=...}`` (kvtier only),
   directions ``engine_to_host``, ``host_to_engine``, ``host_to_disk``, ``disk_to_host``,
-  ``host_to_remote``, ``remote_to_host``.
+  ``host_to_remote``, ``remote_to_host`` (Redis), ``host_to_s3``, ``s3_to_host``.
 
 Samples are summed over every other label (model name, engine index).
 
@@ -36,7 +36,8 @@ CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 TRANSFER_BYTES = "kvtier_transfer_bytes_total"
 TRANSFER_SECONDS = "kvtier_transfer_seconds_total"
 CACHE_SOURCES = ("device", "host", "disk", "p2p", "external_unspecified")
-DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
+DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host",
+              "host_to_s3", "s3_to_host")
 
 
 def parse_counters(text: str) -> dict[Key, float]:

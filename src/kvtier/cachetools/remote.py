@@ -172,6 +172,15 @@ def _select(
     return chosen
 
 
+def purged_namespaces(spaces: list[_RemoteNamespace], selection: PurgeSelection, where: str) -> list[_RemoteNamespace]:
+    """The namespaces of ``spaces`` whose blocks ``selection`` purges (none when it selects no
+    blocks); SelectionError when a selector matches none. Shared with the S3 tools."""
+    chosen = _select(spaces, selection.namespaces, selection.models, where)
+    if selection.older_spec:
+        chosen = [ns for ns in chosen if ns.older_spec]
+    return chosen if selection.blocks else []
+
+
 def _batches(items: Sequence[bytes], size: int = BATCH) -> Iterator[Sequence[bytes]]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
@@ -263,7 +272,7 @@ def verify_remote(
                     continue
                 report.files_checked += 1
                 report.bytes_checked += len(value)
-                reason = _check(value, rank_digests, ns.space.block_key_of(name), ns.world, sealer, report)
+                reason = check_value(value, rank_digests, ns.space.block_key_of(name), ns.world, sealer, report)
                 if reason is None:
                     report.files_ok += 1
                     continue
@@ -332,8 +341,11 @@ def _get_bounded(client, names: Sequence[bytes], sizes: Sequence[int]) -> list[b
     return [v if isinstance(v, bytes) and v else None for v in pipe.execute(raise_on_error=False)]
 
 
-def _check(value: bytes, rank_digests: list[bytes], key: bytes | None, world: int, sealer: Sealer | None,
-           report: VerifyReport) -> str | None:
+def check_value(value: bytes, rank_digests: list[bytes], key: bytes | None, world: int, sealer: Sealer | None,
+                report: VerifyReport) -> str | None:
+    """Why ``value`` (a whole block value of ``world`` records, read from a Redis key or an S3 object)
+    is not ``key``'s block in the namespace of ``rank_digests``, or None; sealed records without
+    ``sealer`` are counted in ``report.sealed_unchecked``, under a retired key in ``report.retired``."""
     from kvtier.tiers.blockfile import HEADER_LEN, decode_header
 
     if key is None:
@@ -385,14 +397,8 @@ def purge_remote(
     deleted where they are found)."""
     selection.validate()
     client = target.client()
-    spaces = _discover(client, target.key_prefix)
-    chosen = _select(spaces, selection.namespaces, selection.models, target.shown)
-    if selection.older_spec:
-        chosen = [ns for ns in chosen if ns.older_spec]
     report = PurgeReport(target.shown, dry_run)
-    if not selection.blocks:
-        return report
-    for ns in chosen:
+    for ns in purged_namespaces(_discover(client, target.key_prefix), selection, target.shown):
         result = NamespacePurge(ns.prefix)
         victims = list(ns.blocks)
         if selection.retired_except is not None:

@@ -1,5 +1,5 @@
-"""``kvtier inspect | verify | purge DIR_OR_URL``: manage a disk tier root (docs/disk-format.md) or a
-Redis / Valkey remote tier (docs/distributed.md).
+"""``kvtier inspect | verify | purge DIR_OR_URL``: manage a disk tier root (docs/disk-format.md), a
+Redis / Valkey remote tier (docs/distributed.md) or an S3 tier (docs/object-store.md).
 
 Only click is imported here at module level; the work (:mod:`kvtier.cachetools`) and rich are
 imported when a command runs, so registering these commands keeps ``kvtier --help`` instant.
@@ -24,7 +24,15 @@ _PROGRESS_MIN_FILES = 200  # show a progress bar from this many files on (on a t
 
 
 def _target_options(command):
-    """The TARGET argument (a directory or a Redis URL) and the options a Redis URL may need."""
+    """The TARGET argument (a directory, a Redis URL or an s3:// URL) and the options a URL may need."""
+    command = click.option("--profile", default=None, metavar="NAME",
+                           help="S3 only: the AWS profile of the shared files (default: AWS_PROFILE; credentials "
+                                "come from the standard AWS chain, never from options).")(command)
+    command = click.option("--ca-bundle", default=None, metavar="PATH",
+                           help="S3 only: PEM file of the CA that signs the endpoint's certificate.")(command)
+    command = click.option("--region", default=None, metavar="NAME", help="S3 only: the bucket's region.")(command)
+    command = click.option("--endpoint", default=None, metavar="URL",
+                           help="S3 only: the store's S3 API when it is not AWS (https://host:port).")(command)
     command = click.option("--key-prefix", default="kvtier", show_default=True,
                            help="Redis only: the tier's key_prefix.")(command)
     command = click.option("--password-env", default=None, metavar="NAME",
@@ -60,11 +68,20 @@ def _auth(auth_key_env: str | None, auth_key_file: str | None, read_key_envs: tu
         raise click.UsageError(message.replace("_", "-")) from None
 
 
-def _remote(target: str, username: str | None, password_env: str | None, key_prefix: str):
-    """A :class:`~kvtier.cachetools.remote.RemoteTarget` for a Redis URL, else None (a directory,
-    which must exist)."""
+def _remote(target: str, username: str | None, password_env: str | None, key_prefix: str, s3: dict | None = None):
+    """A :class:`~kvtier.cachetools.remote.RemoteTarget` for a Redis URL, an
+    :class:`~kvtier.cachetools.objects.ObjectTarget` for an s3:// URL (``s3``: its options), else None
+    (a directory, which must exist)."""
+    from kvtier.cachetools.objects import ObjectTarget, is_s3
     from kvtier.cachetools.remote import RemoteTarget, is_remote
+    from kvtier.core.values import ConfigError
 
+    if is_s3(target):
+        try:
+            return ObjectTarget.of(target, **(s3 or {}))
+        except ConfigError as exc:
+            raise click.UsageError(str(exc).replace("kv_connector_extra_config: ", "").replace("'options.", "'--")
+                                   .replace("_", "-")) from None
     if is_remote(target):
         password = None
         if password_env is not None:
@@ -73,15 +90,29 @@ def _remote(target: str, username: str | None, password_env: str | None, key_pre
                 raise click.UsageError(f"--password-env {password_env}: that environment variable is not set.")
         return RemoteTarget(target, username, password, key_prefix)
     if not os.path.isdir(target):
-        raise click.UsageError(f"{target!r} is neither a directory nor a redis://, rediss:// or unix:// URL.")
+        raise click.UsageError(f"{target!r} is neither a directory nor a redis://, rediss://, unix:// or s3:// URL.")
     return None
 
 
 def _remote_errors():
-    """redis-py's errors, shown as click errors (never a traceback, never a password)."""
+    """redis-py's and obstore's errors and an S3 tier's ConfigError (credentials refused, no such
+    bucket), shown as click errors (never a traceback, never a password)."""
     import redis
+    from obstore.exceptions import BaseError
 
-    return (redis.RedisError, OSError)
+    from kvtier.core.values import ConfigError
+
+    return (redis.RedisError, BaseError, ConfigError, OSError)
+
+
+def _s3(endpoint: str | None, region: str | None, ca_bundle: str | None, profile: str | None) -> dict:
+    return {"endpoint": endpoint, "region": region, "ca_bundle": ca_bundle, "profile": profile}
+
+
+def _is_objects(remote) -> bool:
+    from kvtier.cachetools.objects import ObjectTarget
+
+    return isinstance(remote, ObjectTarget)
 
 
 def fmt_bytes(n: float) -> str:
@@ -130,6 +161,7 @@ def _emit_json(data: dict[str, Any]) -> None:
               help="Also count tails (partial blocks a finished request left): reads each block's header "
                    "(rank 0), one small read per block. Directories only.")
 def inspect_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
+                    endpoint: str | None, region: str | None, ca_bundle: str | None, profile: str | None,
                     as_json: bool, count_tails: bool) -> None:
     """Show the namespaces of a disk tier directory or a Redis remote tier: model, layout, blocks,
     bytes, ages, last use; or the pool of a running `kvtier node` (its socket's path).
@@ -138,6 +170,7 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
     only (never a block's payload), so it is fast and safe while engines use it. A block is
     complete when every tensor-parallel rank's file is present; ages are by last use (mtime).
     A Redis URL (redis://, rediss://, unix://): SCAN, STRLEN and OBJECT IDLETIME, never KEYS.
+    An S3 URL (s3://BUCKET/PREFIX): one LIST of the prefix (ages by last write).
     A node socket: the pool's usage, pins, attached engines and each engine's hits and stores.
     """
     if _is_socket(target):
@@ -145,11 +178,15 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
         return
     from kvtier.cachetools import inspect_cache
 
-    remote = _remote(target, username, password_env, key_prefix)
+    remote = _remote(target, username, password_env, key_prefix, _s3(endpoint, region, ca_bundle, profile))
     failures = _remote_errors() if remote is not None else (OSError,)
     try:
         if remote is None:
             inventory = inspect_cache(target, count_tails=count_tails)
+        elif _is_objects(remote):
+            from kvtier.cachetools.objects import inspect_objects
+
+            inventory = inspect_objects(remote)
         else:
             from kvtier.cachetools.remote import inspect_remote
 
@@ -305,6 +342,7 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @_key_options
 def verify_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
+                   endpoint: str | None, region: str | None, ca_bundle: str | None, profile: str | None,
                    selectors: tuple[str, ...], no_quarantine: bool, as_json: bool, auth_key_env: str | None,
                    auth_key_file: str | None, read_key_envs: tuple[str, ...],
                    read_key_files: tuple[str, ...]) -> None:
@@ -319,19 +357,22 @@ def verify_command(target: str, username: str | None, password_env: str | None, 
     A directory: bad files are listed and moved to DIR/quarantine/ (where the tier itself puts
     them) unless --no-quarantine; files that are not kvtier's are reported and left in place;
     payloads are streamed (bounded memory). A Redis URL: every value is read (in batches of at
-    most 64 MiB) and bad ones are deleted unless --no-quarantine. Safe while engines run. Exit
-    status 1 if anything was bad.
+    most 64 MiB) and bad ones are deleted unless --no-quarantine. An S3 URL: every block object is
+    read (GETs bounded by the namespace's block size) and bad ones are deleted unless
+    --no-quarantine. Safe while engines run. Exit status 1 if anything was bad.
     """
     from kvtier.cachetools import SelectionError, verify_cache
 
     auth = _auth(auth_key_env, auth_key_file, read_key_envs, read_key_files)
-    remote = _remote(target, username, password_env, key_prefix)
+    remote = _remote(target, username, password_env, key_prefix, _s3(endpoint, region, ca_bundle, profile))
     if remote is not None:
+        from kvtier.cachetools.objects import verify_objects
         from kvtier.cachetools.remote import verify_remote
 
         start = time.perf_counter()
         try:
-            report = verify_remote(remote, selectors, delete=not no_quarantine, auth=auth)
+            report = (verify_objects if _is_objects(remote) else verify_remote)(
+                remote, selectors, delete=not no_quarantine, auth=auth)
         except SelectionError as exc:
             raise click.UsageError(str(exc)) from None
         except _remote_errors() as exc:
@@ -420,7 +461,8 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--older-spec", is_flag=True,
               help="Namespaces written under an older key spec (kvtier inspect marks them): never read again.")
 @click.option("--older-than", callback=_duration, metavar="DURATION",
-              help="Blocks last used longer ago than this (by mtime; on Redis by OBJECT IDLETIME), e.g. 30m, 12h, 7d.")
+              help="Blocks last used longer ago than this (by mtime; on Redis by OBJECT IDLETIME; on S3 by last "
+                   "write), e.g. 30m, 12h, 7d.")
 @click.option("--retired", is_flag=True,
               help="Blocks not sealed under the current fleet key (--auth-key-env / --auth-key-file): under "
                    "a retired or unknown key, or unauthenticated.")
@@ -430,6 +472,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @_key_options
 def purge_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
+                  endpoint: str | None, region: str | None, ca_bundle: str | None, profile: str | None,
                   namespaces: tuple[str, ...], models: tuple[str, ...], older_spec: bool,
                   older_than: float | None, retired: bool, quarantine: bool, all_: bool, dry_run: bool,
                   as_json: bool, auth_key_env: str | None, auth_key_file: str | None,
@@ -445,20 +488,25 @@ def purge_command(target: str, username: str | None, password_env: str | None, k
     miss), writers' temp files are never touched, emptied directories are removed only if still
     empty, and a namespace's config.json goes only with the whole namespace (--all, --namespace,
     --model) when no block or temp file is left in it. On a Redis URL the selected keys are
-    UNLINKed (SCAN, never KEYS); there is no quarantine there.
+    UNLINKed (SCAN, never KEYS); there is no quarantine there. On an S3 URL the selected objects
+    are deleted (bulk DELETE), --older-than going by last write; no quarantine either.
     """
     from kvtier.cachetools import PurgeSelection, purge_cache
 
     auth = _auth(auth_key_env, auth_key_file, read_key_envs, read_key_files)
     if retired and auth is None:
         raise click.UsageError("--retired needs the current fleet key: --auth-key-env NAME or --auth-key-file PATH.")
-    remote = _remote(target, username, password_env, key_prefix)
+    remote = _remote(target, username, password_env, key_prefix, _s3(endpoint, region, ca_bundle, profile))
     failures = _remote_errors() if remote is not None else (OSError,)
     selection = PurgeSelection(namespaces, models, older_than, quarantine, all_, older_spec,
                                auth.write.key_id if retired and auth is not None else None)
     try:
         if remote is None:
             report = purge_cache(target, selection, dry_run=dry_run)
+        elif _is_objects(remote):
+            from kvtier.cachetools.objects import purge_objects
+
+            report = purge_objects(remote, selection, dry_run=dry_run)
         else:
             from kvtier.cachetools.remote import purge_remote
 

@@ -34,7 +34,9 @@ class ByteSize(click.ParamType):
                       "  kvtier node --socket /run/kvtier/node.sock --pool-bytes 64GiB --group kvtier \\\n"
                       "      --eviction-policy arc --metrics-port 9400\n"
                       "  kvtier node --socket /run/kvtier/node.sock --pool-bytes 64GiB \\\n"
-                      "      --disk-dir /var/cache/kvtier --disk-size 500 --redis-url redis://cache:6379/0")
+                      "      --disk-dir /var/cache/kvtier --disk-size 500 --redis-url redis://cache:6379/0\n"
+                      "  kvtier node --socket /run/kvtier/node.sock --pool-bytes 64GiB \\\n"
+                      "      --disk-dir /var/cache/kvtier --disk-size 500 --s3-url s3://kv-bucket/prod --s3-size 20000")
 @click.option("--socket", "socket_path", required=True, type=click.Path(dir_okay=False), metavar="PATH",
               help="Unix socket the engines attach to; its directory must exist. Created owner-only (0600), or "
                    "0660 for --group. A second service on the same socket is refused.")
@@ -63,9 +65,23 @@ class ByteSize(click.ParamType):
 @click.option("--redis-url", default=None, metavar="URL",
               help="The node's Redis / Valkey tier (one connection pool for the node), below the disk tier: "
                    "redis://host:6379/0, rediss://... (TLS) or unix:///path.sock.")
+@click.option("--s3-url", default=None, metavar="s3://BUCKET/PREFIX",
+              help="The node's S3 tier (an S3-compatible object store), below the disk and Redis tiers. Credentials "
+                   "come from the standard AWS environment, shared files (AWS_PROFILE) or instance role, never from "
+                   "flags (docs/object-store.md).")
+@click.option("--s3-endpoint", default=None, metavar="URL",
+              help="The store's S3 API when it is not AWS itself (MinIO, Ceph RGW, SeaweedFS...): https://host:port; "
+                   "path-style addressing then.")
+@click.option("--s3-region", default=None, metavar="NAME", help="The bucket's region (default: AWS_REGION, the "
+              "profile's, else us-east-1).")
+@click.option("--s3-size", type=float, default=None, metavar="GiB",
+              help="Bound on the objects under the S3 prefix, in GiB, kept by a background sweep (least recently "
+                   "written first). Without it, bound the prefix with a bucket lifecycle rule.")
+@click.option("--s3-ca-bundle", type=click.Path(dir_okay=False), default=None, metavar="PATH",
+              help="PEM file of the CA certificates that sign --s3-endpoint's certificate.")
 @click.option("--fleet-key-env", default=None, metavar="NAME",
               help="Environment variable holding the fleet key (docs/security.md): every record the service "
-                   "writes to --disk-dir / --redis-url is signed with it, and only records signed with it (or a "
+                   "writes to --disk-dir / --redis-url / --s3-url is signed with it, and only records signed with it (or a "
                    "--read-key-env / --read-key-file key) are read back; others are counted misses.")
 @click.option("--fleet-key-file", default=None, metavar="PATH", help="... or the file holding it.")
 @click.option("--read-key-env", multiple=True, metavar="NAME",
@@ -76,7 +92,9 @@ class ByteSize(click.ParamType):
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
 def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, eviction_policy: str,
                  group: str | None, metrics_port: int | None, metrics_host: str, no_prefault: bool,
-                 disk_dir: str | None, disk_size: float | None, redis_url: str | None, fleet_key_env: str | None,
+                 disk_dir: str | None, disk_size: float | None, redis_url: str | None, s3_url: str | None,
+                 s3_endpoint: str | None, s3_region: str | None, s3_size: float | None, s3_ca_bundle: str | None,
+                 fleet_key_env: str | None,
                  fleet_key_file: str | None, read_key_env: tuple[str, ...], read_key_file: tuple[str, ...],
                  encrypt: bool, log_level: str) -> None:
     """Run kvtier's node service in the foreground until SIGTERM or Ctrl-C.
@@ -98,8 +116,8 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
     down they only miss. Inspect a running service: kvtier inspect PATH.
 
     \b
-    With --disk-dir / --redis-url the service owns the node's disk and
-    Redis tiers (engines attached with "node" have none of their own):
+    With --disk-dir / --redis-url / --s3-url the service owns the node's
+    disk, Redis and S3 tiers (engines attached with "node" have none of their own):
     every block committed to the pool is written below it, and a lookup
     whose run continues there promotes those blocks into the pool (the
     engine asks again a moment later). The disk root outlives the
@@ -121,7 +139,8 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
                           prefault=not no_prefault,
                           tiers=_tier_configs(disk_dir, disk_size, redis_url, _fleet_keys(
                               {"auth_key_env": fleet_key_env, "auth_key_file": fleet_key_file, "encrypt": encrypt,
-                               "auth_read_key_envs": read_key_env, "auth_read_key_files": read_key_file})))
+                               "auth_read_key_envs": read_key_env, "auth_read_key_files": read_key_file}),
+                              s3=_s3_entry(s3_url, s3_endpoint, s3_region, s3_size, s3_ca_bundle)))
 
     def ready(server) -> None:  # noqa: ANN001 (a NodeServer; imported lazily above)
         click.echo(f"kvtier node: serving {socket_path} (pool {pool_bytes} bytes, pid {os.getpid()})", err=True)
@@ -150,10 +169,31 @@ def _fleet_keys(raw: dict):
         raise click.ClickException(str(exc).removeprefix(f"{PREFIX}: ")) from None
 
 
-def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str | None, auth=None) -> tuple:
-    """The service's tiers from its flags (cascade order: disk, then Redis), checked now: a root
-    this user cannot write, credentials Redis refuses or a fleet key that does not load stop the
-    service with the flag named. ``auth``: :func:`_fleet_keys`, the same for every tier."""
+def _s3_entry(url: str | None, endpoint: str | None, region: str | None, size: float | None,
+              ca_bundle: str | None) -> dict | None:
+    """The S3 tier entry the ``--s3-*`` flags describe (None without --s3-url)."""
+    if url is None:
+        if any(v is not None for v in (endpoint, region, size, ca_bundle)):
+            raise click.UsageError("--s3-endpoint, --s3-region, --s3-size and --s3-ca-bundle describe --s3-url: give "
+                                   "it too")
+        return None
+    if size is not None and size <= 0:
+        raise click.BadParameter(f"{size}: a positive number of GiB", param_hint="--s3-size")
+    entry = {"url": url, "endpoint": endpoint, "region": region, "ca_bundle": ca_bundle,
+             "capacity_bytes": int(size * 2**30) if size is not None else None}
+    return {k: v for k, v in entry.items() if v is not None}
+
+
+_S3_FLAGS = {"url": "--s3-url", "endpoint": "--s3-endpoint", "region": "--s3-region", "ca_bundle": "--s3-ca-bundle",
+             "capacity_bytes": "--s3-size"}
+
+
+def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str | None, auth=None,
+                  s3: dict | None = None) -> tuple:
+    """The service's tiers from its flags (cascade order: disk, then Redis, then S3), checked now: a
+    root this user cannot write, credentials Redis or S3 refuse or a fleet key that does not load
+    stop the service with the flag named. ``auth``: :func:`_fleet_keys`, the same for every tier;
+    ``s3``: :func:`_s3_entry`."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -163,9 +203,9 @@ def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str 
 
     if (disk_dir is None) != (disk_size is None):
         raise click.UsageError("--disk-dir and --disk-size go together: give the directory and its capacity in GiB")
-    if auth is not None and disk_dir is None and redis_url is None:
-        raise click.UsageError("--fleet-key-env signs the records of the service's tiers: give --disk-dir and/or "
-                               "--redis-url, or drop it (the pool itself is memory, never a record)")
+    if auth is not None and disk_dir is None and redis_url is None and s3 is None:
+        raise click.UsageError("--fleet-key-env signs the records of the service's tiers: give --disk-dir, "
+                               "--redis-url and/or --s3-url, or drop it (the pool itself is memory, never a record)")
     tiers: list = []
     try:
         if disk_dir is not None:
@@ -177,6 +217,18 @@ def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str 
         if redis_url is not None:
             tiers.append(replace(parse_tier({"url": redis_url}, TierType.REDIS, "--redis-url"), auth=auth))
             check_tier(tiers[-1], where="--redis-url")
+        if s3 is not None:
+            tiers.append(replace(parse_tier(s3, TierType.S3, "s3"), auth=auth))
+            check_tier(tiers[-1], where="s3")
     except ConfigError as exc:
-        raise click.ClickException(str(exc)) from None
+        raise click.ClickException(_flag_names(str(exc))) from None
     return tuple(tiers)
+
+
+def _flag_names(message: str) -> str:
+    """A tier ConfigError's message with the S3 entry's keys named as the flags that set them."""
+    from kvtier.core.values import PREFIX
+
+    for key, flag in _S3_FLAGS.items():
+        message = message.replace(f"'s3.{key}'", flag)
+    return message.replace("'s3'", "--s3-url").removeprefix(f"{PREFIX}: ")

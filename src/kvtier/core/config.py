@@ -25,6 +25,7 @@ from kvtier.core.tier_config import (  # noqa: F401  (re-exported: the config's 
     DEFAULT_DISK_FRACTION,
     DiskTierConfig,
     RedisTierConfig,
+    S3TierConfig,
     SecondaryTierConfig,
     TierType,
     parse_secondary_tiers,
@@ -83,6 +84,10 @@ class KVTierConfig:
     @property
     def remote(self) -> RedisTierConfig | None:
         return next((t for t in self.secondary_tiers if isinstance(t, RedisTierConfig)), None)
+
+    @property
+    def s3(self) -> S3TierConfig | None:
+        return next((t for t in self.secondary_tiers if isinstance(t, S3TierConfig)), None)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "KVTierConfig":

@@ -26,7 +26,14 @@ class Medium(enum.Enum):
 
     HOST = "CPU"
     DISK = "DISK"
-    REMOTE = "REMOTE"
+    REMOTE = "REMOTE"  # the Redis / Valkey tier
+    S3 = "S3"  # the S3-compatible object tier
+
+    @property
+    def shared(self) -> bool:
+        """A store shared by the fleet (Redis, S3): one engine's reset leaves it alone, and tails
+        (partial blocks) stay off it (a lookup there would probe every tail length)."""
+        return self is Medium.REMOTE or self is Medium.S3
 
 
 class ChangeKind(enum.Enum):

@@ -19,8 +19,9 @@ GAUGE = {"gauge": True}
 """Field metadata of a gauge (a sample, merged by keeping the later value)."""
 
 
-_TIER_NAMES = {Medium.HOST: "host", Medium.DISK: "disk", Medium.REMOTE: "remote"}
-"""How each tier is named in the field names below (and in metric labels)."""
+_TIER_NAMES = {Medium.HOST: "host", Medium.DISK: "disk", Medium.REMOTE: "remote", Medium.S3: "s3"}
+"""How each tier is named in the field names below (and in metric labels): ``remote`` is the Redis /
+Valkey tier (its name since before the object tier), ``s3`` the S3-compatible object tier."""
 
 
 @dataclass
@@ -52,6 +53,7 @@ class KVTierStats:
     hit_tokens_host: int = 0
     hit_tokens_disk: int = 0
     hit_tokens_remote: int = 0
+    hit_tokens_s3: int = 0
     stores_submitted: int = 0
     stores_dropped: int = 0
     stores_voided: int = 0  # in flight on blocks the runner rewrote first (V2): never published
@@ -59,6 +61,7 @@ class KVTierStats:
     stores_skipped_loaded_elsewhere: int = 0  # blocks another connector of vLLM's MultiConnector loaded
     disk_writes_dropped: int = 0
     remote_writes_dropped: int = 0
+    s3_writes_dropped: int = 0
     promotions: int = 0
     promotion_failures: int = 0
     load_errors: int = 0
@@ -76,6 +79,8 @@ class KVTierStats:
     disk_to_host: TransferCounters = field(default_factory=TransferCounters)
     host_to_remote: TransferCounters = field(default_factory=TransferCounters)
     remote_to_host: TransferCounters = field(default_factory=TransferCounters)
+    host_to_s3: TransferCounters = field(default_factory=TransferCounters)
+    s3_to_host: TransferCounters = field(default_factory=TransferCounters)
     disk_evictions: int = 0
     host_used_bytes: int | None = field(default=None, metadata=GAUGE)
     host_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
@@ -86,6 +91,9 @@ class KVTierStats:
     disk_blocks: int | None = field(default=None, metadata=GAUGE)
     remote_used_bytes: int | None = field(default=None, metadata=GAUGE)
     remote_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
+    s3_used_bytes: int | None = field(default=None, metadata=GAUGE)  # the whole prefix, as of the last listing
+    s3_capacity_bytes: int | None = field(default=None, metadata=GAUGE)  # capacity_bytes (0: unbounded)
+    s3_blocks: int | None = field(default=None, metadata=GAUGE)  # this namespace's blocks, as of the last listing
 
     def written_to(self, medium: Medium) -> TransferCounters:
         """Host -> ``medium`` transfers (a secondary tier's writes)."""

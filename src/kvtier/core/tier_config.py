@@ -1,5 +1,6 @@
-"""The ``secondary_tiers`` entries: ``type: fs`` (disk) and ``type: redis`` (Redis / Valkey); and
-``kvtier_node`` (the pool of a ``kvtier node`` service), behind vLLM's own offloading only.
+"""The ``secondary_tiers`` entries: ``type: fs`` (disk), ``type: redis`` (Redis / Valkey) and
+``type: s3`` (an S3-compatible object store); and ``kvtier_node`` (the pool of a ``kvtier node``
+service), behind vLLM's own offloading only.
 
 Validated at start-up (:func:`parse_secondary_tiers`), in every vLLM process that builds the
 connector: unknown keys, wrong types and impossible values raise
@@ -8,7 +9,9 @@ here; a Redis server is not contacted here (the tier connects when it starts, in
 process). Fleet keys (``auth_key_env`` / ``auth_key_file``, retired ``auth_read_key_*``, ``encrypt``)
 are loaded and checked here too (:mod:`kvtier.core.fleet_key`); a key is never printed. Secrets: a Redis password may come from the URL or from an environment variable named
 by ``password_env``; it is never printed (:meth:`RedisTierConfig.redacted_url`, the config's
-``repr``).
+``repr``). S3 credentials are never in the configuration at all: the S3 tier reads them where every
+AWS tool does (environment, shared credentials file and profile, container or instance role;
+:mod:`kvtier.tiers.s3.client`); an entry that holds one is refused.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 class TierType(str, enum.Enum):
     FS = "fs"
     REDIS = "redis"
+    S3 = "s3"
     NODE = "node"  # only behind vLLM's own offloading (``kvtier_node``); kvtier's connector uses ``"node"``
 
 
@@ -107,7 +111,48 @@ class RedisTierConfig:
                 f"ttl_seconds={self.ttl_seconds!r}, cluster={self.cluster!r}, nodes={self.nodes!r}, auth={self.auth!r})")
 
 
-SecondaryTierConfig = DiskTierConfig | RedisTierConfig
+S3_URL_SCHEMES = ("s3", "s3a")
+DEFAULT_S3_PREFIX = "kvtier"
+"""The key prefix of an ``s3://BUCKET`` URL that names none (never the bucket's root)."""
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_S3_PREFIX = re.compile(r"^[A-Za-z0-9._-]+(/[A-Za-z0-9._-]+)*$")
+CREDENTIAL_KEYS = frozenset({"access_key_id", "secret_access_key", "session_token", "aws_access_key_id",
+                             "aws_secret_access_key", "aws_session_token", "password", "token"})
+"""Keys an S3 entry refuses with a message of their own: credentials never go in the configuration."""
+
+
+@dataclass(frozen=True)
+class S3TierConfig:
+    """``secondary_tiers`` entry of ``type: s3``: one bucket prefix of an S3-compatible object store
+    shared by engines (AWS S3, GCS's S3 API, MinIO, Ceph RGW, SeaweedFS). Holds no credential (see
+    :mod:`kvtier.tiers.s3.client`). ``capacity_bytes`` None: no bound of kvtier's (a bucket lifecycle
+    rule expires objects instead, docs/object-store.md)."""
+
+    url: str  # s3://BUCKET/PREFIX, as given
+    bucket: str
+    prefix: str  # without leading or trailing "/"
+    endpoint: str | None = None  # None: AWS S3 itself
+    region: str | None = None  # None: AWS_REGION / AWS_DEFAULT_REGION / the profile's, else us-east-1
+    path_style: bool = False  # https://ENDPOINT/BUCKET/KEY instead of https://BUCKET.ENDPOINT/KEY
+    ca_bundle: Path | None = None  # PEM file of CA certificates trusted besides the system's
+    profile: str | None = None  # the shared-files profile (default: AWS_PROFILE, else "default")
+    capacity_bytes: int | None = None
+    max_concurrency: int = 16
+    max_pending_writes: int = 64
+    connect_timeout_s: float = 2.0
+    timeout_s: float = 10.0
+    reconnect_max_s: float = 30.0
+    list_interval_s: float = 60.0
+    auth: AuthConfig | None = None  # fleet key: records signed (and encrypted) with it; None: unauthenticated
+
+    @property
+    def location(self) -> str:
+        """``s3://BUCKET/PREFIX`` (at ENDPOINT): where the tier's objects are, for messages."""
+        where = f"s3://{self.bucket}/{self.prefix}"
+        return f"{where} at {self.endpoint}" if self.endpoint else where
+
+
+SecondaryTierConfig = DiskTierConfig | RedisTierConfig | S3TierConfig
 
 UNIX_PATH_MAX = 107
 """The longest path a Unix socket can bind or connect to (``sun_path`` less its NUL), in bytes."""
@@ -152,11 +197,17 @@ _REDIS_KEYS = frozenset({
     "type", "url", "username", "password_env", "key_prefix", "ttl_seconds", "cluster", "nodes",
     "max_connections", "connect_timeout_s", "timeout_s", "max_pending_writes", "reconnect_max_s",
 }) | AUTH_KEYS
+_S3_KEYS = frozenset({
+    "type", "url", "endpoint", "region", "path_style", "ca_bundle", "profile", "capacity_bytes", "max_concurrency",
+    "max_pending_writes", "connect_timeout_s", "timeout_s", "reconnect_max_s", "list_interval_s",
+}) | AUTH_KEYS
+_ORDER = {DiskTierConfig: 0, RedisTierConfig: 1, S3TierConfig: 2}
+"""Cascade order of the tier types: the local disk, then the fleet's Redis, then the object store."""
 
 
 def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
-    """The validated ``secondary_tiers`` list: at most one disk tier, then at most one Redis tier
-    (disk first when both: blocks are looked up and promoted in that order)."""
+    """The validated ``secondary_tiers`` list: at most one tier of each type, in the order disk,
+    Redis, S3 (fastest first: blocks are looked up and promoted in that order)."""
     if not isinstance(raw, list | tuple):
         raise ConfigError(
             f"{PREFIX}: 'secondary_tiers' must be a list of tier objects, e.g. "
@@ -172,19 +223,29 @@ def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
             tiers.append(_disk_tier(entry, where))
         elif tier_type == TierType.REDIS.value:
             tiers.append(_redis_tier(entry, where))
+        elif tier_type == TierType.S3.value:
+            tiers.append(_s3_tier(entry, where))
         else:
             raise ConfigError(
                 f"{PREFIX}: '{where}.type' is {tier_type!r}; kvtier supports 'fs' (local or shared "
-                "filesystem) and 'redis' (Redis or Valkey). Set \"type\" to one of them."
+                "filesystem), 'redis' (Redis or Valkey) and 's3' (an S3-compatible object store). Set \"type\" "
+                "to one of them."
             )
     kinds = [type(t) for t in tiers]
-    if kinds.count(DiskTierConfig) > 1 or kinds.count(RedisTierConfig) > 1:
+    if any(kinds.count(kind) > 1 for kind in _ORDER):
         raise ConfigError(f"{PREFIX}: 'secondary_tiers' holds more than one tier of a type; kvtier supports one "
-                          "disk tier and one Redis tier. Keep one of each.")
-    if kinds == [RedisTierConfig, DiskTierConfig]:
-        raise ConfigError(f"{PREFIX}: 'secondary_tiers' lists the Redis tier before the disk tier; put the fs "
-                          "entry first (the local disk is looked up before the shared remote).")
+                          "disk tier, one Redis tier and one S3 tier. Keep one of each.")
+    ranks = [_ORDER[kind] for kind in kinds]
+    if ranks != sorted(ranks):
+        raise ConfigError(f"{PREFIX}: 'secondary_tiers' lists its tiers as {[t.value for t in _types(kinds)]}; put "
+                          "them in the order fs, redis, s3 (the local disk is looked up before the shared remote, "
+                          "Redis before the object store).")
     return tuple(tiers)
+
+
+def _types(kinds: list[type]) -> list[TierType]:
+    names = {DiskTierConfig: TierType.FS, RedisTierConfig: TierType.REDIS, S3TierConfig: TierType.S3}
+    return [names[kind] for kind in kinds]
 
 
 def parse_tier(raw: Mapping[str, Any], tier_type: TierType, where: str) -> SecondaryTierConfig | NodeTierConfig:
@@ -194,6 +255,8 @@ def parse_tier(raw: Mapping[str, Any], tier_type: TierType, where: str) -> Secon
     entry = {**raw, "type": tier_type.value}
     if tier_type is TierType.NODE:
         return _node_tier(entry, where)
+    if tier_type is TierType.S3:
+        return _s3_tier(entry, where)
     return _disk_tier(entry, where) if tier_type is TierType.FS else _redis_tier(entry, where)
 
 
@@ -302,5 +365,65 @@ def _redis_tier(raw: Mapping[str, Any], where: str) -> RedisTierConfig:
         timeout_s=float_value(raw, "timeout_s", 2.0, where=where),
         max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=64, where=where),
         reconnect_max_s=float_value(raw, "reconnect_max_s", 30.0, where=where),
+        auth=parse_auth(raw, where),
+    )
+
+
+def _s3_tier(raw: Mapping[str, Any], where: str) -> S3TierConfig:
+    """A ``type: s3`` entry. Nothing is contacted here (the tier checks the credentials when it opens:
+    :func:`kvtier.tiers.factory.check_tier`)."""
+    credentials = sorted(CREDENTIAL_KEYS & set(raw) if isinstance(raw, Mapping) else ())
+    if credentials:
+        raise ConfigError(f"{PREFIX}: '{where}.{credentials[0]}': S3 credentials never go in the configuration. "
+                          "kvtier reads them where every AWS tool does: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                          "(/ AWS_SESSION_TOKEN) in the environment, the shared credentials file and profile "
+                          "(~/.aws/credentials, AWS_PROFILE or 'profile'), or the container's or instance's role. "
+                          "Remove the key.")
+    check_keys(raw, _S3_KEYS, where, '{"type": "s3", "url": "s3://bucket/kvcache"}')
+    url = text_value(raw, "url", where=where)
+    if url is None:
+        raise ConfigError(f"{PREFIX}: '{where}.url' is required: s3://BUCKET/PREFIX, the bucket and the key "
+                          "prefix under which kvtier keeps its objects.")
+    parts = urlsplit(url)
+    if parts.scheme not in S3_URL_SCHEMES or not parts.netloc or parts.query or parts.fragment:
+        raise ConfigError(f"{PREFIX}: '{where}.url' {url!r} must be s3://BUCKET/PREFIX (the endpoint, if not AWS "
+                          "itself, goes in 'endpoint').")
+    bucket = parts.netloc
+    if not _BUCKET.match(bucket) or ".." in bucket:
+        raise ConfigError(f"{PREFIX}: '{where}.url' names the bucket {bucket!r}: a bucket name is 3-63 characters "
+                          "of lowercase letters, digits, '.' and '-'.")
+    prefix = parts.path.strip("/") or DEFAULT_S3_PREFIX
+    if not _S3_PREFIX.match(prefix) or any(part in (".", "..") for part in prefix.split("/")):
+        raise ConfigError(f"{PREFIX}: '{where}.url' has the key prefix {prefix!r}: use '/'-separated names of "
+                          "[A-Za-z0-9._-] (e.g. s3://bucket/kvcache/prod).")
+    endpoint = text_value(raw, "endpoint", where=where)
+    if endpoint is not None:
+        ends = urlsplit(endpoint)
+        if ends.scheme not in ("http", "https") or not ends.hostname or ends.query or ends.fragment:
+            raise ConfigError(f"{PREFIX}: '{where}.endpoint' {endpoint!r} must be http(s)://HOST[:PORT], the "
+                              "S3 API of the store (e.g. https://minio.internal:9000).")
+        endpoint = endpoint.rstrip("/")
+    ca_bundle = text_value(raw, "ca_bundle", where=where)
+    if ca_bundle is not None:
+        bundle = Path(ca_bundle).expanduser()
+        if not bundle.is_file() or not os.access(bundle, os.R_OK):
+            raise ConfigError(f"{PREFIX}: '{where}.ca_bundle' {str(bundle)!r} is not a readable file: give the PEM "
+                              "file of the CA certificates that sign the endpoint's certificate.")
+    return S3TierConfig(
+        url=url,
+        bucket=bucket,
+        prefix=prefix,
+        endpoint=endpoint,
+        region=text_value(raw, "region", where=where),
+        path_style=bool_value(raw, "path_style", default=endpoint is not None, where=where),
+        ca_bundle=Path(ca_bundle).expanduser() if ca_bundle is not None else None,
+        profile=text_value(raw, "profile", where=where),
+        capacity_bytes=int_value(raw, "capacity_bytes", minimum=1, default=None, where=where),
+        max_concurrency=int_value(raw, "max_concurrency", minimum=1, default=16, where=where),
+        max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=64, where=where),
+        connect_timeout_s=float_value(raw, "connect_timeout_s", 2.0, where=where),
+        timeout_s=float_value(raw, "timeout_s", 10.0, where=where),
+        reconnect_max_s=float_value(raw, "reconnect_max_s", 30.0, where=where),
+        list_interval_s=float_value(raw, "list_interval_s", 60.0, where=where),
         auth=parse_auth(raw, where),
     )

@@ -35,8 +35,8 @@ from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
 from kvtier.launch import command
 from kvtier.planning.sizing import GIB
 
-KVTIER_TYPES = {"kvtier_disk": "fs", "kvtier_redis": "redis", "kvtier_node": "node", "KVTierDiskTier": "fs",
-                "KVTierRedisTier": "redis", "KVTierNodeTier": "node"}
+KVTIER_TYPES = {"kvtier_disk": "fs", "kvtier_redis": "redis", "kvtier_s3": "s3", "kvtier_node": "node",
+                "KVTierDiskTier": "fs", "KVTierRedisTier": "redis", "KVTierS3Tier": "s3", "KVTierNodeTier": "node"}
 """kvtier's secondary tier types (short names from its plugin; class names for module_path) -> kvtier's kind."""
 KVTIER_MODULE = "kvtier.vllm.native"
 KVTIER_SPEC = "KVTierOffloadingSpec"

@@ -65,14 +65,15 @@ class NodeCollector(Collector):
 
 
 def _tier_metrics(t: dict) -> Iterator[Metric]:
-    """The service's own tiers (``--disk-dir``, ``--redis-url``): cascades and promotions by tier."""
+    """The service's own tiers (``--disk-dir``, ``--redis-url``, ``--s3-url``): cascades and promotions by
+    tier (``remote``: Redis)."""
     for name, doc, prefix in (
             ("kvtier_node_cascaded_blocks", "Blocks written from the pool to the service's tiers.", "written_"),
             ("kvtier_node_cascade_dropped_blocks", "Blocks not written to a tier (no room, server down).",
              "writes_dropped_"),
             ("kvtier_node_promoted_blocks", "Blocks promoted from the service's tiers into the pool.", "promoted_")):
         family = CounterMetricFamily(name, doc, labels=["tier"])
-        for tier in ("disk", "remote"):
+        for tier in ("disk", "remote", "s3"):
             family.add_metric([tier], t.get(prefix + tier, 0))
         yield family
     for field, doc in (("promotion_failures", "Promotions that failed (the block is a miss)."),

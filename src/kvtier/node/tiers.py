@@ -1,7 +1,7 @@
-"""The node's disk and Redis tiers, owned by the ``kvtier node`` service: one tier stack per namespace.
+"""The node's disk, Redis and S3 tiers, owned by the ``kvtier node`` service: one tier stack per namespace.
 
-With ``--disk-dir`` / ``--redis-url`` the service, not the engines, owns the tiers below its pool
-(one writer per disk root, one Redis connection pool per node). Lookup across them, promotion and
+With ``--disk-dir`` / ``--redis-url`` / ``--s3-url`` the service, not the engines, owns the tiers
+below its pool (one writer per disk root, one Redis connection pool and one S3 client per node). Lookup across them, promotion and
 cascade are :class:`~kvtier.tiers.stack.TierStack`'s, run over the pool's index as an embedded
 engine runs them over its host tier: what the service does for a block is what an embedded engine
 does. Promotions reserve pool slots for the service's own session (:data:`PROMOTER`) and are parked
@@ -178,7 +178,7 @@ class NodeTiers:
     def _open(self, namespace: Namespace, model_name: str, namespace_json: str, payload_bytes: int
               ) -> tuple[SecondaryTier, ...]:
         return tuple(open_tier(config, model_name=model_name, namespace=namespace, namespace_json=namespace_json,
-                               payload_bytes=payload_bytes) for config in self.configs)  # disk, then Redis
+                               payload_bytes=payload_bytes) for config in self.configs)  # disk, Redis, S3
 
     def _settle_open(self, ns: _Namespace) -> None:
         future = ns.opening
@@ -269,7 +269,7 @@ class NodeTiers:
         counts = {"promotion_failures": total.promotion_failures, "checksum_failures": total.checksum_failures,
                   "auth_failures": total.auth_failures, "cascades_skipped_opening": self.skipped_opening,
                   "namespaces_refused": self.namespaces_refused}
-        for medium in (Medium.DISK, Medium.REMOTE):
+        for medium in (Medium.DISK, Medium.REMOTE, Medium.S3):
             name = medium.value.lower()
             counts[f"written_{name}"] = total.written_to(medium).jobs
             counts[f"writes_dropped_{name}"] = getattr(total, f"{name}_writes_dropped")

@@ -45,6 +45,7 @@ def open_host_side(config: KVTierConfig, namespace: Namespace, *, engine_id: str
         return NodeHost(client, len(rank_views), admission)
     json = namespace.config_json(model_name)
     tiers = [open_tier(tier, model_name=model_name, namespace=namespace, namespace_json=json,
-                       payload_bytes=layout.slot_bytes) for tier in config.secondary_tiers]  # disk, then Redis
+                       payload_bytes=layout.slot_bytes, where=f"secondary_tiers[{index}]")
+             for index, tier in enumerate(config.secondary_tiers)]  # disk, then Redis, then S3
     return Orchestrator(HostIndex(layout.num_slots, config.eviction_policy), HostBytes(rank_views, layout.slot_bytes),
                         tiers, admission)

@@ -1,7 +1,9 @@
 """What a tier behind a server knows about which blocks the server holds, answered from memory.
 
-Used by the Redis tier (:mod:`kvtier.tiers.redis`) and by the node pool's tier for vLLM's own
-offloading (:mod:`kvtier.node.pool_tier`); the Redis tier is the example below.
+Used by the Redis tier (:mod:`kvtier.tiers.redis`), the S3 tier (:mod:`kvtier.tiers.s3`, which
+also lists its namespace in the background: :meth:`PresenceCache.reconcile`) and by the node
+pool's tier for vLLM's own offloading (:mod:`kvtier.node.pool_tier`); the Redis tier is the
+example below.
 
 A shared remote cannot be asked on the caller's thread (a round trip is 0.1-1 ms on a LAN and
 up to ``timeout_s`` on a sick server, and the caller is vLLM's scheduler). So the tier answers
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ResidencyLog
@@ -175,6 +177,22 @@ class PresenceCache:
             entry = entries.get(key)
             if entry is None or not entry.present or entry.until <= now:
                 present.discard(key)
+
+    def reconcile(self, listed: Container[BlockKey], since: float) -> int:
+        """A complete listing of the server, begun at ``since`` (this cache's clock), holds
+        ``listed``: a key answered PRESENT since before then that the listing lacks is gone (another
+        process deleted it, or the server's lifecycle did), so it becomes ABSENT (REMOVED recorded).
+        Keys found after ``since`` are kept (written after the listing saw their place). Returns how
+        many went. Cost: one pass over the keys answered PRESENT."""
+        entries, ttl, now = self._entries, self.present_ttl, self.clock()
+        gone = []
+        for key in self.present_keys:
+            entry = entries.get(key)
+            if key not in listed and entry is not None and entry.present and entry.until - ttl < since:
+                gone.append(key)
+        for key in gone:
+            self._set(key, False, now)
+        return len(gone)
 
     def forget_all(self) -> int:
         """Drop every entry (a clear), recording REMOVED for reported ones; returns how many

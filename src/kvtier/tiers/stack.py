@@ -255,7 +255,7 @@ class TierStack:
         if not self.index.is_ready(key):
             return
         for tier in self.tiers if tiers is None else tiers:
-            if tier.contains(key) or (info.tail and tier.medium is Medium.REMOTE):
+            if tier.contains(key) or (info.tail and tier.medium.shared):
                 continue
             self.index.pin(key)
             backlog = self._backlogs[tier]
@@ -353,10 +353,10 @@ class TierStack:
 
     # --- management ---------------------------------------------------------------------
     def clear_local(self) -> None:
-        """Drop every block of the local tiers. A shared remote tier is left alone: one engine's
+        """Drop every block of the local tiers. A shared tier (Redis, S3) is left alone: one engine's
         reset must not wipe the fleet's cache (``kvtier purge`` clears it)."""
         for tier in self.tiers:
-            if tier.medium is not Medium.REMOTE:
+            if not tier.medium.shared:
                 tier.clear()
 
     def close(self, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:

@@ -11,13 +11,14 @@ VLLM_SOURCE = {
     Medium.HOST: CacheHitSource.HOST,
     Medium.DISK: CacheHitSource.DISK,
     Medium.REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,  # vLLM's name for a remote store
+    Medium.S3: CacheHitSource.EXTERNAL_UNSPECIFIED,
 }
 
 
 def clip_sources(by_source: dict[Medium, int], num_tokens: int) -> dict[Medium, int]:
     """``by_source`` cut to ``num_tokens`` (vLLM may accept fewer than offered): host first."""
     clipped, left = {}, num_tokens
-    for medium in (Medium.HOST, Medium.DISK, Medium.REMOTE):
+    for medium in (Medium.HOST, Medium.DISK, Medium.REMOTE, Medium.S3):
         take = min(by_source.get(medium, 0), left)
         if take:
             clipped[medium] = take

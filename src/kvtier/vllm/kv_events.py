@@ -2,7 +2,9 @@
 
 vLLM publishes what :meth:`KVTierConnector.take_events` returns on its KV-event publisher
 (``--kv-events-config``, e.g. ZMQ) next to its own device-cache events, so a KV-aware router learns
-which prefixes an instance can serve from host memory (medium ``CPU``) or disk (``STORAGE``).
+which prefixes an instance can serve from host memory (medium ``CPU``) or disk (``STORAGE``), the
+fleet's Redis (``REMOTE``) or an S3 bucket (``STORAGE`` with locality ``REMOTE``, as vLLM's own
+object-store tier announces its blocks).
 
 Hashes. Routers index vLLM's block hashes, not kvtier's keys, so events carry vLLM's hashes of the
 engine blocks a kvtier block covers (as vLLM's own OffloadingConnector does). kvtier learns them
@@ -20,7 +22,7 @@ Groups. Under vLLM's hybrid allocator a kvtier block holds the pages of every KV
 each event is published once per group (``group_idx``, with that group's ``kv_cache_spec_kind``),
 as vLLM announces a block of each group; with one group, once, as group 0.
 
-Invariant (what a consumer may rely on): for one hash and medium, ``BlockStored`` and
+Invariant (what a consumer may rely on): for one hash, medium and locality, ``BlockStored`` and
 ``BlockRemoved`` alternate, starting with ``BlockStored``; a block is announced in a medium only
 while it is readable there.
 
@@ -45,10 +47,15 @@ from kvtier.tiers.base import Medium
 MEDIUM_REMOTE = "REMOTE"
 """kvtier's medium name for its shared remote tier (vLLM defines none): the block is in the fleet's
 Redis, readable by any engine of the same namespace."""
-EVENT_MEDIUM = {Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE, Medium.REMOTE: MEDIUM_REMOTE}
-"""kvtier tier -> the medium name in vLLM's KV events."""
+EVENT_MEDIUM = {Medium.HOST: MEDIUM_CPU, Medium.DISK: MEDIUM_STORAGE, Medium.REMOTE: MEDIUM_REMOTE,
+                Medium.S3: MEDIUM_STORAGE}
+"""kvtier tier -> the medium name in vLLM's KV events. The S3 tier is announced as vLLM announces its
+own object-store tier (``obj``): medium ``STORAGE``, locality ``REMOTE`` (:data:`EVENT_LOCALITY`)."""
 
 LOCALITY = "LOCAL"  # host memory and the disk directory are this instance's own
+EVENT_LOCALITY = {Medium.S3: "REMOTE"}
+"""kvtier tier -> the locality of its KV events where it is not :data:`LOCALITY`: an object store is
+shared by the fleet, so a block there is remote to every instance (vLLM's ``Locality.REMOTE``)."""
 
 
 @dataclass(slots=True)
@@ -134,7 +141,7 @@ class KVEventTranslator:
                         block_hashes=self._published_hashes(block),
                         medium=EVENT_MEDIUM[change.medium],
                         group_idx=group,
-                        locality=LOCALITY,
+                        locality=EVENT_LOCALITY.get(change.medium, LOCALITY),
                     )
                     for group in range(len(self._group_kinds))
                 )
@@ -155,7 +162,7 @@ class KVEventTranslator:
                 lora_name=block.lora_name,
                 group_idx=group,
                 kv_cache_spec_kind=kind if described else None,
-                locality=LOCALITY,
+                locality=EVENT_LOCALITY.get(medium, LOCALITY),
             )
             for group, kind in enumerate(self._group_kinds)
         )

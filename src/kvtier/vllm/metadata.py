@@ -82,13 +82,14 @@ class KVTierConnectorStats(KVConnectorStats):
             "hit_tokens_host": stats.hit_tokens_host,
             "hit_tokens_disk": stats.hit_tokens_disk,
             "hit_tokens_remote": stats.hit_tokens_remote,
+            "hit_tokens_s3": stats.hit_tokens_s3,
             "stores_dropped": stats.stores_dropped,
             "stores_voided": stats.stores_voided,
             "checksum_failures": stats.checksum_failures,
             "auth_failures": stats.auth_failures,
         }
         for direction in ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote",
-                          "remote_to_host"):
+                          "remote_to_host", "host_to_s3", "s3_to_host"):
             counters: TransferCounters = getattr(stats, direction)
             reduced[f"{direction}_MB"] = round(counters.bytes / 1e6, 1)
             if counters.seconds > 0:

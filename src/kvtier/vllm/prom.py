@@ -1,6 +1,7 @@
 """kvtier's Prometheus metrics, registered through vLLM's connector metrics hook, so they appear
 on vLLM's ``/metrics`` next to its own: counters ``kvtier_*`` and gauges ``kvtier_tier_*{tier}``
-(each tier's usage). ``vllm:prompt_tokens_cached_by_source`` there already splits cached prompt
+(each tier's usage). The ``tier`` label: ``host``, ``disk``, ``remote`` (the Redis / Valkey tier)
+and ``s3`` (the S3-compatible object tier). ``vllm:prompt_tokens_cached_by_source`` there already splits cached prompt
 tokens into ``host`` and ``disk`` from kvtier's answers.
 
 vLLM calls :meth:`KVTierPromMetrics.observe` in its logging process with the ``data`` dict of
@@ -28,6 +29,7 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "hit_tokens_host": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "host"),
     "hit_tokens_disk": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "disk"),
     "hit_tokens_remote": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "remote"),
+    "hit_tokens_s3": ("kvtier_hit_tokens", "Prompt tokens served by kvtier, by tier", "tier", "s3"),
     "lookups_retried": ("kvtier_lookups_retried",
                         "Lookups answered 'ask again' (promotions or remote presence probes under way)", None, None),
     "stores_submitted": ("kvtier_stores", "Blocks stored into the host tier", None, None),
@@ -42,6 +44,8 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
                             "disk full, server down or full), by tier", "tier", "disk"),
     "remote_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
                               "disk full, server down or full), by tier", "tier", "remote"),
+    "s3_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
+                          "disk full, server down or full), by tier", "tier", "s3"),
     "promotions": ("kvtier_promotions", "Blocks promoted from disk into the host tier", None, None),
     "promotion_failures": ("kvtier_promotion_failures", "Disk reads that failed (block became a miss)", None, None),
     "load_errors": ("kvtier_load_errors", "Loads into the engine that failed (recomputed by vLLM)", None, None),
@@ -69,13 +73,17 @@ _USAGE_GAUGES: dict[str, tuple[str, str, str]] = {
     "disk_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "disk"),
     "remote_used_bytes": ("kvtier_tier_used_bytes", "Bytes held by each tier (all ranks)", "remote"),
     "remote_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "remote"),
+    "s3_used_bytes": ("kvtier_tier_used_bytes", "Bytes held by each tier (all ranks)", "s3"),
+    "s3_capacity_bytes": ("kvtier_tier_capacity_bytes", "Configured size of each tier (all ranks)", "s3"),
+    "s3_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "s3"),
     "host_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "host"),
     "host_pinned_blocks": ("kvtier_tier_pinned_blocks",
                            "Blocks being written or read (not evictable); 0 whenever no transfer is in flight",
                            "host"),
     "disk_blocks": ("kvtier_tier_blocks", "Blocks held by each tier", "disk"),
 }
-_DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host")
+_DIRECTIONS = ("engine_to_host", "host_to_engine", "host_to_disk", "disk_to_host", "host_to_remote", "remote_to_host",
+               "host_to_s3", "s3_to_host")
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):

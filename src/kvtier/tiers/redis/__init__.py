@@ -7,7 +7,7 @@ and the value format (one self-describing, checksummed value per block: the disk
 file bytes, rank by rank), :mod:`~kvtier.tiers.presence` (shared with the node pool's tier) what the tier
 answers without asking the server, :mod:`~kvtier.tiers.redis.client` the connections (redis-py pools and
 connections: all Redis traffic goes through redis-py), :mod:`~kvtier.tiers.redis.jobs` the data
-path, :mod:`~kvtier.tiers.redis.breaker` and :mod:`~kvtier.tiers.redis.monitor` what happens when
+path, :mod:`~kvtier.tiers.breaker` and :mod:`~kvtier.tiers.redis.monitor` what happens when
 the server does not answer, :mod:`~kvtier.tiers.redis.stats` the counters.
 """
 

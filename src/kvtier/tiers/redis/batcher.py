@@ -1,10 +1,7 @@
 """Coalescing of the Redis tier's jobs into batches (what is submitted together goes out together),
-and the worker threads that run them.
-
-:class:`WorkerPool`: ``n`` threads started with the tier, taking tasks from one FIFO queue.
-(Not a ``ThreadPoolExecutor``: it starts its threads lazily inside ``submit``, and starting a
-thread makes the caller wait for it, which hands the GIL to the new worker in the middle of the
-caller's run of submissions and splits the batch.)
+on the tier's worker threads (:class:`~kvtier.tiers.workers.WorkerPool`, whose threads start with
+the tier: a thread started lazily inside ``submit`` would take the GIL in the middle of the
+caller's run of submissions and split the batch).
 
 A :class:`Batcher` sits in front of one pool. :meth:`Batcher.submit` (the caller's
 thread) appends a job to a queue and, if no drain is pending, hands ONE drain task to the pool.
@@ -23,67 +20,16 @@ the pool's threads; the queue is guarded by a lock.
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-logger = logging.getLogger(__name__)
+from kvtier.tiers.workers import WorkerPool
+
+__all__ = ["Batcher", "WorkerPool"]
 
 T = TypeVar("T")
-
-
-class WorkerPool:
-    """``n`` daemon threads named ``{name}-{i}`` running submitted tasks in FIFO order."""
-
-    def __init__(self, n: int, name: str, *, initializer: Callable[[], None] | None = None) -> None:
-        if n < 1:
-            raise ValueError("a pool needs at least one thread")
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._initializer = initializer
-        self._closed = False
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)
-        ]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, task: Callable[..., object], *args: object) -> None:
-        """Queue ``task(*args)``; RuntimeError once shut down."""
-        if self._closed:
-            raise RuntimeError("the pool is shut down")
-        self._queue.put((task, args))
-
-    def shutdown(self) -> None:
-        """Drop the tasks not started yet, let the running ones finish, join the threads. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        for _ in self._threads:
-            self._queue.put(None)
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join()
-
-    def _run(self) -> None:
-        if self._initializer is not None:
-            self._initializer()
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            task, args = item
-            try:
-                task(*args)
-            except Exception:  # tasks handle their own failures; this is a bug
-                logger.exception("kvtier redis: a worker task failed")
 
 
 class Batcher(Generic[T]):

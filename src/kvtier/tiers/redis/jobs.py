@@ -45,13 +45,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from redis.exceptions import OutOfMemoryError, ResponseError
 
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError, IoKind, IoResult
-from kvtier.tiers.redis.breaker import CircuitBreaker
+from kvtier.tiers.breaker import CircuitBreaker
+from kvtier.tiers.remote import MSG_IO, MSG_PROBE, ReadJob, WriteJob
 from kvtier.tiers.redis.client import (
     Reply,
     RedisClient,
@@ -75,9 +75,8 @@ from kvtier.tiers.sealing import PLAIN, Sealer, UnauthenticatedRecord
 logger = logging.getLogger(__name__)
 
 # Messages posted on the completion queue (each post is a list of them: one batch's outcomes, in order).
-MSG_IO = "io"  # (MSG_IO, IoResult, detail: None | "oom" | "breaker"[, the WriteJob for a write])
+# MSG_IO (detail: None | "oom" | "breaker") and MSG_PROBE: kvtier.tiers.remote's, shared with the S3 tier.
 MSG_BATCH = "batch"  # (MSG_BATCH, "read" | "write" | "probe", round trips)
-MSG_PROBE = "probe"  # (MSG_PROBE, keys, found: list[bool | None]  (None: the probe of that key failed))
 MSG_USAGE = "usage"  # (MSG_USAGE, used_bytes, capacity_bytes)
 MSG_REMOVED = "removed"  # (MSG_REMOVED, keys removed (count), failed commands (count))
 
@@ -92,23 +91,6 @@ PIECE_BYTES = 1 << 20
 ``GETRANGE`` pieces: each piece is copied and hashed while it is in cache and while the server
 sends the next one (5.9 MB at depth 1, main thread: 2.8-3.05 -> 2.3-2.6 ms per read; 16 MiB:
 19 -> 8.2-8.6 ms). Smaller values go whole: one more command costs more than it saves."""
-
-
-@dataclass(slots=True)
-class ReadJob:
-    job_id: int
-    key: BlockKey
-    dests: list[memoryview]
-
-
-@dataclass(slots=True)
-class WriteJob:
-    job_id: int
-    key: BlockKey
-    parent: BlockKey
-    num_tokens: int
-    sources: list[memoryview]
-    epoch: int = 0  # the tier's clear() count when it was submitted
 
 
 def read_reply_bytes(world: int, payload_bytes: int, piece_bytes: int = PIECE_BYTES) -> int:

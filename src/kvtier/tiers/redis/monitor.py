@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from kvtier.core.priority import become_background_thread
 from kvtier.core.values import ConfigError
-from kvtier.tiers.redis.breaker import CircuitBreaker
+from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure
 from kvtier.tiers.redis.jobs import MSG_USAGE
 

@@ -2,7 +2,7 @@
 
 Modules: :mod:`~kvtier.tiers.redis.codec` (key names, the value format and its verification),
 :mod:`~kvtier.tiers.redis.client` (redis-py connections and pipelines; one round trip per server
-and batch), :mod:`~kvtier.tiers.redis.breaker` (the circuit breaker),
+and batch), :mod:`~kvtier.tiers.breaker` (the circuit breaker),
 :mod:`~kvtier.tiers.presence` (what the tier knows without asking),
 :mod:`~kvtier.tiers.redis.batcher` (jobs submitted together go out together),
 :mod:`~kvtier.tiers.redis.jobs` (what the worker threads do), :mod:`~kvtier.tiers.redis.monitor`
@@ -41,7 +41,7 @@ one piece of a value read in pieces: :data:`~kvtier.tiers.redis.jobs.PIECE_BYTES
 counted in ``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the
 breaker is open.
 
-Failures never raise into the caller and never stall it: see :mod:`~kvtier.tiers.redis.breaker`
+Failures never raise into the caller and never stall it: see :mod:`~kvtier.tiers.breaker`
 (3 consecutive failed batches open it; presence is then ABSENT, reads and probes fail at once,
 writes are dropped; back-off 1 s doubling to 30 s, then one PING from the monitor thread) and
 :mod:`~kvtier.tiers.redis.client` (timeouts, no retries, reconnects). A server unreachable at
@@ -60,40 +60,32 @@ key are removed again when they complete; a write from another engine is not.
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from collections.abc import Container, Sequence
+from collections.abc import Sequence
 
 from redis.exceptions import NoPermissionError
 
-from kvtier.core.keys import KEY_BYTES, BlockKey
+from kvtier.core.keys import BlockKey
 from kvtier.core.priority import become_background_thread
-from kvtier.core.residency import ResidencyLog
 from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import ConfigError
-from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, SecondaryTier, TierUsage
-from kvtier.tiers.disk.files import byte_views
-from kvtier.tiers.outbox import Outbox
+from kvtier.tiers.base import IoResult, Medium, Presence, TierUsage
 from kvtier.tiers.redis.batcher import Batcher, WorkerPool
-from kvtier.tiers.redis.breaker import CircuitBreaker
 from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
-from kvtier.tiers.redis.codec import KeySpace, value_bytes
+from kvtier.tiers.redis.codec import KeySpace
 from kvtier.tiers.redis.heap import raise_mmap_threshold
 from kvtier.tiers.redis.jobs import (
     MSG_BATCH,
-    MSG_IO,
-    MSG_PROBE,
     MSG_REMOVED,
     MSG_USAGE,
     PIECE_BYTES,
     DataPath,
-    ReadJob,
-    WriteJob,
     read_reply_bytes,
 )
 from kvtier.tiers.redis.monitor import USAGE_INTERVAL, Monitor
-from kvtier.tiers.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL, PresenceCache
-from kvtier.tiers.redis.stats import COUNTED, RedisTierStats
+from kvtier.tiers.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL
+from kvtier.tiers.redis.stats import RedisTierStats
+from kvtier.tiers.remote import ReadJob, RemoteTier, WriteJob
 from kvtier.tiers.sealing import Sealer
 
 logger = logging.getLogger(__name__)
@@ -103,17 +95,17 @@ BATCH_BYTES = 64 << 20
 PROBE_BATCH_KEYS = 4096
 """Most keys in one EXISTS batch."""
 REMOVE_BATCH_KEYS = 1000
-_ABSENT = Presence.ABSENT
 TOUCH_INTERVAL_S = 30.0
 """A key is touched on the server at most once per this many seconds (see :meth:`RedisTier.touch`)."""
 """Most keys in one UNLINK / EXPIRE batch."""
 
 
-class RedisTier(SecondaryTier):
-    """Blocks in Redis / Valkey; see the module docstring for threading, batching and failures."""
+class RedisTier(RemoteTier):
+    """Blocks in Redis / Valkey; see the module docstring for threading, batching and failures.
+    The caller-side bookkeeping (presence, writes in flight, poll) is :class:`~kvtier.tiers.remote.RemoteTier`'s."""
 
     medium = Medium.REMOTE
-    knows_absence = False  # the server may hold what this process never heard of
+    stats_type = RedisTierStats
 
     def __init__(
         self,
@@ -130,45 +122,20 @@ class RedisTier(SecondaryTier):
         usage_interval: float = USAGE_INTERVAL,
         piece_bytes: int = PIECE_BYTES,
     ) -> None:
-        if not rank_digests:
-            raise ValueError("rank_digests must name at least one rank (one digest per rank)")
-        for rank, digest in enumerate(rank_digests):
-            if len(digest) != KEY_BYTES:
-                raise ValueError(f"rank_digests[{rank}] must be {KEY_BYTES} bytes, got {len(digest)}")
-        if not isinstance(payload_bytes, int) or payload_bytes < 1:
-            raise ValueError(f"payload_bytes must be an int >= 1, got {payload_bytes!r}")
         self.config = config
+        # Caller-thread state (presence, counters, writes in flight): RemoteTier's, changed only in
+        # the submit methods and poll().
+        super().__init__(
+            medium=Medium.REMOTE, rank_digests=rank_digests, payload_bytes=payload_bytes,
+            max_pending_writes=config.max_pending_writes, reconnect_max_s=config.reconnect_max_s,
+            presence_ttl=presence_ttl, absent_ttl=absent_ttl, presence_entries=presence_entries)
         self._keys = KeySpace.of(config.key_prefix, engine_digest)
-        self._rank_digests = tuple(bytes(d) for d in rank_digests)
-        self._world = len(self._rank_digests)
-        self._payload_bytes = payload_bytes
-        self._value_bytes = value_bytes(self._world, payload_bytes)
         raise_mmap_threshold(self._value_bytes)  # replies on the heap, not one mmap each (heap.py)
         self._namespace_json = namespace_json
-        self._closed = False
-
-        # Caller-thread state: changed only here and in poll().
-        self._residency = ResidencyLog(Medium.REMOTE)
-        self._presence = PresenceCache(
-            self._residency, present_ttl=presence_ttl, absent_ttl=absent_ttl, max_entries=presence_entries
-        )
-        self._presence_get = self._presence.get
-        self._counts: dict[str, float] = dict.fromkeys(COUNTED, 0)
-        self._writing: dict[BlockKey, int] = {}  # key -> writes in flight
-        self._pending_writes = 0
-        self._cancelled: set[BlockKey] = set()  # deleted while a write of it was in flight
-        self._clear_epoch = 0
         self._sweeps_asked = self._sweeps_done = 0  # clear()'s sweeps (close() runs a dropped one)
         self._touched: set[BlockKey] = set()  # keys touched since _touch_epoch_ends - TOUCH_INTERVAL_S
         self._touch_epoch_ends = 0.0
         self._usage = (0, 0)
-        self._done = Outbox()  # workers' posts, each a list of messages (jobs.py)
-        self._waited: list[tuple] | None = None  # taken off _done by wait(), applied by the next poll()
-
-        self._monitor: Monitor | None = None
-        self._breaker = CircuitBreaker(on_open=self._wake_monitor, base_backoff=min(1.0, config.reconnect_max_s),
-                                       max_backoff=config.reconnect_max_s)
-        self._seen_generation = self._breaker.generation
         # Each connection's reader keeps a buffer for the largest reply reads expect (a value, or a piece).
         reply_bytes = read_reply_bytes(self._world, payload_bytes, piece_bytes)
         self._client = RedisClient(config, reply_bytes=reply_bytes)  # ConfigError: password_env unset
@@ -218,31 +185,6 @@ class RedisTier(SecondaryTier):
 
     # ------------------------------------------------------------------ contract
 
-    @property
-    def outbox(self) -> Outbox:  # type: ignore[override]
-        return self._done
-
-    @property
-    def residency(self) -> ResidencyLog:  # type: ignore[override]
-        return self._residency
-
-    def presence(self, key: BlockKey) -> Presence:
-        """From memory only (see :mod:`~kvtier.tiers.presence`); ABSENT while the breaker is open."""
-        if self._closed or not self._breaker.closed:
-            return _ABSENT
-        if self._breaker.generation != self._seen_generation:
-            self._sync_breaker()
-        return self._presence_get(key)
-
-    def contains(self, key: BlockKey) -> bool:
-        return self.presence(key) is Presence.PRESENT
-
-    @property
-    def held_keys(self) -> Container[BlockKey]:
-        """The keys answered PRESENT now (emptied while the breaker is open, expired each poll);
-        a key not in it may still be on the server: ask :meth:`presence`."""
-        return self._presence.present_keys
-
     def probe(self, keys: Sequence[BlockKey]) -> None:
         """Queue one EXISTS batch for the keys without a fresh answer and no probe in flight."""
         if self._closed or not self._breaker.closed:
@@ -251,91 +193,19 @@ class RedisTier(SecondaryTier):
         if wanted:
             self._probes.submit(wanted, len(wanted))
 
-    def submit_read(self, job_id: int, key: BlockKey, dests: Sequence[memoryview]) -> None:
-        views = byte_views(dests, count=self._world, nbytes=self._payload_bytes, writable=True, what="dests")
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"key must be {KEY_BYTES} bytes, got {len(key)}")
-        if self._closed or not self._breaker.closed:
-            self._done.put([(MSG_IO, IoResult(job_id, IoKind.READ, key, False, error=IoError.IO), "breaker")])
-            return
-        self._reads.submit(ReadJob(job_id, key, views), self._value_bytes)
+    def _queue_read(self, job: ReadJob) -> None:
+        self._reads.submit(job, self._value_bytes)
 
-    def submit_write(
-        self,
-        job_id: int,
-        key: BlockKey,
-        parent: BlockKey,
-        num_tokens: int,
-        sources: Sequence[memoryview],
-        *,
-        tail: bool = False,  # the orchestrator never sends tails to a remote tier
-    ) -> bool:
-        views = byte_views(
-            sources, count=self._world, nbytes=self._payload_bytes, writable=False, what="sources"
-        )
-        if len(key) != KEY_BYTES or len(parent) != KEY_BYTES:
-            raise ValueError(f"key and parent must be {KEY_BYTES} bytes, got {len(key)} and {len(parent)}")
-        if not 0 <= num_tokens < 2**32:
-            raise ValueError(f"num_tokens must fit in a u32, got {num_tokens}")
-        if self._closed or not self._breaker.closed or self._pending_writes >= self.config.max_pending_writes:
-            self._counts["writes_dropped"] += 1
-            return False
-        if (key in self._writing and key not in self._cancelled) or self._presence.get(
-            key
-        ) is Presence.PRESENT:
-            # Content addressed: the bytes stored (or on their way) are these bytes. Offered again:
-            # the prefix is in use, so its value's TTL (or the server's LRU clock) starts again.
-            self.touch((key,))
-            self._done.put([(MSG_IO, IoResult(job_id, IoKind.WRITE, key, True), "dedup")])
-            return True
-        self._writing[key] = self._writing.get(key, 0) + 1
-        self._pending_writes += 1
-        self._writes.submit(
-            WriteJob(job_id, key, parent, num_tokens, views, self._clear_epoch), self._value_bytes
-        )
-        return True
+    def _queue_write(self, job: WriteJob) -> None:
+        self._writes.submit(job, self._value_bytes)
 
-    def write_room(self) -> int | None:
-        if self._closed or not self._breaker.closed:
-            return None
-        return max(0, self.config.max_pending_writes - self._pending_writes)
+    def _remove_again(self, key: BlockKey) -> None:
+        self._unlinks.submit(key, 1)
 
-    def poll(self) -> list[IoResult]:
-        results: list[IoResult] = []
-        done = self._done
-        posted, self._waited = self._waited, None
-        while True:
-            if posted is None:
-                try:
-                    posted = done.get_nowait()
-                except queue.Empty:
-                    break
-            for msg in posted:
-                self._apply(msg, results)
-            posted = None
-        if self._breaker.generation != self._seen_generation:
-            self._sync_breaker()
-        self._presence.expire()
-        return results
-
-    def _apply(self, msg: tuple, results: list[IoResult]) -> None:
-        """Apply one message a worker posted (:mod:`~kvtier.tiers.redis.jobs`); a job's result
-        goes to ``results``."""
-        kind = msg[0]
-        counts = self._counts
-        if kind == MSG_IO:
-            result: IoResult = msg[1]
-            if result.kind is IoKind.READ:
-                self._finish_read(result, msg[2])
-            else:
-                self._finish_write(result, msg[2], msg[3] if len(msg) > 3 else None)
-            results.append(result)
-        elif kind == MSG_PROBE:
-            keys, found = msg[1], msg[2]
-            self._presence.probed(keys, found)
-            counts["probes"] += len(keys)
-            counts["probe_failures"] += sum(1 for f in found if f is None)
-        elif kind == MSG_BATCH:
+    def _apply_other(self, msg: tuple) -> None:
+        """Apply one message of the Redis workers' own kinds (:mod:`~kvtier.tiers.redis.jobs`)."""
+        kind, counts = msg[0], self._counts
+        if kind == MSG_BATCH:
             counts[f"{msg[1]}_batches"] += msg[2]
         elif kind == MSG_REMOVED:
             counts["removed"] += msg[1]
@@ -343,18 +213,8 @@ class RedisTier(SecondaryTier):
         elif kind == MSG_USAGE:
             self._usage = (msg[1], msg[2])
 
-    def wait(self, timeout: float) -> bool:
-        """Block the calling thread up to ``timeout`` seconds until a worker has posted an outcome
-        (a job done, a probe answered...); True if one is ready for :meth:`poll`. For a caller
-        with nothing else to do (a benchmark or a tool driving the tier); the engine's step never
-        calls it. The caller's thread, like :meth:`poll`."""
-        if self._waited is not None:
-            return True
-        try:
-            self._waited = self._done.get(timeout)
-        except queue.Empty:
-            return False
-        return True
+    def _write_failed(self, result: IoResult, detail: str | None) -> None:
+        self._counts["writes_oom"] += detail == "oom"
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Mark ``keys`` used on the server, in the background: EXPIRE (their TTL starts again) when
@@ -427,102 +287,17 @@ class RedisTier(SecondaryTier):
             pool.shutdown()
         if self._sweeps_done < self._sweeps_asked:  # a clear() whose sweep the shutdown dropped
             self._sweep()
-        cancelled = (
-            [
-                (MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, error=IoError.IO), None)
-                for job in self._reads.cancel()
-            ]
-            + [
-                (MSG_IO, IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.IO), None, job)
-                for job in self._writes.cancel()
-            ]
-            + [(MSG_PROBE, keys, [None] * len(keys)) for keys in self._probes.cancel()]
-        )
-        if cancelled:
-            self._done.put(cancelled)
+        self._cancelled_posts(self._reads.cancel(), self._writes.cancel(), self._probes.cancel())
         self._client.close()
 
     # ------------------------------------------------------------------ extras
-
-    @property
-    def stats(self) -> RedisTierStats:
-        return RedisTierStats(**self._counts, breaker_opens=self._breaker.opens)
-
-    @property
-    def breaker(self) -> CircuitBreaker:
-        """The circuit breaker (state, back-off; for tests and metrics)."""
-        return self._breaker
 
     @property
     def keys(self) -> KeySpace:
         """This namespace's Redis key names."""
         return self._keys
 
-    @property
-    def value_bytes(self) -> int:
-        """Bytes of one stored value (every rank's header and payload)."""
-        return self._value_bytes
-
     # ------------------------------------------------------------------ caller-thread helpers
-
-    def _sync_breaker(self) -> None:
-        """The breaker opened or closed since we last looked."""
-        self._seen_generation = self._breaker.generation
-        if self._breaker.closed:  # back after an outage: the server may have lost everything
-            self._presence.invalidate()
-        else:  # down: nothing is vouched for (presence() answers ABSENT meanwhile)
-            self._presence.present_keys.clear()
-
-    def _finish_read(self, result: IoResult, detail: str | None) -> None:
-        counts = self._counts
-        if result.ok:
-            counts["reads_ok"] += 1
-            counts["bytes_read"] += result.num_bytes
-            counts["read_seconds"] += result.seconds
-            self._presence.found(result.key)
-        elif result.error is IoError.NOT_FOUND:
-            counts["read_misses"] += 1
-            self._presence.missing(result.key)
-        elif result.error is IoError.CORRUPT:
-            counts["corrupt"] += 1
-            self._presence.missing(result.key)
-        elif result.error is IoError.UNAUTHENTICATED:
-            counts["unauthenticated"] += 1
-            self._presence.missing(result.key)
-        else:
-            counts["io_errors"] += 1
-            counts["breaker_rejects"] += detail == "breaker"
-            self._presence.failed(result.key)
-
-    def _finish_write(self, result: IoResult, detail: str | None, job: WriteJob | None) -> None:
-        counts = self._counts
-        if detail == "dedup":
-            counts["writes_deduped"] += 1
-            return
-        key = result.key
-        if job is not None:
-            self._pending_writes -= 1
-            left = self._writing.get(key, 1) - 1
-            if left:
-                self._writing[key] = left
-            else:
-                self._writing.pop(key, None)
-        if result.ok:
-            counts["writes_ok"] += 1
-            counts["bytes_written"] += result.num_bytes
-            counts["write_seconds"] += result.seconds
-            if key in self._cancelled or (job is not None and job.epoch != self._clear_epoch):
-                if not self._closed:
-                    self._unlinks.submit(key, 1)  # deleted or cleared while it was being written
-            else:
-                self._presence.found(key)
-        elif result.error is IoError.DROPPED:
-            counts["writes_dropped"] += 1
-            counts["writes_oom"] += detail == "oom"
-        else:
-            counts["io_errors"] += 1
-        if key not in self._writing:
-            self._cancelled.discard(key)
 
     def _write_config(self) -> None:
         """Store the namespace's config.json under the config key (start-up; after a recovery)."""
@@ -545,7 +320,3 @@ class RedisTier(SecondaryTier):
             self._write_config()
         except Exception as exc:
             logger.warning("kvtier redis: storing the namespace key failed: %s", describe(exc))
-
-    def _wake_monitor(self) -> None:
-        if self._monitor is not None:
-            self._monitor.wake()

@@ -1,8 +1,9 @@
 """kvtier's tiers behind vLLM's own offloading (the ``OffloadingConnector``), and a spec that runs it
 on vLLM's CPU backend.
 
-- :mod:`~kvtier.vllm.native.tiers` -- ``KVTierDiskTier`` and ``KVTierRedisTier``, vLLM secondary
-  tiers (types ``kvtier_disk`` / ``kvtier_redis``) over kvtier's disk and Redis tiers;
+- :mod:`~kvtier.vllm.native.tiers` -- ``KVTierDiskTier``, ``KVTierRedisTier`` and ``KVTierS3Tier``,
+  vLLM secondary tiers (types ``kvtier_disk`` / ``kvtier_redis`` / ``kvtier_s3``) over kvtier's disk,
+  Redis and S3 tiers;
 - :mod:`~kvtier.vllm.native.node_tier` -- ``KVTierNodeTier`` (type ``kvtier_node``): the same
   adapter over the pool of a ``kvtier node`` service;
 - :mod:`~kvtier.vllm.native.spec` -- ``KVTierOffloadingSpec``: vLLM's ``TieringOffloadingSpec`` with
@@ -14,14 +15,14 @@ on vLLM's CPU backend.
 The logic that needs no vLLM is :mod:`kvtier.runtime.chunks`. Names are imported on first access
 (vLLM imports this module by ``spec_module_path`` / ``module_path`` and looks names up with
 ``getattr``), so the plugin module loads without vLLM's offloading modules. ``kvtier_disk`` and
-``kvtier_redis`` (and ``kvtier_node``) are aliases, so ``{"type": "kvtier_disk", "module_path": "kvtier.vllm.native"}``
+``kvtier_redis``, ``kvtier_s3`` (and ``kvtier_node``) are aliases, so ``{"type": "kvtier_disk", "module_path": "kvtier.vllm.native"}``
 works where plugins are not loaded.
 """
 
 from typing import Any
 
-__all__ = ["KVTierDiskTier", "KVTierNodeTier", "KVTierOffloadingSpec", "KVTierRedisTier", "kvtier_disk",
-           "kvtier_node", "kvtier_redis"]
+__all__ = ["KVTierDiskTier", "KVTierNodeTier", "KVTierOffloadingSpec", "KVTierRedisTier", "KVTierS3Tier",
+           "kvtier_disk", "kvtier_node", "kvtier_redis", "kvtier_s3"]
 
 _NAMES = {
     "KVTierOffloadingSpec": ("kvtier.vllm.native.spec", "KVTierOffloadingSpec"),
@@ -29,6 +30,8 @@ _NAMES = {
     "KVTierRedisTier": ("kvtier.vllm.native.tiers", "KVTierRedisTier"),
     "kvtier_disk": ("kvtier.vllm.native.tiers", "KVTierDiskTier"),
     "kvtier_redis": ("kvtier.vllm.native.tiers", "KVTierRedisTier"),
+    "KVTierS3Tier": ("kvtier.vllm.native.tiers", "KVTierS3Tier"),
+    "kvtier_s3": ("kvtier.vllm.native.tiers", "KVTierS3Tier"),
     "KVTierNodeTier": ("kvtier.vllm.native.node_tier", "KVTierNodeTier"),
     "kvtier_node": ("kvtier.vllm.native.node_tier", "KVTierNodeTier"),
 }

@@ -5,7 +5,7 @@ vLLM asks a tier class for its metric definitions in every process that exports 
 (:class:`TierMetrics`). vLLM's tiering manager already counts lookups, hits, bytes and seconds per
 tier (``vllm:kv_offload_tiering_*``); these add what only kvtier sees: records refused on read
 (bad checksum, short, another namespace), stores dropped, evictions, and usage. Every series is
-labelled with the tier's type (``tier``: kvtier_disk, kvtier_redis, kvtier_node).
+labelled with the tier's type (``tier``: kvtier_disk, kvtier_redis, kvtier_s3, kvtier_node).
 """
 
 from __future__ import annotations

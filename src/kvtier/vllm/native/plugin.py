@@ -22,7 +22,8 @@ import logging
 logger = logging.getLogger(__name__)
 
 MODULE = "kvtier.vllm.native"
-TIER_TYPES = {"kvtier_disk": "KVTierDiskTier", "kvtier_redis": "KVTierRedisTier", "kvtier_node": "KVTierNodeTier"}
+TIER_TYPES = {"kvtier_disk": "KVTierDiskTier", "kvtier_redis": "KVTierRedisTier", "kvtier_s3": "KVTierS3Tier",
+              "kvtier_node": "KVTierNodeTier"}
 SPEC_NAME = "KVTierOffloadingSpec"
 CONNECTOR_NAME = "KVTierConnector"
 CONNECTOR_MODULE = "kvtier.vllm.connector"

@@ -1,10 +1,11 @@
-"""kvtier's disk and Redis tiers as vLLM secondary tiers (``SecondaryTierManager``, 0.32 and 0.33).
+"""kvtier's disk, Redis and S3 tiers as vLLM secondary tiers (``SecondaryTierManager``, 0.32 and 0.33).
 
 Configured in the ``secondary_tiers`` of vLLM's ``TieringOffloadingSpec`` (or kvtier's
 :class:`~kvtier.vllm.native.spec.KVTierOffloadingSpec`) with the keys of kvtier's own tiers::
 
     {"type": "kvtier_disk", "root_dir": "/var/cache/kvtier", "capacity_bytes": 200000000000}
     {"type": "kvtier_redis", "url": "redis://cache:6379/0"}
+    {"type": "kvtier_s3", "url": "s3://bucket/kvcache", "capacity_bytes": 2000000000000}
 
 (the type names come from kvtier's ``vllm.general_plugins`` entry point; without plugins, add
 ``"module_path": "kvtier.vllm.native"``). Two keys more than kvtier's own tiers: ``model_identity``
@@ -19,7 +20,8 @@ What vLLM does with a tier, and what this one does in turn (vLLM's tiering/base.
 - every call below comes from the scheduler thread (0.33: possibly its tier-poll thread, never
   concurrently: vLLM holds its manager lock), and answers from memory;
 - ``lookup``: HIT / MISS from the tier's index; kvtier_redis answers RETRY while an EXISTS probe is
-  in flight (:class:`~kvtier.tiers.presence.PresenceCache`);
+  in flight, kvtier_s3 while a HEAD probe is (:class:`~kvtier.tiers.presence.PresenceCache`; the S3
+  tier also knows what its background LIST found);
 - ``submit_store`` / ``submit_load``: one kvtier tier job per chunk, run on the tier's threads
   against the rows vLLM pinned; ``get_finished_jobs`` reports each vLLM job once, with the chunks
   that failed left out (a failed chunk is a miss; its record is quarantined or forgotten, so it is
@@ -29,7 +31,7 @@ What vLLM does with a tier, and what this one does in turn (vLLM's tiering/base.
   adds kvtier's counters (:mod:`kvtier.vllm.native.metrics`);
 - ``shutdown`` finishes the jobs and closes the tier; a namespace of a per-process hash seed (no
   other process could ever read it) is removed then, or at exit if vLLM exits without a shutdown
-  (kvtier_disk: its directories; kvtier_redis: its values, at shutdown only).
+  (kvtier_disk: its directories; kvtier_redis, kvtier_s3: its values / objects, at shutdown only).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.core.keys import Namespace
-from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig, TierType, parse_tier
+from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig, S3TierConfig, TierType, parse_tier
 from kvtier.runtime.chunks.identity import HashSeed, model_identity, private_seed_warning
 from kvtier.runtime.chunks.rows import Rows
 from kvtier.runtime.chunks.run import config_json, namespace
@@ -175,7 +177,8 @@ class VllmTierAdapter(SecondaryTierManager):
     def _make_tier(self, config: Any, ns: Namespace, seed: HashSeed) -> SecondaryTier:
         """Open the storage (the watcher's thread): kvtier's tier of this kind for ``config``."""
         return open_tier(config, model_name=self.run.model_name, namespace=ns,
-                         namespace_json=config_json(ns, self.run, seed), payload_bytes=self.run.payload_bytes)
+                         namespace_json=config_json(ns, self.run, seed), payload_bytes=self.run.payload_bytes,
+                         where=f"secondary_tiers[{self.tier_type}]")
 
     def _opened(self, tier: SecondaryTier, seed: HashSeed) -> None:
         """The storage is open (the watcher's thread, before lookups see it)."""
@@ -266,7 +269,7 @@ class VllmTierAdapter(SecondaryTierManager):
             if not private and not store.drain(SHUTDOWN_DRAIN_S):  # what the engine stored is kept
                 logger.warning("kvtier %s: shutting down with %d chunks not written after %.0f s (dropped)",
                                self.tier_type, store.waiting, SHUTDOWN_DRAIN_S)
-            store.close(clear=private and self.kind is TierType.REDIS)
+            store.close(clear=private and self.kind in (TierType.REDIS, TierType.S3))
             if private:
                 self._remove_private_namespace(store.tier)
 
@@ -349,3 +352,25 @@ class KVTierRedisTier(VllmTierAdapter):
 
     def location(self) -> str:
         return self.config.redacted_url()
+
+
+class KVTierS3Tier(VllmTierAdapter):
+    """kvtier's S3 tier (an S3-compatible object store shared by the fleet, bounded by a sweep; a store
+    that is down only costs misses). Medium STORAGE, locality REMOTE, as vLLM's own object-store tier
+    (``obj``); hits EXTERNAL_UNSPECIFIED, vLLM's source for a remote store."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
+    kind = TierType.S3
+    default_locality = Locality.REMOTE
+    config: S3TierConfig
+
+    def describe(self) -> str:
+        bound = f"{self.config.capacity_bytes / 2**30:.1f} GiB" if self.config.capacity_bytes else "no capacity_bytes"
+        return f"{self.config.location} ({bound})"
+
+    def location(self) -> str:
+        return self.config.location
+
+    def capacity(self) -> int:
+        return self.config.capacity_bytes or 0

@@ -1,14 +1,14 @@
-"""The Redis tier's circuit breaker: stop asking a server that does not answer.
+"""The circuit breaker of a tier behind a server (Redis, S3): stop asking a server that does not answer.
 
-States: CLOSED (normal) -> OPEN after ``threshold`` consecutive failed batches (a connection
-refused, reset or timed out; a server that answers with an error is NOT a failure) -> after a
-back-off, the tier's monitor thread runs one trial (a PING): HALF_OPEN while it runs -> CLOSED
-if it succeeds, OPEN again with the back-off doubled if not. The back-off starts at
-``base_backoff`` (1 s) and doubles up to ``max_backoff`` (the Redis entry's ``reconnect_max_s``,
-30 s by default); closing resets it.
+States: CLOSED (normal) -> OPEN after ``threshold`` consecutive failed requests or batches (a
+connection refused, reset or timed out; a server that answers with an error is NOT a failure) ->
+after a back-off, the tier's monitor thread runs one trial (Redis: a PING; S3: one LIST page):
+HALF_OPEN while it runs -> CLOSED if it succeeds, OPEN again with the back-off doubled if not.
+The back-off starts at ``base_backoff`` (1 s) and doubles up to ``max_backoff`` (the tier entry's
+``reconnect_max_s``, 30 s by default); closing resets it.
 
 While the breaker is not CLOSED the tier answers from memory without waiting for anyone:
-presence is ABSENT (a miss), reads and probes fail at once, writes are dropped. Batches that
+presence is ABSENT (a miss), reads and probes fail at once, writes are dropped. Requests that
 were already running when it opened fail by themselves within ``timeout_s``; their failures
 (and late successes) no longer change the state: only the trial does.
 

@@ -1,0 +1,260 @@
+"""``kvtier inspect / verify / purge`` on an S3 tier (an ``s3://BUCKET/PREFIX`` URL instead of a directory).
+
+The same reports as for a disk root or a Redis server (:class:`~kvtier.cachetools.inventory.Inventory`,
+:class:`~kvtier.cachetools.verify.VerifyReport`, :class:`~kvtier.cachetools.purge.PurgeReport`), from
+the tier's own object keys (:mod:`kvtier.tiers.s3.keys`) and values (the Redis tier's, checked by
+:func:`~kvtier.cachetools.remote.check_value`): a namespace is a ``PREFIX/<model>_<digest16>/``
+folder with its ``config.json`` and its blocks. Everything comes from one paginated ``LIST`` of the
+prefix (keys, sizes, LastModified): ages are by last write (an object store keeps no access time).
+Verify reads every block object of the selected namespaces with GETs bounded by the namespace's
+block size (an object of another size is bad without being read) and deletes the bad ones unless
+told not to; purge deletes what it selects (bulk DELETE, 1000 keys per request). Safe while engines
+use the prefix: an engine that loses a block sees a miss and forgets it at its next listing.
+
+Credentials come from the standard AWS chain, as the tier's (:mod:`kvtier.tiers.s3.client`); never
+printed. Called by :mod:`kvtier.cli.cache` in the ``kvtier`` command's process, one thread.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.cachetools.inventory import Inventory, NamespaceInventory, age_bucket
+from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
+from kvtier.cachetools.remote import _RemoteNamespace, check_value, purged_namespaces
+from kvtier.cachetools.selection import SelectionError
+from kvtier.cachetools.verify import Problem, VerifyReport
+from kvtier.core.fleet_key import AuthConfig
+from kvtier.core.keys import Namespace, SpecVersionError, describe_config
+from kvtier.core.tier_config import S3_URL_SCHEMES, S3TierConfig, TierType, parse_tier
+from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
+from kvtier.tiers.s3.keys import CONFIG_NAME, namespace_folder, parse_block
+from kvtier.tiers.sealing import Sealer
+
+DELETE_BATCH = 1000
+
+
+def is_s3(target: str) -> bool:
+    """Whether ``target`` names an S3 tier (``s3://BUCKET/PREFIX``)."""
+    return target.split("://", 1)[0] in S3_URL_SCHEMES and "://" in target
+
+
+@dataclass(frozen=True)
+class ObjectTarget:
+    """How to reach an S3 tier: its entry (URL, endpoint, region, CA bundle, profile); no credential."""
+
+    config: S3TierConfig
+
+    @classmethod
+    def of(cls, url: str, *, endpoint: str | None = None, region: str | None = None, ca_bundle: str | None = None,
+           profile: str | None = None) -> ObjectTarget:
+        """ConfigError naming the option when one is malformed."""
+        raw = {"url": url, "endpoint": endpoint, "region": region, "ca_bundle": ca_bundle, "profile": profile}
+        config = parse_tier({k: v for k, v in raw.items() if v is not None}, TierType.S3, "options")
+        assert isinstance(config, S3TierConfig)
+        return cls(config)
+
+    @property
+    def shown(self) -> str:
+        return self.config.location
+
+    def store(self):
+        from kvtier.tiers.s3.client import check_access, make_store
+
+        store = make_store(self.config, "options")
+        check_access(self.config, "options", store)  # ConfigError: refused, no such bucket, untrusted certificate
+        return store
+
+
+@dataclass
+class _ObjectNamespace(_RemoteNamespace):
+    """One namespace folder: ``blocks`` are its block objects' keys; ``sizes`` / ``written`` theirs."""
+
+    folder: str = ""
+    config_path: str | None = None
+    sizes: dict[str, int] = field(default_factory=dict)
+    written: dict[str, float] = field(default_factory=dict)  # LastModified, seconds since the epoch
+
+    @property
+    def prefix(self) -> str:
+        return self.folder
+
+    @property
+    def block_size(self) -> int | None:
+        """The size most of its block objects have (every valid block of a namespace has one size)."""
+        counts = Counter(self.sizes.values())
+        return counts.most_common(1)[0][0] if counts else None
+
+
+def _discover(store, prefix: str) -> list[_ObjectNamespace]:
+    """Every namespace folder under ``prefix`` (by its config.json, or by its blocks alone)."""
+    import obstore
+
+    folders: dict[str, _ObjectNamespace] = {}
+    configs: dict[str, str] = {}
+    by_folder: dict[str, list[dict]] = defaultdict(list)
+    for chunk in obstore.list(store, prefix + "/", chunk_size=1000):
+        for meta in chunk:
+            path = meta["path"]
+            block = parse_block(path, prefix)
+            if block is not None:
+                by_folder[block.folder].append(meta)
+                continue
+            folder = namespace_folder(path, prefix)
+            if folder is not None:
+                configs[folder] = path
+    for folder in sorted(set(by_folder) | set(configs)):
+        config = namespace = version = None
+        if folder in configs:
+            config = _read_config(store, configs[folder])
+            if config is not None:
+                version = config.get("spec_version") if isinstance(config.get("spec_version"), str) else None
+                try:
+                    namespace = Namespace.from_dict(config)
+                except (SpecVersionError, TypeError, ValueError, KeyError, AttributeError):
+                    namespace = None
+        metas = sorted(by_folder.get(folder, []), key=lambda m: m["path"])
+        folders[folder] = _ObjectNamespace(
+            space=None, digest16=folder.rsplit("_", 1)[1], config=config, namespace=namespace, spec_version=version,
+            blocks=[m["path"] for m in metas], folder=folder, config_path=configs.get(folder),
+            sizes={m["path"]: m["size"] for m in metas},
+            written={m["path"]: m["last_modified"].timestamp() for m in metas})
+    return list(folders.values())
+
+
+def _read_config(store, path: str) -> dict[str, Any] | None:
+    import obstore
+
+    try:
+        raw = obstore.get(store, path, options={"range": (0, 1 << 20)}).bytes().to_bytes()
+        config = json.loads(raw)
+    except (ValueError, FileNotFoundError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def inspect_objects(target: ObjectTarget, *, now: float | None = None) -> Inventory:
+    now = time.time() if now is None else now
+    store = target.store()
+    inventory = Inventory(root=target.shown, scanned_at=now, namespaces=[])
+    for ns in _discover(store, target.config.prefix):
+        model = ns.folder.rsplit("_", 1)[0]
+        summary = NamespaceInventory(
+            prefix=ns.folder, model=model, digest16=ns.digest16, model_name=ns.model_name,
+            layout=describe_config(ns.config) if ns.config is not None else None,
+            config_problem=None if ns.config is not None else f"{CONFIG_NAME} missing or unreadable",
+            world=ns.world, older_spec=ns.older_spec)
+        summary.complete_blocks = summary.block_files = len(ns.blocks)
+        summary.block_bytes = sum(ns.sizes.values())
+        for written in ns.written.values():
+            summary.ages[age_bucket(now - written)] += 1
+        summary.last_use = max(ns.written.values(), default=None)
+        inventory.namespaces.append(summary)
+    return inventory
+
+
+def verify_objects(target: ObjectTarget, selectors: Sequence[str] = (), *, delete: bool = True,
+                   auth: AuthConfig | None = None) -> VerifyReport:
+    """Read and check every block object of the selected namespaces (by digest or model); delete
+    the bad ones unless ``delete`` is False. As :func:`~kvtier.cachetools.remote.verify_remote`."""
+    import obstore
+
+    sealer = Sealer(auth) if auth is not None else None
+    store = target.store()
+    spaces = _discover(store, target.config.prefix)
+    chosen = spaces if not selectors else [
+        ns for ns in spaces if any(ns.matches(s, False) or ns.matches(s, True) for s in selectors)]
+    if selectors and not chosen:
+        raise SelectionError(f"no namespace at {target.shown} matches {list(selectors)}")
+    report = VerifyReport(root=target.shown, namespaces=[ns.prefix for ns in chosen])
+    for ns in chosen:
+        if ns.namespace is None:
+            why = "written under an older key spec" if ns.older_spec else f"{CONFIG_NAME} missing or unreadable"
+            report.problems.append(Problem(ns.prefix, f"{why}: its {len(ns.blocks)} objects cannot be checked "
+                                           "(left in place)", "reported"))
+            continue
+        rank_digests, size = ns.namespace.rank_digests(), ns.block_size
+        bad: list[str] = []
+        for path in ns.blocks:
+            if ns.sizes[path] != size:
+                reason = f"object of {ns.sizes[path]} bytes; the namespace's blocks are {size} bytes"
+            else:
+                try:
+                    value = obstore.get(store, path, options={"range": (0, size + 1)}).bytes().to_bytes()
+                except FileNotFoundError:
+                    report.vanished += 1
+                    continue
+                report.files_checked += 1
+                report.bytes_checked += len(value)
+                block = parse_block(path, target.config.prefix)
+                reason = check_value(value, rank_digests, block.key if block else None, ns.world, sealer, report)
+                if reason is None:
+                    report.files_ok += 1
+                    continue
+            bad.append(path)
+            report.problems.append(Problem(path, reason, "deleted" if delete else "reported"))
+        if delete:
+            _delete(store, bad)
+    return report
+
+
+def _delete(store, paths: Sequence[str]) -> None:
+    import obstore
+
+    for begin in range(0, len(paths), DELETE_BATCH):
+        obstore.delete(store, list(paths[begin:begin + DELETE_BATCH]))
+
+
+def _not_sealed_under(store, paths: Sequence[str], key_id: bytes) -> list[str]:
+    """The objects of ``paths`` whose first record is not sealed under fleet key ``key_id``."""
+    import obstore
+
+    out: list[str] = []
+    for path in paths:
+        try:
+            head = obstore.get(store, path, options={"range": (0, HEADER_LEN)}).bytes().to_bytes()
+        except FileNotFoundError:
+            continue
+        try:
+            header = decode_header(head)
+        except CorruptBlockError:
+            out.append(path)
+            continue
+        if not (header.sealed and header.key_id == key_id):
+            out.append(path)
+    return out
+
+
+def purge_objects(target: ObjectTarget, selection: PurgeSelection, *, dry_run: bool = False,
+                  now: float | None = None) -> PurgeReport:
+    """Delete what ``selection`` selects (there is no quarantine in a bucket: bad objects are deleted
+    where they are found). ``--older-than`` goes by LastModified (last write)."""
+    selection.validate()
+    now = time.time() if now is None else now
+    store = target.store()
+    report = PurgeReport(target.shown, dry_run)
+    for ns in purged_namespaces(_discover(store, target.config.prefix), selection, target.shown):
+        result = NamespacePurge(ns.prefix)
+        victims = list(ns.blocks)
+        if selection.retired_except is not None:
+            victims = _not_sealed_under(store, victims, selection.retired_except)
+        if selection.older_than is not None:
+            victims = [path for path in victims if now - ns.written[path] > selection.older_than]
+        if not dry_run:
+            _delete(store, victims)
+        result.blocks = result.files = len(victims)
+        result.bytes = sum(ns.sizes[path] for path in victims)
+        if selection.whole_namespaces and len(victims) == len(ns.blocks):
+            result.config_removed = ns.config_path is not None
+            if not dry_run and ns.config_path is not None:
+                _delete(store, [ns.config_path])
+        report.namespaces.append(result)
+    return report
+
+
+__all__ = ["ObjectTarget", "inspect_objects", "is_s3", "purge_objects", "verify_objects"]
