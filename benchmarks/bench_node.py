@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 from kvtier.node import NodeClient, Role
-from kvtier.node.protocol import Reservation, pack
+from kvtier.node.protocol import PROTOCOL_VERSION, Reservation, pack
 
 GOAL_P50_MS = 0.5
 
@@ -95,7 +95,7 @@ def writer(sock: str, slot_bytes: int, width: int, batch: int, interval_s: float
 def stalled(sock: str, stop_at: float) -> None:
     s = socket.socket(socket.AF_UNIX)
     s.connect(sock)
-    s.sendall(pack({"op": "hello", "version": 1, "engine": "stalled", "role": "observer"}))
+    s.sendall(pack({"op": "hello", "version": PROTOCOL_VERSION, "engine": "stalled", "role": "observer"}))
     s.setblocking(False)
     try:
         while True:

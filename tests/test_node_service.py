@@ -238,6 +238,8 @@ def test_inspect_and_prometheus_metrics_of_a_running_service(tmp_path):
         assert 'kvtier_node_hit_blocks_total{engine="A"} 1.0' in metrics
         assert "kvtier_node_pinned_blocks 1.0" in metrics and "kvtier_node_attached_engines 1.0" in metrics
         assert f"kvtier_node_pool_used_bytes {float(a.attachment.slot_stride)}" in metrics
+        assert "kvtier_node_protocol_errors_total 0.0" in metrics and "kvtier_node_slow_readers_total 0.0" in metrics
+        assert "kvtier_node_internal_errors_total 0.0" in metrics
         a.close()
     finally:
         stop(proc)
@@ -275,6 +277,10 @@ def test_a_malformed_peer_is_dropped_alone_and_versions_must_match(node):
     with socket.socket(socket.AF_UNIX) as bad:
         bad.connect(str(node))
         bad.sendall(b"\x93\x01\x02\x03")  # a msgpack array, not a map
+        from kvtier.node.protocol import FrameReader
+
+        refusal = FrameReader().feed(bad.recv(4096))[0]
+        assert not refusal["ok"] and "must be a map" in refusal["error"]
         assert bad.recv(100) == b""  # dropped
     wait_for(lambda: a.stats()["protocol_errors"] == 1)
     assert a.lookup([key(1)]).hits == 1

@@ -71,6 +71,10 @@ def model(dtype: str, cache_dir: str | None) -> None:
 @click.option("--node-pool-size", type=float, default=None, metavar="GIB",
               help="With --node: the pool of the node service started when none runs there "
                    "(default: --kv-offloading-size). A running service keeps its own size.")
+@click.option("--node-uid", default=None, metavar="UID|USER",
+              help="With --node: the user the node service may run as besides root and this server's own "
+                   "(config key node_uid). The engine checks who serves the socket before it maps the pool or "
+                   "sends KV, and refuses a service of any other user.")
 @click.option("--kv-config", default=None, metavar="JSON",
               help="A JSON object of more kvtier keys (see docs/configuration.md), merged last into "
                    "kv_connector_extra_config: a top-level key replaces what the flags above set. "
@@ -79,7 +83,7 @@ def model(dtype: str, cache_dir: str | None) -> None:
 def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, disk_dir: str | None,
           disk_size: float, no_disk: bool, redis_url: str | None, redis_password_env: str | None,
           fleet_key_env: str | None, encrypt: bool, eviction_policy: str, node: str | None,
-          node_pool_size: float | None, kv_config: str | None) -> None:
+          node_pool_size: float | None, node_uid: str | None, kv_config: str | None) -> None:
     """Start vLLM's OpenAI-compatible server (vllm serve) with kvtier as its KV connector.
 
     \b
@@ -119,10 +123,13 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
     ]
     if redis_password_env is not None and redis_url is None:
         raise click.UsageError("--redis-password-env needs --redis-url.")
+    if node_uid is not None and node is None:
+        raise click.UsageError("--node-uid names the user the kvtier node service of --node may run as: give --node.")
     options = ServeOptions(
         kv_offloading_size_gib=kv_offloading_size, disk_dir=disk_dir, disk_size_gib=disk_size,
         no_disk=no_disk, eviction_policy=eviction_policy, redis_url=redis_url,
         redis_password_env=redis_password_env, node=node, fleet_key_env=fleet_key_env, encrypt=encrypt,
+        node_uid=None if node_uid is None else int(node_uid) if node_uid.isdigit() else node_uid,
     )
     run(args, options, disk_flags_given=given, kv_config_text=kv_config, node_pool_gib=node_pool_size)
 

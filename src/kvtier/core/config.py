@@ -36,6 +36,7 @@ from kvtier.core.values import (  # noqa: F401  (ConfigError is re-exported)
     enum_value,
     int_value,
     text_value,
+    uid_value,
 )
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class KVTierConfig:
     self_describing_kv_events: bool = False
     model_identity: str | None = None
     node: str | None = None  # a kvtier node service's socket: its pool is the host tier (docs/node.md)
+    node_uid: int | None = None  # the user the node service may run as besides root and the engine's own
     trace_path: str | None = None  # the access log for `kvtier plan --trace` (kvtier.runtime.access_log)
 
     @property
@@ -120,6 +122,10 @@ class KVTierConfig:
                 "Give them to the service (kvtier node ... --disk-dir DIR --disk-size GIB --redis-url URL) and "
                 "remove 'secondary_tiers', or remove 'node' to keep an embedded host tier with them."
             )
+        node_uid = uid_value(extra, "node_uid")
+        if node_uid is not None and node is None:
+            raise ConfigError("kv_connector_extra_config: 'node_uid' names the user a kvtier node service may run as; "
+                              "it needs 'node' (the service's socket). Give 'node', or remove 'node_uid'.")
         return cls(
             cpu_bytes_to_use=int_value(extra, "cpu_bytes_to_use", minimum=1),
             block_size=int_value(extra, "block_size", minimum=1, default=None),
@@ -134,6 +140,7 @@ class KVTierConfig:
             self_describing_kv_events=bool_value(extra, "self_describing_kv_events", default=False),
             model_identity=text_value(extra, "model_identity"),
             node=node,
+            node_uid=node_uid,
             trace_path=text_value(extra, "trace_path"),
         )
 
@@ -166,6 +173,7 @@ _TOP_LEVEL_KEYS = frozenset(
         "self_describing_kv_events",
         "model_identity",
         "node",
+        "node_uid",
         "trace_path",
     }
 )

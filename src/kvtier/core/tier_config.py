@@ -36,6 +36,7 @@ from kvtier.core.values import (
     float_value,
     int_value,
     text_value,
+    uid_value,
 )
 
 logger = logging.getLogger(__name__)
@@ -162,13 +163,15 @@ class NodeTierConfig:
     """A ``kvtier_node`` entry (vLLM's own offloading): the pool of the ``kvtier node`` service at
     ``socket``. ``cap_bytes``: the most of the pool this engine may hold (None: no cap of its own);
     ``timeout_s``: the longest one round trip may take; ``retry_interval_s``: how often a service
-    that is gone is tried again; ``max_pending_writes``: chunks copied into the pool at once."""
+    that is gone is tried again; ``max_pending_writes``: chunks copied into the pool at once;
+    ``node_uid``: the user the service may run as besides root and the engine's own."""
 
     socket: Path
     cap_bytes: int | None = None
     timeout_s: float = 2.0
     retry_interval_s: float = 1.0
     max_pending_writes: int = 256
+    node_uid: int | None = None
 
 
 def redact_url(url: str) -> str:
@@ -185,7 +188,8 @@ def redact_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
-_NODE_KEYS = frozenset({"type", "socket", "cap_bytes", "timeout_s", "retry_interval_s", "max_pending_writes"})
+_NODE_KEYS = frozenset({"type", "socket", "cap_bytes", "timeout_s", "retry_interval_s", "max_pending_writes",
+                        "node_uid"})
 _FS_KEYS = frozenset({
     "type", "root_dir", "capacity_bytes", "n_read_threads", "n_write_threads", "max_pending_writes", "group_access",
 }) | AUTH_KEYS
@@ -274,6 +278,7 @@ def _node_tier(raw: Mapping[str, Any], where: str) -> NodeTierConfig:
         timeout_s=float_value(raw, "timeout_s", 2.0, where=where),
         retry_interval_s=float_value(raw, "retry_interval_s", 1.0, where=where),
         max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=256, where=where),
+        node_uid=uid_value(raw, "node_uid", where=where),
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import pwd
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,6 +67,24 @@ def text_value(raw: Mapping[str, Any], key: str, where: str = "", required: bool
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{PREFIX}: '{name}' must be a non-empty string, got {value!r}.")
     return value.strip()
+
+
+def uid_value(raw: Mapping[str, Any], key: str, where: str = "") -> int | None:
+    """A user: a uid (an integer >= 0) or a user name of this node, as its uid; None if absent."""
+    name = key_name(key, where)
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, str) and value.strip():
+        try:
+            return pwd.getpwnam(value.strip()).pw_uid
+        except KeyError:
+            raise ConfigError(f"{PREFIX}: '{name}' = {value!r}: no such user on this node.") from None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{PREFIX}: '{name}' must be a uid (an integer >= 0) or a user name, got {value!r}.")
+    return value
 
 
 def bool_value(raw: Mapping[str, Any], key: str, default: bool, where: str = "") -> bool:

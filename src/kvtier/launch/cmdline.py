@@ -33,7 +33,7 @@ READ_FLAGS = (
 """The vLLM flags doctor reads; unique prefixes of these are expanded like vLLM's parser does."""
 KVTIER_FLAGS = ("--kv-offloading-size", "--disk-dir", "--disk-size", "--no-disk", "--eviction-policy",
                 "--kv-config", "--redis-url", "--redis-password-env", "--fleet-key-env", "--encrypt", "--node",
-                "--node-pool-size")
+                "--node-pool-size", "--node-uid")
 """``kvtier serve``'s own flags (before any ``--``; after it everything is vLLM's)."""
 _VLLM_CLI_MODULES = (
     "vllm.entrypoints.cli.main",

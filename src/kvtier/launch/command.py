@@ -77,6 +77,9 @@ class ServeOptions:
     node: str | Path | None = None
     """A ``kvtier node`` service's socket: its pool is the host tier (``kv_offloading_size_gib`` then
     caps this engine's share); no disk or Redis tier of the engine's own (docs/node.md)."""
+    node_uid: int | str | None = None
+    """With ``node``: the user (uid or name) the service may run as besides root and the engine's own
+    (``node_uid``; a service of anyone else is refused)."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +135,8 @@ def build_extra_config(options: ServeOptions) -> dict:
     tiers: list[dict[str, Any]] = []
     if options.node is not None:
         extra["node"] = os.path.abspath(Path(options.node).expanduser())
+        if options.node_uid is not None:
+            extra["node_uid"] = options.node_uid
     elif not options.no_disk:
         tiers.append({
             "type": "fs",
@@ -352,8 +357,9 @@ def _summary(model, options, config, vllm_args, cpu_backend, kv_memory_flag, env
         tp = 0
     per_rank = f" ({_gib(total / tp)} GiB per rank x {tp})" if tp >= 1 else ""
     if config.node is not None:
+        served_by = "" if config.node_uid is None else f", served by root, this user or uid {config.node_uid}"
         lines.append(f"kvtier: host    the kvtier node at {config.node} (this engine holds at most {_gib(total)} GiB "
-                     "of its pool)")
+                     f"of its pool{served_by})")
     else:
         lines.append(f"kvtier: host    {_gib(total)} GiB total{per_rank}, {config.eviction_policy.value}")
     disk = config.disk

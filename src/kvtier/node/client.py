@@ -13,6 +13,13 @@ new pool: :attr:`NodeClient.generation` counts attachments, so callers drop slot
 older one). A call that finds its connection closed by the service (restarted since) is tried
 once more at once, on a fresh attachment. A request the service refuses raises
 :class:`NodeError` with its message.
+
+Before it sends anything, a scheduler's or worker's client checks who serves the socket
+(:func:`kvtier.node.credentials.check_service`: root, this process's user, or ``node_uid``), and
+before it maps the pool, that the memfd is sealed against resizing and as large as announced: a
+service of another user, or a pool that could shrink under it, is refused (:class:`NodeError`).
+Requests longer than :data:`~kvtier.node.protocol.MAX_KEYS` keys are sent as several (a lookup
+asks for its first ``MAX_KEYS`` keys).
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvtier.core.keys import BlockKey
-from kvtier.node.pool import PoolMapping
-from kvtier.node.protocol import PROTOCOL_VERSION, RECV_BYTES, FrameReader, Op, ProtocolError, Reservation, Role, pack
+from kvtier.node.credentials import UntrustedService, check_service
+from kvtier.node.pool import PoolMapping, PoolSealError
+from kvtier.node.protocol import (MAX_KEYS, PROTOCOL_VERSION, RECV_BYTES, FrameReader, Op, ProtocolError, Reservation,
+                                  Role, pack, pack_keys, pack_u32, pack_u64)
 
 
 class NodeUnavailable(ConnectionError):
@@ -72,8 +81,8 @@ class NodeClient:
 
     def __init__(self, socket_path: str | os.PathLike[str], *, engine: str, role: Role = Role.SCHEDULER,
                  slot_bytes: int | None = None, cap_bytes: int | None = None, map_pool: bool | None = None,
-                 timeout_s: float = 5.0, retry_interval_s: float = 1.0, namespace: str | None = None
-                 ) -> None:
+                 timeout_s: float = 5.0, retry_interval_s: float = 1.0, namespace: str | None = None,
+                 node_uid: int | None = None) -> None:
         self.socket_path = Path(socket_path)
         self.engine = engine
         self.role = role
@@ -83,6 +92,7 @@ class NodeClient:
         self.timeout_s = timeout_s
         self.retry_interval_s = retry_interval_s
         self.namespace = namespace  # sent at hello (Namespace.config_json): the service's tiers store its blocks under it
+        self.node_uid = node_uid  # a service's uid trusted besides root and this process's (config key node_uid)
         self.generation = 0
         self.attachment: Attachment | None = None
         self.pool: PoolMapping | None = None
@@ -119,6 +129,12 @@ class NodeClient:
             except OSError as exc:
                 sock.close()
                 raise NodeUnavailable(f"kvtier node at {self.socket_path}: {exc}") from None
+            if self.role is not Role.OBSERVER:  # an observer sends nothing and maps nothing
+                try:
+                    check_service(sock, self.socket_path, self.node_uid)
+                except UntrustedService as exc:
+                    sock.close()
+                    raise NodeError(str(exc)) from None
             self._sock = sock
             self._reader = FrameReader()
             self._pending = []
@@ -133,6 +149,9 @@ class NodeClient:
                 if self.map_pool and fds:
                     self.pool = PoolMapping(fds[0], attachment.pool_bytes, attachment.slot_bytes or 0,
                                             attachment.slot_stride)
+            except PoolSealError as exc:
+                self._disconnect()
+                raise NodeError(f"kvtier node at {self.socket_path}: {exc}") from None
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -233,37 +252,60 @@ class NodeClient:
     # --- operations ----------------------------------------------------------------------
     def lookup(self, keys: Sequence[BlockKey], *, pin: bool = False, width: int = 1, parent: BlockKey | None = None,
                block_tokens: int = 0, tail_tokens: int = 0) -> Hit:
-        """Leading run of ``keys`` the pool holds READY with ``width`` slots each (one round trip
-        for all of them). With ``pin`` the run is pinned for this engine under ``Hit.pin`` (release
-        it with :meth:`unpin`) and its slots are returned, ``width`` per key, in key order.
-        ``parent`` (the key before ``keys[0]``), ``block_tokens`` and ``tail_tokens`` (> 0: the last
-        key is a tail) name the records of blocks the service promotes (kept on its faster tiers)."""
+        """Leading run of ``keys`` (at most the first :data:`MAX_KEYS`) the pool holds READY with
+        ``width`` slots each (one round trip for all of them). With ``pin`` the run is pinned for
+        this engine under ``Hit.pin`` (release it with :meth:`unpin`) and its slots are returned,
+        ``width`` per key, in key order. ``parent`` (the key before ``keys[0]``), ``block_tokens``
+        and ``tail_tokens`` (> 0: the last key is a tail) name the records of blocks the service
+        promotes (kept on its faster tiers)."""
+        if len(keys) > MAX_KEYS:
+            keys, tail_tokens = keys[:MAX_KEYS], 0  # (the tail was the last key)
         chain = {"parent": parent, "tokens": block_tokens, "tail_tokens": tail_tokens} if parent is not None else {}
-        reply = self._call(Op.LOOKUP, keys=keys if isinstance(keys, list) else list(keys), pin=pin, width=width,
-                           **chain)
+        reply = self._call(Op.LOOKUP, keys=pack_keys(list(keys)), pin=pin, width=width, **chain)
         return Hit(reply["hits"], reply["slots"], reply["pin"], bool(reply.get("pending")), int(reply.get("below", 0)))
 
     def reserve(self, keys: Sequence[BlockKey], width: int = 1, tails: Sequence[int] = ()
                 ) -> list[tuple[Reservation, list[int] | None]]:
         """Reserve ``width`` slots per key to write; each key's outcome and slots (RESERVED only).
         ``tails``: positions in ``keys`` of tails (partial blocks: the pool evicts them first)."""
-        reply = self._call(Op.RESERVE, keys=list(keys), width=width, tails=list(tails))
-        return [(Reservation(s), slots) for s, slots in zip(reply["status"], reply["slots"])]
+        keys, answers = list(keys), []
+        for start in _chunks(len(keys)):
+            part = keys[start:start + MAX_KEYS]
+            fields: dict[str, Any] = {"keys": pack_keys(part), "width": width}
+            mine = [p - start for p in tails if start <= p < start + len(part)]
+            if mine:
+                fields["tails"] = pack_u32(mine)
+            reply = self._call(Op.RESERVE, **fields)
+            answers += [(Reservation(s), slots) for s, slots in zip(reply["status"], reply["slots"])]
+        return answers
 
     def commit(self, keys: Sequence[BlockKey], blocks: Sequence[tuple[BlockKey, int, bool]] | None = None) -> int:
         """The reserved slots of ``keys`` are written on every rank: they become hits for everyone.
         ``blocks``: each key's ``(parent, num_tokens, tail)``, which the service's tiers store with it."""
-        fields: dict[str, Any] = {"keys": list(keys)}
-        if blocks is not None:
-            fields["blocks"] = [list(b) for b in blocks]
-        return self._call(Op.COMMIT, **fields)["unknown"]
+        keys, unknown = list(keys), 0
+        blocks = None if blocks is None else list(blocks)
+        for start in _chunks(len(keys)):
+            fields: dict[str, Any] = {"keys": pack_keys(keys[start:start + MAX_KEYS])}
+            if blocks is not None:
+                part = blocks[start:start + MAX_KEYS]
+                fields["parents"] = pack_keys([b[0] for b in part])
+                fields["tokens"] = pack_u32([b[1] for b in part])
+                tails = [p for p, b in enumerate(part) if b[2]]
+                if tails:
+                    fields["tails"] = pack_u32(tails)
+            unknown += self._call(Op.COMMIT, **fields)["unknown"]
+        return unknown
 
     def abort(self, keys: Sequence[BlockKey]) -> int:
-        return self._call(Op.ABORT, keys=list(keys))["unknown"]
+        keys = list(keys)
+        return sum(self._call(Op.ABORT, keys=pack_keys(keys[start:start + MAX_KEYS]))["unknown"]
+                   for start in _chunks(len(keys)))
 
     def unpin(self, pins: Sequence[int]) -> int:
         """Release pin handles (from :meth:`lookup`); returns how many this session did not hold."""
-        return self._call(Op.UNPIN, pins=list(pins))["unknown"]
+        pins = list(pins)
+        return sum(self._call(Op.UNPIN, pins=pack_u64(pins[start:start + MAX_KEYS]))["unknown"]
+                   for start in _chunks(len(pins)))
 
     def stats(self) -> dict[str, Any]:
         reply = dict(self._call(Op.STATS))
@@ -275,3 +317,8 @@ class NodeClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _chunks(count: int) -> range:
+    """Starts of the requests that carry ``count`` keys (one request for none)."""
+    return range(0, max(count, 1), MAX_KEYS)

@@ -1,51 +1,44 @@
-"""One client connection of the node service, and the peer checks made when it is accepted.
+"""One client connection of the node service.
 
 Loop thread only (:mod:`kvtier.node.server`); memory and non-blocking sockets only.
 """
 
 from __future__ import annotations
 
+import selectors
 import socket
 import statistics
-import struct
 from collections import deque
-from pathlib import Path
 
 from kvtier.node.index import Session
 from kvtier.node.protocol import FrameReader, Role
 
-_UCRED = struct.Struct("3i")
-
 
 class Conn:
-    """One client connection: its socket, frame reader, reply queue and (after hello) session."""
+    """One client connection: its socket, frame reader, reply queue and (after hello) session.
 
-    __slots__ = ("sock", "reader", "out", "session", "role", "uid", "pid", "closing")
+    ``out`` holds replies not yet written (the socket is non-blocking: :meth:`NodeServer._flush`
+    writes what the peer's buffer takes). ``fds`` are descriptors to pass (``SCM_RIGHTS``) with
+    the byte at ``out[fd_at]``, the first of the hello's reply; they stay the server's (not
+    closed when sent). ``hang_up``: close once the replies queued so far were tried (a bad
+    request). ``events``: what the selector watches for it now."""
+
+    __slots__ = ("sock", "reader", "out", "fds", "fd_at", "session", "role", "uid", "pid", "closing", "hang_up",
+                 "events")
 
     def __init__(self, sock: socket.socket, uid: int, pid: int) -> None:
         self.sock = sock
-        self.reader = FrameReader()
+        self.reader = FrameReader(requests=True)
         self.out = bytearray()
+        self.fds: list[int] = []
+        self.fd_at = 0
         self.session: Session | None = None
         self.role: Role | None = None
         self.uid = uid
         self.pid = pid
         self.closing = False
-
-
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """``(pid, uid, gid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
-    return _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-
-
-def groups_of(pid: int) -> set[int]:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Groups:"):
-                return {int(g) for g in line.split()[1:]}
-    except OSError:
-        pass
-    return set()
+        self.hang_up = False
+        self.events = selectors.EVENT_READ
 
 
 def percentiles(seconds: deque[float]) -> dict[str, float]:

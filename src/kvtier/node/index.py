@@ -60,7 +60,7 @@ class Session:
     reserved: set[BlockKey] = field(default_factory=set)
     pins: dict[int, list[NodeEntry]] = field(default_factory=dict)  # pin handle -> the entries it pins
     next_pin: int = 1
-    namespace: bytes | None = None  # its engine's namespace digest (hello), naming the service's tiers for it
+    namespace: tuple[bytes, int] | None = None  # its engine's namespace digest and slot size (hello): its tiers
 
 
 @dataclass

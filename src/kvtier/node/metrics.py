@@ -33,6 +33,13 @@ class NodeCollector(Collector):
         yield CounterMetricFamily("kvtier_node_evictions", "Blocks evicted from the pool.", value=s["evictions"])
         yield CounterMetricFamily("kvtier_node_rejected_peers", "Connections refused by their credentials.",
                                   value=s["rejected_peers"])
+        yield CounterMetricFamily("kvtier_node_protocol_errors", "Connections closed for a frame that is not a "
+                                  "valid request (answered with the field at fault).", value=s["protocol_errors"])
+        yield CounterMetricFamily("kvtier_node_slow_readers", "Connections closed for leaving too many replies "
+                                  "unread.", value=s["slow_readers"])
+        yield CounterMetricFamily("kvtier_node_internal_errors", "Requests (or tier outcomes) whose handling "
+                                  "raised: a bug, logged; the request's connection closed.",
+                                  value=s["internal_errors"])
         per_engine = {
             "lookups": ("kvtier_node_lookups", "Lookup requests (one per request's lookup)."),
             "lookup_blocks": ("kvtier_node_lookup_blocks", "Blocks asked for in lookups."),

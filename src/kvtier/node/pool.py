@@ -2,16 +2,20 @@
 
 Ownership and lifetime:
 
-- The **service** creates the memfd (:func:`create_pool_fd`), sizes it, pre-faults it and keeps
-  the only descriptor it opened. Nothing is ever named in ``/dev/shm``: the memory lives exactly as
+- The **service** creates the memfd (:func:`create_pool_fd`), sizes it, seals its size
+  (:data:`POOL_SEALS`: no process holding it, a client included, can shrink or grow it, so no
+  mapping of it ever faults with SIGBUS), pre-faults it and keeps the only descriptor it opened. Nothing is ever named in ``/dev/shm``: the memory lives exactly as
   long as some process holds the descriptor or a mapping, so nothing leaks however processes die.
 - Each **client** that copies (a scheduler or a worker rank) gets a duplicate of the descriptor in
   the reply to its hello (``SCM_RIGHTS``), maps it (:class:`PoolMapping`) and closes the
-  descriptor. A client keeps its mapping until it closes or reattaches; a restarted service
-  creates a new pool (the old one's memory is freed when the last old mapping goes).
-- Slot ``i`` starts at byte ``i * slot_stride``. Which process may write a slot is the index's
-  business (:mod:`kvtier.node.index`): a slot is written only by the session that reserved it, and
-  read only while its block is READY and pinned by the reader.
+  descriptor (after checking it is sealed and as large as the service said). A client keeps its
+  mapping until it closes or reattaches; a restarted service creates a new pool (the old one's
+  memory is freed when the last old mapping goes).
+- Slot ``i`` starts at byte ``i * slot_stride``. Which slots a well-behaved client writes and reads
+  is the index's business (:mod:`kvtier.node.index`): it writes only the slots its session
+  reserved, and reads a block's only while it is READY and pinned by the reader. Nothing enforces
+  this: every client maps the whole pool writable (zero-copy loads and stores), so every admitted
+  client is trusted as a writer of every block (docs/security.md, "admitted node client").
 
 This module imports no torch; :meth:`PoolMapping.slot` returns a memoryview.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import logging
 import mmap
 import os
@@ -90,11 +95,22 @@ def check_pool_size(pool_bytes: int) -> None:
         )
 
 
+POOL_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""The pool's memfd cannot change size (``ftruncate`` fails with EPERM, for every holder) and no
+holder can add or remove seals. Its bytes stay writable (engines copy into their slots)."""
+
+
+class PoolSealError(OSError):
+    """A pool descriptor that is not the size it should be, or not sealed against resizing."""
+
+
 def create_pool_fd(pool_bytes: int, *, prefault: bool = True) -> int:
-    """A new memfd of ``pool_bytes`` (pre-faulted unless told otherwise); the caller owns the fd."""
-    fd = os.memfd_create("kvtier-node-pool", os.MFD_CLOEXEC)
+    """A new memfd of ``pool_bytes``, sealed (:data:`POOL_SEALS`) and pre-faulted unless told
+    otherwise; the caller owns the fd."""
+    fd = os.memfd_create("kvtier-node-pool", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, pool_bytes)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, POOL_SEALS)
         if prefault:
             with mmap.mmap(fd, pool_bytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
                 np.frombuffer(mm, dtype=np.uint8)[::PAGE] = 0  # one write per page: allocated now
@@ -102,6 +118,19 @@ def create_pool_fd(pool_bytes: int, *, prefault: bool = True) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def check_pool_fd(fd: int, pool_bytes: int) -> None:
+    """Raise :class:`PoolSealError` unless ``fd`` holds at least ``pool_bytes`` and is sealed
+    against resizing (a mapping of it could otherwise fault with SIGBUS when it shrinks)."""
+    size = os.fstat(fd).st_size
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if size < pool_bytes or seals & POOL_SEALS != POOL_SEALS:
+        raise PoolSealError(f"the pool's descriptor holds {size} bytes (the service said {pool_bytes}) and seals "
+                            f"{seals:#x} (need {POOL_SEALS:#x}): not a kvtier node pool of this version")
 
 
 class PoolMapping:
@@ -114,6 +143,7 @@ class PoolMapping:
     """
 
     def __init__(self, fd: int, pool_bytes: int, slot_bytes: int, stride: int, *, populate: bool = True) -> None:
+        check_pool_fd(fd, pool_bytes)
         self.pool_bytes = pool_bytes
         self.slot_bytes = slot_bytes
         self.stride = stride

@@ -133,7 +133,7 @@ class NodeTier(SecondaryTier):
         self._closed = False
         self._client = NodeClient(config.socket, engine=engine, role=Role.SCHEDULER, slot_bytes=payload_bytes,
                                   cap_bytes=config.cap_bytes, map_pool=True, timeout_s=config.timeout_s,
-                                  retry_interval_s=config.retry_interval_s)
+                                  retry_interval_s=config.retry_interval_s, node_uid=config.node_uid)
         self._generation = 0  # the worker's: the client's attachment last announced
         self._worker_down = False  # the worker's: the last call failed
         self._refusals: set[str] = set()

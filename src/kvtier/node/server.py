@@ -2,16 +2,25 @@
 
 Threads: one loop thread (the caller of :meth:`NodeServer.serve_forever`) accepts connections,
 reads requests and answers them from memory (:class:`kvtier.node.index.NodeIndex`); it never
-waits on any one client: sockets are non-blocking, replies queue per connection and are written
-as the peer reads them, so an engine that stops reading stalls only itself (its connection is
-dropped once :data:`MAX_QUEUED_REPLY_BYTES` are waiting). The Prometheus exporter's thread (if
+waits on any one client: sockets are non-blocking, replies (the hello's, with the pool's memfd,
+too) queue per connection and are written as the peer reads them, so an engine that stops reading
+stalls only itself (its connection is dropped, and counted in ``slow_readers``, once more than
+:data:`MAX_QUEUED_REPLY_BYTES` are waiting). The Prometheus exporter's thread (if
 any) reads :meth:`NodeServer.snapshot` under :attr:`NodeServer.lock`, which the loop holds while
 it handles a request.
+
+A client's frames may be hostile: each is decoded within bounds and checked field by field
+before use (:func:`kvtier.node.protocol.parse_request`); a frame that is not a valid request is
+answered with an error naming the field and its connection is closed (``protocol_errors``), and
+a request whose handling raises anyway is answered, logged and closed (``internal_errors``): the
+service never dies of a client's frame. Nothing a failed request took stays held.
 
 Start-up refuses, with an error naming what to change:
 
 - a second service on the same socket (an ``flock`` on ``<socket>.lock`` held while it runs:
-  :class:`NodeAlreadyRunning`); a socket file nobody serves (a dead service's) is replaced;
+  :class:`NodeAlreadyRunning`); a socket file nobody serves (a dead service's) is replaced; a lock
+  file that is a symlink or anything but a regular file of this user's (``O_NOFOLLOW``: planted by
+  someone who can write the socket's directory) is refused, never followed or truncated;
 - a pool larger than the node's memory (:class:`kvtier.node.pool.PoolTooLargeError`).
 
 Access: the socket is created owner-only (0600), or 0660 and owned by ``group`` when one is
@@ -52,17 +61,19 @@ from typing import Any
 
 from kvtier.core.config import PolicyName
 from kvtier.core.tier_config import SecondaryTierConfig
-from kvtier.node.conn import Conn, groups_of, peer_credentials, percentiles
+from kvtier.node.conn import Conn, percentiles
+from kvtier.node.credentials import groups_of, peer_credentials
 from kvtier.node.index import NodeIndex, Session
 from kvtier.node.pool import check_pool_size, create_pool_fd, slot_stride
-from kvtier.node.protocol import (PROTOCOL_VERSION, RECV_BYTES, Op, ProtocolError, Role, blocks_of, chain_of,
-                                  namespace_of, pack)
+from kvtier.node.protocol import (MAX_KEYS, PROTOCOL_VERSION, RECV_BYTES, Abort, BadRequest, Commit, Hello, Lookup,
+                                  ProtocolError, Request, Reserve, Role, Stats, Unpin, pack, parse_request)
 from kvtier.node.tiers import NodeTiers
 
 log = logging.getLogger("kvtier.node")
 
 MAX_QUEUED_REPLY_BYTES = 16 * 2**20
-"""Replies waiting for a peer that does not read; beyond this its connection is dropped."""
+"""Replies waiting for a peer that does not read; beyond this (or twice the largest reply a pool of
+this many slots can give, if more) its connection is dropped."""
 KEEP_DETACHED_ENGINES = 64
 """Stats of this many engines that left are kept (for inspect and metrics); older ones holding
 nothing in the pool are forgotten."""
@@ -115,7 +126,10 @@ class NodeServer:
         self.started_at = time.time()
         self.pool_id = secrets.token_hex(8)  # names this pool: a restarted service's pool is another one
         self.rejected_peers = 0
-        self.protocol_errors = 0
+        self.protocol_errors = 0  # connections closed for a frame that is not a valid request
+        self.internal_errors = 0  # requests whose handling raised (logged; the connection closed)
+        self.slow_readers = 0  # connections closed for not reading their replies
+        self._max_queued = MAX_QUEUED_REPLY_BYTES
         self.sessions_released = 0
         self._detached: OrderedDict[str, None] = OrderedDict()  # engines with no session, last to leave last
         self.lookup_seconds: deque[float] = deque(maxlen=4096)  # the service's own time per lookup, latest
@@ -145,6 +159,8 @@ class NodeServer:
                 f"of {slot_bytes} bytes): give a larger --pool-bytes")
         self.slot_bytes, self.stride = slot_bytes, stride
         self.index = NodeIndex(self.options.pool_bytes // stride, self.options.policy)
+        largest_reply = MAX_KEYS * 16 + self.index.num_slots * 5  # statuses, and every slot's number
+        self._max_queued = max(MAX_QUEUED_REPLY_BYTES, 2 * largest_reply)
         if self.below is not None:
             self.below.bind(self.index, stride, slot_bytes)
 
@@ -153,18 +169,7 @@ class NodeServer:
         check_pool_size(self.options.pool_bytes)
         if not path.parent.is_dir():
             raise NodeConfigError(f"--socket {path}: directory {path.parent} does not exist")
-        lock_path = path.with_name(path.name + ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise NodeAlreadyRunning(
-                    f"another kvtier node (pid {holder}) already serves {path}: stop it first, or give this "
-                    "one another --socket") from None
-            raise
+        fd = self._lock(path)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
@@ -202,6 +207,37 @@ class NodeServer:
             raise
         log.info("kvtier node serving %s: pool %d bytes", path, self.options.pool_bytes)
 
+    @staticmethod
+    def _lock(path: Path) -> int:
+        """``<socket>.lock``, opened without following a symlink and held (``flock``): its
+        descriptor. Only a regular file of this user's with one link is used (anything else was
+        planted by someone who can write the directory: refused, untouched)."""
+        lock_path = path.with_name(path.name + ".lock")
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(lock_path, flags, 0o600)
+        except OSError as exc:
+            why = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
+            raise NodeConfigError(f"{lock_path} {why}: remove it (someone who can write {path.parent} may have put "
+                                  "it there), or give another --socket") from None
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
+            os.close(fd)
+            raise NodeConfigError(f"{lock_path} is not a regular file of this user's with one link (mode "
+                                  f"{info.st_mode:o}, owner uid {info.st_uid}, {info.st_nlink} links): remove it, or "
+                                  "give another --socket")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise NodeAlreadyRunning(
+                    f"another kvtier node (pid {holder}) already serves {path}: stop it first, or give this "
+                    "one another --socket") from None
+            raise
+        return fd
+
     # --- the loop ------------------------------------------------------------------------
     def serve_forever(self, poll_s: float = 0.2) -> None:
         next_poll = 0.0
@@ -222,7 +258,11 @@ class NodeServer:
             if self.below is not None and (rang or time.monotonic() >= next_poll):
                 next_poll = time.monotonic() + poll_s
                 with self.lock:
-                    self.below.poll()
+                    try:
+                        self.below.poll()
+                    except Exception:  # noqa: BLE001 (a tier's bug costs its outcomes, never the loop)
+                        self.internal_errors += 1
+                        log.exception("kvtier node: applying the tiers' outcomes failed")
 
     def stop(self) -> None:
         """Ask the loop to return (any thread, or a signal handler)."""
@@ -268,6 +308,7 @@ class NodeServer:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        sock.setblocking(False)
         pid, uid, gid = peer_credentials(sock)
         if not self._allowed(uid, gid, pid):
             self.rejected_peers += 1
@@ -276,12 +317,11 @@ class NodeServer:
                        f"uid {uid} gid {gid} (start the service with --group GROUP to admit a group)")
             log.warning("refused pid %d: %s", pid, message)
             try:
-                sock.sendall(pack({"ok": False, "error": message}))
+                sock.send(pack({"ok": False, "error": message}))  # a fresh socket's buffer takes it
             except OSError:
                 pass
             sock.close()
             return
-        sock.setblocking(False)
         conn = Conn(sock, uid, pid)
         with self.lock:  # the metrics thread iterates the connections
             self._conns[sock.fileno()] = conn
@@ -302,55 +342,78 @@ class NodeServer:
             messages = conn.reader.feed(self._recv_view[:got])
         except ProtocolError as exc:
             self.protocol_errors += 1
-            self._drop(conn, str(exc))
-            return
+            conn.out += pack({"ok": False, "error": f"not this protocol: {exc}"})
+            conn.hang_up = True
+            messages = []
         for message in messages:
             fds: list[int] = []
             with self.lock:
                 start = time.perf_counter()
-                try:
-                    reply = self._handle(conn, message, fds)
-                except (KeyError, TypeError, ValueError) as exc:
-                    reply = {"ok": False, "error": f"bad {message.get('op')!r} request: {exc}"}
-                if message.get("op") == "lookup":
+                reply, lookup = self._answer(conn, message, fds)
+                if lookup:
                     self.lookup_seconds.append(time.perf_counter() - start)
-            frame = pack(reply)
             if fds:
-                self._send_with_fds(conn, frame, fds)
-            else:
-                conn.out += frame
-            if conn.closing:
-                return
+                conn.fds, conn.fd_at = fds, len(conn.out)
+            conn.out += pack(reply)
+            if conn.hang_up:
+                break
+        else:
+            if conn.reader.error is not None:  # the stream broke after these messages
+                self.protocol_errors += 1
+                conn.out += pack({"ok": False, "error": f"not this protocol: {conn.reader.error}"})
+                conn.hang_up = True
         self._flush(conn)
+        if conn.hang_up and not conn.closing:
+            self._drop(conn, "bad request")
 
-    def _send_with_fds(self, conn: Conn, frame: bytes, fds: list[int]) -> None:
-        """The hello reply with the memfd: the first frame on a connection, sent at once."""
-        conn.sock.setblocking(True)
+    def _answer(self, conn: Conn, message: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], bool]:
+        """The reply to one message, and whether it was a lookup. Never raises: a message that is
+        not a valid request, or whose handling raised, is answered with an error and its
+        connection marked to close (:attr:`Conn.hang_up`)."""
         try:
-            conn.sock.settimeout(5.0)
-            sent = socket.send_fds(conn.sock, [frame], fds)
-            conn.out += frame[sent:]
-        except OSError as exc:
-            self._drop(conn, f"hello reply failed: {exc}")
-        finally:
-            if not conn.closing:
-                conn.sock.setblocking(False)
+            request = parse_request(message)
+        except BadRequest as exc:
+            self.protocol_errors += 1
+            conn.hang_up = True
+            return {"ok": False, "error": f"bad request: {exc}", "field": exc.field}, False
+        try:
+            return self._handle(conn, request, fds), type(request) is Lookup
+        except Exception:  # noqa: BLE001 (a bug must cost one connection, never the service)
+            self.internal_errors += 1
+            conn.hang_up = True
+            fds.clear()
+            log.exception("kvtier node: a %s request of pid %d failed; its connection is closed",
+                          type(request).__name__.lower(), conn.pid)
+            return {"ok": False, "error": f"the service failed on this {type(request).__name__.lower()} request "
+                                          "(a bug: see the service's log)"}, False
 
     def _flush(self, conn: Conn) -> None:
-        if conn.out:
-            try:
-                sent = conn.sock.send(conn.out)
-            except (BlockingIOError, InterruptedError):
-                sent = 0
-            except OSError as exc:
-                self._drop(conn, f"write failed: {exc}")
-                return
-            del conn.out[:sent]
-        if len(conn.out) > MAX_QUEUED_REPLY_BYTES:
-            self._drop(conn, f"{len(conn.out)} bytes of replies unread")
+        """Write what the peer's socket takes now (never waits); drop a peer with too much unread."""
+        out = conn.out
+        try:
+            while out:
+                if not conn.fds:
+                    sent = conn.sock.send(out)
+                elif conn.fd_at:  # replies before the hello's
+                    sent = conn.sock.send(out[:conn.fd_at])
+                    conn.fd_at -= sent
+                else:
+                    sent = socket.send_fds(conn.sock, [out], conn.fds)
+                    conn.fds = []  # sent with its first byte
+                del out[:sent]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError as exc:
+            self._drop(conn, f"write failed: {exc}")
             return
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-        self._sel.modify(conn.sock, want, conn)
+        if len(out) > self._max_queued:
+            self.slow_readers += 1
+            self._drop(conn, f"{len(out)} bytes of replies unread")
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if out else 0)
+        if want != conn.events:
+            conn.events = want
+            self._sel.modify(conn.sock, want, conn)
 
     def _drop(self, conn: Conn, why: str) -> None:
         if conn.closing:
@@ -374,45 +437,47 @@ class NodeServer:
         conn.sock.close()
 
     # --- requests ------------------------------------------------------------------------
-    def _handle(self, conn: Conn, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        op = Op(message["op"])
-        if op is Op.HELLO:
-            return self._hello(conn, message, fds)
-        if op is Op.STATS:
+    def _handle(self, conn: Conn, request: Request, fds: list[int]) -> dict[str, Any]:
+        """The reply to a checked request (a refusal is an error reply, the connection kept)."""
+        if type(request) is Hello:
+            return self._hello(conn, request, fds)
+        if type(request) is Stats:
             return {"ok": True, **self.snapshot()}
         session = conn.session
         if session is None or conn.role is not Role.SCHEDULER or self.index is None:
-            return {"ok": False, "error": f"{op.value!r} needs a hello as role 'scheduler' first"}
-        if op is Op.UNPIN:
-            return {"ok": True, "unknown": self.index.unpin(session, message["pins"])}
-        keys = message["keys"]
-        if op is Op.LOOKUP:
-            pin, width = bool(message.get("pin", False)), int(message.get("width", 1))
+            return {"ok": False, "error": f"{type(request).__name__.lower()!r} needs a hello as role 'scheduler' first"}
+        if type(request) is Lookup:
+            keys, width, pin = request.keys, request.width, request.pin
             hits, slots, handle = self.index.lookup(session, keys, pin, width)
-            pending, below = (self.below.after_lookup(session, keys, hits, width, pin, chain_of(message))
+            pending, below = (self.below.after_lookup(session, keys, hits, width, pin, request.chain)
                               if self.below else (False, 0))
             return {"ok": True, "hits": hits, "slots": slots, "pin": handle, "pending": pending, "below": below}
-        if op is Op.RESERVE:
-            status, slots = self.index.reserve(session, keys, int(message["width"]),
-                                               frozenset(message.get("tails") or ()))
+        if type(request) is Unpin:
+            return {"ok": True, "unknown": self.index.unpin(session, request.pins)}
+        if type(request) is Reserve:
+            if request.width > self.index.num_slots:
+                return {"ok": False, "error": f"width {request.width} is more than this pool's "
+                                              f"{self.index.num_slots} slots"}
+            status, slots = self.index.reserve(session, request.keys, request.width, request.tails)
             return {"ok": True, "status": [s.value for s in status], "slots": slots}
-        if op is Op.COMMIT:
-            infos = blocks_of(message, keys)
-            unknown = self.index.commit(session, keys)
+        if type(request) is Commit:
+            unknown = self.index.commit(session, request.keys)
+            infos = request.blocks
             if self.below is not None and infos:
-                self.below.committed(session, keys, infos)
+                self.below.committed(session, request.keys, infos)
             return {"ok": True, "unknown": unknown}
-        return {"ok": True, "unknown": self.index.abort(session, keys)}  # Op.ABORT
+        assert type(request) is Abort
+        return {"ok": True, "unknown": self.index.abort(session, request.keys)}
 
-    def _hello(self, conn: Conn, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-        self._detached.pop(str(message.get("engine")), None)  # (re)attached: not among the departed
+    def _hello(self, conn: Conn, hello: Hello, fds: list[int]) -> dict[str, Any]:
+        engine = hello.engine or f"pid-{conn.pid}"
+        self._detached.pop(engine, None)  # (re)attached: not among the departed
         if conn.role is not None:
             return {"ok": False, "error": "hello sent twice on one connection"}
-        if message.get("version") != PROTOCOL_VERSION:
-            return {"ok": False, "error": f"protocol version {message.get('version')} is not this service's "
+        if hello.version != PROTOCOL_VERSION:
+            return {"ok": False, "error": f"protocol version {hello.version} is not this service's "
                                           f"({PROTOCOL_VERSION}): run the same kvtier version in engines and node"}
-        role = Role(message["role"])
-        slot_bytes = message.get("slot_bytes")
+        role, slot_bytes = hello.role, hello.slot_bytes
         if role.maps_pool:
             if slot_bytes is None and self.slot_bytes is None:
                 return {"ok": False, "error": "this service's slot size is not set yet: the first engine to "
@@ -424,19 +489,19 @@ class NodeServer:
                             f"blocks are {slot_bytes} bytes. One service serves one block size: run another "
                             "kvtier node (another --socket) for this model, or give the engines the same "
                             "block size"}
-                self._cut(int(slot_bytes))
-        engine = str(message.get("engine") or f"pid-{conn.pid}")
-        cap_bytes = message.get("cap_bytes")
+                try:
+                    self._cut(slot_bytes)
+                except NodeConfigError as exc:
+                    return {"ok": False, "error": str(exc)}
         if role is Role.SCHEDULER:
-            cap = None if cap_bytes is None else int(cap_bytes) // self.stride
+            cap = None if hello.cap_bytes is None else hello.cap_bytes // self.stride
             if cap is not None and cap < 1:
-                return {"ok": False, "error": f"cpu_bytes_to_use {cap_bytes} is less than one slot of this node's "
-                                              f"pool ({self.stride} bytes)"}
-            namespace = namespace_of(message)
+                return {"ok": False, "error": f"cpu_bytes_to_use {hello.cap_bytes} is less than one slot of this "
+                                              f"node's pool ({self.stride} bytes)"}
             conn.session = Session(self._next_session, engine, cap)
             self._next_session += 1
-            if namespace is not None and self.below is not None:
-                self.below.attach(conn.session, *namespace)
+            if hello.namespace is not None and self.below is not None:
+                self.below.attach(conn.session, *hello.namespace)
         conn.role = role
         if role.maps_pool:
             assert self._pool_fd is not None
@@ -494,6 +559,8 @@ class NodeServer:
             "lookup_service_us": percentiles(self.lookup_seconds),
             "rejected_peers": self.rejected_peers,
             "protocol_errors": self.protocol_errors,
+            "internal_errors": self.internal_errors,
+            "slow_readers": self.slow_readers,
             "engines": engines,
             "tiers": self.below.snapshot() if self.below is not None else None,
         }

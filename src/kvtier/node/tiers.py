@@ -8,9 +8,10 @@ does. Promotions reserve pool slots for the service's own session (:data:`PROMOT
 for the session that asked; a pinning lookup that needs no more promotions lets them go.
 
 Namespaces: the disk format keeps the namespace per root directory and every record's header names
-its digests, so tiers are opened per namespace, by the first scheduler that says hello with it
-(:func:`kvtier.node.protocol.namespace_of`), on a helper thread (a disk scan or a Redis connect
-never runs on the loop). While they open, a pinning lookup that misses in the pool answers
+its digests, so tiers are opened per namespace and slot size (a record's payload is one slot), by
+the first scheduler that says hello with them (:class:`kvtier.node.protocol.Hello`), on a helper
+thread (a disk scan or a Redis connect never runs on the loop); at most :data:`MAX_NAMESPACES`
+(beyond, a namespace's blocks are pool-only, counted). While they open, a pinning lookup that misses in the pool answers
 ``pending`` for at most :data:`OPEN_WAIT_S` (the first lookups after a restart are disk hits, not
 recomputes) and commits are remembered (unpinned, at most the pool's slot count) and cascaded once
 they are open; if they fail to open, the namespace's blocks are pool-only.
@@ -49,6 +50,10 @@ OPEN_WAIT_S = 5.0
 """How long pinning lookups that miss in the pool are told to ask again while their namespace's
 tiers are still opening."""
 
+MAX_NAMESPACES = 64
+"""Namespaces (with slot sizes) whose tiers the service opens; each costs tier threads and
+connections, and a hello names any it likes."""
+
 PROMOTER = "node:promoted"
 """The engine name the service's own promotions are charged to (its stats show them)."""
 
@@ -81,7 +86,7 @@ class PoolSlots:
     session, its own pins taken with :meth:`NodeIndex.hold`."""
 
     def __init__(self, index: NodeIndex, promoter: Session, width: int) -> None:
-        self.index, self.promoter, self.width = index, promoter, width
+        self.index, self.promoter, self.width = index, promoter, width  # index: the pool's current one (rebound)
 
     def is_ready(self, key: BlockKey) -> bool:
         entry = self.index.entry(key)
@@ -119,9 +124,11 @@ class _Namespace:
     """One namespace's tiers (fastest first), being opened or open."""
 
     namespace: Namespace
+    payload_bytes: int  # the slot size its tiers' records hold
     opening: Future | None
     wait_until: float  # lookups are told to ask again until then while the tiers open
     stack: TierStack | None = None
+    slots: PoolSlots | None = None  # the stack's index
     # Commits made while the tiers open, not pinned: cascaded once they are open if still in the pool.
     before_open: deque[tuple[BlockKey, BlockInfo]] = field(default_factory=deque)
 
@@ -136,13 +143,19 @@ class NodeTiers:
         self.index: NodeIndex | None = None
         self.stride = self.slot_bytes = 0
         self.promoter = Session(0, PROMOTER)
-        self._namespaces: dict[bytes, _Namespace] = {}
+        self._namespaces: dict[tuple[bytes, int], _Namespace] = {}  # (engine digest, slot bytes) -> its tiers
         self._opener = ThreadPoolExecutor(1, thread_name_prefix="kvtier-node-open")
         self.skipped_opening = 0  # commits neither cascaded nor remembered while tiers opened
+        self.namespaces_refused = 0  # hellos whose namespace got no tiers (MAX_NAMESPACES open)
 
     def bind(self, index: NodeIndex, stride: int, slot_bytes: int) -> None:
-        """The pool was cut (only while it holds nothing): its index and slot geometry."""
+        """The pool was cut (only while it holds nothing, so no tier job is in flight): its index
+        and slot geometry. Tiers opened for another slot size stay (their namespace's sessions
+        may come back after another cut) but are used only by sessions of their size."""
         self.index, self.stride, self.slot_bytes = index, stride, slot_bytes
+        for ns in self._namespaces.values():
+            if ns.slots is not None:
+                ns.slots.index = index
 
     def _views(self, slots: tuple[int, ...]) -> list[memoryview]:
         return [self.pool[s * self.stride:s * self.stride + self.slot_bytes] for s in slots]
@@ -150,13 +163,17 @@ class NodeTiers:
     # --- namespaces --------------------------------------------------------------------------
     def attach(self, session: Session, namespace: Namespace, model_name: str, namespace_json: str) -> None:
         """A scheduler said hello with its namespace: its tiers open (once, in the background)."""
-        digest = namespace.engine_digest
-        session.namespace = digest
-        if digest in self._namespaces:
-            return
-        future = self._opener.submit(self._open, namespace, model_name, namespace_json, self.slot_bytes)
-        future.add_done_callback(lambda _f: self.bell.set())
-        self._namespaces[digest] = _Namespace(namespace, future, time.monotonic() + OPEN_WAIT_S)
+        key = (namespace.engine_digest, self.slot_bytes)
+        if key not in self._namespaces:
+            if len(self._namespaces) >= MAX_NAMESPACES:
+                self.namespaces_refused += 1
+                log.warning("engine %s: %d namespaces have tiers already; this one's blocks stay in the pool only",
+                            session.engine, MAX_NAMESPACES)
+                return
+            future = self._opener.submit(self._open, namespace, model_name, namespace_json, self.slot_bytes)
+            future.add_done_callback(lambda _f: self.bell.set())
+            self._namespaces[key] = _Namespace(namespace, self.slot_bytes, future, time.monotonic() + OPEN_WAIT_S)
+        session.namespace = key
 
     def _open(self, namespace: Namespace, model_name: str, namespace_json: str, payload_bytes: int
               ) -> tuple[SecondaryTier, ...]:
@@ -176,7 +193,8 @@ class NodeTiers:
             return
         assert self.index is not None
         width = len(ns.namespace.ranks)
-        ns.stack = TierStack(PoolSlots(self.index, self.promoter, width), self._views, tiers, bell=self.bell)
+        ns.slots = PoolSlots(self.index, self.promoter, width)
+        ns.stack = TierStack(ns.slots, self._views, tiers, bell=self.bell)
         log.info("namespace %s: tiers %s open", digest, ", ".join(t.medium.value for t in tiers))
         remembered, ns.before_open = ns.before_open, deque()
         for key, info in remembered:
@@ -236,7 +254,7 @@ class NodeTiers:
 
     def snapshot(self) -> dict[str, Any]:
         total, reads, writes, namespaces = KVTierStats(), 0, 0, {}
-        for digest, ns in self._namespaces.items():
+        for (digest, payload), ns in self._namespaces.items():
             usage = {}
             if ns.stack is not None:
                 total.add(ns.stack.stats)
@@ -246,9 +264,11 @@ class NodeTiers:
                     u = tier.usage()
                     usage[tier.medium.value.lower()] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                                         "blocks": u.num_blocks}
-            namespaces[digest.hex()[:16]] = {"open": ns.stack is not None, "tiers": usage}
+            name = digest.hex()[:16] + ("" if payload == self.slot_bytes else f"@{payload}")
+            namespaces[name] = {"open": ns.stack is not None, "tiers": usage}
         counts = {"promotion_failures": total.promotion_failures, "checksum_failures": total.checksum_failures,
-                  "auth_failures": total.auth_failures, "cascades_skipped_opening": self.skipped_opening}
+                  "auth_failures": total.auth_failures, "cascades_skipped_opening": self.skipped_opening,
+                  "namespaces_refused": self.namespaces_refused}
         for medium in (Medium.DISK, Medium.REMOTE, Medium.S3):
             name = medium.value.lower()
             counts[f"written_{name}"] = total.written_to(medium).jobs

@@ -36,7 +36,7 @@ def open_host_side(config: KVTierConfig, namespace: Namespace, *, engine_id: str
         client = connect_node(config.node, engine=engine_id, role=Role.SCHEDULER, slot_bytes=layout.slot_bytes,
                               cap_bytes=config.cpu_bytes_to_use,
                               map_pool=False,  # the scheduler copies nothing (the service runs the tiers)
-                              namespace=namespace.config_json(model_name))
+                              namespace=namespace.config_json(model_name), node_uid=config.node_uid)
         attachment = client.attachment
         logger.info("kvtier: kvtier node at %s (%s); this engine may hold %.2f GiB of it (cpu_bytes_to_use); "
                     "block %d tokens, %.1f MiB per rank", config.node,

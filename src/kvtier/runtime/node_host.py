@@ -318,16 +318,18 @@ namespace reads it, as for an embedded host tier); its slots are the node pool's
 
 def connect_node(socket_path: str, *, engine: str, role: Role, slot_bytes: int,
                  cap_bytes: int | None = None, map_pool: bool | None = None,
-                 namespace: str | None = None) -> NodeClient:
+                 namespace: str | None = None, node_uid: int | None = None) -> NodeClient:
     """A client of the node service at ``socket_path``, for the connector config key ``node``;
     ``map_pool``: whether it maps the pool (default: its role's). Attached now if a service answers
     there; if none does (not started yet, restarting) it is only logged: the engine starts, misses,
     and the client attaches by itself once the service answers (every ``retry_interval_s``).
     Raises :class:`ConfigError` naming the key when a service answers and refuses this engine
     (another block size, another user). ``namespace``: a scheduler's namespace
-    (:meth:`kvtier.core.keys.Namespace.config_json`), which the service's tiers store its blocks under."""
+    (:meth:`kvtier.core.keys.Namespace.config_json`), which the service's tiers store its blocks under.
+    ``node_uid``: the config key ``node_uid``, a user the service may run as besides root and this
+    process's (a service of anyone else is refused: a :class:`ConfigError`)."""
     client = NodeClient(socket_path, engine=engine, role=role, slot_bytes=slot_bytes, cap_bytes=cap_bytes,
-                        map_pool=map_pool, namespace=namespace)
+                        map_pool=map_pool, namespace=namespace, node_uid=node_uid)
     try:
         client.connect()
     except NodeUnavailable as exc:

@@ -23,7 +23,9 @@ to a block is the same whichever way it came in:
 Threads: ONE thread calls every method and never waits on I/O, except in :meth:`TierStack.wait`
 and :meth:`TierStack.close`; the tiers' workers post on outboxes that ring :attr:`TierStack.bell`.
 Buffers: a block's slots are WRITING while a promotion reads into them and pinned while a write
-reads them, from ``submit_*`` until the job's result comes out of :meth:`TierStack.poll`.
+reads them, from ``submit_*`` until the job's result comes out of :meth:`TierStack.poll`; a
+``submit_*`` that raises gives them back (aborted, unpinned) before the error goes on, so no error
+path leaves a block held.
 """
 
 from __future__ import annotations
@@ -122,14 +124,20 @@ class WriteBacklog(Generic[T]):
 
     def feed(self, submit: Callable[[SecondaryTier, T], bool], drop: Callable[[SecondaryTier, T], None]) -> None:
         """Submit waiting items while the tier has room (``submit`` False: it refused that one,
-        which is dropped); drop them all while the tier takes no writes (a future miss each)."""
+        which is dropped); drop them all while the tier takes no writes (a future miss each).
+        An item whose ``submit`` raises is dropped before the error goes on."""
         items, tier = self._items, self.tier
         while items:
             room = tier.write_room()
             if room == 0:
                 return
             item = items.popleft()
-            if room is None or not submit(tier, item):
+            try:
+                submitted = room is not None and submit(tier, item)
+            except BaseException:
+                drop(tier, item)
+                raise
+            if not submitted:
                 drop(tier, item)
 
 
@@ -217,9 +225,13 @@ class TierStack:
             if slots is None:
                 break
             job_id = next(self._job_ids)
-            self._reads[job_id] = _Read(key, source, asker, info)
+            try:
+                source.submit_read(job_id, key, self.views(slots))
+            except BaseException:
+                index.abort(key)
+                raise
+            self._reads[job_id] = _Read(key, source, asker, info)  # its result comes out of a later poll()
             self._promoting.add(key)
-            source.submit_read(job_id, key, self.views(slots))
             pending = True
         if pending:
             self._parked.setdefault(asker, {})

@@ -81,7 +81,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = KVTierScheduler(geometry, config, model, publish_kv_events=publish,
                                               hook_order=hook_order(vllm_config))
         else:
-            self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config, node=config.node)
+            self._worker = KVTierWorker(vllm_config, geometry, kv_cache_config, node=config.node,
+                                        node_uid=config.node_uid)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -62,10 +62,12 @@ logger = logging.getLogger(__name__)
 
 class KVTierWorker:
     def __init__(self, vllm_config: VllmConfig, geometry: EngineGeometry, kv_cache_config: KVCacheConfig,
-                 node: str | None = None):
-        """``node``: the connector config's ``node`` socket (None: an embedded host region)."""
+                 node: str | None = None, node_uid: int | None = None):
+        """``node``: the connector config's ``node`` socket (None: an embedded host region);
+        ``node_uid``: its ``node_uid``."""
         self.vllm_config = vllm_config
         self.node = node
+        self.node_uid = node_uid
         self._node: NodeClient | None = None
         self._pool_id: str | None = None
         self._paged: PagedKV | None = None
@@ -120,7 +122,7 @@ class KVTierWorker:
         if self.node is not None:
             self._paged = paged
             self._node = connect_node(self.node, engine=f"{self.geometry.engine_id}/rank{self.rank}",
-                                      role=Role.WORKER, slot_bytes=layout.slot_bytes)
+                                      role=Role.WORKER, slot_bytes=layout.slot_bytes, node_uid=self.node_uid)
             if self._node.connected:  # else it maps the pool at the first job that names one
                 self._map_pool()
             return

@@ -60,7 +60,7 @@ class KVTierNodeTier(VllmTierAdapter):
         where = f"secondary_tiers[{self.tier_type}].socket"
         client = NodeClient(self.config.socket, engine=self.engine, role=Role.SCHEDULER,
                             slot_bytes=self.run.payload_bytes, cap_bytes=self.config.cap_bytes, map_pool=False,
-                            timeout_s=self.config.timeout_s)
+                            timeout_s=self.config.timeout_s, node_uid=self.config.node_uid)
         try:
             client.connect()
         except NodeError as exc:
