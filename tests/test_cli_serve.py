@@ -135,6 +135,40 @@ def test_node_conflicts_with_the_engine_s_own_tiers(tmp_path):
           "'node' and 'secondary_tiers'")
 
 
+def test_s3_tier_below_disk_and_redis_signed_with_the_fleet_key(tmp_path, monkeypatch):
+    monkeypatch.setenv("KV_FLEET", bytes(range(32)).hex())
+    s3 = {"url": "s3://kv-bucket/prod", "endpoint": "http://127.0.0.1:8333", "capacity_bytes": 2 * GIB}
+    command = build(disk_dir=tmp_path / "kv", redis_url="redis://127.0.0.1:6379/0", s3=s3, fleet_key_env="KV_FLEET")
+    tiers = transfer_config(command)["kv_connector_extra_config"]["secondary_tiers"]
+    assert [t["type"] for t in tiers] == ["fs", "redis", "s3"]  # the cascade's order
+    assert tiers[2] == {"type": "s3", **s3, "auth_key_env": "KV_FLEET"}
+    assert "kvtier: s3      s3://kv-bucket/prod at http://127.0.0.1:8333 (2.0 GiB)" in command.summary
+    alone = build(no_disk=True, s3={"url": "s3://kv-bucket/prod"})
+    assert transfer_config(alone)["kv_connector_extra_config"]["secondary_tiers"] == [
+        {"type": "s3", "url": "s3://kv-bucket/prod"}]
+    assert "kvtier: s3      s3://kv-bucket/prod (unbounded)" in alone.summary
+
+
+def test_s3_flags_reach_the_command(monkeypatch, tmp_path):
+    launched: list[ServeCommand] = []
+    monkeypatch.setattr(serve_mod, "launch", launched.append)
+    args = ["serve", "my/model", "--no-disk", "--s3-url", "s3://kv-bucket/p", "--s3-endpoint", "http://127.0.0.1:8333",
+            "--s3-region", "eu-west-1", "--s3-size", "0.5", "--port", "8123"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    (tier,) = transfer_config(launched[0])["kv_connector_extra_config"]["secondary_tiers"]
+    assert tier == {"type": "s3", "url": "s3://kv-bucket/p", "endpoint": "http://127.0.0.1:8333", "region": "eu-west-1",
+                    "capacity_bytes": GIB // 2}
+    assert launched[0].argv[-2:] == ["--port", "8123"]
+
+
+def test_bad_s3_flags_name_the_flag(tmp_path):
+    fails(["--s3-size", "5"], "--s3-url")  # describes an S3 tier that was not given
+    fails(["--s3-url", "s3://kv-bucket/p", "--s3-size", "-1"], "--s3-size")
+    fails(["--s3-url", "http://kv-bucket/p"], "--s3-url")  # not an s3:// URL
+    fails(["--node", str(tmp_path / "node.sock"), "--s3-url", "s3://kv-bucket/p"], "--node conflicts with --s3-url")
+
+
 def test_kv_config_merged_last(tmp_path):
     tiers = [{"type": "fs", "root_dir": str(tmp_path / "other"), "capacity_bytes": 1000}]
     command = build(kv_config={"store_threshold": 2, "cpu_bytes_to_use": 12345, "secondary_tiers": tiers})

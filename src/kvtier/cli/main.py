@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import click
 
+from kvtier.cli.s3_flags import s3_options
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvtier")
 def main() -> None:
-    """kvtier: tiered KV-cache offloading (host DRAM, local disk, Redis / Valkey) for vLLM."""
+    """kvtier: tiered KV-cache offloading (host DRAM, local disk, Redis / Valkey, S3) for vLLM."""
 
 
 @main.command()
@@ -47,19 +49,20 @@ def model(dtype: str, cache_dir: str | None) -> None:
                    "[default: $KVTIER_CACHE_DIR/kv, else ~/.cache/kvtier/kv]")
 @click.option("--disk-size", type=float, default=20.0, show_default=True, metavar="GiB",
               help="Disk tier capacity in GiB (all ranks); least recently used blocks are deleted beyond it.")
-@click.option("--no-disk", is_flag=True, help="No disk tier (host only, or host + --redis-url).")
+@click.option("--no-disk", is_flag=True, help="No disk tier (host only, or host + --redis-url and/or --s3-url).")
 @click.option("--redis-url", default=None, metavar="URL",
               help="A Redis / Valkey server shared by engines as the remote tier: redis://host:6379/0, "
                    "rediss:// (TLS), unix:///path.sock (docs/distributed.md). A password in the URL is "
                    "never printed; better, pass it in an environment variable (--redis-password-env).")
 @click.option("--redis-password-env", default=None, metavar="NAME",
               help="Name of the environment variable holding the Redis password (with --redis-url).")
+@s3_options(below="the disk and Redis tiers: the cold cache a fleet shares, outliving nodes")
 @click.option("--fleet-key-env", default=None, metavar="NAME",
               help="Name of the environment variable holding the fleet key (64 hex characters, openssl rand "
-                   "-hex 32): every disk and Redis record is signed with it, and only records it signed are "
-                   "served (docs/security.md). Every engine sharing the disk or Redis needs the same key.")
+                   "-hex 32): every disk, Redis and S3 record is signed with it, and only records it signed are "
+                   "served (docs/security.md). Every engine sharing the disk, Redis or S3 needs the same key.")
 @click.option("--encrypt", is_flag=True,
-              help="With --fleet-key-env: disk and Redis records encrypted at rest (AES-256-GCM).")
+              help="With --fleet-key-env: disk, Redis and S3 records encrypted at rest (AES-256-GCM).")
 @click.option("--eviction-policy", type=click.Choice(["lru", "arc"]), default="lru", show_default=True,
               help="Host tier eviction policy; arc resists one-off scans.")
 @click.option("--node", default=None, type=click.Path(dir_okay=False), metavar="PATH",
@@ -82,7 +85,8 @@ def model(dtype: str, cache_dir: str | None) -> None:
 @click.pass_context
 def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, disk_dir: str | None,
           disk_size: float, no_disk: bool, redis_url: str | None, redis_password_env: str | None,
-          fleet_key_env: str | None, encrypt: bool, eviction_policy: str, node: str | None,
+          s3_url: str | None, s3_endpoint: str | None, s3_region: str | None, s3_size: float | None,
+          s3_ca_bundle: str | None, fleet_key_env: str | None, encrypt: bool, eviction_policy: str, node: str | None,
           node_pool_size: float | None, node_uid: str | None, kv_config: str | None) -> None:
     """Start vLLM's OpenAI-compatible server (vllm serve) with kvtier as its KV connector.
 
@@ -115,6 +119,7 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
     """
     from click.core import ParameterSource
 
+    from kvtier.cli.s3_flags import check_s3_entry, s3_entry
     from kvtier.cli.serve import ServeOptions, run
 
     given = [
@@ -125,10 +130,13 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
         raise click.UsageError("--redis-password-env needs --redis-url.")
     if node_uid is not None and node is None:
         raise click.UsageError("--node-uid names the user the kvtier node service of --node may run as: give --node.")
+    s3 = s3_entry(s3_url, s3_endpoint, s3_region, s3_size, s3_ca_bundle)
+    if s3 is not None:
+        check_s3_entry(s3)
     options = ServeOptions(
         kv_offloading_size_gib=kv_offloading_size, disk_dir=disk_dir, disk_size_gib=disk_size,
         no_disk=no_disk, eviction_policy=eviction_policy, redis_url=redis_url,
-        redis_password_env=redis_password_env, node=node, fleet_key_env=fleet_key_env, encrypt=encrypt,
+        redis_password_env=redis_password_env, s3=s3, node=node, fleet_key_env=fleet_key_env, encrypt=encrypt,
         node_uid=None if node_uid is None else int(node_uid) if node_uid.isdigit() else node_uid,
     )
     run(args, options, disk_flags_given=given, kv_config_text=kv_config, node_pool_gib=node_pool_size)

@@ -9,6 +9,8 @@ import re
 
 import click
 
+from kvtier.cli.s3_flags import flag_names, s3_entry, s3_options
+
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -65,20 +67,7 @@ class ByteSize(click.ParamType):
 @click.option("--redis-url", default=None, metavar="URL",
               help="The node's Redis / Valkey tier (one connection pool for the node), below the disk tier: "
                    "redis://host:6379/0, rediss://... (TLS) or unix:///path.sock.")
-@click.option("--s3-url", default=None, metavar="s3://BUCKET/PREFIX",
-              help="The node's S3 tier (an S3-compatible object store), below the disk and Redis tiers. Credentials "
-                   "come from the standard AWS environment, shared files (AWS_PROFILE) or instance role, never from "
-                   "flags (docs/object-store.md).")
-@click.option("--s3-endpoint", default=None, metavar="URL",
-              help="The store's S3 API when it is not AWS itself (MinIO, Ceph RGW, SeaweedFS...): https://host:port; "
-                   "path-style addressing then.")
-@click.option("--s3-region", default=None, metavar="NAME", help="The bucket's region (default: AWS_REGION, the "
-              "profile's, else us-east-1).")
-@click.option("--s3-size", type=float, default=None, metavar="GiB",
-              help="Bound on the objects under the S3 prefix, in GiB, kept by a background sweep (least recently "
-                   "written first). Without it, bound the prefix with a bucket lifecycle rule.")
-@click.option("--s3-ca-bundle", type=click.Path(dir_okay=False), default=None, metavar="PATH",
-              help="PEM file of the CA certificates that sign --s3-endpoint's certificate.")
+@s3_options(below="the disk and Redis tiers")
 @click.option("--fleet-key-env", default=None, metavar="NAME",
               help="Environment variable holding the fleet key (docs/security.md): every record the service "
                    "writes to --disk-dir / --redis-url / --s3-url is signed with it, and only records signed with it (or a "
@@ -140,7 +129,7 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
                           tiers=_tier_configs(disk_dir, disk_size, redis_url, _fleet_keys(
                               {"auth_key_env": fleet_key_env, "auth_key_file": fleet_key_file, "encrypt": encrypt,
                                "auth_read_key_envs": read_key_env, "auth_read_key_files": read_key_file}),
-                              s3=_s3_entry(s3_url, s3_endpoint, s3_region, s3_size, s3_ca_bundle)))
+                              s3=s3_entry(s3_url, s3_endpoint, s3_region, s3_size, s3_ca_bundle)))
 
     def ready(server) -> None:  # noqa: ANN001 (a NodeServer; imported lazily above)
         click.echo(f"kvtier node: serving {socket_path} (pool {pool_bytes} bytes, pid {os.getpid()})", err=True)
@@ -169,31 +158,12 @@ def _fleet_keys(raw: dict):
         raise click.ClickException(str(exc).removeprefix(f"{PREFIX}: ")) from None
 
 
-def _s3_entry(url: str | None, endpoint: str | None, region: str | None, size: float | None,
-              ca_bundle: str | None) -> dict | None:
-    """The S3 tier entry the ``--s3-*`` flags describe (None without --s3-url)."""
-    if url is None:
-        if any(v is not None for v in (endpoint, region, size, ca_bundle)):
-            raise click.UsageError("--s3-endpoint, --s3-region, --s3-size and --s3-ca-bundle describe --s3-url: give "
-                                   "it too")
-        return None
-    if size is not None and size <= 0:
-        raise click.BadParameter(f"{size}: a positive number of GiB", param_hint="--s3-size")
-    entry = {"url": url, "endpoint": endpoint, "region": region, "ca_bundle": ca_bundle,
-             "capacity_bytes": int(size * 2**30) if size is not None else None}
-    return {k: v for k, v in entry.items() if v is not None}
-
-
-_S3_FLAGS = {"url": "--s3-url", "endpoint": "--s3-endpoint", "region": "--s3-region", "ca_bundle": "--s3-ca-bundle",
-             "capacity_bytes": "--s3-size"}
-
-
 def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str | None, auth=None,
                   s3: dict | None = None) -> tuple:
     """The service's tiers from its flags (cascade order: disk, then Redis, then S3), checked now: a
     root this user cannot write, credentials Redis or S3 refuse or a fleet key that does not load
     stop the service with the flag named. ``auth``: :func:`_fleet_keys`, the same for every tier;
-    ``s3``: :func:`_s3_entry`."""
+    ``s3``: :func:`kvtier.cli.s3_flags.s3_entry`."""
     from dataclasses import replace
     from pathlib import Path
 
@@ -221,14 +191,5 @@ def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str 
             tiers.append(replace(parse_tier(s3, TierType.S3, "s3"), auth=auth))
             check_tier(tiers[-1], where="s3")
     except ConfigError as exc:
-        raise click.ClickException(_flag_names(str(exc))) from None
+        raise click.ClickException(flag_names(str(exc))) from None
     return tuple(tiers)
-
-
-def _flag_names(message: str) -> str:
-    """A tier ConfigError's message with the S3 entry's keys named as the flags that set them."""
-    from kvtier.core.values import PREFIX
-
-    for key, flag in _S3_FLAGS.items():
-        message = message.replace(f"'s3.{key}'", flag)
-    return message.replace("'s3'", "--s3-url").removeprefix(f"{PREFIX}: ")

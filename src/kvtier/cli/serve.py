@@ -32,12 +32,13 @@ def run(
 
     import click
 
-    if options.node is not None and (disk_flags_given or options.no_disk or options.redis_url):
+    if options.node is not None and (disk_flags_given or options.no_disk or options.redis_url or options.s3):
         given = " and ".join([*disk_flags_given, *(["--no-disk"] if options.no_disk else []),
-                              *(["--redis-url"] if options.redis_url else [])])
-        raise click.UsageError(f"--node conflicts with {given}: an engine attached to a kvtier node has no disk or "
-                               "Redis tier of its own (the node's pool is its host tier): give them to the service "
-                               "(kvtier node ... --disk-dir DIR --disk-size GIB --redis-url URL), or drop --node.")
+                              *(["--redis-url"] if options.redis_url else []), *(["--s3-url"] if options.s3 else [])])
+        raise click.UsageError(f"--node conflicts with {given}: an engine attached to a kvtier node has no disk, "
+                               "Redis or S3 tier of its own (the node's pool is its host tier): give them to the "
+                               "service (kvtier node ... --disk-dir DIR --disk-size GIB --redis-url URL --s3-url "
+                               "s3://BUCKET/PREFIX), or drop --node.")
     if node_pool_gib is not None and (options.node is None or node_pool_gib <= 0):
         raise click.UsageError("--node-pool-size sizes the kvtier node service started for --node PATH when none "
                                f"runs there: give --node, and a positive size (got {node_pool_gib}).")

@@ -68,6 +68,9 @@ class ServeOptions:
     """A shared Redis / Valkey remote tier (after the disk tier, or alone with ``no_disk``)."""
     redis_password_env: str | None = None
     """Name of the environment variable holding the Redis password."""
+    s3: Mapping[str, Any] | None = None
+    """An S3 tier's entry (``url``, ``endpoint``, ``region``, ``capacity_bytes``, ``ca_bundle``; the
+    ``--s3-*`` flags, :func:`kvtier.cli.s3_flags.s3_entry`), below the disk and Redis tiers."""
     fleet_key_env: str | None = None
     """Name of the environment variable holding the fleet key: ``auth_key_env`` of every tier built here."""
     encrypt: bool = False
@@ -148,6 +151,8 @@ def build_extra_config(options: ServeOptions) -> dict:
         if options.redis_password_env is not None:
             remote["password_env"] = options.redis_password_env
         tiers.append(remote)
+    if options.s3 is not None:
+        tiers.append({"type": "s3", **options.s3})
     if options.encrypt and options.fleet_key_env is None:
         raise ServeConfigError("--encrypt", "--encrypt needs a fleet key: --fleet-key-env NAME (docs/security.md).")
     if options.fleet_key_env is not None:
@@ -307,7 +312,11 @@ _FLAG_OF_KEY = {
     "root_dir": "--disk-dir",
     "capacity_bytes": "--disk-size",
     "url": "--redis-url",
+    "auth_key_env": "--fleet-key-env",
 }
+S3_FLAG_OF_KEY = {"url": "--s3-url", "endpoint": "--s3-endpoint", "region": "--s3-region",
+                  "ca_bundle": "--s3-ca-bundle", "capacity_bytes": "--s3-size"}
+"""The ``--s3-*`` flag (``kvtier serve``, ``kvtier node``) that sets each key of an S3 tier entry."""
 _MESSAGE = re.compile(
     r"^kv_connector_extra_config: '(?P<key>[^']+)'(?: = '(?:[^']*)')? (?P<reason>.*)$", re.DOTALL
 )
@@ -327,15 +336,24 @@ def _flag_error(message: str, extra: Mapping[str, Any], options: ServeOptions) -
     match = _MESSAGE.match(message)
     leaf = re.split(r"[.\]]", quoted[0])[-1]
     flag = _FLAG_OF_KEY.get(leaf)
+    index = re.match(r"secondary_tiers\[(\d+)\]", quoted[0])
+    tiers = extra.get("secondary_tiers") or []
+    if index and int(index[1]) < len(tiers) and tiers[int(index[1])].get("type") == "s3":
+        flag = S3_FLAG_OF_KEY.get(leaf, flag)
     if flag is None or match is None:
         return ServeConfigError("--kv-config", f"--kv-config: {body}")
+    s3 = options.s3 or {}
     value = {
         "--kv-offloading-size": options.kv_offloading_size_gib,
         "--eviction-policy": options.eviction_policy,
         "--disk-dir": extra.get("secondary_tiers", [{}])[0].get("root_dir") if not options.no_disk else None,
         "--disk-size": options.disk_size_gib,
         "--redis-url": redact_url(options.redis_url or ""),
+        "--fleet-key-env": options.fleet_key_env,
+        **{name: s3.get(key) for key, name in S3_FLAG_OF_KEY.items()},
     }[flag]
+    if flag == "--s3-size" and value is not None:
+        value = value / GIB
     value = f"{value:g}" if isinstance(value, float) else value
     reason = match.group("reason")
     reason = reason[3:] if reason.startswith("is ") else reason
@@ -369,6 +387,9 @@ def _summary(model, options, config, vllm_args, cpu_backend, kv_memory_flag, env
         lines.append(f"kvtier: disk    {disk.root_dir} ({_gib(disk.capacity_bytes / GIB)} GiB)")
     if config.remote is not None:
         lines.append(f"kvtier: remote  {config.remote.redacted_url()}")
+    if config.s3 is not None:
+        bound = "unbounded" if config.s3.capacity_bytes is None else f"{_gib(config.s3.capacity_bytes / GIB)} GiB"
+        lines.append(f"kvtier: s3      {config.s3.location} ({bound})")
     if options.kv_config:
         lines.append(f"kvtier: config  {json.dumps(dict(options.kv_config), separators=(',', ':'))}")
     if kv_memory_flag is not None:

@@ -1,0 +1,83 @@
+"""The ``--s3-*`` flags of ``kvtier serve`` and ``kvtier node``: one S3 tier entry from five flags.
+
+Both commands take the same flags (:func:`s3_options`), turn them into the same ``secondary_tiers``
+entry (:func:`s3_entry`) and check it with the same parser as a JSON config's entry
+(:func:`check_s3_entry`), so an error names the flag the user typed, never an entry key. No
+credential is ever a flag: the S3 client reads the standard AWS environment, shared files and
+instance role (docs/object-store.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from kvtier.launch.command import S3_FLAG_OF_KEY
+
+
+
+def s3_options(below: str) -> Callable:
+    """The five ``--s3-*`` options, for a command whose S3 tier sits below ``below`` (help text:
+    "the disk and Redis tiers")."""
+    options = [
+        click.option("--s3-url", default=None, metavar="s3://BUCKET/PREFIX",
+                     help=f"An S3 tier (an S3-compatible object store), below {below}. Credentials come from the "
+                          "standard AWS environment, shared files (AWS_PROFILE) or instance role, never from flags "
+                          "(docs/object-store.md)."),
+        click.option("--s3-endpoint", default=None, metavar="URL",
+                     help="The store's S3 API when it is not AWS itself (MinIO, Ceph RGW, SeaweedFS...): "
+                          "https://host:port; path-style addressing then."),
+        click.option("--s3-region", default=None, metavar="NAME",
+                     help="The bucket's region (default: AWS_REGION, the profile's, else us-east-1)."),
+        click.option("--s3-size", type=float, default=None, metavar="GiB",
+                     help="Bound on the objects under the S3 prefix, in GiB, kept by a background sweep (least "
+                          "recently written first). Without it, bound the prefix with a bucket lifecycle rule."),
+        click.option("--s3-ca-bundle", type=click.Path(dir_okay=False), default=None, metavar="PATH",
+                     help="PEM file of the CA certificates that sign --s3-endpoint's certificate."),
+    ]
+
+    def decorate(command: Callable) -> Callable:
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return decorate
+
+
+def s3_entry(url: str | None, endpoint: str | None, region: str | None, size: float | None,
+             ca_bundle: str | None) -> dict[str, Any] | None:
+    """The S3 tier entry (without ``type``) the ``--s3-*`` flags describe; None without --s3-url.
+    Raises click errors for flags that need --s3-url and for a size that is not positive."""
+    if url is None:
+        if any(v is not None for v in (endpoint, region, size, ca_bundle)):
+            raise click.UsageError("--s3-endpoint, --s3-region, --s3-size and --s3-ca-bundle describe --s3-url: give "
+                                   "it too")
+        return None
+    if size is not None and not size > 0:
+        raise click.BadParameter(f"{size}: a positive number of GiB", param_hint="--s3-size")
+    entry = {"url": url, "endpoint": endpoint, "region": region, "ca_bundle": ca_bundle,
+             "capacity_bytes": int(size * 2**30) if size is not None else None}
+    return {k: v for k, v in entry.items() if v is not None}
+
+
+def check_s3_entry(entry: dict[str, Any]):
+    """``entry`` parsed as a config's ``type: s3`` entry (an S3TierConfig); a bad value raises
+    click's UsageError naming the flag it came from."""
+    from kvtier.core.tier_config import TierType, parse_tier
+    from kvtier.core.values import ConfigError
+
+    try:
+        return parse_tier(entry, TierType.S3, "s3")
+    except ConfigError as exc:
+        raise click.UsageError(flag_names(str(exc))) from None
+
+
+def flag_names(message: str) -> str:
+    """A tier ConfigError's message with the S3 entry's keys named as the flags that set them."""
+    from kvtier.core.values import PREFIX
+
+    for key, flag in S3_FLAG_OF_KEY.items():
+        message = message.replace(f"'s3.{key}'", flag)
+    return message.replace("'s3'", "--s3-url").removeprefix(f"{PREFIX}: ")
