@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.offline_run import launch
+from support.offline_run import launch_together
 
 from kvtier.bench.text import long_prompts
 
@@ -61,8 +61,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def test_returning_turns_compute_only_the_new_message(model_path, tmp_path: Path):
     config = {"cpu_bytes_to_use": 48 * BLOCK_BYTES, "offload_prompt_only": False, "offload_partial_blocks": True,
               "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": 2**30}]}
-    alone = launch(chat_spec(model_path, None), tmp_path)
-    result = launch(chat_spec(model_path, config), tmp_path)
+    alone, result = launch_together([chat_spec(model_path, None), chat_spec(model_path, config)], tmp_path)
     for turn, (ours, theirs) in enumerate(zip(result["rounds"], alone["rounds"])):
         assert [r["token_ids"] for r in ours] == [r["token_ids"] for r in theirs], f"turn {turn + 1} differs"
     assert len({tuple(r["token_ids"]) for r in alone["rounds"][0]}) == 4, "the model tells the sessions apart"

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from support.offline_run import cached, launch, tokens
+from support.offline_run import cached, launch, launch_together, tokens
 from support.tiny_models import write_tiny_model
 
 from kvtier.bench.text import long_prompts
@@ -61,14 +61,14 @@ def check_bit_exact_from_host_and_disk(folder: Path, tmp_path: Path, engine: dic
     computed (round 1 loads nothing; the reference is the kvtier engine's own round 1, the same
     engine configuration)."""
     tmp_path.mkdir(exist_ok=True)
-    alone = launch(family_spec(folder, [{}], None, engine, prompts), tmp_path)
+    root = tmp_path / "kv"
+    rounds = [{"kv_pages": True}, {"reset_prefix_cache": True, "kv_pages": True}]
+    alone, first = launch_together([family_spec(folder, [{}], None, engine, prompts),
+                                    family_spec(folder, rounds, kvtier_config(root), engine, prompts)], tmp_path)
     expected = tokens(alone)
     assert len(set(map(tuple, expected))) == len(prompts), "the model does not tell the prompts apart"
     prompt_tokens = [r["prompt_tokens"] for r in alone["rounds"][0]]
 
-    root = tmp_path / "kv"
-    rounds = [{"kv_pages": True}, {"reset_prefix_cache": True, "kv_pages": True}]
-    first = launch(family_spec(folder, rounds, kvtier_config(root), engine, prompts), tmp_path)
     assert tokens(first, 0) == expected and cached(first, 0) == [0] * len(prompts)
     assert tokens(first, 1) == expected
     for hit, total in zip(cached(first, 1), prompt_tokens, strict=True):
@@ -125,12 +125,12 @@ def check_inactive(folder: Path, tmp_path: Path, expected_reason: str, engine: d
     """vLLM alone, then kvtier (round 1, reset, round 2): kvtier says once that it is inactive and
     why, loads nothing, stores nothing; every output equals vLLM alone's. Returns kvtier's log."""
     tmp_path.mkdir(exist_ok=True)
-    alone = launch(family_spec(folder, [{}], None, engine, prompts), tmp_path)
+    root = tmp_path / "kv"
+    alone, run = launch_together([family_spec(folder, [{}], None, engine, prompts),
+                                  family_spec(folder, [{}, {"reset_prefix_cache": True}], kvtier_config(root), engine,
+                                              prompts)], tmp_path)
     expected = tokens(alone)
     assert len(set(map(tuple, expected))) == len(prompts), "the model does not tell the prompts apart"
-    root = tmp_path / "kv"
-    run = launch(family_spec(folder, [{}, {"reset_prefix_cache": True}], kvtier_config(root), engine, prompts),
-                 tmp_path)
     assert tokens(run, 0) == expected and tokens(run, 1) == expected
     assert cached(run, 1) == [0] * len(prompts)  # nothing loaded
     assert not list(root.rglob("*.bin"))  # nothing stored
