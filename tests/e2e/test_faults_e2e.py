@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from support.offline_run import cached, finish, launch, start, tokens
+from support.offline_run import cached, finish, launch, launch_together, start, tokens
 from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
 
 from kvtier.bench.text import long_prompts
@@ -332,13 +332,13 @@ def test_churn_with_preemptions_and_a_tiny_host_tier(tmp_path, model_path):
     host slot stays pinned (a leaked slot would stay pinned forever)."""
     prompts = quoting_prompts(16, 200, seed=12)
     churn = {"max_tokens": 48, "max_num_seqs": 16}
-    alone = Alone.of(launch(spec(model_path, [{"batch": True}], None, prompts, **churn), tmp_path))
     config = {"cpu_bytes_to_use": 4 * BLOCK_BYTES}
-    result = launch(
+    reference, result = launch_together([
+        spec(model_path, [{"batch": True}], None, prompts, **churn),
         spec(model_path, [{"batch": True}, {"batch": True, "reset_prefix_cache": True}], config, prompts,
              kv_cache_memory_bytes=20 * BLOCK_BYTES, **churn),
-        tmp_path,
-    )
+    ], tmp_path)
+    alone = Alone.of(reference)
     print(f"preemptions: {result['num_preemptions']}; metrics after: {result['round_metrics'][-1]}")
     assert result["num_preemptions"] > 0, "the workload should force preemptions"
     check_rounds(result, alone)
