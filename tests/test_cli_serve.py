@@ -470,7 +470,7 @@ def test_serve_end_to_end(tmp_path):
     base = f"http://127.0.0.1:{port}"
     env = {
         **os.environ,
-        "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+        "VLLM_CACHE_ROOT": os.environ["KVTIER_TEST_VLLM_CACHE_ROOT"],  # the session's (tests/conftest.py)
         "TMPDIR": str(tmp_path),
         "VLLM_SERVER_DEV_MODE": "1",  # exposes POST /reset_prefix_cache (vLLM 0.32 dev routes)
     }
