@@ -71,7 +71,7 @@ from kvtier.core.values import ConfigError
 from kvtier.runtime.fingerprint import AdapterFingerprints
 from kvtier.runtime.access_log import AccessLog, access_record
 from kvtier.runtime.host_factory import open_host_side
-from kvtier.runtime.host_side import AcquireStatus, HostSide
+from kvtier.runtime.host_side import HostSide
 from kvtier.runtime.node_host import NODE_REGION_BYTES
 from kvtier.runtime.orchestrator import Orchestrator
 from kvtier.runtime.requests import find_hit, offload_limit, tail_ends
