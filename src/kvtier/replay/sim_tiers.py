@@ -28,16 +28,36 @@ from kvtier.tiers.disk.writer import WriteOutcome
 from kvtier.tiers.outbox import Outbox
 
 
-class SimDiskTier(SecondaryTier):
+class _SimTier(SecondaryTier):
+    """What both simulated tiers share: every job is done when submitted, its result handed out by
+    the next :meth:`poll`; writes never wait for room; nothing to close."""
+
+    medium: Medium
+
+    def __init__(self) -> None:
+        self.residency = ResidencyLog(self.medium)
+        self.outbox = Outbox()
+        self._done: list[IoResult] = []
+
+    def write_room(self) -> int | None:
+        return 1 << 30
+
+    def poll(self) -> list[IoResult]:
+        done, self._done = self._done, []
+        return done
+
+    def close(self) -> None:
+        pass
+
+
+class SimDiskTier(_SimTier):
     """A disk tier of ``capacity_bytes`` holding blocks of ``block_bytes`` (all ranks, headers included)."""
 
     medium = Medium.DISK
 
     def __init__(self, capacity_bytes: int, block_bytes: int):
+        super().__init__()
         self.index = DiskIndex(block_bytes=block_bytes, capacity_bytes=capacity_bytes, remove_files=lambda keys, earlier: None)
-        self.residency = ResidencyLog(Medium.DISK)
-        self.outbox = Outbox()
-        self._done: list[IoResult] = []
 
     def contains(self, key: BlockKey) -> bool:
         return key in self.index.index
@@ -67,13 +87,6 @@ class SimDiskTier(SecondaryTier):
         self._done.append(result)
         return True
 
-    def write_room(self) -> int | None:
-        return 1 << 30
-
-    def poll(self) -> list[IoResult]:
-        done, self._done = self._done, []
-        return done
-
     def touch(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
             self.index.touch_one(key)
@@ -94,23 +107,18 @@ class SimDiskTier(SecondaryTier):
     def evictions(self) -> int:
         return int(self.index.counts["evictions"])
 
-    def close(self) -> None:
-        pass
 
-
-class SimRemoteTier(SecondaryTier):
+class SimRemoteTier(_SimTier):
     """A Redis / Valkey server holding at most ``capacity_blocks`` records, evicting the least
     recently used one (``maxmemory-policy allkeys-lru``) when a write needs room."""
 
     medium = Medium.REMOTE
 
     def __init__(self, capacity_blocks: int, block_bytes: int):
+        super().__init__()
         self.capacity_blocks = capacity_blocks
         self.block_bytes = block_bytes
         self.records: OrderedDict[BlockKey, None] = OrderedDict()
-        self.residency = ResidencyLog(Medium.REMOTE)
-        self.outbox = Outbox()
-        self._done: list[IoResult] = []
         self._evictions = 0
 
     def contains(self, key: BlockKey) -> bool:
@@ -137,13 +145,6 @@ class SimRemoteTier(SecondaryTier):
         self._done.append(IoResult(job_id, IoKind.WRITE, key, True, num_bytes=self.block_bytes))
         return True
 
-    def write_room(self) -> int | None:
-        return 1 << 30
-
-    def poll(self) -> list[IoResult]:
-        done, self._done = self._done, []
-        return done
-
     def touch(self, keys: Sequence[BlockKey]) -> None:
         for key in keys:
             if key in self.records:
@@ -164,6 +165,3 @@ class SimRemoteTier(SecondaryTier):
     @property
     def evictions(self) -> int:
         return self._evictions
-
-    def close(self) -> None:
-        pass
