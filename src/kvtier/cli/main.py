@@ -119,7 +119,7 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
     """
     from click.core import ParameterSource
 
-    from kvtier.cli.s3_flags import check_s3_entry, s3_entry
+    from kvtier.cli.s3_flags import s3_entry
     from kvtier.cli.serve import ServeOptions, run
 
     given = [
@@ -130,9 +130,7 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
         raise click.UsageError("--redis-password-env needs --redis-url.")
     if node_uid is not None and node is None:
         raise click.UsageError("--node-uid names the user the kvtier node service of --node may run as: give --node.")
-    s3 = s3_entry(s3_url, s3_endpoint, s3_region, s3_size, s3_ca_bundle)
-    if s3 is not None:
-        check_s3_entry(s3)
+    s3 = s3_entry(s3_url, s3_endpoint, s3_region, s3_size, s3_ca_bundle)  # checked with the rest (run)
     options = ServeOptions(
         kv_offloading_size_gib=kv_offloading_size, disk_dir=disk_dir, disk_size_gib=disk_size,
         no_disk=no_disk, eviction_policy=eviction_policy, redis_url=redis_url,

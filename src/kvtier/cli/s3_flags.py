@@ -1,8 +1,9 @@
 """The ``--s3-*`` flags of ``kvtier serve`` and ``kvtier node``: one S3 tier entry from five flags.
 
-Both commands take the same flags (:func:`s3_options`), turn them into the same ``secondary_tiers``
-entry (:func:`s3_entry`) and check it with the same parser as a JSON config's entry
-(:func:`check_s3_entry`), so an error names the flag the user typed, never an entry key. No
+Both commands take the same flags (:func:`s3_options`) and turn them into the same
+``secondary_tiers`` entry (:func:`s3_entry`), checked by the same parser as a JSON config's entry;
+an error names the flag the user typed (:func:`flag_names` here, ``_flag_error`` of
+:mod:`kvtier.launch.command` for ``kvtier serve``), never an entry key. No
 credential is ever a flag: the S3 client reads the standard AWS environment, shared files and
 instance role (docs/object-store.md).
 """
@@ -60,18 +61,6 @@ def s3_entry(url: str | None, endpoint: str | None, region: str | None, size: fl
     entry = {"url": url, "endpoint": endpoint, "region": region, "ca_bundle": ca_bundle,
              "capacity_bytes": int(size * 2**30) if size is not None else None}
     return {k: v for k, v in entry.items() if v is not None}
-
-
-def check_s3_entry(entry: dict[str, Any]):
-    """``entry`` parsed as a config's ``type: s3`` entry (an S3TierConfig); a bad value raises
-    click's UsageError naming the flag it came from."""
-    from kvtier.core.tier_config import TierType, parse_tier
-    from kvtier.core.values import ConfigError
-
-    try:
-        return parse_tier(entry, TierType.S3, "s3")
-    except ConfigError as exc:
-        raise click.UsageError(flag_names(str(exc))) from None
 
 
 def flag_names(message: str) -> str:
