@@ -18,6 +18,7 @@ import time
 import pytest
 from support.native_rig import NativeRig, native_env, prompt  # noqa: F401  (pytest fixture)
 from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
+from support.store_files import record_files
 from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 from kvtier.core.values import ConfigError
@@ -38,10 +39,6 @@ def disk(root, **more) -> dict:
 def redis(server, **more) -> dict:
     return {"type": "kvtier_redis", "url": server.url(), "timeout_s": 2, "connect_timeout_s": 0.5,
             "max_pending_writes": 8, **more}
-
-
-def records(root) -> list:
-    return sorted(p for p in root.rglob("*.bin") if "quarantine" not in p.parts)
 
 
 @pytest.mark.parametrize("kind", ["disk", "redis"])
@@ -90,7 +87,7 @@ def test_records_that_cannot_be_read_cost_one_miss_each(tmp_path, model):
     keys, rows = first.store_prompt(3, 6)
     names = [first.tiers[0]._store.key_of(k).hex() for k in keys]
     first.close()
-    files = {p.stem: p for p in records(root)}
+    files = {p.stem: p for p in record_files(root)}
     path = [files[name] for name in names]
     path[1].unlink()
     path[1].symlink_to(path[5])  # a valid record of another key, through a link

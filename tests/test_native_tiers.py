@@ -16,6 +16,7 @@ import os
 import pytest
 from click.testing import CliRunner
 from support.native_rig import NativeRig, make_model, native_env, payload_of, prompt  # noqa: F401 (fixture)
+from support.store_files import record_files
 
 from kvtier.cli.main import main
 from kvtier.core.keys import Namespace
@@ -33,16 +34,12 @@ def disk(root, **more) -> dict:
     return {"type": "kvtier_disk", "root_dir": str(root), "capacity_bytes": 10**8, **more}
 
 
-def bin_files(root) -> list:
-    return sorted(p for p in root.rglob("*.bin") if "quarantine" not in p.parts)
-
-
 def test_a_fresh_engine_reads_what_another_stored_and_the_records_are_kvtiers(tmp_path, model):
     root = tmp_path / "root"
     first = NativeRig(model, [disk(root)])
     keys, rows = first.store_prompt(1, 4)
     first.close()
-    assert len(bin_files(root)) == 4  # one record per chunk (one rank)
+    assert len(record_files(root)) == 4  # one record per chunk (one rank)
 
     second = NativeRig(model, [disk(root)])  # a restart: a new process, vLLM's CPU tier empty
     assert second.fetch(keys) == second.stored_part(rows)
@@ -75,7 +72,7 @@ def test_operator_tools_work_on_a_root_the_native_tier_wrote(tmp_path, model):
     assert space["layout"]["block_tokens"] == 32 and space["layout"]["backends"] == ["cpu", "auto"]
     verified = runner.invoke(main, ["verify", str(root)])
     assert verified.exit_code == 0 and "3" in verified.output, verified.output
-    bad = bin_files(root)[0]
+    bad = record_files(root)[0]
     bad.write_bytes(bad.read_bytes()[:-1] + b"\x00")
     verified = runner.invoke(main, ["verify", str(root)])
     assert verified.exit_code != 0 and "1" in verified.output, verified.output
@@ -86,7 +83,7 @@ def test_operator_tools_work_on_a_root_the_native_tier_wrote(tmp_path, model):
     assert "32-token blocks" in shared["why"] and str(model) in shared["why"]
     purged = runner.invoke(main, ["purge", str(root), "--all"])
     assert purged.exit_code == 0, purged.output
-    assert bin_files(root) == []
+    assert record_files(root) == []
 
 
 def corrupt(path, how: str) -> None:
@@ -187,9 +184,9 @@ def test_capacity_holds_with_two_engines_writing_one_root(tmp_path, model):
     for round_ in range(4):
         for index, rig in enumerate(engines):
             rig.store_prompt(100 + 10 * round_ + index, 4)
-            files = bin_files(root)
+            files = record_files(root)
             assert sum(p.stat().st_size for p in files) <= capacity, f"round {round_}: {len(files)} records"
-    assert len(bin_files(root)) >= 6  # the root is used, not emptied
+    assert len(record_files(root)) >= 6  # the root is used, not emptied
     assert sum(rig.tiers[0]._store.tier.evictions for rig in engines) > 0
     for rig in engines:
         rig.close()

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from support.offline_run import cached, finish, launch, launch_together, start, tokens
 from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
+from support.store_files import namespace_bytes, record_files, temp_files
 
 from kvtier.bench.text import long_prompts
 from kvtier.tiers.blockfile import HEADER_LEN, decode_header, encode_header
@@ -102,10 +103,6 @@ def metric(result: dict, round_index: int, name: str) -> float:
     return result["round_metrics"][round_index].get(name, 0.0)
 
 
-def block_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.bin") if "quarantine" not in p.parts)
-
-
 def disk_config(root: Path, *, host_blocks: int = 200, capacity: int = 4_000_000_000) -> dict:
     return {
         "cpu_bytes_to_use": host_blocks * BLOCK_BYTES,
@@ -137,14 +134,14 @@ def test_sigkill_mid_write_then_restart_on_the_same_root_and_names(tmp_path, mod
     # Kill while a block file is half written, once the first prompt's blocks are on disk: the
     # disk writers take blocks in order but finish them in any order, so "2 files" could be blocks 1
     # and 2 with block 0 still in flight, and then no prompt has a run from its start (seen in CI)
-    while not (len(block_files(root)) >= FULL_BLOCKS_PER_PROMPT and any(root.rglob("*.tmp"))):
+    while not (len(record_files(root)) >= FULL_BLOCKS_PER_PROMPT and any(temp_files(root))):
         assert proc.poll() is None, (run_dir / "engine.log").read_text()[-3000:]
         assert time.monotonic() < deadline, "no block reached the disk"
         time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    on_disk = len(block_files(root))
-    temps = list(root.rglob("*.tmp"))
+    on_disk = len(record_files(root))
+    temps = list(temp_files(root))
     print(f"killed with {on_disk} block files and {len(temps)} temp files on disk")
     verify = subprocess.run([*KVTIER, "verify", str(root), "--no-quarantine"], capture_output=True, text=True, check=False)
     assert verify.returncode == 0, verify.stdout + verify.stderr  # renamed into place whole, or not at all
@@ -156,7 +153,7 @@ def test_sigkill_mid_write_then_restart_on_the_same_root_and_names(tmp_path, mod
     check_rounds(again, alone)
     # (a hit needs a run of blocks from the prompt's start: the kill may have left a hole in it)
     assert sum(cached(again)) >= BLOCK_TOKENS, "the blocks on disk were not reused"
-    assert not list(root.rglob("*.tmp")), "the dead writer's temp files were left behind"
+    assert not list(temp_files(root)), "the dead writer's temp files were left behind"
     assert not region.exists()
 
 
@@ -232,11 +229,11 @@ def test_block_files_damaged_replaced_and_purged_while_serving(tmp_path, model_p
     quarantined: set[str] = set()  # as round 2 left it (the purge empties the quarantine too)
 
     def damage() -> None:
-        damaged.update(corrupt(block_files(root)))
+        damaged.update(corrupt(record_files(root)))
 
     def start_replacing() -> None:
         quarantined.update(p.name.split("__")[-1] for p in (root / "quarantine").glob("*.bin"))
-        replacer.append(Replacer([f for f in block_files(root) if f not in damaged.values()]))
+        replacer.append(Replacer([f for f in record_files(root) if f not in damaged.values()]))
         replacer[0].start()
 
     def stop_replacing_and_purge() -> None:
@@ -379,20 +376,20 @@ def test_disk_full_drops_stores_and_recovers_when_space_returns(tmp_path, model_
         counts: list[int] = []
 
         def free_space() -> None:
-            counts.append(len(block_files(root)))
+            counts.append(len(record_files(root)))
             filler.unlink()
 
         result = launch(spec(model_path, [first, second], disk_config(root, capacity=capacity)), tmp_path,
                         before_round={1: free_space} if mounted else None)
         check_rounds(result, alone)
         dropped = [metric(result, i, "kvtier_writes_dropped_total{tier=disk}") for i in range(2)]
-        files = block_files(root)
+        files = record_files(root)
         print(f"block files after round 1: {counts}, at the end: {len(files)}; writes dropped: {dropped}")
         assert dropped[0] >= 18, "the full disk's refusals were not counted as dropped stores"
         assert dropped[1] == dropped[0], "stores were still dropped after space came back"
         assert len(files) >= (counts[0] if counts else 0) + 24, "the tier did not recover"
         assert sum(f.stat().st_size for f in files) <= capacity
-        assert not list(root.rglob("*.tmp")), "a failed write left its temp file"
+        assert not list(temp_files(root)), "a failed write left its temp file"
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(root)], check=False)
@@ -407,21 +404,12 @@ class UsageWatcher(threading.Thread):
         self.root, self.stop, self.samples, self.peak = root, threading.Event(), 0, 0
 
     def run(self) -> None:
-        import fcntl
-
         while not self.stop.is_set():
             ledgers = list(self.root.glob("*/usage_g0"))
             if not ledgers:
                 time.sleep(0.01)
                 continue
-            with open(ledgers[0], "rb") as ledger:
-                fcntl.flock(ledger, fcntl.LOCK_EX)
-                try:
-                    used = sum(p.stat().st_size for p in block_files(self.root))
-                except FileNotFoundError:  # removed by an operator's tool that takes no lock: retry
-                    continue
-                finally:
-                    fcntl.flock(ledger, fcntl.LOCK_UN)
+            used = namespace_bytes(self.root, ledgers[0].parent.name)
             self.peak, self.samples = max(self.peak, used), self.samples + 1
             time.sleep(0.05)
 

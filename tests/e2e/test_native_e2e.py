@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 from support.offline_run import cached, finish, launch, metric, start, tokens
 from support.redis_server import module_redis  # noqa: F401  (pytest fixture)
+from support.store_files import namespace_bytes, record_files
 from support.tiny_models import write_tiny_model
 
 from kvtier.bench.text import long_prompts
@@ -66,10 +67,6 @@ def disk(root: Path, capacity: int = 2**30, **more) -> dict:
     return {"type": "kvtier_disk", "root_dir": str(root), "capacity_bytes": capacity, **more}
 
 
-def records(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.bin") if "quarantine" not in p.parts)
-
-
 @pytest.fixture(scope="module")
 def redis(module_redis):  # noqa: F811  (the shared fixture, under this module's name)
     return module_redis
@@ -96,13 +93,13 @@ def warm(model, redis, expected, tmp_path_factory):
     assert tokens(result, 1) == expected["prompts"]
     assert cached(result, 1) == [CHUNK] * 9, "round 1 was not served from kvtier_disk"
     assert metric(result, 1, "chunk_hits", "kvtier_disk") == 9
-    assert len(records(root)) == 9
+    assert len(record_files(root)) == 9
     return root, result
 
 
 def test_a_fresh_engine_is_served_from_disk_and_bad_records_are_counted_misses(warm, model, expected, tmp_path):
     root, _ = warm
-    files = records(root)
+    files = record_files(root)
     bad = files[::3]  # a third: flipped, truncated, emptied
 
     def corrupt() -> None:
@@ -177,21 +174,24 @@ def test_another_block_size_misses_and_capacity_holds_while_two_engines_write_on
     procs = [start(run_spec(model, [disk(root, capacity)], prompts=prompts, block_size=32), tmp_path)
              for prompts in (PROMPTS, OTHER_PROMPTS)]
 
-    def theirs() -> list[Path]:
-        dirs = [name for name, c in namespaces(root).items() if c["ranks"][0]["engine_block_tokens"] == 32]
-        return [p for name in dirs for p in records(root / f"{name}_r0")]
+    def theirs() -> list[str]:
+        return [name for name, c in namespaces(root).items() if c["ranks"][0]["engine_block_tokens"] == 32]
+
+    def their_bytes() -> int:  # walked under each namespace's ledger lock: no file counted twice
+        return sum(namespace_bytes(root, name) for name in theirs())
 
     largest = 0
     while any(proc.poll() is None for proc, _ in procs):
-        largest = max(largest, sum(p.stat().st_size for p in theirs() if p.exists()))
+        largest = max(largest, their_bytes())
         time.sleep(0.02)
     results = [finish(proc, run_dir) for proc, run_dir in procs]
     assert cached(results[0]) == [0] * 9, "an engine of another block size loaded the warm records"
     assert tokens(results[0]) == expected["prompts"] and tokens(results[1]) == expected["other"]
-    final = sum(p.stat().st_size for p in theirs())
+    final = their_bytes()
     assert 0 < largest <= capacity and final <= capacity, (largest, final, capacity)
     assert sum(metric(r, 0, "kvtier_offload_evictions") for r in results) > 0
-    print(f"capacity {capacity}: at most {largest} bytes of records, {len(theirs())} records at the end")
+    left = [p for name in theirs() for p in record_files(root / f"{name}_r0")]
+    print(f"capacity {capacity}: at most {largest} bytes of records, {len(left)} records at the end")
 
 
 def test_redis_serves_a_second_engine_process_and_a_stopped_server_costs_misses(warm, model, redis, expected,
