@@ -306,3 +306,44 @@ class PoolStreams(SimDevice):
         stream = self.pool[self.handed % len(self.pool)]
         self.handed += 1
         return stream
+
+
+class SharedSimDevice(SimDevice):
+    """The simulated device shared by two host threads, as a CUDA device is: every call (the
+    engine's and the test's) runs under one re-entrant lock, so the engine's issuing thread and the
+    test's thread see each stream's queue change one call at a time. ``hold_copies``: every
+    :meth:`copy` first waits (holding no lock) until the test sets it; the job's issue then stands
+    still on the issuing thread at its first device copy."""
+
+    _LOCKED = ("current_stream", "new_stream", "new_event", "record", "wait", "query", "synchronize",
+               "elapsed_seconds", "close", "enqueue", "step", "advance", "advance_side_streams", "run_until",
+               "run_all")
+
+    def __init__(self):
+        import threading
+
+        super().__init__()
+        self.lock = threading.RLock()
+        self.hold_copies = threading.Event()
+        self.hold_copies.set()
+        self.copy_threads: list[str] = []  # the thread that issued each copy call
+
+    def __getattribute__(self, name):
+        attribute = super().__getattribute__(name)
+        if name in SharedSimDevice._LOCKED:
+            lock = super().__getattribute__("lock")
+
+            def locked(*args, **kwargs):
+                with lock:
+                    return attribute(*args, **kwargs)
+
+            return locked
+        return attribute
+
+    def copy(self, stream: SimStream, plan) -> None:
+        import threading
+
+        assert self.hold_copies.wait(30), "the test never let the held copy go"
+        with self.lock:
+            self.copy_threads.append(threading.current_thread().name)
+            super().copy(stream, plan)

@@ -1,0 +1,145 @@
+"""Where the host time to issue a copy job goes, on a real CUDA device: the cost of each device call
+the engine makes (microseconds, median of many, the device kept busy so nothing waits for it), then
+a profile of whole ``start_store`` / ``start_load`` calls at the kit's shape (512 blocks x 32
+layers, scattered engine blocks), per method and layout. Prints one JSON.
+
+Usage (GPU machine, as scripts/gpu-check.sh sets PYTHONPATH): python tests/gpu/profile_issue.py
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import itertools
+import json
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_copies as kit  # noqa: E402
+from gpu_layouts import Case, build  # noqa: E402
+
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV  # noqa: E402
+from kvtier.copy.cudart import SourceOrder  # noqa: E402
+from kvtier.copy.cuda import CudaCopyEngine  # noqa: E402
+from kvtier.copy.staging import CopyMethod  # noqa: E402
+from kvtier.copy.streams import TorchCudaStreams  # noqa: E402
+from kvtier.core.slots import HostSlotLayout  # noqa: E402
+
+BLOCKS, LAYERS = 512, 32
+
+
+def micro(work, n: int = 300) -> float:
+    """Median microseconds of ``work()``, the compute stream held busy meanwhile."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(200 * kit.CYCLES_PER_MS))
+    times = []
+    for _ in range(n):
+        began = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - began)
+    torch.cuda.synchronize()
+    return round(statistics.median(times) * 1e6, 2)
+
+
+def device_calls(streams: TorchCudaStreams) -> dict:
+    device = streams.device
+    side = streams.new_stream()
+    runtime = streams.runtime
+    compute = torch.cuda.current_stream()
+    event = torch.cuda.Event(enable_timing=True)
+    rows = torch.zeros(4096, 2048, dtype=torch.int64, device=device)  # 16 KiB rows
+    out = torch.empty(512, 2048, dtype=torch.int64, device=device)
+    index = torch.randint(0, 4096, (16384,), device=device)
+    host = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+    found: dict = {
+        "torch.cuda.current_stream": micro(lambda: torch.cuda.current_stream(device)),
+        "torch.cuda.Event(enable_timing=True)": micro(lambda: torch.cuda.Event(enable_timing=True)),
+        "new Event + record": micro(lambda: torch.cuda.Event(enable_timing=True).record(compute)),
+        "event.record(side)": micro(lambda: event.record(side)),
+        "side.wait_event": micro(lambda: side.wait_event(event)),
+        "index slice": micro(lambda: index[512:1024]),
+        "index_select 512 x 16 KiB (out=)": micro(lambda: torch.index_select(rows, 0, index[:512] % 4096, out=out)),
+        "index_select, index sliced": micro(lambda: torch.index_select(rows, 0, index[512:1024], out=out)),
+        "index_copy_ 512 rows": micro(lambda: rows.index_copy_(0, index[:512], out)),
+    }
+
+    def ctx_device():
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            pass
+
+    found["with device + stream (enter/exit)"] = micro(ctx_device)
+    if runtime is not None:
+        ev = runtime.event_create()
+        handle = side.cuda_stream
+        found["runtime.event_record"] = micro(lambda: runtime.event_record(ev, handle))
+        found["runtime.stream_wait_event"] = micro(lambda: runtime.stream_wait_event(handle, ev))
+        for count in (1, 16, 512):
+            dst = np.full(count, host.data_ptr(), dtype=np.int64) + np.arange(count, dtype=np.int64) * 65536
+            src = np.full(count, out.data_ptr(), dtype=np.int64)
+            sizes = np.full(count, 4096, dtype=np.int64)
+            found[f"runtime.memcpy_batch {count}"] = micro(
+                lambda d=dst, s=src, z=sizes: runtime.memcpy_batch(d, s, z, handle, SourceOrder.STREAM), n=100)
+        runtime.event_destroy(ev)
+    return found
+
+
+def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction: Direction, job_ids) -> dict:
+    case = Case(layout, layers=LAYERS, heads=heads, tokens=kit.TOKENS, content=kit.CONTENT, dtype=torch.bfloat16)
+    kv = build(case, BLOCKS + 8, streams.device)
+    paged = PagedKV(kv.views, BLOCKS + 8)
+    slots = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, BLOCKS)
+    buffer, pinning, _ = kit.host_region(slots.region_bytes, slots.slot_bytes)
+    engine = CudaCopyEngine(BlockCopier(paged, HostSlots(buffer, slots)), streams, method)
+    pages = [PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)]
+    for _ in range(3):
+        kit.run_job(engine, direction, pages, next(job_ids))
+    issue = []
+    profiler = cProfile.Profile()
+    for i in range(15):
+        torch.cuda.synchronize()
+        kit.gate()
+        profiler.enable()
+        began = time.perf_counter()
+        if direction is Direction.STORE:
+            engine.start_store(next(job_ids), pages)
+        else:
+            engine.start_load(next(job_ids), pages, synchronous=False)
+        issue.append(time.perf_counter() - began)
+        profiler.disable()
+        engine.wait()
+        engine.poll()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+    engine.close()
+    pinning.release()
+    del kv
+    torch.cuda.empty_cache()
+    return {"page_bytes": paged.page_bytes, "issue_ms_median": round(statistics.median(issue) * 1e3, 3),
+            "issue_ms_min": round(min(issue) * 1e3, 3), "profile": text.getvalue().splitlines()[:60]}
+
+
+def main() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    kit.CYCLES_PER_MS = kit.cycles_per_ms()
+    streams = TorchCudaStreams(device)
+    out: dict = {"card": torch.cuda.get_device_name(), "calls_us": device_calls(streams), "jobs": {}}
+    job_ids = itertools.count()
+    for layout, heads, method in (("LBNHC", 2, CopyMethod.STAGED), ("LBNHC", 8, CopyMethod.STAGED),
+                                  ("BLNHC", 2, CopyMethod.RUNS)):
+        for direction in Direction:
+            name = f"{layout} {heads * 8} KiB {method.value} {direction.value}"
+            out["jobs"][name] = profile_jobs(streams, layout, heads, method, direction, job_ids)
+            print(name, out["jobs"][name]["issue_ms_median"], file=sys.stderr, flush=True)
+    streams.close()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
