@@ -32,8 +32,7 @@ NUM_BLOCKS = 14
 STAGED_CASES = [name for name in CASES if not name.startswith(("LHBNC", "BHLNC"))]  # strided pages: never staged
 
 
-def rig(case_name: str, num_slots: int = 8, chunk_pages: int = 3, buffers: int = 2, device_class=SimDevice,
-        background: bool = False):
+def rig(case_name: str, num_slots: int = 8, chunk_pages: int = 3, buffers: int = 2, device_class=SimDevice):
     """The case's KV on CPU (random bytes), a host region, and a CUDA engine on a simulated device
     that always stages, with ``buffers`` staging buffers of ``chunk_pages`` pages."""
     case = CASES[case_name]
@@ -43,7 +42,7 @@ def rig(case_name: str, num_slots: int = 8, chunk_pages: int = 3, buffers: int =
     layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, num_slots)
     host = HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout)
     device = device_class()
-    engine = CudaCopyEngine(BlockCopier(paged, host), device, CopyMethod.STAGED, background=background,
+    engine = CudaCopyEngine(BlockCopier(paged, host), device, CopyMethod.STAGED,
                             chunk_bytes=chunk_pages * paged.page_bytes, buffers=buffers)
     return engine, device, paged, host, kv
 

@@ -21,12 +21,11 @@ is then the copy's own, with the host's issue time overlapped by that compute (t
 reported apart). ``idle_fraction`` is ``auto`` again from an idle device, host issue included
 (reported, not judged).
 
-Engines are built as :func:`kvtier.copy.make_copy_engine` builds them: jobs issued by the
-engine's own thread (``background``). Host time: ``issue_ms``, the start call (``start_store`` /
-an asynchronous ``start_load``, call to return: what the thread running the forward waits), and
-``issuer_ms``, the job's issue on the issuing thread (planning and device calls), medians after
-the warm-ups; ``forward``: what a job costs the forward's thread all told, the start call plus
-sharing the GIL with the issuing thread (:func:`forward_cost`). And what kvtier's copies cost
+Host time: ``issue_ms``, the start call (``start_store`` / an asynchronous ``start_load``, call
+to return, median after the warm-ups: the thread that runs the forward issues the job), and
+``forward``: what a job costs that thread all told (:func:`forward_cost`, a stand-in step timed
+alone and with a job started; it also shows the cost of any issue moved to another thread, which
+shares the GIL: measured once and dropped, docs/benchmarks.md). And what kvtier's copies cost
 the forward pass on the device: a bf16 GEMM loop on the compute stream
 alone and beside an ``auto`` store, an ``auto`` load and one plain ``cudaMemcpyAsync`` of the same
 bytes each way (16 KiB pages; slowdown = GEMM time beside / alone, medians of interleaved rounds).
@@ -123,8 +122,7 @@ CYCLES_PER_MS = 2e6  # measured in main()
 
 
 def run_job(engine: CudaCopyEngine, direction: Direction, pages, job_id: int, gated: bool = True):
-    """One job, waited for and polled (so the chooser sees its timing): (device seconds, ms the start
-    call took, method, ms its issue took on the issuing thread)."""
+    """One job, waited for and polled (so the chooser sees its timing): (device seconds, issue ms, method)."""
     torch.cuda.synchronize()
     if gated:
         gate()
@@ -137,33 +135,31 @@ def run_job(engine: CudaCopyEngine, direction: Direction, pages, job_id: int, ga
     engine.wait([job_id])
     [done] = [d for d in engine.poll() if d.job_id == job_id]
     assert done.ok, f"{direction.value} job {job_id} failed"
-    return done.seconds, issue_ms, done.method, done.issue_seconds * 1000
+    return done.seconds, issue_ms, done.method
 
 
 def measure(engine, direction, pages, single, repeats: int, job_ids, gated: bool = True) -> dict:
     """Interleaved single copies and jobs, warm-ups first: medians of each."""
-    singles, device_s, issue_ms, issuer_ms, methods = [], [], [], [], set()
+    singles, device_s, issue_ms, methods = [], [], [], set()
     for i in range(WARMUPS + repeats):
         single_s = single(gated)
-        seconds, issued, method, issuing = run_job(engine, direction, pages, next(job_ids), gated)
+        seconds, issued, method = run_job(engine, direction, pages, next(job_ids), gated)
         if i >= WARMUPS:
             singles.append(single_s)
             device_s.append(seconds)
             issue_ms.append(issued)
-            issuer_ms.append(issuing)
             methods.add(method)
     return {"single_s": statistics.median(singles), "device_s": statistics.median(device_s),
-            "issue_ms": statistics.median(issue_ms), "issue_ms_max": max(issue_ms),
-            "issuer_ms": statistics.median(issuer_ms), "methods": sorted(methods)}
+            "issue_ms": statistics.median(issue_ms), "issue_ms_max": max(issue_ms), "methods": sorted(methods)}
 
 
 FORWARD_ITERATIONS = 1000  # the stand-in step: ~1000 launches and as many numpy ops, several ms
 
 
 def forward_cost(engine, direction, pages, job_ids, rounds: int = 7) -> dict:
-    """What starting a job costs the thread that runs the forward pass, all of it: the start call,
-    then the job's issue on the issuing thread while this thread goes on (the two share the GIL).
-    The forward's host work is stood in for by a loop of small numpy ops and kernel launches (as
+    """What starting a job costs the thread that runs the forward pass, all of it: the start call
+    and anything the job's issue takes from this thread after it (a thread of its own would share
+    the GIL with this one). The forward's host work is stood in for by a loop of small numpy ops and kernel launches (as
     vLLM's input preparation and an eager forward are), long enough to outlast the issue; it is
     timed alone and right after the start call (call included), interleaved, medians."""
     x = torch.zeros(1024, device=torch.cuda.current_device())
@@ -252,8 +248,7 @@ def bench_page_size(args, device, heads: int, job_ids) -> dict:
     out: dict = {"page_bytes": paged.page_bytes, "job_bytes": job_bytes, "host_region": where,
                  "pinned": pinning.pinned}
     staging = {"chunk_bytes": args.chunk_mib * 2**20, "buffers": args.buffers}
-    engines = {method: CudaCopyEngine(BlockCopier(paged, host), streams, method, background=True, **staging)
-               for method in METHODS}  # as kvtier.copy.make_copy_engine builds it
+    engines = {method: CudaCopyEngine(BlockCopier(paged, host), streams, method, **staging) for method in METHODS}
     for method in (CopyMethod.RUNS, CopyMethod.STAGED):  # what each method makes of the job (auto: one of them)
         plan, _ = engines[method]._plan(Direction.STORE, pages)  # noqa: SLF001
         out.setdefault("copies_per_job", {})[method.value] = getattr(plan, "num_runs", None)
@@ -342,8 +337,7 @@ def direction_report(job_bytes: int, measured: dict[str, dict]) -> dict:
         result[method] = {"device_ms": round(m["device_s"] * 1000, 3), "GBps": round(job_bytes / m["device_s"] / 1e9, 2),
                           "single_copy_GBps": round(job_bytes / m["single_s"] / 1e9, 2),
                           "fraction_of_single_copy": round(fraction, 3), "issue_ms": round(m["issue_ms"], 3),
-                          "issue_ms_max": round(m["issue_ms_max"], 3), "issuer_ms": round(m["issuer_ms"], 3),
-                          "moved_as": m.get("methods", [method])}
+                          "issue_ms_max": round(m["issue_ms_max"], 3), "moved_as": m.get("methods", [method])}
     result["fastest"] = max(("runs", "staged"), key=lambda k: result[k]["fraction_of_single_copy"])
     auto = result["auto"]["fraction_of_single_copy"]
     result["measurement_error"] = auto > MEASUREMENT_ERROR

@@ -45,9 +45,7 @@ def engine_for(kv, case: Case, host_buffer: torch.Tensor, num_slots: int, method
     paged = PagedKV(kv.views, NUM_BLOCKS, kv.layer_groups, kv.page_bytes)
     layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, num_slots)
     host = HostSlots(host_buffer[: layout.region_bytes], layout)
-    engine = CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(paged.device), method, background=True,
-                            **staging)  # as kvtier.copy.make_copy_engine builds it: issued by a thread of its own
-    return engine, paged, host
+    return CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(paged.device), method, **staging), paged, host
 
 
 def attention_rig(device, shm_region, num_slots=2, method: CopyMethod = CopyMethod.AUTO):

@@ -25,8 +25,7 @@ __all__ = [
 def make_copy_engine(kv: PagedKV, host: HostSlots, device: DeviceStreams | None = None) -> CopyEngine:
     """The copy engine for the engine's paged KV ``kv`` and one rank's ``host`` slots: the CPU
     engine for KV in host memory, the CUDA engine for KV on a CUDA device (its device calls on
-    ``torch.cuda``, issued by a thread of its own, unless ``device`` is given: the tests' simulated
-    device, every job issued by its start call). Raises ValueError
+    ``torch.cuda`` unless ``device`` is given: the tests' simulated device). Raises ValueError
     naming the device type for any other device."""
     if kv.device.type == "cpu":
         from kvtier.copy.cpu import CpuCopyEngine
@@ -36,8 +35,6 @@ def make_copy_engine(kv: PagedKV, host: HostSlots, device: DeviceStreams | None 
         from kvtier.copy.cuda import CudaCopyEngine
         from kvtier.copy.streams import TorchCudaStreams
 
-        if device is None:  # jobs issued by a thread of the engine's own, off the forward's thread
-            return CudaCopyEngine(BlockCopier(kv, host), TorchCudaStreams(kv.device), background=True)
-        return CudaCopyEngine(BlockCopier(kv, host), device)
+        return CudaCopyEngine(BlockCopier(kv, host), device if device is not None else TorchCudaStreams(kv.device))
     raise ValueError(f"kvtier: no copy engine for device type {kv.device.type!r}")
 

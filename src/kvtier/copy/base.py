@@ -66,10 +66,8 @@ def page_table(pages: Sequence[PageCopy]) -> np.ndarray:
 
 @dataclass(frozen=True, slots=True)
 class CopyDone:
-    """Completion of one job: bytes moved, the seconds from start to observed completion, how it
-    moved (``method``: a :class:`~kvtier.copy.staging.CopyMethod` value, "" if unknown) and the
-    host seconds its issue took (planning and device calls, on whichever thread issued it; 0 where
-    the copy itself ran on the calling thread)."""
+    """Completion of one job: bytes moved, the seconds from start to observed completion, and how
+    it moved (``method``: a :class:`~kvtier.copy.staging.CopyMethod` value, "" if unknown)."""
 
     job_id: int
     direction: Direction
@@ -77,7 +75,6 @@ class CopyDone:
     num_bytes: int
     seconds: float
     method: str = ""
-    issue_seconds: float = 0.0
 
 
 class CopyEngine(ABC):

@@ -28,27 +28,16 @@ other side stream) is replaced before use.
 
 No call synchronizes a stream per job; only ``wait`` and ``close`` block the calling thread.
 
-Threading: every public method is called from the worker's main thread, the one issuing the
-forward on the compute stream. With ``background`` (production: :func:`kvtier.copy.make_copy_engine`)
-a job is *issued* (planned, then its device calls made: the side stream's wait for ``ready``, the
-copies, ``end``) by an :class:`~kvtier.copy.issuer.Issuer` thread, in the order the jobs were
-started: the calling thread only records ``ready`` on the compute stream and queues the job, so
-``start_store`` and an asynchronous ``start_load`` return in microseconds whatever the job's size.
-A *synchronous* load is issued on the calling thread (after the jobs queued before it), since the
-compute stream must wait for its ``end`` before the call returns. ``poll`` reports only jobs whose
-``end`` was recorded (a job still queued holds back the later jobs of its direction); ``wait`` and
-``close`` first issue whatever is still queued. A job's fields are written by whichever thread
-issues it, then ``issued`` is set; the calling thread reads them only after. The method chooser is
-shared between the two threads under a lock. Without ``background`` (the tests' simulated device)
-every job is issued before its start call returns.
+Threading: every method is called from the worker's main thread, the one issuing the forward on
+the compute stream; the engine has no thread of its own (the device runs the copies).
 
 Buffers: engine pages and host slots of a job must stay untouched until the job is polled (the
 copies are in flight until then). The host region should be page-locked
 (:func:`kvtier.copy.pinning.pin_host_memory`); pageable memory is copied correctly but synchronously.
 
 Failures: an exception while planning or issuing a job (a page out of range, a device error) is
-logged and the job is reported failed, never raised, by whichever thread issued it. ``end`` is
-still recorded after whatever was issued. When it is reported:
+logged and the job is reported failed, never raised. ``end`` is still recorded after whatever was
+issued. When it is reported:
 
 - a failed *synchronous load* at once, by the next :meth:`~CudaCopyEngine.poll` (vLLM discards the
   token sampled on unloaded blocks only if the error arrives in the same step's output, vLLM 0.32
@@ -66,18 +55,14 @@ production, a simulated device in the tests).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
 from kvtier.copy.choice import MethodChooser, TrialKey
-from kvtier.copy.issuer import Issuer
 from kvtier.copy.pages import BlockCopier, CopyPlan
 from kvtier.copy.runs import ByteRuns, RunPlanner
 from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
@@ -88,41 +73,32 @@ logger = logging.getLogger(__name__)
 _STREAM_TRIES = 64  # more than torch's pool of streams per priority (32): every pool stream is tried
 
 
-@dataclass(slots=True, eq=False)
-class _Job:
-    """A job from its start call until it is reported. The calling thread fills the first fields
-    and queues it; the thread that issues it fills the rest, then sets ``issued`` (last). ``end``
-    None once issued: the device could not even order the job (reported at once). ``plan`` keeps
-    the copy arrays alive while the copies are in flight."""
+@dataclass(frozen=True, slots=True)
+class _InFlight:
+    """A job issued to the device, not yet reported (``reported``: its failure already was).
+    ``start`` is None when the job failed; ``plan`` keeps the copy arrays alive while in flight."""
 
     job_id: int
     direction: Direction
-    pages: Sequence[PageCopy] | np.ndarray  # a snapshot of the caller's pages
-    stream: Any  # the side stream
-    ready: Any  # recorded on the compute stream by the start call
-    synchronous: bool
+    ok: bool
+    num_bytes: int
+    start: Any
+    end: Any
     issued_at: float
-    ok: bool = True
-    num_bytes: int = 0
-    start: Any = None
-    end: Any = None
-    plan: ByteRuns | StagedRuns | CopyPlan | None = None
-    trial: TrialKey | None = None  # a timed trial of the method chooser
-    issue_seconds: float = 0.0  # host time the issue took, on whichever thread issued it
-    at_once: bool = False  # a failure reported without waiting for ``end`` (see the module docstring)
+    plan: ByteRuns | StagedRuns | CopyPlan | None
     reported: bool = False
-    issued: bool = False
+    trial: TrialKey | None = None  # a timed trial of the method chooser
+    issue_seconds: float = 0.0  # host time start_load / start_store took
 
 
 class CudaCopyEngine(CopyEngine):
     """``method``: how jobs of dense pages move (:class:`~kvtier.copy.staging.CopyMethod`; AUTO
     picks per job, by measurement, :mod:`kvtier.copy.choice`); strided pages always go page by
     page. ``staging``: options of the :class:`~kvtier.copy.staging.StagedPlanner` (chunk bytes,
-    buffers). ``background``: jobs are issued by a thread of the engine's own (see the module
-    docstring)."""
+    buffers)."""
 
     def __init__(self, copier: BlockCopier, device: DeviceStreams, method: CopyMethod = CopyMethod.AUTO,
-                 background: bool = False, **staging: int):
+                 **staging: int):
         self.copier = copier
         self.device = device
         self.runs = RunPlanner(copier.kv, copier.host) if copier.kv.flat else None
@@ -139,9 +115,8 @@ class CudaCopyEngine(CopyEngine):
             self._streams[direction] = self._distinct_stream(compute, direction)
         self._prepare_staging()
         self.chooser = MethodChooser(method, staged=self.staged is not None)
-        self._choosing = threading.Lock()  # the chooser: picked by the issuing thread, fed by poll
-        self._in_flight: dict[Direction, deque[_Job]] = {direction: deque() for direction in Direction}
-        self._issuer: Issuer[_Job] = Issuer(self._issue, "kvtier-copy-issuer", background)
+        self._in_flight: dict[Direction, deque[_InFlight]] = {direction: deque() for direction in Direction}
+        self._unordered: list[CopyDone] = []  # failures reported at once (see the module docstring)
         self._closed = False
 
     def start_load(self, job_id: int, pages: Sequence[PageCopy], *, synchronous: bool = True) -> None:
@@ -151,15 +126,9 @@ class CudaCopyEngine(CopyEngine):
         self._start(job_id, Direction.STORE, pages, False)
 
     def poll(self) -> list[CopyDone]:
-        done = []
-        for jobs in self._in_flight.values():  # failures reported at once, ahead of their turn
-            for job in jobs:
-                if job.issued and job.at_once and not job.reported:
-                    job.reported = True
-                    done.append(CopyDone(job.job_id, job.direction, False, 0, job.issue_seconds,
-                                         issue_seconds=job.issue_seconds))
+        done, self._unordered = self._unordered, []
         for jobs in self._in_flight.values():
-            while jobs and jobs[0].issued and (jobs[0].end is None or self.device.query(jobs[0].end)):
+            while jobs and self.device.query(jobs[0].end):
                 job = jobs.popleft()
                 if job.reported:
                     continue
@@ -169,31 +138,22 @@ class CudaCopyEngine(CopyEngine):
                     seconds = time.perf_counter() - job.issued_at
                 method = _method_of(job.plan)
                 if job.trial is not None:
-                    with self._choosing:
-                        self.chooser.observe(job.trial, method, job.num_bytes, seconds, job.ok, job.issue_seconds)
-                done.append(CopyDone(job.job_id, job.direction, job.ok, job.num_bytes, seconds, method.value,
-                                     issue_seconds=job.issue_seconds))
+                    self.chooser.observe(job.trial, method, job.num_bytes, seconds, job.ok, job.issue_seconds)
+                done.append(CopyDone(job.job_id, job.direction, job.ok, job.num_bytes, seconds, method.value))
         return done
 
     def wait(self, job_ids: Iterable[int] | None = None) -> None:
-        self._issuer.flush()
         wanted = None if job_ids is None else set(job_ids)
         for jobs in self._in_flight.values():
             for job in list(jobs):
-                if job.end is not None and (wanted is None or job.job_id in wanted):
+                if wanted is None or job.job_id in wanted:
                     self.device.synchronize(job.end)
 
     def close(self) -> None:
         if not self._closed:
-            self._issuer.close()
             self.wait()
             self._closed = True
             self.device.close()
-
-    @property
-    def queued(self) -> int:
-        """Jobs started and not yet issued (queued for the issuing thread)."""
-        return self._issuer.backlog
 
     def _prepare_staging(self) -> None:
         """Everything staged jobs need, made now (at registration, the device idle) rather than at
@@ -245,8 +205,7 @@ class CudaCopyEngine(CopyEngine):
             assert entries is not None
             num_bytes = int(entries.sizes.sum())
             runs = self.runs.count_runs(entries) if self.method is CopyMethod.AUTO else len(entries)
-        with self._choosing:
-            method, trial = self.chooser.pick(direction, num_bytes, runs)
+        method, trial = self.chooser.pick(direction, num_bytes, runs)
         if method is CopyMethod.STAGED and self.staged is not None:
             try:
                 plan = self.staged.plan_slots(direction, slots) if slots is not None else \
@@ -255,8 +214,7 @@ class CudaCopyEngine(CopyEngine):
             except StagingUnavailable as exc:
                 logger.warning("kvtier: %s; copies go as runs from now on", exc)
                 self.staged = None
-                with self._choosing:
-                    self.chooser = MethodChooser(self.method, staged=False)
+                self.chooser = MethodChooser(self.method, staged=False)
                 trial = None
         merged = self.runs.merge_slots(direction, slots) if slots is not None else None
         if merged is None:
@@ -264,68 +222,43 @@ class CudaCopyEngine(CopyEngine):
         return merged, trial
 
     def _start(self, job_id: int, direction: Direction, pages: Sequence[PageCopy], synchronous: bool) -> None:
-        """On the calling thread: mark the point of the compute stream the job comes after, queue
-        the job (a synchronous load: issue it, then hold the compute stream until it ends)."""
         if self._closed:
             raise RuntimeError(f"kvtier: job {job_id} started on a closed copy engine")
         device = self.device
         issued_at = time.perf_counter()
-        snapshot = pages.copy() if isinstance(pages, np.ndarray) else tuple(pages)
-        synchronous = synchronous and direction is Direction.LOAD
+        ok, num_bytes, start, plan, copying, trial = True, 0, None, None, False, None
+        compute = stream = None
         try:
             compute = device.current_stream()
             stream = self._side_stream(direction, compute)
+            plan, trial = self._plan(direction, pages)  # views and arrays only: a bad page fails before any device call
             ready = device.new_event()
             device.record(ready, compute)
-        except Exception:
-            logger.exception("kvtier: cannot order %s job %d on the device; reported failed", direction.value, job_id)
-            job = _Job(job_id, direction, (), None, None, synchronous, issued_at, ok=False, at_once=True)
-            job.issue_seconds, job.issued = time.perf_counter() - issued_at, True
-            self._in_flight[direction].append(job)
-            return
-        job = _Job(job_id, direction, snapshot, stream, ready, synchronous, issued_at)
-        self._in_flight[direction].append(job)
-        if not synchronous:
-            self._issuer.submit(job)
-            return
-        self._issuer.issue_now(job)
-        if job.end is not None:
-            try:
-                device.wait(compute, job.end)
-            except Exception:
-                logger.exception("kvtier: cannot hold the compute stream for load job %d; reported failed", job_id)
-                job.ok, job.num_bytes, job.at_once = False, 0, True
-
-    def _issue(self, job: _Job) -> None:
-        """Plan the job and make its device calls (on the issuing thread; never raises)."""
-        device = self.device
-        began = time.perf_counter()
-        copying = False
-        try:
-            plan, job.trial = self._plan(job.direction, job.pages)  # a bad page fails before any device call
-            job.plan = plan
-            device.wait(job.stream, job.ready)
-            job.start = device.new_event()
-            device.record(job.start, job.stream)
+            device.wait(stream, ready)
+            start = device.new_event()
+            device.record(start, stream)
             if plan.num_bytes:
                 copying = True
-                device.copy(job.stream, plan)
-            job.num_bytes = plan.num_bytes
+                device.copy(stream, plan)
+            num_bytes = plan.num_bytes
         except Exception:  # reported as a failed job (a load's blocks are recomputed), never raised
-            logger.exception("kvtier: %s copy of job %d failed", job.direction.value, job.job_id)
-            job.ok, job.num_bytes, job.start = False, 0, None
+            logger.exception("kvtier: %s copy of job %d failed", direction.value, job_id)
+            ok, num_bytes, start = False, 0, None
         try:
             end = device.new_event()
-            device.record(end, job.stream)  # after whatever was issued, ok or not
-            job.end = end
-            job.at_once = not job.ok and (not copying or job.synchronous)
+            device.record(end, stream)  # after whatever was issued, ok or not
+            if direction is Direction.LOAD and synchronous:
+                device.wait(compute, end)
         except Exception:
-            logger.exception("kvtier: cannot order %s job %d on the device; reported failed",
-                             job.direction.value, job.job_id)
-            job.ok, job.num_bytes, job.end, job.at_once = False, 0, None, True
-        job.pages = ()
-        job.issue_seconds = time.perf_counter() - began
-        job.issued = True
+            logger.exception("kvtier: cannot order %s job %d on the device; reported failed", direction.value, job_id)
+            self._unordered.append(CopyDone(job_id, direction, False, 0, time.perf_counter() - issued_at))
+            return
+        at_once = not ok and (not copying or (direction is Direction.LOAD and synchronous))
+        if at_once:
+            self._unordered.append(CopyDone(job_id, direction, False, 0, time.perf_counter() - issued_at))
+        self._in_flight[direction].append(
+            _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once, trial=trial,
+                      issue_seconds=time.perf_counter() - issued_at))
 
 
 def _method_of(plan: ByteRuns | StagedRuns | CopyPlan | None) -> CopyMethod:
