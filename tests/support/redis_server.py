@@ -8,8 +8,8 @@ that loses the race for it is retried on another port), with no persistence
 SIGKILLed, paused (SIGSTOP), resumed (SIGCONT) and restarted on the same port.
 :class:`RedisCluster3` runs three such servers as a Redis Cluster (slots split in three).
 
-Hygiene: every process gets ``PR_SET_PDEATHSIG`` (it dies with the test process) and is
-registered for an ``atexit`` kill; the pytest fixtures (:func:`redis_factory`) kill everything
+Hygiene: every process is a :mod:`support.child_process` child (``PR_SET_PDEATHSIG``, an
+``atexit`` kill); the pytest fixtures (:func:`redis_factory`) kill everything
 they started on teardown, even when the test failed.
 
 A missing ``redis-server`` is a test FAILURE (not a skip) telling to run
@@ -20,11 +20,7 @@ Threading: test code only, one thread.
 
 from __future__ import annotations
 
-import atexit
-import ctypes
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -33,31 +29,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-
-_LIVE: set[subprocess.Popen] = set()
-
-
-def _kill_all() -> None:
-    for proc in list(_LIVE):
-        if proc.poll() is None:
-            try:
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.kill()
-                proc.wait(5)
-            except OSError:
-                pass
-    _LIVE.clear()
-
-
-atexit.register(_kill_all)
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
+from support import child_process
 
 def redis_server_binary() -> str:
     """Path of redis-server; fails the test (not a skip) when it is missing."""
@@ -145,16 +117,10 @@ class RedisServer:
         for _attempt in range(20):
             if not fixed:
                 self.port = self._pick_port()
-            self.proc = subprocess.Popen(  # preexec_fn only calls prctl (async-signal-safe enough)
-                self.argv(),
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509
-            )
-            _LIVE.add(self.proc)
+            self.proc = child_process.spawn(self.argv(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             if self._wait_listening(timeout):
                 return self
-            _LIVE.discard(self.proc)
+            child_process.kill(self.proc)  # exited (port taken, bad option) or already killed
             if fixed:  # the same port is required (restart): wait for it to free up
                 time.sleep(0.1)
         raise RuntimeError(f"redis-server did not start; log tail: {self.log_tail()}")
@@ -178,33 +144,20 @@ class RedisServer:
 
     def stop(self) -> None:
         """SIGTERM and wait (clean shutdown, nothing saved)."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.terminate()
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        _LIVE.discard(proc)
+        child_process.stop(self.proc, grace=10)
 
     def kill(self) -> None:
         """SIGKILL (a crash): connections are reset, the data is gone."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
-        _LIVE.discard(proc)
+        child_process.kill(self.proc)
 
     def pause(self) -> None:
         """SIGSTOP: the kernel still accepts connections; nothing answers."""
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        child_process.pause(self.proc)
 
     def resume(self) -> None:
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
+        child_process.resume(self.proc)
 
     def restart(self) -> None:
         """Kill it, then start it again on the same port (empty)."""

@@ -17,22 +17,20 @@ flight).
 ``AWS_SECRET_ACCESS_KEY`` in the test process's environment (engines started by tests inherit
 them) and restores them at the end. Tests that stop or pause it leave it running again.
 
-Hygiene: the process gets ``PR_SET_PDEATHSIG`` and an ``atexit`` kill, as the Redis servers of
-:mod:`support.redis_server`. A missing ``weed`` binary is a test FAILURE naming the install step.
+Hygiene: the process is a :mod:`support.child_process` child (``PR_SET_PDEATHSIG``, an ``atexit``
+kill), as the Redis servers are. A missing ``weed`` binary is a test FAILURE naming the install step.
 
 Threading: test code only, one thread.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import datetime
 import ipaddress
 import os
 import random
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -41,27 +39,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.redis_server import _die_with_parent
+from support import child_process
 
 ACCESS_KEY = "kvtier-test-access"
 SECRET_KEY = "kvtier-test-secret-0123456789"
 BUCKET = "kvtier-test"
 REGION = "us-east-1"
-_LIVE: set[subprocess.Popen] = set()
-
-
-def _kill_all() -> None:
-    for proc in list(_LIVE):
-        with contextlib.suppress(OSError):
-            os.kill(proc.pid, signal.SIGCONT)
-            proc.kill()
-            proc.wait(5)
-    _LIVE.clear()
-
-
-atexit.register(_kill_all)
-
-
 def weed_binary() -> str:
     """The ``weed`` binary beside this Python (the venv's bin), else on PATH; fails the test if absent."""
     path = Path(sys.executable).parent / "weed"
@@ -175,9 +158,7 @@ class SeaweedServer:
                 "-master.telemetry=false"]
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.folder,
-                                         preexec_fn=_die_with_parent)
-        _LIVE.add(self.proc)
+            self.proc = child_process.spawn(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=self.folder)
         deadline = time.monotonic() + timeout
         while not self.answers():
             if self.proc.poll() is not None:
@@ -208,17 +189,7 @@ class SeaweedServer:
 
     def stop(self) -> None:
         """SIGTERM (SIGKILL after 15 s), then remove the sockets it leaves in /tmp."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            with contextlib.suppress(OSError):
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        _LIVE.discard(proc)
+        child_process.stop(self.proc, grace=15)
         for port in (self.port, self.master_port, self.filer_port, self.volume_port, self.admin_port):
             for sock in [*Path("/tmp").glob(f"seaweedfs-*-{port}.sock"), *Path("/tmp").glob(f"seaweedfs-*-{port + 10000}.sock")]:
                 with contextlib.suppress(OSError):
@@ -226,11 +197,11 @@ class SeaweedServer:
 
     def pause(self) -> None:
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGSTOP)
+        child_process.pause(self.proc)
 
     def resume(self) -> None:
         assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGCONT)
+        child_process.resume(self.proc)
 
     def ensure_running(self) -> None:
         """Running and answering (a test that failed midway may have left it stopped or paused)."""
