@@ -23,7 +23,9 @@ not known is probed in the background and answered UNKNOWN: the caller asks agai
 monitor's latest LIST of the namespace (:class:`~kvtier.tiers.s3.monitor.Listing`, at start-up and
 every ``list_interval_s``): a key the listing holds is PRESENT; a key answered PRESENT before a
 listing began that the listing lacks is forgotten (another engine's sweep, ``kvtier purge`` or a
-lifecycle rule removed it). A block gone since costs a NOT_FOUND read: a counted miss.
+lifecycle rule removed it). A key this tier removed (``delete``, ``clear``, a bad object) after a
+listing began is not taken from that listing: it may have listed the object before the DELETE. A
+block gone since costs a NOT_FOUND read: a counted miss.
 
 Buffers. A read lands in the caller's buffers (one per rank, each exactly ``payload_bytes``),
 checked as it lands; a read that is not ``ok`` may have written them (the caller discards them). A
@@ -47,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 from kvtier.core.keys import BlockKey
@@ -90,6 +93,7 @@ class S3Tier(RemoteTier):
             presence_ttl=presence_ttl, absent_ttl=absent_ttl, presence_entries=presence_entries)
         self._keys = ObjectKeys.of(config.prefix, model_name, engine_digest)
         self._listed: set[BlockKey] = set()  # the latest listing's keys, less those found gone since
+        self._removed_at: dict[BlockKey, float] = {}  # removals applied since the latest listing began: when
         self._listed_bytes = 0  # the last listing's bytes ...
         self._written_since = 0  # ... and what this tier wrote after it began
         self._blocks = 0
@@ -164,8 +168,10 @@ class S3Tier(RemoteTier):
         kind, counts = msg[0], self._counts
         if kind == MSG_REMOVED:
             keys, removed, failed, evicted = msg[1], msg[2], msg[3], msg[4]
+            now = time.monotonic()  # the DELETEs completed before now: a listing begun earlier may hold them
             for key in keys:
                 self._listed.discard(key)
+                self._removed_at[key] = now
                 if key not in self._writing:
                     self._presence.missing(key)
             counts["removed"] += removed
@@ -193,9 +199,12 @@ class S3Tier(RemoteTier):
         self._ask_sweep_if_full()
 
     def _listing(self, listing: Listing) -> None:
+        """Take a listing, less the keys removed since it began. Removals applied before it began
+        are behind every listing from now on (the monitor lists one at a time): forgotten."""
         self._counts["listings"] += 1
-        self._listed = listing.keys
-        self._presence.reconcile(listing.keys, listing.started)
+        self._removed_at = {key: at for key, at in self._removed_at.items() if at >= listing.started}
+        self._listed = listing.keys.difference(self._removed_at) if self._removed_at else listing.keys
+        self._presence.reconcile(self._listed, listing.started)
         self._listed_bytes, self._written_since, self._blocks = listing.used_bytes, 0, listing.blocks
         self._sweep_asked = False
 
