@@ -336,20 +336,15 @@ class KVTierDiskTier(VllmTierAdapter):
         return self.config.capacity_bytes
 
 
-class _RemoteStoreTier(VllmTierAdapter):
-    """A store shared over the network: medium STORAGE, locality REMOTE, as vLLM's own remote
-    store (``obj``); hits EXTERNAL_UNSPECIFIED, vLLM's source for a remote store (the DISK it would
-    derive from STORAGE would be false)."""
+class KVTierRedisTier(VllmTierAdapter):
+    """kvtier's Redis / Valkey tier (shared by engines; a server that is down only costs misses).
+    Medium STORAGE, locality REMOTE, as vLLM's own remote store (``obj``); hits EXTERNAL_UNSPECIFIED,
+    vLLM's source for a remote store (the DISK it would derive from STORAGE would be false)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
-    default_locality = Locality.REMOTE
-
-
-class KVTierRedisTier(_RemoteStoreTier):
-    """kvtier's Redis / Valkey tier (shared by engines; a server that is down only costs misses)."""
-
     kind = TierType.REDIS
+    default_locality = Locality.REMOTE
     config: RedisTierConfig
 
     def describe(self) -> str:
@@ -359,11 +354,15 @@ class KVTierRedisTier(_RemoteStoreTier):
         return self.config.redacted_url()
 
 
-class KVTierS3Tier(_RemoteStoreTier):
+class KVTierS3Tier(VllmTierAdapter):
     """kvtier's S3 tier (an S3-compatible object store shared by the fleet, bounded by a sweep; a store
-    that is down only costs misses)."""
+    that is down only costs misses). Medium STORAGE, locality REMOTE, as vLLM's own object-store tier
+    (``obj``); hits EXTERNAL_UNSPECIFIED, vLLM's source for a remote store."""
 
+    medium: ClassVar[Medium] = Medium.STORAGE
+    cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
     kind = TierType.S3
+    default_locality = Locality.REMOTE
     config: S3TierConfig
 
     def describe(self) -> str:
