@@ -339,7 +339,9 @@ class KVTierDiskTier(VllmTierAdapter):
 class KVTierRedisTier(VllmTierAdapter):
     """kvtier's Redis / Valkey tier (shared by engines; a server that is down only costs misses).
     Medium STORAGE, locality REMOTE, as vLLM's own remote store (``obj``); hits EXTERNAL_UNSPECIFIED,
-    vLLM's source for a remote store (the DISK it would derive from STORAGE would be false)."""
+    vLLM's source for a remote store (the DISK it would derive from STORAGE would be false). Each
+    tier class sets ``cache_hit_source`` itself: vLLM's ``__init_subclass__`` derives it from the
+    medium for every class whose own ``__dict__`` lacks it, so a shared base would not do."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
