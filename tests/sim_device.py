@@ -214,8 +214,14 @@ class SimLanes:
     def kernel(self, work: Callable[[], object], what: str) -> None:
         self.device.enqueue(self.streams[self.Lane.KERNEL], work, what)
 
-    def transfer(self, runs) -> None:
-        dsts, srcs = runs.views()
+    def gather(self, plan, index, first: int, pages: int, buffer: int) -> None:
+        self.kernel(lambda: plan.torch_gather(index, first, pages, buffer), f"gather pages {first}+{pages}")
+
+    def scatter(self, plan, index, first: int, pages: int, buffer: int) -> None:
+        self.kernel(lambda: plan.torch_scatter(index, first, pages, buffer), f"scatter pages {first}+{pages}")
+
+    def transfer(self, plan, chunk: int) -> None:
+        dsts, srcs = plan.chunk_runs(chunk).views()
         self.device._issue(self.streams[self.Lane.TRANSFER], list(dsts), list(srcs))
 
     def mark(self, lane, mark: int) -> None:

@@ -60,6 +60,7 @@ int cudaEventCreateWithFlags(void **event, unsigned int flags) {
 int cudaEventRecord(void *event, void *stream) { rec[17]++; return stream == (void *)0xBAD ? 400 : 0; }
 int cudaStreamWaitEvent(void *stream, void *event, unsigned int flags) { rec[18]++; return flags ? 1 : 0; }
 int cudaEventDestroy(void *event) { return 0; }
+int cudaEventQuery(void *event) { return event == (void *)0xBAD ? 400 : event == (void *)0x600 ? 600 : 0; }
 int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream) {
     rec[1]++; rec[11] = (size_t)stream; rec[12] = kind; memcpy(dst, src, n); return 0;
 }
@@ -190,6 +191,17 @@ def test_events_are_made_for_ordering_only_and_errors_are_raised_drained(runtime
     assert seen["event_flags"] == 2  # cudaEventDisableTiming
     with pytest.raises(CudaError, match="cudaEventRecord"):
         cudart.event_record(event, 0xBAD)
+    assert cudart.get_last_error() == 0
+
+
+def test_an_event_query_says_done_or_not_ready_and_raises_other_errors(runtime):
+    from kvtier.copy.cudart import CudaError
+
+    cudart, _ = runtime
+    assert cudart.event_query(cudart.event_create()) is True
+    assert cudart.event_query(0x600) is False  # the stand-in's cudaErrorNotReady
+    with pytest.raises(CudaError, match="cudaEventQuery"):
+        cudart.event_query(0xBAD)
     assert cudart.get_last_error() == 0
 
 

@@ -75,6 +75,14 @@ def device_calls(streams: TorchCudaStreams) -> dict:
             pass
 
     found["with device + stream (enter/exit)"] = micro(ctx_device)
+    index_of = device.index
+    found["torch._C._cuda_getCurrentRawStream"] = micro(lambda: torch._C._cuda_getCurrentRawStream(index_of))
+    found["torch.cuda.set_stream x2"] = micro(lambda: (torch.cuda.set_stream(side), torch.cuda.set_stream(compute)))
+    pages = [(slot, 0, slot * 7, 0) for slot in range(512)]
+    from kvtier.copy.base import page_table
+    found["page_table of 512 PageCopy tuples"] = micro(lambda: page_table(pages))
+    python_loop = micro(lambda: sum(i * i for i in range(1000)), n=100)
+    found["pure Python: sum of 1000 squares"] = python_loop
     if runtime is not None:
         ev = runtime.event_create()
         handle = side.cuda_stream
@@ -90,6 +98,69 @@ def device_calls(streams: TorchCudaStreams) -> dict:
     return found
 
 
+class PhaseClock:
+    """Host time spent inside chosen methods of chosen objects, summed per job: each wrapped
+    method is replaced on its instance by a timing wrapper (outermost calls only are counted
+    where a phase calls another), restored by :meth:`restore`."""
+
+    def __init__(self):
+        self.spent: dict[str, float] = {}
+        self._patched: list[tuple[object, str]] = []
+
+    def wrap(self, owner: object, method: str, phase: str) -> None:
+        original = getattr(owner, method)
+
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.spent[phase] = self.spent.get(phase, 0.0) + time.perf_counter() - began
+
+        setattr(owner, method, timed)
+        self._patched.append((owner, method))
+
+    def take(self) -> dict[str, float]:
+        spent, self.spent = self.spent, {}
+        return spent
+
+    def restore(self) -> None:
+        for owner, method in self._patched:
+            delattr(owner, method)
+        self._patched = []
+
+
+def phases(engine: CudaCopyEngine, streams: TorchCudaStreams, direction: Direction, pages, job_ids) -> dict:
+    """Median microseconds per job of each phase of a start call (no profiler running): planning,
+    the device's copy call and, inside it for a staged job, the index upload, the kernels, the host
+    copies and the marks and waits between lanes; ``total`` is the whole start call."""
+    clock = PhaseClock()
+    clock.wrap(engine, "_plan", "plan")
+    clock.wrap(engine.runs, "table", "plan.table")
+    clock.wrap(streams, "copy", "copy")
+    for lanes in streams._lanes.values():
+        for method, phase in (("upload", "copy.upload"), ("kernel", "copy.kernels"), ("transfer", "copy.transfers"),
+                              ("mark", "copy.marks"), ("wait", "copy.waits")):
+            clock.wrap(lanes, method, phase)
+    samples: dict[str, list[float]] = {}
+    for _ in range(20):
+        torch.cuda.synchronize()
+        kit.gate()
+        clock.take()
+        began = time.perf_counter()
+        if direction is Direction.STORE:
+            engine.start_store(next(job_ids), pages)
+        else:
+            engine.start_load(next(job_ids), pages, synchronous=False)
+        total = time.perf_counter() - began
+        for phase, spent in {**clock.take(), "total": total}.items():
+            samples.setdefault(phase, []).append(spent)
+        engine.wait()
+        engine.poll()
+    clock.restore()
+    return {phase: round(statistics.median(values) * 1e6, 1) for phase, values in sorted(samples.items())}
+
+
 def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction: Direction, job_ids) -> dict:
     case = Case(layout, layers=LAYERS, heads=heads, tokens=kit.TOKENS, content=kit.CONTENT, dtype=torch.bfloat16)
     kv = build(case, BLOCKS + 8, streams.device)
@@ -100,6 +171,7 @@ def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction
     pages = [PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)]
     for _ in range(3):
         kit.run_job(engine, direction, pages, next(job_ids))
+    phase_us = phases(engine, streams, direction, pages, job_ids)
     issue = []
     profiler = cProfile.Profile()
     for i in range(15):
@@ -121,7 +193,7 @@ def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction
     pinning.release()
     del kv
     torch.cuda.empty_cache()
-    return {"page_bytes": paged.page_bytes, "issue_ms_median": round(statistics.median(issue) * 1e3, 3),
+    return {"page_bytes": paged.page_bytes, "phases_us": phase_us, "issue_ms_median": round(statistics.median(issue) * 1e3, 3),
             "issue_ms_min": round(min(issue) * 1e3, 3), "profile": text.getvalue().splitlines()[:60]}
 
 
@@ -131,8 +203,8 @@ def main() -> None:
     streams = TorchCudaStreams(device)
     out: dict = {"card": torch.cuda.get_device_name(), "calls_us": device_calls(streams), "jobs": {}}
     job_ids = itertools.count()
-    for layout, heads, method in (("LBNHC", 2, CopyMethod.STAGED), ("LBNHC", 8, CopyMethod.STAGED),
-                                  ("BLNHC", 2, CopyMethod.RUNS)):
+    for layout, heads, method in (("LBNHC", 1, CopyMethod.STAGED), ("LBNHC", 2, CopyMethod.STAGED),
+                                  ("LBNHC", 8, CopyMethod.STAGED), ("BLNHC", 2, CopyMethod.RUNS)):
         for direction in Direction:
             name = f"{layout} {heads * 8} KiB {method.value} {direction.value}"
             out["jobs"][name] = profile_jobs(streams, layout, heads, method, direction, job_ids)

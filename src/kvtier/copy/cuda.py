@@ -198,9 +198,11 @@ class CudaCopyEngine(CopyEngine):
         table = self.runs.table(pages)
         slots = self.runs.slot_job(table)
         entries = self.runs.entries(table) if slots is None else None
+        breaks = None
         if slots is not None:
             num_bytes = len(slots) * self.runs.num_layers * self.runs.page_bytes
-            runs = self.runs.count_slot_runs(slots) if self.method is CopyMethod.AUTO else 1
+            breaks = self.runs.block_breaks(slots)
+            runs = self.runs.count_slot_runs(slots, breaks) if self.method is CopyMethod.AUTO else 1
         else:
             assert entries is not None
             num_bytes = int(entries.sizes.sum())
@@ -208,7 +210,7 @@ class CudaCopyEngine(CopyEngine):
         method, trial = self.chooser.pick(direction, num_bytes, runs)
         if method is CopyMethod.STAGED and self.staged is not None:
             try:
-                plan = self.staged.plan_slots(direction, slots) if slots is not None else \
+                plan = self.staged.plan_slots(direction, slots, breaks) if slots is not None else \
                     self.staged.plan(direction, entries)
                 return plan, trial
             except StagingUnavailable as exc:

@@ -36,6 +36,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SUCCESS = 0
+NOT_READY = 600  # cudaErrorNotReady: an event or stream query while work is pending
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction is inferred from the pointers (unified addressing)
 FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute
 STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy default stream
@@ -105,6 +106,10 @@ class CudaRuntime(Protocol):
         """``cudaStreamWaitEvent(stream, event, 0)``: work issued on ``stream`` afterwards waits for
         ``event`` as last recorded. Raises :class:`CudaError`."""
 
+    def event_query(self, event: int) -> bool:
+        """``cudaEventQuery``: whether ``event`` completed (never blocks). Raises :class:`CudaError`
+        on an error other than not ready."""
+
     def event_destroy(self, event: int) -> None:
         """``cudaEventDestroy``; a failure is drained and logged, never raised."""
 
@@ -151,6 +156,7 @@ class LoadedCudart:
                            ("cudaEventCreateWithFlags", [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]),
                            ("cudaEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
                            ("cudaStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
+                           ("cudaEventQuery", [ctypes.c_void_p]),
                            ("cudaEventDestroy", [ctypes.c_void_p])):
             function = getattr(lib, name)
             function.argtypes, function.restype = args, ctypes.c_int
@@ -290,6 +296,15 @@ class LoadedCudart:
         code = self._lib.cudaStreamWaitEvent(stream, event, 0)
         if code != SUCCESS:
             self._check("cudaStreamWaitEvent", code)
+
+    def event_query(self, event: int) -> bool:
+        code = self._lib.cudaEventQuery(event)
+        if code == SUCCESS:
+            return True
+        if code == NOT_READY:
+            return False
+        self._check("cudaEventQuery", code)
+        return False
 
     def event_destroy(self, event: int) -> None:
         code = self._lib.cudaEventDestroy(event)

@@ -128,6 +128,7 @@ class RunPlanner:
         self._sizes_vary = not kv.uniform
         self._strides_vary = len(set(layer_stride)) > 1
         self._groups = [np.array(g, dtype=np.int64) for g in kv.layer_groups]
+        self._units: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # engine_rows in rows of a unit
         layout = host.layout
         page = kv.page_bytes
         # whether layer l + 1 of a block continues layer l in the engine's memory (block-outermost layouts)
@@ -173,11 +174,25 @@ class RunPlanner:
                 return None
         return SlotJob(slot, block)
 
-    def engine_rows(self, job: SlotJob) -> np.ndarray:
-        """Byte offsets of the job's pages in their engine storage, host order ([block, layer] flattened)."""
+    def engine_rows(self, job: SlotJob, unit: int = 1) -> np.ndarray:
+        """Offsets of the job's pages in their engine storage, host order ([block, layer]
+        flattened), in bytes, or in rows of ``unit`` bytes (every page's offset and block stride
+        a multiple of it: the staged planner's rows)."""
+        stride, base = self._layer_stride, self._layer_base
+        if unit != 1:
+            stride, base = self._in_units(unit)
         if self._strides_vary:
-            return (job.block[:, None] * self._layer_stride + self._layer_base).ravel()
-        return (job.block[:, None] * int(self._layer_stride[0]) + self._layer_base).ravel()
+            return (job.block[:, None] * stride + base).ravel()
+        return (job.block[:, None] * int(stride[0]) + base).ravel()
+
+    def _in_units(self, unit: int) -> tuple[np.ndarray, np.ndarray]:
+        """(block strides, layer bases) in ``unit``-byte rows, computed once per unit."""
+        cached = self._units.get(unit)
+        if cached is None:
+            if np.any(self._layer_stride % unit) or np.any(self._layer_base % unit):
+                raise ValueError(f"engine pages are not rows of {unit} B")
+            cached = self._units[unit] = (self._layer_stride // unit, self._layer_base // unit)
+        return cached
 
     def block_breaks(self, job: SlotJob) -> np.ndarray:
         """``breaks[i]`` (i >= 1): kvtier block ``i`` does not continue block ``i - 1`` in the host
@@ -190,18 +205,20 @@ class RunPlanner:
             breaks[1:] |= chunk[1:] != chunk[:-1]
         return breaks
 
-    def _block_joins(self, job: SlotJob) -> np.ndarray:
-        """Whether block ``i + 1``'s first layer continues block ``i``'s last on both sides."""
+    def _block_joins(self, job: SlotJob, breaks: np.ndarray | None = None) -> np.ndarray:
+        """Whether block ``i + 1``'s first layer continues block ``i``'s last on both sides
+        (``breaks``: :meth:`block_breaks` of ``job``, if computed already)."""
         last = len(self._layer_base) - 1
         engine = (job.block[1:] * self._layer_stride[0] + self._layer_base[0]
                   == job.block[:-1] * self._layer_stride[last] + self._layer_base[last] + self.page_bytes)
         same = self._layer_storage[0] == self._layer_storage[last]
-        return ~self.block_breaks(job)[1:] & engine & same
+        return ~(self.block_breaks(job) if breaks is None else breaks)[1:] & engine & same
 
-    def count_slot_runs(self, job: SlotJob) -> int:
-        """How many runs :meth:`merge` would make of the job's entries (computed per block)."""
+    def count_slot_runs(self, job: SlotJob, breaks: np.ndarray | None = None) -> int:
+        """How many runs :meth:`merge` would make of the job's entries (computed per block;
+        ``breaks``: :meth:`block_breaks` of ``job``, if computed already)."""
         layers = len(self._layer_base)
-        return len(job) * (layers - self._layer_joins) - int(self._block_joins(job).sum())
+        return len(job) * (layers - self._layer_joins) - int(self._block_joins(job, breaks).sum())
 
     def merge_slots(self, direction: Direction, job: SlotJob) -> ByteRuns | None:
         """:meth:`merge` of the job's entries computed per block, where every block is one run in

@@ -85,11 +85,16 @@ class StagingLanes(Protocol):
     def begin(self) -> None:
         """Both lanes start after everything issued so far on the TRANSFER lane."""
 
-    def kernel(self, work: Callable[[], object], what: str) -> None:
-        """Issue torch device work ``work()`` on the KERNEL lane (``what`` names it in traces)."""
+    def gather(self, plan: StagedRuns, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        """Issue on the KERNEL lane: rows ``index[first:first + pages]`` of ``plan.rows`` into the
+        first ``pages`` rows of staging buffer ``buffer``."""
 
-    def transfer(self, runs: HostRuns) -> None:
-        """Issue one chunk's host copies on the TRANSFER lane."""
+    def scatter(self, plan: StagedRuns, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        """Issue on the KERNEL lane: the first ``pages`` rows of staging buffer ``buffer`` into rows
+        ``index[first:first + pages]`` of ``plan.rows``."""
+
+    def transfer(self, plan: StagedRuns, chunk: int) -> None:
+        """Issue chunk ``chunk``'s host copies (:meth:`StagedRuns.chunk_runs`) on the TRANSFER lane."""
 
     def mark(self, lane: Lane, mark: int) -> None:
         """Record ``mark`` at the point ``lane`` has reached."""
@@ -175,6 +180,7 @@ class StagedRuns:
     staging_addr: np.ndarray
     host_addr: np.ndarray
     buffers: StagingBuffers
+    rows_address: int = 0  # ``rows.data_ptr()``, for launches that take raw addresses
 
     @property
     def num_bytes(self) -> int:
@@ -200,42 +206,54 @@ class StagedRuns:
         return HostRuns(self.direction, self.buffers.flat[buffer], self.host, self.staging_offset[lo:hi],
                         self.host_offset[lo:hi], self.sizes[lo:hi], self.staging_addr[lo:hi], self.host_addr[lo:hi])
 
+    def chunk_addresses(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Chunk ``chunk``'s host copies as (destinations, sources, sizes) raw addresses, the
+        arrays a batched copy call reads (views of the plan's arrays)."""
+        lo, hi = int(self.run_bounds[chunk]), int(self.run_bounds[chunk + 1])
+        if self.direction is Direction.STORE:
+            return self.host_addr[lo:hi], self.staging_addr[lo:hi], self.sizes[lo:hi]
+        return self.staging_addr[lo:hi], self.host_addr[lo:hi], self.sizes[lo:hi]
+
     def issue(self, lanes: StagingLanes) -> None:
         """Issue the whole job on ``lanes`` (see the module docstring); returns at once."""
         count = len(self.buffers.rows)
         store = self.direction is Direction.STORE
-        chunks = self.num_chunks
+        chunks, chunk_pages, total = self.num_chunks, self.chunk_pages, len(self.index)
         index = lanes.upload(self.index)  # needs no ordering but the KERNEL lane's own: before begin()
         lanes.begin()
         for c in range(chunks):
             buffer = c % count
-            lo = c * self.chunk_pages
-            pages = min(self.chunk_pages, len(self.index) - lo)
-            staged = self.buffers.rows[buffer][:pages]
+            first = c * chunk_pages
+            pages = min(chunk_pages, total - first)
             reused = c >= count  # an earlier chunk of this job went through this buffer
             last_use = c + count >= chunks  # no later chunk waits for this buffer
-            runs = self.chunk_runs(c)
             if store:
                 if reused:
                     lanes.wait(Lane.KERNEL, freed(buffer))
-                lanes.kernel(lambda lo=lo, pages=pages, staged=staged: torch.index_select(
-                    self.rows, 0, index[lo:lo + pages], out=staged), f"gather chunk {c}")
+                lanes.gather(self, index, first, pages, buffer)
                 lanes.mark(Lane.KERNEL, filled(buffer))
                 lanes.wait(Lane.TRANSFER, filled(buffer))
-                lanes.transfer(runs)
+                lanes.transfer(self, c)
                 if not last_use:
                     lanes.mark(Lane.TRANSFER, freed(buffer))
             else:
                 if reused:
                     lanes.wait(Lane.TRANSFER, freed(buffer))
-                lanes.transfer(runs)
+                lanes.transfer(self, c)
                 lanes.mark(Lane.TRANSFER, filled(buffer))
                 lanes.wait(Lane.KERNEL, filled(buffer))
-                lanes.kernel(lambda lo=lo, pages=pages, staged=staged: self.rows.index_copy_(
-                    0, index[lo:lo + pages], staged), f"scatter chunk {c}")
+                lanes.scatter(self, index, first, pages, buffer)
                 if not last_use:
                     lanes.mark(Lane.KERNEL, freed(buffer))
         lanes.finish()
+
+    def torch_gather(self, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        """:meth:`StagingLanes.gather` as a torch op on the current stream."""
+        torch.index_select(self.rows, 0, index[first:first + pages], out=self.buffers.rows[buffer][:pages])
+
+    def torch_scatter(self, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        """:meth:`StagingLanes.scatter` as a torch op on the current stream."""
+        self.rows.index_copy_(0, index[first:first + pages], self.buffers.rows[buffer][:pages])
 
 
 class StagingUnavailable(RuntimeError):
@@ -262,6 +280,7 @@ class StagedPlanner:
         storage = storage_bytes(kv.rows[0])
         word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8) if page % w.itemsize == 0)
         self.rows = storage[: storage.numel() // page * page].view(-1, page).view(word)
+        self._rows_address = self.rows.data_ptr()
         self.word = word
         self.page_bytes = page
         self.runs = runs
@@ -300,16 +319,19 @@ class StagedPlanner:
             breaks = np.zeros(0, dtype=np.int64)
         return self._plan(direction, entries.e_offset // page, breaks, lambda starts: h[starts])
 
-    def plan_slots(self, direction: Direction, job: SlotJob) -> StagedRuns:
+    def plan_slots(self, direction: Direction, job: SlotJob, breaks: np.ndarray | None = None) -> StagedRuns:
         """:meth:`plan` of a :class:`~kvtier.copy.runs.SlotJob`, computed per block: the host runs
-        break only where blocks do (a block's layers are one run of its slot)."""
+        break only where blocks do (a block's layers are one run of its slot). ``breaks``: the
+        planner's :meth:`~kvtier.copy.runs.RunPlanner.block_breaks` of ``job``, if computed."""
         layers = self.runs.num_layers
-        breaks = np.flatnonzero(self.runs.block_breaks(job)) * layers
+        if breaks is None:
+            breaks = self.runs.block_breaks(job)
+        starts = np.flatnonzero(breaks) * layers
 
         def host_offset(starts: np.ndarray) -> np.ndarray:
             return (job.slot[starts // layers] * layers + starts % layers) * self.page_bytes
 
-        return self._plan(direction, self.runs.engine_rows(job) // self.page_bytes, breaks, host_offset)
+        return self._plan(direction, self.runs.engine_rows(job, self.page_bytes), starts, host_offset)
 
     def _plan(self, direction: Direction, index: np.ndarray, breaks: np.ndarray,
               host_offset: Callable[[np.ndarray], np.ndarray]) -> StagedRuns:
@@ -317,17 +339,24 @@ class StagedPlanner:
         page positions ``breaks`` and at every chunk's start; ``host_offset(starts)``: where in
         the host region the pages at positions ``starts`` go."""
         page, chunk, count = self.page_bytes, self.chunk_pages, len(index)
-        starts = np.union1d(breaks, np.arange(0, count, chunk)) if count else breaks
+        chunk_starts = np.arange(0, count, chunk)
+        if len(breaks) <= 1:  # one host run (or none): it breaks at chunk starts only
+            starts = chunk_starts
+        else:
+            starts = np.union1d(breaks, chunk_starts)
         sizes = np.diff(np.append(starts, count)) * page
         chunk_of = starts // chunk
-        run_bounds = np.searchsorted(chunk_of, np.arange(-(-count // chunk) + 1), side="left")
+        if len(starts) == len(chunk_starts):  # one run per chunk
+            run_bounds = np.arange(len(chunk_starts) + 1)
+        else:
+            run_bounds = np.searchsorted(chunk_of, np.arange(len(chunk_starts) + 1), side="left")
         buffers = self.buffers(direction)
-        staging_offset = (starts % chunk) * page
+        staging_offset = (starts - chunk_of * chunk) * page
         hosts = host_offset(starts)
         staging_addr = buffers.addresses[chunk_of % self.buffer_count] + staging_offset
         host_addr = self.host.data_ptr() + hosts
         return StagedRuns(direction, self.rows, self.host, index, chunk, run_bounds, staging_offset, hosts,
-                          sizes.astype(np.int64), staging_addr, host_addr, buffers)
+                          sizes.astype(np.int64, copy=False), staging_addr, host_addr, buffers, self._rows_address)
 
     def buffers(self, direction: Direction) -> StagingBuffers:
         """The direction's staging buffers (allocated at the first call). Raises

@@ -27,7 +27,8 @@ from kvtier.copy.cudart import CudaRuntime, LoadedCudart, SourceOrder
 from kvtier.copy.base import Direction
 from kvtier.copy.pages import CopyPlan
 from kvtier.copy.runs import ByteRuns
-from kvtier.copy.staging import HostRuns, Lane, StagedRuns
+from kvtier.copy.kernels import RowKernels
+from kvtier.copy.staging import Lane, StagedRuns
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,10 @@ class TorchCudaStreams:
     """
 
     def __init__(self, device: torch.device, cuda: Any = torch.cuda, runtime: CudaRuntime | None = None,
-                 foreach_copy: Callable[..., Any] = torch._foreach_copy_, find_runtime: bool = True):
+                 foreach_copy: Callable[..., Any] = torch._foreach_copy_, find_runtime: bool = True,
+                 own_kernels: bool = True):
         self.device = device
+        self.own_kernels = own_kernels  # staged jobs gather and scatter with kvtier's kernels where they load
         self._cuda = cuda
         self.runtime = runtime if runtime is not None or not find_runtime else LoadedCudart.find(torch.version.cuda)
         if self.runtime is None:
@@ -145,6 +148,9 @@ class TorchCudaStreams:
         if isinstance(plan, StagedRuns):  # kernels on the pair's KERNEL stream, host copies on ``stream``
             self.prepare_staging(stream, plan.buffers.rows[0])
             lanes = self._lanes[stream]
+            if lanes.raw:  # every call takes its stream: no current device or stream to set
+                plan.issue(lanes)
+                return
             with self._cuda.device(self.device), self._cuda.stream(lanes.kernel_stream):
                 plan.issue(lanes)
             return
@@ -167,14 +173,19 @@ class TorchCudaStreams:
                 return stream
         raise RuntimeError("kvtier: the device hands out no stream for staged copies but the compute stream")
 
-    def _host_copies(self, stream: Any, runs: HostRuns) -> None:
-        """One staged chunk's host copies on ``stream`` (the current stream): batched where the
-        runtime allows; the staging buffer, written on this stream, read in stream order."""
+    def _host_copies(self, stream: Any, plan: StagedRuns, chunk: int) -> None:
+        """One staged chunk's host copies on ``stream``: batched where the runtime allows (one
+        plain copy for a chunk of one run); the staging buffer, written on this stream, read in
+        stream order. Without a runtime, torch's copies (``stream`` is then the current stream)."""
         if self.runtime is None:
-            self._foreach_copy(*runs.views(), non_blocking=True)
+            self._foreach_copy(*plan.chunk_runs(chunk).views(), non_blocking=True)
             return
-        order = SourceOrder.STREAM if runs.direction is Direction.STORE else SourceOrder.ANY
-        self.runtime.memcpy_batch(*runs.addresses(), stream.cuda_stream, order)
+        dsts, srcs, sizes = plan.chunk_addresses(chunk)
+        if len(sizes) == 1:
+            self.runtime.memcpy(int(dsts[0]), int(srcs[0]), int(sizes[0]), stream.cuda_stream)
+            return
+        order = SourceOrder.STREAM if plan.direction is Direction.STORE else SourceOrder.ANY
+        self.runtime.memcpy_batch(dsts, srcs, sizes, stream.cuda_stream, order)
 
     def query(self, event: Any) -> bool:
         return event.query()
@@ -194,14 +205,17 @@ class _CudaLanes:
     runtime where one was found (a third of torch's host time per call), else from torch.
 
     Made when the copy engine is built (the device idle), so that nothing a first job does
-    waits for the device: the gather and scatter kernels of the rows' dtype are loaded (CUDA
-    loads modules lazily, and a load may wait for the work in flight), and index uploads go
-    from a page-locked ring of :data:`UPLOAD_RING_BYTES` made here (a job whose index does not
-    fit, or whose part of the ring the device has not read yet, takes torch's page-locked
-    allocator instead) into one device index tensor, grown when a job needs more.
+    waits for the device: the gather and scatter kernels are loaded (kvtier's own,
+    :class:`~kvtier.copy.kernels.RowKernels`, where NVRTC is found; else torch's, of the rows'
+    dtype: CUDA loads modules lazily, and a load may wait for the work in flight), and index
+    uploads go from a page-locked ring of :data:`UPLOAD_RING_BYTES` made here (a job whose
+    index does not fit, or whose part of the ring the device has not read yet, takes torch's
+    page-locked allocator instead) into one device index tensor, grown when a job needs more.
 
-    ``kernel``: the work is run at once; :meth:`TorchCudaStreams.copy` made ``kernel_stream``
-    current around the whole job. Called on the thread that issues the forward only."""
+    ``raw``: with a runtime and kvtier's kernels every call names its stream (uploads, launches,
+    copies, marks), so :meth:`TorchCudaStreams.copy` sets no current stream; else torch's ops run
+    on ``kernel_stream``, made current around the whole job. Called on the thread that issues the
+    forward only."""
 
     UPLOAD_RING_BYTES = 4 * 2**20  # 512 Ki pages of index per job and in flight
 
@@ -218,8 +232,11 @@ class _CudaLanes:
         cuda = streams._cuda
         self._ring = torch.empty(self.UPLOAD_RING_BYTES, dtype=torch.uint8, pin_memory=True)
         self._ring_words = self._ring.view(torch.int64)
+        self._ring_numpy = self._ring_words.numpy()
+        self._ring_address = self._ring.data_ptr()
         self._ring_head = 0
         self._ring_pending: deque[tuple[int, int, Any]] = deque()  # (first, end) words, event after its upload
+        self._spare_events: list[Any] = []  # the ring's upload events, reused once complete
         with cuda.stream(kernel_stream):
             self._index = torch.empty(64 * 1024, dtype=torch.int64, device=rows.device)
             pick = self._index[:1].zero_()
@@ -227,26 +244,62 @@ class _CudaLanes:
             target = torch.empty(1, rows.shape[1], dtype=rows.dtype, device=rows.device)
             torch.index_select(source, 0, pick, out=target)  # load the kernels now
             source.index_copy_(0, pick, target)
+        self.kernels = None
+        self.page_bytes = rows.shape[1] * rows.element_size()
+        if self.runtime is not None and streams.own_kernels:
+            self.kernels = self._load_kernels(rows.device, source, target, pick)
         kernel_stream.synchronize()
+        self.raw = self.kernels is not None
+
+    def _load_kernels(self, device: torch.device, source: torch.Tensor, target: torch.Tensor,
+                      pick: torch.Tensor) -> RowKernels | None:
+        """kvtier's row kernels, loaded and run once on the KERNEL stream; None if unavailable."""
+        kernels = RowKernels.load(torch.cuda.get_device_capability(device), int(str(torch.version.cuda).split(".")[0]),
+                                  self.page_bytes)
+        if kernels is None:
+            return None
+        handle = self.kernel_stream.cuda_stream
+        try:
+            kernels.gather(handle, source.data_ptr(), target.data_ptr(), pick.data_ptr(), 1, self.page_bytes)
+            kernels.scatter(handle, source.data_ptr(), target.data_ptr(), pick.data_ptr(), 1, self.page_bytes)
+        except Exception as exc:  # noqa: BLE001 - any failure: torch's ops instead
+            logger.warning("kvtier: kvtier's copy kernels failed a first launch (%s): torch's ops instead", exc)
+            self.runtime.get_last_error()
+            return None
+        return kernels
 
     def upload(self, index: np.ndarray) -> torch.Tensor:
         count = len(index)
         if count > len(self._index):  # grown on the KERNEL stream: freed memory is reused in its order
-            self._index = torch.empty(max(count, 2 * len(self._index)), dtype=torch.int64,
-                                      device=self._index.device)
+            with self.streams._cuda.device(self._index.device), self.streams._cuda.stream(self.kernel_stream):
+                self._index = torch.empty(max(count, 2 * len(self._index)), dtype=torch.int64,
+                                          device=self._index.device)
         first = self._take(count)
+        device = self._index[:count]
         if first is None:
             host = torch.empty(count, dtype=torch.int64, pin_memory=True)
+            host.numpy()[:] = index
+            with self.streams._cuda.device(self._index.device), self.streams._cuda.stream(self.kernel_stream):
+                device.copy_(host, non_blocking=True)
+            return device
+        self._ring_numpy[first:first + count] = index
+        if self.runtime is not None:
+            self.runtime.memcpy(device.data_ptr(), self._ring_address + 8 * first, 8 * count,
+                                self._handles[Lane.KERNEL])
+            done = self._spare_events.pop() if self._spare_events else self.runtime.event_create()
+            self.runtime.event_record(done, self._handles[Lane.KERNEL])
         else:
-            host = self._ring_words[first:first + count]
-        host.numpy()[:] = index
-        device = self._index[:count]
-        device.copy_(host, non_blocking=True)
-        if first is not None:
-            done = self.streams._cuda.Event()
-            done.record(self.kernel_stream)
-            self._ring_pending.append((first, first + count, done))
+            with self.streams._cuda.stream(self.kernel_stream):
+                device.copy_(self._ring_words[first:first + count], non_blocking=True)
+                done = self.streams._cuda.Event()
+                done.record(self.kernel_stream)
+        self._ring_pending.append((first, first + count, done))
         return device
+
+    def _uploaded(self, event: Any) -> bool:
+        if self.runtime is not None:
+            return self.runtime.event_query(event)
+        return event.query()
 
     def _take(self, count: int) -> int | None:
         """Where ``count`` words of the ring can be written now, or None (too large, or those
@@ -254,8 +307,10 @@ class _CudaLanes:
         size = len(self._ring_words)
         if count > size:
             return None
-        while self._ring_pending and self._ring_pending[0][2].query():
-            self._ring_pending.popleft()
+        while self._ring_pending and self._uploaded(self._ring_pending[0][2]):
+            done = self._ring_pending.popleft()[2]
+            if self.runtime is not None:
+                self._spare_events.append(done)
         first = self._ring_head if self._ring_head + count <= size else 0
         end = first + count
         if any(a < end and first < b for a, b, _ in self._ring_pending):
@@ -269,11 +324,22 @@ class _CudaLanes:
         self.mark(Lane.TRANSFER, self.BEGIN)
         self.wait(Lane.KERNEL, self.BEGIN)
 
-    def kernel(self, work: Callable[[], object], what: str) -> None:
-        work()
+    def gather(self, plan: StagedRuns, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        if self.kernels is None:
+            plan.torch_gather(index, first, pages, buffer)
+            return
+        self.kernels.gather(self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
+                            index.data_ptr() + 8 * first, pages, self.page_bytes)
 
-    def transfer(self, runs: HostRuns) -> None:
-        self.streams._host_copies(self.transfer_stream, runs)
+    def scatter(self, plan: StagedRuns, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        if self.kernels is None:
+            plan.torch_scatter(index, first, pages, buffer)
+            return
+        self.kernels.scatter(self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
+                             index.data_ptr() + 8 * first, pages, self.page_bytes)
+
+    def transfer(self, plan: StagedRuns, chunk: int) -> None:
+        self.streams._host_copies(self.transfer_stream, plan, chunk)
 
     def mark(self, lane: Lane, mark: int) -> None:
         event = self._events.get(mark)
@@ -296,14 +362,19 @@ class _CudaLanes:
         self.wait(Lane.TRANSFER, self.KERNEL_END)
 
     def close(self) -> None:
-        """Release the upload ring and index, then destroy the events, while the pair's streams
-        still exist (every job completed: the engine waited). The ring must go first: torch's
-        page-locked allocator records an event on each stream that used a block when the block
-        is freed, and a destroyed stream makes that fail in a destructor, which aborts the process."""
+        """Release the upload ring and index, then destroy the events and unload the kernels,
+        while the pair's streams still exist (every job completed: the engine waited). The ring
+        must go first: torch's page-locked allocator records an event on each stream that used a
+        block when the block is freed, and a destroyed stream makes that fail in a destructor,
+        which aborts the process."""
         self.kernel_stream.synchronize()
-        self._ring_pending.clear()
-        self._ring = self._ring_words = self._index = None
+        pending, self._ring_pending = [done for _, _, done in self._ring_pending], deque()
+        self._ring = self._ring_words = self._ring_numpy = self._index = None
         events, self._events = list(self._events.values()), {}
         if self.runtime is not None:
-            for event in events:
+            for event in events + pending + self._spare_events:
                 self.runtime.event_destroy(event)
+            self._spare_events = []
+        if self.kernels is not None:
+            self.kernels.close()
+            self.kernels = None

@@ -1,0 +1,212 @@
+"""kvtier's own gather and scatter kernels for staged copies: compiled once with NVRTC, launched
+with one driver call each.
+
+Why not torch's ``index_select`` / ``index_copy_``: they are the same kind of kernel (device
+memory to device memory, at the memory's speed, a few microseconds of the SMs per chunk), but a
+torch op costs 15-20 us of host time per chunk on the thread that issues the forward (dispatch,
+an index slice, the current stream), measured on the GPU kit's host; a staged job of 512 blocks x
+32 layers is 4-32 chunks. A driver launch through ctypes costs a few microseconds, takes raw
+addresses (no slice tensors) and its stream as an argument (no current-stream switch).
+
+The kernels (one thread block per page, a grid-stride loop over the page's 16- or 8-byte words):
+
+- ``gather``: ``staged[i] = rows[index[i]]`` for ``i < count`` (a store's chunk, host order);
+- ``scatter``: ``rows[index[i]] = staged[i]`` (a load's chunk; the index never names a row twice
+  in a job: slots are distinct, and so are the engine pages of a job).
+
+:class:`RowKernels` is made once per copy engine side stream pair (:class:`~kvtier.copy.streams._CudaLanes`,
+at registration, the device idle), on the thread that issues the forward, whose current context
+is torch's primary context of the device; every launch is made from that thread. It is used only
+where NVRTC and the driver library are found and the kernels compile and load; otherwise
+(:meth:`RowKernels.load` returns None, with the reason logged) staged jobs use torch's ops.
+Launches never block; a failed launch raises :class:`~kvtier.copy.cudart.CudaError` (the engine
+reports the job failed).
+
+Bit-exactness is checked on a GPU by the kit's round trips (``tests/gpu``), which compare every
+byte moved with the CPU engine's; on CPU the staged schedule runs torch's ops on the simulated
+device.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import logging
+import os
+import sys
+
+from kvtier.copy.cudart import CudaError
+
+logger = logging.getLogger(__name__)
+
+SOURCE = r"""
+struct alignas(16) W16 { unsigned long long a, b; };
+typedef unsigned long long W8;
+
+#define KVTIER_ROW_KERNELS(W, SUFFIX)                                                                \
+extern "C" __global__ void kvtier_gather##SUFFIX(const W* __restrict__ rows, W* __restrict__ staged,  \
+                                                 const long long* __restrict__ index, long long words) { \
+    const W* src = rows + index[blockIdx.x] * words;                                                 \
+    W* dst = staged + (long long)blockIdx.x * words;                                                 \
+    for (long long w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];                     \
+}                                                                                                    \
+extern "C" __global__ void kvtier_scatter##SUFFIX(W* __restrict__ rows, const W* __restrict__ staged, \
+                                                  const long long* __restrict__ index, long long words) { \
+    W* dst = rows + index[blockIdx.x] * words;                                                       \
+    const W* src = staged + (long long)blockIdx.x * words;                                           \
+    for (long long w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];                     \
+}
+
+KVTIER_ROW_KERNELS(W16, 16)
+KVTIER_ROW_KERNELS(W8, 8)
+"""
+THREADS = 256  # per block: one block per page
+MAX_PAGES_PER_LAUNCH = 2**31 - 1  # the grid's x limit
+
+
+def _nvrtc_candidates(major: int) -> list[str]:
+    """Where libnvrtc of CUDA ``major`` may be: mapped already (torch loaded it), the dynamic
+    linker's soname, the pip packages of NVIDIA's libraries torch depends on."""
+    from kvtier.copy.cudart import _mapped_libraries
+
+    found = [p for p in _mapped_libraries("libnvrtc.so") if "builtins" not in p]
+    found.append(f"libnvrtc.so.{major}")
+    for root in sys.path:
+        for pattern in (f"nvidia/cu{major}/lib/libnvrtc.so*", "nvidia/cuda_nvrtc/lib/libnvrtc.so*",
+                        "torch/lib/libnvrtc*.so*"):
+            found.extend(p for p in sorted(glob.glob(os.path.join(root, pattern))) if "builtins" not in p)
+    return found
+
+
+class _Nvrtc:
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib = lib
+        lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+        lib.nvrtcGetErrorString.argtypes = [ctypes.c_int]
+
+    def check(self, call: str, code: int) -> None:
+        if code != 0:
+            raise RuntimeError(f"{call} failed: {self.lib.nvrtcGetErrorString(code).decode()}")
+
+    def compile(self, source: str, arch: tuple[int, int]) -> tuple[bytes, str]:
+        """(image, kind): a CUBIN for ``sm_XY``, else PTX for ``compute_XY`` (the driver JITs it)."""
+        lib = self.lib
+        for option, size_call, get_call, kind in (
+                (f"--gpu-architecture=sm_{arch[0]}{arch[1]}", "nvrtcGetCUBINSize", "nvrtcGetCUBIN", "cubin"),
+                (f"--gpu-architecture=compute_{arch[0]}{arch[1]}", "nvrtcGetPTXSize", "nvrtcGetPTX", "ptx")):
+            program = ctypes.c_void_p()
+            self.check("nvrtcCreateProgram", lib.nvrtcCreateProgram(
+                ctypes.byref(program), source.encode(), b"kvtier_rows.cu", 0, None, None))
+            try:
+                options = (ctypes.c_char_p * 2)(option.encode(), b"-std=c++17")
+                code = lib.nvrtcCompileProgram(program, 2, options)
+                if code != 0:
+                    size = ctypes.c_size_t()
+                    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+                    log = ctypes.create_string_buffer(size.value + 1)
+                    lib.nvrtcGetProgramLog(program, log)
+                    logger.info("kvtier: NVRTC %s: %s", option, log.value.decode(errors="replace").strip()[:500])
+                    continue
+                size = ctypes.c_size_t()
+                self.check(size_call, getattr(lib, size_call)(program, ctypes.byref(size)))
+                image = ctypes.create_string_buffer(size.value)
+                self.check(get_call, getattr(lib, get_call)(program, image))
+                return image.raw, kind
+            finally:
+                lib.nvrtcDestroyProgram(ctypes.byref(program))
+        raise RuntimeError(f"NVRTC compiled the row kernels for neither sm_{arch[0]}{arch[1]} nor its PTX")
+
+
+class RowKernels:
+    """The gather and scatter kernels of one word size, loaded in the current context (see the
+    module docstring). ``word_bytes``: 16 or 8; every page is a whole number of words and every
+    address passed is aligned to one."""
+
+    def __init__(self, driver: ctypes.CDLL, module: ctypes.c_void_p, word_bytes: int, how: str):
+        self._driver = driver
+        self._module = module
+        self.word_bytes = word_bytes
+        self.how = how
+        self._launch = driver.cuLaunchKernel
+        self._launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        self._launch.restype = ctypes.c_int
+        self._functions = {}
+        for kind in ("gather", "scatter"):
+            function = ctypes.c_void_p()
+            code = driver.cuModuleGetFunction(ctypes.byref(function), module, f"kvtier_{kind}{word_bytes}".encode())
+            if code != 0:
+                raise CudaError("cuModuleGetFunction", code, self._error_name(code))
+            self._functions[kind] = function.value
+        # the launch's argument slots, filled in place before each launch (one thread only)
+        self._rows, self._staged, self._index, self._words = (ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(),
+                                                              ctypes.c_longlong())
+        self._params = (ctypes.c_void_p * 4)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+                                               for v in (self._rows, self._staged, self._index, self._words)))
+
+    @classmethod
+    def load(cls, arch: tuple[int, int], cuda_major: int, page_bytes: int) -> RowKernels | None:
+        """The kernels for pages of ``page_bytes`` on a device of compute capability ``arch``, in
+        the calling thread's current context; None (logged) where they cannot be had."""
+        word = next((w for w in (16, 8) if page_bytes % w == 0), None)
+        if word is None:
+            logger.info("kvtier: pages of %d B are not whole 8-byte words: staged copies use torch's ops", page_bytes)
+            return None
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            logger.info("kvtier: no CUDA driver library for kvtier's copy kernels (%s): torch's ops instead", exc)
+            return None
+        nvrtc, tried = None, []
+        for candidate in _nvrtc_candidates(cuda_major):
+            try:
+                nvrtc = _Nvrtc(ctypes.CDLL(candidate))
+                break
+            except (OSError, AttributeError):
+                tried.append(candidate)
+        if nvrtc is None:
+            logger.info("kvtier: no NVRTC of CUDA %d found (tried %s): staged copies use torch's ops", cuda_major,
+                        ", ".join(tried[:4]))
+            return None
+        try:
+            image, kind = nvrtc.compile(SOURCE, arch)
+            module = ctypes.c_void_p()
+            code = driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image))
+            if code != 0:
+                raise CudaError("cuModuleLoadData", code, str(code))
+            kernels = cls(driver, module, word, f"{kind} for sm_{arch[0]}{arch[1]}, {word}-byte words")
+        except (RuntimeError, OSError, AttributeError) as exc:
+            logger.warning("kvtier: kvtier's copy kernels are unavailable (%s): staged copies use torch's ops", exc)
+            return None
+        logger.info("kvtier: staged copies gather and scatter with kvtier's kernels (%s)", kernels.how)
+        return kernels
+
+    def gather(self, stream: int, rows: int, staged: int, index: int, pages: int, page_bytes: int) -> None:
+        """Issue ``staged[i] = rows[index[i]]`` (pages of ``page_bytes``; ``index``: the address of
+        ``pages`` int64 row numbers on the device) on ``stream``."""
+        self._run("gather", stream, rows, staged, index, pages, page_bytes)
+
+    def scatter(self, stream: int, rows: int, staged: int, index: int, pages: int, page_bytes: int) -> None:
+        """Issue ``rows[index[i]] = staged[i]`` on ``stream`` (see :meth:`gather`)."""
+        self._run("scatter", stream, rows, staged, index, pages, page_bytes)
+
+    def _run(self, kind: str, stream: int, rows: int, staged: int, index: int, pages: int, page_bytes: int) -> None:
+        if pages <= 0:
+            return
+        if pages > MAX_PAGES_PER_LAUNCH:
+            raise ValueError(f"{pages} pages in one launch (at most {MAX_PAGES_PER_LAUNCH})")
+        self._rows.value, self._staged.value, self._index.value = rows, staged, index
+        self._words.value = page_bytes // self.word_bytes
+        code = self._launch(self._functions[kind], pages, 1, 1, THREADS, 1, 1, 0, stream, self._params, None)
+        if code != 0:
+            raise CudaError(f"cuLaunchKernel(kvtier_{kind})", code, self._error_name(code))
+
+    def _error_name(self, code: int) -> str:
+        name = ctypes.c_char_p()
+        self._driver.cuGetErrorName(code, ctypes.byref(name))
+        return name.value.decode() if name.value else f"CUresult {code}"
+
+    def close(self) -> None:
+        """Unload the module (every launch completed: the caller synchronized its streams)."""
+        if self._module is not None:
+            self._driver.cuModuleUnload(self._module)
+            self._module = None
