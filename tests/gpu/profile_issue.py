@@ -28,6 +28,7 @@ from gpu_layouts import Case, build  # noqa: E402
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV  # noqa: E402
 from kvtier.copy.cudart import SourceOrder  # noqa: E402
 from kvtier.copy.cuda import CudaCopyEngine  # noqa: E402
+from kvtier.copy.kernels import RowKernels  # noqa: E402
 from kvtier.copy.staging import CopyMethod  # noqa: E402
 from kvtier.copy.streams import TorchCudaStreams  # noqa: E402
 from kvtier.core.slots import HostSlotLayout  # noqa: E402
@@ -95,6 +96,11 @@ def device_calls(streams: TorchCudaStreams) -> dict:
             found[f"runtime.memcpy_batch {count}"] = micro(
                 lambda d=dst, s=src, z=sizes: runtime.memcpy_batch(d, s, z, handle, SourceOrder.STREAM), n=100)
         runtime.event_destroy(ev)
+        kernels = RowKernels.load(torch.cuda.get_device_capability(device), int(torch.version.cuda.split(".")[0]),
+                                  16384)
+        if kernels is not None:
+            found["RowKernels.gather 512 x 16 KiB"] = micro(lambda: kernels.gather(
+                handle, rows.data_ptr(), out.data_ptr(), index.data_ptr(), 512, 16384))
     return found
 
 
@@ -139,8 +145,8 @@ def phases(engine: CudaCopyEngine, streams: TorchCudaStreams, direction: Directi
     clock.wrap(engine.runs, "table", "plan.table")
     clock.wrap(streams, "copy", "copy")
     for lanes in streams._lanes.values():
-        for method, phase in (("upload", "copy.upload"), ("kernel", "copy.kernels"), ("transfer", "copy.transfers"),
-                              ("mark", "copy.marks"), ("wait", "copy.waits")):
+        for method, phase in (("upload", "copy.upload"), ("gather", "copy.kernels"), ("scatter", "copy.kernels"),
+                              ("transfer", "copy.transfers"), ("mark", "copy.marks"), ("wait", "copy.waits")):
             clock.wrap(lanes, method, phase)
     samples: dict[str, list[float]] = {}
     for _ in range(20):
@@ -202,6 +208,8 @@ def main() -> None:
     kit.CYCLES_PER_MS = kit.cycles_per_ms()
     streams = TorchCudaStreams(device)
     out: dict = {"card": torch.cuda.get_device_name(), "calls_us": device_calls(streams), "jobs": {}}
+    kernels = RowKernels.load(torch.cuda.get_device_capability(device), int(torch.version.cuda.split(".")[0]), 16384)
+    out["row_kernels"] = kernels.how if kernels is not None else "unavailable: torch's ops"
     job_ids = itertools.count()
     for layout, heads, method in (("LBNHC", 1, CopyMethod.STAGED), ("LBNHC", 2, CopyMethod.STAGED),
                                   ("LBNHC", 8, CopyMethod.STAGED), ("BLNHC", 2, CopyMethod.RUNS)):

@@ -8,16 +8,17 @@ small (one KV head x 16 tokens x 256 values x bf16 = 8 KiB); copy engines move s
 far below the link's bandwidth (0.06-0.33 of one ``cudaMemcpyAsync`` at 8-16 KiB, measured on an
 H100), and issuing 16,384 descriptors costs the calling thread 10-15 ms. Copy kernels that read or
 write host memory directly reach the link but take a third to half of the GPU's SMs from the
-forward pass for the whole copy (docs/benchmarks.md). So, with torch ops and DMA only:
+forward pass for the whole copy (docs/benchmarks.md). So, with device-memory kernels and DMA only:
 
-- store, per chunk: ``index_select`` gathers the chunk's pages, in host order, from the engine's
+- store, per chunk: a gather kernel copies the chunk's pages, in host order, from the engine's
   storage viewed as ``[rows, page]`` words into staging buffer ``k`` (on the KERNEL lane, at
-  ~1 TB/s); the TRANSFER lane waits for it and copies buffer ``k`` to the host slots in runs as
+  ~1 TB/s; kvtier's own kernel where it loads, :mod:`kvtier.copy.kernels`, else torch's
+  ``index_select``); the TRANSFER lane waits for it and copies buffer ``k`` to the host slots in runs as
   long as the host slots are contiguous (a whole slot at least), then marks ``k`` free; the
   gather of chunk ``c + buffers`` waits for that mark. While chunk ``c`` crosses the link, chunk
   ``c + 1`` is gathered: the link never waits for a gather but the first.
 - load, per chunk: the TRANSFER lane copies the host runs into buffer ``k``; the KERNEL lane waits
-  and ``index_copy_`` scatters the rows into the engine's pages, then marks ``k`` free for the
+  and a scatter kernel (or torch's ``index_copy_``) writes the rows into the engine's pages, then marks ``k`` free for the
   transfer of chunk ``c + buffers``.
 
 Ordering: a job begins on both lanes after everything issued before it on its side stream (the
