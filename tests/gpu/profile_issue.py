@@ -104,6 +104,14 @@ def device_calls(streams: TorchCudaStreams) -> dict:
     return found
 
 
+def start(engine: CudaCopyEngine, direction: Direction, job_id: int, pages) -> None:
+    """Start a store, or an asynchronous load, as the kit does."""
+    if direction is Direction.STORE:
+        engine.start_store(job_id, pages)
+    else:
+        engine.start_load(job_id, pages, synchronous=False)
+
+
 class PhaseClock:
     """Host time spent inside chosen methods of chosen objects, summed per job: each wrapped
     method is replaced on its instance by a timing wrapper (outermost calls only are counted
@@ -154,10 +162,7 @@ def phases(engine: CudaCopyEngine, streams: TorchCudaStreams, direction: Directi
         kit.gate()
         clock.take()
         began = time.perf_counter()
-        if direction is Direction.STORE:
-            engine.start_store(next(job_ids), pages)
-        else:
-            engine.start_load(next(job_ids), pages, synchronous=False)
+        start(engine, direction, next(job_ids), pages)
         total = time.perf_counter() - began
         for phase, spent in {**clock.take(), "total": total}.items():
             samples.setdefault(phase, []).append(spent)
@@ -185,10 +190,7 @@ def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction
         kit.gate()
         profiler.enable()
         began = time.perf_counter()
-        if direction is Direction.STORE:
-            engine.start_store(next(job_ids), pages)
-        else:
-            engine.start_load(next(job_ids), pages, synchronous=False)
+        start(engine, direction, next(job_ids), pages)
         issue.append(time.perf_counter() - began)
         profiler.disable()
         engine.wait()
