@@ -201,7 +201,8 @@ class SimLanes:
         self.events: dict[int, SimEvent] = {}
         self.Lane = Lane
 
-    def upload(self, index):
+    def upload(self, plan):
+        index = plan.row_index()
         device_index = torch.empty(len(index), dtype=torch.int64)
         source = torch.from_numpy(index.copy())
         self.kernel(lambda: device_index.copy_(source), "upload the row index")

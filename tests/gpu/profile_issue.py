@@ -152,6 +152,8 @@ def phases(engine: CudaCopyEngine, streams: TorchCudaStreams, direction: Directi
     clock.wrap(engine, "_plan", "plan")
     clock.wrap(engine.runs, "table", "plan.table")
     clock.wrap(streams, "copy", "copy")
+    for method in ("current_stream", "new_event", "record", "wait"):
+        clock.wrap(streams, method, "engine.events")
     for lanes in streams._lanes.values():
         for method, phase in (("upload", "copy.upload"), ("gather", "copy.kernels"), ("scatter", "copy.kernels"),
                               ("transfer", "copy.transfers"), ("mark", "copy.marks"), ("wait", "copy.waits")):

@@ -65,7 +65,7 @@ from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
 from kvtier.copy.choice import MethodChooser, TrialKey
 from kvtier.copy.pages import BlockCopier, CopyPlan
 from kvtier.copy.runs import ByteRuns, RunPlanner
-from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
+from kvtier.copy.staging import STAGE_BELOW_BYTES, CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
 from kvtier.copy.streams import DeviceStreams
 
 logger = logging.getLogger(__name__)
@@ -201,8 +201,12 @@ class CudaCopyEngine(CopyEngine):
         breaks = None
         if slots is not None:
             num_bytes = len(slots) * self.runs.num_layers * self.runs.page_bytes
-            breaks = self.runs.block_breaks(slots)
-            runs = self.runs.count_slot_runs(slots, breaks) if self.method is CopyMethod.AUTO else 1
+            runs = 1
+            if self.method is CopyMethod.AUTO:
+                runs = self.runs.fewest_slot_runs(slots)
+                if num_bytes / runs >= STAGE_BELOW_BYTES:  # the count decides: make it exact
+                    breaks = self.runs.block_breaks(slots)
+                    runs = self.runs.count_slot_runs(slots, breaks)
         else:
             assert entries is not None
             num_bytes = int(entries.sizes.sum())

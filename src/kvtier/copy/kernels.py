@@ -8,11 +8,14 @@ an index slice, the current stream), measured on the GPU kit's host; a staged jo
 32 layers is 4-32 chunks. A driver launch through ctypes costs a few microseconds, takes raw
 addresses (no slice tensors) and its stream as an argument (no current-stream switch).
 
-The kernels (one thread block per page, a grid-stride loop over the page's 16- or 8-byte words):
+The kernels (one thread block per page, a loop over the page's 16- or 8-byte words):
 
 - ``gather``: ``staged[i] = rows[index[i]]`` for ``i < count`` (a store's chunk, host order);
 - ``scatter``: ``rows[index[i]] = staged[i]`` (a load's chunk; the index never names a row twice
-  in a job: slots are distinct, and so are the engine pages of a job).
+  in a job: slots are distinct, and so are the engine pages of a job);
+- ``gather_blocks`` / ``scatter_blocks``: the same for a job of whole blocks (most jobs), whose
+  rows the kernel computes from the job's engine blocks and the layers' first rows: the host
+  uploads one number per block instead of one per (block, layer) page, and computes no index.
 
 :class:`RowKernels` is made once per copy engine side stream pair (:class:`~kvtier.copy.streams._CudaLanes`,
 at registration, the device idle), on the thread that issues the forward, whose current context
@@ -43,18 +46,40 @@ SOURCE = r"""
 struct alignas(16) W16 { unsigned long long a, b; };
 typedef unsigned long long W8;
 
+// One thread block copies one page of ``words`` words; ``staged`` holds a launch's pages in order.
+#define KVTIER_COPY_PAGE(TO, FROM)                                                                   \
+    for (long long w = threadIdx.x; w < words; w += blockDim.x) TO[w] = FROM[w];
+
 #define KVTIER_ROW_KERNELS(W, SUFFIX)                                                                \
 extern "C" __global__ void kvtier_gather##SUFFIX(const W* __restrict__ rows, W* __restrict__ staged,  \
                                                  const long long* __restrict__ index, long long words) { \
     const W* src = rows + index[blockIdx.x] * words;                                                 \
     W* dst = staged + (long long)blockIdx.x * words;                                                 \
-    for (long long w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];                     \
+    KVTIER_COPY_PAGE(dst, src)                                                                       \
 }                                                                                                    \
 extern "C" __global__ void kvtier_scatter##SUFFIX(W* __restrict__ rows, const W* __restrict__ staged, \
                                                   const long long* __restrict__ index, long long words) { \
     W* dst = rows + index[blockIdx.x] * words;                                                       \
     const W* src = staged + (long long)blockIdx.x * words;                                           \
-    for (long long w = threadIdx.x; w < words; w += blockDim.x) dst[w] = src[w];                     \
+    KVTIER_COPY_PAGE(dst, src)                                                                       \
+}                                                                                                    \
+/* table = [layer_rows (layers), blocks (n)]: page p is layer p % layers of block p / layers, */     \
+/* row blocks[p / layers] * block_rows + layer_rows[p % layers]; this launch: pages first + i  */     \
+extern "C" __global__ void kvtier_gather_blocks##SUFFIX(                                             \
+        const W* __restrict__ rows, W* __restrict__ staged, const long long* __restrict__ table,      \
+        long long words, long long layers, long long block_rows, long long first) {                  \
+    const long long p = first + blockIdx.x;                                                          \
+    const W* src = rows + (table[layers + p / layers] * block_rows + table[p % layers]) * words;      \
+    W* dst = staged + (long long)blockIdx.x * words;                                                 \
+    KVTIER_COPY_PAGE(dst, src)                                                                       \
+}                                                                                                    \
+extern "C" __global__ void kvtier_scatter_blocks##SUFFIX(                                            \
+        W* __restrict__ rows, const W* __restrict__ staged, const long long* __restrict__ table,      \
+        long long words, long long layers, long long block_rows, long long first) {                  \
+    const long long p = first + blockIdx.x;                                                          \
+    W* dst = rows + (table[layers + p / layers] * block_rows + table[p % layers]) * words;            \
+    const W* src = staged + (long long)blockIdx.x * words;                                           \
+    KVTIER_COPY_PAGE(dst, src)                                                                       \
 }
 
 KVTIER_ROW_KERNELS(W16, 16)
@@ -131,17 +156,17 @@ class RowKernels:
         self._launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         self._launch.restype = ctypes.c_int
         self._functions = {}
-        for kind in ("gather", "scatter"):
+        for kind in ("gather", "scatter", "gather_blocks", "scatter_blocks"):
             function = ctypes.c_void_p()
             code = driver.cuModuleGetFunction(ctypes.byref(function), module, f"kvtier_{kind}{word_bytes}".encode())
             if code != 0:
                 raise CudaError("cuModuleGetFunction", code, self._error_name(code))
             self._functions[kind] = function.value
         # the launch's argument slots, filled in place before each launch (one thread only)
-        self._rows, self._staged, self._index, self._words = (ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(),
-                                                              ctypes.c_longlong())
-        self._params = (ctypes.c_void_p * 4)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
-                                               for v in (self._rows, self._staged, self._index, self._words)))
+        self._pointers = [ctypes.c_void_p() for _ in range(3)]  # rows, staged, index or table
+        self._numbers = [ctypes.c_longlong() for _ in range(4)]  # words[, layers, block_rows, first]
+        self._params = (ctypes.c_void_p * 7)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+                                               for v in self._pointers + self._numbers))
 
     @classmethod
     def load(cls, arch: tuple[int, int], cuda_major: int, page_bytes: int) -> RowKernels | None:
@@ -183,19 +208,36 @@ class RowKernels:
     def gather(self, stream: int, rows: int, staged: int, index: int, pages: int, page_bytes: int) -> None:
         """Issue ``staged[i] = rows[index[i]]`` (pages of ``page_bytes``; ``index``: the address of
         ``pages`` int64 row numbers on the device) on ``stream``."""
-        self._run("gather", stream, rows, staged, index, pages, page_bytes)
+        self._run("gather", stream, pages, (rows, staged, index), (page_bytes // self.word_bytes,))
 
     def scatter(self, stream: int, rows: int, staged: int, index: int, pages: int, page_bytes: int) -> None:
         """Issue ``rows[index[i]] = staged[i]`` on ``stream`` (see :meth:`gather`)."""
-        self._run("scatter", stream, rows, staged, index, pages, page_bytes)
+        self._run("scatter", stream, pages, (rows, staged, index), (page_bytes // self.word_bytes,))
 
-    def _run(self, kind: str, stream: int, rows: int, staged: int, index: int, pages: int, page_bytes: int) -> None:
+    def gather_blocks(self, stream: int, rows: int, staged: int, table: int, layers: int, block_rows: int,
+                      first: int, pages: int, page_bytes: int) -> None:
+        """Issue ``staged[i] = rows[row(first + i)]`` for ``i < pages`` on ``stream``, where page
+        ``p`` of the job is layer ``p % layers`` of its block ``p // layers``, at row
+        ``blocks[p // layers] * block_rows + layer_rows[p % layers]``; ``table``: the address of
+        ``layer_rows`` (``layers`` int64) followed by the job's ``blocks`` on the device."""
+        self._run("gather_blocks", stream, pages, (rows, staged, table),
+                  (page_bytes // self.word_bytes, layers, block_rows, first))
+
+    def scatter_blocks(self, stream: int, rows: int, staged: int, table: int, layers: int, block_rows: int,
+                       first: int, pages: int, page_bytes: int) -> None:
+        """Issue ``rows[row(first + i)] = staged[i]`` on ``stream`` (see :meth:`gather_blocks`)."""
+        self._run("scatter_blocks", stream, pages, (rows, staged, table),
+                  (page_bytes // self.word_bytes, layers, block_rows, first))
+
+    def _run(self, kind: str, stream: int, pages: int, pointers: tuple[int, ...], numbers: tuple[int, ...]) -> None:
         if pages <= 0:
             return
         if pages > MAX_PAGES_PER_LAUNCH:
             raise ValueError(f"{pages} pages in one launch (at most {MAX_PAGES_PER_LAUNCH})")
-        self._rows.value, self._staged.value, self._index.value = rows, staged, index
-        self._words.value = page_bytes // self.word_bytes
+        for slot, value in zip(self._pointers, pointers):
+            slot.value = value
+        for slot, value in zip(self._numbers, numbers):
+            slot.value = value
         code = self._launch(self._functions[kind], pages, 1, 1, THREADS, 1, 1, 0, stream, self._params, None)
         if code != 0:
             raise CudaError(f"cuLaunchKernel(kvtier_{kind})", code, self._error_name(code))

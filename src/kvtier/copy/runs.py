@@ -79,6 +79,7 @@ class SlotJob:
 
     slot: np.ndarray
     block: np.ndarray
+    first_slot: int | None = None  # set when slot[i] == first_slot + i, all in one pinning chunk
 
     def __len__(self) -> int:
         return len(self.slot)
@@ -129,6 +130,8 @@ class RunPlanner:
         self._strides_vary = len(set(layer_stride)) > 1
         self._groups = [np.array(g, dtype=np.int64) for g in kv.layer_groups]
         self._units: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # engine_rows in rows of a unit
+        self._bounds = np.array((host.layout.num_slots, host.layout.pages_per_block, kv.num_blocks,
+                                 len(self._groups)), dtype=np.uint64)  # of a page table's columns
         layout = host.layout
         page = kv.page_bytes
         # whether layer l + 1 of a block continues layer l in the engine's memory (block-outermost layouts)
@@ -167,6 +170,12 @@ class RunPlanner:
         if len(self._groups) != 1 or self._layout.pages_per_block != 1 or self._sizes_vary or not len(table):
             return None
         slot, block = table[:, 0], table[:, 2]
+        first, last = int(slot[0]), int(slot[-1])
+        if last - first == len(slot) - 1 and (len(slot) < 3 or (slot[1:] - slot[:-1] == 1).all()):
+            # consecutive slots (the usual store): one host run unless a pinning chunk splits it
+            slot_bytes, segment = self._layout.slot_bytes, self.segment_bytes
+            one_chunk = first * slot_bytes // segment == ((last + 1) * slot_bytes - 1) // segment
+            return SlotJob(slot, block, first if one_chunk else None)
         if len(slot) > 1 and not np.all(slot[1:] > slot[:-1]):
             order = np.argsort(slot, kind="stable")
             slot, block = slot[order], block[order]
@@ -185,6 +194,14 @@ class RunPlanner:
             return (job.block[:, None] * stride + base).ravel()
         return (job.block[:, None] * int(stride[0]) + base).ravel()
 
+    def block_rows(self, unit: int) -> tuple[int, np.ndarray] | None:
+        """(rows from one engine block to the next, each layer's row of block 0), in rows of
+        ``unit`` bytes, when every layer has the same block stride; None otherwise."""
+        if self._strides_vary:
+            return None
+        stride, base = self._in_units(unit)
+        return int(stride[0]), base
+
     def _in_units(self, unit: int) -> tuple[np.ndarray, np.ndarray]:
         """(block strides, layer bases) in ``unit``-byte rows, computed once per unit."""
         cached = self._units.get(unit)
@@ -198,6 +215,10 @@ class RunPlanner:
         """``breaks[i]`` (i >= 1): kvtier block ``i`` does not continue block ``i - 1`` in the host
         region (slots not consecutive, or a pinning chunk between them); ``breaks[0]`` is True."""
         slot = job.slot
+        if job.first_slot is not None:
+            breaks = np.zeros(len(slot), dtype=bool)
+            breaks[0] = True
+            return breaks
         breaks = np.ones(len(slot), dtype=bool)
         breaks[1:] = slot[1:] != slot[:-1] + 1
         if self.segment_bytes < self._layout.region_bytes:
@@ -213,6 +234,11 @@ class RunPlanner:
                   == job.block[:-1] * self._layer_stride[last] + self._layer_base[last] + self.page_bytes)
         same = self._layer_storage[0] == self._layer_storage[last]
         return ~(self.block_breaks(job) if breaks is None else breaks)[1:] & engine & same
+
+    def fewest_slot_runs(self, job: SlotJob) -> int:
+        """A lower bound of :meth:`count_slot_runs` computed without looking at the job's blocks
+        (at most every block continues the one before it)."""
+        return max(len(job) * (len(self._layer_base) - self._layer_joins) - (len(job) - 1), 1)
 
     def count_slot_runs(self, job: SlotJob, breaks: np.ndarray | None = None) -> int:
         """How many runs :meth:`merge` would make of the job's entries (computed per block;
@@ -309,9 +335,10 @@ class RunPlanner:
 
     def _check(self, table: np.ndarray, pages: Sequence[PageCopy]) -> None:
         layout = self._layout
-        bounds = np.array((layout.num_slots, layout.pages_per_block, self.num_blocks, len(self._groups)))
-        if not len(table) or (table.min() >= 0 and (table.max(axis=0) < bounds).all()):
+        bounds = self._bounds
+        if not len(table) or (table.view(np.uint64) < bounds).all():  # a negative value is >= 2**63 there
             return
+        bounds = np.array((layout.num_slots, layout.pages_per_block, self.num_blocks, len(self._groups)))
         bad = np.flatnonzero(((table < 0) | (table >= bounds)).any(axis=1))
         if len(bad):
             p = pages[int(bad[0])]

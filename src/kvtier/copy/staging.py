@@ -42,6 +42,7 @@ starts a job; :meth:`StagedRuns.issue` by the device's ``copy`` on that same thr
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,21 +79,24 @@ class StagingLanes(Protocol):
     event named by a small integer; a wait binds to the mark's latest record, issued before it).
     Every call issues work and returns at once; nothing here blocks."""
 
-    def upload(self, index: np.ndarray) -> torch.Tensor:
-        """Issue the upload of ``index`` (int64) to the device on the KERNEL lane; the device
-        tensor it lands in (valid for work issued on that lane from now on, until the next
-        upload). Never blocks (from page-locked memory on a GPU)."""
+    def upload(self, plan: StagedRuns) -> torch.Tensor:
+        """Issue the upload of what the job's gathers or scatters read (its row index,
+        :meth:`StagedRuns.row_index`, or the lanes' choice for a job of whole blocks,
+        :meth:`StagedRuns.block_table`) to the device on the KERNEL lane; the device tensor it
+        lands in (valid for work issued on that lane from now on, until the next upload), handed
+        back to :meth:`gather` / :meth:`scatter`. Never blocks (from page-locked memory on a GPU)."""
 
     def begin(self) -> None:
         """Both lanes start after everything issued so far on the TRANSFER lane."""
 
-    def gather(self, plan: StagedRuns, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
-        """Issue on the KERNEL lane: rows ``index[first:first + pages]`` of ``plan.rows`` into the
-        first ``pages`` rows of staging buffer ``buffer``."""
+    def gather(self, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        """Issue on the KERNEL lane: the rows of ``plan.rows`` of the job's pages ``[first, first +
+        pages)`` into the first ``pages`` rows of staging buffer ``buffer`` (``uploaded``: what
+        :meth:`upload` returned)."""
 
-    def scatter(self, plan: StagedRuns, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
-        """Issue on the KERNEL lane: the first ``pages`` rows of staging buffer ``buffer`` into rows
-        ``index[first:first + pages]`` of ``plan.rows``."""
+    def scatter(self, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        """Issue on the KERNEL lane: the first ``pages`` rows of staging buffer ``buffer`` into the
+        rows of ``plan.rows`` of the job's pages ``[first, first + pages)``."""
 
     def transfer(self, plan: StagedRuns, chunk: int) -> None:
         """Issue chunk ``chunk``'s host copies (:meth:`StagedRuns.chunk_runs`) on the TRANSFER lane."""
@@ -163,8 +167,10 @@ class StagingBuffers:
 
 @dataclass(frozen=True, eq=False)
 class StagedRuns:
-    """One job through the staging buffers (see the module docstring). ``index``: the engine row
-    of each page, host order; chunk ``c`` is pages ``[c * chunk_pages, (c + 1) * chunk_pages)``
+    """One job through the staging buffers (see the module docstring). The engine row of each
+    page, host order: ``index``, or, for a job of whole blocks, ``blocks[p // layers] *
+    block_rows + layer_rows[p % layers]`` for page ``p`` (``index`` None: :meth:`row_index`
+    computes it when asked); chunk ``c`` is pages ``[c * chunk_pages, (c + 1) * chunk_pages)``
     and runs ``[run_bounds[c], run_bounds[c + 1])`` of the run arrays (``staging_offset`` within
     the chunk's buffer, ``host_offset`` in the host region, ``sizes``, ``staging_addr`` /
     ``host_addr``: the same in raw addresses, buffer ``c % len(buffers.rows)``)."""
@@ -172,7 +178,7 @@ class StagedRuns:
     direction: Direction
     rows: torch.Tensor  # [rows, words] view of the engine's storage
     host: torch.Tensor
-    index: np.ndarray
+    index: np.ndarray | None
     chunk_pages: int
     run_bounds: np.ndarray
     staging_offset: np.ndarray
@@ -182,14 +188,34 @@ class StagedRuns:
     host_addr: np.ndarray
     buffers: StagingBuffers
     rows_address: int = 0  # ``rows.data_ptr()``, for launches that take raw addresses
+    blocks: np.ndarray | None = None  # a job of whole blocks: its engine blocks, host order
+    layer_rows: np.ndarray | None = None  # with ``blocks``: each layer's row of engine block 0
+    block_rows: int = 0  # with ``blocks``: rows from one engine block to the next
 
     @property
     def num_bytes(self) -> int:
-        return len(self.index) * self.rows.shape[1] * self.rows.element_size()
+        return self.num_pages * self.rows.shape[1] * self.rows.element_size()
 
     @property
     def num_pages(self) -> int:
-        return len(self.index)
+        if self.index is not None:
+            return len(self.index)
+        assert self.blocks is not None and self.layer_rows is not None
+        return len(self.blocks) * len(self.layer_rows)
+
+    def row_index(self) -> np.ndarray:
+        """The engine row of each page, host order (int64)."""
+        if self.index is not None:
+            return self.index
+        assert self.blocks is not None and self.layer_rows is not None
+        return (self.blocks[:, None] * self.block_rows + self.layer_rows).ravel()
+
+    def block_table(self) -> np.ndarray | None:
+        """``layer_rows`` then ``blocks`` (int64), what a block kernel reads
+        (:meth:`kvtier.copy.kernels.RowKernels.gather_blocks`); None unless a job of whole blocks."""
+        if self.blocks is None or self.layer_rows is None:
+            return None
+        return np.concatenate((self.layer_rows, self.blocks))
 
     @property
     def num_chunks(self) -> int:
@@ -219,8 +245,8 @@ class StagedRuns:
         """Issue the whole job on ``lanes`` (see the module docstring); returns at once."""
         count = len(self.buffers.rows)
         store = self.direction is Direction.STORE
-        chunks, chunk_pages, total = self.num_chunks, self.chunk_pages, len(self.index)
-        index = lanes.upload(self.index)  # needs no ordering but the KERNEL lane's own: before begin()
+        chunks, chunk_pages, total = self.num_chunks, self.chunk_pages, self.num_pages
+        index = lanes.upload(self)  # needs no ordering but the KERNEL lane's own: before begin()
         lanes.begin()
         for c in range(chunks):
             buffer = c % count
@@ -249,12 +275,16 @@ class StagedRuns:
         lanes.finish()
 
     def torch_gather(self, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
-        """:meth:`StagingLanes.gather` as a torch op on the current stream."""
+        """:meth:`StagingLanes.gather` as a torch op on the current stream (``index``: the
+        :meth:`row_index` on the device)."""
         torch.index_select(self.rows, 0, index[first:first + pages], out=self.buffers.rows[buffer][:pages])
 
     def torch_scatter(self, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
         """:meth:`StagingLanes.scatter` as a torch op on the current stream."""
         self.rows.index_copy_(0, index[first:first + pages], self.buffers.rows[buffer][:pages])
+
+
+_NO_BREAKS = np.zeros(1, dtype=np.int64)  # one host run, starting at page position 0
 
 
 class StagingUnavailable(RuntimeError):
@@ -318,28 +348,41 @@ class StagedPlanner:
             breaks = np.flatnonzero(np.concatenate(([True], ~joins)))
         else:
             breaks = np.zeros(0, dtype=np.int64)
-        return self._plan(direction, entries.e_offset // page, breaks, lambda starts: h[starts])
+        return self._plan(direction, entries.e_offset // page, count, breaks, lambda starts: h[starts])
 
     def plan_slots(self, direction: Direction, job: SlotJob, breaks: np.ndarray | None = None) -> StagedRuns:
         """:meth:`plan` of a :class:`~kvtier.copy.runs.SlotJob`, computed per block: the host runs
         break only where blocks do (a block's layers are one run of its slot). ``breaks``: the
         planner's :meth:`~kvtier.copy.runs.RunPlanner.block_breaks` of ``job``, if computed."""
-        layers = self.runs.num_layers
-        if breaks is None:
-            breaks = self.runs.block_breaks(job)
-        starts = np.flatnonzero(breaks) * layers
+        layers, page = self.runs.num_layers, self.page_bytes
+        rows_of = self.runs.block_rows(page)
+        count = len(job) * layers
+        if rows_of is None:  # per-layer block strides: an index of every page
+            index, blocks = self.runs.engine_rows(job, page), None
+        else:
+            index, blocks = None, job.block
+        if job.first_slot is not None:  # one host run: page position p is at (first_slot * layers + p) pages
+            start = job.first_slot * layers
+            plan = self._plan(direction, index, count, _NO_BREAKS, lambda starts: (start + starts) * page)
+        else:
+            if breaks is None:
+                breaks = self.runs.block_breaks(job)
+            starts = np.flatnonzero(breaks) * layers
 
-        def host_offset(starts: np.ndarray) -> np.ndarray:
-            return (job.slot[starts // layers] * layers + starts % layers) * self.page_bytes
+            def host_offset(starts: np.ndarray) -> np.ndarray:
+                return (job.slot[starts // layers] * layers + starts % layers) * page
 
-        return self._plan(direction, self.runs.engine_rows(job, self.page_bytes), starts, host_offset)
+            plan = self._plan(direction, index, count, starts, host_offset)
+        if blocks is None:
+            return plan
+        return dataclasses.replace(plan, blocks=blocks, layer_rows=rows_of[1], block_rows=rows_of[0])
 
-    def _plan(self, direction: Direction, index: np.ndarray, breaks: np.ndarray,
+    def _plan(self, direction: Direction, index: np.ndarray | None, count: int, breaks: np.ndarray,
               host_offset: Callable[[np.ndarray], np.ndarray]) -> StagedRuns:
-        """The plan of pages ``index`` (engine rows, host order) whose host copies break at the
-        page positions ``breaks`` and at every chunk's start; ``host_offset(starts)``: where in
-        the host region the pages at positions ``starts`` go."""
-        page, chunk, count = self.page_bytes, self.chunk_pages, len(index)
+        """The plan of ``count`` pages (engine rows ``index``, host order, if given) whose host
+        copies break at the page positions ``breaks`` and at every chunk's start;
+        ``host_offset(starts)``: where in the host region the pages at positions ``starts`` go."""
+        page, chunk = self.page_bytes, self.chunk_pages
         chunk_starts = np.arange(0, count, chunk)
         if len(breaks) <= 1:  # one host run (or none): it breaks at chunk starts only
             starts = chunk_starts

@@ -20,7 +20,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
 from kvtier.copy.cudart import CudaRuntime, LoadedCudart, SourceOrder
@@ -268,7 +267,11 @@ class _CudaLanes:
             return None
         return kernels
 
-    def upload(self, index: np.ndarray) -> torch.Tensor:
+    def upload(self, plan: StagedRuns) -> torch.Tensor:
+        """The job's row index, or with kvtier's kernels and a job of whole blocks its block
+        table (:meth:`~kvtier.copy.staging.StagedRuns.block_table`: one number per block)."""
+        table = plan.block_table() if self.kernels is not None else None
+        index = table if table is not None else plan.row_index()
         count = len(index)
         if count > len(self._index):  # grown on the KERNEL stream: freed memory is reused in its order
             with self.streams._cuda.device(self._index.device), self.streams._cuda.stream(self.kernel_stream):
@@ -324,19 +327,27 @@ class _CudaLanes:
         self.mark(Lane.TRANSFER, self.BEGIN)
         self.wait(Lane.KERNEL, self.BEGIN)
 
-    def gather(self, plan: StagedRuns, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+    def gather(self, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
         if self.kernels is None:
-            plan.torch_gather(index, first, pages, buffer)
-            return
-        self.kernels.gather(self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
-                            index.data_ptr() + 8 * first, pages, self.page_bytes)
+            plan.torch_gather(uploaded, first, pages, buffer)
+        elif plan.blocks is not None:  # ``uploaded`` is the block table (see upload)
+            self.kernels.gather_blocks(self._handles[Lane.KERNEL], plan.rows_address,
+                                       int(plan.buffers.addresses[buffer]), uploaded.data_ptr(),
+                                       len(plan.layer_rows), plan.block_rows, first, pages, self.page_bytes)
+        else:
+            self.kernels.gather(self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
+                                uploaded.data_ptr() + 8 * first, pages, self.page_bytes)
 
-    def scatter(self, plan: StagedRuns, index: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+    def scatter(self, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
         if self.kernels is None:
-            plan.torch_scatter(index, first, pages, buffer)
-            return
-        self.kernels.scatter(self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
-                             index.data_ptr() + 8 * first, pages, self.page_bytes)
+            plan.torch_scatter(uploaded, first, pages, buffer)
+        elif plan.blocks is not None:
+            self.kernels.scatter_blocks(self._handles[Lane.KERNEL], plan.rows_address,
+                                        int(plan.buffers.addresses[buffer]), uploaded.data_ptr(),
+                                        len(plan.layer_rows), plan.block_rows, first, pages, self.page_bytes)
+        else:
+            self.kernels.scatter(self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
+                                 uploaded.data_ptr() + 8 * first, pages, self.page_bytes)
 
     def transfer(self, plan: StagedRuns, chunk: int) -> None:
         self.streams._host_copies(self.transfer_stream, plan, chunk)
