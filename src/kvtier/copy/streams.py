@@ -147,8 +147,8 @@ class TorchCudaStreams:
         if isinstance(plan, StagedRuns):  # kernels on the pair's KERNEL stream, host copies on ``stream``
             self.prepare_staging(stream, plan.buffers.rows[0])
             lanes = self._lanes[stream]
-            if lanes.raw:  # every call takes its stream: no current device or stream to set
-                plan.issue(lanes)
+            if lanes.raw and self._cuda.current_device() == self.device.index:
+                plan.issue(lanes)  # every call names its stream: no current stream to set
                 return
             with self._cuda.device(self.device), self._cuda.stream(lanes.kernel_stream):
                 plan.issue(lanes)
@@ -212,9 +212,11 @@ class _CudaLanes:
     page-locked allocator instead) into one device index tensor, grown when a job needs more.
 
     ``raw``: with a runtime and kvtier's kernels every call names its stream (uploads, launches,
-    copies, marks), so :meth:`TorchCudaStreams.copy` sets no current stream; else torch's ops run
-    on ``kernel_stream``, made current around the whole job. Called on the thread that issues the
-    forward only."""
+    copies, marks), so :meth:`TorchCudaStreams.copy` sets no current stream while the calling
+    thread's current device is the KV cache's (the kernels were loaded in its context; a worker
+    never changes it, and if it did the job would be issued under ``torch.cuda.device``); else
+    torch's ops run on ``kernel_stream``, made current around the whole job. Called on the thread
+    that issues the forward only."""
 
     UPLOAD_RING_BYTES = 4 * 2**20  # 512 Ki pages of index per job and in flight
 
