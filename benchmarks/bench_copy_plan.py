@@ -2,7 +2,13 @@
 ``start_store`` / ``start_load`` that is kvtier's own Python (the address arrays and run merging
 of ``kvtier.copy.runs``), for the GPU kit's job of 512 blocks x 32 layers of Llama-3.1-8B-sized
 pages (64 KiB) under vLLM's layouts. The whole issue time, ``cudaMemcpyBatchAsync`` included, is
-measured on a GPU by ``tests/gpu/bench_copies.py`` (goal: < 1 ms).
+measured on a GPU by ``tests/gpu/bench_copies.py`` (goal: < 0.2 ms).
+
+Also: ``engine_plan``, the CUDA engine's whole planning of a job (``CudaCopyEngine._plan`` under
+``auto``, on the tests' simulated device: planning is numpy only) at 8 and 16 KiB pages, the pages
+handed as ``PageCopy`` tuples and as a page table; and ``job_wire``, what pickling a 512-page
+copy job and unpickling it costs (vLLM pickles kvtier's metadata to every worker each step) with
+its pages as tuples and as the page table the scheduler sends.
 
     python benchmarks/bench_copy_plan.py [--blocks 512] [--layers 32] [--repeats 50]
 """
@@ -11,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import platform
 import statistics
 import sys
@@ -20,11 +27,52 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gpu_layouts import Case, build  # noqa: E402  (vLLM's view arithmetic, checked against vLLM on CPU)
+from sim_device import SimDevice  # noqa: E402  (the tests' simulated device: no GPU needed to plan)
 
-from kvtier.copy import Direction, HostSlots, PageCopy, PagedKV  # noqa: E402
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table  # noqa: E402
+from kvtier.copy.cuda import CudaCopyEngine  # noqa: E402
 from kvtier.copy.runs import RunPlanner  # noqa: E402
 from kvtier.core.slots import HostSlotLayout  # noqa: E402
+
+
+def median_ms(work, repeats: int) -> float:
+    seconds = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        work()
+        seconds.append(time.perf_counter() - began)
+    return round(statistics.median(seconds) * 1000, 3)
+
+
+def engine_plan(blocks: int, layers: int, repeats: int) -> list[dict]:
+    rows = []
+    for heads in (1, 2):
+        case = Case("LBNHC", layers=layers, heads=heads, tokens=16, content=256, dtype=torch.bfloat16)
+        kv = build(case, blocks + 8, "cpu")
+        paged = PagedKV(kv.views, blocks + 8)
+        slots = HostSlotLayout(layers, 1, paged.page_bytes, 1, blocks)
+        host = HostSlots(torch.empty(slots.region_bytes, dtype=torch.uint8), slots)
+        engine = CudaCopyEngine(BlockCopier(paged, host), SimDevice())
+        pages = [PageCopy(slot, 0, 1 + (slot * 7919) % blocks) for slot in range(blocks)]
+        for form, job in (("tuples", pages), ("page_table", page_table(pages))):
+            engine._plan(Direction.STORE, job)  # noqa: SLF001 - what start_store runs before any device call
+            rows.append({"page_kib": paged.page_bytes // 1024, "pages_as": form,
+                         "plan_ms_median": median_ms(lambda j=job: engine._plan(Direction.STORE, j), repeats)})  # noqa: SLF001
+        engine.close()
+    return rows
+
+
+def job_wire(blocks: int, repeats: int) -> list[dict]:
+    pages = [PageCopy(slot, 0, 1 + (slot * 7919) % blocks) for slot in range(blocks)]
+    rows = []
+    for form, job in (("tuples", pages), ("page_table", page_table(pages))):
+        wire = pickle.dumps(job, protocol=pickle.HIGHEST_PROTOCOL)
+        rows.append({"pages_as": form, "bytes": len(wire),
+                     "dumps_ms_median": median_ms(lambda j=job: pickle.dumps(j, protocol=pickle.HIGHEST_PROTOCOL), repeats),
+                     "loads_ms_median": median_ms(lambda w=wire: pickle.loads(w), repeats)})
+    return rows
 
 
 def main() -> None:
@@ -53,7 +101,9 @@ def main() -> None:
                      "plan_ms_max": round(max(seconds) * 1000, 3)})
         del kv, paged, planner
     print(json.dumps({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                      "blocks": args.blocks, "layers": args.layers, "page_bytes": 65536, "rows": rows}, indent=1))
+                      "blocks": args.blocks, "layers": args.layers, "page_bytes": 65536, "rows": rows,
+                      "engine_plan": engine_plan(args.blocks, args.layers, args.repeats),
+                      "job_wire": job_wire(args.blocks, args.repeats)}, indent=1))
 
 
 if __name__ == "__main__":

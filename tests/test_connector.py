@@ -24,7 +24,7 @@ from support.engine_sim import (
     write_model,
 )
 
-from kvtier.copy import Direction
+from kvtier.copy import Direction, page_list
 from kvtier.tiers.blockfile import HEADER_LEN
 
 HOST = {"cpu_bytes_to_use": 2 * 2**20}  # 64 slots of 2 layers x 16 tokens x 8 floats x 4 B
@@ -235,7 +235,7 @@ def test_a_partial_load_failure_recomputes_exactly_the_failed_blocks_and_after(m
         failed: list[int] = []
 
         def broken(direction, pages):
-            pages = list(pages)
+            pages = page_list(pages)
             if direction is Direction.LOAD and not failed:
                 failed.append(pages[3].block_id)
                 raise OSError("injected: host memory read failed")

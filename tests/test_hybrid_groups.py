@@ -25,7 +25,7 @@ from support.engine_sim import (
 
 from support.late_stores import run_with_late_stores
 
-from kvtier.copy import Direction
+from kvtier.copy import Direction, page_list
 from kvtier.core.config import ConfigError
 
 HOST = {"cpu_bytes_to_use": 2 * 2**20}
@@ -49,7 +49,7 @@ def record_loads(sim: SimEngine) -> list:
 
     def start_load(job_id, pages, **kwargs):
         assert kwargs == {"synchronous": False}  # asynchronous: no compute-stream wait on CUDA
-        loaded.extend(pages)
+        loaded.extend(page_list(pages))
         real(job_id, pages, **kwargs)
 
     copies.start_load = start_load
@@ -101,7 +101,8 @@ def test_negative_control_skipping_the_sliding_pages_is_caught(model):
         assert sim.reset_prefix_cache()
         copies = worker_copies(sim)
         real = copies.start_load
-        copies.start_load = lambda job_id, pages, **kwargs: real(job_id, [p for p in pages if p.group == 0], **kwargs)
+        copies.start_load = lambda job_id, pages, **kwargs: real(job_id, [p for p in page_list(pages) if p.group == 0],
+                                                                  **kwargs)
         second = sim.generate(renamed(prompts, "-2"), 4)
         assert by_prompt(second, "-2") != ref
         assert sim.model.kv_mismatches

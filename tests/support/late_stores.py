@@ -13,7 +13,7 @@ from pathlib import Path
 
 from support.engine_sim import SimEngine, external, prompts_of, reference_outputs
 
-from kvtier.copy.base import CopyEngine
+from kvtier.copy.base import CopyEngine, page_list
 from kvtier.vllm.runner import HookOrder
 
 HOST = {"cpu_bytes_to_use": 2 * 2**20}
@@ -35,7 +35,7 @@ class LateStores(CopyEngine):
         self.inner.start_load(job_id, pages, **kwargs)
 
     def start_store(self, job_id, pages):
-        self._deferred.append((job_id, list(pages), self._polls))
+        self._deferred.append((job_id, page_list(pages), self._polls))
 
     def _run(self, jobs):
         for job_id, pages, _ in jobs:

@@ -57,11 +57,28 @@ class PageCopy(NamedTuple):
     group: int = 0
 
 
-def page_table(pages: Sequence[PageCopy]) -> np.ndarray:
-    """A job's pages as an ``[n, 4]`` int64 array of (slot, sub, block_id, group)."""
+Pages = Sequence[PageCopy] | np.ndarray
+"""A job's pages: :class:`PageCopy` tuples, or their :func:`page_table`, what kvtier's scheduler
+sends the workers (vLLM's multiprocess executor pickles it each step: ~10 us for 512 pages, where
+512 tuples take ~0.5 ms; the CUDA engine plans from it without converting;
+``benchmarks/bench_copy_plan.py``)."""
+
+
+def page_table(pages: Pages) -> np.ndarray:
+    """A job's pages as an ``[n, 4]`` int64 array of (slot, sub, block_id, group); an array
+    already so is returned as is."""
     if isinstance(pages, np.ndarray):
+        if pages.dtype == np.int64 and pages.ndim == 2 and pages.shape[1] == 4:
+            return pages
         return pages.reshape(-1, 4).astype(np.int64, copy=False)
     return np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int64, count=4 * len(pages)).reshape(-1, 4)
+
+
+def page_list(pages: Pages) -> list[PageCopy]:
+    """A job's pages as :class:`PageCopy` tuples (the inverse of :func:`page_table`)."""
+    if isinstance(pages, np.ndarray):
+        return [PageCopy(*row) for row in page_table(pages).tolist()]
+    return list(pages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +98,12 @@ class CopyEngine(ABC):
     """Moves pages of one rank. See the module docstring for the ordering contract."""
 
     @abstractmethod
-    def start_load(self, job_id: int, pages: Sequence[PageCopy], *, synchronous: bool = True) -> None:
+    def start_load(self, job_id: int, pages: Pages, *, synchronous: bool = True) -> None:
         """Copy host slots into engine pages, ordered after every engine operation issued before;
         a ``synchronous`` load also before any engine work issued afterwards."""
 
     @abstractmethod
-    def start_store(self, job_id: int, pages: Sequence[PageCopy]) -> None:
+    def start_store(self, job_id: int, pages: Pages) -> None:
         """Copy engine pages into host slots, ordered after every engine write issued before."""
 
     @abstractmethod

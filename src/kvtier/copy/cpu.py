@@ -22,9 +22,11 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
+import numpy as np
+
+from kvtier.copy.base import CopyDone, CopyEngine, Direction, Pages
 from kvtier.copy.pages import BlockCopier
 from kvtier.core.priority import become_background_thread
 
@@ -36,14 +38,14 @@ class CpuCopyEngine(CopyEngine):
         if copier.kv.device.type != "cpu":
             raise ValueError(f"kvtier: the CPU copy engine needs KV in host memory, not on {copier.kv.device}")
         self.copier = copier
-        self._jobs: queue.SimpleQueue[tuple[int, Direction, list[PageCopy]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[int, Direction, Pages] | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[CopyDone] = queue.SimpleQueue()
         self._pending: set[int] = set()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="kvtier-copy", daemon=True)
         self._thread.start()
 
-    def start_load(self, job_id: int, pages: Sequence[PageCopy], *, synchronous: bool = True) -> None:
+    def start_load(self, job_id: int, pages: Pages, *, synchronous: bool = True) -> None:
         start = time.perf_counter()
         ok, num_bytes = True, 0
         try:
@@ -53,10 +55,10 @@ class CpuCopyEngine(CopyEngine):
             ok = False
         self._done.put(CopyDone(job_id, Direction.LOAD, ok, num_bytes, time.perf_counter() - start, "pages"))
 
-    def start_store(self, job_id: int, pages: Sequence[PageCopy]) -> None:
+    def start_store(self, job_id: int, pages: Pages) -> None:
         with self._cond:
             self._pending.add(job_id)
-        self._jobs.put((job_id, Direction.STORE, list(pages)))
+        self._jobs.put((job_id, Direction.STORE, pages if isinstance(pages, np.ndarray) else list(pages)))
 
     def poll(self) -> list[CopyDone]:
         done: list[CopyDone] = []

@@ -57,11 +57,11 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy
+from kvtier.copy.base import CopyDone, CopyEngine, Direction, Pages
 from kvtier.copy.choice import MethodChooser, TrialKey
 from kvtier.copy.pages import BlockCopier, CopyPlan
 from kvtier.copy.runs import ByteRuns, RunPlanner
@@ -119,10 +119,10 @@ class CudaCopyEngine(CopyEngine):
         self._unordered: list[CopyDone] = []  # failures reported at once (see the module docstring)
         self._closed = False
 
-    def start_load(self, job_id: int, pages: Sequence[PageCopy], *, synchronous: bool = True) -> None:
+    def start_load(self, job_id: int, pages: Pages, *, synchronous: bool = True) -> None:
         self._start(job_id, Direction.LOAD, pages, synchronous)
 
-    def start_store(self, job_id: int, pages: Sequence[PageCopy]) -> None:
+    def start_store(self, job_id: int, pages: Pages) -> None:
         self._start(job_id, Direction.STORE, pages, False)
 
     def poll(self) -> list[CopyDone]:
@@ -188,7 +188,7 @@ class CudaCopyEngine(CopyEngine):
             stream = self._streams[direction] = self._distinct_stream(compute, direction)
         return stream
 
-    def _plan(self, direction: Direction, pages: Sequence[PageCopy]
+    def _plan(self, direction: Direction, pages: Pages
               ) -> tuple[ByteRuns | StagedRuns | CopyPlan, TrialKey | None]:
         """The job's copies and, if it is one, the chooser's trial it is. Jobs of whole one-page
         blocks (most) are planned per block (:class:`~kvtier.copy.runs.SlotJob`), others per
@@ -227,7 +227,7 @@ class CudaCopyEngine(CopyEngine):
             merged = self.runs.merge(direction, entries if entries is not None else self.runs.entries(table))
         return merged, trial
 
-    def _start(self, job_id: int, direction: Direction, pages: Sequence[PageCopy], synchronous: bool) -> None:
+    def _start(self, job_id: int, direction: Direction, pages: Pages, synchronous: bool) -> None:
         if self._closed:
             raise RuntimeError(f"kvtier: job {job_id} started on a closed copy engine")
         device = self.device

@@ -32,9 +32,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from math import prod
 
+import numpy as np
 import torch
 
-from kvtier.copy.base import Direction, PageCopy
+from kvtier.copy.base import Direction, Pages, page_table
 from kvtier.core.slots import HostSlotLayout
 
 
@@ -265,25 +266,26 @@ class BlockCopier:
         first = self.host.block_pages(slot, sub, torch.uint8, (self.kv.page_bytes,))  # range check
         return tuple(first[layer].view(self.word)[:words] for layer, words in enumerate(self._layer_words))
 
-    def plan(self, direction: Direction, pages: Iterable[PageCopy]) -> CopyPlan:
+    def plan(self, direction: Direction, pages: Pages) -> CopyPlan:
         """The page pairs of a job (layers x pages), views only, no bytes moved. Raises IndexError
         on a page out of range, before anything could be copied."""
         engine: list[torch.Tensor] = []
         host: list[torch.Tensor] = []
         num_blocks = self.kv.num_blocks
         groups = self.kv.layer_groups
-        for p in pages:
-            host_pages = self._host_pages(p.slot, p.sub)
-            if not 0 <= p.block_id < num_blocks:
-                raise IndexError(f"engine block {p.block_id} out of range [0, {num_blocks})")
-            if not 0 <= p.group < len(groups):
-                raise IndexError(f"KV cache group {p.group} out of range [0, {len(groups)})")
+        rows: Iterable[tuple[int, int, int, int]] = page_table(pages).tolist() if isinstance(pages, np.ndarray) else pages
+        for slot, sub, block_id, group in rows:
+            host_pages = self._host_pages(slot, sub)
+            if not 0 <= block_id < num_blocks:
+                raise IndexError(f"engine block {block_id} out of range [0, {num_blocks})")
+            if not 0 <= group < len(groups):
+                raise IndexError(f"KV cache group {group} out of range [0, {len(groups)})")
             if len(groups) == 1:
                 host.extend(host_pages)
-                engine.extend([layer[p.block_id] for layer in self._engine])
+                engine.extend([layer[block_id] for layer in self._engine])
             else:
-                host.extend(host_pages[i] for i in groups[p.group])
-                engine.extend(self._engine[i][p.block_id] for i in groups[p.group])
+                host.extend(host_pages[i] for i in groups[group])
+                engine.extend(self._engine[i][block_id] for i in groups[group])
         if self._layer_words is None:
             num_bytes = len(engine) * self.kv.page_bytes
         else:
@@ -292,7 +294,7 @@ class BlockCopier:
             return CopyPlan(direction, host, engine, num_bytes)
         return CopyPlan(direction, engine, host, num_bytes)
 
-    def copy(self, direction: Direction, pages: Iterable[PageCopy]) -> int:
+    def copy(self, direction: Direction, pages: Pages) -> int:
         """Copy ``pages`` in ``direction`` synchronously (the bytes are in place on return); returns
         bytes moved. For KV in host memory; the CUDA engine issues plans on its streams instead."""
         plan = self.plan(direction, pages)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvtier.copy import PageCopy
 from kvtier.core.stats import KVTierStats, TransferCounters
 
 
@@ -22,7 +22,9 @@ from kvtier.core.stats import KVTierStats, TransferCounters
 class CopyJob:
     job_id: int
     req_id: str
-    pages: list[PageCopy]  # slots: rank 0's (every rank's, unless rank_slots says otherwise)
+    pages: np.ndarray  # [n, 4] int64 (slot, sub, block_id, group) rows (kvtier.copy.page_table); slots: rank 0's
+    # (every rank's, unless rank_slots says otherwise). An array, not PageCopy tuples: vLLM's multiprocess
+    # executor pickles the metadata to the workers each step (512 tuples: ~0.5 ms; the array: ~10 us)
     # Attached to a kvtier node: the pool the slots belong to (a worker mapping another pool
     # reattaches, else fails the job), and rank 0's slot -> every stored rank's slot, when a
     # block's slots differ between ranks (tensor parallelism). None: embedded host tier.

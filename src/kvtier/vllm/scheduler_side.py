@@ -63,7 +63,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvtier.copy import PageCopy
+from kvtier.copy import PageCopy, page_table
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
 from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, stateless_key
 from kvtier.core.stats import KVTierStats
@@ -451,10 +451,11 @@ class KVTierScheduler:
         were just reserved) and, when a block's slots differ between ranks, each rank's
         (``rank_slots``: every block's slots, rank order)."""
         pool_id = self.orchestrator.held_pool(pool_of) if pool_of is not None else self.orchestrator.pool_id
+        table = page_table(pages)
         if pool_id is None:  # the engine's own regions
-            return CopyJob(job_id, req_id, pages)
+            return CopyJob(job_id, req_id, table)
         differ = any(len(set(slots)) > 1 for slots in rank_slots)
-        return CopyJob(job_id, req_id, pages, pool_id=pool_id,
+        return CopyJob(job_id, req_id, table, pool_id=pool_id,
                        rank_slots={slots[0]: slots for slots in rank_slots} if differ else None)
 
     def _new_store(self, state: RequestState, keys: list[BlockKey], pages: list[PageCopy],

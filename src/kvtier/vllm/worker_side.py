@@ -41,13 +41,14 @@ import atexit
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 from vllm.config import VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
 from kvtier.copy import CopyEngine, Direction, HostPinning, HostSlots, PagedKV, make_copy_engine, pin_host_memory
-from kvtier.copy.base import CopyDone
+from kvtier.copy.base import CopyDone, page_table
 from kvtier.node import NodeClient, NodeError, NodeUnavailable
 from kvtier.node.protocol import Role
 from kvtier.runtime.node_host import NODE_REGION_BYTES, connect_node
@@ -179,9 +180,7 @@ class KVTierWorker:
             self._carried.append(CopyDone(job.job_id, direction, False, 0, 0.0))
             return None
         if job.rank_slots is not None and self.rank > 0:
-            table = job.rank_slots
-            job = dataclasses.replace(job, pages=[p._replace(slot=table[p.slot][self.rank])
-                                                  for p in job.pages])
+            job = dataclasses.replace(job, pages=rank_pages(job, self.rank))
         return job
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
@@ -191,7 +190,7 @@ class KVTierWorker:
     def start_loads(self, meta: KVTierConnectorMetadata) -> None:
         """Start this step's hits into the engine blocks, ordered before the forward."""
         for job in meta.loads:
-            self._load_blocks[job.job_id] = [p.block_id for p in job.pages]
+            self._load_blocks[job.job_id] = page_table(job.pages)[:, 2].tolist()
             self._load_req[job.job_id] = job.req_id
             runnable = self._runnable(job, Direction.LOAD)
             if runnable is None:
@@ -286,3 +285,12 @@ class KVTierWorker:
             self.region.unlink()
         if self._node is not None:
             self._node.close()
+
+
+def rank_pages(job: CopyJob, rank: int) -> np.ndarray:
+    """``job``'s page table with ``rank``'s slots (``job.rank_slots``: rank 0's slot -> every
+    rank's); the job's own table is left as it is."""
+    pages = page_table(job.pages).copy()
+    if job.rank_slots is not None:
+        pages[:, 0] = [job.rank_slots[slot][rank] for slot in pages[:, 0].tolist()]
+    return pages
