@@ -18,7 +18,7 @@ import pytest
 import torch
 from sim_device import LanesIgnoreEachOther, SimDevice
 
-from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table
 from kvtier.copy.choice import TIMED_BYTES, TRIALS, MethodChooser
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.runs import RunPlanner
@@ -101,6 +101,27 @@ def test_a_staged_round_trip_is_bit_exact_for_every_layout_and_chunking(case_nam
             for src, dst in zip(blocks, load_blocks):
                 assert torch.equal(paged.page(layer, dst), _page(saved, kv, paged, layer, src)), (layer, src, dst)
     assert sorted((d.job_id, d.ok, d.method) for d in engine.poll()) == [(1, True, "staged"), (2, True, "staged")]
+
+
+@pytest.mark.parametrize("case_name", ["LBNHC-attention", "LBNHC-mamba-hybrid", "BLNHC-attention"])
+def test_a_job_handed_as_a_page_table_moves_what_its_tuples_move(case_name):
+    """What kvtier's scheduler sends the workers is a page table (``CopyJob.pages``); the CUDA
+    engine plans it as it plans the tuples, store and load, one KV cache group or two."""
+    engine, device, paged, host, kv = rig(case_name, chunk_pages=5)
+    slots, blocks, load_blocks = [6, 0, 1, 2, 4, 5, 3, 7], [3, 11, 1, 8, 9, 2, 13, 5], [12, 0, 4, 6, 7, 10, 3, 2]
+    store = job(kv, slots, blocks)
+    engine.start_store(1, page_table(store))
+    run_in_random_order(device, seed=1)
+    assert torch.equal(host.buffer, expected_host(paged, host, store))
+    saved = kv.raw.clone()
+    kv.raw.zero_()
+    engine.start_load(2, page_table(job(kv, slots, load_blocks)), synchronous=False)
+    run_in_random_order(device, seed=2)
+    for layers in kv.layer_groups:
+        for layer in layers:
+            for src, dst in zip(blocks, load_blocks):
+                assert torch.equal(paged.page(layer, dst), _page(saved, kv, paged, layer, src)), (layer, src, dst)
+    assert sorted((d.job_id, d.ok) for d in engine.poll()) == [(1, True), (2, True)]
 
 
 def _page(raw, kv, paged, layer, block):
