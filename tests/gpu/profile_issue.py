@@ -3,6 +3,9 @@ the engine makes (microseconds, median of many, the device kept busy so nothing 
 a profile of whole ``start_store`` / ``start_load`` calls at the kit's shape (512 blocks x 32
 layers, scattered engine blocks), per method and layout. Prints one JSON.
 
+``jobs_torch_ops``: the 16 KiB staged jobs again with torch's gather/scatter ops instead of
+kvtier's kernels, in the same run (a lent GPU's host differs in call costs from loan to loan).
+
 Usage (GPU machine, as scripts/gpu-check.sh sets PYTHONPATH): python tests/gpu/profile_issue.py
 """
 
@@ -222,6 +225,14 @@ def main() -> None:
             out["jobs"][name] = profile_jobs(streams, layout, heads, method, direction, job_ids)
             print(name, out["jobs"][name]["issue_ms_median"], file=sys.stderr, flush=True)
     streams.close()
+    # the same staged jobs with torch's gather/scatter ops, in this run: a lent GPU's host differs
+    # by 2x in call costs from one loan to the next, so only a comparison within one run is fair
+    torch_ops = TorchCudaStreams(device, own_kernels=False)
+    out["jobs_torch_ops"] = {}
+    for direction in Direction:
+        name = f"LBNHC 16 KiB staged {direction.value}"
+        out["jobs_torch_ops"][name] = profile_jobs(torch_ops, "LBNHC", 2, CopyMethod.STAGED, direction, job_ids)
+    torch_ops.close()
     print(json.dumps(out, indent=1))
 
 
