@@ -31,6 +31,17 @@ PY=${PYTHON:-python3}
 DEPS=("blake3>=1.0" "xxhash>=3.4" "click>=8.1" "rich>=13" "redis>=5.2" "hiredis>=3" "pytest>=8"
       "pytest-timeout>=2.3")
 
+case "${1:-}" in
+  ""|--fetch-wheels) ;;
+  -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "kvtier gpu-check: unknown argument '$1' (usage: scripts/gpu-check.sh [--fetch-wheels | --help])" >&2
+     exit 2 ;;
+esac
+if [[ $# -gt 1 ]]; then
+  echo "kvtier gpu-check: one argument at most (usage: scripts/gpu-check.sh [--fetch-wheels | --help])" >&2
+  exit 2
+fi
+
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
   rm -rf "$WHEELS"
   "$PY" -m pip download --disable-pip-version-check -q --only-binary=:all: --python-version 3.12 \

@@ -198,3 +198,13 @@ def test_gpu_check_without_a_gpu_says_it_skipped_and_exits_0():
     script = Path(__file__).parents[1] / "scripts" / "gpu-check.sh"
     run = subprocess.run(["bash", str(script)], capture_output=True, text=True, env={**os.environ, "PYTHON": sys.executable})
     assert run.returncode == 0 and json.loads(run.stdout)["skipped"].startswith("no GPU to check here")
+
+
+def test_gpu_check_refuses_an_unknown_argument_before_doing_anything_and_explains_help():
+    """A lent GPU's time is scarce: a mistyped option must not start the whole kit."""
+    script = Path(__file__).parents[1] / "scripts" / "gpu-check.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    run = subprocess.run(["bash", str(script), "--fetch-wheel"], capture_output=True, text=True, env=env)
+    assert run.returncode == 2 and run.stdout == "" and "unknown argument '--fetch-wheel'" in run.stderr
+    run = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and "scripts/gpu-check.sh --fetch-wheels" in run.stdout and "{" not in run.stdout
