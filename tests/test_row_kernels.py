@@ -66,3 +66,54 @@ class _FakeNvrtc:
 
     def __getattr__(self, name):
         return self._Function()
+
+
+class _RecordingDriver:
+    """A loaded libcuda whose module hands out one function handle per kernel name and whose
+    ``cuLaunchKernel`` records what a launch would run: the kernel, the grid and block, the
+    stream and the values the argument pointers point at (read as the kernel's signature says)."""
+
+    def __init__(self):
+        self.names: dict[int, str] = {}
+        self.launches: list[dict] = []
+        # a plain function, as a CDLL's: RowKernels sets argtypes and restype on it
+        self.cuLaunchKernel = lambda *args: self._launch(*args)  # noqa: N815 - the driver's name
+
+    def cuModuleGetFunction(self, function, module, name):  # noqa: N802 - the driver's name
+        handle = 0x1000 + len(self.names)
+        self.names[handle] = name.decode()
+        function._obj.value = handle
+        return 0
+
+    def _launch(self, function, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        name = self.names[function]
+        pointers = 3
+        values = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p if i < pointers else ctypes.c_longlong))
+                  .contents.value for i in range(7 if "_blocks" in name else 4)]
+        self.launches.append({"kernel": name, "grid": (gx, gy, gz), "block": (bx, by, bz), "stream": stream,
+                              "args": values})
+        return 0
+
+
+def _signature(kernel: str) -> list[str]:
+    """The parameter names of ``kernel`` (e.g. ``kvtier_gather_blocks``) in the kernels' source."""
+    import re
+
+    source = " ".join(kernels.SOURCE.split())
+    params = re.search(re.escape(kernel) + r"##SUFFIX\(\s*(.*?)\)\s*\{", source).group(1)
+    return [p.strip().split()[-1] for p in params.split(",")]
+
+
+def test_a_launch_hands_each_kernel_its_arguments_in_the_order_the_source_declares():
+    driver = _RecordingDriver()
+    rows = RowKernels(driver, ctypes.c_void_p(1), 16, "test")
+    rows.launch("gather", 0xABC, 0x10000, 0x20000, 0x30000, 5, 16384)
+    rows.launch("scatter", 0xDEF, 0x10000, 0x20000, 0x30000, 7, 8192, blocks=(32, 520, 64))
+    rows.launch("gather", 0xABC, 0x10000, 0x20000, 0x30000, 0, 16384)  # nothing to copy: no launch
+    gather, scatter = driver.launches
+    assert _signature("kvtier_gather") == ["rows", "staged", "index", "words"]
+    assert gather == {"kernel": "kvtier_gather16", "grid": (5, 1, 1), "block": (kernels.THREADS, 1, 1),
+                      "stream": 0xABC, "args": [0x10000, 0x20000, 0x30000, 16384 // 16]}
+    assert _signature("kvtier_scatter_blocks") == ["rows", "staged", "table", "words", "layers", "block_rows", "first"]
+    assert scatter["kernel"] == "kvtier_scatter_blocks16" and scatter["grid"] == (7, 1, 1)
+    assert scatter["args"] == [0x10000, 0x20000, 0x30000, 8192 // 16, 32, 520, 64] and scatter["stream"] == 0xDEF

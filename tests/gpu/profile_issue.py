@@ -102,8 +102,8 @@ def device_calls(streams: TorchCudaStreams) -> dict:
         kernels = RowKernels.load(torch.cuda.get_device_capability(device), int(torch.version.cuda.split(".")[0]),
                                   16384)
         if kernels is not None:
-            found["RowKernels.gather 512 x 16 KiB"] = micro(lambda: kernels.gather(
-                handle, rows.data_ptr(), out.data_ptr(), index.data_ptr(), 512, 16384))
+            found["RowKernels.gather 512 x 16 KiB"] = micro(lambda: kernels.launch(
+                "gather", handle, rows.data_ptr(), out.data_ptr(), index.data_ptr(), 512, 16384))
     return found
 
 

@@ -205,29 +205,20 @@ class RowKernels:
         logger.info("kvtier: staged copies gather and scatter with kvtier's kernels (%s)", kernels.how)
         return kernels
 
-    def gather(self, stream: int, rows: int, staged: int, index: int, pages: int, page_bytes: int) -> None:
-        """Issue ``staged[i] = rows[index[i]]`` (pages of ``page_bytes``; ``index``: the address of
-        ``pages`` int64 row numbers on the device) on ``stream``."""
-        self._run("gather", stream, pages, (rows, staged, index), (page_bytes // self.word_bytes,))
-
-    def scatter(self, stream: int, rows: int, staged: int, index: int, pages: int, page_bytes: int) -> None:
-        """Issue ``rows[index[i]] = staged[i]`` on ``stream`` (see :meth:`gather`)."""
-        self._run("scatter", stream, pages, (rows, staged, index), (page_bytes // self.word_bytes,))
-
-    def gather_blocks(self, stream: int, rows: int, staged: int, table: int, layers: int, block_rows: int,
-                      first: int, pages: int, page_bytes: int) -> None:
-        """Issue ``staged[i] = rows[row(first + i)]`` for ``i < pages`` on ``stream``, where page
-        ``p`` of the job is layer ``p % layers`` of its block ``p // layers``, at row
-        ``blocks[p // layers] * block_rows + layer_rows[p % layers]``; ``table``: the address of
-        ``layer_rows`` (``layers`` int64) followed by the job's ``blocks`` on the device."""
-        self._run("gather_blocks", stream, pages, (rows, staged, table),
-                  (page_bytes // self.word_bytes, layers, block_rows, first))
-
-    def scatter_blocks(self, stream: int, rows: int, staged: int, table: int, layers: int, block_rows: int,
-                       first: int, pages: int, page_bytes: int) -> None:
-        """Issue ``rows[row(first + i)] = staged[i]`` on ``stream`` (see :meth:`gather_blocks`)."""
-        self._run("scatter_blocks", stream, pages, (rows, staged, table),
-                  (page_bytes // self.word_bytes, layers, block_rows, first))
+    def launch(self, kind: str, stream: int, rows: int, staged: int, table: int, pages: int, page_bytes: int,
+               blocks: tuple[int, int, int] | None = None) -> None:
+        """Issue on ``stream``, for ``i < pages`` (pages of ``page_bytes``): ``kind`` "gather",
+        ``staged[i] = rows[row(i)]``, or "scatter", ``rows[row(i)] = staged[i]``. Without
+        ``blocks``, ``row(i) = index[i]``, ``table`` the address of ``pages`` int64 rows on the
+        device. With ``blocks = (layers, block_rows, first)``, the launch is pages ``first + i`` of
+        a job of whole blocks: page ``p`` is layer ``p % layers`` of block ``p // layers``, at row
+        ``job_blocks[p // layers] * block_rows + layer_rows[p % layers]``, ``table`` the address of
+        ``layer_rows`` (``layers`` int64) followed by the job's blocks."""
+        words = page_bytes // self.word_bytes
+        if blocks is None:
+            self._run(kind, stream, pages, (rows, staged, table), (words,))
+        else:
+            self._run(f"{kind}_blocks", stream, pages, (rows, staged, table), (words, *blocks))
 
     def _run(self, kind: str, stream: int, pages: int, pointers: tuple[int, ...], numbers: tuple[int, ...]) -> None:
         if pages <= 0:

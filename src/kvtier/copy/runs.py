@@ -335,11 +335,10 @@ class RunPlanner:
 
     def _check(self, table: np.ndarray, pages: Sequence[PageCopy]) -> None:
         layout = self._layout
-        bounds = self._bounds
-        if not len(table) or (table.view(np.uint64) < bounds).all():  # a negative value is >= 2**63 there
+        in_range = table.view(np.uint64) < self._bounds  # a negative value is >= 2**63 there
+        if not len(table) or in_range.all():
             return
-        bounds = np.array((layout.num_slots, layout.pages_per_block, self.num_blocks, len(self._groups)))
-        bad = np.flatnonzero(((table < 0) | (table >= bounds)).any(axis=1))
+        bad = np.flatnonzero(~in_range.all(axis=1))
         if len(bad):
             p = pages[int(bad[0])]
             raise IndexError(

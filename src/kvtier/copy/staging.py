@@ -42,7 +42,6 @@ starts a job; :meth:`StagedRuns.issue` by the device's ``copy`` on that same thr
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -212,7 +211,7 @@ class StagedRuns:
 
     def block_table(self) -> np.ndarray | None:
         """``layer_rows`` then ``blocks`` (int64), what a block kernel reads
-        (:meth:`kvtier.copy.kernels.RowKernels.gather_blocks`); None unless a job of whole blocks."""
+        (:meth:`kvtier.copy.kernels.RowKernels.launch` with ``blocks``); None unless a job of whole blocks."""
         if self.blocks is None or self.layer_rows is None:
             return None
         return np.concatenate((self.layer_rows, self.blocks))
@@ -358,30 +357,26 @@ class StagedPlanner:
         rows_of = self.runs.block_rows(page)
         count = len(job) * layers
         if rows_of is None:  # per-layer block strides: an index of every page
-            index, blocks = self.runs.engine_rows(job, page), None
+            index, blocks = self.runs.engine_rows(job, page), {}
         else:
-            index, blocks = None, job.block
+            index, blocks = None, {"blocks": job.block, "block_rows": rows_of[0], "layer_rows": rows_of[1]}
         if job.first_slot is not None:  # one host run: page position p is at (first_slot * layers + p) pages
             start = job.first_slot * layers
-            plan = self._plan(direction, index, count, _NO_BREAKS, lambda starts: (start + starts) * page)
-        else:
-            if breaks is None:
-                breaks = self.runs.block_breaks(job)
-            starts = np.flatnonzero(breaks) * layers
+            return self._plan(direction, index, count, _NO_BREAKS, lambda starts: (start + starts) * page, **blocks)
+        if breaks is None:
+            breaks = self.runs.block_breaks(job)
 
-            def host_offset(starts: np.ndarray) -> np.ndarray:
-                return (job.slot[starts // layers] * layers + starts % layers) * page
+        def host_offset(starts: np.ndarray) -> np.ndarray:
+            return (job.slot[starts // layers] * layers + starts % layers) * page
 
-            plan = self._plan(direction, index, count, starts, host_offset)
-        if blocks is None:
-            return plan
-        return dataclasses.replace(plan, blocks=blocks, layer_rows=rows_of[1], block_rows=rows_of[0])
+        return self._plan(direction, index, count, np.flatnonzero(breaks) * layers, host_offset, **blocks)
 
     def _plan(self, direction: Direction, index: np.ndarray | None, count: int, breaks: np.ndarray,
-              host_offset: Callable[[np.ndarray], np.ndarray]) -> StagedRuns:
-        """The plan of ``count`` pages (engine rows ``index``, host order, if given) whose host
-        copies break at the page positions ``breaks`` and at every chunk's start;
-        ``host_offset(starts)``: where in the host region the pages at positions ``starts`` go."""
+              host_offset: Callable[[np.ndarray], np.ndarray], **blocks) -> StagedRuns:
+        """The plan of ``count`` pages (engine rows ``index``, host order, or ``blocks``: the
+        :class:`StagedRuns` fields of a job of whole blocks) whose host copies break at the page
+        positions ``breaks`` and at every chunk's start; ``host_offset(starts)``: where in the
+        host region the pages at positions ``starts`` go."""
         page, chunk = self.page_bytes, self.chunk_pages
         chunk_starts = np.arange(0, count, chunk)
         if len(breaks) <= 1:  # one host run (or none): it breaks at chunk starts only
@@ -400,7 +395,8 @@ class StagedPlanner:
         staging_addr = buffers.addresses[chunk_of % self.buffer_count] + staging_offset
         host_addr = self.host.data_ptr() + hosts
         return StagedRuns(direction, self.rows, self.host, index, chunk, run_bounds, staging_offset, hosts,
-                          sizes.astype(np.int64, copy=False), staging_addr, host_addr, buffers, self._rows_address)
+                          sizes.astype(np.int64, copy=False), staging_addr, host_addr, buffers, self._rows_address,
+                          **blocks)
 
     def buffers(self, direction: Direction) -> StagingBuffers:
         """The direction's staging buffers (allocated at the first call). Raises

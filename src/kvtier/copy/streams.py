@@ -261,8 +261,8 @@ class _CudaLanes:
             return None
         handle = self.kernel_stream.cuda_stream
         try:
-            kernels.gather(handle, source.data_ptr(), target.data_ptr(), pick.data_ptr(), 1, self.page_bytes)
-            kernels.scatter(handle, source.data_ptr(), target.data_ptr(), pick.data_ptr(), 1, self.page_bytes)
+            for kind in ("gather", "scatter"):
+                kernels.launch(kind, handle, source.data_ptr(), target.data_ptr(), pick.data_ptr(), 1, self.page_bytes)
         except Exception as exc:  # noqa: BLE001 - any failure: torch's ops instead
             logger.warning("kvtier: kvtier's copy kernels failed a first launch (%s): torch's ops instead", exc)
             self.runtime.get_last_error()
@@ -332,24 +332,26 @@ class _CudaLanes:
     def gather(self, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
         if self.kernels is None:
             plan.torch_gather(uploaded, first, pages, buffer)
-        elif plan.blocks is not None:  # ``uploaded`` is the block table (see upload)
-            self.kernels.gather_blocks(self._handles[Lane.KERNEL], plan.rows_address,
-                                       int(plan.buffers.addresses[buffer]), uploaded.data_ptr(),
-                                       len(plan.layer_rows), plan.block_rows, first, pages, self.page_bytes)
         else:
-            self.kernels.gather(self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
-                                uploaded.data_ptr() + 8 * first, pages, self.page_bytes)
+            self._launch("gather", plan, uploaded, first, pages, buffer)
 
     def scatter(self, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
         if self.kernels is None:
             plan.torch_scatter(uploaded, first, pages, buffer)
-        elif plan.blocks is not None:
-            self.kernels.scatter_blocks(self._handles[Lane.KERNEL], plan.rows_address,
-                                        int(plan.buffers.addresses[buffer]), uploaded.data_ptr(),
-                                        len(plan.layer_rows), plan.block_rows, first, pages, self.page_bytes)
         else:
-            self.kernels.scatter(self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
-                                 uploaded.data_ptr() + 8 * first, pages, self.page_bytes)
+            self._launch("scatter", plan, uploaded, first, pages, buffer)
+
+    def _launch(self, kind: str, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        """kvtier's kernel ``kind`` on the KERNEL lane; ``uploaded`` is the block table of a job of
+        whole blocks, else its row index (see :meth:`upload`)."""
+        assert self.kernels is not None
+        staged = int(plan.buffers.addresses[buffer])
+        if plan.blocks is not None:
+            self.kernels.launch(kind, self._handles[Lane.KERNEL], plan.rows_address, staged, uploaded.data_ptr(),
+                                pages, self.page_bytes, blocks=(len(plan.layer_rows), plan.block_rows, first))
+        else:
+            self.kernels.launch(kind, self._handles[Lane.KERNEL], plan.rows_address, staged,
+                                uploaded.data_ptr() + 8 * first, pages, self.page_bytes)
 
     def transfer(self, plan: StagedRuns, chunk: int) -> None:
         self.streams._host_copies(self.transfer_stream, plan, chunk)
