@@ -14,7 +14,7 @@ import pytest
 import redis
 from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
 
-from kvtier.core.residency import ChangeKind
+from kvtier.core.residency import ChangeKind, ResidencyLog
 from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import ConfigError
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence
@@ -217,8 +217,6 @@ def test_breaker_opens_after_consecutive_failures_and_backs_off_exponentially():
 
 
 def test_presence_cache_ttls_lru_bound_and_residency():
-    from kvtier.core.residency import ResidencyLog
-
     now = [100.0]
     log = ResidencyLog(Medium.REMOTE)
     log.enable()
@@ -239,6 +237,24 @@ def test_presence_cache_ttls_lru_bound_and_residency():
         (ChangeKind.STORED, c),
         (ChangeKind.REMOVED, a),
     ]
+
+
+def test_a_probe_in_flight_when_its_key_is_removed_is_not_taken():
+    """The probe may have found the block before the DELETE reached the server: a delete's ABSENT
+    stands, a clear's forgetting stands, and a later probe is taken again."""
+    cache = PresenceCache(ResidencyLog(Medium.REMOTE), present_ttl=30, absent_ttl=1, clock=lambda: 100.0)
+    a, b, c = key_of(1), key_of(2), key_of(3)
+    assert cache.to_probe([a, b]) == [a, b]
+    cache.missing(a)  # deleted while probed
+    cache.probed([a, b], [True, True])
+    assert cache.get(a) is Presence.ABSENT and cache.get(b) is Presence.PRESENT
+    assert cache.to_probe([c]) == [c]
+    cache.forget_all()  # cleared while probed
+    cache.probed([c], [True])
+    assert cache.get(c) is Presence.UNKNOWN
+    assert cache.to_probe([c]) == [c]
+    cache.probed([c], [True])
+    assert cache.get(c) is Presence.PRESENT
 
 
 # ---------------------------------------------------------------- redis-py client

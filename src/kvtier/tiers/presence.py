@@ -38,7 +38,9 @@ block is found missing or corrupt, deleted, cleared, or dropped from the LRU (th
 longer vouches for it). Evictions and expiries on the server are only seen when a later read or
 probe finds the block gone.
 
-Keys being probed are tracked so that a key is never probed twice at once.
+Keys being probed are tracked so that a key is never probed twice at once, and so that a probe
+in flight when its key is removed (:meth:`PresenceCache.missing` on a delete, :meth:`forget_all`
+on a clear) is not taken: it may have found the block before the removal reached the server.
 
 Threading: the caller's (orchestrator's) thread only; no locks, no I/O.
 """
@@ -95,6 +97,7 @@ class PresenceCache:
         self.present_keys: set[BlockKey] = set()
         self._expiries: deque[tuple[float, BlockKey]] = deque()
         self.probing: set[BlockKey] = set()
+        self._voided: set[BlockKey] = set()  # probing keys removed since their probe was asked
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -134,7 +137,10 @@ class PresenceCache:
         self._set(key, True, self.clock() if now is None else now)
 
     def missing(self, key: BlockKey, now: float | None = None) -> None:
-        """The server does not hold a valid ``key`` (probe miss, read NOT_FOUND or CORRUPT, delete)."""
+        """The server does not hold a valid ``key`` (probe miss, read NOT_FOUND or CORRUPT, delete);
+        a probe of it in flight will not be taken."""
+        if key in self.probing:
+            self._voided.add(key)
         self._set(key, False, self.clock() if now is None else now)
 
     def failed(self, key: BlockKey, now: float | None = None) -> None:
@@ -150,10 +156,15 @@ class PresenceCache:
         self.present_keys.discard(key)
 
     def probed(self, keys: Sequence[BlockKey], found: Sequence[bool] | None) -> None:
-        """A probe of ``keys`` answered (``found[i]``), or failed (None)."""
+        """A probe of ``keys`` answered (``found[i]``), or failed (None). The answer for a key
+        removed while it was being probed is dropped (the removal's answer stands)."""
         now = self.clock()
+        voided = self._voided
         for index, key in enumerate(keys):
             self.probing.discard(key)
+            if voided and key in voided:
+                voided.discard(key)
+                continue
             if found is None:
                 self.failed(key, now)
             elif found[index]:
@@ -195,8 +206,9 @@ class PresenceCache:
         return len(gone)
 
     def forget_all(self) -> int:
-        """Drop every entry (a clear), recording REMOVED for reported ones; returns how many
-        keys were known PRESENT."""
+        """Drop every entry (a clear), recording REMOVED for reported ones; the probes in flight
+        will not be taken. Returns how many keys were known PRESENT."""
+        self._voided |= self.probing
         now = self.clock()
         present = 0
         for key, entry in self._entries.items():

@@ -50,7 +50,9 @@ logger = logging.getLogger(__name__)
 
 # Messages posted on the outbox (each post is a list of them).
 # MSG_IO (detail: None | a Fault's value | "breaker") and MSG_PROBE: kvtier.tiers.remote's.
-MSG_REMOVED = "removed"  # (MSG_REMOVED, keys of this namespace removed, objects removed, failed, evicted: bool)
+MSG_REMOVED = "removed"  # (MSG_REMOVED, keys of this namespace removed, objects removed, failed, evicted: bool,
+#                            keys of this namespace whose DELETE failed)
+MSG_CLEARED = "cleared"  # (MSG_CLEARED,): a clear's LIST + DELETE run is over (after its MSG_REMOVED)
 MSG_LISTED = "listed"  # (MSG_LISTED, Listing)
 MSG_FAULT = "fault"  # (MSG_FAULT, Fault value): a request without a job failed (counted by kind)
 
@@ -209,26 +211,29 @@ class ObjectPath:
         self.post([(MSG_PROBE, keys, found)])
 
     def remove(self, paths: list[str], *, evicted: bool = False) -> None:
-        """Bulk DELETE ``paths`` (a removal thread); posts which of them were this namespace's blocks."""
+        """Bulk DELETE ``paths`` (a removal thread); posts which of them were this namespace's
+        blocks, removed and not."""
         import obstore
 
         gone: list[str] = []
-        failed = 0
+        missed: list[str] = []
         for begin in range(0, len(paths), DELETE_BATCH):
             batch = paths[begin:begin + DELETE_BATCH]
             if not self.breaker.closed:
-                failed += len(batch)
+                missed += batch
                 continue
             try:
                 obstore.delete(self.store, batch)
             except Exception as exc:  # noqa: BLE001 (sorted by _failed)
                 self._failed(exc, "DELETE")
-                failed += len(batch)
+                missed += batch
                 continue
             self.breaker.success()
             gone += batch
-        mine = [key for key in map(self.keys.block_key_of, gone) if key is not None]
-        self.post([(MSG_REMOVED, mine, len(gone), failed, evicted)])
+        block_key_of = self.keys.block_key_of
+        mine = [key for key in map(block_key_of, gone) if key is not None]
+        kept = [key for key in map(block_key_of, missed) if key is not None]
+        self.post([(MSG_REMOVED, mine, len(gone), len(missed), evicted, kept)])
 
     def clear(self) -> None:
         """Delete every block object of this namespace, whoever wrote it (LIST its folder, then bulk
@@ -241,5 +246,8 @@ class ObjectPath:
                 paths += [meta["path"] for meta in chunk if self.keys.block_key_of(meta["path"]) is not None]
         except Exception as exc:  # noqa: BLE001 (sorted by _failed)
             self._failed(exc, "LIST")
-        if paths:
-            self.remove(paths)
+        try:
+            if paths:
+                self.remove(paths)
+        finally:
+            self.post([(MSG_CLEARED,)])

@@ -25,7 +25,9 @@ every ``list_interval_s``): a key the listing holds is PRESENT; a key answered P
 listing began that the listing lacks is forgotten (another engine's sweep, ``kvtier purge`` or a
 lifecycle rule removed it). A key this tier removed (``delete``, ``clear``, a bad object) after a
 listing began is not taken from that listing: it may have listed the object before the DELETE. A
-block gone since costs a NOT_FOUND read: a counted miss.
+removal counts from when it is asked until its DELETE is over (a listing may begin in between), and
+while a clear runs, or if it ends after a listing began, that listing's keys are not taken at all.
+A block gone since costs a NOT_FOUND read: a counted miss.
 
 Buffers. A read lands in the caller's buffers (one per rank, each exactly ``payload_bytes``),
 checked as it lands; a read that is not ``ok`` may have written them (the caller discards them). A
@@ -48,6 +50,7 @@ Bounded: see :mod:`~kvtier.tiers.s3.monitor` (the sweep). ``usage()`` is the lis
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -59,7 +62,7 @@ from kvtier.tiers.base import IoResult, Medium, Presence, TierUsage
 from kvtier.tiers.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL
 from kvtier.tiers.remote import ReadJob, RemoteTier, WriteJob
 from kvtier.tiers.s3.client import Access, check_access, credentials, make_store
-from kvtier.tiers.s3.jobs import MSG_FAULT, MSG_LISTED, MSG_REMOVED, ObjectPath, Throttle
+from kvtier.tiers.s3.jobs import MSG_CLEARED, MSG_FAULT, MSG_LISTED, MSG_REMOVED, ObjectPath, Throttle
 from kvtier.tiers.s3.keys import ObjectKeys
 from kvtier.tiers.s3.monitor import Listing, Monitor
 from kvtier.tiers.s3.stats import S3TierStats
@@ -93,7 +96,10 @@ class S3Tier(RemoteTier):
             presence_ttl=presence_ttl, absent_ttl=absent_ttl, presence_entries=presence_entries)
         self._keys = ObjectKeys.of(config.prefix, model_name, engine_digest)
         self._listed: set[BlockKey] = set()  # the latest listing's keys, less those found gone since
-        self._removed_at: dict[BlockKey, float] = {}  # removals applied since the latest listing began: when
+        # Removals since the latest listing began: when their DELETE was over (inf: asked, not over yet).
+        self._removed_at: dict[BlockKey, float] = {}
+        self._clearing = 0  # clear() runs asked and not over
+        self._cleared_at = -math.inf  # when the latest clear() run was over
         self._listed_bytes = 0  # the last listing's bytes ...
         self._written_since = 0  # ... and what this tier wrote after it began
         self._blocks = 0
@@ -155,6 +161,7 @@ class S3Tier(RemoteTier):
         self._writes.submit(job)
 
     def _remove_again(self, key: BlockKey) -> None:
+        self._removed_at[key] = math.inf
         self._remove_pool.submit(self._path.remove, [self._keys.block(key)])
 
     def write_room(self) -> int | None:
@@ -167,17 +174,22 @@ class S3Tier(RemoteTier):
         """Apply one message of the S3 workers' own kinds (:mod:`~kvtier.tiers.s3.jobs`)."""
         kind, counts = msg[0], self._counts
         if kind == MSG_REMOVED:
-            keys, removed, failed, evicted = msg[1], msg[2], msg[3], msg[4]
-            now = time.monotonic()  # the DELETEs completed before now: a listing begun earlier may hold them
+            keys, removed, failed, evicted, kept = msg[1], msg[2], msg[3], msg[4], msg[5]
+            now = time.monotonic()  # the DELETEs were over before now: a listing begun earlier may hold them
             for key in keys:
                 self._listed.discard(key)
                 self._removed_at[key] = now
                 if key not in self._writing:
                     self._presence.missing(key)
+            for key in kept:  # the DELETE failed: the object may stay, later listings say
+                self._removed_at[key] = now
             counts["removed"] += removed
             counts["io_errors"] += failed
             if evicted:
                 counts["evicted"] += removed
+        elif kind == MSG_CLEARED:
+            self._clearing -= 1
+            self._cleared_at = time.monotonic()
         elif kind == MSG_LISTED:
             self._listing(msg[1])
         elif kind == MSG_FAULT:
@@ -199,14 +211,18 @@ class S3Tier(RemoteTier):
         self._ask_sweep_if_full()
 
     def _listing(self, listing: Listing) -> None:
-        """Take a listing, less the keys removed since it began. Removals applied before it began
-        are behind every listing from now on (the monitor lists one at a time): forgotten."""
+        """Take a listing, less the keys removed since it began (or being removed). Removals over
+        before it began are behind every listing from now on (the monitor lists one at a time):
+        forgotten. A listing that a clear may have overlapped gives no keys and finds none gone."""
         self._counts["listings"] += 1
-        self._removed_at = {key: at for key, at in self._removed_at.items() if at >= listing.started}
-        self._listed = listing.keys.difference(self._removed_at) if self._removed_at else listing.keys
-        self._presence.reconcile(self._listed, listing.started)
         self._listed_bytes, self._written_since, self._blocks = listing.used_bytes, 0, listing.blocks
         self._sweep_asked = False
+        self._removed_at = {key: at for key, at in self._removed_at.items() if at >= listing.started}
+        if self._clearing or self._cleared_at >= listing.started:
+            self._listed = set()
+            return
+        self._listed = listing.keys.difference(self._removed_at) if self._removed_at else listing.keys
+        self._presence.reconcile(self._listed, listing.started)
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
         """Nothing: an object store keeps no access time, and the sweep goes by last write (a hot
@@ -219,6 +235,8 @@ class S3Tier(RemoteTier):
             present += self.presence(key) is _PRESENT
             self._presence.missing(key)
             self._listed.discard(key)
+            if not self._closed:
+                self._removed_at[key] = math.inf
             if key in self._writing:
                 self._cancelled.add(key)
             paths.append(self._keys.block(key))
@@ -235,6 +253,7 @@ class S3Tier(RemoteTier):
         self._clear_epoch += 1
         if not self._closed:
             self._clears_asked += 1
+            self._clearing += 1
             self._remove_pool.submit(self._clear)
         return count
 
