@@ -14,7 +14,9 @@ no GPU and torch's CPU build cannot record events. The model is CUDA's, made exp
 
 Stricter than CUDA where CUDA would hide a bug: querying, waiting on or synchronizing an event
 that was never recorded is an error (CUDA treats it as complete), and a device that cannot make
-progress towards what is waited for raises instead of hanging.
+progress towards what is waited for raises instead of hanging. Released events are handed out
+again first (as the runtime's pool does), and naming an event after its release, or releasing
+it twice, is an error.
 
 The subclasses at the end are deliberately broken devices: each drops one kind of ordering, so a
 test can show that it would catch an engine that omitted it.
@@ -53,15 +55,21 @@ class SimEvent:
     def __init__(self):
         self.name = f"event{next(self._ids)}"
         self.marker: _Marker | None = None
+        self.released = False
 
     @property
     def stream(self) -> SimStream | None:
         return None if self.marker is None else self.marker.stream
 
     def recorded(self) -> _Marker:
+        self.held()
         if self.marker is None:
             raise AssertionError(f"{self.name} used before it was ever recorded")
         return self.marker
+
+    def held(self) -> None:
+        if self.released:
+            raise AssertionError(f"{self.name} used after it was released")
 
 
 class DeviceStuck(AssertionError):
@@ -79,6 +87,8 @@ class SimDevice:
         self.plans: list = []  # the plans handed to copy(), in order
         self.executed: list[str] = []  # labels of the operations run, in order
         self.lanes: dict[str, SimLanes] = {}  # staged jobs' lanes, per side stream
+        self.free_events: list[SimEvent] = []  # released, handed out again first
+        self.events_made = 0
 
     # ---- DeviceStreams ---------------------------------------------------------------------------
 
@@ -91,9 +101,20 @@ class SimDevice:
         return stream
 
     def new_event(self) -> SimEvent:
+        if self.free_events:
+            event = self.free_events.pop()
+            event.released = False
+            return event
+        self.events_made += 1
         return SimEvent()
 
+    def release(self, event: SimEvent) -> None:
+        event.held()
+        event.released = True
+        self.free_events.append(event)
+
     def record(self, event: SimEvent, stream: SimStream) -> None:
+        event.held()
         event.marker = _Marker(stream)
         stream.ops.append(("mark", event.marker, f"record {event.name} on {stream.name}"))
 

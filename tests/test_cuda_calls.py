@@ -148,6 +148,29 @@ class FakeRuntime:
     def stream_destroy(self, handle):
         self.recorder.calls.append(("stream_destroy", handle))
 
+    def event_create(self, timing=False):
+        self.events = getattr(self, "events", 0) + 1
+        self.recorder.calls.append(("event_create", 0x3000 + self.events, timing))
+        return 0x3000 + self.events
+
+    def event_record(self, event, stream):
+        self.recorder.calls.append(("event_record", event, stream))
+
+    def stream_wait_event(self, stream, event):
+        self.recorder.calls.append(("stream_wait_event", stream, event))
+
+    def event_query(self, event):
+        return True
+
+    def event_synchronize(self, event):
+        self.recorder.calls.append(("event_synchronize", event))
+
+    def event_elapsed_ms(self, start, end):
+        return 2.5
+
+    def event_destroy(self, event):
+        self.recorder.calls.append(("event_destroy", event))
+
 
 def cuda_rig(runtime: bool = True, foreach=None):
     recorder = Recorder()
@@ -166,40 +189,62 @@ def names(engine):
     return {d: s.name for d, s in engine._streams.items()}  # noqa: SLF001
 
 
+ORDERING = ("event_record", "stream_wait_event", "memcpy_batch")
+
+
+def ordering(recorder):
+    return [c for c in recorder.calls if c[0] in ORDERING]
+
+
 def test_a_store_is_one_batched_copy_on_the_store_stream_after_the_compute_stream():
     engine, recorder, cuda = cuda_rig()
-    streams = names(engine)
-    assert "pool0" not in streams.values()  # the compute stream is a pool stream; never ours
+    compute, store = cuda.compute.cuda_stream, engine._streams[Direction.STORE].cuda_stream  # noqa: SLF001
+    assert compute not in {s.cuda_stream for s in engine._streams.values()}  # noqa: SLF001 - never ours
     recorder.calls.clear()
     engine.start_store(1, [PageCopy(0, 0, 3), PageCopy(1, 0, 4)])
-    store = streams[Direction.STORE]
-    record_ready, wait_ready, record_start, device, batch, record_end = recorder.calls
-    assert record_ready[0] == "record" and record_ready[2] == "pool0"  # ready: on the compute stream
-    assert wait_ready == ("wait", store, record_ready[1])  # the store stream waits for it
-    assert record_start[0] == "record" and record_start[2] == store
-    assert device == ("device", "cuda:0")
+    record_ready, wait_ready, record_start, batch, record_end = ordering(recorder)
+    assert record_ready[0] == "event_record" and record_ready[2] == compute  # ready: on the compute stream
+    assert wait_ready == ("stream_wait_event", store, record_ready[1])  # the store stream waits for it
+    assert record_start[0] == "event_record" and record_start[2] == store
     _, dsts, srcs, sizes, handle, order = batch
-    assert handle == engine._streams[Direction.STORE].cuda_stream  # noqa: SLF001
+    assert handle == store
+    assert ("device", "cuda:0") in recorder.calls[recorder.calls.index(batch) - 1:]
     assert order is SourceOrder.STREAM  # engine memory the compute stream wrote: read in stream order
     plan = engine.runs.plan(Direction.STORE, [PageCopy(0, 0, 3), PageCopy(1, 0, 4)])
     assert (dsts == plan.dst_addr).all() and (srcs == plan.src_addr).all() and (sizes == plan.sizes).all()
-    assert record_end[0] == "record" and record_end[2] == store
+    assert record_end[0] == "event_record" and record_end[2] == store
+    assert all(c[2] for c in recorder.calls if c[0] == "event_create")  # timing events: the job is timed
     [done] = engine.poll()
     assert done.ok and done.seconds == 0.0025
+
+
+def test_a_jobs_events_are_the_runtimes_and_go_back_to_the_pool():
+    """No torch event or stream object per job: ready is handed back once the side stream's wait
+    is issued, start and end once the job is polled; ten jobs polled one by one make two events."""
+    engine, recorder, cuda = cuda_rig()
+    cuda.Event = None  # a torch event made per job would fail here
+    for job in range(10):
+        engine.start_store(job, [PageCopy(0, 0, 3)])
+        assert [d.job_id for d in engine.poll()] == [job]
+    made = [c[1] for c in recorder.calls if c[0] == "event_create"]
+    assert len(made) == 2
+    assert {c[1] for c in recorder.calls if c[0] == "event_record"} == set(made)
+    engine.close()
+    assert sorted(c[1] for c in recorder.calls if c[0] == "event_destroy") == sorted(made)
 
 
 @pytest.mark.parametrize("synchronous", [True, False])
 def test_a_load_is_one_batched_copy_and_holds_the_compute_stream_only_if_synchronous(synchronous):
     engine, recorder, cuda = cuda_rig()
-    load = names(engine)[Direction.LOAD]
+    compute, load = cuda.compute.cuda_stream, engine._streams[Direction.LOAD].cuda_stream  # noqa: SLF001
     recorder.calls.clear()
     engine.start_load(1, [PageCopy(0, 0, 3)], synchronous=synchronous)
     [batch] = [c for c in recorder.calls if c[0] == "memcpy_batch"]
-    assert batch[4] == engine._streams[Direction.LOAD].cuda_stream  # noqa: SLF001
+    assert batch[4] == load
     assert batch[5] is SourceOrder.ANY  # host memory nothing on the load stream writes: any order
-    end = [c for c in recorder.calls if c[0] == "record" and c[2] == load][-1][1]
-    compute_waits = [c for c in recorder.calls if c[0] == "wait" and c[1] == "pool0"]
-    assert compute_waits == ([("wait", "pool0", end)] if synchronous else [])
+    end = [c for c in recorder.calls if c[0] == "event_record" and c[2] == load][-1][1]
+    compute_waits = [c for c in recorder.calls if c[0] == "stream_wait_event" and c[1] == compute]
+    assert compute_waits == ([("stream_wait_event", compute, end)] if synchronous else [])
 
 
 def test_without_a_runtime_library_copies_go_through_torch_non_blocking_on_the_side_stream():
@@ -208,6 +253,7 @@ def test_without_a_runtime_library_copies_go_through_torch_non_blocking_on_the_s
                                                                                             list(recorder.current))))
     engine.start_store(1, [PageCopy(0, 0, 3)])
     assert seen == [(3, {"non_blocking": True}, [names(engine)[Direction.STORE]])]
+    assert [c[0] for c in recorder.calls if c[0] in ("record", "wait")] == ["record", "wait", "record", "record"]
 
 
 def test_side_streams_are_kvtiers_own_and_destroyed_at_close():
@@ -218,7 +264,9 @@ def test_side_streams_are_kvtiers_own_and_destroyed_at_close():
     engine.start_store(1, [PageCopy(0, 0, 3)])
     engine.close()
     assert {c[1] for c in recorder.calls if c[0] == "stream_destroy"} == own
-    assert [c[0] for c in recorder.calls].index("synchronize") < [c[0] for c in recorder.calls].index("stream_destroy")
+    kinds = [c[0] for c in recorder.calls]
+    assert kinds.index("event_synchronize") < kinds.index("event_destroy") < kinds.index("stream_destroy")
+    assert [d.job_id for d in engine.poll()] == [1]  # completed before close: still reported, no event touched
 
 
 def test_without_a_runtime_library_side_streams_come_from_the_pool_never_the_compute_stream():
@@ -227,13 +275,16 @@ def test_without_a_runtime_library_side_streams_come_from_the_pool_never_the_com
     assert len({s.cuda_stream for s in engine._streams.values()}) == 2  # noqa: SLF001
 
 
-def test_side_streams_are_never_the_compute_stream_or_each_other():
-    engine, recorder, cuda = cuda_rig()
+def test_a_pool_side_stream_that_became_the_compute_stream_is_replaced():
+    """Without a runtime library the side streams are torch's pool streams, which vLLM may be
+    handed too: one found to be the compute stream at a job is replaced before use."""
+    seen = []
+    engine, recorder, cuda = cuda_rig(runtime=False, foreach=lambda d, s, **k: seen.append(list(recorder.current)))
+    taken = names(engine)[Direction.LOAD]
     cuda.compute = engine._streams[Direction.LOAD]  # noqa: SLF001 - the pool handed vLLM that stream
     engine.start_load(1, [PageCopy(0, 0, 3)])
-    [batch] = [c for c in recorder.calls if c[0] == "memcpy_batch"]
-    used = {engine._streams[Direction.STORE].cuda_stream, batch[4]}  # noqa: SLF001
-    assert cuda.compute.cuda_stream not in used and len(used) == 2
+    [[used]] = seen
+    assert used not in (taken, names(engine)[Direction.STORE]) and used == names(engine)[Direction.LOAD]
 
 
 # ---- pinning ---------------------------------------------------------------------------------

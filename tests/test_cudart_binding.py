@@ -35,7 +35,7 @@ struct cudaMemcpyAttributes {  /* driver_types.h, CUDA 12.8+ */
 _Static_assert(sizeof(struct cudaMemcpyAttributes) == 24, "cudaMemcpyAttributes is 24 bytes");
 
 static int version = VERSION, batch_result = 0, pending = 0;
-static size_t rec[20];
+static size_t rec[22];
 static char streams[8], events[8];
 
 void standin_configure(int batch_returns) { batch_result = batch_returns; memset(rec, 0, sizeof rec); }
@@ -61,6 +61,10 @@ int cudaEventRecord(void *event, void *stream) { rec[17]++; return stream == (vo
 int cudaStreamWaitEvent(void *stream, void *event, unsigned int flags) { rec[18]++; return flags ? 1 : 0; }
 int cudaEventDestroy(void *event) { return 0; }
 int cudaEventQuery(void *event) { return event == (void *)0xBAD ? 400 : event == (void *)0x600 ? 600 : 0; }
+int cudaEventSynchronize(void *event) { rec[20]++; return event == (void *)0xBAD ? 400 : 0; }
+int cudaEventElapsedTime(float *ms, void *start, void *end) {
+    rec[21]++; if (end == (void *)0x600) return 600; *ms = 2.5f; return 0;
+}
 int cudaMemcpyAsync(void *dst, const void *src, size_t n, int kind, void *stream) {
     rec[1]++; rec[11] = (size_t)stream; rec[12] = kind; memcpy(dst, src, n); return 0;
 }
@@ -80,7 +84,7 @@ int cudaMemcpyBatchAsync(void *const *dsts, const void *const *srcs, const size_
 """
 FIELDS = ["batch_calls", "async_calls", "count", "num_attrs", "attrs_idx0", "stream", "fail_idx", "order", "flags",
           "src_hint", "dst_hint", "async_stream", "async_kind", "streams_made", "stream_flags", "streams_destroyed",
-          "events_made", "event_records", "event_waits", "event_flags"]
+          "events_made", "event_records", "event_waits", "event_flags", "event_syncs", "elapsed_calls"]
 
 
 def compile_standin(directory, version: int, soname: str | None = None, name: str | None = None) -> str:
@@ -96,7 +100,7 @@ def compile_standin(directory, version: int, soname: str | None = None, name: st
 
 
 def record(lib) -> dict[str, int]:
-    out = (ctypes.c_size_t * 20)()
+    out = (ctypes.c_size_t * 22)()
     lib.standin_record(out)
     return dict(zip(FIELDS, out))
 
@@ -202,6 +206,25 @@ def test_an_event_query_says_done_or_not_ready_and_raises_other_errors(runtime):
     assert cudart.event_query(0x600) is False  # the stand-in's cudaErrorNotReady
     with pytest.raises(CudaError, match="cudaEventQuery"):
         cudart.event_query(0xBAD)
+    assert cudart.get_last_error() == 0
+
+
+def test_timing_events_synchronize_and_elapsed_time(runtime):
+    """The copy engine's own events: made able to time, waited for, timed; an error is raised
+    (drained), a pair not yet done raises cudaErrorNotReady rather than a wrong time."""
+    from kvtier.copy.cudart import CudaError
+
+    cudart, lib = runtime
+    start, end = cudart.event_create(timing=True), cudart.event_create(timing=True)
+    assert record(lib)["event_flags"] == 0  # cudaEventDefault: can time
+    cudart.event_synchronize(end)
+    assert cudart.event_elapsed_ms(start, end) == 2.5
+    seen = record(lib)
+    assert (seen["event_syncs"], seen["elapsed_calls"]) == (1, 1)
+    with pytest.raises(CudaError, match="cudaEventSynchronize"):
+        cudart.event_synchronize(0xBAD)
+    with pytest.raises(CudaError, match="cudaEventElapsedTime.*cudaErrorUnknown"):
+        cudart.event_elapsed_ms(start, 0x600)
     assert cudart.get_last_error() == 0
 
 

@@ -155,7 +155,7 @@ def phases(engine: CudaCopyEngine, streams: TorchCudaStreams, direction: Directi
     clock.wrap(engine, "_plan", "plan")
     clock.wrap(engine.runs, "table", "plan.table")
     clock.wrap(streams, "copy", "copy")
-    for method in ("current_stream", "new_event", "record", "wait"):
+    for method in ("current_stream", "new_event", "record", "wait", "release"):
         clock.wrap(streams, method, "engine.events")
     for lanes in streams._lanes.values():
         for method, phase in (("upload", "copy.upload"), ("gather", "copy.kernels"), ("scatter", "copy.kernels"),

@@ -20,6 +20,10 @@ contract in :mod:`kvtier.copy.base` holds, per job (the scheme of vLLM's own CPU
 - ``poll``: per direction, the leading jobs whose ``end`` completed (event query, never blocks).
 - ``wait``: blocks on the jobs' ``end`` events; ``close`` on every job's.
 
+Events go back to the device (:meth:`~kvtier.copy.streams.DeviceStreams.release`, which hands
+them out again) once nothing will name them: ``ready`` as soon as the side stream's wait on it is
+issued (a wait binds to the record current then), ``start`` and ``end`` when the job is polled.
+
 Side streams are kvtier's own (:meth:`~kvtier.copy.streams.DeviceStreams.new_stream`), so no
 other work of the process queues on them. Where the device can only hand out torch's pool streams
 (no runtime library found: round robin, vLLM's compute stream among them, vLLM
@@ -131,11 +135,13 @@ class CudaCopyEngine(CopyEngine):
             while jobs and self.device.query(jobs[0].end):
                 job = jobs.popleft()
                 if job.reported:
+                    self._release(job.start, job.end)
                     continue
                 if job.ok:
                     seconds = self.device.elapsed_seconds(job.start, job.end)
                 else:
                     seconds = time.perf_counter() - job.issued_at
+                self._release(job.start, job.end)
                 method = _method_of(job.plan)
                 if job.trial is not None:
                     self.chooser.observe(job.trial, method, job.num_bytes, seconds, job.ok, job.issue_seconds)
@@ -152,6 +158,7 @@ class CudaCopyEngine(CopyEngine):
     def close(self) -> None:
         if not self._closed:
             self.wait()
+            self._unordered = self.poll()  # every job completed: reported by a later poll, its events released
             self._closed = True
             self.device.close()
 
@@ -233,7 +240,7 @@ class CudaCopyEngine(CopyEngine):
         device = self.device
         issued_at = time.perf_counter()
         ok, num_bytes, start, plan, copying, trial = True, 0, None, None, False, None
-        compute = stream = None
+        compute = stream = ready = end = None
         try:
             compute = device.current_stream()
             stream = self._side_stream(direction, compute)
@@ -241,6 +248,8 @@ class CudaCopyEngine(CopyEngine):
             ready = device.new_event()
             device.record(ready, compute)
             device.wait(stream, ready)
+            device.release(ready)
+            ready = None
             start = device.new_event()
             device.record(start, stream)
             if plan.num_bytes:
@@ -249,6 +258,7 @@ class CudaCopyEngine(CopyEngine):
             num_bytes = plan.num_bytes
         except Exception:  # reported as a failed job (a load's blocks are recomputed), never raised
             logger.exception("kvtier: %s copy of job %d failed", direction.value, job_id)
+            self._release(ready, start)
             ok, num_bytes, start = False, 0, None
         try:
             end = device.new_event()
@@ -258,6 +268,7 @@ class CudaCopyEngine(CopyEngine):
         except Exception:
             logger.exception("kvtier: cannot order %s job %d on the device; reported failed", direction.value, job_id)
             self._unordered.append(CopyDone(job_id, direction, False, 0, time.perf_counter() - issued_at))
+            self._release(start)  # end stays out of the pool: a record of it may still be pending
             return
         at_once = not ok and (not copying or (direction is Direction.LOAD and synchronous))
         if at_once:
@@ -265,6 +276,13 @@ class CudaCopyEngine(CopyEngine):
         self._in_flight[direction].append(
             _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once, trial=trial,
                       issue_seconds=time.perf_counter() - issued_at))
+
+
+    def _release(self, *events: Any) -> None:
+        """Hand the events that exist of ``events`` back to the device."""
+        for event in events:
+            if event is not None:
+                self.device.release(event)
 
 
 def _method_of(plan: ByteRuns | StagedRuns | CopyPlan | None) -> CopyMethod:

@@ -40,6 +40,7 @@ NOT_READY = 600  # cudaErrorNotReady: an event or stream query while work is pen
 MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction is inferred from the pointers (unified addressing)
 FLAG_PREFER_OVERLAP_WITH_COMPUTE = 1  # cudaMemcpyFlagPreferOverlapWithCompute
 STREAM_NON_BLOCKING = 1  # cudaStreamNonBlocking: no implicit sync with the legacy default stream
+EVENT_DEFAULT = 0  # cudaEventDefault: an event that can time the work between two records
 EVENT_DISABLE_TIMING = 2  # cudaEventDisableTiming: the cheapest event, for ordering only
 # cudaMemcpyBatchAsync codes that say the call itself is unavailable (not these pointers): batching
 # is off for good after one. Any other refusal falls back for that job only, and is counted.
@@ -96,8 +97,9 @@ class CudaRuntime(Protocol):
         ``cudaMemcpyAsync``, stream-ordered, which satisfies either order). Raises
         :class:`CudaError` after draining the error it caused."""
 
-    def event_create(self) -> int:
-        """A new ``cudaEvent_t`` for ordering only (``cudaEventDisableTiming``). Raises :class:`CudaError`."""
+    def event_create(self, timing: bool = False) -> int:
+        """A new ``cudaEvent_t``: for ordering only (``cudaEventDisableTiming``), or able to time
+        (``cudaEventDefault``) with ``timing``. Raises :class:`CudaError`."""
 
     def event_record(self, event: int, stream: int) -> None:
         """``cudaEventRecord(event, stream)``. Raises :class:`CudaError`."""
@@ -109,6 +111,14 @@ class CudaRuntime(Protocol):
     def event_query(self, event: int) -> bool:
         """``cudaEventQuery``: whether ``event`` completed (never blocks). Raises :class:`CudaError`
         on an error other than not ready."""
+
+    def event_synchronize(self, event: int) -> None:
+        """``cudaEventSynchronize``: block the calling thread until ``event`` completed (the one
+        blocking call). Raises :class:`CudaError`."""
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        """``cudaEventElapsedTime``: milliseconds between two completed timing events. Raises
+        :class:`CudaError`."""
 
     def event_destroy(self, event: int) -> None:
         """``cudaEventDestroy``; a failure is drained and logged, never raised."""
@@ -157,6 +167,9 @@ class LoadedCudart:
                            ("cudaEventRecord", [ctypes.c_void_p, ctypes.c_void_p]),
                            ("cudaStreamWaitEvent", [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]),
                            ("cudaEventQuery", [ctypes.c_void_p]),
+                           ("cudaEventSynchronize", [ctypes.c_void_p]),
+                           ("cudaEventElapsedTime", [ctypes.POINTER(ctypes.c_float), ctypes.c_void_p,
+                                                     ctypes.c_void_p]),
                            ("cudaEventDestroy", [ctypes.c_void_p])):
             function = getattr(lib, name)
             function.argtypes, function.restype = args, ctypes.c_int
@@ -281,10 +294,10 @@ class LoadedCudart:
             self.get_last_error()
             raise CudaError("cudaMemcpyAsync", code, self.error_name(code))
 
-    def event_create(self) -> int:
+    def event_create(self, timing: bool = False) -> int:
         event = ctypes.c_void_p(0)
-        self._check("cudaEventCreateWithFlags",
-                    self._lib.cudaEventCreateWithFlags(ctypes.byref(event), EVENT_DISABLE_TIMING))
+        flags = EVENT_DEFAULT if timing else EVENT_DISABLE_TIMING
+        self._check("cudaEventCreateWithFlags", self._lib.cudaEventCreateWithFlags(ctypes.byref(event), flags))
         return int(event.value or 0)
 
     def event_record(self, event: int, stream: int) -> None:
@@ -305,6 +318,14 @@ class LoadedCudart:
             return False
         self._check("cudaEventQuery", code)
         return False
+
+    def event_synchronize(self, event: int) -> None:
+        self._check("cudaEventSynchronize", self._lib.cudaEventSynchronize(event))
+
+    def event_elapsed_ms(self, start: int, end: int) -> float:
+        milliseconds = ctypes.c_float(0.0)
+        self._check("cudaEventElapsedTime", self._lib.cudaEventElapsedTime(ctypes.byref(milliseconds), start, end))
+        return float(milliseconds.value)
 
     def event_destroy(self, event: int) -> None:
         code = self._lib.cudaEventDestroy(event)
