@@ -11,7 +11,7 @@ from sim_device import SimDevice
 from support.vllm_views import attention_spec, layer_views, vllm_kv_caches
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.runs import RunPlanner
 from kvtier.copy.staging import CopyMethod, StagedPlanner
@@ -93,8 +93,10 @@ def test_a_run_never_crosses_a_host_pinning_chunk():
                                  PageCopy(0, 0, 1, group=1)])
 def test_pages_out_of_range_are_refused(bad):
     runs, _, _ = planner(KVCacheLayout.LBNHC)
-    with pytest.raises(IndexError, match="out of range"):
-        runs.plan(Direction.STORE, [PageCopy(1, 0, 2), bad])
+    for job in ([PageCopy(1, 0, 2), bad], page_table([PageCopy(1, 0, 2), bad])):  # tuples, or the scheduler's table
+        with pytest.raises(IndexError, match="out of range") as refused:
+            runs.plan(Direction.STORE, job)
+        assert str(bad) in str(refused.value)  # the first page out of range is named
 
 
 def test_an_empty_job_plans_nothing():

@@ -24,13 +24,12 @@ the planning bit for bit on CPU tensors, and the fallback where no CUDA runtime 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvtier.copy.base import Direction, PageCopy, page_table
+from kvtier.copy.base import Direction, PageCopy, Pages, page_table
 from kvtier.copy.pages import HostSlots, PagedKV, storage_bytes
 from kvtier.copy.pinning import register_chunk_bytes
 
@@ -144,7 +143,7 @@ class RunPlanner:
         self._layout = layout
         self.segment_bytes = register_chunk_bytes(layout.slot_bytes)
 
-    def entries(self, pages: Sequence[PageCopy]) -> PageEntries:
+    def entries(self, pages: Pages) -> PageEntries:
         """The job's (layer, page) copies in host order, not merged. IndexError naming the first
         page out of range, before anything could be copied."""
         table = self.table(pages)
@@ -157,11 +156,11 @@ class RunPlanner:
             e_storage, e_offset, h_offset, size = e_storage[order], e_offset[order], h_offset[order], size[order]
         return PageEntries(e_storage, e_offset, h_offset, size)
 
-    def table(self, pages: Sequence[PageCopy]) -> np.ndarray:
+    def table(self, pages: Pages) -> np.ndarray:
         """The job's pages as an ``[n, 4]`` array, checked: IndexError naming the first page out of
         range, before anything could be copied."""
         table = page_table(pages)
-        self._check(table, pages)
+        self._check(table)
         return table
 
     def slot_job(self, table: np.ndarray) -> SlotJob | None:
@@ -263,7 +262,7 @@ class RunPlanner:
         return ByteRuns(direction, self.storages, src[0], src[1], dst[0], dst[1], sizes.astype(np.int64),
                         self._pointers[src[0]] + src[1], self._pointers[dst[0]] + dst[1], len(job) * layers)
 
-    def plan(self, direction: Direction, pages: Sequence[PageCopy]) -> ByteRuns:
+    def plan(self, direction: Direction, pages: Pages) -> ByteRuns:
         """The merged runs of a job. IndexError naming the first page out of range, before anything
         could be copied."""
         return self.merge(direction, self.entries(pages))
@@ -333,18 +332,16 @@ class RunPlanner:
         parts = [self._grid(table[table[:, 3] == group], layers) for group, layers in enumerate(self._groups)]
         return tuple(np.concatenate([part[i].ravel() for part in parts]) for i in range(4))
 
-    def _check(self, table: np.ndarray, pages: Sequence[PageCopy]) -> None:
+    def _check(self, table: np.ndarray) -> None:
         layout = self._layout
         in_range = table.view(np.uint64) < self._bounds  # a negative value is >= 2**63 there
         if not len(table) or in_range.all():
             return
-        bad = np.flatnonzero(~in_range.all(axis=1))
-        if len(bad):
-            p = pages[int(bad[0])]
-            raise IndexError(
-                f"page {p} out of range ({layout.num_slots} slots x {layout.pages_per_block} pages per block, "
-                f"engine blocks [0, {self.num_blocks}), {len(self._groups)} KV cache groups)"
-            )
+        page = PageCopy(*table[int(np.flatnonzero(~in_range.all(axis=1))[0])].tolist())
+        raise IndexError(
+            f"page {page} out of range ({layout.num_slots} slots x {layout.pages_per_block} pages per block, "
+            f"engine blocks [0, {self.num_blocks}), {len(self._groups)} KV cache groups)"
+        )
 
 
 def _flat(grid: np.ndarray) -> np.ndarray:

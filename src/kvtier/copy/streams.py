@@ -121,8 +121,7 @@ class TorchCudaStreams:
         self._lanes: dict[Any, _CudaLanes] = {}  # per side stream (a staged job's TRANSFER lane)
         self._index = device.index if device.index is not None else 0
         self._raw_current = raw_current_stream or _raw_current_stream(cuda)
-        self._events_made: list[int] = []  # the runtime's timing events made by new_event, all of them
-        self._free_events: list[int] = []  # ... and those handed back, ready to be handed out again
+        self._events = _EventPool(self, timing=True)  # the engine's (new_event / release)
 
     def current_stream(self) -> Any:
         if self.runtime is not None:
@@ -144,38 +143,28 @@ class TorchCudaStreams:
         lanes, self._lanes = list(self._lanes.values()), {}
         for pair in lanes:
             pair.close()
-        events, self._events_made, self._free_events = self._events_made, [], []
-        for event in events:
-            self.runtime.event_destroy(event)
+        self._events.close()
         streams, self._own_streams = self._own_streams, []
         for handle in streams:
             self.runtime.stream_destroy(handle)
 
     def new_event(self) -> Any:
-        if self.runtime is None:
-            return self._cuda.Event(enable_timing=True)
-        if self._free_events:
-            return self._free_events.pop()
-        with self._cuda.device(self.device):
-            event = self.runtime.event_create(timing=True)
-        self._events_made.append(event)
-        return event
+        return self._events.take()
 
     def release(self, event: Any) -> None:
-        if self.runtime is not None:
-            self._free_events.append(event)
+        self._events.give(event)
 
     def record(self, event: Any, stream: Any) -> None:
         if self.runtime is None:
             event.record(stream)
         else:
-            self.runtime.event_record(event, stream if type(stream) is int else stream.cuda_stream)
+            self.runtime.event_record(event, _handle(stream))
 
     def wait(self, stream: Any, event: Any) -> None:
         if self.runtime is None:
             stream.wait_event(event)
         else:
-            self.runtime.stream_wait_event(stream if type(stream) is int else stream.cuda_stream, event)
+            self.runtime.stream_wait_event(_handle(stream), event)
 
     def prepare_staging(self, stream: Any, rows: torch.Tensor) -> None:
         """Make ``stream``'s staged-job lanes now (see :class:`_CudaLanes`), for pages moved as
@@ -242,6 +231,45 @@ class TorchCudaStreams:
         return self.runtime.event_elapsed_ms(start, end) / 1000.0
 
 
+def _handle(stream: Any) -> int:
+    """The raw ``cudaStream_t`` of ``stream``: the compute stream already is one (an int), a
+    side stream is torch's ``ExternalStream`` of it."""
+    return stream if type(stream) is int else stream.cuda_stream
+
+
+class _EventPool:
+    """Events of one kind (``timing``: able to time the work between two records, else for
+    ordering only) for a :class:`TorchCudaStreams` and its lanes: with a runtime, the runtime's,
+    made on the KV cache's device when none is free and handed out again once given back, every
+    one made destroyed by :meth:`close` (once nothing in flight names them); without one, a new
+    torch event each time, left to torch. Calling thread only."""
+
+    def __init__(self, streams: TorchCudaStreams, timing: bool):
+        self._streams, self._timing = streams, timing
+        self._made: list[int] = []
+        self._free: list[int] = []
+
+    def take(self) -> Any:
+        if self._free:
+            return self._free.pop()
+        streams = self._streams
+        if streams.runtime is None:
+            return streams._cuda.Event(enable_timing=self._timing)
+        with streams._cuda.device(streams.device):
+            event = streams.runtime.event_create(timing=self._timing)
+        self._made.append(event)
+        return event
+
+    def give(self, event: Any) -> None:
+        if self._streams.runtime is not None:
+            self._free.append(event)
+
+    def close(self) -> None:
+        made, self._made, self._free = self._made, [], []
+        for event in made:
+            self._streams.runtime.event_destroy(event)
+
+
 def _raw_current_stream(cuda: Any) -> Callable[[int], int]:
     """The raw ``cudaStream_t`` of a device's current stream: torch's own accessor (0.2 us of
     host time, against ~6 us for ``torch.cuda.current_stream`` and its Python object), else the
@@ -257,7 +285,8 @@ class _CudaLanes:
     side stream of a direction) and ``kernel_stream``, with the events of its marks made once
     (ordering only, no timing) and reused by every job of the pair: a wait binds to a mark's
     latest record, and each job records a mark before it waits for it. Events come from the
-    runtime where one was found (a third of torch's host time per call), else from torch.
+    runtime where one was found (a third of torch's host time per call), else from torch (an
+    :class:`_EventPool` of ordering events, which also serves the uploads).
 
     Made when the copy engine is built (the device idle), so that nothing a first job does
     waits for the device: the gather and scatter kernels are loaded (kvtier's own,
@@ -285,7 +314,8 @@ class _CudaLanes:
             self._handles = {Lane.TRANSFER: transfer.cuda_stream, Lane.KERNEL: kernel_stream.cuda_stream}
         else:
             self._handles = {Lane.TRANSFER: transfer, Lane.KERNEL: kernel_stream}
-        self._events: dict[int, Any] = {}  # mark -> event, made at its first record
+        self._ordering = _EventPool(streams, timing=False)  # the marks' and the uploads' events
+        self._events: dict[int, Any] = {}  # mark -> event, taken at its first record
         cuda = streams._cuda
         self._ring = torch.empty(self.UPLOAD_RING_BYTES, dtype=torch.uint8, pin_memory=True)
         self._ring_words = self._ring.view(torch.int64)
@@ -293,7 +323,6 @@ class _CudaLanes:
         self._ring_address = self._ring.data_ptr()
         self._ring_head = 0
         self._ring_pending: deque[tuple[int, int, Any]] = deque()  # (first, end) words, event after its upload
-        self._spare_events: list[Any] = []  # the ring's upload events, reused once complete
         with cuda.stream(kernel_stream):
             self._index = torch.empty(64 * 1024, dtype=torch.int64, device=rows.device)
             pick = self._index[:1].zero_()
@@ -347,12 +376,12 @@ class _CudaLanes:
         if self.runtime is not None:
             self.runtime.memcpy(device.data_ptr(), self._ring_address + 8 * first, 8 * count,
                                 self._handles[Lane.KERNEL])
-            done = self._spare_events.pop() if self._spare_events else self.runtime.event_create()
+            done = self._ordering.take()
             self.runtime.event_record(done, self._handles[Lane.KERNEL])
         else:
             with self.streams._cuda.stream(self.kernel_stream):
                 device.copy_(self._ring_words[first:first + count], non_blocking=True)
-                done = self.streams._cuda.Event()
+                done = self._ordering.take()
                 done.record(self.kernel_stream)
         self._ring_pending.append((first, first + count, done))
         return device
@@ -369,9 +398,7 @@ class _CudaLanes:
         if count > size:
             return None
         while self._ring_pending and self._uploaded(self._ring_pending[0][2]):
-            done = self._ring_pending.popleft()[2]
-            if self.runtime is not None:
-                self._spare_events.append(done)
+            self._ordering.give(self._ring_pending.popleft()[2])
         first = self._ring_head if self._ring_head + count <= size else 0
         end = first + count
         if any(a < end and first < b for a, b, _ in self._ring_pending):
@@ -415,8 +442,7 @@ class _CudaLanes:
     def mark(self, lane: Lane, mark: int) -> None:
         event = self._events.get(mark)
         if event is None:
-            event = self._events[mark] = (self.runtime.event_create() if self.runtime is not None
-                                          else self.streams._cuda.Event())
+            event = self._events[mark] = self._ordering.take()
         if self.runtime is not None:
             self.runtime.event_record(event, self._handles[lane])
         else:
@@ -439,13 +465,10 @@ class _CudaLanes:
         block when the block is freed, and a destroyed stream makes that fail in a destructor,
         which aborts the process."""
         self.kernel_stream.synchronize()
-        pending, self._ring_pending = [done for _, _, done in self._ring_pending], deque()
+        self._ring_pending = deque()
         self._ring = self._ring_words = self._ring_numpy = self._index = None
-        events, self._events = list(self._events.values()), {}
-        if self.runtime is not None:
-            for event in events + pending + self._spare_events:
-                self.runtime.event_destroy(event)
-            self._spare_events = []
+        self._events = {}
+        self._ordering.close()
         if self.kernels is not None:
             self.kernels.close()
             self.kernels = None
