@@ -22,7 +22,8 @@ reported apart). ``idle_fraction`` is ``auto`` again from an idle device, host i
 (reported, not judged).
 
 Host time: ``issue_ms``, the start call (``start_store`` / an asynchronous ``start_load``, call
-to return, median after the warm-ups: the thread that runs the forward issues the job), and
+to return, median after the warm-ups: the thread that runs the forward issues the job; staged
+jobs of a repeated shape go as CUDA graphs from the second on, ``graph_launches``), and
 ``forward``: what a job costs that thread all told (:func:`forward_cost`, a stand-in step timed
 alone and with a job started; it also shows the cost of any issue moved to another thread, which
 shares the GIL: measured once and dropped, docs/benchmarks.md). And what kvtier's copies cost
@@ -281,6 +282,7 @@ def bench_page_size(args, device, heads: int, job_ids) -> dict:
         engine.wait()
     runtime = streams.runtime
     out["batch_refusals"] = getattr(runtime, "batch_refusals", None)
+    out["graph_launches"] = sum(lanes.graph_launches for lanes in streams._lanes.values())  # noqa: SLF001
     streams.close()
     pinning.release()
     del kv

@@ -3,8 +3,10 @@ the engine makes (microseconds, median of many, the device kept busy so nothing 
 a profile of whole ``start_store`` / ``start_load`` calls at the kit's shape (512 blocks x 32
 layers, scattered engine blocks), per method and layout. Prints one JSON.
 
-``jobs_torch_ops``: the 16 KiB staged jobs again with torch's gather/scatter ops instead of
-kvtier's kernels, in the same run (a lent GPU's host differs in call costs from loan to loan).
+``jobs``' staged jobs repeat one shape, so from the second on they go as CUDA graphs
+(``kvtier.copy.cudagraph``; ``graph_launches`` counts them); ``jobs_without_graphs``: the 16 KiB
+staged jobs again issued op by op, and ``jobs_torch_ops`` with torch's gather/scatter ops instead
+of kvtier's kernels, in the same run (a lent GPU's host differs in call costs from loan to loan).
 
 Usage (GPU machine, as scripts/gpu-check.sh sets PYTHONPATH): python tests/gpu/profile_issue.py
 """
@@ -99,6 +101,15 @@ def device_calls(streams: TorchCudaStreams) -> dict:
             found[f"runtime.memcpy_batch {count}"] = micro(
                 lambda d=dst, s=src, z=sizes: runtime.memcpy_batch(d, s, z, handle, SourceOrder.STREAM), n=100)
         runtime.event_destroy(ev)
+        if runtime.graphs:  # what a job issued as a graph costs per chunk (an update) and once (the launch)
+            graph = runtime.graph_create()
+            node = runtime.graph_add_memcpy(graph, [], host.data_ptr(), out.data_ptr(), 4096)
+            instance = runtime.graph_instantiate(graph)
+            found["runtime.graph_set_memcpy"] = micro(lambda: runtime.graph_set_memcpy(
+                instance, node, host.data_ptr() + 8192, out.data_ptr(), 4096))
+            found["runtime.graph_launch (one 4 KiB copy)"] = micro(lambda: runtime.graph_launch(instance, handle))
+            torch.cuda.synchronize()
+            runtime.graph_destroy(graph, instance)
         kernels = RowKernels.load(torch.cuda.get_device_capability(device), int(torch.version.cuda.split(".")[0]),
                                   16384)
         if kernels is not None:
@@ -158,7 +169,8 @@ def phases(engine: CudaCopyEngine, streams: TorchCudaStreams, direction: Directi
     for method in ("current_stream", "new_event", "record", "wait", "release"):
         clock.wrap(streams, method, "engine.events")
     for lanes in streams._lanes.values():
-        for method, phase in (("upload", "copy.upload"), ("gather", "copy.kernels"), ("scatter", "copy.kernels"),
+        for method, phase in (("_upload", "copy.upload"), ("_graph", "copy.graph_find"),
+                              ("gather", "copy.kernels"), ("scatter", "copy.kernels"),
                               ("transfer", "copy.transfers"), ("mark", "copy.marks"), ("wait", "copy.waits")):
             clock.wrap(lanes, method, phase)
     samples: dict[str, list[float]] = {}
@@ -202,11 +214,13 @@ def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction
         engine.poll()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+    graph_launches = sum(lanes.graph_launches for lanes in streams._lanes.values())  # noqa: SLF001
     engine.close()
     pinning.release()
     del kv
     torch.cuda.empty_cache()
-    return {"page_bytes": paged.page_bytes, "phases_us": phase_us, "issue_ms_median": round(statistics.median(issue) * 1e3, 3),
+    return {"page_bytes": paged.page_bytes, "graph_launches": graph_launches, "phases_us": phase_us,
+            "issue_ms_median": round(statistics.median(issue) * 1e3, 3),
             "issue_ms_min": round(min(issue) * 1e3, 3), "profile": text.getvalue().splitlines()[:60]}
 
 
@@ -225,14 +239,16 @@ def main() -> None:
             out["jobs"][name] = profile_jobs(streams, layout, heads, method, direction, job_ids)
             print(name, out["jobs"][name]["issue_ms_median"], file=sys.stderr, flush=True)
     streams.close()
-    # the same staged jobs with torch's gather/scatter ops, in this run: a lent GPU's host differs
-    # by 2x in call costs from one loan to the next, so only a comparison within one run is fair
-    torch_ops = TorchCudaStreams(device, own_kernels=False)
-    out["jobs_torch_ops"] = {}
-    for direction in Direction:
-        name = f"LBNHC 16 KiB staged {direction.value}"
-        out["jobs_torch_ops"][name] = profile_jobs(torch_ops, "LBNHC", 2, CopyMethod.STAGED, direction, job_ids)
-    torch_ops.close()
+    # the same 16 KiB staged jobs issued op by op, and with torch's gather/scatter ops, in this
+    # run: a lent GPU's host differs by 2x in call costs from one loan to the next, so only a
+    # comparison within one run is fair
+    for section, options in (("jobs_without_graphs", {"job_graphs": False}), ("jobs_torch_ops", {"own_kernels": False})):
+        variant = TorchCudaStreams(device, **options)
+        out[section] = {}
+        for direction in Direction:
+            name = f"LBNHC 16 KiB staged {direction.value}"
+            out[section][name] = profile_jobs(variant, "LBNHC", 2, CopyMethod.STAGED, direction, job_ids)
+        variant.close()
     print(json.dumps(out, indent=1))
 
 

@@ -12,6 +12,7 @@
   against vLLM's own view code on CPU), from and to a pinned /dev/shm region, and leave the same
   slot bytes as the CPU engine does on the same pages;
 - staged jobs many times larger than the staging buffers, chunks splitting blocks, bit-exact;
+- repeated staged jobs of one shape issued as CUDA graphs (kvtier.copy.cudagraph), bit-exact;
 - the step orders of vLLM's model runners at the copy level (tests/test_runner_orders.py runs them
   through vLLM's scheduler, which cannot run here: no vLLM on the GPU machine): under V1's order a
   store flushed before the step rewrites its block holds the old bytes; under V2's, a store still
@@ -225,6 +226,52 @@ def test_staged_jobs_larger_than_the_staging_buffers_round_trip_bit_exact(name, 
         for source, target in zip(sources, targets):
             for layer in layers:
                 assert torch.equal(page_bytes(paged, layer, target), originals[layer, source]), (name, layer, target)
+
+
+@pytest.mark.parametrize("name", ["LBNHC-attention", "BLNHC-attention", "LBNHC-mamba-hybrid", "LBNHC-kernel-blocks",
+                                  "LBNHC-padded-attention"])
+@pytest.mark.parametrize("chunk_pages, buffers", [(2, 2), (5, 3)])
+def test_repeated_staged_jobs_go_as_cuda_graphs_bit_exact(name, chunk_pages, buffers, device, shm_region):
+    """Three stores, then three loads, of one shape (4 whole blocks to 4 consecutive slots): the
+    second and third of each are one CUDA graph launched with their own host addresses
+    (kvtier.copy.cudagraph); every byte as the CPU engine moves it."""
+    case = CASES[name]
+    kv = build(case, NUM_BLOCKS, device)
+    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8, device=device))
+    groups = len(kv.layer_groups)
+    slot_bytes = len(kv.views) * case.page_bytes
+    buffer, _ = shm_region(12 * slot_bytes, slot_bytes)
+    engine, paged, host = engine_for(kv, case, buffer, 12, CopyMethod.STAGED,
+                                     chunk_bytes=chunk_pages * case.page_bytes, buffers=buffers)
+    sources = [[3, 11, 1, 8], [9, 2, 10, 5], [0, 4, 6, 7]]
+    stores = [[PageCopy(4 * j + s, 0, b, g) for s, b in enumerate(blocks) for g in range(groups)]
+              for j, blocks in enumerate(sources)]
+    cpu = build(case, NUM_BLOCKS, "cpu")
+    cpu.raw.copy_(kv.raw.cpu())
+    expected = torch.zeros_like(host.buffer)
+    cpu_copier = BlockCopier(PagedKV(cpu.views, NUM_BLOCKS, cpu.layer_groups, cpu.page_bytes),
+                             HostSlots(expected, host.layout))
+    for job_id, store in enumerate(stores):
+        engine.start_store(job_id, store)
+        cpu_copier.copy(Direction.STORE, store)
+    assert all(d.ok for d in wait_done(engine, [0, 1, 2]).values())
+    assert torch.equal(host.buffer, expected)
+    originals = {(layer, b): page_bytes(paged, layer, b) for layer in range(len(kv.views)) for b in range(NUM_BLOCKS)}
+    kv.raw.zero_()
+    targets = [[(b + 5) % NUM_BLOCKS for b in blocks] for blocks in sources]
+    for job_id, blocks in enumerate(targets, start=10):
+        j = job_id - 10
+        engine.start_load(job_id, [PageCopy(4 * j + s, 0, b, g) for s, b in enumerate(blocks) for g in range(groups)],
+                          synchronous=False)
+    assert all(d.ok for d in wait_done(engine, [10, 11, 12]).values())
+    for layers in kv.layer_groups:
+        for source_blocks, target_blocks in zip(sources, targets):
+            for source, target in zip(source_blocks, target_blocks):
+                for layer in layers:
+                    assert torch.equal(page_bytes(paged, layer, target), originals[layer, source]), (name, layer)
+    launches = sorted(lanes.graph_launches for lanes in engine.device._lanes.values())  # noqa: SLF001
+    assert launches == [2, 2], f"graph launches per direction: {launches} (see the log)"
+    engine.close()
 
 
 @pytest.mark.parametrize("method", [CopyMethod.RUNS, CopyMethod.STAGED], ids=lambda m: m.value)

@@ -123,6 +123,28 @@ class CudaRuntime(Protocol):
     def event_destroy(self, event: int) -> None:
         """``cudaEventDestroy``; a failure is drained and logged, never raised."""
 
+    graphs: bool  # whether the graph calls below exist (CUDA runtime 12.0 and later)
+
+    def graph_create(self) -> int:
+        """``cudaGraphCreate``: a new, empty graph. Raises :class:`CudaError`."""
+
+    def graph_add_memcpy(self, graph: int, after: list[int], dst: int, src: int, size: int) -> int:
+        """``cudaGraphAddMemcpyNode1D`` (``cudaMemcpyDefault``) after the nodes ``after``: the
+        node. Raises :class:`CudaError`."""
+
+    def graph_instantiate(self, graph: int) -> int:
+        """``cudaGraphInstantiate(&exec, graph, 0)``. Raises :class:`CudaError`."""
+
+    def graph_set_memcpy(self, instance: int, node: int, dst: int, src: int, size: int) -> None:
+        """``cudaGraphExecMemcpyNodeSetParams1D``: the node's copy from the next launch on.
+        Raises :class:`CudaError`."""
+
+    def graph_launch(self, instance: int, stream: int) -> None:
+        """``cudaGraphLaunch(instance, stream)``. Raises :class:`CudaError`."""
+
+    def graph_destroy(self, graph: int, instance: int | None = None) -> None:
+        """``cudaGraphExecDestroy`` then ``cudaGraphDestroy``; failures logged, never raised."""
+
 
 class _MemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
@@ -185,6 +207,29 @@ class LoadedCudart:
         self._attributes = {order: _MemcpyAttributes(int(order), _MemLocation(0, 0), _MemLocation(0, 0),
                                                      FLAG_PREFER_OVERLAP_WITH_COMPUTE) for order in SourceOrder}
         self._first_attribute = ctypes.c_size_t(0)
+        self.graphs = self._bind_graph_calls()
+
+    def _bind_graph_calls(self) -> bool:
+        """Bind the CUDA graph calls :mod:`kvtier.copy.cudagraph` makes (runtime 12.0 and later: the
+        three-argument ``cudaGraphInstantiate``); False where any is missing (jobs go without graphs)."""
+        if self.version < 12000:
+            return False
+        pointer, node_list = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+        calls = (("cudaGraphCreate", [ctypes.POINTER(pointer), ctypes.c_uint]),
+                 ("cudaGraphAddMemcpyNode1D", [ctypes.POINTER(pointer), pointer, node_list, ctypes.c_size_t, pointer,
+                                               pointer, ctypes.c_size_t, ctypes.c_int]),
+                 ("cudaGraphInstantiate", [ctypes.POINTER(pointer), pointer, ctypes.c_ulonglong]),
+                 ("cudaGraphExecMemcpyNodeSetParams1D", [pointer, pointer, pointer, pointer, ctypes.c_size_t,
+                                                         ctypes.c_int]),
+                 ("cudaGraphLaunch", [pointer, pointer]),
+                 ("cudaGraphExecDestroy", [pointer]),
+                 ("cudaGraphDestroy", [pointer]))
+        if not all(hasattr(self._lib, name) for name, _ in calls):
+            return False
+        for name, args in calls:
+            function = getattr(self._lib, name)
+            function.argtypes, function.restype = args, ctypes.c_int
+        return True
 
     @classmethod
     def find(cls, cuda_version: str | None) -> "LoadedCudart | None":
@@ -332,6 +377,51 @@ class LoadedCudart:
         if code != SUCCESS:
             self.get_last_error()
             logger.warning("kvtier: cudaEventDestroy(0x%x) failed: %s", event, self.error_name(code))
+
+    def graph_create(self) -> int:
+        """A new, empty ``cudaGraph_t``. Raises :class:`CudaError`."""
+        graph = ctypes.c_void_p(0)
+        self._check("cudaGraphCreate", self._lib.cudaGraphCreate(ctypes.byref(graph), 0))
+        return int(graph.value or 0)
+
+    def graph_add_memcpy(self, graph: int, after: list[int], dst: int, src: int, size: int) -> int:
+        """A node of ``graph`` copying ``size`` bytes (direction from the pointers) once the nodes
+        ``after`` ran; its handle. Raises :class:`CudaError`."""
+        node = ctypes.c_void_p(0)
+        dependencies = (ctypes.c_void_p * max(len(after), 1))(*after)
+        self._check("cudaGraphAddMemcpyNode1D", self._lib.cudaGraphAddMemcpyNode1D(
+            ctypes.byref(node), graph, dependencies, len(after), dst, src, size, MEMCPY_DEFAULT))
+        return int(node.value or 0)
+
+    def graph_instantiate(self, graph: int) -> int:
+        """An executable instance of ``graph`` (``cudaGraphExec_t``). Raises :class:`CudaError`."""
+        instance = ctypes.c_void_p(0)
+        self._check("cudaGraphInstantiate", self._lib.cudaGraphInstantiate(ctypes.byref(instance), graph, 0))
+        return int(instance.value or 0)
+
+    def graph_set_memcpy(self, instance: int, node: int, dst: int, src: int, size: int) -> None:
+        """The copy of ``node`` in ``instance`` from the next launch on (launches already issued
+        are unaffected). Raises :class:`CudaError`."""
+        code = self._lib.cudaGraphExecMemcpyNodeSetParams1D(instance, node, dst, src, size, MEMCPY_DEFAULT)
+        if code != SUCCESS:
+            self._check("cudaGraphExecMemcpyNodeSetParams1D", code)
+
+    def graph_launch(self, instance: int, stream: int) -> None:
+        """Issue ``instance`` on ``stream``: after the work issued there before, before the work
+        issued there after. Raises :class:`CudaError`."""
+        code = self._lib.cudaGraphLaunch(instance, stream)
+        if code != SUCCESS:
+            self._check("cudaGraphLaunch", code)
+
+    def graph_destroy(self, graph: int, instance: int | None = None) -> None:
+        """Destroy ``instance`` (no launch of it in flight) and ``graph``; failures drained and logged."""
+        for call, handle in (("cudaGraphExecDestroy", instance), ("cudaGraphDestroy", graph)):
+            if handle is None:
+                continue
+            code = getattr(self._lib, call)(handle)
+            if code != SUCCESS:
+                self.get_last_error()
+                logger.warning("kvtier: %s(0x%x) failed: %s", call, handle, self.error_name(code))
 
     def _check(self, call: str, code: int) -> None:
         if code != SUCCESS:

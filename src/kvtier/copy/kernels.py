@@ -17,7 +17,7 @@ The kernels (one thread block per page, a loop over the page's 16- or 8-byte wor
   rows the kernel computes from the job's engine blocks and the layers' first rows: the host
   uploads one number per block instead of one per (block, layer) page, and computes no index.
 
-:class:`RowKernels` is made once per copy engine side stream pair (:class:`~kvtier.copy.streams._CudaLanes`,
+:class:`RowKernels` is made once per copy engine side stream pair (:class:`~kvtier.copy.lanes.CudaLanes`,
 at registration, the device idle), on the thread that issues the forward, whose current context
 is torch's primary context of the device; every launch is made from that thread. It is used only
 where NVRTC and the driver library are found and the kernels compile and load; otherwise
@@ -87,6 +87,17 @@ KVTIER_ROW_KERNELS(W8, 8)
 """
 THREADS = 256  # per block: one block per page
 MAX_PAGES_PER_LAUNCH = 2**31 - 1  # the grid's x limit
+
+
+class KernelNodeParams(ctypes.Structure):
+    """``CUDA_KERNEL_NODE_PARAMS_v2`` (``cuda.h``, CUDA 12.0 and later; 72 bytes): a kernel node's
+    function, grid, block, shared memory and arguments (``kern`` / ``ctx`` null: ``func`` in the
+    current context)."""
+
+    _fields_ = [("func", ctypes.c_void_p), ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint),
+                ("blockDimZ", ctypes.c_uint), ("sharedMemBytes", ctypes.c_uint), ("kernelParams", ctypes.c_void_p),
+                ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
 
 
 def _nvrtc_candidates(major: int) -> list[str]:
@@ -167,6 +178,17 @@ class RowKernels:
         self._numbers = [ctypes.c_longlong() for _ in range(4)]  # words[, layers, block_rows, first]
         self._params = (ctypes.c_void_p * 7)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
                                                for v in self._pointers + self._numbers))
+        self._add_node = getattr(driver, "cuGraphAddKernelNode_v2", None)  # CUDA 12.0+ drivers
+        if self._add_node is not None:
+            self._add_node.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p,
+                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t,
+                                       ctypes.POINTER(KernelNodeParams)]
+            self._add_node.restype = ctypes.c_int
+
+    @property
+    def graph_nodes(self) -> bool:
+        """Whether :meth:`add_node` can put launches in CUDA graphs (the driver has the call)."""
+        return self._add_node is not None
 
     @classmethod
     def load(cls, arch: tuple[int, int], cuda_major: int, page_bytes: int) -> RowKernels | None:
@@ -220,15 +242,37 @@ class RowKernels:
         else:
             self._run(f"{kind}_blocks", stream, pages, (rows, staged, table), (words, *blocks))
 
-    def _run(self, kind: str, stream: int, pages: int, pointers: tuple[int, ...], numbers: tuple[int, ...]) -> None:
-        if pages <= 0:
-            return
+    def add_node(self, graph: int, after: list[int], kind: str, rows: int, staged: int, table: int, pages: int,
+                 page_bytes: int, blocks: tuple[int, int, int] | None = None) -> int:
+        """:meth:`launch`'s kernel as a node of CUDA graph ``graph`` run after the nodes ``after``
+        (``cuGraphAddKernelNode_v2``; the arguments are copied into the node): its handle. Raises
+        :class:`~kvtier.copy.cudart.CudaError`."""
+        assert self._add_node is not None and pages > 0
+        words = page_bytes // self.word_bytes
+        name = f"{kind}_blocks" if blocks is not None else kind
+        self._fill(pages, (rows, staged, table), (words, *blocks) if blocks is not None else (words,))
+        params = KernelNodeParams(self._functions[name], pages, 1, 1, THREADS, 1, 1, 0,
+                                  ctypes.cast(self._params, ctypes.c_void_p), None, None, None)
+        node = ctypes.c_void_p(0)
+        dependencies = (ctypes.c_void_p * max(len(after), 1))(*after)
+        code = self._add_node(ctypes.byref(node), graph, dependencies, len(after), ctypes.byref(params))
+        if code != 0:
+            raise CudaError(f"cuGraphAddKernelNode(kvtier_{name})", code, self._error_name(code))
+        return int(node.value or 0)
+
+    def _fill(self, pages: int, pointers: tuple[int, ...], numbers: tuple[int, ...]) -> None:
+        """Put a launch's arguments in the slots ``_params`` points to."""
         if pages > MAX_PAGES_PER_LAUNCH:
             raise ValueError(f"{pages} pages in one launch (at most {MAX_PAGES_PER_LAUNCH})")
         for slot, value in zip(self._pointers, pointers):
             slot.value = value
         for slot, value in zip(self._numbers, numbers):
             slot.value = value
+
+    def _run(self, kind: str, stream: int, pages: int, pointers: tuple[int, ...], numbers: tuple[int, ...]) -> None:
+        if pages <= 0:
+            return
+        self._fill(pages, pointers, numbers)
         code = self._launch(self._functions[kind], pages, 1, 1, THREADS, 1, 1, 0, stream, self._params, None)
         if code != 0:
             raise CudaError(f"cuLaunchKernel(kvtier_{kind})", code, self._error_name(code))

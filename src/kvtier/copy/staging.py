@@ -31,7 +31,9 @@ the TRANSFER lane reached it, i.e. after every copy out of (or into) the buffers
 :class:`StagingLanes` is what a job asks of the device; :class:`~kvtier.copy.streams.TorchCudaStreams`
 implements it with two CUDA streams and events, the tests' simulated device with two simulated
 streams (``tests/sim_device.py``), so the same schedule (:meth:`StagedRuns.issue`) is checked for
-bit-exactness and ordering on CPU tensors.
+bit-exactness and ordering on CPU tensors. On a GPU with kvtier's kernels, a job shape's
+repeated jobs go as one CUDA graph of this same schedule (:mod:`kvtier.copy.jobgraph`,
+:mod:`kvtier.copy.cudagraph`).
 
 Memory: :data:`STAGING_BUFFERS` buffers of :data:`STAGING_CHUNK_BYTES` per direction (64 MiB, so
 128 MiB of device memory for stores and loads), allocated when the copy engine is built (vLLM
@@ -81,9 +83,12 @@ class StagingLanes(Protocol):
     def upload(self, plan: StagedRuns) -> torch.Tensor:
         """Issue the upload of what the job's gathers or scatters read (its row index,
         :meth:`StagedRuns.row_index`, or the lanes' choice for a job of whole blocks,
-        :meth:`StagedRuns.block_table`) to the device on the KERNEL lane; the device tensor it
-        lands in (valid for work issued on that lane from now on, until the next upload), handed
-        back to :meth:`gather` / :meth:`scatter`. Never blocks (from page-locked memory on a GPU)."""
+        :meth:`StagedRuns.block_table`) to the device on the KERNEL lane, after :meth:`begin`
+        (the lanes may land every job's upload in one device buffer: begun, the KERNEL lane is past
+        every earlier job's gathers and scatters, whichever lane or graph issued them); the device
+        tensor it lands in (valid for work issued on that lane from now on, until the next upload),
+        handed back to :meth:`gather` / :meth:`scatter`. Never blocks (from page-locked memory on a
+        GPU)."""
 
     def begin(self) -> None:
         """Both lanes start after everything issued so far on the TRANSFER lane."""
@@ -216,6 +221,15 @@ class StagedRuns:
             return None
         return np.concatenate((self.layer_rows, self.blocks))
 
+    def kernel_table(self, uploaded: int, first: int) -> tuple[int, tuple[int, int, int] | None]:
+        """The ``table`` and ``blocks`` arguments of a row kernel
+        (:meth:`kvtier.copy.kernels.RowKernels.launch`) over the job's pages from ``first`` on,
+        ``uploaded`` the device address of the job's :meth:`block_table` (a job of whole blocks)
+        or else of its :meth:`row_index`."""
+        if self.blocks is not None and self.layer_rows is not None:
+            return uploaded, (len(self.layer_rows), self.block_rows, first)
+        return uploaded + 8 * first, None
+
     @property
     def num_chunks(self) -> int:
         return len(self.run_bounds) - 1
@@ -225,6 +239,11 @@ class StagedRuns:
         """Host copies (DMA descriptors) of the job."""
         return len(self.sizes)
 
+    @property
+    def one_run_per_chunk(self) -> bool:
+        """Whether each chunk's host copies are one run (the usual job: consecutive slots)."""
+        return self.num_runs == self.num_chunks
+
     def chunk_runs(self, chunk: int) -> HostRuns:
         """Chunk ``chunk``'s host copies, through its staging buffer."""
         lo, hi = int(self.run_bounds[chunk]), int(self.run_bounds[chunk + 1])
@@ -232,21 +251,26 @@ class StagedRuns:
         return HostRuns(self.direction, self.buffers.flat[buffer], self.host, self.staging_offset[lo:hi],
                         self.host_offset[lo:hi], self.sizes[lo:hi], self.staging_addr[lo:hi], self.host_addr[lo:hi])
 
+    def copy_addresses(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The job's host copies as (destinations, sources, sizes) raw addresses, run order."""
+        if self.direction is Direction.STORE:
+            return self.host_addr, self.staging_addr, self.sizes
+        return self.staging_addr, self.host_addr, self.sizes
+
     def chunk_addresses(self, chunk: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Chunk ``chunk``'s host copies as (destinations, sources, sizes) raw addresses, the
         arrays a batched copy call reads (views of the plan's arrays)."""
         lo, hi = int(self.run_bounds[chunk]), int(self.run_bounds[chunk + 1])
-        if self.direction is Direction.STORE:
-            return self.host_addr[lo:hi], self.staging_addr[lo:hi], self.sizes[lo:hi]
-        return self.staging_addr[lo:hi], self.host_addr[lo:hi], self.sizes[lo:hi]
+        dsts, srcs, sizes = self.copy_addresses()
+        return dsts[lo:hi], srcs[lo:hi], sizes[lo:hi]
 
     def issue(self, lanes: StagingLanes) -> None:
         """Issue the whole job on ``lanes`` (see the module docstring); returns at once."""
         count = len(self.buffers.rows)
         store = self.direction is Direction.STORE
         chunks, chunk_pages, total = self.num_chunks, self.chunk_pages, self.num_pages
-        index = lanes.upload(self)  # needs no ordering but the KERNEL lane's own: before begin()
         lanes.begin()
+        index = lanes.upload(self)  # after begin: every earlier job's gathers or scatters read the last upload
         for c in range(chunks):
             buffer = c % count
             first = c * chunk_pages
@@ -319,6 +343,8 @@ class StagedPlanner:
         self.chunk_pages = max(chunk_bytes // page, 1)
         self.buffer_count = max(buffers, 1)
         self._buffers: dict[Direction, StagingBuffers] = {}
+        self._host_address = host.data_ptr()
+        self._chunked: dict[tuple[Direction, int], tuple[np.ndarray, ...]] = {}  # see _one_run_chunks
 
     @staticmethod
     def fits(kv: PagedKV) -> bool:
@@ -377,26 +403,44 @@ class StagedPlanner:
         :class:`StagedRuns` fields of a job of whole blocks) whose host copies break at the page
         positions ``breaks`` and at every chunk's start; ``host_offset(starts)``: where in the
         host region the pages at positions ``starts`` go."""
-        page, chunk = self.page_bytes, self.chunk_pages
-        chunk_starts = np.arange(0, count, chunk)
-        if len(breaks) <= 1:  # one host run (or none): it breaks at chunk starts only
-            starts = chunk_starts
-        else:
-            starts = np.union1d(breaks, chunk_starts)
-        sizes = np.diff(np.append(starts, count)) * page
-        chunk_of = starts // chunk
-        if len(starts) == len(chunk_starts):  # one run per chunk
-            run_bounds = np.arange(len(chunk_starts) + 1)
-        else:
-            run_bounds = np.searchsorted(chunk_of, np.arange(len(chunk_starts) + 1), side="left")
         buffers = self.buffers(direction)
-        staging_offset = (starts - chunk_of * chunk) * page
+        if len(breaks) <= 1:  # one host run (or none): it breaks at chunk starts only
+            starts, run_bounds, staging_offset, sizes, staging_addr = self._one_run_chunks(direction, count)
+        else:
+            page, chunk = self.page_bytes, self.chunk_pages
+            chunk_starts = np.arange(0, count, chunk)
+            starts = np.union1d(breaks, chunk_starts)
+            sizes = (np.diff(np.append(starts, count)) * page).astype(np.int64, copy=False)
+            chunk_of = starts // chunk
+            run_bounds = np.searchsorted(chunk_of, np.arange(len(chunk_starts) + 1), side="left")
+            staging_offset = (starts - chunk_of * chunk) * page
+            staging_addr = buffers.addresses[chunk_of % self.buffer_count] + staging_offset
         hosts = host_offset(starts)
-        staging_addr = buffers.addresses[chunk_of % self.buffer_count] + staging_offset
-        host_addr = self.host.data_ptr() + hosts
-        return StagedRuns(direction, self.rows, self.host, index, chunk, run_bounds, staging_offset, hosts,
-                          sizes.astype(np.int64, copy=False), staging_addr, host_addr, buffers, self._rows_address,
-                          **blocks)
+        return StagedRuns(direction, self.rows, self.host, index, self.chunk_pages, run_bounds, staging_offset, hosts,
+                          sizes, staging_addr, self._host_address + hosts, buffers, self._rows_address, **blocks)
+
+    _CHUNKED_SHAPES = 64  # job sizes whose chunking is kept
+
+    def _one_run_chunks(self, direction: Direction, count: int) -> tuple[np.ndarray, ...]:
+        """(run starts, run bounds, staging offsets, sizes, staging addresses) of a job of
+        ``count`` pages whose host copies are one run, cut at chunk starts: the same for every
+        such job of that size (most jobs: consecutive slots), so computed once per size (the last
+        :data:`_CHUNKED_SHAPES` sizes) and shared read-only by their plans."""
+        key = (direction, count)
+        found = self._chunked.get(key)
+        if found is not None:
+            return found
+        page, chunk = self.page_bytes, self.chunk_pages
+        starts = np.arange(0, count, chunk)
+        sizes = (np.diff(np.append(starts, count)) * page).astype(np.int64, copy=False)
+        staging_addr = self.buffers(direction).addresses[(starts // chunk) % self.buffer_count]
+        found = (starts, np.arange(len(starts) + 1), np.zeros(len(starts), dtype=np.int64), sizes, staging_addr)
+        for array in found:
+            array.flags.writeable = False
+        if len(self._chunked) >= self._CHUNKED_SHAPES:
+            self._chunked.pop(next(iter(self._chunked)))
+        self._chunked[key] = found
+        return found
 
     def buffers(self, direction: Direction) -> StagingBuffers:
         """The direction's staging buffers (allocated at the first call). Raises

@@ -1,0 +1,88 @@
+"""kvtier's own host time to issue one staged CUDA copy job, on this machine's CPU (no GPU needed):
+``start_store`` / ``start_load`` of the GPU kit's job (512 blocks x 32 layers, LBNHC pages of 8, 16
+and 64 KiB, consecutive slots, scattered engine blocks) through ``TorchCudaStreams`` and its lanes
+on a device whose calls cost nothing (``tests/host_device.py`` with ``execute=False``), each
+job shape issued as a CUDA graph (the default from its second job on, ``kvtier.copy.cudagraph``)
+and op by op. What it leaves out is the device calls' own cost (ctypes, the runtime, the
+driver), measured on a GPU by ``tests/gpu/profile_issue.py``; the goal for the whole start call,
+< 0.2 ms, is judged there (``scripts/gpu-check.sh``).
+
+Prints one JSON: per page size and direction, the median and the minimum microseconds of the
+start call (this machine is shared: the minimum is the steadier figure), and the device calls
+one job makes.
+
+    python benchmarks/bench_issue_host.py [--jobs 1000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from gpu_layouts import Case, build  # noqa: E402
+from host_device import HostDevice, host_streams  # noqa: E402
+
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table  # noqa: E402
+from kvtier.copy.cuda import CudaCopyEngine  # noqa: E402
+from kvtier.copy.staging import CopyMethod  # noqa: E402
+from kvtier.core.slots import HostSlotLayout  # noqa: E402
+
+BLOCKS, LAYERS = 512, 32
+
+
+def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int) -> dict:
+    case = Case("LBNHC", layers=LAYERS, heads=heads, tokens=16, content=256, dtype=torch.bfloat16)
+    kv = build(case, BLOCKS + 8, "cpu")
+    paged = PagedKV(kv.views, BLOCKS + 8)
+    slots = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, BLOCKS)
+    host = HostSlots(torch.empty(slots.region_bytes, dtype=torch.uint8), slots)
+    device = HostDevice(execute=False)
+    streams = host_streams(device, job_graphs=graphs)
+    engine = CudaCopyEngine(BlockCopier(paged, host), streams, CopyMethod.STAGED)
+    job = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)])  # as the scheduler sends it
+    ids = itertools.count()
+    seconds, calls = [], Counter()
+    for i in range(jobs):
+        before = Counter(device.calls)
+        began = time.perf_counter()
+        if direction is Direction.STORE:
+            engine.start_store(next(ids), job)
+        else:
+            engine.start_load(next(ids), job, synchronous=False)
+        seconds.append(time.perf_counter() - began)
+        if i == jobs - 1:
+            calls = device.calls - before
+        engine.poll()
+    engine.close()
+    return {"median_us": round(statistics.median(seconds) * 1e6, 1), "min_us": round(min(seconds) * 1e6, 1),
+            "device_calls_per_job": dict(sorted(calls.items()))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=1000)
+    args = parser.parse_args()
+    rows = []
+    for heads in (1, 2, 8):
+        for direction in Direction:
+            row = {"page_kib": heads * 8, "direction": direction.value}
+            for name, graphs in (("graph", True), ("op_by_op", False)):
+                row[name] = issue_times(heads, direction, graphs, args.jobs)
+            rows.append(row)
+    print(json.dumps({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+                      "blocks": BLOCKS, "layers": LAYERS, "jobs": args.jobs, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""The two lanes a staged copy job runs on with CUDA (:class:`CudaLanes`: a side stream and a
+KERNEL stream paired with it, marks between them, index uploads, kvtier's kernels, job graphs),
+and the pools of CUDA events that :class:`~kvtier.copy.streams.TorchCudaStreams` and its lanes
+take events from (:class:`EventPool`).
+
+Made and called by :class:`~kvtier.copy.streams.TorchCudaStreams` only, on the thread that issues
+the forward; its tests run on CPU through a stand-in device that runs every call on host memory
+(``tests/host_device.py``), the real calls in the GPU kit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kvtier.copy.cudagraph import CudaJobGraph
+from kvtier.copy.jobgraph import GraphCache, graph_key
+from kvtier.copy.kernels import RowKernels
+from kvtier.copy.staging import Lane, StagedRuns
+
+if TYPE_CHECKING:
+    from kvtier.copy.streams import TorchCudaStreams
+
+logger = logging.getLogger(__name__)
+
+
+class EventPool:
+    """Events of one kind (``timing``: able to time the work between two records, else for
+    ordering only) for a :class:`TorchCudaStreams` and its lanes: with a runtime, the runtime's,
+    made on the KV cache's device when none is free and handed out again once given back, every
+    one made destroyed by :meth:`close` (once nothing in flight names them); without one, a new
+    torch event each time, left to torch. Calling thread only."""
+
+    def __init__(self, streams: TorchCudaStreams, timing: bool):
+        self._streams, self._timing = streams, timing
+        self._made: list[int] = []
+        self._free: list[int] = []
+
+    def take(self) -> Any:
+        if self._free:
+            return self._free.pop()
+        streams = self._streams
+        if streams.runtime is None:
+            return streams._cuda.Event(enable_timing=self._timing)
+        with streams._cuda.device(streams.device):
+            event = streams.runtime.event_create(timing=self._timing)
+        self._made.append(event)
+        return event
+
+    def give(self, event: Any) -> None:
+        if self._streams.runtime is not None:
+            self._free.append(event)
+
+    def close(self) -> None:
+        made, self._made, self._free = self._made, [], []
+        for event in made:
+            self._streams.runtime.event_destroy(event)
+
+
+class CudaLanes:
+    """:class:`~kvtier.copy.staging.StagingLanes` on a pair of CUDA streams: ``transfer`` (the
+    side stream of a direction) and ``kernel_stream``, with the events of its marks made once
+    (ordering only, no timing) and reused by every job of the pair: a wait binds to a mark's
+    latest record, and each job records a mark before it waits for it. Events come from the
+    runtime where one was found (a third of torch's host time per call), else from torch (an
+    :class:`EventPool` of ordering events, which also serves the uploads).
+
+    Made when the copy engine is built (the device idle), so that nothing a first job does
+    waits for the device: the gather and scatter kernels are loaded (kvtier's own,
+    :class:`~kvtier.copy.kernels.RowKernels`, where NVRTC is found; else torch's, of the rows'
+    dtype: CUDA loads modules lazily, and a load may wait for the work in flight), and index
+    uploads go from a page-locked ring of :data:`UPLOAD_RING_BYTES` made here (a job whose
+    index does not fit, or whose part of the ring the device has not read yet, takes torch's
+    page-locked allocator instead) into one device index tensor, grown when a job needs more.
+
+    ``raw``: with a runtime and kvtier's kernels every call names its stream (uploads, launches,
+    copies, marks), so :meth:`TorchCudaStreams.copy` sets no current stream while the calling
+    thread's current device is the KV cache's (the kernels were loaded in its context; a worker
+    never changes it, and if it did the job would be issued under ``torch.cuda.device``); else
+    torch's ops run on ``kernel_stream``, made current around the whole job. Called on the thread
+    that issues the forward only."""
+
+    UPLOAD_RING_BYTES = 4 * 2**20  # 512 Ki pages of index per job and in flight
+
+    def __init__(self, streams: TorchCudaStreams, transfer: Any, kernel_stream: Any, rows: torch.Tensor):
+        self.streams = streams
+        self.transfer_stream = transfer
+        self.kernel_stream = kernel_stream
+        self.runtime = streams.runtime
+        if self.runtime is not None:
+            self._handles = {Lane.TRANSFER: transfer.cuda_stream, Lane.KERNEL: kernel_stream.cuda_stream}
+        else:
+            self._handles = {Lane.TRANSFER: transfer, Lane.KERNEL: kernel_stream}
+        self._ordering = EventPool(streams, timing=False)  # the marks' and the uploads' events
+        self._events: dict[int, Any] = {}  # mark -> event, taken at its first record
+        cuda = streams._cuda
+        self._ring = streams.pinned(self.UPLOAD_RING_BYTES)
+        self._ring_words = self._ring.view(torch.int64)
+        self._ring_numpy = self._ring_words.numpy()
+        self._ring_address = self._ring.data_ptr()
+        self._ring_head = 0
+        self._ring_pending: deque[tuple[int, int, Any]] = deque()  # (first, end) words, event after its upload
+        with cuda.stream(kernel_stream):
+            self._index = torch.empty(64 * 1024, dtype=torch.int64, device=rows.device)
+            pick = self._index[:1].zero_()
+            source = torch.zeros(2, rows.shape[1], dtype=rows.dtype, device=rows.device)
+            target = torch.empty(1, rows.shape[1], dtype=rows.dtype, device=rows.device)
+            torch.index_select(source, 0, pick, out=target)  # load the kernels now
+            source.index_copy_(0, pick, target)
+        self.kernels = None
+        self.page_bytes = rows.shape[1] * rows.element_size()
+        if self.runtime is not None and streams.own_kernels:
+            self.kernels = self._load_kernels(rows.device, source, target, pick)
+        kernel_stream.synchronize()
+        self.raw = self.kernels is not None
+        self._graphs: GraphCache[CudaJobGraph] | None = None
+        if self.raw and streams.job_graphs and getattr(self.runtime, "graphs", False) and self.kernels.graph_nodes:
+            self._graphs = GraphCache(self._retire)
+        self._index_address = self._index.data_ptr()
+        self._graphs_built_on = self._index_address
+        self._retired: deque[tuple[CudaJobGraph | torch.Tensor, Any]] = deque()  # (what, event after its last use)
+        self.graph_launches = 0  # jobs issued as a CUDA graph (the kit reports it)
+
+    def _load_kernels(self, device: torch.device, source: torch.Tensor, target: torch.Tensor,
+                      pick: torch.Tensor) -> RowKernels | None:
+        """kvtier's row kernels, loaded and run once on the KERNEL stream; None if unavailable."""
+        kernels = self.streams.load_kernels(device, self.page_bytes)
+        if kernels is None:
+            return None
+        handle = self.kernel_stream.cuda_stream
+        try:
+            for kind in ("gather", "scatter"):
+                kernels.launch(kind, handle, source.data_ptr(), target.data_ptr(), pick.data_ptr(), 1, self.page_bytes)
+        except Exception as exc:  # noqa: BLE001 - any failure: torch's ops instead
+            logger.warning("kvtier: kvtier's copy kernels failed a first launch (%s): torch's ops instead", exc)
+            self.runtime.get_last_error()
+            return None
+        return kernels
+
+    def issue(self, plan: StagedRuns) -> None:
+        """Issue a staged job (``raw`` lanes): as its shape's CUDA graph where it has one (its
+        numbers uploaded on the TRANSFER lane, then one launch there: :mod:`kvtier.copy.cudagraph`),
+        else op by op (:meth:`~kvtier.copy.staging.StagedRuns.issue`). A graph that cannot be
+        built or launched turns graphs off for these lanes (logged); that job goes op by op."""
+        if self._retired:
+            self._destroy_retired()
+        key = graph_key(plan) if self._graphs is not None else None
+        if key is not None:
+            numbers = self._numbers(plan)
+            graph = self._graph(plan, key, len(numbers))
+            if graph is not None:
+                self._upload(numbers, Lane.TRANSFER)
+                try:
+                    graph.launch(plan, self._handles[Lane.TRANSFER])
+                    self.graph_launches += 1
+                    return
+                except Exception as exc:  # noqa: BLE001 - nothing of the job was launched: op by op instead
+                    self._graphs_off(f"a launch failed ({exc})")
+        plan.issue(self)
+
+    def _graph(self, plan: StagedRuns, key: Any, count: int) -> CudaJobGraph | None:
+        """``key``'s graph (``plan`` of that shape, ``count`` numbers to upload), or None."""
+        assert self._graphs is not None
+        self._reserve(count)
+        if self._index_address != self._graphs_built_on:  # the kernels of every graph read the old one
+            self._graphs.clear()
+            self._graphs_built_on = self._index_address
+        try:
+            return self._graphs.find(key, lambda: CudaJobGraph.build(self.runtime, self.kernels, plan,
+                                                                     self._index_address, self.page_bytes))
+        except Exception as exc:  # noqa: BLE001 - an optimization only: jobs go op by op
+            self._graphs_off(f"one could not be built ({exc})")
+            return None
+
+    def _graphs_off(self, why: str) -> None:
+        logger.warning("kvtier: staged copies go op by op from now on, not as CUDA graphs: %s", why)
+        graphs, self._graphs = self._graphs, None
+        if graphs is not None:
+            graphs.clear()
+
+    def _retire(self, what: CudaJobGraph | torch.Tensor) -> None:
+        """Destroy a graph, or drop an index buffer graphs read, once everything issued so far on
+        the TRANSFER lane (every launch of a graph) ran."""
+        event = self._ordering.take()
+        self.runtime.event_record(event, self._handles[Lane.TRANSFER])
+        self._retired.append((what, event))
+
+    def _destroy_retired(self) -> None:
+        while self._retired and self.runtime.event_query(self._retired[0][1]):
+            what, event = self._retired.popleft()
+            if isinstance(what, CudaJobGraph):
+                what.destroy()
+            self._ordering.give(event)
+
+    def _numbers(self, plan: StagedRuns) -> np.ndarray:
+        """What the job's kernels read: with kvtier's kernels and a job of whole blocks its block
+        table (:meth:`~kvtier.copy.staging.StagedRuns.block_table`: one number per block), else
+        its row index."""
+        table = plan.block_table() if self.kernels is not None else None
+        return table if table is not None else plan.row_index()
+
+    def _reserve(self, count: int) -> None:
+        """The device index buffer at least ``count`` long: grown on the KERNEL stream, whose
+        kernels that read the old one are before any reuse of its memory there; graphs (launched
+        on the TRANSFER lane) may read it later, so the old one is kept until they ran."""
+        if count > len(self._index):
+            old = self._index
+            with self.streams._cuda.device(old.device), self.streams._cuda.stream(self.kernel_stream):
+                self._index = torch.empty(max(count, 2 * len(old)), dtype=torch.int64, device=old.device)
+            self._index_address = self._index.data_ptr()
+            if self.graph_launches:
+                self._retire(old)
+
+    def upload(self, plan: StagedRuns) -> torch.Tensor:
+        """The job's numbers (:meth:`_numbers`) in the device index buffer, uploaded on the KERNEL lane."""
+        numbers = self._numbers(plan)
+        self._upload(numbers, Lane.KERNEL)
+        return self._index[:len(numbers)]
+
+    def _upload(self, numbers: np.ndarray, lane: Lane) -> None:
+        """Issue the copy of ``numbers`` to the start of the device index buffer on ``lane``: from
+        the page-locked ring, or where it has no room, from a page-locked buffer of its own."""
+        count = len(numbers)
+        self._reserve(count)
+        first = self._take(count)
+        if first is None:
+            host = self.streams.pinned(8 * count).view(torch.int64)
+            host.numpy()[:] = numbers
+            stream = self.kernel_stream if lane is Lane.KERNEL else self.transfer_stream
+            with self.streams._cuda.device(self._index.device), self.streams._cuda.stream(stream):
+                self._index[:count].copy_(host, non_blocking=True)
+            return
+        self._ring_numpy[first:first + count] = numbers
+        if self.runtime is not None:
+            self.runtime.memcpy(self._index_address, self._ring_address + 8 * first, 8 * count, self._handles[lane])
+            done = self._ordering.take()
+            self.runtime.event_record(done, self._handles[lane])
+        else:
+            with self.streams._cuda.stream(self._handles[lane]):
+                self._index[:count].copy_(self._ring_words[first:first + count], non_blocking=True)
+                done = self._ordering.take()
+                done.record(self._handles[lane])
+        self._ring_pending.append((first, first + count, done))
+
+    def _uploaded(self, event: Any) -> bool:
+        if self.runtime is not None:
+            return self.runtime.event_query(event)
+        return event.query()
+
+    def _take(self, count: int) -> int | None:
+        """Where ``count`` words of the ring can be written now, or None (too large, or those
+        words' last upload not run yet: never waited for)."""
+        size = len(self._ring_words)
+        if count > size:
+            return None
+        while self._ring_pending and self._uploaded(self._ring_pending[0][2]):
+            self._ordering.give(self._ring_pending.popleft()[2])
+        first = self._ring_head if self._ring_head + count <= size else 0
+        end = first + count
+        if any(a < end and first < b for a, b, _ in self._ring_pending):
+            return None
+        self._ring_head = end
+        return first
+
+    BEGIN, KERNEL_END = -1, -2  # the lanes' own marks (a job's marks are >= 0)
+
+    def begin(self) -> None:
+        self.mark(Lane.TRANSFER, self.BEGIN)
+        self.wait(Lane.KERNEL, self.BEGIN)
+
+    def gather(self, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        if self.kernels is None:
+            plan.torch_gather(uploaded, first, pages, buffer)
+        else:
+            self._launch("gather", plan, uploaded, first, pages, buffer)
+
+    def scatter(self, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        if self.kernels is None:
+            plan.torch_scatter(uploaded, first, pages, buffer)
+        else:
+            self._launch("scatter", plan, uploaded, first, pages, buffer)
+
+    def _launch(self, kind: str, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
+        """kvtier's kernel ``kind`` on the KERNEL lane; ``uploaded`` is the block table of a job of
+        whole blocks, else its row index (see :meth:`upload`)."""
+        assert self.kernels is not None
+        table, blocks = plan.kernel_table(uploaded.data_ptr(), first)
+        self.kernels.launch(kind, self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
+                            table, pages, self.page_bytes, blocks=blocks)
+
+    def transfer(self, plan: StagedRuns, chunk: int) -> None:
+        self.streams._host_copies(self.transfer_stream, plan, chunk)
+
+    def mark(self, lane: Lane, mark: int) -> None:
+        event = self._events.get(mark)
+        if event is None:
+            event = self._events[mark] = self._ordering.take()
+        if self.runtime is not None:
+            self.runtime.event_record(event, self._handles[lane])
+        else:
+            event.record(self._handles[lane])
+
+    def wait(self, lane: Lane, mark: int) -> None:
+        if self.runtime is not None:
+            self.runtime.stream_wait_event(self._handles[lane], self._events[mark])
+        else:
+            self._handles[lane].wait_event(self._events[mark])
+
+    def finish(self) -> None:
+        self.mark(Lane.KERNEL, self.KERNEL_END)
+        self.wait(Lane.TRANSFER, self.KERNEL_END)
+
+    def close(self) -> None:
+        """Release the upload ring and index, then destroy the events and unload the kernels,
+        while the pair's streams still exist (every job completed: the engine waited). The ring
+        must go first: torch's page-locked allocator records an event on each stream that used a
+        block when the block is freed, and a destroyed stream makes that fail in a destructor,
+        which aborts the process."""
+        self.kernel_stream.synchronize()
+        self.transfer_stream.synchronize()
+        if self._graphs is not None:
+            self._graphs.clear()
+        for what, _ in self._retired:
+            if isinstance(what, CudaJobGraph):
+                what.destroy()
+        self._retired = deque()
+        self._ring_pending = deque()
+        self._ring = self._ring_words = self._ring_numpy = self._index = None
+        self._events = {}
+        self._ordering.close()
+        if self.kernels is not None:
+            self.kernels.close()
+            self.kernels = None

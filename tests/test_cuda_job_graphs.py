@@ -1,0 +1,192 @@
+"""The CUDA engine's staged path as it runs on a GPU with kvtier's kernels (``TorchCudaStreams`` and
+its lanes, ``kvtier.copy.cudagraph``), on CPU tensors through a stand-in device that runs every
+call at once on host memory (``tests/host_device.py``): every address, size and kernel argument
+the GPU path computes is checked by the bytes it lands; the ordering between lanes is
+``tests/test_job_graphs.py``'s.
+
+- a job shape's first job goes op by op, its second is built into a graph and launched, later
+  ones cost one copy update per chunk and one launch, and every job is bit-exact, store and load;
+- jobs whose chunks are several host runs never become graphs;
+- a graph that fails to build or launch turns graphs off (logged) and the job still lands;
+- graphs built on an index buffer that was grown are retired and rebuilt; closing destroys
+  every graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from host_device import HostDevice, host_streams
+
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
+from kvtier.copy.cuda import CudaCopyEngine
+from kvtier.copy.staging import CopyMethod
+from kvtier.core.slots import HostSlotLayout
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+from gpu_layouts import CASES, Case, build  # noqa: E402
+from test_staged_copies import STAGED_CASES  # noqa: E402
+
+LAYERS, BLOCKS, SLOTS = 4, 24, 24
+CHUNK_PAGES = 3  # a block is 4 pages: chunks split blocks
+
+
+def rig(device: HostDevice, chunk_pages: int = CHUNK_PAGES):
+    case = Case("LBNHC", layers=LAYERS, heads=1, tokens=16, content=32, dtype=torch.float16)
+    kv = build(case, BLOCKS, "cpu")
+    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8))
+    paged = PagedKV(kv.views, BLOCKS)
+    layout = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, SLOTS)
+    host = HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout)
+    streams = host_streams(device)
+    engine = CudaCopyEngine(BlockCopier(paged, host), streams, CopyMethod.STAGED,
+                            chunk_bytes=chunk_pages * paged.page_bytes, buffers=2)
+    return engine, streams, paged, host
+
+
+def layout_rig(device: HostDevice, case_name: str, chunk_pages: int, buffers: int, num_blocks: int = 12,
+               num_slots: int = 12):
+    case = CASES[case_name]
+    kv = build(case, num_blocks, "cpu")
+    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8))
+    paged = PagedKV(kv.views, num_blocks, kv.layer_groups, kv.page_bytes)
+    layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, num_slots)
+    host = HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout)
+    streams = host_streams(device)
+    engine = CudaCopyEngine(BlockCopier(paged, host), streams, CopyMethod.STAGED,
+                            chunk_bytes=chunk_pages * paged.page_bytes, buffers=buffers)
+    return engine, streams, kv, paged, host
+
+
+@pytest.mark.parametrize("case_name", STAGED_CASES)
+@pytest.mark.parametrize("chunk_pages, buffers", [(2, 2), (5, 3)])
+def test_every_staged_layout_repeats_as_graphs_bit_exact(case_name, chunk_pages, buffers):
+    """What the GPU kit runs on a device (tests/gpu/test_gpu_copies.py, the same name): three
+    stores then three loads of one shape (4 whole blocks, 4 consecutive slots), for every layout
+    and page shape staged jobs take; the second and third of each direction are graph launches."""
+    device = HostDevice()
+    engine, streams, kv, paged, host = layout_rig(device, case_name, chunk_pages, buffers)
+    groups = len(kv.layer_groups)
+    sources = [[3, 11, 1, 8], [9, 2, 10, 5], [0, 4, 6, 7]]
+    expected = torch.zeros_like(host.buffer)
+    cpu_copier = BlockCopier(paged, HostSlots(expected, host.layout))
+    for job_id, blocks in enumerate(sources):
+        store = [PageCopy(4 * job_id + s, 0, b, g) for s, b in enumerate(blocks) for g in range(groups)]
+        engine.start_store(job_id, store)
+        cpu_copier.copy(Direction.STORE, store)
+    assert all(d.ok for d in engine.poll())
+    assert torch.equal(host.buffer, expected)
+    originals = kv.raw.clone()
+    kv.raw.zero_()
+    targets = [[(b + 5) % 12 for b in blocks] for blocks in sources]
+    for j, blocks in enumerate(targets):
+        engine.start_load(10 + j, [PageCopy(4 * j + s, 0, b, g) for s, b in enumerate(blocks) for g in range(groups)],
+                          synchronous=False)
+    assert all(d.ok for d in engine.poll())
+    loaded = kv.raw.clone()
+    for layers in kv.layer_groups:
+        for source_blocks, target_blocks in zip(sources, targets):
+            for source, target in zip(source_blocks, target_blocks):
+                for layer in layers:
+                    kv.raw.copy_(originals)
+                    want = paged.page(layer, source).clone()
+                    kv.raw.copy_(loaded)
+                    assert torch.equal(paged.page(layer, target), want), (case_name, layer, source, target)
+    assert sorted(lanes.graph_launches for lanes in streams._lanes.values()) == [2, 2]  # noqa: SLF001
+    engine.close()
+
+
+def pages_of(slots, blocks):
+    return [PageCopy(slot, 0, block) for slot, block in zip(slots, blocks)]
+
+
+def store_exactly(engine, paged, host, job_id, pages) -> bool:
+    engine.start_store(job_id, pages)
+    [done] = engine.poll()
+    expected = torch.zeros_like(host.buffer)
+    BlockCopier(paged, HostSlots(expected, host.layout)).copy(Direction.STORE, pages)
+    theirs = HostSlots(expected, host.layout)
+    return done.ok and all(torch.equal(host.page(p.slot, layer, 0), theirs.page(p.slot, layer, 0))
+                           for p in pages for layer in range(LAYERS))
+
+
+def load_exactly(engine, paged, host, job_id, pages) -> bool:
+    for p in pages:
+        for layer in range(LAYERS):
+            paged.page(layer, p.block_id).zero_()
+    engine.start_load(job_id, pages, synchronous=False)
+    [done] = engine.poll()
+    return done.ok and all(torch.equal(paged.page(layer, p.block_id).reshape(-1).view(torch.uint8),
+                                       host.page(p.slot, layer, 0).reshape(-1).view(torch.uint8))
+                           for p in pages for layer in range(LAYERS))
+
+
+
+
+def test_a_shapes_second_job_is_a_graph_and_every_job_lands_exactly():
+    device = HostDevice()
+    engine, streams, paged, host = rig(device)
+    jobs = [pages_of(range(first, first + 6), blocks) for first, blocks in
+            ((0, [3, 11, 1, 8, 9, 2]), (6, [13, 5, 0, 7, 4, 12]), (12, [22, 20, 21, 6, 10, 14]), (18, [15, 16, 17, 18, 19, 23]))]
+    for job_id, pages in enumerate(jobs):
+        before = Counter(device.calls)
+        assert store_exactly(engine, paged, host, job_id, pages), job_id
+        spent = device.calls - before
+        chunks = -(-6 * LAYERS // CHUNK_PAGES)
+        if job_id == 0:
+            assert spent["graph_create"] == 0 and spent["launch"] == chunks  # op by op
+        elif job_id == 1:
+            assert spent["graph_create"] == 1 and spent["add_node"] == chunks and spent["graph_add_memcpy"] == chunks
+        if job_id >= 1:  # the upload, then one update per chunk and a launch: no kernel launch, no chunk copy
+            assert (spent["memcpy"], spent["launch"], spent["graph_set_memcpy"], spent["graph_launch"]) == (1, 0, chunks, 1)
+    for job_id, pages in enumerate(jobs, start=10):  # loads into other engine blocks
+        moved = pages_of([p.slot for p in pages], [(p.block_id + 5) % BLOCKS for p in pages])
+        assert load_exactly(engine, paged, host, job_id, moved), job_id
+    lanes = [lanes for lanes in streams._lanes.values()]  # noqa: SLF001
+    assert sorted(lanes.graph_launches for lanes in lanes) == [3, 3]
+    engine.close()
+    assert len(device.destroyed) == 2  # one graph per direction, destroyed at close
+
+
+def test_jobs_of_several_host_runs_per_chunk_go_op_by_op():
+    device = HostDevice()
+    engine, streams, paged, host = rig(device)
+    scattered = pages_of([0, 2, 4, 6, 8, 10], [3, 11, 1, 8, 9, 2])
+    for job_id in range(3):
+        assert store_exactly(engine, paged, host, job_id, scattered)
+    assert device.calls["graph_create"] == 0 and device.calls["memcpy_batch"] > 0
+
+
+@pytest.mark.parametrize("failing", ["graph_instantiate", "add_node", "graph_set_memcpy", "graph_launch"])
+def test_a_graph_that_fails_turns_graphs_off_and_the_job_still_lands(failing, caplog):
+    caplog.set_level(logging.WARNING, "kvtier.copy.streams")
+    device = HostDevice(fail={failing})
+    engine, streams, paged, host = rig(device)
+    for job_id, first in enumerate((0, 6, 12, 18)):
+        assert store_exactly(engine, paged, host, job_id, pages_of(range(first, first + 6), [3, 11, 1, 8, 9, 2]))
+    assert "not as CUDA graphs" in caplog.text
+    assert device.calls["graph_create"] == 1  # not tried again
+    assert device.calls["graph_launch"] <= 1
+    engine.close()
+    assert len(device.destroyed) == 1  # what was built is freed
+
+
+def test_graphs_read_a_grown_index_buffer_only_after_being_built_again():
+    device = HostDevice()
+    engine, streams, paged, host = rig(device)
+    blocks = [3, 11, 1, 8, 9, 2]
+    for job_id, first in enumerate((0, 6)):
+        assert store_exactly(engine, paged, host, job_id, pages_of(range(first, first + 6), blocks))
+    [store_lanes] = [lanes for lanes in streams._lanes.values() if lanes.graph_launches]  # noqa: SLF001
+    store_lanes._reserve(len(store_lanes._index) + 1)  # noqa: SLF001 - a job whose numbers did not fit
+    assert store_exactly(engine, paged, host, 2, pages_of(range(12, 18), [13, 5, 0, 7, 4, 12]))
+    assert device.calls["graph_create"] == 2 and device.calls["graph_launch"] == 2  # built again at once
+    assert store_exactly(engine, paged, host, 3, pages_of(range(18, 24), blocks))
+    assert len(device.destroyed) == 1  # the old graph, once the launches before its retirement ran
+    engine.close()
+    assert len(device.destroyed) == 2
