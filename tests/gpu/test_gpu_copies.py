@@ -12,7 +12,9 @@
   against vLLM's own view code on CPU), from and to a pinned /dev/shm region, and leave the same
   slot bytes as the CPU engine does on the same pages;
 - staged jobs many times larger than the staging buffers, chunks splitting blocks, bit-exact;
-- repeated staged jobs of one shape issued as CUDA graphs (kvtier.copy.cudagraph), bit-exact;
+- repeated staged jobs of one shape issued as CUDA graphs (kvtier.copy.cudagraph), bit-exact, and
+  ordered as op by op: a store launched while a long kernel writes the pages, a synchronous load
+  read at once on the compute stream;
 - the step orders of vLLM's model runners at the copy level (tests/test_runner_orders.py runs them
   through vLLM's scheduler, which cannot run here: no vLLM on the GPU machine): under V1's order a
   store flushed before the step rewrites its block holds the old bytes; under V2's, a store still
@@ -112,9 +114,19 @@ def test_round_trip_is_bit_exact_and_matches_the_cpu_engine(name, method, device
                 assert torch.equal(page_bytes(paged, layer, target), before[layer, source]), (name, layer)
 
 
-@pytest.mark.parametrize("method", [CopyMethod.RUNS, CopyMethod.STAGED], ids=lambda m: m.value)
-def test_a_store_requested_while_a_long_kernel_writes_the_pages_holds_the_final_bytes(method, device, shm_region):
+def graph_launches(engine) -> int:
+    return sum(lanes.graph_launches for lanes in engine.device._lanes.values())  # noqa: SLF001
+
+
+METHODS_AND_GRAPHS = [(CopyMethod.RUNS, 0), (CopyMethod.STAGED, 0), (CopyMethod.STAGED, 2)]  # 2 jobs first: a graph
+
+
+@pytest.mark.parametrize("method, warm", METHODS_AND_GRAPHS, ids=["runs", "staged", "staged-graph"])
+def test_a_store_requested_while_a_long_kernel_writes_the_pages_holds_the_final_bytes(method, warm, device, shm_region):
     case, kv, engine, paged, host = attention_rig(device, shm_region, method=method)
+    for job_id in range(100, 100 + warm):  # the same shape first: the store below is then a graph launch
+        engine.start_store(job_id, [PageCopy(1, 0, 5)])
+        assert wait_done(engine, [job_id])[job_id].ok
     compute = torch.cuda.current_stream(device)
     torch.cuda._sleep(LONG_KERNEL_CYCLES)  # the "forward" is still running ...
     for view in kv.views:
@@ -124,6 +136,7 @@ def test_a_store_requested_while_a_long_kernel_writes_the_pages_holds_the_final_
     assert wait_done(engine, [1])[1].ok
     final = torch.full((case.page_bytes // case.dtype.itemsize,), 3.0, dtype=case.dtype).view(torch.uint8)
     assert all(torch.equal(host.page(0, layer, 0), final) for layer in range(len(kv.views)))
+    assert graph_launches(engine) == warm, "the store did not go as a graph (see the log)"
 
 
 @pytest.mark.parametrize("synchronous", [True, False])
@@ -143,13 +156,17 @@ def test_a_load_is_reported_only_after_its_bytes_landed(synchronous, device, shm
     assert torch.equal(landed, payload)
 
 
-@pytest.mark.parametrize("method", [CopyMethod.RUNS, CopyMethod.STAGED], ids=lambda m: m.value)
-def test_a_synchronous_load_lands_before_the_compute_stream_reads_the_page(method, device, shm_region):
+@pytest.mark.parametrize("method, warm", METHODS_AND_GRAPHS, ids=["runs", "staged", "staged-graph"])
+def test_a_synchronous_load_lands_before_the_compute_stream_reads_the_page(method, warm, device, shm_region):
     compute = torch.cuda.Stream(device)  # vLLM computes on a stream of its own, not the default one
     with torch.cuda.stream(compute):
         case, kv, engine, paged, host = attention_rig(device, shm_region, method=method)
+        for job_id in range(100, 100 + warm):  # the same shape first: the checked load is then a graph launch
+            engine.start_load(job_id, [PageCopy(0, 0, 8)], synchronous=True)
+            assert wait_done(engine, [job_id])[job_id].ok
         check_a_synchronous_load_lands_before_compute_reads(CudaRig(engine, paged, host, compute))
         check_batches_were_not_refused(engine.device.runtime)
+        assert graph_launches(engine) == warm, "the load did not go as a graph (see the log)"
 
 
 def test_a_failed_load_is_reported_at_once(device, shm_region):
