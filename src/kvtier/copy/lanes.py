@@ -92,9 +92,9 @@ class CudaLanes:
         self.kernel_stream = kernel_stream
         self.runtime = streams.runtime
         if self.runtime is not None:
-            self._handles = {Lane.TRANSFER: transfer.cuda_stream, Lane.KERNEL: kernel_stream.cuda_stream}
+            self._transfer, self._kernel = transfer.cuda_stream, kernel_stream.cuda_stream
         else:
-            self._handles = {Lane.TRANSFER: transfer, Lane.KERNEL: kernel_stream}
+            self._transfer, self._kernel = transfer, kernel_stream
         self._ordering = EventPool(streams, timing=False)  # the marks' and the uploads' events
         self._events: dict[int, Any] = {}  # mark -> event, taken at its first record
         cuda = streams._cuda
@@ -155,7 +155,7 @@ class CudaLanes:
             if graph is not None:
                 self._upload(numbers, Lane.TRANSFER)
                 try:
-                    graph.launch(plan, self._handles[Lane.TRANSFER])
+                    graph.launch(plan, self._transfer)
                     self.graph_launches += 1
                     return
                 except Exception as exc:  # noqa: BLE001 - nothing of the job was launched: op by op instead
@@ -186,7 +186,7 @@ class CudaLanes:
         """Destroy a graph, or drop an index buffer graphs read, once everything issued so far on
         the TRANSFER lane (every launch of a graph) ran."""
         event = self._ordering.take()
-        self.runtime.event_record(event, self._handles[Lane.TRANSFER])
+        self.runtime.event_record(event, self._transfer)
         self._retired.append((what, event))
 
     def _destroy_retired(self) -> None:
@@ -235,15 +235,16 @@ class CudaLanes:
                 self._index[:count].copy_(host, non_blocking=True)
             return
         self._ring_numpy[first:first + count] = numbers
+        stream = self._handle(lane)
         if self.runtime is not None:
-            self.runtime.memcpy(self._index_address, self._ring_address + 8 * first, 8 * count, self._handles[lane])
+            self.runtime.memcpy(self._index_address, self._ring_address + 8 * first, 8 * count, stream)
             done = self._ordering.take()
-            self.runtime.event_record(done, self._handles[lane])
+            self.runtime.event_record(done, stream)
         else:
-            with self.streams._cuda.stream(self._handles[lane]):
+            with self.streams._cuda.stream(stream):
                 self._index[:count].copy_(self._ring_words[first:first + count], non_blocking=True)
                 done = self._ordering.take()
-                done.record(self._handles[lane])
+                done.record(stream)
         self._ring_pending.append((first, first + count, done))
 
     def _uploaded(self, event: Any) -> bool:
@@ -289,26 +290,30 @@ class CudaLanes:
         whole blocks, else its row index (see :meth:`upload`)."""
         assert self.kernels is not None
         table, blocks = plan.kernel_table(uploaded.data_ptr(), first)
-        self.kernels.launch(kind, self._handles[Lane.KERNEL], plan.rows_address, int(plan.buffers.addresses[buffer]),
+        self.kernels.launch(kind, self._kernel, plan.rows_address, plan.buffers.address_list[buffer],
                             table, pages, self.page_bytes, blocks=blocks)
 
     def transfer(self, plan: StagedRuns, chunk: int) -> None:
         self.streams._host_copies(self.transfer_stream, plan, chunk)
+
+    def _handle(self, lane: Lane) -> Any:
+        """``lane``'s stream: its raw handle with a runtime, else torch's stream."""
+        return self._kernel if lane is Lane.KERNEL else self._transfer
 
     def mark(self, lane: Lane, mark: int) -> None:
         event = self._events.get(mark)
         if event is None:
             event = self._events[mark] = self._ordering.take()
         if self.runtime is not None:
-            self.runtime.event_record(event, self._handles[lane])
+            self.runtime.event_record(event, self._kernel if lane is Lane.KERNEL else self._transfer)
         else:
-            event.record(self._handles[lane])
+            event.record(self._handle(lane))
 
     def wait(self, lane: Lane, mark: int) -> None:
         if self.runtime is not None:
-            self.runtime.stream_wait_event(self._handles[lane], self._events[mark])
+            self.runtime.stream_wait_event(self._kernel if lane is Lane.KERNEL else self._transfer, self._events[mark])
         else:
-            self._handles[lane].wait_event(self._events[mark])
+            self._handle(lane).wait_event(self._events[mark])
 
     def finish(self) -> None:
         self.mark(Lane.KERNEL, self.KERNEL_END)

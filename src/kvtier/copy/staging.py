@@ -166,6 +166,7 @@ class StagingBuffers:
         self.rows = list(whole.view(count, chunk_pages, page_words).unbind(0))
         self.flat = [rows.view(-1).view(torch.uint8) for rows in self.rows]
         self.addresses = np.array([flat.data_ptr() for flat in self.flat], dtype=np.int64)
+        self.address_list = self.addresses.tolist()  # the same as ints (what a launch takes)
         self.bytes = whole.numel() * whole.element_size()
 
 
