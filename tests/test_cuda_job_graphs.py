@@ -37,21 +37,17 @@ CHUNK_PAGES = 3  # a block is 4 pages: chunks split blocks
 
 
 def rig(device: HostDevice, chunk_pages: int = CHUNK_PAGES):
+    """The calls-per-job rig: LBNHC, 4 layers of 1 KiB pages, 24 blocks and slots, 2 buffers."""
     case = Case("LBNHC", layers=LAYERS, heads=1, tokens=16, content=32, dtype=torch.float16)
-    kv = build(case, BLOCKS, "cpu")
-    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8))
-    paged = PagedKV(kv.views, BLOCKS)
-    layout = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, SLOTS)
-    host = HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout)
-    streams = host_streams(device)
-    engine = CudaCopyEngine(BlockCopier(paged, host), streams, CopyMethod.STAGED,
-                            chunk_bytes=chunk_pages * paged.page_bytes, buffers=2)
+    engine, streams, _, paged, host = layout_rig(device, case, chunk_pages, 2, BLOCKS, SLOTS)
     return engine, streams, paged, host
 
 
-def layout_rig(device: HostDevice, case_name: str, chunk_pages: int, buffers: int, num_blocks: int = 12,
+def layout_rig(device: HostDevice, case: Case | str, chunk_pages: int, buffers: int, num_blocks: int = 12,
                num_slots: int = 12):
-    case = CASES[case_name]
+    """``case`` (or ``CASES[case]``) on CPU with random bytes, a host region, and a CUDA engine
+    that always stages, on ``device``."""
+    case = CASES[case] if isinstance(case, str) else case
     kv = build(case, num_blocks, "cpu")
     kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8))
     paged = PagedKV(kv.views, num_blocks, kv.layer_groups, kv.page_bytes)

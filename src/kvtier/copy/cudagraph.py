@@ -41,7 +41,6 @@ class CudaJobGraph:
         self.runtime = runtime
         self.graph, self.instance = graph, instance
         self.copies = copies
-        self.launches = 0
 
     @classmethod
     def build(cls, runtime: CudaRuntime, kernels: Any, plan: StagedRuns, uploaded: int, page_bytes: int
@@ -64,7 +63,7 @@ class CudaJobGraph:
                 else:
                     table, blocks = plan.kernel_table(uploaded, node.first)
                     handle = kernels.add_node(graph, after, node.op, plan.rows_address,
-                                              int(plan.buffers.addresses[node.buffer]), table, node.pages, page_bytes,
+                                              plan.buffers.address_list[node.buffer], table, node.pages, page_bytes,
                                               blocks=blocks)
                 nodes.append(handle)
             instance = runtime.graph_instantiate(graph)
@@ -81,7 +80,6 @@ class CudaJobGraph:
         for node, dst, src, size in zip(self.copies, dsts.tolist(), srcs.tolist(), sizes.tolist()):
             runtime.graph_set_memcpy(instance, node, dst, src, size)
         runtime.graph_launch(instance, stream)
-        self.launches += 1
 
     def destroy(self) -> None:
         """Free the graph (no launch of it in flight)."""

@@ -129,8 +129,8 @@ def freed(buffer: int) -> int:
 class HostRuns:
     """One chunk's copies between a staging buffer and the host region: run ``i`` is
     ``sizes[i]`` bytes at ``staging_offset[i]`` of ``staging`` and ``host_offset[i]`` of ``host``;
-    to the host for a store, from it for a load. ``staging_addr`` / ``host_addr``: the same
-    places as raw addresses (what a batched copy call reads)."""
+    to the host for a store, from it for a load (for torch's copies; a batched copy call reads
+    :meth:`StagedRuns.chunk_addresses`)."""
 
     direction: Direction
     staging: torch.Tensor  # 1-D uint8 view of one staging buffer, on the device
@@ -138,14 +138,6 @@ class HostRuns:
     staging_offset: np.ndarray
     host_offset: np.ndarray
     sizes: np.ndarray
-    staging_addr: np.ndarray
-    host_addr: np.ndarray
-
-    def addresses(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(destinations, sources, sizes) as raw addresses."""
-        if self.direction is Direction.STORE:
-            return self.host_addr, self.staging_addr, self.sizes
-        return self.staging_addr, self.host_addr, self.sizes
 
     def views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(destinations, sources) as 1-D uint8 views, for torch copies."""
@@ -250,7 +242,7 @@ class StagedRuns:
         lo, hi = int(self.run_bounds[chunk]), int(self.run_bounds[chunk + 1])
         buffer = chunk % len(self.buffers.flat)
         return HostRuns(self.direction, self.buffers.flat[buffer], self.host, self.staging_offset[lo:hi],
-                        self.host_offset[lo:hi], self.sizes[lo:hi], self.staging_addr[lo:hi], self.host_addr[lo:hi])
+                        self.host_offset[lo:hi], self.sizes[lo:hi])
 
     def copy_addresses(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The job's host copies as (destinations, sources, sizes) raw addresses, run order."""
