@@ -1,15 +1,21 @@
-"""How many consecutive runs of host slots a store job gets from the host tier under churn: what
-decides whether a CUDA staged job can be issued as a graph (one host run per chunk:
-``kvtier.copy.jobgraph.graph_key``) and how many copy descriptors a job needs.
+"""How many consecutive runs of host slots a store job gets from the host tier under churn, with
+runs continued (the default, :data:`kvtier.tiers.host.RUN_COLDNESS`) and with the policy's
+victims alone (``run_coldness=None``), and what either costs in hit rate.
 
-A multi-turn workload on :class:`kvtier.tiers.host.HostIndex` (LRU) alone, no engine: ``sessions``
-conversations, one turn at a time in a random order; a turn touches the prefix blocks still
-cached, stores the evicted ones again with the turn's ``per_turn`` new blocks (one store job),
-and a conversation starts over past ``max_blocks``. Jobs after the first ``warmup`` turns (the
-cache full by then) are counted. Prints one JSON: per set-up, the share of jobs whose slots are
-one consecutive run, and the mean runs per job.
+Runs decide how a CUDA staged job moves: one host copy per run, and a job goes as one CUDA graph
+only when each of its chunks is one run (``kvtier.copy.jobgraph.graph_key``; 32 MiB chunks are
+16 / 64 / 128 blocks of 32 layers at 64 / 16 / 8 KiB pages).
 
-    python benchmarks/bench_slot_runs.py [--turns 3000] [--seed 0]
+A multi-turn workload on :class:`kvtier.tiers.host.HostIndex` (LRU) alone, no engine:
+``sessions`` conversations, one turn at a time in a random order; a turn touches the prefix
+blocks still cached (the hits), stores the missing ones again with the turn's new blocks (one
+store job: ``blocks_per_turn`` on average, from half to one and a half times that, so jobs do
+not line up with one another), and a conversation starts over past ``max_blocks``. Jobs after
+the first ``warmup`` turns (the cache full by then) are counted. Prints one JSON: per set-up and
+allocator, the hit rate, the mean runs per job, the share of jobs that are one run, and the share
+whose runs break only at chunk boundaries, per chunk size.
+
+    python benchmarks/bench_slot_runs.py [--turns 3000] [--seed 0] [--fixed-turns]
 """
 
 from __future__ import annotations
@@ -18,23 +24,25 @@ import argparse
 import json
 import random
 
-from kvtier.tiers.host import HostIndex
+from kvtier.tiers.host import RUN_COLDNESS, HostIndex
 
 SETUPS = [  # (slots, sessions, blocks per turn)
     (4096, 40, 64), (4096, 200, 32), (16384, 100, 128), (16384, 20, 512),
 ]
+CHUNK_BLOCKS = (16, 64, 128)
 
 
-def runs(slots: list[int]) -> int:
-    ordered = sorted(slots)
-    return 1 + sum(1 for a, b in zip(ordered, ordered[1:]) if b != a + 1)
+def run_breaks(slots: list[int]) -> list[int]:
+    """Positions in the job where a new run of slots begins (0 first)."""
+    return [0] + [i for i in range(1, len(slots)) if slots[i] != slots[i - 1] + 1]
 
 
-def churn(num_slots: int, sessions: int, per_turn: int, turns: int, seed: int, warmup: int = 500,
-          max_blocks: int = 1500) -> dict:
-    index, rng = HostIndex(num_slots), random.Random(seed)
+def churn(num_slots: int, sessions: int, per_turn: int, coldness: float | None, turns: int, seed: int,
+          fixed: bool = False, warmup: int = 500, max_blocks: int = 1500) -> dict:
+    index, rng = HostIndex(num_slots, run_coldness=coldness), random.Random(seed)
     length, generation = [0] * sessions, [0] * sessions
-    counted = one_run = total_runs = 0
+    jobs = one_run = total_runs = hits = asked = 0
+    aligned = dict.fromkeys(CHUNK_BLOCKS, 0)
     for turn in range(turns):
         s = rng.randrange(sessions)
 
@@ -42,36 +50,46 @@ def churn(num_slots: int, sessions: int, per_turn: int, turns: int, seed: int, w
             return f"{s}:{generation[s]}:{i}".encode()
 
         prefix = [key(i) for i in range(length[s])]
-        index.touch([k for k in prefix if index.is_ready(k)])
-        job = [k for k in prefix if k not in index] + [key(i) for i in range(length[s], length[s] + per_turn)]
+        ready = [k for k in prefix if index.is_ready(k)]
+        index.touch(ready)
+        new = per_turn if fixed else rng.randrange(per_turn // 2, per_turn * 3 // 2 + 1)
+        job = [k for k in prefix if k not in index] + [key(i) for i in range(length[s], length[s] + new)]
         slots = []
         for k in job:
-            if k in index:  # stored earlier in this job's own loop: never twice
-                continue
             slot, _ = index.allocate(k)
             if slot is None:
                 continue
             slots.append(slot)
             index.commit(k)
-        length[s] += per_turn
+        length[s] += new
         if length[s] > max_blocks:
             length[s], generation[s] = 0, generation[s] + 1
         if turn >= warmup and slots:
-            counted += 1
-            count = runs(slots)
-            one_run += count == 1
-            total_runs += count
-    return {"slots": num_slots, "sessions": sessions, "blocks_per_turn": per_turn, "jobs": counted,
-            "one_run_share": round(one_run / counted, 3), "runs_per_job": round(total_runs / counted, 2)}
+            jobs += 1
+            hits, asked = hits + len(ready), asked + len(prefix)
+            breaks = run_breaks(slots)
+            one_run += len(breaks) == 1
+            total_runs += len(breaks)
+            for chunk in CHUNK_BLOCKS:
+                aligned[chunk] += all(b % chunk == 0 for b in breaks)
+    return {"slots": num_slots, "sessions": sessions, "blocks_per_turn": per_turn,
+            "run_coldness": coldness, "jobs": jobs, "hit_rate": round(hits / max(asked, 1), 4),
+            "runs_per_job": round(total_runs / jobs, 2), "one_run_share": round(one_run / jobs, 3),
+            "chunk_aligned_share": {str(c): round(n / jobs, 3) for c, n in aligned.items()},
+            "run_evictions": index.run_evictions, "evictions": index.evictions}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fixed-turns", action="store_true",
+                        help="every turn adds exactly blocks_per_turn blocks (jobs line up with one another)")
     args = parser.parse_args()
-    print(json.dumps({"turns": args.turns, "seed": args.seed,
-                      "rows": [churn(*setup, args.turns, args.seed) for setup in SETUPS]}, indent=1))
+    rows = [churn(*setup, coldness, args.turns, args.seed, args.fixed_turns)
+            for setup in SETUPS for coldness in (None, RUN_COLDNESS)]
+    print(json.dumps({"turns": args.turns, "seed": args.seed, "fixed_turns": args.fixed_turns, "rows": rows},
+                     indent=1))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from kvtier.replay.stack import stack_pass
 from kvtier.replay.tokens import TokenizerMissing, load_tokenizer
 from kvtier.replay.trace import TraceError, read_trace
 from kvtier.replay.workload import START, ReplaySettings, replay_events
+from kvtier.tiers.host import RUN_COLDNESS
 
 BLOCK = 64
 PROMPT = 1024
@@ -53,9 +55,9 @@ def loop_trace(tmp_path: Path, requests: int = 100, salts: tuple[str | None, ...
 
 
 def replay(path: Path, slots: int, *, policy: PolicyName = PolicyName.LRU, tails: bool = True,
-           engine_blocks: int = TINY_ENGINE, **sizes) -> Served:
+           engine_blocks: int = TINY_ENGINE, run_coldness: float | None = RUN_COLDNESS, **sizes) -> Served:
     settings = ReplaySettings(block_tokens=BLOCK, engine_block_tokens=BLOCK, engine_blocks=engine_blocks,
-                              eviction_policy=policy, tails=tails)
+                              eviction_policy=policy, tails=tails, run_coldness=run_coldness)
     return replay_point(list(replay_events(read_trace(path), settings)), TierSizes(host_slots=slots, **sizes), settings)
 
 
@@ -75,11 +77,16 @@ def test_loop_of_ten_prompts_with_room_for_all_ten_serves_all_but_the_first_roun
     assert without_tails.host == 90 * (PROMPT - BLOCK)  # whole blocks only: the last block is computed
 
 
-def test_loop_of_ten_prompts_with_room_for_nine_serves_nothing_with_lru(tmp_path):
-    served = replay(loop_trace(tmp_path), 9 * PER_PROMPT)
+def test_loop_of_ten_prompts_with_room_for_nine_serves_nothing_with_strict_lru(tmp_path):
+    trace = loop_trace(tmp_path)
+    served = replay(trace, 9 * PER_PROMPT, run_coldness=None)
     assert served.prompt_tokens == 100 * PROMPT
     assert served.kvtier == 0  # every prompt is evicted just before it returns
     assert served.counters["host_evictions"] > 0
+    # The host tier as it runs: a store that continues its run of slots evicts the cold block
+    # after its last slot, not always the oldest, which breaks LRU's worst case on a loop.
+    runs = replay(trace, 9 * PER_PROMPT)
+    assert 0 < runs.kvtier < 0.5 * runs.prompt_tokens
 
 
 def test_arc_on_the_loop_with_room_for_nine_serves_no_more_than_lru(tmp_path):
@@ -89,7 +96,8 @@ def test_arc_on_the_loop_with_room_for_nine_serves_no_more_than_lru(tmp_path):
     is scan-resistant, not loop-resistant). ARC's advantage shows on reuse mixed with one-off
     prompts (next test)."""
     trace = loop_trace(tmp_path)
-    assert replay(trace, 9 * PER_PROMPT, policy=PolicyName.ARC).kvtier == replay(trace, 9 * PER_PROMPT).kvtier == 0
+    arc = replay(trace, 9 * PER_PROMPT, policy=PolicyName.ARC, run_coldness=None)
+    assert arc.kvtier == replay(trace, 9 * PER_PROMPT, run_coldness=None).kvtier == 0
 
 
 def test_arc_keeps_reused_prompts_through_one_off_prompts_where_lru_does_not(tmp_path):
@@ -102,12 +110,14 @@ def test_arc_keeps_reused_prompts_through_one_off_prompts_where_lru_does_not(tmp
     for _ in range(12):
         rows += [{"prompt_token_ids": [rng.randrange(50_000) for _ in range(PROMPT)]} for _ in range(10)] + reused
     trace = write_jsonl(tmp_path / "scan.jsonl", rows)
-    lru = replay(trace, 9 * PER_PROMPT)
-    arc = replay(trace, 9 * PER_PROMPT, policy=PolicyName.ARC)
+    lru = replay(trace, 9 * PER_PROMPT, run_coldness=None)
+    arc = replay(trace, 9 * PER_PROMPT, policy=PolicyName.ARC, run_coldness=None)
     assert lru.host == 4 * (PROMPT - 1)  # the second use of the 4, before any burst
     # and nearly every return after a burst (a return whose tail the burst evicted serves its 15
     # blocks; tails are evicted before blocks)
     assert arc.host >= 0.9 * (4 + 12 * 4) * (PROMPT - 1) > 10 * lru.host
+    # ARC keeps its order with run_coldness set (continuing runs would evict its protected blocks)
+    assert replay(trace, 9 * PER_PROMPT, policy=PolicyName.ARC) == arc
 
 
 def test_two_cache_salts_share_nothing(tmp_path):
@@ -126,8 +136,9 @@ def test_two_cache_salts_share_nothing(tmp_path):
 def test_a_disk_tier_serves_what_the_host_tier_lost(tmp_path):
     trace = loop_trace(tmp_path)
     slot = 1000  # bytes of one block (host slot and disk file alike)
-    served = replay(trace, 5 * PER_PROMPT, disk_bytes=10 * PER_PROMPT * slot, disk_block_bytes=slot)
-    assert served.host == 0  # the loop of 10 thrashes a host tier with room for 5
+    served = replay(trace, 5 * PER_PROMPT, disk_bytes=10 * PER_PROMPT * slot, disk_block_bytes=slot,
+                    run_coldness=None)
+    assert served.host == 0  # the loop of 10 thrashes a host tier with room for 5 (strict LRU)
     assert served.disk == 90 * (PROMPT - 1)  # the disk tier holds all 10 and promotes each
     assert served.counters["promotions"] >= 90 * (PER_PROMPT - 1)
 
@@ -233,7 +244,7 @@ def mixed_trace(tmp_path: Path) -> Path:
 def test_the_one_pass_lru_matches_the_replay_through_kvtiers_code(tmp_path, prompt_only, concurrency):
     trace = read_trace(mixed_trace(tmp_path))
     settings = ReplaySettings(block_tokens=16, engine_block_tokens=16, engine_blocks=400, tails=False,
-                              offload_prompt_only=prompt_only, concurrency=concurrency)
+                              offload_prompt_only=prompt_only, concurrency=concurrency, run_coldness=None)
     events = list(replay_events(trace, settings))
     curve = stack_pass(events, settings, stream_blocks=sum(r.computed_tokens // 16 for k, r in events if k == START))
     differences = []
@@ -245,6 +256,12 @@ def test_the_one_pass_lru_matches_the_replay_through_kvtiers_code(tmp_path, prom
     # Exact wherever a request's blocks the tier has come before those it stores anew (see stack.py);
     # elsewhere a few blocks apart.
     assert max(differences) <= 0.001 * curve.prompt_tokens, differences
+    # The host tier as it runs continues runs of slots, which LRU stack distances do not model:
+    # the one-pass curve is then an estimate, a few blocks per thousand prompt tokens off.
+    runs = replace(settings, run_coldness=RUN_COLDNESS)
+    for slots in (100, 500, 1500, 3000):
+        exact = replay_point(events, TierSizes(host_slots=slots), runs)
+        assert abs(exact.host - curve.host_tokens(slots)) <= 0.02 * curve.prompt_tokens
 
 
 def test_the_one_pass_lru_equals_the_replay_on_the_loop(tmp_path):

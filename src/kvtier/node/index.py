@@ -122,10 +122,10 @@ class NodeIndex(SlotTable):
         if not hits:
             return 0, [], 0
         if run[-1].tail:  # a tail ends a run (it is never a parent)
-            self._policy.touch(keys[:hits - 1])
-            self._tails.touch(keys[hits - 1:hits])
+            self._touched(keys[:hits - 1])
+            self._touched(keys[hits - 1:hits], tails=True)
         else:
-            self._policy.touch(keys[:hits])
+            self._touched(keys[:hits])
         if not pin:
             return hits, [], 0
         for entry in run:
@@ -148,7 +148,7 @@ class NodeIndex(SlotTable):
             entry = self._entries.get(key)
             got = None
             if entry is not None:
-                (self._tails if entry.tail else self._policy).touch((key,))
+                self._touched([key], tails=entry.tail)
                 stats.duplicate_blocks += 1
                 outcome = Reservation.PRESENT
             else:

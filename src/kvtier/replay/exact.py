@@ -80,7 +80,7 @@ def build_orchestrator(sizes: TierSizes, settings: ReplaySettings) -> Orchestrat
     if sizes.remote_blocks:
         tiers.append(SimRemoteTier(sizes.remote_blocks, sizes.disk_block_bytes))
     return Orchestrator(
-        host=HostIndex(sizes.host_slots, settings.eviction_policy),
+        host=HostIndex(sizes.host_slots, settings.eviction_policy, settings.run_coldness),
         host_bytes=HostBytes([memoryview(bytearray(0))], 0) if tiers else None,
         tiers=tiers,
         admission=StoreAdmission(settings.store_threshold, settings.max_tracker_size),

@@ -18,12 +18,15 @@ from kvtier.core.config import PolicyName
 from kvtier.replay.engine import EnginePoolTooSmall, EnginePrefixCache
 from kvtier.replay.identity import ReplayChain, chain_of, computed_tokens, engine_keys
 from kvtier.replay.trace import Trace, TraceError
+from kvtier.tiers.host import RUN_COLDNESS
 
 
 @dataclass(frozen=True)
 class ReplaySettings:
     """What the replay models: kvtier's block and policies (the connector keys of the same names),
-    the engine's block and KV cache, and how many requests run at once."""
+    the engine's block and KV cache, and how many requests run at once. ``run_coldness``: the host
+    tier's (:data:`kvtier.tiers.host.RUN_COLDNESS`, no connector key; None replays the policy's
+    order exactly)."""
 
     block_tokens: int
     engine_block_tokens: int
@@ -34,6 +37,7 @@ class ReplaySettings:
     max_tracker_size: int = 64_000
     offload_prompt_only: bool = False
     tails: bool = True
+    run_coldness: float | None = RUN_COLDNESS
 
 
 @dataclass
