@@ -77,9 +77,9 @@ class SlotTable:
     """The shared life cycle (see the module docstring): reserving with eviction, committing,
     dropping, and continuing runs of slots.
 
-    Recency for runs: every key present has a stamp, a clock advanced by one per key reserved or
-    touched (:meth:`_touched`); a subclass touches through :meth:`_touched` so that the stamps
-    follow the policies."""
+    Recency for runs (with ``run_coldness`` set: none is kept otherwise): every key present has a
+    stamp, a clock advanced by one per key reserved or touched (:meth:`_touched`); a subclass
+    touches through :meth:`_touched` so that the stamps follow the policies."""
 
     def __init__(self, num_slots: int, policy: PolicyName, name: str,
                  run_coldness: float | None = RUN_COLDNESS) -> None:
@@ -119,14 +119,15 @@ class SlotTable:
                     victim = self._policy.evict(self._evictable)
                     if victim is None:
                         return None
-                    self._cold_line = self._stamps[victim]  # (a tail's age says nothing of the blocks')
+                    self._cold_line = self._stamps.get(victim, 0)  # (a tail's age says nothing of the blocks')
                 self._evict(victim)
             got = (free.popitem()[0],) if width == 1 else tuple(free.popitem()[0] for _ in range(width))
         for slot in got:
             self._holder[slot] = key
         self._next = got[-1] + 1
-        self._clock += 1
-        self._stamps[key] = self._clock
+        if self._coldness is not None:
+            self._clock += 1
+            self._stamps[key] = self._clock
         self._entries[key] = SlotEntry(got, SlotState.WRITING, owner, writer, tail=tail)
         return got
 
@@ -163,8 +164,9 @@ class SlotTable:
             self._policy.touch(keys)
         if tails is not False:
             self._tails.touch(keys)
-        self._clock += len(keys)
-        self._stamps.update(dict.fromkeys(keys, self._clock))
+        if self._coldness is not None:
+            self._clock += len(keys)
+            self._stamps.update(dict.fromkeys(keys, self._clock))
 
     def _commit(self, key: BlockKey, entry: SlotEntry) -> None:
         entry.state = SlotState.READY
