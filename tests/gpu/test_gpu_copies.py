@@ -61,6 +61,26 @@ def attention_rig(device, shm_region, num_slots=2, method: CopyMethod = CopyMeth
     return case, kv, engine, paged, host
 
 
+def staged_rig(name: str, num_slots: int, chunk_pages: int, buffers: int, device, shm_region):
+    """Case ``name``'s KV on ``device`` filled with random bytes, a pinned /dev/shm region of
+    ``num_slots`` slots, a staged engine with staging buffers of ``chunk_pages`` pages, and a CPU
+    copier of the same KV that writes what the CPU engine moves into ``expected`` (host-sized).
+    Returns (kv, groups, engine, paged, host, expected, cpu_copier)."""
+    case = CASES[name]
+    kv = build(case, NUM_BLOCKS, device)
+    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8, device=device))
+    slot_bytes = len(kv.views) * case.page_bytes
+    buffer, _ = shm_region(num_slots * slot_bytes, slot_bytes)
+    engine, paged, host = engine_for(kv, case, buffer, num_slots, CopyMethod.STAGED,
+                                     chunk_bytes=chunk_pages * case.page_bytes, buffers=buffers)
+    cpu = build(case, NUM_BLOCKS, "cpu")
+    cpu.raw.copy_(kv.raw.cpu())
+    expected = torch.zeros_like(host.buffer)
+    cpu_copier = BlockCopier(PagedKV(cpu.views, NUM_BLOCKS, cpu.layer_groups, cpu.page_bytes),
+                             HostSlots(expected, host.layout))
+    return kv, len(kv.layer_groups), engine, paged, host, expected, cpu_copier
+
+
 def wait_done(engine, job_ids, timeout=30.0):
     done, deadline = {}, time.monotonic() + timeout
     while set(done) != set(job_ids):
@@ -211,25 +231,15 @@ def test_the_cuda_runtime_library_is_torchs_and_batched_every_job_it_was_given(d
 @pytest.mark.parametrize("chunk_pages, buffers", [(2, 2), (5, 3), (1, 1)])
 def test_staged_jobs_larger_than_the_staging_buffers_round_trip_bit_exact(name, chunk_pages, buffers, device,
                                                                            shm_region):
-    case = CASES[name]
-    kv = build(case, NUM_BLOCKS, device)
-    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8, device=device))
-    groups = len(kv.layer_groups)
-    slot_bytes = len(kv.views) * case.page_bytes
-    buffer, _ = shm_region(8 * slot_bytes, slot_bytes)
-    engine, paged, host = engine_for(kv, case, buffer, 8, CopyMethod.STAGED,
-                                     chunk_bytes=chunk_pages * case.page_bytes, buffers=buffers)
+    kv, groups, engine, paged, host, expected, cpu_copier = staged_rig(name, 8, chunk_pages, buffers, device,
+                                                                       shm_region)
     sources, targets = [3, 11, 1, 8, 9, 2, 10, 5], [0, 4, 6, 7, 10, 3, 2, 1]
     store = [PageCopy(s, 0, b, g) for s, b in enumerate(sources) for g in range(groups)]
     assert engine.staged is not None, "staging is off on this device (see the log)"
     engine.start_store(1, store)
     done = wait_done(engine, [1])[1]
     assert done.ok and done.method == "staged"
-    cpu = build(case, NUM_BLOCKS, "cpu")
-    cpu.raw.copy_(kv.raw.cpu())
-    expected = torch.zeros_like(host.buffer)
-    BlockCopier(PagedKV(cpu.views, NUM_BLOCKS, cpu.layer_groups, cpu.page_bytes),
-                HostSlots(expected, host.layout)).copy(Direction.STORE, store)
+    cpu_copier.copy(Direction.STORE, store)
     assert torch.equal(host.buffer, expected)
     before = kv.raw.clone()
     kv.raw.zero_()
@@ -252,22 +262,11 @@ def test_repeated_staged_jobs_go_as_cuda_graphs_bit_exact(name, chunk_pages, buf
     """Three stores, then three loads, of one shape (4 whole blocks to 4 consecutive slots): the
     second and third of each are one CUDA graph launched with their own host addresses
     (kvtier.copy.cudagraph); every byte as the CPU engine moves it."""
-    case = CASES[name]
-    kv = build(case, NUM_BLOCKS, device)
-    kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8, device=device))
-    groups = len(kv.layer_groups)
-    slot_bytes = len(kv.views) * case.page_bytes
-    buffer, _ = shm_region(12 * slot_bytes, slot_bytes)
-    engine, paged, host = engine_for(kv, case, buffer, 12, CopyMethod.STAGED,
-                                     chunk_bytes=chunk_pages * case.page_bytes, buffers=buffers)
+    kv, groups, engine, paged, host, expected, cpu_copier = staged_rig(name, 12, chunk_pages, buffers, device,
+                                                                       shm_region)
     sources = [[3, 11, 1, 8], [9, 2, 10, 5], [0, 4, 6, 7]]
     stores = [[PageCopy(4 * j + s, 0, b, g) for s, b in enumerate(blocks) for g in range(groups)]
               for j, blocks in enumerate(sources)]
-    cpu = build(case, NUM_BLOCKS, "cpu")
-    cpu.raw.copy_(kv.raw.cpu())
-    expected = torch.zeros_like(host.buffer)
-    cpu_copier = BlockCopier(PagedKV(cpu.views, NUM_BLOCKS, cpu.layer_groups, cpu.page_bytes),
-                             HostSlots(expected, host.layout))
     for job_id, store in enumerate(stores):
         engine.start_store(job_id, store)
         cpu_copier.copy(Direction.STORE, store)

@@ -74,6 +74,12 @@ class CudaError(RuntimeError):
         self.code = code
 
 
+def node_array(nodes: list[int]) -> ctypes.Array:
+    """The dependencies argument of a ``cudaGraphAdd*Node`` call: ``nodes`` as a C array of graph
+    node handles (one null element when empty: the call reads none)."""
+    return (ctypes.c_void_p * max(len(nodes), 1))(*nodes)
+
+
 class CudaRuntime(Protocol):
     """The runtime calls kvtier makes beside torch's. Return codes are ``cudaError_t`` (0: success)."""
 
@@ -388,9 +394,8 @@ class LoadedCudart:
         """A node of ``graph`` copying ``size`` bytes (direction from the pointers) once the nodes
         ``after`` ran; its handle. Raises :class:`CudaError`."""
         node = ctypes.c_void_p(0)
-        dependencies = (ctypes.c_void_p * max(len(after), 1))(*after)
         self._check("cudaGraphAddMemcpyNode1D", self._lib.cudaGraphAddMemcpyNode1D(
-            ctypes.byref(node), graph, dependencies, len(after), dst, src, size, MEMCPY_DEFAULT))
+            ctypes.byref(node), graph, node_array(after), len(after), dst, src, size, MEMCPY_DEFAULT))
         return int(node.value or 0)
 
     def graph_instantiate(self, graph: int) -> int:

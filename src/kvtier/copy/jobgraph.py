@@ -91,15 +91,18 @@ class JobGraph:
         self._add(Lane.TRANSFER, "transfer", chunk=chunk)
 
     def mark(self, lane: Lane, mark: int) -> None:
-        last = self._last[lane]
-        self._marks[mark] = frozenset(self._waits[lane] | ({last} if last is not None else set()))
+        self._marks[mark] = frozenset(self._covered(lane))
 
     def wait(self, lane: Lane, mark: int) -> None:
         self._waits[lane] |= self._marks[mark]
 
-    def _add(self, lane: Lane, op: str, **where: int) -> None:
+    def _covered(self, lane: Lane) -> set[int]:
+        """The nodes ``lane``'s next operation follows: its last one and what it waited for since."""
         last = self._last[lane]
-        after = self._waits[lane] | ({last} if last is not None else set())
+        return self._waits[lane] | ({last} if last is not None else set())
+
+    def _add(self, lane: Lane, op: str, **where: int) -> None:
+        after = self._covered(lane)
         self._waits[lane] = set()
         self._last[lane] = len(self.nodes)
         self.nodes.append(GraphNode(op, tuple(sorted(after)), **where))

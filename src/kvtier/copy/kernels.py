@@ -38,7 +38,7 @@ import logging
 import os
 import sys
 
-from kvtier.copy.cudart import CudaError
+from kvtier.copy.cudart import CudaError, node_array
 
 logger = logging.getLogger(__name__)
 
@@ -254,8 +254,7 @@ class RowKernels:
         params = KernelNodeParams(self._functions[name], pages, 1, 1, THREADS, 1, 1, 0,
                                   ctypes.cast(self._params, ctypes.c_void_p), None, None, None)
         node = ctypes.c_void_p(0)
-        dependencies = (ctypes.c_void_p * max(len(after), 1))(*after)
-        code = self._add_node(ctypes.byref(node), graph, dependencies, len(after), ctypes.byref(params))
+        code = self._add_node(ctypes.byref(node), graph, node_array(after), len(after), ctypes.byref(params))
         if code != 0:
             raise CudaError(f"cuGraphAddKernelNode(kvtier_{name})", code, self._error_name(code))
         return int(node.value or 0)

@@ -305,13 +305,13 @@ class CudaLanes:
         if event is None:
             event = self._events[mark] = self._ordering.take()
         if self.runtime is not None:
-            self.runtime.event_record(event, self._kernel if lane is Lane.KERNEL else self._transfer)
+            self.runtime.event_record(event, self._handle(lane))
         else:
             event.record(self._handle(lane))
 
     def wait(self, lane: Lane, mark: int) -> None:
         if self.runtime is not None:
-            self.runtime.stream_wait_event(self._kernel if lane is Lane.KERNEL else self._transfer, self._events[mark])
+            self.runtime.stream_wait_event(self._handle(lane), self._events[mark])
         else:
             self._handle(lane).wait_event(self._events[mark])
 

@@ -147,10 +147,8 @@ class SlotTable:
         entry = self._entries[holder]
         if len(entry.slots) != 1 or not self._evictable(holder):
             return None
-        if not entry.tail:
-            stamp = self._stamps.get(holder)
-            if stamp is None or stamp > self._cold_line + self._coldness * (self._clock - self._cold_line):
-                return None
+        if not entry.tail and self._stamps[holder] > self._cold_line + self._coldness * (self._clock - self._cold_line):
+            return None
         (self._tails if entry.tail else self._policy).remove(holder)
         self._evict(holder)
         self.run_evictions += 1
