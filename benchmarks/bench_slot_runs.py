@@ -13,9 +13,12 @@ store job: ``blocks_per_turn`` on average, from half to one and a half times tha
 not line up with one another), and a conversation starts over past ``max_blocks``. Jobs after
 the first ``warmup`` turns (the cache full by then) are counted. Prints one JSON: per set-up and
 allocator, the hit rate, the mean runs per job, the share of jobs that are one run, and the share
-whose runs break only at chunk boundaries, per chunk size.
+whose runs break only at chunk boundaries, per chunk size; and what the index costs the
+scheduler's thread either way (``costs``: microseconds to reserve and commit a block of a
+512-block job in a full index of 65,536 slots, and to touch a hit run of 8,000 keys; the best of
+``--repeats``).
 
-    python benchmarks/bench_slot_runs.py [--turns 3000] [--seed 0] [--fixed-turns]
+    python benchmarks/bench_slot_runs.py [--turns 3000] [--seed 0] [--fixed-turns] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 
 from kvtier.tiers.host import RUN_COLDNESS, HostIndex
 
@@ -79,17 +83,46 @@ def churn(num_slots: int, sessions: int, per_turn: int, coldness: float | None, 
             "run_evictions": index.run_evictions, "evictions": index.evictions}
 
 
+def costs(coldness: float | None, repeats: int, slots: int = 65536, job: int = 512, jobs: int = 100,
+          hit_run: int = 8000) -> dict:
+    """Microseconds per block to reserve and commit (jobs of ``job`` blocks into a full index, a
+    third of each job touched again after it) and milliseconds per touch of ``hit_run`` keys."""
+    keys = [i.to_bytes(32, "little") for i in range(slots + job * jobs)]
+    store = touch = float("inf")
+    for _ in range(repeats):
+        index = HostIndex(slots, run_coldness=coldness)
+        for key in keys[:slots]:
+            index.allocate(key)
+            index.commit(key)
+        began = time.perf_counter()
+        for j in range(jobs):
+            batch = keys[slots + j * job:slots + (j + 1) * job]
+            for key in batch:
+                index.allocate(key)
+            for key in batch:
+                index.commit(key)
+            index.touch(batch[::3])
+        store = min(store, (time.perf_counter() - began) / (job * jobs) * 1e6)
+        run = [k for k in keys if index.is_ready(k)][:hit_run]
+        began = time.perf_counter()
+        for _ in range(20):
+            index.touch(run)
+        touch = min(touch, (time.perf_counter() - began) / 20 * 1e3)
+    return {"run_coldness": coldness, "store_us_per_block": round(store, 2), "touch_ms_per_8000_keys": round(touch, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--turns", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--fixed-turns", action="store_true",
                         help="every turn adds exactly blocks_per_turn blocks (jobs line up with one another)")
     args = parser.parse_args()
     rows = [churn(*setup, coldness, args.turns, args.seed, args.fixed_turns)
             for setup in SETUPS for coldness in (None, RUN_COLDNESS)]
-    print(json.dumps({"turns": args.turns, "seed": args.seed, "fixed_turns": args.fixed_turns, "rows": rows},
-                     indent=1))
+    print(json.dumps({"turns": args.turns, "seed": args.seed, "fixed_turns": args.fixed_turns, "rows": rows,
+                      "costs": [costs(coldness, args.repeats) for coldness in (None, RUN_COLDNESS)]}, indent=1))
 
 
 if __name__ == "__main__":
