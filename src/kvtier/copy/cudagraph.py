@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvtier.copy.base import Direction
 from kvtier.copy.cudart import CudaRuntime
 from kvtier.copy.jobgraph import JobGraph
 from kvtier.copy.staging import StagedRuns
@@ -37,10 +38,14 @@ from kvtier.copy.staging import StagedRuns
 class CudaJobGraph:
     """One job shape's instantiated CUDA graph; ``copies[c]``: the node of chunk ``c``'s host copy."""
 
-    def __init__(self, runtime: CudaRuntime, graph: int, instance: int, copies: list[int]):
+    def __init__(self, runtime: CudaRuntime, graph: int, instance: int, copies: list[int],
+                 staging: list[int] | None = None, sizes: list[int] | None = None):
         self.runtime = runtime
         self.graph, self.instance = graph, instance
         self.copies = copies
+        # each copy's staging-side address and size: the same for every job of the graph's shape
+        # (its direction's buffers, its chunking), so only the host side is read per launch
+        self.staging, self.sizes = staging, sizes
 
     @classmethod
     def build(cls, runtime: CudaRuntime, kernels: Any, plan: StagedRuns, uploaded: int, page_bytes: int
@@ -70,15 +75,21 @@ class CudaJobGraph:
         except Exception:
             runtime.graph_destroy(graph)
             raise
-        return cls(runtime, graph, instance, copies)
+        return cls(runtime, graph, instance, copies, plan.staging_addr.tolist(), plan.sizes.tolist())
 
     def launch(self, plan: StagedRuns, stream: int) -> None:
         """Issue ``plan`` (of this graph's shape, its numbers already uploaded) on ``stream``.
         Raises :class:`~kvtier.copy.cudart.CudaError` (then nothing of the job was launched)."""
         runtime, instance = self.runtime, self.instance
-        dsts, srcs, sizes = plan.copy_addresses()
-        for node, dst, src, size in zip(self.copies, dsts.tolist(), srcs.tolist(), sizes.tolist()):
-            runtime.graph_set_memcpy(instance, node, dst, src, size)
+        set_memcpy = runtime.graph_set_memcpy
+        if self.staging is None or self.sizes is None:
+            dsts, srcs, sizes = (a.tolist() for a in plan.copy_addresses())
+        elif plan.direction is Direction.STORE:
+            dsts, srcs, sizes = plan.host_addr.tolist(), self.staging, self.sizes
+        else:
+            dsts, srcs, sizes = self.staging, plan.host_addr.tolist(), self.sizes
+        for node, dst, src, size in zip(self.copies, dsts, srcs, sizes):
+            set_memcpy(instance, node, dst, src, size)
         runtime.graph_launch(instance, stream)
 
     def destroy(self) -> None:

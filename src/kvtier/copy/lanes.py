@@ -103,7 +103,12 @@ class CudaLanes:
         self._ring_numpy = self._ring_words.numpy()
         self._ring_address = self._ring.data_ptr()
         self._ring_head = 0
-        self._ring_pending: deque[tuple[int, int, Any]] = deque()  # (first, end) words, event after its upload
+        # (first, end) words of the ring, and an event recorded after their uploads on each lane that
+        # uploaded from them: fenced every RING_FENCES-th of the ring and at a wrap, not per job
+        self._ring_pending: deque[tuple[int, int, list[Any]]] = deque()
+        self._ring_open = 0  # the ring's words from here to the head were uploaded since the last fence
+        self._ring_lanes: set[Lane] = set()  # the lanes those uploads went on
+        self._ring_free_end = len(self._ring_words)  # the words from the head to here are free
         with cuda.stream(kernel_stream):
             self._index = torch.empty(64 * 1024, dtype=torch.int64, device=rows.device)
             pick = self._index[:1].zero_()
@@ -150,10 +155,11 @@ class CudaLanes:
             self._destroy_retired()
         key = graph_key(plan) if self._graphs is not None else None
         if key is not None:
-            numbers = self._numbers(plan)
-            graph = self._graph(plan, key, len(numbers))
+            parts = self._numbers(plan)
+            self._reserve(sum(len(part) for part in parts))
+            graph = self._graph(plan, key)
             if graph is not None:
-                self._upload(numbers, Lane.TRANSFER)
+                self._upload(parts, Lane.TRANSFER)
                 try:
                     graph.launch(plan, self._transfer)
                     self.graph_launches += 1
@@ -162,10 +168,10 @@ class CudaLanes:
                     self._graphs_off(f"a launch failed ({exc})")
         plan.issue(self)
 
-    def _graph(self, plan: StagedRuns, key: Any, count: int) -> CudaJobGraph | None:
-        """``key``'s graph (``plan`` of that shape, ``count`` numbers to upload), or None."""
+    def _graph(self, plan: StagedRuns, key: Any) -> CudaJobGraph | None:
+        """``key``'s graph (``plan`` of that shape; the index buffer already reserved for its
+        numbers), or None."""
         assert self._graphs is not None
-        self._reserve(count)
         if self._index_address != self._graphs_built_on:  # the kernels of every graph read the old one
             self._graphs.clear()
             self._graphs_built_on = self._index_address
@@ -196,12 +202,13 @@ class CudaLanes:
                 what.destroy()
             self._ordering.give(event)
 
-    def _numbers(self, plan: StagedRuns) -> np.ndarray:
-        """What the job's kernels read: with kvtier's kernels and a job of whole blocks its block
-        table (:meth:`~kvtier.copy.staging.StagedRuns.block_table`: one number per block), else
-        its row index."""
-        table = plan.block_table() if self.kernels is not None else None
-        return table if table is not None else plan.row_index()
+    def _numbers(self, plan: StagedRuns) -> tuple[np.ndarray, ...]:
+        """What the job's kernels read, as the parts to upload one after the other: with kvtier's
+        kernels and a job of whole blocks its block table (:meth:`~kvtier.copy.staging.StagedRuns.block_table`:
+        the layers' rows, then one number per block), else its row index."""
+        if self.kernels is not None and plan.blocks is not None and plan.layer_rows is not None:
+            return plan.layer_rows, plan.blocks
+        return (plan.row_index(),)
 
     def _reserve(self, count: int) -> None:
         """The device index buffer at least ``count`` long: grown on the KERNEL stream, whose
@@ -217,53 +224,83 @@ class CudaLanes:
 
     def upload(self, plan: StagedRuns) -> torch.Tensor:
         """The job's numbers (:meth:`_numbers`) in the device index buffer, uploaded on the KERNEL lane."""
-        numbers = self._numbers(plan)
-        self._upload(numbers, Lane.KERNEL)
-        return self._index[:len(numbers)]
-
-    def _upload(self, numbers: np.ndarray, lane: Lane) -> None:
-        """Issue the copy of ``numbers`` to the start of the device index buffer on ``lane``: from
-        the page-locked ring, or where it has no room, from a page-locked buffer of its own."""
-        count = len(numbers)
+        parts = self._numbers(plan)
+        count = sum(len(part) for part in parts)
         self._reserve(count)
+        self._upload(parts, Lane.KERNEL)
+        return self._index[:count]
+
+    RING_FENCES = 8  # events recorded per pass over the upload ring (and one at each wrap)
+
+    def _upload(self, parts: tuple[np.ndarray, ...], lane: Lane) -> None:
+        """Issue the copy of ``parts``, one after the other, to the start of the device index
+        buffer (reserved for them) on ``lane``: from the page-locked ring, or where it has no
+        room, from a page-locked buffer of its own."""
+        count = sum(len(part) for part in parts)
         first = self._take(count)
         if first is None:
             host = self.streams.pinned(8 * count).view(torch.int64)
-            host.numpy()[:] = numbers
+            _fill(host.numpy(), 0, parts)
             stream = self.kernel_stream if lane is Lane.KERNEL else self.transfer_stream
             with self.streams._cuda.device(self._index.device), self.streams._cuda.stream(stream):
                 self._index[:count].copy_(host, non_blocking=True)
             return
-        self._ring_numpy[first:first + count] = numbers
-        stream = self._handle(lane)
+        _fill(self._ring_numpy, first, parts)
+        self._ring_lanes.add(lane)
         if self.runtime is not None:
-            self.runtime.memcpy(self._index_address, self._ring_address + 8 * first, 8 * count, stream)
-            done = self._ordering.take()
-            self.runtime.event_record(done, stream)
+            self.runtime.memcpy(self._index_address, self._ring_address + 8 * first, 8 * count, self._handle(lane))
         else:
-            with self.streams._cuda.stream(stream):
+            with self.streams._cuda.stream(self._handle(lane)):
                 self._index[:count].copy_(self._ring_words[first:first + count], non_blocking=True)
-                done = self._ordering.take()
-                done.record(stream)
-        self._ring_pending.append((first, first + count, done))
+        if self._ring_head - self._ring_open >= len(self._ring_words) // self.RING_FENCES:
+            self._fence()
 
-    def _uploaded(self, event: Any) -> bool:
+    def _fence(self) -> None:
+        """Record, on each lane that uploaded from them, an event after the uploads from the ring's
+        words since the last fence: those words may be written again once the events completed."""
+        if self._ring_head == self._ring_open:
+            return
+        events = []
+        for lane in self._ring_lanes:
+            event = self._ordering.take()
+            if self.runtime is not None:
+                self.runtime.event_record(event, self._handle(lane))
+            else:
+                event.record(self._handle(lane))
+            events.append(event)
+        self._ring_pending.append((self._ring_open, self._ring_head, events))
+        self._ring_open, self._ring_lanes = self._ring_head, set()
+
+    def _uploaded(self, events: list[Any]) -> bool:
         if self.runtime is not None:
-            return self.runtime.event_query(event)
-        return event.query()
+            return all(self.runtime.event_query(event) for event in events)
+        return all(event.query() for event in events)
 
     def _take(self, count: int) -> int | None:
         """Where ``count`` words of the ring can be written now, or None (too large, or those
-        words' last upload not run yet: never waited for)."""
+        words' last upload not run yet: never waited for). The ring is written from its head on;
+        the words from there to ``_ring_free_end`` are known free, and only when a job needs more
+        are the fences' events queried (the fenced words ahead of the head are of earlier passes)."""
         size = len(self._ring_words)
         if count > size:
             return None
-        while self._ring_pending and self._uploaded(self._ring_pending[0][2]):
-            self._ordering.give(self._ring_pending.popleft()[2])
-        first = self._ring_head if self._ring_head + count <= size else 0
+        first = self._ring_head
+        if first + count > size:  # wrap: the words since the last fence are fenced first
+            self._fence()
+            first = self._ring_open = self._ring_head = self._ring_free_end = 0
         end = first + count
-        if any(a < end and first < b for a, b, _ in self._ring_pending):
-            return None
+        if end > self._ring_free_end:
+            kept: deque[tuple[int, int, list[Any]]] = deque()
+            for entry in self._ring_pending:
+                if self._uploaded(entry[2]):
+                    for event in entry[2]:
+                        self._ordering.give(event)
+                else:
+                    kept.append(entry)
+            self._ring_pending = kept
+            self._ring_free_end = min((a for a, _, _ in kept if a >= first), default=size)
+            if end > self._ring_free_end:
+                return None
         self._ring_head = end
         return first
 
@@ -340,3 +377,10 @@ class CudaLanes:
         if self.kernels is not None:
             self.kernels.close()
             self.kernels = None
+
+
+def _fill(words: np.ndarray, first: int, parts: tuple[np.ndarray, ...]) -> None:
+    """Write ``parts`` one after the other into ``words`` from ``first`` on."""
+    for part in parts:
+        words[first:first + len(part)] = part
+        first += len(part)

@@ -300,9 +300,6 @@ class StagedRuns:
         self.rows.index_copy_(0, index[first:first + pages], self.buffers.rows[buffer][:pages])
 
 
-_NO_BREAKS = np.zeros(1, dtype=np.int64)  # one host run, starting at page position 0
-
-
 class StagingUnavailable(RuntimeError):
     """The staging buffers could not be allocated (device memory): jobs go as runs instead."""
 
@@ -338,6 +335,7 @@ class StagedPlanner:
         self._buffers: dict[Direction, StagingBuffers] = {}
         self._host_address = host.data_ptr()
         self._chunked: dict[tuple[Direction, int], tuple[np.ndarray, ...]] = {}  # see _one_run_chunks
+        self._block_rows = runs.block_rows(page)  # (rows a block, each layer's row of block 0), or None
 
     @staticmethod
     def fits(kv: PagedKV) -> bool:
@@ -373,15 +371,19 @@ class StagedPlanner:
         break only where blocks do (a block's layers are one run of its slot). ``breaks``: the
         planner's :meth:`~kvtier.copy.runs.RunPlanner.block_breaks` of ``job``, if computed."""
         layers, page = self.runs.num_layers, self.page_bytes
-        rows_of = self.runs.block_rows(page)
+        rows_of = self._block_rows
         count = len(job) * layers
         if rows_of is None:  # per-layer block strides: an index of every page
             index, blocks = self.runs.engine_rows(job, page), {}
         else:
             index, blocks = None, {"blocks": job.block, "block_rows": rows_of[0], "layer_rows": rows_of[1]}
         if job.first_slot is not None:  # one host run: page position p is at (first_slot * layers + p) pages
-            start = job.first_slot * layers
-            return self._plan(direction, index, count, _NO_BREAKS, lambda starts: (start + starts) * page, **blocks)
+            buffers = self.buffers(direction)
+            starts, run_bounds, staging_offset, sizes, staging_addr = self._one_run_chunks(direction, count)
+            hosts = starts + job.first_slot * layers * page
+            return StagedRuns(direction, self.rows, self.host, index, self.chunk_pages, run_bounds, staging_offset,
+                              hosts, sizes, staging_addr, self._host_address + hosts, buffers, self._rows_address,
+                              **blocks)
         if breaks is None:
             breaks = self.runs.block_breaks(job)
 
@@ -399,6 +401,7 @@ class StagedPlanner:
         buffers = self.buffers(direction)
         if len(breaks) <= 1:  # one host run (or none): it breaks at chunk starts only
             starts, run_bounds, staging_offset, sizes, staging_addr = self._one_run_chunks(direction, count)
+            starts = starts // self.page_bytes
         else:
             page, chunk = self.page_bytes, self.chunk_pages
             chunk_starts = np.arange(0, count, chunk)
@@ -415,10 +418,10 @@ class StagedPlanner:
     _CHUNKED_SHAPES = 64  # job sizes whose chunking is kept
 
     def _one_run_chunks(self, direction: Direction, count: int) -> tuple[np.ndarray, ...]:
-        """(run starts, run bounds, staging offsets, sizes, staging addresses) of a job of
-        ``count`` pages whose host copies are one run, cut at chunk starts: the same for every
-        such job of that size (most jobs: consecutive slots), so computed once per size (the last
-        :data:`_CHUNKED_SHAPES` sizes) and shared read-only by their plans."""
+        """(run starts in bytes from the run's start, run bounds, staging offsets, sizes, staging
+        addresses) of a job of ``count`` pages whose host copies are one run, cut at chunk starts:
+        the same for every such job of that size (most jobs: consecutive slots), so computed once
+        per size (the last :data:`_CHUNKED_SHAPES` sizes) and shared read-only by their plans."""
         key = (direction, count)
         found = self._chunked.get(key)
         if found is not None:
@@ -427,7 +430,7 @@ class StagedPlanner:
         starts = np.arange(0, count, chunk)
         sizes = (np.diff(np.append(starts, count)) * page).astype(np.int64, copy=False)
         staging_addr = self.buffers(direction).addresses[(starts // chunk) % self.buffer_count]
-        found = (starts, np.arange(len(starts) + 1), np.zeros(len(starts), dtype=np.int64), sizes, staging_addr)
+        found = (starts * page, np.arange(len(starts) + 1), np.zeros(len(starts), dtype=np.int64), sizes, staging_addr)
         for array in found:
             array.flags.writeable = False
         if len(self._chunked) >= self._CHUNKED_SHAPES:
