@@ -137,9 +137,11 @@ def test_a_shapes_second_job_is_a_graph_and_every_job_lands_exactly():
         if job_id == 0:
             assert spent["graph_create"] == 0 and spent["launch"] == chunks  # op by op
         elif job_id == 1:
-            assert spent["graph_create"] == 1 and spent["add_node"] == chunks and spent["graph_add_memcpy"] == chunks
-        if job_id >= 1:  # the upload, then one update per chunk and a launch: no kernel launch, no chunk copy
-            assert (spent["memcpy"], spent["launch"], spent["graph_set_memcpy"], spent["graph_launch"]) == (1, 0, chunks, 1)
+            # a copy node per chunk and the upload's
+            assert spent["graph_create"] == 1 and spent["add_node"] == chunks and spent["graph_add_memcpy"] == chunks + 1
+        if job_id >= 1:  # one update per chunk and the upload's, and a launch: no kernel launch, no copy of its own
+            assert (spent["memcpy"], spent["launch"], spent["graph_set_memcpy"], spent["graph_launch"]) == \
+                (0, 0, chunks + 1, 1)
     for job_id, pages in enumerate(jobs, start=10):  # loads into other engine blocks
         moved = pages_of([p.slot for p in pages], [(p.block_id + 5) % BLOCKS for p in pages])
         assert load_exactly(engine, paged, host, job_id, moved), job_id

@@ -65,7 +65,7 @@ def lanes_on(device: DeferredDevice, monkeypatch, ring_words: int) -> CudaLanes:
     streams = host_streams(device)
     side = streams.new_stream()
     streams.prepare_staging(side, torch.zeros(2, 8, dtype=torch.int64))
-    return streams._lanes[side]
+    return streams._lanes[side.cuda_stream]
 
 
 def test_no_ring_word_is_written_again_before_its_upload_ran(monkeypatch):

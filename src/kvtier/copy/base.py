@@ -44,6 +44,8 @@ class Direction(enum.Enum):
     STORE = "engine_to_host"
     LOAD = "host_to_engine"
 
+    __hash__ = object.__hash__  # members are singletons compared by identity; Enum's hash is a Python call
+
 
 class PageCopy(NamedTuple):
     """One page of every layer of KV cache group ``group``: that group's engine block

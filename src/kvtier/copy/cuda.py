@@ -252,10 +252,11 @@ class CudaCopyEngine(CopyEngine):
             ready = None
             start = device.new_event()
             device.record(start, stream)
-            if plan.num_bytes:
+            planned = plan.num_bytes
+            if planned:
                 copying = True
                 device.copy(stream, plan)
-            num_bytes = plan.num_bytes
+            num_bytes = planned
         except Exception:  # reported as a failed job (a load's blocks are recomputed), never raised
             logger.exception("kvtier: %s copy of job %d failed", direction.value, job_id)
             self._release(ready, start)

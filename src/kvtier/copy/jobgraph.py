@@ -13,8 +13,8 @@ the meaning of streams and events: an operation follows the previous one of its 
 wait makes the lane's next operation follow what the waited mark covered when it was recorded
 (the lane's operations up to then, and the waits before them). ``begin`` and ``finish`` add
 nothing: a graph launched on the TRANSFER lane starts after everything issued on it before,
-and everything issued on it after waits for every node. The upload is not a node: it is issued
-on the launch's stream before the launch.
+and everything issued on it after waits for every node. The upload is not a node of the schedule:
+the CUDA graph adds it as the node its first operations follow (:mod:`kvtier.copy.cudagraph`).
 
 :class:`GraphCache` decides when a shape gets a graph (its ``build_at``-th job) and keeps at most
 ``capacity`` graphs, handing the least recently used back to its owner to retire.

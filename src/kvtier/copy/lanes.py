@@ -108,9 +108,11 @@ class CudaLanes:
         self._ring_pending: deque[tuple[int, int, list[Any]]] = deque()
         self._ring_open = 0  # the ring's words from here to the head were uploaded since the last fence
         self._ring_lanes: set[Lane] = set()  # the lanes those uploads went on
-        self._ring_free_end = len(self._ring_words)  # the words from the head to here are free
+        self._ring_size = len(self._ring_words)  # words (an int: len() of a tensor is a Python call)
+        self._ring_free_end = self._ring_size  # the words from the head to here are free
         with cuda.stream(kernel_stream):
             self._index = torch.empty(64 * 1024, dtype=torch.int64, device=rows.device)
+            self._index_size = 64 * 1024
             pick = self._index[:1].zero_()
             source = torch.zeros(2, rows.shape[1], dtype=rows.dtype, device=rows.device)
             target = torch.empty(1, rows.shape[1], dtype=rows.dtype, device=rows.device)
@@ -147,37 +149,43 @@ class CudaLanes:
         return kernels
 
     def issue(self, plan: StagedRuns) -> None:
-        """Issue a staged job (``raw`` lanes): as its shape's CUDA graph where it has one (its
-        numbers uploaded on the TRANSFER lane, then one launch there: :mod:`kvtier.copy.cudagraph`),
-        else op by op (:meth:`~kvtier.copy.staging.StagedRuns.issue`). A graph that cannot be
-        built or launched turns graphs off for these lanes (logged); that job goes op by op."""
+        """Issue a staged job (``raw`` lanes): as its shape's CUDA graph where it has one (one
+        launch on the TRANSFER lane, whose first node uploads the job's numbers from the ring:
+        :mod:`kvtier.copy.cudagraph`), else op by op (:meth:`~kvtier.copy.staging.StagedRuns.issue`;
+        also a job the ring has no room for now). A graph that cannot be built or launched turns
+        graphs off for these lanes (logged); that job goes op by op."""
         if self._retired:
             self._destroy_retired()
         key = graph_key(plan) if self._graphs is not None else None
         if key is not None:
             parts = self._numbers(plan)
-            self._reserve(sum(len(part) for part in parts))
-            graph = self._graph(plan, key)
-            if graph is not None:
-                self._upload(parts, Lane.TRANSFER)
+            count = sum(len(part) for part in parts)
+            self._reserve(count)
+            graph = self._graph(plan, key, count)
+            first = self._take(count) if graph is not None else None  # no room in the ring: op by op
+            if graph is not None and first is not None:
+                _fill(self._ring_numpy, first, parts)
+                self._ring_lanes.add(Lane.TRANSFER)
                 try:
-                    graph.launch(plan, self._transfer)
+                    graph.launch(plan, self._transfer, self._ring_address + 8 * first)  # its first node uploads
                     self.graph_launches += 1
                     return
                 except Exception as exc:  # noqa: BLE001 - nothing of the job was launched: op by op instead
                     self._graphs_off(f"a launch failed ({exc})")
+                finally:
+                    self._fence_if_due()
         plan.issue(self)
 
-    def _graph(self, plan: StagedRuns, key: Any) -> CudaJobGraph | None:
-        """``key``'s graph (``plan`` of that shape; the index buffer already reserved for its
-        numbers), or None."""
+    def _graph(self, plan: StagedRuns, key: Any, count: int) -> CudaJobGraph | None:
+        """``key``'s graph (``plan`` of that shape, ``count`` numbers to upload; the index buffer
+        already reserved for them), or None."""
         assert self._graphs is not None
         if self._index_address != self._graphs_built_on:  # the kernels of every graph read the old one
             self._graphs.clear()
             self._graphs_built_on = self._index_address
         try:
-            return self._graphs.find(key, lambda: CudaJobGraph.build(self.runtime, self.kernels, plan,
-                                                                     self._index_address, self.page_bytes))
+            return self._graphs.find(key, lambda: CudaJobGraph.build(
+                self.runtime, self.kernels, plan, self._index_address, self.page_bytes, count, self._ring_address))
         except Exception as exc:  # noqa: BLE001 - an optimization only: jobs go op by op
             self._graphs_off(f"one could not be built ({exc})")
             return None
@@ -214,10 +222,11 @@ class CudaLanes:
         """The device index buffer at least ``count`` long: grown on the KERNEL stream, whose
         kernels that read the old one are before any reuse of its memory there; graphs (launched
         on the TRANSFER lane) may read it later, so the old one is kept until they ran."""
-        if count > len(self._index):
+        if count > self._index_size:
             old = self._index
             with self.streams._cuda.device(old.device), self.streams._cuda.stream(self.kernel_stream):
                 self._index = torch.empty(max(count, 2 * len(old)), dtype=torch.int64, device=old.device)
+            self._index_size = len(self._index)
             self._index_address = self._index.data_ptr()
             if self.graph_launches:
                 self._retire(old)
@@ -252,7 +261,11 @@ class CudaLanes:
         else:
             with self.streams._cuda.stream(self._handle(lane)):
                 self._index[:count].copy_(self._ring_words[first:first + count], non_blocking=True)
-        if self._ring_head - self._ring_open >= len(self._ring_words) // self.RING_FENCES:
+        self._fence_if_due()
+
+    def _fence_if_due(self) -> None:
+        """:meth:`_fence` once an eighth of the ring was uploaded from since the last fence."""
+        if self._ring_head - self._ring_open >= self._ring_size // self.RING_FENCES:
             self._fence()
 
     def _fence(self) -> None:
@@ -281,7 +294,7 @@ class CudaLanes:
         words' last upload not run yet: never waited for). The ring is written from its head on;
         the words from there to ``_ring_free_end`` are known free, and only when a job needs more
         are the fences' events queried (the fenced words ahead of the head are of earlier passes)."""
-        size = len(self._ring_words)
+        size = self._ring_size
         if count > size:
             return None
         first = self._ring_head

@@ -74,6 +74,8 @@ class Lane(enum.Enum):
     KERNEL = "kernel"  # gathers and scatters (device memory only)
     TRANSFER = "transfer"  # host copies; the job's side stream
 
+    __hash__ = object.__hash__  # members are singletons compared by identity; Enum's hash is a Python call
+
 
 class StagingLanes(Protocol):
     """The two queues one staged job is issued on, and marks between them (each mark a reusable

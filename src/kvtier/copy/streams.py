@@ -126,9 +126,12 @@ class TorchCudaStreams:
             logger.warning("kvtier: no CUDA runtime library found: copies go one page at a time through torch")
         self._foreach_copy = foreach_copy
         self._own_streams: list[int] = []
-        self._lanes: dict[Any, CudaLanes] = {}  # per side stream (a staged job's TRANSFER lane)
+        self._lanes: dict[int, CudaLanes] = {}  # per side stream's raw handle (a staged job's TRANSFER lane)
         self._index = device.index if device.index is not None else 0
         self._raw_current = raw_current_stream or _raw_current_stream(cuda)
+        raw_device = getattr(torch._C, "_cuda_getDevice", None)  # torch.cuda.current_device without its lazy-init check
+        self._current_device = raw_device if cuda is torch.cuda and raw_device is not None else \
+            lambda: cuda.current_device()
         self._events = EventPool(self, timing=True)  # the engine's (new_event / release)
 
     def current_stream(self) -> Any:
@@ -177,15 +180,21 @@ class TorchCudaStreams:
     def prepare_staging(self, stream: Any, rows: torch.Tensor) -> None:
         """Make ``stream``'s staged-job lanes now (see :class:`~kvtier.copy.lanes.CudaLanes`), for pages moved as
         rows like ``rows`` (a staging buffer: its dtype and row length)."""
-        if stream not in self._lanes:
+        self._lanes_of(stream, rows)
+
+    def _lanes_of(self, stream: Any, rows: torch.Tensor) -> CudaLanes:
+        """``stream``'s lanes, made now if it has none (keyed by the raw handle: a torch stream
+        object hashes and compares in Python, twice a job)."""
+        lanes = self._lanes.get(stream.cuda_stream)
+        if lanes is None:
             with self._cuda.device(self.device):
-                self._lanes[stream] = CudaLanes(self, stream, self._kernel_stream(stream), rows)
+                lanes = self._lanes[stream.cuda_stream] = CudaLanes(self, stream, self._kernel_stream(stream), rows)
+        return lanes
 
     def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
         if isinstance(plan, StagedRuns):  # kernels on the pair's KERNEL stream, host copies on ``stream``
-            self.prepare_staging(stream, plan.buffers.rows[0])
-            lanes = self._lanes[stream]
-            if lanes.raw and self._cuda.current_device() == self.device.index:
+            lanes = self._lanes_of(stream, plan.buffers.rows[0])
+            if lanes.raw and self._current_device() == self._index:
                 lanes.issue(plan)  # every call names its stream: no current stream to set
                 return
             with self._cuda.device(self.device), self._cuda.stream(lanes.kernel_stream):
