@@ -6,8 +6,8 @@ runtime (``kvtier.copy.cudart.CudaRuntime``, graphs included), kvtier's row kern
 Every call runs at once, on the calling thread (a device that is never behind, so stream order
 holds trivially; the ordering between lanes is tested on the simulated device, ``sim_device.py``):
 copies move the bytes at the raw addresses they are given, a kernel gathers or scatters rows by
-address, a graph runs its nodes in creation order (every node after its dependencies) with its
-copies as last updated. With ``execute=False`` nothing is moved: a device whose calls cost
+address, a graph runs its nodes in an order its edges allow, each as late as they allow (so a
+missing edge shows), with its copies as last updated. With ``execute=False`` nothing is moved: a device whose calls cost
 nothing, to time kvtier's own host work (``benchmarks/bench_issue_host.py``).
 """
 
@@ -78,6 +78,7 @@ class HostDevice:
         self.graph_nodes_of: dict[int, list[int]] = {}
         self.nodes: dict[int, list] = {}
         self.instances: dict[int, dict[int, list]] = {}
+        self.after: dict[int, list[int]] = {}  # node -> the nodes it waits for
         self.destroyed: list[int] = []
 
     def _call(self, name: str) -> None:
@@ -138,7 +139,8 @@ class HostDevice:
         assert set(after) <= set(self.graph_nodes_of[graph]), "an edge from a node of another graph"
         handle = next(self.handles)
         self.nodes[handle] = node
-        self.graph_nodes_of[graph].append(handle)  # creation order: every node after its dependencies
+        self.after[handle] = list(after)
+        self.graph_nodes_of[graph].append(handle)
         return handle
 
     def graph_add_memcpy(self, graph, after, dst, src, size):
@@ -160,11 +162,21 @@ class HostDevice:
         self._call("graph_launch")
         if not self.execute:
             return
-        for node in self.instances[instance].values():
+        for node in self._latest_first(self.instances[instance]).values():
             if node[0] == "copy":
                 ctypes.memmove(node[1], node[2], node[3])
             else:
                 self._kernel(*node[1:])
+
+    def _latest_first(self, nodes: dict[int, list]) -> dict[int, list]:
+        """``nodes`` in an order a device may run them, each as late as its edges allow (of the
+        nodes ready, the last created first): a missing edge shows as a node run after the
+        ones that needed it."""
+        done: dict[int, list] = {}
+        while len(done) < len(nodes):
+            node = max(n for n in nodes if n not in done and all(a in done for a in self.after[n]))
+            done[node] = nodes[node]
+        return done
 
     def graph_destroy(self, graph, instance=None):
         self.destroyed.append(graph)
