@@ -256,6 +256,20 @@ def test_host_time_to_issue_counts_in_a_trial():
     assert chooser.pick(Direction.LOAD, BIG, runs) == (CopyMethod.STAGED, None)
 
 
+@pytest.mark.parametrize("staged_slower_by, chosen", [(0.02, CopyMethod.STAGED), (0.05, CopyMethod.RUNS)])
+def test_between_near_equal_device_bandwidths_the_least_host_time_wins(staged_slower_by, chosen):
+    """Block-outermost pages: both methods reach the link, RUNS costs the forward's thread a
+    descriptor per block. Staged within DEVICE_TIE (3%) of RUNS' bandwidth and cheaper to issue:
+    staged; clearly slower on the device: RUNS, however cheap staged is to issue."""
+    chooser = MethodChooser()
+    runs = BIG // (512 * 1024)
+    for _ in range(2 * TRIALS):
+        method, key = chooser.pick(Direction.STORE, BIG, runs)
+        device = 0.005 * (1 + staged_slower_by) if method is CopyMethod.STAGED else 0.005
+        chooser.observe(key, method, BIG, device, True, issue_seconds=0.0001 if method is CopyMethod.STAGED else 0.0004)
+    assert chooser.pick(Direction.STORE, BIG, runs) == (chosen, None)
+
+
 def test_a_failed_or_lost_trial_is_made_up_by_the_next_job():
     chooser = MethodChooser()
     method, key = chooser.pick(Direction.LOAD, BIG, BIG // 2**20)

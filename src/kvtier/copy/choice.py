@@ -11,14 +11,18 @@ and class of mean run size (powers of two):
 - below :data:`~kvtier.copy.staging.STAGE_BELOW_BYTES` per run: STAGED, always (RUNS is never
   worth a trial there);
 - else jobs of at least :data:`TIMED_BYTES` of the class go by whichever of the two has fewer
-  timings until each has :data:`TRIALS`, each costed as its device time (its own events, ``CopyDone.seconds``) plus
-  the host time its issue took on the thread that runs the forward pass; then the cheaper by
-  median moves every later job of the class, and the choice is logged. Until then, and for
-  smaller jobs, the class's choice so far (RUNS first).
+  timings until each has :data:`TRIALS`, each timed on the device (its own events,
+  ``CopyDone.seconds``) and on the host (what its issue took on the thread that runs the forward
+  pass); then, of the methods whose median device bandwidth is within :data:`DEVICE_TIE` of the
+  fastest's, the one with the least median host time moves every later job of the class, and
+  the choice is logged. Until then, and for smaller jobs, the class's choice so far (RUNS first).
 
-Why the host time counts: queued behind compute, as copies are in serving, one descriptor per
-8 KiB page moves at the link's speed, but issuing 16,384 of them costs the calling thread 13 ms
-(H100, CUDA 13; docs/benchmarks.md), which the forward pass waits for.
+Why the host time decides between equals: a copy's device time overlaps the forward pass (it is
+queued behind compute, on its own stream), its issue does not: the forward's thread waits for it,
+and every request of the batch with it. Queued behind compute, one descriptor per 8 KiB page moves
+at the link's speed, but issuing 16,384 of them costs the calling thread 13 ms (H100, CUDA 13;
+docs/benchmarks.md); under block-outermost layouts both methods reach the link and a job of
+512 scattered blocks is 512 descriptors (0.3-0.4 ms to issue) or one staged CUDA graph.
 
 Every candidate copies the same bytes correctly; a trial only costs time. Called by the copy
 engine on the thread that starts and polls jobs; no locking.
@@ -38,6 +42,7 @@ logger = logging.getLogger(__name__)
 
 TRIALS = 3  # timed jobs per candidate before a class's method is chosen
 TIMED_BYTES = 4 * 2**20  # smaller jobs are latency-bound: their time says little about bandwidth
+DEVICE_TIE = 0.03  # device bandwidths this close count as equal (the GPU kit's run-to-run spread: 0.97-1.00)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +53,9 @@ class TrialKey:
 
 @dataclass
 class _Class:
-    timings: dict[CopyMethod, list[float]] = field(default_factory=lambda: {CopyMethod.RUNS: [], CopyMethod.STAGED: []})
+    # per method, each trial's (device bytes per second, host seconds to issue)
+    timings: dict[CopyMethod, list[tuple[float, float]]] = field(
+        default_factory=lambda: {CopyMethod.RUNS: [], CopyMethod.STAGED: []})
     chosen: CopyMethod | None = None
 
 
@@ -82,20 +89,24 @@ class MethodChooser:
 
     def observe(self, key: TrialKey, method: CopyMethod, num_bytes: int, seconds: float, ok: bool,
                 issue_seconds: float = 0.0) -> None:
-        """A trial job completed: its cost (device seconds plus host ``issue_seconds``) counts
-        towards its class's choice; a failed one does not (the method with fewer timings is
-        tried next, so a lost or failed trial is made up by the next job)."""
+        """A trial job completed (``seconds`` on the device, ``issue_seconds`` on the host): it
+        counts towards its class's choice; a failed one does not (the method with fewer timings
+        is tried next, so a lost or failed trial is made up by the next job)."""
         state = self._classes[key]
         if state.chosen is not None or not ok or seconds <= 0:
             return
-        state.timings[method].append(num_bytes / (seconds + issue_seconds))
+        state.timings[method].append((num_bytes / seconds, issue_seconds))
         if all(len(t) >= TRIALS for t in state.timings.values()):
-            rates = {m: statistics.median(t) for m, t in state.timings.items()}
-            state.chosen = max(rates, key=lambda m: rates[m])
-            logger.info("kvtier: %s copies of ~%d KiB runs: %s chosen (bytes per second of device and issue time: "
-                        "staged %.1f GB/s, runs %.1f GB/s, median of %d jobs each)", key.direction.value,
-                        2**key.size_class // 1024, state.chosen.value, rates[CopyMethod.STAGED] / 1e9,
-                        rates[CopyMethod.RUNS] / 1e9, TRIALS)
+            device = {m: statistics.median(rate for rate, _ in t) for m, t in state.timings.items()}
+            host = {m: statistics.median(issue for _, issue in t) for m, t in state.timings.items()}
+            fastest = max(device.values())
+            near = [m for m in device if device[m] >= (1 - DEVICE_TIE) * fastest]
+            state.chosen = min(near, key=lambda m: host[m])
+            logger.info("kvtier: %s copies of ~%d KiB runs: %s chosen (device bandwidth staged %.1f GB/s, runs "
+                        "%.1f GB/s; host time to issue staged %.3f ms, runs %.3f ms; medians of %d jobs each)",
+                        key.direction.value, 2**key.size_class // 1024, state.chosen.value,
+                        device[CopyMethod.STAGED] / 1e9, device[CopyMethod.RUNS] / 1e9,
+                        host[CopyMethod.STAGED] * 1e3, host[CopyMethod.RUNS] * 1e3, TRIALS)
 
     def choices(self) -> dict[str, str]:
         """The method chosen per class so far, e.g. ``{"engine_to_host ~256 KiB runs": "runs"}``."""
