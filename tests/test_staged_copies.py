@@ -270,6 +270,19 @@ def test_between_near_equal_device_bandwidths_the_least_host_time_wins(staged_sl
     assert chooser.pick(Direction.STORE, BIG, runs) == (chosen, None)
 
 
+def test_a_staged_shape_is_costed_by_its_steady_issue_not_its_first_jobs():
+    """A staged shape's first job goes op by op and its second builds the CUDA graph: slower to
+    issue than the runs' batched call, although every later job only launches the graph."""
+    chooser = MethodChooser()
+    runs = BIG // (512 * 1024)
+    staged_issues = iter([0.001, 0.004, 0.0001])  # op by op, graph built, graph launched
+    for _ in range(2 * TRIALS):
+        method, key = chooser.pick(Direction.LOAD, BIG, runs)
+        issue = next(staged_issues) if method is CopyMethod.STAGED else 0.0004
+        chooser.observe(key, method, BIG, 0.005, True, issue_seconds=issue)
+    assert chooser.pick(Direction.LOAD, BIG, runs) == (CopyMethod.STAGED, None)
+
+
 def test_a_failed_or_lost_trial_is_made_up_by_the_next_job():
     chooser = MethodChooser()
     method, key = chooser.pick(Direction.LOAD, BIG, BIG // 2**20)

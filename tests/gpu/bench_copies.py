@@ -154,15 +154,16 @@ def measure(engine, direction, pages, single, repeats: int, job_ids, gated: bool
             "issue_ms": statistics.median(issue_ms), "issue_ms_max": max(issue_ms), "methods": sorted(methods)}
 
 
-FORWARD_ITERATIONS = 1000  # the stand-in step: ~1000 launches and as many numpy ops, several ms
+FORWARD_ITERATIONS = 300  # the stand-in step: 300 launches and as many numpy ops, ~3 ms (a 9 ms one varied by 0.5 ms)
 
 
-def forward_cost(engine, direction, pages, job_ids, rounds: int = 7) -> dict:
+def forward_cost(engine, direction, pages, job_ids, rounds: int = 15) -> dict:
     """What starting a job costs the thread that runs the forward pass, all of it: the start call
     and anything the job's issue takes from this thread after it (a thread of its own would share
     the GIL with this one). The forward's host work is stood in for by a loop of small numpy ops and kernel launches (as
     vLLM's input preparation and an eager forward are), long enough to outlast the issue; it is
-    timed alone and right after the start call (call included), interleaved, medians."""
+    timed alone and right after the start call (call included), in pairs; ``added_ms`` is the
+    median of the pairs' differences (drift of the host between pairs cancels out)."""
     x = torch.zeros(1024, device=torch.cuda.current_device())
 
     def step() -> float:
@@ -192,7 +193,8 @@ def forward_cost(engine, direction, pages, job_ids, rounds: int = 7) -> dict:
             alone.append(seconds)
             beside.append(with_job)
     a, b = statistics.median(alone), statistics.median(beside)
-    return {"step_ms": round(a * 1000, 3), "step_with_job_ms": round(b * 1000, 3), "added_ms": round((b - a) * 1000, 3)}
+    added = statistics.median(w - s for s, w in zip(alone, beside))
+    return {"step_ms": round(a * 1000, 3), "step_with_job_ms": round(b * 1000, 3), "added_ms": round(added * 1000, 3)}
 
 
 def contention(engine, pages, single, job_ids, rounds: int = 9) -> dict:

@@ -14,8 +14,9 @@ and class of mean run size (powers of two):
   timings until each has :data:`TRIALS`, each timed on the device (its own events,
   ``CopyDone.seconds``) and on the host (what its issue took on the thread that runs the forward
   pass); then, of the methods whose median device bandwidth is within :data:`DEVICE_TIE` of the
-  fastest's, the one with the least median host time moves every later job of the class, and
-  the choice is logged. Until then, and for smaller jobs, the class's choice so far (RUNS first).
+  fastest's, the one with the least host time (its quickest trial: a staged job shape's first
+  jobs go op by op and build its CUDA graph, later ones only launch it) moves every later job of
+  the class, and the choice is logged. Until then, and for smaller jobs, the class's choice so far (RUNS first).
 
 Why the host time decides between equals: a copy's device time overlaps the forward pass (it is
 queued behind compute, on its own stream), its issue does not: the forward's thread waits for it,
@@ -98,12 +99,12 @@ class MethodChooser:
         state.timings[method].append((num_bytes / seconds, issue_seconds))
         if all(len(t) >= TRIALS for t in state.timings.values()):
             device = {m: statistics.median(rate for rate, _ in t) for m, t in state.timings.items()}
-            host = {m: statistics.median(issue for _, issue in t) for m, t in state.timings.items()}
+            host = {m: min(issue for _, issue in t) for m, t in state.timings.items()}  # steady state
             fastest = max(device.values())
             near = [m for m in device if device[m] >= (1 - DEVICE_TIE) * fastest]
             state.chosen = min(near, key=lambda m: host[m])
             logger.info("kvtier: %s copies of ~%d KiB runs: %s chosen (device bandwidth staged %.1f GB/s, runs "
-                        "%.1f GB/s; host time to issue staged %.3f ms, runs %.3f ms; medians of %d jobs each)",
+                        "%.1f GB/s, medians; host time to issue staged %.3f ms, runs %.3f ms, quickest; of %d jobs each)",
                         key.direction.value, 2**key.size_class // 1024, state.chosen.value,
                         device[CopyMethod.STAGED] / 1e9, device[CopyMethod.RUNS] / 1e9,
                         host[CopyMethod.STAGED] * 1e3, host[CopyMethod.RUNS] * 1e3, TRIALS)

@@ -35,8 +35,8 @@ bit-exactness and ordering on CPU tensors. On a GPU with kvtier's kernels, a job
 repeated jobs go as one CUDA graph of this same schedule (:mod:`kvtier.copy.jobgraph`,
 :mod:`kvtier.copy.cudagraph`).
 
-Memory: :data:`STAGING_BUFFERS` buffers of :data:`STAGING_CHUNK_BYTES` per direction (64 MiB, so
-128 MiB of device memory for stores and loads), allocated when the copy engine is built (vLLM
+Memory: :data:`STAGING_BUFFERS` buffers of :data:`STAGING_CHUNK_BYTES` per direction (128 MiB, so
+256 MiB of device memory for stores and loads), allocated when the copy engine is built (vLLM
 registering its KV caches) and kept; a job larger than that goes in chunks. :class:`CopyMethod` and
 :mod:`kvtier.copy.choice` pick staged or runs per job. Planning is called on the thread that
 starts a job; :meth:`StagedRuns.issue` by the device's ``copy`` on that same thread.
@@ -56,7 +56,11 @@ from kvtier.copy.base import Direction
 from kvtier.copy.pages import PagedKV, storage_bytes
 from kvtier.copy.runs import PageEntries, RunPlanner, SlotJob
 
-STAGING_CHUNK_BYTES = 32 * 2**20  # one staging buffer; a chunk of a job fills at most one
+# One staging buffer; a chunk of a job fills at most one. A job shape's CUDA graph costs the
+# issuing thread ~4 us per chunk (an update and two nodes launched, H100 host): 64 MiB chunks make
+# a 512-block x 32-layer job 2-16 chunks at 8-64 KiB pages; 32 and 64 MiB moved alike (0.98-0.99
+# of one cudaMemcpyAsync, docs/benchmarks.md).
+STAGING_CHUNK_BYTES = 64 * 2**20
 STAGING_BUFFERS = 2  # per direction: a chunk crosses the link while the next is gathered
 STAGE_BELOW_BYTES = 32 * 2**10  # runs averaging fewer bytes are always staged (vLLM: ~28 KiB)
 
