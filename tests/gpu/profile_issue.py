@@ -8,6 +8,13 @@ layers, scattered engine blocks), per method and layout. Prints one JSON.
 staged jobs again issued op by op, and ``jobs_torch_ops`` with torch's gather/scatter ops instead
 of kvtier's kernels, in the same run (a lent GPU's host differs in call costs from loan to loan).
 
+Per job shape: ``phases_us``, medians of the host time inside chosen methods (``runtime.*``: each
+CUDA runtime call the engine makes; the rest of ``total`` is kvtier's Python), and the start
+call's median given a page table (as the scheduler sends it: ``issue_ms_median``), given 512
+``PageCopy`` tuples, and issued back to back without waiting for the device between calls (a
+warm host: each job of the others is issued right after the host waited for the device, as the
+kit issues them).
+
 Usage (GPU machine, as scripts/gpu-check.sh sets PYTHONPATH): python tests/gpu/profile_issue.py
 """
 
