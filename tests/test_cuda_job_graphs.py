@@ -25,6 +25,7 @@ from host_device import HostDevice, host_streams
 
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
 from kvtier.copy.cuda import CudaCopyEngine
+from kvtier.copy.lanes import CudaLanes
 from kvtier.copy.staging import CopyMethod
 from kvtier.core.slots import HostSlotLayout
 
@@ -158,6 +159,21 @@ def test_jobs_of_several_host_runs_per_chunk_go_op_by_op():
     for job_id in range(3):
         assert store_exactly(engine, paged, host, job_id, scattered)
     assert device.calls["graph_create"] == 0 and device.calls["memcpy_batch"] > 0
+
+
+def test_jobs_whose_numbers_exceed_the_upload_ring_go_op_by_op_and_graphs_stay_on(monkeypatch):
+    """A graph uploads its job's numbers from the ring: a job with more numbers than the ring holds
+    (its layers' rows and one number per block: 4 + 6 here, the ring 8 words) never builds one,
+    and a smaller job's shape still does."""
+    monkeypatch.setattr(CudaLanes, "UPLOAD_RING_BYTES", 8 * 8)
+    device = HostDevice()
+    engine, streams, paged, host = rig(device)
+    for job_id, first in enumerate((0, 6, 12)):
+        assert store_exactly(engine, paged, host, job_id, pages_of(range(first, first + 6), [3, 11, 1, 8, 9, 2]))
+    assert device.calls["graph_create"] == 0
+    for job_id, first in enumerate((18, 21), start=3):
+        assert store_exactly(engine, paged, host, job_id, pages_of(range(first, first + 3), [13, 5, 0]))
+    assert device.calls["graph_create"] == 1 and device.calls["graph_launch"] == 1
 
 
 @pytest.mark.parametrize("failing", ["graph_instantiate", "add_node", "graph_set_memcpy", "graph_launch"])

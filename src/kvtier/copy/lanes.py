@@ -160,6 +160,9 @@ class CudaLanes:
         if key is not None:
             parts = self._numbers(plan)
             count = sum(len(part) for part in parts)
+            if count > self._ring_size:  # its upload node could not read them from the ring: op by op
+                plan.issue(self)
+                return
             self._reserve(count)
             graph = self._graph(plan, key, count)
             first = self._take(count) if graph is not None else None  # no room in the ring: op by op
