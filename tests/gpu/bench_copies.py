@@ -37,7 +37,7 @@ cost to the forward's thread), GEMM slowdown <=
 :data:`GOAL_STORE_SLOWDOWN` beside a store and no more than the plain copy's beside a load.
 
 Usage: python tests/gpu/bench_copies.py [--layout LBNHC] [--pages-kib 8,16,64] [--blocks 512]
-       [--layers 32] [--repeats 9] [--chunk-mib 32] [--buffers 2]
+       [--layers 32] [--repeats 9] [--chunk-mib 64] [--buffers 2]
 """
 
 from __future__ import annotations
