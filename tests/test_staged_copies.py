@@ -354,8 +354,9 @@ def test_planning_whole_blocks_per_block_gives_the_plans_of_planning_per_page(ca
         assert fast.num_pages == general.num_pages and fast.num_bytes == general.num_bytes
         for name in ("run_bounds", "staging_offset", "host_offset", "sizes", "staging_addr", "host_addr"):
             assert np.array_equal(getattr(fast, name), getattr(general, name)), name
-        table = fast.block_table()
-        if table is not None:  # what the block kernels read: each layer's first row, then the blocks
+        parts = fast.block_table()
+        if parts is not None:  # what the block kernels read: each layer's first row, then the blocks
+            table = np.concatenate(parts)
             layers = paged.num_layers
             rows = table[layers:][:, None] * fast.block_rows + table[:layers]
             assert np.array_equal(rows.ravel(), general.index)

@@ -165,10 +165,8 @@ class CudaLanes:
                 return
             self._reserve(count)
             graph = self._graph(plan, key, count)
-            first = self._take(count) if graph is not None else None  # no room in the ring: op by op
-            if graph is not None and first is not None:
-                _fill(self._ring_numpy, first, parts)
-                self._ring_lanes.add(Lane.TRANSFER)
+            first = self._stage(parts, count, Lane.TRANSFER) if graph is not None else None
+            if graph is not None and first is not None:  # (no room in the ring: op by op)
                 try:
                     graph.launch(plan, self._transfer, self._ring_address + 8 * first)  # its first node uploads
                     self.graph_launches += 1
@@ -217,9 +215,8 @@ class CudaLanes:
         """What the job's kernels read, as the parts to upload one after the other: with kvtier's
         kernels and a job of whole blocks its block table (:meth:`~kvtier.copy.staging.StagedRuns.block_table`:
         the layers' rows, then one number per block), else its row index."""
-        if self.kernels is not None and plan.blocks is not None and plan.layer_rows is not None:
-            return plan.layer_rows, plan.blocks
-        return (plan.row_index(),)
+        table = plan.block_table() if self.kernels is not None else None
+        return table if table is not None else (plan.row_index(),)
 
     def _reserve(self, count: int) -> None:
         """The device index buffer at least ``count`` long: grown on the KERNEL stream, whose
@@ -249,7 +246,7 @@ class CudaLanes:
         buffer (reserved for them) on ``lane``: from the page-locked ring, or where it has no
         room, from a page-locked buffer of its own."""
         count = sum(len(part) for part in parts)
-        first = self._take(count)
+        first = self._stage(parts, count, lane)
         if first is None:
             host = self.streams.pinned(8 * count).view(torch.int64)
             _fill(host.numpy(), 0, parts)
@@ -257,14 +254,21 @@ class CudaLanes:
             with self.streams._cuda.device(self._index.device), self.streams._cuda.stream(stream):
                 self._index[:count].copy_(host, non_blocking=True)
             return
-        _fill(self._ring_numpy, first, parts)
-        self._ring_lanes.add(lane)
         if self.runtime is not None:
             self.runtime.memcpy(self._index_address, self._ring_address + 8 * first, 8 * count, self._handle(lane))
         else:
             with self.streams._cuda.stream(self._handle(lane)):
                 self._index[:count].copy_(self._ring_words[first:first + count], non_blocking=True)
         self._fence_if_due()
+
+    def _stage(self, parts: tuple[np.ndarray, ...], count: int, lane: Lane) -> int | None:
+        """Write ``parts`` (``count`` words) into the ring for an upload on ``lane`` issued next;
+        where they start, or None (no room: nothing written)."""
+        first = self._take(count)
+        if first is not None:
+            _fill(self._ring_numpy, first, parts)
+            self._ring_lanes.add(lane)
+        return first
 
     def _fence_if_due(self) -> None:
         """:meth:`_fence` once an eighth of the ring was uploaded from since the last fence."""

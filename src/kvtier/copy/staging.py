@@ -213,12 +213,13 @@ class StagedRuns:
         assert self.blocks is not None and self.layer_rows is not None
         return (self.blocks[:, None] * self.block_rows + self.layer_rows).ravel()
 
-    def block_table(self) -> np.ndarray | None:
-        """``layer_rows`` then ``blocks`` (int64), what a block kernel reads
-        (:meth:`kvtier.copy.kernels.RowKernels.launch` with ``blocks``); None unless a job of whole blocks."""
+    def block_table(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """What a block kernel reads (:meth:`kvtier.copy.kernels.RowKernels.launch` with
+        ``blocks``), as its two parts to upload one after the other: ``layer_rows``, then
+        ``blocks`` (int64); None unless a job of whole blocks."""
         if self.blocks is None or self.layer_rows is None:
             return None
-        return np.concatenate((self.layer_rows, self.blocks))
+        return self.layer_rows, self.blocks
 
     def kernel_table(self, uploaded: int, first: int) -> tuple[int, tuple[int, int, int] | None]:
         """The ``table`` and ``blocks`` arguments of a row kernel
