@@ -97,6 +97,10 @@ def test_pages_out_of_range_are_refused(bad):
         with pytest.raises(IndexError, match="out of range") as refused:
             runs.plan(Direction.STORE, job)
         assert str(bad) in str(refused.value)  # the first page out of range is named
+    # a table longer than the bounds were first tiled for (1,024 rows; 100k-token prompts are more)
+    long = page_table([PageCopy(1, 0, 2)] * 3000 + [bad])
+    with pytest.raises(IndexError, match="out of range"):
+        runs.table(long)
 
 
 def test_an_empty_job_plans_nothing():
