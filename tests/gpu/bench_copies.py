@@ -31,13 +31,20 @@ the forward pass on the device: a bf16 GEMM loop on the compute stream
 alone and beside an ``auto`` store, an ``auto`` load and one plain ``cudaMemcpyAsync`` of the same
 bytes each way (16 KiB pages; slowdown = GEMM time beside / alone, medians of interleaved rounds).
 
+What the SMs kvtier's gather and scatter kernels take costs the GEMM, by how many thread blocks
+they may run on (``kernel_blocks_sweep``, at the contention page size): a ``staged`` engine per
+cap (one block per page, 4x / 1x / a quarter of the SMs, 8 blocks), its fraction of the single
+copy and the GEMM's slowdown beside its store and load (reported, not judged: it decides
+:data:`kvtier.copy.streams.KERNEL_BLOCKS`).
+
 Goals (judged by tests/gpu/summarize.py): ``auto`` >= :data:`GOAL_FRACTION` of the single copy at
 every page size both ways, < :data:`GOAL_ISSUE_MS` ms to issue (the start call, and the whole
 cost to the forward's thread), GEMM slowdown <=
 :data:`GOAL_STORE_SLOWDOWN` beside a store and no more than the plain copy's beside a load.
 
 Usage: python tests/gpu/bench_copies.py [--layout LBNHC] [--pages-kib 8,16,64] [--blocks 512]
-       [--layers 32] [--repeats 9] [--chunk-mib 64] [--buffers 2]
+       [--layers 32] [--repeats 9] [--chunk-mib 64] [--buffers 2] [--kernel-blocks N|page]
+       [--sweep-kernel-blocks] [--no-sweep-kernel-blocks]
 """
 
 from __future__ import annotations
@@ -62,7 +69,7 @@ from kvtier.copy.choice import TRIALS  # noqa: E402
 from kvtier.copy.cuda import CudaCopyEngine  # noqa: E402
 from kvtier.copy.pinning import pin_host_memory  # noqa: E402
 from kvtier.copy.staging import STAGING_BUFFERS, STAGING_CHUNK_BYTES, CopyMethod  # noqa: E402
-from kvtier.copy.streams import TorchCudaStreams  # noqa: E402
+from kvtier.copy.streams import KERNEL_BLOCKS, TorchCudaStreams  # noqa: E402
 from kvtier.core.slots import HostSlotLayout  # noqa: E402
 from kvtier.tiers.shm import SharedRegion  # noqa: E402
 
@@ -248,7 +255,7 @@ def bench_page_size(args, device, heads: int, job_ids) -> dict:
     # as kvtier's scheduler sends a job to the workers: one int64 page table (kvtier.copy.page_table)
     pages = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % args.blocks) for slot in range(args.blocks)])
     job_bytes = args.blocks * args.layers * paged.page_bytes
-    streams = TorchCudaStreams(device)
+    streams = TorchCudaStreams(device, kernel_blocks=args.kernel_blocks)
     out: dict = {"page_bytes": paged.page_bytes, "job_bytes": job_bytes, "host_region": where,
                  "pinned": pinning.pinned}
     staging = {"chunk_bytes": args.chunk_mib * 2**20, "buffers": args.buffers}
@@ -270,7 +277,7 @@ def bench_page_size(args, device, heads: int, job_ids) -> dict:
               Direction.LOAD: lambda gated: timed(lambda: contiguous.copy_(buffer[:job_bytes], non_blocking=True),
                                                   side, gated)}
     for direction in Direction:
-        name = "store" if direction is Direction.STORE else "load"
+        name = direction_name(direction)
         measured = {method.value: measure(engine, direction, pages, single[direction], args.repeats, job_ids)
                     for method, engine in engines.items()}
         out[name] = direction_report(job_bytes, measured)
@@ -281,6 +288,8 @@ def bench_page_size(args, device, heads: int, job_ids) -> dict:
                                        and out[name]["auto"]["forward"]["added_ms"] < GOAL_ISSUE_MS)
     if heads * 8 == args.contention_kib:
         out["contention"] = contention(auto, pages, single, job_ids)
+        if args.sweep_kernel_blocks:
+            out["kernel_blocks_sweep"] = kernel_blocks_sweep(args, device, paged, host, pages, single, job_ids)
     for engine in engines.values():
         engine.wait()
     runtime = streams.runtime
@@ -293,6 +302,33 @@ def bench_page_size(args, device, heads: int, job_ids) -> dict:
     contiguous = None  # the single copies' device buffer, freed before the next page size
     torch.cuda.empty_cache()
     return out
+
+
+def kernel_blocks_sweep(args, device, paged, host, pages, single, job_ids) -> dict:
+    """Per cap on the thread blocks of kvtier's gather and scatter launches ("page": one block per
+    page), a ``staged`` engine's fraction of the single copy each way and a GEMM's slowdown beside
+    its store and load (:func:`contention`)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    out: dict = {"sms": sms}
+    for cap in (None, 4 * sms, sms, max(sms // 4, 1), 8):
+        engine = CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(device, kernel_blocks=cap),
+                                CopyMethod.STAGED, chunk_bytes=args.chunk_mib * 2**20, buffers=args.buffers)
+        row: dict = {}
+        for direction in Direction:
+            m = measure(engine, direction, pages, single[direction], 5, job_ids)
+            row[f"{direction_name(direction)}_fraction"] = round(m["single_s"] / m["device_s"], 3)
+        row.update(contention(engine, pages, single, job_ids))
+        engine.wait()
+        lanes = list(engine.device._lanes.values())  # noqa: SLF001
+        row["kernels"] = sorted({lane.kernels.how if lane.kernels is not None else "torch's ops" for lane in lanes})
+        row["graph_launches"] = sum(lane.graph_launches for lane in lanes)
+        engine.close()
+        out["page" if cap is None else str(cap)] = row
+    return out
+
+
+def direction_name(direction: Direction) -> str:
+    return "store" if direction is Direction.STORE else "load"
 
 
 def driver_version() -> str | None:
@@ -314,6 +350,11 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=STAGING_CHUNK_BYTES // 2**20, help="staging buffer size")
     parser.add_argument("--buffers", type=int, default=STAGING_BUFFERS, help="staging buffers per direction")
     parser.add_argument("--contention-kib", type=int, default=16, help="page size of the GEMM contention rounds")
+    parser.add_argument("--kernel-blocks", type=lambda v: None if v == "page" else int(v), default=KERNEL_BLOCKS,
+                        help="most thread blocks a gather/scatter launch runs on ('page': one per page; "
+                             "default: the engine's)")
+    parser.add_argument("--sweep-kernel-blocks", action=argparse.BooleanOptionalAction, default=True,
+                        help="at the contention page size, measure staged engines at several kernel block caps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
@@ -362,6 +403,7 @@ def bench_report(sizes: dict[str, dict], runtime, args) -> dict:
         "batched_copy": bool(runtime is not None and runtime.batched and refusals == 0),
         "batch_refusals": refusals, "layout": args.layout, "blocks": args.blocks, "layers": args.layers,
         "repeats": args.repeats, "staging": {"chunk_bytes": args.chunk_mib * 2**20, "buffers": args.buffers},
+        "kernel_blocks": args.kernel_blocks if args.kernel_blocks is not None else "page",
         "page_sizes": sizes,
         "goals": {"fraction_of_single_copy": GOAL_FRACTION, "measurement_error_above": MEASUREMENT_ERROR,
                   "issue_ms": GOAL_ISSUE_MS, "store_slowdown": GOAL_STORE_SLOWDOWN,

@@ -112,6 +112,9 @@ def summarize(results: Path, goal_layouts: tuple[str, ...] = ("LBNHC", "BLNHC"))
             if contention is None:
                 continue
             summary["contention"].setdefault(layout, {})[size] = contention
+            if "kernel_blocks_sweep" in result:  # reported, not judged
+                summary.setdefault("kernel_blocks_sweep", {}).setdefault(layout, {})[size] = \
+                    result["kernel_blocks_sweep"]
             if layout in goal_layouts and contention["slowdown_store"] > goals["store_slowdown"]:
                 failed.append(f"{layout} {size}: a store slows the GEMM {contention['slowdown_store']}x, goal <= "
                               f"{goals['store_slowdown']}x")

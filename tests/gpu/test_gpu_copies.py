@@ -44,11 +44,12 @@ LONG_KERNEL_CYCLES = 200_000_000  # torch.cuda._sleep: ~0.1 s on an H100
 
 
 def engine_for(kv, case: Case, host_buffer: torch.Tensor, num_slots: int, method: CopyMethod = CopyMethod.AUTO,
-               **staging):
+               kernel_blocks: int | None = None, **staging):
     paged = PagedKV(kv.views, NUM_BLOCKS, kv.layer_groups, kv.page_bytes)
     layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, num_slots)
     host = HostSlots(host_buffer[: layout.region_bytes], layout)
-    return CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(paged.device), method, **staging), paged, host
+    streams = TorchCudaStreams(paged.device, kernel_blocks=kernel_blocks)
+    return CudaCopyEngine(BlockCopier(paged, host), streams, method, **staging), paged, host
 
 
 def attention_rig(device, shm_region, num_slots=2, method: CopyMethod = CopyMethod.AUTO):
@@ -61,9 +62,11 @@ def attention_rig(device, shm_region, num_slots=2, method: CopyMethod = CopyMeth
     return case, kv, engine, paged, host
 
 
-def staged_rig(name: str, num_slots: int, chunk_pages: int, buffers: int, device, shm_region):
+def staged_rig(name: str, num_slots: int, chunk_pages: int, buffers: int, device, shm_region,
+               kernel_blocks: int | None = None):
     """Case ``name``'s KV on ``device`` filled with random bytes, a pinned /dev/shm region of
-    ``num_slots`` slots, a staged engine with staging buffers of ``chunk_pages`` pages, and a CPU
+    ``num_slots`` slots, a staged engine with staging buffers of ``chunk_pages`` pages (its
+    kernels on at most ``kernel_blocks`` thread blocks a launch), and a CPU
     copier of the same KV that writes what the CPU engine moves into ``expected`` (host-sized).
     Returns (kv, groups, engine, paged, host, expected, cpu_copier)."""
     case = CASES[name]
@@ -71,7 +74,7 @@ def staged_rig(name: str, num_slots: int, chunk_pages: int, buffers: int, device
     kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8, device=device))
     slot_bytes = len(kv.views) * case.page_bytes
     buffer, _ = shm_region(num_slots * slot_bytes, slot_bytes)
-    engine, paged, host = engine_for(kv, case, buffer, num_slots, CopyMethod.STAGED,
+    engine, paged, host = engine_for(kv, case, buffer, num_slots, CopyMethod.STAGED, kernel_blocks,
                                      chunk_bytes=chunk_pages * case.page_bytes, buffers=buffers)
     cpu = build(case, NUM_BLOCKS, "cpu")
     cpu.raw.copy_(kv.raw.cpu())
@@ -258,12 +261,15 @@ def test_staged_jobs_larger_than_the_staging_buffers_round_trip_bit_exact(name, 
 @pytest.mark.parametrize("name", ["LBNHC-attention", "BLNHC-attention", "LBNHC-mamba-hybrid", "LBNHC-kernel-blocks",
                                   "LBNHC-padded-attention"])
 @pytest.mark.parametrize("chunk_pages, buffers", [(2, 2), (5, 3)])
-def test_repeated_staged_jobs_go_as_cuda_graphs_bit_exact(name, chunk_pages, buffers, device, shm_region):
+@pytest.mark.parametrize("kernel_blocks", [None, 3], ids=["block-per-page", "3-blocks"])
+def test_repeated_staged_jobs_go_as_cuda_graphs_bit_exact(name, chunk_pages, buffers, kernel_blocks, device,
+                                                          shm_region):
     """Three stores, then three loads, of one shape (4 whole blocks to 4 consecutive slots): the
     second and third of each are one CUDA graph launched with their own host addresses
-    (kvtier.copy.cudagraph); every byte as the CPU engine moves it."""
+    (kvtier.copy.cudagraph); every byte as the CPU engine moves it, with the gather and scatter
+    kernels on a block per page or on 3 blocks, each looping over every third page of a launch."""
     kv, groups, engine, paged, host, expected, cpu_copier = staged_rig(name, 12, chunk_pages, buffers, device,
-                                                                       shm_region)
+                                                                       shm_region, kernel_blocks)
     sources = [[3, 11, 1, 8], [9, 2, 10, 5], [0, 4, 6, 7]]
     stores = [[PageCopy(4 * j + s, 0, b, g) for s, b in enumerate(blocks) for g in range(groups)]
               for j, blocks in enumerate(sources)]

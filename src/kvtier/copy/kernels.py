@@ -8,7 +8,8 @@ an index slice, the current stream), measured on the GPU kit's host; a staged jo
 32 layers is 4-32 chunks. A driver launch through ctypes costs a few microseconds, takes raw
 addresses (no slice tensors) and its stream as an argument (no current-stream switch).
 
-The kernels (one thread block per page, a loop over the page's 16- or 8-byte words):
+The kernels (a thread block per page, or fewer blocks each looping over pages: ``max_blocks``;
+a page moves in 16- or 8-byte words, four loads per thread in flight):
 
 - ``gather``: ``staged[i] = rows[index[i]]`` for ``i < count`` (a store's chunk, host order);
 - ``scatter``: ``rows[index[i]] = staged[i]`` (a load's chunk; the index never names a row twice
@@ -46,46 +47,66 @@ SOURCE = r"""
 struct alignas(16) W16 { unsigned long long a, b; };
 typedef unsigned long long W8;
 
-// One thread block copies one page of ``words`` words; ``staged`` holds a launch's pages in order.
-#define KVTIER_COPY_PAGE(TO, FROM)                                                                   \
-    for (long long w = threadIdx.x; w < words; w += blockDim.x) TO[w] = FROM[w];
+// One thread block copies one page of ``words`` words at a time: each thread loads up to UNROLL
+// words (a block moves UNROLL * blockDim.x words in flight), then stores them.
+#define KVTIER_UNROLL 4
+template <typename W>
+__device__ __forceinline__ void kvtier_copy_page(W* __restrict__ to, const W* __restrict__ from, long long words) {
+    for (long long base = threadIdx.x; base < words; base += KVTIER_UNROLL * (long long)blockDim.x) {
+        W v[KVTIER_UNROLL];
+#pragma unroll
+        for (int u = 0; u < KVTIER_UNROLL; ++u) {
+            const long long w = base + (long long)u * blockDim.x;
+            if (w < words) v[u] = from[w];
+        }
+#pragma unroll
+        for (int u = 0; u < KVTIER_UNROLL; ++u) {
+            const long long w = base + (long long)u * blockDim.x;
+            if (w < words) to[w] = v[u];
+        }
+    }
+}
 
+// table = [layer_rows (layers), blocks (n)]: page p of a job of whole blocks is layer p % layers of
+// block p / layers, at row blocks[p / layers] * block_rows + layer_rows[p % layers]
+__device__ __forceinline__ long long kvtier_row(const long long* __restrict__ table, long long layers,
+                                                long long block_rows, long long p) {
+    return table[layers + p / layers] * block_rows + table[p % layers];
+}
+
+// A launch copies pages i < count, block b pages b, b + gridDim.x, ... (one page per block when
+// the grid is ``count`` blocks; fewer blocks take fewer of the SMs the forward pass runs on, longer).
 #define KVTIER_ROW_KERNELS(W, SUFFIX)                                                                \
 extern "C" __global__ void kvtier_gather##SUFFIX(const W* __restrict__ rows, W* __restrict__ staged,  \
-                                                 const long long* __restrict__ index, long long words) { \
-    const W* src = rows + index[blockIdx.x] * words;                                                 \
-    W* dst = staged + (long long)blockIdx.x * words;                                                 \
-    KVTIER_COPY_PAGE(dst, src)                                                                       \
+        const long long* __restrict__ index, long long words, long long count) {                     \
+    for (long long i = blockIdx.x; i < count; i += gridDim.x)                                        \
+        kvtier_copy_page<W>(staged + i * words, rows + index[i] * words, words);                     \
 }                                                                                                    \
 extern "C" __global__ void kvtier_scatter##SUFFIX(W* __restrict__ rows, const W* __restrict__ staged, \
-                                                  const long long* __restrict__ index, long long words) { \
-    W* dst = rows + index[blockIdx.x] * words;                                                       \
-    const W* src = staged + (long long)blockIdx.x * words;                                           \
-    KVTIER_COPY_PAGE(dst, src)                                                                       \
+        const long long* __restrict__ index, long long words, long long count) {                     \
+    for (long long i = blockIdx.x; i < count; i += gridDim.x)                                        \
+        kvtier_copy_page<W>(rows + index[i] * words, staged + i * words, words);                     \
 }                                                                                                    \
-/* table = [layer_rows (layers), blocks (n)]: page p is layer p % layers of block p / layers, */     \
-/* row blocks[p / layers] * block_rows + layer_rows[p % layers]; this launch: pages first + i  */     \
+/* a job of whole blocks (kvtier_row): this launch copies its pages first + i */                     \
 extern "C" __global__ void kvtier_gather_blocks##SUFFIX(                                             \
         const W* __restrict__ rows, W* __restrict__ staged, const long long* __restrict__ table,      \
-        long long words, long long layers, long long block_rows, long long first) {                  \
-    const long long p = first + blockIdx.x;                                                          \
-    const W* src = rows + (table[layers + p / layers] * block_rows + table[p % layers]) * words;      \
-    W* dst = staged + (long long)blockIdx.x * words;                                                 \
-    KVTIER_COPY_PAGE(dst, src)                                                                       \
+        long long words, long long count, long long layers, long long block_rows, long long first) { \
+    for (long long i = blockIdx.x; i < count; i += gridDim.x)                                        \
+        kvtier_copy_page<W>(staged + i * words, rows + kvtier_row(table, layers, block_rows, first + i) * words, \
+                            words);                                                                  \
 }                                                                                                    \
 extern "C" __global__ void kvtier_scatter_blocks##SUFFIX(                                            \
         W* __restrict__ rows, const W* __restrict__ staged, const long long* __restrict__ table,      \
-        long long words, long long layers, long long block_rows, long long first) {                  \
-    const long long p = first + blockIdx.x;                                                          \
-    W* dst = rows + (table[layers + p / layers] * block_rows + table[p % layers]) * words;            \
-    const W* src = staged + (long long)blockIdx.x * words;                                           \
-    KVTIER_COPY_PAGE(dst, src)                                                                       \
+        long long words, long long count, long long layers, long long block_rows, long long first) { \
+    for (long long i = blockIdx.x; i < count; i += gridDim.x)                                        \
+        kvtier_copy_page<W>(rows + kvtier_row(table, layers, block_rows, first + i) * words, staged + i * words, \
+                            words);                                                                  \
 }
 
 KVTIER_ROW_KERNELS(W16, 16)
 KVTIER_ROW_KERNELS(W8, 8)
 """
-THREADS = 256  # per block: one block per page
+THREADS = 256  # per block
 MAX_PAGES_PER_LAUNCH = 2**31 - 1  # the grid's x limit
 
 
@@ -126,43 +147,57 @@ class _Nvrtc:
 
     def compile(self, source: str, arch: tuple[int, int]) -> tuple[bytes, str]:
         """(image, kind): a CUBIN for ``sm_XY``, else PTX for ``compute_XY`` (the driver JITs it)."""
-        lib = self.lib
-        for option, size_call, get_call, kind in (
-                (f"--gpu-architecture=sm_{arch[0]}{arch[1]}", "nvrtcGetCUBINSize", "nvrtcGetCUBIN", "cubin"),
-                (f"--gpu-architecture=compute_{arch[0]}{arch[1]}", "nvrtcGetPTXSize", "nvrtcGetPTX", "ptx")):
-            program = ctypes.c_void_p()
-            self.check("nvrtcCreateProgram", lib.nvrtcCreateProgram(
-                ctypes.byref(program), source.encode(), b"kvtier_rows.cu", 0, None, None))
-            try:
-                options = (ctypes.c_char_p * 2)(option.encode(), b"-std=c++17")
-                code = lib.nvrtcCompileProgram(program, 2, options)
-                if code != 0:
-                    size = ctypes.c_size_t()
-                    lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
-                    log = ctypes.create_string_buffer(size.value + 1)
-                    lib.nvrtcGetProgramLog(program, log)
-                    logger.info("kvtier: NVRTC %s: %s", option, log.value.decode(errors="replace").strip()[:500])
-                    continue
-                size = ctypes.c_size_t()
-                self.check(size_call, getattr(lib, size_call)(program, ctypes.byref(size)))
-                image = ctypes.create_string_buffer(size.value)
-                self.check(get_call, getattr(lib, get_call)(program, image))
-                return image.raw, kind
-            finally:
-                lib.nvrtcDestroyProgram(ctypes.byref(program))
+        for option, kind in ((f"--gpu-architecture=sm_{arch[0]}{arch[1]}", "cubin"),
+                             (f"--gpu-architecture=compute_{arch[0]}{arch[1]}", "ptx")):
+            image = self.build(source, option, kind)
+            if image is not None:
+                return image, kind
         raise RuntimeError(f"NVRTC compiled the row kernels for neither sm_{arch[0]}{arch[1]} nor its PTX")
+
+    def build(self, source: str, option: str, kind: str) -> bytes | None:
+        """``source`` compiled with ``option`` (``--gpu-architecture=...``) to ``kind`` ("cubin" or
+        "ptx"); None if it does not compile (NVRTC's log at INFO)."""
+        lib = self.lib
+        size_call, get_call = ("nvrtcGetCUBINSize", "nvrtcGetCUBIN") if kind == "cubin" else \
+            ("nvrtcGetPTXSize", "nvrtcGetPTX")
+        program = ctypes.c_void_p()
+        self.check("nvrtcCreateProgram", lib.nvrtcCreateProgram(
+            ctypes.byref(program), source.encode(), b"kvtier_rows.cu", 0, None, None))
+        try:
+            options = (ctypes.c_char_p * 2)(option.encode(), b"-std=c++17")
+            code = lib.nvrtcCompileProgram(program, 2, options)
+            if code != 0:
+                size = ctypes.c_size_t()
+                lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value + 1)
+                lib.nvrtcGetProgramLog(program, log)
+                logger.info("kvtier: NVRTC %s: %s", option, log.value.decode(errors="replace").strip()[:500])
+                return None
+            size = ctypes.c_size_t()
+            self.check(size_call, getattr(lib, size_call)(program, ctypes.byref(size)))
+            image = ctypes.create_string_buffer(size.value)
+            self.check(get_call, getattr(lib, get_call)(program, image))
+            return image.raw
+        finally:
+            lib.nvrtcDestroyProgram(ctypes.byref(program))
 
 
 class RowKernels:
     """The gather and scatter kernels of one word size, loaded in the current context (see the
     module docstring). ``word_bytes``: 16 or 8; every page is a whole number of words and every
-    address passed is aligned to one."""
+    address passed is aligned to one. ``max_blocks``: the most thread blocks a launch runs (each
+    then copies every ``max_blocks``-th page of it); None: one block per page, which finishes a
+    chunk soonest but takes every SM the forward pass is not holding while it runs."""
 
-    def __init__(self, driver: ctypes.CDLL, module: ctypes.c_void_p, word_bytes: int, how: str):
+    def __init__(self, driver: ctypes.CDLL, module: ctypes.c_void_p, word_bytes: int, how: str,
+                 max_blocks: int | None = None):
+        if max_blocks is not None and max_blocks < 1:
+            raise ValueError(f"max_blocks must be at least 1 (or None: a block per page), not {max_blocks}")
         self._driver = driver
         self._module = module
         self.word_bytes = word_bytes
         self.how = how
+        self.max_blocks = max_blocks
         self._launch = driver.cuLaunchKernel
         self._launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
         self._launch.restype = ctypes.c_int
@@ -175,8 +210,8 @@ class RowKernels:
             self._functions[kind] = function.value
         # the launch's argument slots, filled in place before each launch (one thread only)
         self._pointers = [ctypes.c_void_p() for _ in range(3)]  # rows, staged, index or table
-        self._numbers = [ctypes.c_longlong() for _ in range(4)]  # words[, layers, block_rows, first]
-        self._params = (ctypes.c_void_p * 7)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+        self._numbers = [ctypes.c_longlong() for _ in range(5)]  # words, count[, layers, block_rows, first]
+        self._params = (ctypes.c_void_p * 8)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
                                                for v in self._pointers + self._numbers))
         self._add_node = getattr(driver, "cuGraphAddKernelNode_v2", None)  # CUDA 12.0+ drivers
         if self._add_node is not None:
@@ -191,9 +226,11 @@ class RowKernels:
         return self._add_node is not None
 
     @classmethod
-    def load(cls, arch: tuple[int, int], cuda_major: int, page_bytes: int) -> RowKernels | None:
+    def load(cls, arch: tuple[int, int], cuda_major: int, page_bytes: int,
+             max_blocks: int | None = None) -> RowKernels | None:
         """The kernels for pages of ``page_bytes`` on a device of compute capability ``arch``, in
-        the calling thread's current context; None (logged) where they cannot be had."""
+        the calling thread's current context, launched on at most ``max_blocks`` thread blocks;
+        None (logged) where they cannot be had."""
         word = next((w for w in (16, 8) if page_bytes % w == 0), None)
         if word is None:
             logger.info("kvtier: pages of %d B are not whole 8-byte words: staged copies use torch's ops", page_bytes)
@@ -220,7 +257,9 @@ class RowKernels:
             code = driver.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(image))
             if code != 0:
                 raise CudaError("cuModuleLoadData", code, str(code))
-            kernels = cls(driver, module, word, f"{kind} for sm_{arch[0]}{arch[1]}, {word}-byte words")
+            blocks = "a block per page" if max_blocks is None else f"at most {max_blocks} blocks a launch"
+            kernels = cls(driver, module, word, f"{kind} for sm_{arch[0]}{arch[1]}, {word}-byte words, {blocks}",
+                          max_blocks)
         except Exception as exc:  # noqa: BLE001 - an optimization only: any failure leaves torch's ops
             logger.warning("kvtier: kvtier's copy kernels are unavailable (%s): staged copies use torch's ops", exc)
             return None
@@ -238,9 +277,9 @@ class RowKernels:
         ``layer_rows`` (``layers`` int64) followed by the job's blocks."""
         words = page_bytes // self.word_bytes
         if blocks is None:
-            self._run(kind, stream, pages, (rows, staged, table), (words,))
+            self._run(kind, stream, pages, (rows, staged, table), (words, pages))
         else:
-            self._run(f"{kind}_blocks", stream, pages, (rows, staged, table), (words, *blocks))
+            self._run(f"{kind}_blocks", stream, pages, (rows, staged, table), (words, pages, *blocks))
 
     def add_node(self, graph: int, after: list[int], kind: str, rows: int, staged: int, table: int, pages: int,
                  page_bytes: int, blocks: tuple[int, int, int] | None = None) -> int:
@@ -250,14 +289,18 @@ class RowKernels:
         assert self._add_node is not None and pages > 0
         words = page_bytes // self.word_bytes
         name = f"{kind}_blocks" if blocks is not None else kind
-        self._fill(pages, (rows, staged, table), (words, *blocks) if blocks is not None else (words,))
-        params = KernelNodeParams(self._functions[name], pages, 1, 1, THREADS, 1, 1, 0,
+        self._fill(pages, (rows, staged, table), (words, pages, *blocks) if blocks is not None else (words, pages))
+        params = KernelNodeParams(self._functions[name], self.grid(pages), 1, 1, THREADS, 1, 1, 0,
                                   ctypes.cast(self._params, ctypes.c_void_p), None, None, None)
         node = ctypes.c_void_p(0)
         code = self._add_node(ctypes.byref(node), graph, node_array(after), len(after), ctypes.byref(params))
         if code != 0:
             raise CudaError(f"cuGraphAddKernelNode(kvtier_{name})", code, self._error_name(code))
         return int(node.value or 0)
+
+    def grid(self, pages: int) -> int:
+        """The thread blocks a launch of ``pages`` pages runs on."""
+        return pages if self.max_blocks is None else min(pages, self.max_blocks)
 
     def _fill(self, pages: int, pointers: tuple[int, ...], numbers: tuple[int, ...]) -> None:
         """Put a launch's arguments in the slots ``_params`` points to."""
@@ -272,7 +315,7 @@ class RowKernels:
         if pages <= 0:
             return
         self._fill(pages, pointers, numbers)
-        code = self._launch(self._functions[kind], pages, 1, 1, THREADS, 1, 1, 0, stream, self._params, None)
+        code = self._launch(self._functions[kind], self.grid(pages), 1, 1, THREADS, 1, 1, 0, stream, self._params, None)
         if code != 0:
             raise CudaError(f"cuLaunchKernel(kvtier_{kind})", code, self._error_name(code))
 

@@ -31,6 +31,10 @@ from kvtier.copy.staging import StagedRuns
 
 logger = logging.getLogger(__name__)
 
+# the most thread blocks a gather or scatter launch of a staged job runs on (None: one per page);
+# the GPU kit measures a GEMM's slowdown beside staged jobs at several (tests/gpu/bench_copies.py)
+KERNEL_BLOCKS: int | None = None
+
 
 class DeviceStreams(Protocol):
     """Streams, events and copies of one device. ``Any`` handles are the implementation's own."""
@@ -104,6 +108,9 @@ class TorchCudaStreams:
     page-locked host memory (:func:`kvtier.copy.pinning.pin_host_memory`); pageable memory is
     still copied correctly.
 
+    ``kernel_blocks``: the most thread blocks one of kvtier's gather or scatter launches runs on
+    (:class:`~kvtier.copy.kernels.RowKernels`; None: a block per page).
+
     ``cuda``, ``runtime``, ``foreach_copy``, ``pinned`` (page-locked host bytes) and
     ``load_kernels`` (kvtier's row kernels for a device and page size) are injectable for the
     tests' stand-ins; production uses ``torch.cuda``, :meth:`LoadedCudart.find`,
@@ -114,12 +121,15 @@ class TorchCudaStreams:
                  foreach_copy: Callable[..., Any] = torch._foreach_copy_, find_runtime: bool = True,
                  own_kernels: bool = True, raw_current_stream: Callable[[int], int] | None = None,
                  job_graphs: bool = True, pinned: Callable[[int], torch.Tensor] | None = None,
-                 load_kernels: Callable[[torch.device, int], Any] | None = None):
+                 load_kernels: Callable[[torch.device, int], Any] | None = None,
+                 kernel_blocks: int | None = KERNEL_BLOCKS):
         self.device = device
         self.own_kernels = own_kernels  # staged jobs gather and scatter with kvtier's kernels where they load
         self.job_graphs = job_graphs  # and repeated job shapes go as CUDA graphs (:mod:`kvtier.copy.cudagraph`)
         self.pinned = pinned or _pinned_bytes
-        self.load_kernels = load_kernels or _load_row_kernels
+        self.kernel_blocks = kernel_blocks
+        self.load_kernels = load_kernels or (lambda where, page_bytes: _load_row_kernels(where, page_bytes,
+                                                                                         kernel_blocks))
         self._cuda = cuda
         self.runtime = runtime if runtime is not None or not find_runtime else LoadedCudart.find(torch.version.cuda)
         if self.runtime is None:
@@ -252,9 +262,9 @@ def _pinned_bytes(size: int) -> torch.Tensor:
     return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
 
-def _load_row_kernels(device: torch.device, page_bytes: int) -> RowKernels | None:
+def _load_row_kernels(device: torch.device, page_bytes: int, max_blocks: int | None) -> RowKernels | None:
     return RowKernels.load(torch.cuda.get_device_capability(device), int(str(torch.version.cuda).split(".")[0]),
-                           page_bytes)
+                           page_bytes, max_blocks)
 
 
 def _handle(stream: Any) -> int:
