@@ -240,6 +240,15 @@ def test_inspect_and_prometheus_metrics_of_a_running_service(tmp_path):
         assert f"kvtier_node_pool_used_bytes {float(a.attachment.slot_stride)}" in metrics
         assert "kvtier_node_protocol_errors_total 0.0" in metrics and "kvtier_node_slow_readers_total 0.0" in metrics
         assert "kvtier_node_internal_errors_total 0.0" in metrics
+        # a full pool: the first victim by LRU, then the runs of slots continue over cold blocks
+        for i in range(100, 100 + data["num_slots"] + 2):
+            assert a.reserve([key(i)]) is not None
+            a.commit([key(i)])
+        after = json.loads(subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", str(sock), "--json"],
+                                          env=ENV, capture_output=True, text=True, timeout=60).stdout)
+        assert (after["evictions"], after["run_evictions"]) == (3, 2)
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert "kvtier_node_evictions_total 3.0" in metrics and "kvtier_node_run_evictions_total 2.0" in metrics
         a.close()
     finally:
         stop(proc)

@@ -276,3 +276,15 @@ def test_a_long_prompt_reaches_a_tier_whose_write_queue_is_shorter(tmp_path):
     assert orch.stats.disk_writes_dropped == 0
     assert orch.host.pinned_slots() == 0
     orch.close()
+
+
+def test_stats_count_host_evictions_and_those_that_continued_a_run_since_the_last_take():
+    orch, buffers = make(None, num_slots=4)
+    store(orch, buffers, keys(4))  # slots 0-3: full
+    store(orch, buffers, keys(3, seed=1))  # the LRU victim (slot 0), then slots 1 and 2: cold, continuing the run
+    stats = orch.take_stats()
+    assert (stats.host_evictions, stats.host_run_evictions) == (3, 2) == (orch.host.evictions, orch.host.run_evictions)
+    store(orch, buffers, keys(1, seed=2))  # slot 3 continues the run
+    stats = orch.take_stats()
+    assert (stats.host_evictions, stats.host_run_evictions) == (1, 1)
+    assert (orch.take_stats().host_evictions, orch.take_stats().host_run_evictions) == (0, 0)

@@ -228,7 +228,8 @@ def _inspect_node(target: str, as_json: bool) -> None:
                   f"{stats['policy']})")
     console.print(f"pool {fmt_bytes(stats['pool_bytes'])}: {stats['used_slots']} of {stats['num_slots']} slots used "
                   f"({fmt_bytes(stats['used_slots'] * stride)}), {stats['blocks']} blocks, "
-                  f"{stats['pinned_blocks']} pinned, {stats['evictions']} evicted; slots of "
+                  f"{stats['pinned_blocks']} pinned, {stats['evictions']} evicted "
+                  f"({stats.get('run_evictions', 0)} to continue runs); slots of "
                   f"{stats['slot_bytes']} bytes")
     console.print(f"{stats['attached_engines']} engines attached, {stats['connections']} connections, "
                   f"{stats['rejected_peers']} peers refused")

@@ -69,6 +69,7 @@ class KVTierStats:
     auth_failures: int = 0  # tier records without a valid MAC under the fleet keys (removed, a miss)
     uncacheable_requests: int = 0
     host_evictions: int = 0
+    host_run_evictions: int = 0  # of host_evictions: cold blocks evicted to continue a run of slots
     node_unavailable: int = 0  # calls that found the kvtier node service unreachable: each a miss or a dropped store
     copy_jobs_staged: int = 0  # engine <-> host copy jobs (each rank's), by how they moved (kvtier.copy)
     copy_jobs_runs: int = 0

@@ -31,6 +31,8 @@ class NodeCollector(Collector):
         yield GaugeMetricFamily("kvtier_node_attached_engines", "Engines with a live connection.",
                                 value=s["attached_engines"])
         yield CounterMetricFamily("kvtier_node_evictions", "Blocks evicted from the pool.", value=s["evictions"])
+        yield CounterMetricFamily("kvtier_node_run_evictions", "Of kvtier_node_evictions: cold blocks evicted "
+                                  "early to continue a run of consecutive slots.", value=s["run_evictions"])
         yield CounterMetricFamily("kvtier_node_rejected_peers", "Connections refused by their credentials.",
                                   value=s["rejected_peers"])
         yield CounterMetricFamily("kvtier_node_protocol_errors", "Connections closed for a frame that is not a "

@@ -553,6 +553,7 @@ class NodeServer:
             "blocks": index.blocks if index else 0,
             "pinned_blocks": index.pinned_entries if index else 0,
             "evictions": index.evictions if index else 0,
+            "run_evictions": index.run_evictions if index else 0,
             "connections": len(self._conns),
             "attached_engines": len(attached),
             "sessions_released": self.sessions_released,

@@ -78,7 +78,7 @@ class Orchestrator:
         self.tiers = self.stack.tiers
         self._holds: dict[str, _Hold] = {}
         self._info: dict[BlockKey, BlockInfo] = {}  # for blocks stored but not yet cascaded
-        self._evictions_reported: dict[Medium | None, int] = {}
+        self._evictions_reported: dict[Medium | str | None, int] = {}
 
     @property
     def disk(self) -> SecondaryTier | None:
@@ -252,6 +252,7 @@ class Orchestrator:
         self.stats = self.stack.stats = KVTierStats()
         host = self.host
         stats.host_evictions = self._since_reported(None, host.evictions)
+        stats.host_run_evictions = self._since_reported("host runs", host.run_evictions)
         stats.host_blocks = host.used_slots
         stats.host_pinned_blocks = host.pinned_slots()
         if self.host_bytes is not None:
@@ -265,8 +266,9 @@ class Orchestrator:
                 stats.disk_evictions = evictions
         return stats
 
-    def _since_reported(self, medium: Medium | None, total: int) -> int:
-        """``total`` (a running count of ``medium``, None: the host tier) less what was reported."""
+    def _since_reported(self, medium: Medium | str | None, total: int) -> int:
+        """``total`` (a running count of ``medium``, None: the host tier, "host runs": its run
+        evictions) less what was reported."""
         since = total - self._evictions_reported.get(medium, 0)
         self._evictions_reported[medium] = total
         return since

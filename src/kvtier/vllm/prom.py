@@ -63,6 +63,8 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
                                "per run), pages (page by page)", "method", method)
        for method in ("staged", "runs", "pages")},
     "host_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "host"),
+    "host_run_evictions": ("kvtier_run_evictions", "Of kvtier_evictions: cold blocks evicted early to continue a "
+                           "run of consecutive slots (a copy job then moves as few large runs)", "tier", "host"),
     "disk_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "disk"),
 }
 # stats gauge field -> (metric name, help, tier label value)
