@@ -44,6 +44,15 @@ def checks(xml_path: Path) -> dict[str, str]:
     return out
 
 
+def least_load_slowdown(sweep: dict, fraction_goal: float) -> str | None:
+    """The cap of kernel blocks (``"page"``: one per page) under which a staged load slowed the
+    GEMM least, among those whose copies kept ``fraction_goal`` of one cudaMemcpyAsync both ways
+    (ties: the larger cap, which finishes its chunks sooner); None if none did."""
+    kept = [(row["slowdown_load"], -(10**9 if cap == "page" else int(cap)), cap) for cap, row in sweep.items()
+            if isinstance(row, dict) and min(row.get("store_fraction", 0), row.get("load_fraction", 0)) >= fraction_goal]
+    return min(kept)[2] if kept else None
+
+
 def summarize(results: Path, goal_layouts: tuple[str, ...] = ("LBNHC", "BLNHC")) -> dict:
     failed: list[str] = []
     summary: dict = {"device": (results / "device.txt").read_text().strip() if (results / "device.txt").exists()
@@ -113,8 +122,9 @@ def summarize(results: Path, goal_layouts: tuple[str, ...] = ("LBNHC", "BLNHC"))
                 continue
             summary["contention"].setdefault(layout, {})[size] = contention
             if "kernel_blocks_sweep" in result:  # reported, not judged
-                summary.setdefault("kernel_blocks_sweep", {}).setdefault(layout, {})[size] = \
-                    result["kernel_blocks_sweep"]
+                sweep = result["kernel_blocks_sweep"]
+                summary.setdefault("kernel_blocks_sweep", {}).setdefault(layout, {})[size] = {
+                    **sweep, "least_load_slowdown": least_load_slowdown(sweep, goals["fraction_of_single_copy"])}
             if layout in goal_layouts and contention["slowdown_store"] > goals["store_slowdown"]:
                 failed.append(f"{layout} {size}: a store slows the GEMM {contention['slowdown_store']}x, goal <= "
                               f"{goals['store_slowdown']}x")
