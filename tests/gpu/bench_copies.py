@@ -311,19 +311,26 @@ def kernel_blocks_sweep(args, device, paged, host, pages, single, job_ids) -> di
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     out: dict = {"sms": sms}
     for cap in (None, 4 * sms, sms, max(sms // 4, 1), 8):
-        engine = CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(device, kernel_blocks=cap),
-                                CopyMethod.STAGED, chunk_bytes=args.chunk_mib * 2**20, buffers=args.buffers)
-        row: dict = {}
-        for direction in Direction:
-            m = measure(engine, direction, pages, single[direction], 5, job_ids)
-            row[f"{direction_name(direction)}_fraction"] = round(m["single_s"] / m["device_s"], 3)
-        row.update(contention(engine, pages, single, job_ids))
-        engine.wait()
-        lanes = list(engine.device._lanes.values())  # noqa: SLF001
-        row["kernels"] = sorted({lane.kernels.how if lane.kernels is not None else "torch's ops" for lane in lanes})
-        row["graph_launches"] = sum(lane.graph_launches for lane in lanes)
-        engine.close()
-        out["page" if cap is None else str(cap)] = row
+        name = "page" if cap is None else str(cap)
+        engine = None
+        try:  # a cap that fails is reported as such: the rest of the kit's results still count
+            engine = CudaCopyEngine(BlockCopier(paged, host), TorchCudaStreams(device, kernel_blocks=cap),
+                                    CopyMethod.STAGED, chunk_bytes=args.chunk_mib * 2**20, buffers=args.buffers)
+            row: dict = {}
+            for direction in Direction:
+                m = measure(engine, direction, pages, single[direction], 5, job_ids)
+                row[f"{direction_name(direction)}_fraction"] = round(m["single_s"] / m["device_s"], 3)
+            row.update(contention(engine, pages, single, job_ids))
+            engine.wait()
+            lanes = list(engine.device._lanes.values())  # noqa: SLF001
+            row["kernels"] = sorted({lane.kernels.how if lane.kernels is not None else "torch's ops" for lane in lanes})
+            row["graph_launches"] = sum(lane.graph_launches for lane in lanes)
+            out[name] = row
+        except Exception as exc:  # noqa: BLE001 - reported in the JSON
+            out[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            if engine is not None:
+                engine.close()
     return out
 
 
