@@ -1,7 +1,8 @@
 """``kvtier inspect | verify | purge DIR_OR_URL``: manage a disk tier root (docs/disk-format.md), a
 Redis / Valkey remote tier (docs/distributed.md) or an S3 tier (docs/object-store.md).
 
-Only click is imported here at module level; the work (:mod:`kvtier.cachetools`) and rich are
+What a command is pointed at, and with which keys: :mod:`kvtier.cli.cache_target`. Only click is
+imported here at module level; the work (:mod:`kvtier.cachetools`) and rich are
 imported when a command runs, so registering these commands keeps ``kvtier --help`` instant.
 """
 
@@ -15,104 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from kvtier.cli.cache_target import (auth_config, is_objects, is_socket, key_options, open_target, s3_options,
+                                     target_errors, target_options)
+
 if TYPE_CHECKING:
     from rich.console import Console
 
     from kvtier.cachetools import Inventory, NamespaceInventory, PurgeReport, VerifyReport
 
 _PROGRESS_MIN_FILES = 200  # show a progress bar from this many files on (on a terminal)
-
-
-def _target_options(command):
-    """The TARGET argument (a directory, a Redis URL or an s3:// URL) and the options a URL may need."""
-    command = click.option("--profile", default=None, metavar="NAME",
-                           help="S3 only: the AWS profile of the shared files (default: AWS_PROFILE; credentials "
-                                "come from the standard AWS chain, never from options).")(command)
-    command = click.option("--ca-bundle", default=None, metavar="PATH",
-                           help="S3 only: PEM file of the CA that signs the endpoint's certificate.")(command)
-    command = click.option("--region", default=None, metavar="NAME", help="S3 only: the bucket's region.")(command)
-    command = click.option("--endpoint", default=None, metavar="URL",
-                           help="S3 only: the store's S3 API when it is not AWS (https://host:port).")(command)
-    command = click.option("--key-prefix", default="kvtier", show_default=True,
-                           help="Redis only: the tier's key_prefix.")(command)
-    command = click.option("--password-env", default=None, metavar="NAME",
-                           help="Redis only: environment variable holding the password.")(command)
-    command = click.option("--username", default=None, help="Redis only: the ACL user.")(command)
-    return click.argument("target", metavar="DIR_OR_URL")(command)
-
-
-def _key_options(command):
-    """The fleet keys a command checks records with (never the key itself on the command line)."""
-    command = click.option("--read-key-file", "read_key_files", multiple=True, metavar="PATH",
-                           help="A retired fleet key still accepted (file); repeatable.")(command)
-    command = click.option("--read-key-env", "read_key_envs", multiple=True, metavar="NAME",
-                           help="A retired fleet key still accepted (environment variable); repeatable.")(command)
-    command = click.option("--auth-key-file", default=None, metavar="PATH",
-                           help="File holding the tier's fleet key (its auth_key_file).")(command)
-    return click.option("--auth-key-env", default=None, metavar="NAME",
-                        help="Environment variable holding the tier's fleet key (its auth_key_env).")(command)
-
-
-def _auth(auth_key_env: str | None, auth_key_file: str | None, read_key_envs: tuple[str, ...],
-          read_key_files: tuple[str, ...]):
-    """The :class:`~kvtier.core.fleet_key.AuthConfig` the key options name, or None (no key)."""
-    from kvtier.core.fleet_key import parse_auth
-    from kvtier.core.values import ConfigError
-
-    raw = {"auth_key_env": auth_key_env, "auth_key_file": auth_key_file,
-           "auth_read_key_envs": list(read_key_envs), "auth_read_key_files": list(read_key_files)}
-    try:
-        return parse_auth({k: v for k, v in raw.items() if v}, "options")
-    except ConfigError as exc:
-        message = str(exc).replace("kv_connector_extra_config: ", "").replace("'options.", "'--")
-        raise click.UsageError(message.replace("_", "-")) from None
-
-
-def _remote(target: str, username: str | None, password_env: str | None, key_prefix: str, s3: dict | None = None):
-    """A :class:`~kvtier.cachetools.remote.RemoteTarget` for a Redis URL, an
-    :class:`~kvtier.cachetools.objects.ObjectTarget` for an s3:// URL (``s3``: its options), else None
-    (a directory, which must exist)."""
-    from kvtier.cachetools.objects import ObjectTarget, is_s3
-    from kvtier.cachetools.remote import RemoteTarget, is_remote
-    from kvtier.core.values import ConfigError
-
-    if is_s3(target):
-        try:
-            return ObjectTarget.of(target, **(s3 or {}))
-        except ConfigError as exc:
-            raise click.UsageError(str(exc).replace("kv_connector_extra_config: ", "").replace("'options.", "'--")
-                                   .replace("_", "-")) from None
-    if is_remote(target):
-        password = None
-        if password_env is not None:
-            password = os.environ.get(password_env)
-            if password is None:
-                raise click.UsageError(f"--password-env {password_env}: that environment variable is not set.")
-        return RemoteTarget(target, username, password, key_prefix)
-    if not os.path.isdir(target):
-        raise click.UsageError(f"{target!r} is neither a directory nor a redis://, rediss://, unix:// or s3:// URL.")
-    return None
-
-
-def _remote_errors():
-    """redis-py's and obstore's errors and an S3 tier's ConfigError (credentials refused, no such
-    bucket), shown as click errors (never a traceback, never a password)."""
-    import redis
-    from obstore.exceptions import BaseError
-
-    from kvtier.core.values import ConfigError
-
-    return (redis.RedisError, BaseError, ConfigError, OSError)
-
-
-def _s3(endpoint: str | None, region: str | None, ca_bundle: str | None, profile: str | None) -> dict:
-    return {"endpoint": endpoint, "region": region, "ca_bundle": ca_bundle, "profile": profile}
-
-
-def _is_objects(remote) -> bool:
-    from kvtier.cachetools.objects import ObjectTarget
-
-    return isinstance(remote, ObjectTarget)
 
 
 def fmt_bytes(n: float) -> str:
@@ -155,7 +67,7 @@ def _emit_json(data: dict[str, Any]) -> None:
 
 
 @click.command("inspect")
-@_target_options
+@target_options
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--tails", "count_tails", is_flag=True,
               help="Also count tails (partial blocks a finished request left): reads each block's header "
@@ -173,17 +85,17 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
     An S3 URL (s3://BUCKET/PREFIX): one LIST of the prefix (ages by last write).
     A node socket: the pool's usage, pins, attached engines and each engine's hits and stores.
     """
-    if _is_socket(target):
+    if is_socket(target):
         _inspect_node(target, as_json)
         return
     from kvtier.cachetools import inspect_cache
 
-    remote = _remote(target, username, password_env, key_prefix, _s3(endpoint, region, ca_bundle, profile))
-    failures = _remote_errors() if remote is not None else (OSError,)
+    remote = open_target(target, username, password_env, key_prefix, s3_options(endpoint, region, ca_bundle, profile))
+    failures = target_errors() if remote is not None else (OSError,)
     try:
         if remote is None:
             inventory = inspect_cache(target, count_tails=count_tails)
-        elif _is_objects(remote):
+        elif is_objects(remote):
             from kvtier.cachetools.objects import inspect_objects
 
             inventory = inspect_objects(remote)
@@ -197,15 +109,6 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
         _emit_json(inventory.to_json())
     else:
         render_inventory(inventory, _console())
-
-
-def _is_socket(target: str) -> bool:
-    import stat
-
-    try:
-        return stat.S_ISSOCK(os.stat(target).st_mode)
-    except OSError:
-        return False
 
 
 def _inspect_node(target: str, as_json: bool) -> None:
@@ -335,13 +238,13 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
 
 
 @click.command("verify")
-@_target_options
+@target_options
 @click.option("--namespace", "selectors", multiple=True, metavar="DIGEST_OR_MODEL",
               help="Only this namespace (digest, at least 4 hex digits, or model name); repeatable.")
 @click.option("--no-quarantine", is_flag=True,
               help="Only report bad files (values); do not move them to quarantine/ (delete them, on Redis).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-@_key_options
+@key_options
 def verify_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
                    endpoint: str | None, region: str | None, ca_bundle: str | None, profile: str | None,
                    selectors: tuple[str, ...], no_quarantine: bool, as_json: bool, auth_key_env: str | None,
@@ -364,19 +267,19 @@ def verify_command(target: str, username: str | None, password_env: str | None, 
     """
     from kvtier.cachetools import SelectionError, verify_cache
 
-    auth = _auth(auth_key_env, auth_key_file, read_key_envs, read_key_files)
-    remote = _remote(target, username, password_env, key_prefix, _s3(endpoint, region, ca_bundle, profile))
+    auth = auth_config(auth_key_env, auth_key_file, read_key_envs, read_key_files)
+    remote = open_target(target, username, password_env, key_prefix, s3_options(endpoint, region, ca_bundle, profile))
     if remote is not None:
         from kvtier.cachetools.objects import verify_objects
         from kvtier.cachetools.remote import verify_remote
 
         start = time.perf_counter()
         try:
-            report = (verify_objects if _is_objects(remote) else verify_remote)(
+            report = (verify_objects if is_objects(remote) else verify_remote)(
                 remote, selectors, delete=not no_quarantine, auth=auth)
         except SelectionError as exc:
             raise click.UsageError(str(exc)) from None
-        except _remote_errors() as exc:
+        except target_errors() as exc:
             raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
         if as_json:
             _emit_json({**report.to_json(), "seconds": round(time.perf_counter() - start, 3)})
@@ -455,7 +358,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 
 
 @click.command("purge")
-@_target_options
+@target_options
 @click.option("--namespace", "namespaces", multiple=True, metavar="DIGEST",
               help="Blocks of this namespace (its digest, at least 4 hex digits, or directory name); repeatable.")
 @click.option("--model", "models", multiple=True, metavar="NAME", help="Blocks of this model's namespaces; repeatable.")
@@ -471,7 +374,7 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--all", "all_", is_flag=True, help="Everything: all namespaces' blocks and the quarantine.")
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
-@_key_options
+@key_options
 def purge_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
                   endpoint: str | None, region: str | None, ca_bundle: str | None, profile: str | None,
                   namespaces: tuple[str, ...], models: tuple[str, ...], older_spec: bool,
@@ -494,17 +397,17 @@ def purge_command(target: str, username: str | None, password_env: str | None, k
     """
     from kvtier.cachetools import PurgeSelection, purge_cache
 
-    auth = _auth(auth_key_env, auth_key_file, read_key_envs, read_key_files)
+    auth = auth_config(auth_key_env, auth_key_file, read_key_envs, read_key_files)
     if retired and auth is None:
         raise click.UsageError("--retired needs the current fleet key: --auth-key-env NAME or --auth-key-file PATH.")
-    remote = _remote(target, username, password_env, key_prefix, _s3(endpoint, region, ca_bundle, profile))
-    failures = _remote_errors() if remote is not None else (OSError,)
+    remote = open_target(target, username, password_env, key_prefix, s3_options(endpoint, region, ca_bundle, profile))
+    failures = target_errors() if remote is not None else (OSError,)
     selection = PurgeSelection(namespaces, models, older_than, quarantine, all_, older_spec,
                                auth.write.key_id if retired and auth is not None else None)
     try:
         if remote is None:
             report = purge_cache(target, selection, dry_run=dry_run)
-        elif _is_objects(remote):
+        elif is_objects(remote):
             from kvtier.cachetools.objects import purge_objects
 
             report = purge_objects(remote, selection, dry_run=dry_run)
