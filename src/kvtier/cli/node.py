@@ -120,7 +120,8 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
 
     from kvtier.core.config import PolicyName
     from kvtier.node.pool import PoolTooLargeError
-    from kvtier.node.server import NodeAlreadyRunning, NodeConfigError, NodeOptions
+    from kvtier.node.listener import NodeAlreadyRunning, NodeConfigError
+    from kvtier.node.server import NodeOptions
     from kvtier.node.service import run
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s kvtier node: %(message)s")

@@ -20,7 +20,8 @@ Start-up refuses, with an error naming what to change:
 - a second service on the same socket (an ``flock`` on ``<socket>.lock`` held while it runs:
   :class:`NodeAlreadyRunning`); a socket file nobody serves (a dead service's) is replaced; a lock
   file that is a symlink or anything but a regular file of this user's (``O_NOFOLLOW``: planted by
-  someone who can write the socket's directory) is refused, never followed or truncated;
+  someone who can write the socket's directory) is refused, never followed or truncated (the
+  socket and its lock: :mod:`kvtier.node.listener`);
 - a pool larger than the node's memory (:class:`kvtier.node.pool.PoolTooLargeError`).
 
 Access: the socket is created owner-only (0600), or 0660 and owned by ``group`` when one is
@@ -42,16 +43,12 @@ first lookups are disk hits, promoted into the new pool.
 
 from __future__ import annotations
 
-import errno
 import mmap
-import fcntl
-import grp
 import logging
 import os
 import secrets
 import selectors
 import socket
-import stat
 import threading
 import time
 from collections import OrderedDict, deque
@@ -64,6 +61,8 @@ from kvtier.core.tier_config import SecondaryTierConfig
 from kvtier.node.conn import Conn, percentiles
 from kvtier.node.credentials import groups_of, peer_credentials
 from kvtier.node.index import NodeIndex, Session
+from kvtier.node.listener import (NodeConfigError, clear_dead_socket, hold_socket_lock, listen,
+                                  resolve_group)
 from kvtier.node.pool import check_pool_size, create_pool_fd, slot_stride
 from kvtier.node.protocol import (MAX_KEYS, PROTOCOL_VERSION, RECV_BYTES, Abort, BadRequest, Commit, Hello, Lookup,
                                   ProtocolError, Request, Reserve, Role, Stats, Unpin, pack, parse_request)
@@ -81,14 +80,6 @@ nothing in the pool are forgotten."""
 
 _BELL = object()
 """The selector's data for the tiers' bell (the listener's is None, a connection's its Conn)."""
-
-
-class NodeAlreadyRunning(RuntimeError):
-    """Another live service holds the socket's lock."""
-
-
-class NodeConfigError(ValueError):
-    """A service option cannot work (named in the message)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +110,7 @@ class NodeServer:
         self._conns: dict[int, Conn] = {}
         self._recv_view = memoryview(bytearray(RECV_BYTES))  # the loop thread's one read buffer
         self._next_session = 1
-        self._gid = self._resolve_group(options.group)
+        self._gid = resolve_group(options.group)
         self.slot_bytes: int | None = None
         self.stride = 0
         self.index: NodeIndex | None = None
@@ -139,15 +130,6 @@ class NodeServer:
             self._cut(options.slot_bytes)
 
     # --- start-up ------------------------------------------------------------------------
-    @staticmethod
-    def _resolve_group(group: str | None) -> int | None:
-        if group is None:
-            return None
-        try:
-            return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
-        except KeyError:
-            raise NodeConfigError(f"--group {group!r}: no such group on this node") from None
-
     def _cut(self, slot_bytes: int) -> None:
         """Cut the pool into slots of ``slot_bytes`` (only while it holds nothing)."""
         if slot_bytes <= 0:
@@ -169,16 +151,9 @@ class NodeServer:
         check_pool_size(self.options.pool_bytes)
         if not path.parent.is_dir():
             raise NodeConfigError(f"--socket {path}: directory {path.parent} does not exist")
-        fd = self._lock(path)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
+        self._lock_fd = hold_socket_lock(path)
         try:
-            if path.exists() or path.is_symlink():
-                if not stat.S_ISSOCK(path.lstat().st_mode):
-                    raise NodeConfigError(f"--socket {path} exists and is not a socket: remove it or choose "
-                                          "another path")
-                path.unlink()  # a dead service's socket: we hold the lock, so nobody serves it
+            clear_dead_socket(path)
             self._pool_fd = create_pool_fd(self.options.pool_bytes, prefault=self.options.prefault)
             if self.options.tiers:
                 self._pool_map = mmap.mmap(self._pool_fd, self.options.pool_bytes, mmap.MAP_SHARED,
@@ -187,56 +162,12 @@ class NodeServer:
                 if self.index is not None:
                     self.below.bind(self.index, self.stride, self.slot_bytes or 0)
                 self._sel.register(self.below.bell.fd, selectors.EVENT_READ, _BELL)
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            old = os.umask(0o177)
-            try:
-                listener.bind(str(path))
-            finally:
-                os.umask(old)
-            if self._gid is not None:
-                os.chown(path, -1, self._gid)
-                os.chmod(path, 0o660)
-            else:
-                os.chmod(path, 0o600)
-            listener.listen(128)
-            listener.setblocking(False)
-            self._listener = listener
-            self._sel.register(listener, selectors.EVENT_READ, None)
+            self._listener = listen(path, self._gid)
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
         except BaseException:
             self.close()
             raise
         log.info("kvtier node serving %s: pool %d bytes", path, self.options.pool_bytes)
-
-    @staticmethod
-    def _lock(path: Path) -> int:
-        """``<socket>.lock``, opened without following a symlink and held (``flock``): its
-        descriptor. Only a regular file of this user's with one link is used (anything else was
-        planted by someone who can write the directory: refused, untouched)."""
-        lock_path = path.with_name(path.name + ".lock")
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        try:
-            fd = os.open(lock_path, flags, 0o600)
-        except OSError as exc:
-            why = "is a symbolic link" if exc.errno == errno.ELOOP else f"cannot be opened ({exc.strerror})"
-            raise NodeConfigError(f"{lock_path} {why}: remove it (someone who can write {path.parent} may have put "
-                                  "it there), or give another --socket") from None
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1 or info.st_uid != os.geteuid():
-            os.close(fd)
-            raise NodeConfigError(f"{lock_path} is not a regular file of this user's with one link (mode "
-                                  f"{info.st_mode:o}, owner uid {info.st_uid}, {info.st_nlink} links): remove it, or "
-                                  "give another --socket")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise NodeAlreadyRunning(
-                    f"another kvtier node (pid {holder}) already serves {path}: stop it first, or give this "
-                    "one another --socket") from None
-            raise
-        return fd
 
     # --- the loop ------------------------------------------------------------------------
     def serve_forever(self, poll_s: float = 0.2) -> None:
