@@ -183,27 +183,32 @@ class HostDevice:
         self.instances.pop(instance, None)
 
     # kvtier's row kernels
-    def launch(self, kind, stream, rows, staged, table, pages, page_bytes, blocks=None):
+    def launch(self, kind, stream, rows, staged, numbers, first, pages, page_bytes, blocks=None):
         self._call("launch")
         if self.execute:
-            self._kernel(kind, rows, staged, table, pages, page_bytes, blocks)
+            self._kernel(kind, rows, staged, numbers, first, pages, page_bytes, blocks)
 
-    def add_node(self, graph, after, kind, rows, staged, table, pages, page_bytes, blocks=None):
+    def add_node(self, graph, after, kind, rows, staged, numbers, first, pages, page_bytes, blocks=None):
         self._call("add_node")
-        return self._add(graph, after, ["kernel", kind, rows, staged, table, pages, page_bytes, blocks])
+        return self._add(graph, after, ["kernel", kind, rows, staged, numbers, first, pages, page_bytes, blocks])
 
     def close(self):
         pass
 
     @staticmethod
-    def _kernel(kind, rows, staged, table, pages, page_bytes, blocks):
+    def _kernel(kind, rows, staged, numbers, first, pages, page_bytes, blocks):
+        """The kernels' contract (kvtier.copy.kernels): the job's page count read from its
+        numbers bounds the launch's pages; nothing past the job's numbers is read."""
+        count = min(pages, int(_int64s(numbers, 1)[0]) - first)
+        if count <= 0:
+            return
         if blocks is None:
-            row_of = _int64s(table, pages).tolist()
+            row_of = _int64s(numbers, 1 + first + count)[1 + first:].tolist()
         else:
-            layers, block_rows, first = blocks
-            numbers = _int64s(table, layers + (first + pages - 1) // layers + 1)
-            row_of = [int(numbers[layers + p // layers]) * block_rows + int(numbers[p % layers])
-                      for p in range(first, first + pages)]
+            layers, block_rows = blocks
+            table = _int64s(numbers, 1 + layers + (first + count - 1) // layers + 1)[1:]
+            row_of = [int(table[layers + p // layers]) * block_rows + int(table[p % layers])
+                      for p in range(first, first + count)]
         for i, row in enumerate(row_of):
             engine, buffer = rows + row * page_bytes, staged + i * page_bytes
             if kind == "gather":

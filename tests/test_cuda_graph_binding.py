@@ -156,18 +156,18 @@ def test_a_kernel_node_is_the_launch_of_the_same_kernel_with_the_same_arguments(
     cudart = LoadedCudart(standin)
     graph = cudart.graph_create()
     before = cudart.graph_add_memcpy(graph, [], 0x1000, 0x2000, 64)
-    node = kernels.add_node(graph, [before], "gather", 0xA000, 0xB000, 0xC000, 5, 4096, blocks=(32, 2, 10))
+    node = kernels.add_node(graph, [before], "gather", 0xA000, 0xB000, 0xC000, 10, 5, 4096, blocks=(32, 2))
     seen = record(standin)
     args = (ctypes.c_longlong * 8)()
     standin.graph_kernel_args(args)
     assert node and seen["kernel_function"] == kernels._functions["gather_blocks"]  # noqa: SLF001
     assert (seen["kernel_grid"], seen["kernel_block"], seen["kernel_deps_and_plain"]) == (5, THREADS, 1001)
-    assert list(args) == [0xA000, 0xB000, 0xC000, 4096 // 16, 5, 32, 2, 10]
-    kernels.add_node(graph, [], "scatter", 0xA000, 0xB000, 0xC008, 3, 4096)
+    assert list(args) == [0xA000, 0xB000, 0xC000, 4096 // 16, 5, 10, 32, 2]
+    kernels.add_node(graph, [], "scatter", 0xA000, 0xB000, 0xC008, 0, 3, 4096)
     standin.graph_kernel_args(args)
     assert record(standin)["kernel_function"] == kernels._functions["scatter"]  # noqa: SLF001
-    assert list(args)[:5] == [0xA000, 0xB000, 0xC008, 256, 3] and record(standin)["kernel_deps_and_plain"] == 1
+    assert list(args)[:6] == [0xA000, 0xB000, 0xC008, 256, 3, 0] and record(standin)["kernel_deps_and_plain"] == 1
     capped = RowKernels(standin, ctypes.c_void_p(1), 16, "stand-in", max_blocks=2)
-    capped.add_node(graph, [], "scatter", 0xA000, 0xB000, 0xC008, 7, 4096)  # 7 pages on 2 blocks
+    capped.add_node(graph, [], "scatter", 0xA000, 0xB000, 0xC008, 4, 7, 4096)  # 7 pages on 2 blocks
     standin.graph_kernel_args(args)
-    assert record(standin)["kernel_grid"] == 2 and list(args)[:5] == [0xA000, 0xB000, 0xC008, 256, 7]
+    assert record(standin)["kernel_grid"] == 2 and list(args)[:6] == [0xA000, 0xB000, 0xC008, 256, 7, 4]

@@ -94,7 +94,7 @@ class _RecordingDriver:
         name = self.names[function]
         pointers = 3
         values = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_void_p if i < pointers else ctypes.c_longlong))
-                  .contents.value for i in range(8 if "_blocks" in name else 5)]
+                  .contents.value for i in range(8 if "_blocks" in name else 6)]
         self.launches.append({"kernel": name, "grid": (gx, gy, gz), "block": (bx, by, bz), "stream": stream,
                               "args": values})
         return 0
@@ -110,27 +110,27 @@ def _signature(kernel: str) -> list[str]:
 def test_a_launch_hands_each_kernel_its_arguments_in_the_order_the_source_declares():
     driver = _RecordingDriver()
     rows = RowKernels(driver, ctypes.c_void_p(1), 16, "test")
-    rows.launch("gather", 0xABC, 0x10000, 0x20000, 0x30000, 5, 16384)
-    rows.launch("scatter", 0xDEF, 0x10000, 0x20000, 0x30000, 7, 8192, blocks=(32, 520, 64))
-    rows.launch("gather", 0xABC, 0x10000, 0x20000, 0x30000, 0, 16384)  # nothing to copy: no launch
+    rows.launch("gather", 0xABC, 0x10000, 0x20000, 0x30000, 12, 5, 16384)
+    rows.launch("scatter", 0xDEF, 0x10000, 0x20000, 0x30000, 64, 7, 8192, blocks=(32, 520))
+    rows.launch("gather", 0xABC, 0x10000, 0x20000, 0x30000, 0, 0, 16384)  # nothing to copy: no launch
     gather, scatter = driver.launches
-    assert _signature("kvtier_gather") == ["rows", "staged", "index", "words", "count"]
+    assert _signature("kvtier_gather") == ["rows", "staged", "numbers", "words", "pages", "first"]
     assert gather == {"kernel": "kvtier_gather16", "grid": (5, 1, 1), "block": (kernels.THREADS, 1, 1),
-                      "stream": 0xABC, "args": [0x10000, 0x20000, 0x30000, 16384 // 16, 5]}
-    assert _signature("kvtier_scatter_blocks") == ["rows", "staged", "table", "words", "count", "layers",
-                                                   "block_rows", "first"]
+                      "stream": 0xABC, "args": [0x10000, 0x20000, 0x30000, 16384 // 16, 5, 12]}
+    assert _signature("kvtier_scatter_blocks") == ["rows", "staged", "numbers", "words", "pages", "first", "layers",
+                                                   "block_rows"]
     assert scatter["kernel"] == "kvtier_scatter_blocks16" and scatter["grid"] == (7, 1, 1)
-    assert scatter["args"] == [0x10000, 0x20000, 0x30000, 8192 // 16, 7, 32, 520, 64] and scatter["stream"] == 0xDEF
+    assert scatter["args"] == [0x10000, 0x20000, 0x30000, 8192 // 16, 7, 64, 32, 520] and scatter["stream"] == 0xDEF
 
 
 def test_capped_kernels_run_a_launch_on_at_most_max_blocks_blocks_and_are_told_every_page():
     driver = _RecordingDriver()
     rows = RowKernels(driver, ctypes.c_void_p(1), 8, "test", max_blocks=3)
-    rows.launch("gather", 1, 0x10000, 0x20000, 0x30000, 10, 4096)
-    rows.launch("scatter", 1, 0x10000, 0x20000, 0x30000, 2, 4096, blocks=(4, 8, 0))
+    rows.launch("gather", 1, 0x10000, 0x20000, 0x30000, 0, 10, 4096)
+    rows.launch("scatter", 1, 0x10000, 0x20000, 0x30000, 0, 2, 4096, blocks=(4, 8))
     many, few = driver.launches
-    assert many["grid"] == (3, 1, 1) and many["args"][3:] == [4096 // 8, 10]
-    assert few["grid"] == (2, 1, 1) and few["args"][3:5] == [4096 // 8, 2]
+    assert many["grid"] == (3, 1, 1) and many["args"][3:] == [4096 // 8, 10, 0]
+    assert few["grid"] == (2, 1, 1) and few["args"][3:6] == [4096 // 8, 2, 0]
     with pytest.raises(ValueError, match="at least 1"):
         RowKernels(driver, ctypes.c_void_p(1), 8, "test", max_blocks=0)
 
@@ -168,10 +168,10 @@ def test_each_kernel_declares_the_arguments_a_launch_fills(ptx):
     driver = _RecordingDriver()
     rows = {word: RowKernels(driver, ctypes.c_void_p(1), word, "test", max_blocks=4) for word in (16, 8)}
     for word, loaded in rows.items():
-        loaded.launch("gather", 1, 0x10000, 0x20000, 0x30000, 9, 4096)
-        loaded.launch("scatter", 1, 0x10000, 0x20000, 0x30000, 9, 4096)
-        loaded.launch("gather", 1, 0x10000, 0x20000, 0x30000, 9, 4096, blocks=(4, 8, 0))
-        loaded.launch("scatter", 1, 0x10000, 0x20000, 0x30000, 9, 4096, blocks=(4, 8, 0))
+        loaded.launch("gather", 1, 0x10000, 0x20000, 0x30000, 0, 9, 4096)
+        loaded.launch("scatter", 1, 0x10000, 0x20000, 0x30000, 0, 9, 4096)
+        loaded.launch("gather", 1, 0x10000, 0x20000, 0x30000, 0, 9, 4096, blocks=(4, 8))
+        loaded.launch("scatter", 1, 0x10000, 0x20000, 0x30000, 0, 9, 4096, blocks=(4, 8))
     for launch in driver.launches:
         declared = re.findall(r"\.param \.u64 (\w+)_param_\d+", ptx[launch["kernel"]])
         assert len(declared) == len(launch["args"]) == len(_signature(re.sub(r"(16|8)$", "", launch["kernel"])))

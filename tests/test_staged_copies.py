@@ -354,12 +354,15 @@ def test_planning_whole_blocks_per_block_gives_the_plans_of_planning_per_page(ca
         assert fast.num_pages == general.num_pages and fast.num_bytes == general.num_bytes
         for name in ("run_bounds", "staging_offset", "host_offset", "sizes", "staging_addr", "host_addr"):
             assert np.array_equal(getattr(fast, name), getattr(general, name)), name
-        parts = fast.block_table()
-        if parts is not None:  # what the block kernels read: each layer's first row, then the blocks
-            table = np.concatenate(parts)
+        numbers = np.concatenate(fast.kernel_numbers())  # what the kernels read: the page count, then
+        assert numbers[0] == general.num_pages
+        if fast.kernel_blocks() is not None:  # each layer's first row and the blocks
             layers = paged.num_layers
-            rows = table[layers:][:, None] * fast.block_rows + table[:layers]
+            rows = numbers[1 + layers:][:, None] * fast.block_rows + numbers[1:1 + layers]
             assert np.array_equal(rows.ravel(), general.index)
+        else:  # each page's row
+            assert np.array_equal(numbers[1:], general.index)
+        assert np.array_equal(np.concatenate(general.kernel_numbers())[1:], general.index)
         merged = runs.merge_slots(Direction.LOAD, job)
         if merged is not None:
             reference = runs.merge(Direction.LOAD, entries)

@@ -34,6 +34,7 @@ from kit_checks import CudaRig, check_a_synchronous_load_lands_before_compute_re
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.cudart import LoadedCudart
+from kvtier.copy.jobgraph import graph_key
 from kvtier.copy.pinning import pin_host_memory
 from kvtier.copy.staging import CopyMethod
 from kvtier.copy.streams import TorchCudaStreams
@@ -93,7 +94,7 @@ def wait_done(engine, job_ids, timeout=30.0):
 
 
 def page_bytes(paged, layer, block):
-    return paged.page(layer, block).contiguous().view(torch.uint8).reshape(-1).cpu()
+    return paged.page(layer, block).contiguous().view(torch.uint8).reshape(-1).cpu().clone()  # a copy on any device
 
 
 @pytest.mark.parametrize("method", [CopyMethod.RUNS, CopyMethod.STAGED], ids=lambda m: m.value)
@@ -321,3 +322,42 @@ def test_a_store_in_flight_when_the_next_step_zeroes_its_block(runner, method, d
     else:
         assert all(int(s.count_nonzero()) == 0 for s in stored), (
             "the store in flight did not copy the zeroed block: the V2 hazard kvtier voids did not show here")
+
+
+@pytest.mark.parametrize("name", ["LBNHC-attention", "BLNHC-attention", "LBNHC-mamba-hybrid", "LBNHC-kernel-blocks"])
+@pytest.mark.parametrize("kernel_blocks", [None, 3], ids=["block-per-page", "3-blocks"])
+def test_jobs_of_other_sizes_replay_one_graph_bit_exact(name, kernel_blocks, device, shm_region):
+    """Stores then loads of 4, 3, 4 and 3 whole blocks, one chunk each (chunks of 64 pages): one
+    graph shape (kvtier.copy.jobgraph.graph_key), built by the second job of each direction and
+    launched by it and the two after with their own sizes; the kernels, sized for the shape's
+    largest chunk, stop at each job's page count. Every byte as the CPU engine moves it; no block
+    outside a load's targets is written."""
+    kv, groups, engine, paged, host, expected, cpu_copier = staged_rig(name, 14, 64, 2, device, shm_region,
+                                                                       kernel_blocks)
+    sources = [[3, 11, 1, 8], [9, 2, 10], [0, 4, 6, 7], [5, 3, 11]]
+    firsts = [0, 4, 7, 11]  # disjoint slots
+    stores = [[PageCopy(first + s, 0, b, g) for s, b in enumerate(blocks) for g in range(groups)]
+              for first, blocks in zip(firsts, sources)]
+    keys = {graph_key(engine._plan(Direction.STORE, store)[0]) for store in stores}  # noqa: SLF001
+    assert len(keys) == 1 and None not in keys, keys
+    for job_id, store in enumerate(stores):
+        engine.start_store(job_id, store)
+        cpu_copier.copy(Direction.STORE, store)
+    assert all(d.ok for d in wait_done(engine, [0, 1, 2, 3]).values())
+    assert torch.equal(host.buffer, expected)
+    originals = {(layer, b): page_bytes(paged, layer, b) for layer in range(len(kv.views)) for b in range(NUM_BLOCKS)}
+    for job_id, (first, blocks) in enumerate(zip(firsts, sources), start=10):
+        targets = [(b + 5) % NUM_BLOCKS for b in blocks]
+        kv.raw.zero_()
+        engine.start_load(job_id, [PageCopy(first + s, 0, b, g) for s, b in enumerate(targets) for g in range(groups)],
+                          synchronous=False)
+        assert wait_done(engine, [job_id])[job_id].ok
+        for layers in kv.layer_groups:
+            for source, target in zip(blocks, targets):
+                for layer in layers:
+                    assert torch.equal(page_bytes(paged, layer, target), originals[layer, source]), (name, layer)
+        untouched = set(range(NUM_BLOCKS)) - set(targets)
+        assert all(not page_bytes(paged, layer, b).any() for b in untouched for layer in range(len(kv.views))), job_id
+    launches = sorted(lanes.graph_launches for lanes in engine.device._lanes.values())  # noqa: SLF001
+    assert launches == [3, 3], f"graph launches per direction: {launches} (see the log)"
+    engine.close()

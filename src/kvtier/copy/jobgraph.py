@@ -2,10 +2,11 @@
 
 Why: issuing a staged job chunk by chunk (:meth:`~kvtier.copy.staging.StagedRuns.issue`) costs
 ~6 device calls per chunk on the thread that issues the forward (a launch, a host copy, marks and
-waits between the two lanes): 4-32 chunks for a 512-block job. Jobs of one shape (direction,
-pages, one host run per chunk) differ only in the host addresses of their copies and in the
-uploaded block table, so the device can replay one graph of the whole schedule: per job, one
-parameter update per chunk and one launch (:mod:`kvtier.copy.cudagraph`).
+waits between the two lanes): 4-32 chunks for a 512-block job. Jobs of one shape
+(:func:`graph_key`: direction, chunks, one host run per chunk, the last chunk's size rounded up)
+differ only in the host addresses and sizes of their copies and in the uploaded numbers, so the
+device can replay one graph of the whole schedule: per job, one parameter update per chunk and
+one launch (:mod:`kvtier.copy.cudagraph`).
 
 :class:`JobGraph` records the schedule :meth:`~kvtier.copy.staging.StagedRuns.issue` issues,
 as :class:`~kvtier.copy.staging.StagingLanes`, into nodes and the nodes each waits for, with
@@ -109,12 +110,23 @@ class JobGraph:
 
 
 def graph_key(plan: StagedRuns) -> Hashable | None:
-    """What a job's graph depends on besides the per-job addresses of its host copies and the
-    uploaded numbers (the owner of the graphs retires them when anything else they were built on
-    changes: the upload buffer); None when the job cannot be a graph (a chunk of several host runs)."""
+    """What a job's graph depends on besides the per-job addresses and sizes of its host copies
+    and the uploaded numbers (the owner of the graphs retires them when anything else they were
+    built on changes: the upload buffer): its direction, chunks, kind of kernel and its last
+    chunk's pages as :func:`graph_pages` rounds them (the kernels read the job's page count on the
+    device); None when the job cannot be a graph (a chunk of several host runs)."""
     if not plan.num_chunks or not plan.one_run_per_chunk:
         return None
-    return plan.direction, plan.num_pages, plan.blocks is not None
+    return (plan.direction, plan.num_chunks, plan.blocks is not None,
+            graph_pages(plan.last_chunk_pages, plan.chunk_pages))
+
+
+def graph_pages(pages: int, chunk_pages: int) -> int:
+    """The pages a graph's launch over a chunk of ``pages`` pages is sized for: the next power of
+    two, at most a whole chunk (a launch sized for more pages than its job has there runs blocks
+    that copy nothing; rounding bounds them to as many as it copies, and the shapes to ~log2 of a
+    chunk's pages per chunk count)."""
+    return min(chunk_pages, 1 << max(pages - 1, 0).bit_length())
 
 
 G = TypeVar("G")
@@ -126,7 +138,7 @@ class GraphCache(Generic[G]):
     least recently used handed to ``retire`` when another is built (the owner destroys it once
     nothing in flight uses it). Calling thread only."""
 
-    def __init__(self, retire: Callable[[G], Any], capacity: int = 16, build_at: int = 2, remember: int = 256):
+    def __init__(self, retire: Callable[[G], Any], capacity: int = 32, build_at: int = 2, remember: int = 256):
         self._retire = retire
         self.capacity, self.build_at, self.remember = capacity, build_at, remember
         self._graphs: OrderedDict[Hashable, G] = OrderedDict()

@@ -11,12 +11,18 @@ addresses (no slice tensors) and its stream as an argument (no current-stream sw
 The kernels (a thread block per page, or fewer blocks each looping over pages: ``max_blocks``;
 a page moves in 16- or 8-byte words, four loads per thread in flight):
 
-- ``gather``: ``staged[i] = rows[index[i]]`` for ``i < count`` (a store's chunk, host order);
-- ``scatter``: ``rows[index[i]] = staged[i]`` (a load's chunk; the index never names a row twice
-  in a job: slots are distinct, and so are the engine pages of a job);
+- ``gather``: ``staged[i] = rows[row(first + i)]`` for the launch's pages (a store's chunk, host
+  order);
+- ``scatter``: ``rows[row(first + i)] = staged[i]`` (a load's chunk; no row is named twice in a
+  job: slots are distinct, and so are the engine pages of a job);
 - ``gather_blocks`` / ``scatter_blocks``: the same for a job of whole blocks (most jobs), whose
   rows the kernel computes from the job's engine blocks and the layers' first rows: the host
   uploads one number per block instead of one per (block, layer) page, and computes no index.
+
+Every kernel reads the job's numbers from the device (:meth:`RowKernels.launch`), the job's page
+count first: a launch copies at most ``pages`` pages and never past the job's last, so one CUDA
+graph (:mod:`kvtier.copy.cudagraph`), its launches sized for the largest chunk, serves jobs of
+every size with its number of chunks.
 
 :class:`RowKernels` is made once per copy engine side stream pair (:class:`~kvtier.copy.lanes.CudaLanes`,
 at registration, the device idle), on the thread that issues the forward, whose current context
@@ -67,40 +73,51 @@ __device__ __forceinline__ void kvtier_copy_page(W* __restrict__ to, const W* __
     }
 }
 
-// table = [layer_rows (layers), blocks (n)]: page p of a job of whole blocks is layer p % layers of
-// block p / layers, at row blocks[p / layers] * block_rows + layer_rows[p % layers]
-__device__ __forceinline__ long long kvtier_row(const long long* __restrict__ table, long long layers,
-                                                long long block_rows, long long p) {
-    return table[layers + p / layers] * block_rows + table[p % layers];
+// numbers: the job's page count, then each page's row (row kernels), or each layer's row of engine
+// block 0 followed by the job's engine blocks (block kernels: page p is layer p % layers of block
+// p / layers, at row blocks[p / layers] * block_rows + layer_rows[p % layers]). A launch copies the
+// job's pages first + i for i < min(pages, count - first): ``pages`` may exceed what the job has
+// there (a CUDA graph's launch serves jobs of several sizes), the count read on the device bounds it.
+__device__ __forceinline__ long long kvtier_count(const long long* __restrict__ numbers, long long pages,
+                                                  long long first) {
+    const long long left = numbers[0] - first;
+    return left < pages ? left : pages;
+}
+__device__ __forceinline__ long long kvtier_block_row(const long long* __restrict__ numbers, long long layers,
+                                                      long long block_rows, long long p) {
+    return numbers[1 + layers + p / layers] * block_rows + numbers[1 + p % layers];
 }
 
-// A launch copies pages i < count, block b pages b, b + gridDim.x, ... (one page per block when
-// the grid is ``count`` blocks; fewer blocks take fewer of the SMs the forward pass runs on, longer).
+// Block b copies the launch's pages b, b + gridDim.x, ... (one page per block when the grid is
+// ``pages`` blocks; fewer blocks take fewer of the SMs the forward pass runs on, for longer).
 #define KVTIER_ROW_KERNELS(W, SUFFIX)                                                                \
 extern "C" __global__ void kvtier_gather##SUFFIX(const W* __restrict__ rows, W* __restrict__ staged,  \
-        const long long* __restrict__ index, long long words, long long count) {                     \
+        const long long* __restrict__ numbers, long long words, long long pages, long long first) {  \
+    const long long count = kvtier_count(numbers, pages, first);                                     \
     for (long long i = blockIdx.x; i < count; i += gridDim.x)                                        \
-        kvtier_copy_page<W>(staged + i * words, rows + index[i] * words, words);                     \
+        kvtier_copy_page<W>(staged + i * words, rows + numbers[1 + first + i] * words, words);       \
 }                                                                                                    \
 extern "C" __global__ void kvtier_scatter##SUFFIX(W* __restrict__ rows, const W* __restrict__ staged, \
-        const long long* __restrict__ index, long long words, long long count) {                     \
+        const long long* __restrict__ numbers, long long words, long long pages, long long first) {  \
+    const long long count = kvtier_count(numbers, pages, first);                                     \
     for (long long i = blockIdx.x; i < count; i += gridDim.x)                                        \
-        kvtier_copy_page<W>(rows + index[i] * words, staged + i * words, words);                     \
+        kvtier_copy_page<W>(rows + numbers[1 + first + i] * words, staged + i * words, words);       \
 }                                                                                                    \
-/* a job of whole blocks (kvtier_row): this launch copies its pages first + i */                     \
 extern "C" __global__ void kvtier_gather_blocks##SUFFIX(                                             \
-        const W* __restrict__ rows, W* __restrict__ staged, const long long* __restrict__ table,      \
-        long long words, long long count, long long layers, long long block_rows, long long first) { \
+        const W* __restrict__ rows, W* __restrict__ staged, const long long* __restrict__ numbers,    \
+        long long words, long long pages, long long first, long long layers, long long block_rows) { \
+    const long long count = kvtier_count(numbers, pages, first);                                     \
     for (long long i = blockIdx.x; i < count; i += gridDim.x)                                        \
-        kvtier_copy_page<W>(staged + i * words, rows + kvtier_row(table, layers, block_rows, first + i) * words, \
-                            words);                                                                  \
+        kvtier_copy_page<W>(staged + i * words,                                                      \
+                            rows + kvtier_block_row(numbers, layers, block_rows, first + i) * words, words); \
 }                                                                                                    \
 extern "C" __global__ void kvtier_scatter_blocks##SUFFIX(                                            \
-        W* __restrict__ rows, const W* __restrict__ staged, const long long* __restrict__ table,      \
-        long long words, long long count, long long layers, long long block_rows, long long first) { \
+        W* __restrict__ rows, const W* __restrict__ staged, const long long* __restrict__ numbers,    \
+        long long words, long long pages, long long first, long long layers, long long block_rows) { \
+    const long long count = kvtier_count(numbers, pages, first);                                     \
     for (long long i = blockIdx.x; i < count; i += gridDim.x)                                        \
-        kvtier_copy_page<W>(rows + kvtier_row(table, layers, block_rows, first + i) * words, staged + i * words, \
-                            words);                                                                  \
+        kvtier_copy_page<W>(rows + kvtier_block_row(numbers, layers, block_rows, first + i) * words, \
+                            staged + i * words, words);                                              \
 }
 
 KVTIER_ROW_KERNELS(W16, 16)
@@ -210,7 +227,7 @@ class RowKernels:
             self._functions[kind] = function.value
         # the launch's argument slots, filled in place before each launch (one thread only)
         self._pointers = [ctypes.c_void_p() for _ in range(3)]  # rows, staged, index or table
-        self._numbers = [ctypes.c_longlong() for _ in range(5)]  # words, count[, layers, block_rows, first]
+        self._numbers = [ctypes.c_longlong() for _ in range(5)]  # words, pages, first[, layers, block_rows]
         self._params = (ctypes.c_void_p * 8)(*(ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
                                                for v in self._pointers + self._numbers))
         self._add_node = getattr(driver, "cuGraphAddKernelNode_v2", None)  # CUDA 12.0+ drivers
@@ -266,30 +283,28 @@ class RowKernels:
         logger.info("kvtier: staged copies gather and scatter with kvtier's kernels (%s)", kernels.how)
         return kernels
 
-    def launch(self, kind: str, stream: int, rows: int, staged: int, table: int, pages: int, page_bytes: int,
-               blocks: tuple[int, int, int] | None = None) -> None:
-        """Issue on ``stream``, for ``i < pages`` (pages of ``page_bytes``): ``kind`` "gather",
-        ``staged[i] = rows[row(i)]``, or "scatter", ``rows[row(i)] = staged[i]``. Without
-        ``blocks``, ``row(i) = index[i]``, ``table`` the address of ``pages`` int64 rows on the
-        device. With ``blocks = (layers, block_rows, first)``, the launch is pages ``first + i`` of
-        a job of whole blocks: page ``p`` is layer ``p % layers`` of block ``p // layers``, at row
-        ``job_blocks[p // layers] * block_rows + layer_rows[p % layers]``, ``table`` the address of
-        ``layer_rows`` (``layers`` int64) followed by the job's blocks."""
+    def launch(self, kind: str, stream: int, rows: int, staged: int, numbers: int, first: int, pages: int,
+               page_bytes: int, blocks: tuple[int, int] | None = None) -> None:
+        """Issue on ``stream``, for the job's pages ``first + i``, ``i < min(pages, count - first)``
+        (pages of ``page_bytes``): ``kind`` "gather", ``staged[i] = rows[row(first + i)]``, or
+        "scatter", ``rows[row(first + i)] = staged[i]``. ``numbers``: the device address of the
+        job's int64 numbers, its page count ``count`` first; then, without ``blocks``, each page's
+        row; with ``blocks = (layers, block_rows)`` (a job of whole blocks: page ``p`` is layer ``p
+        % layers`` of block ``p // layers``, at row ``job_blocks[p // layers] * block_rows +
+        layer_rows[p % layers]``), ``layer_rows`` (``layers`` of them) and the job's blocks."""
         words = page_bytes // self.word_bytes
-        if blocks is None:
-            self._run(kind, stream, pages, (rows, staged, table), (words, pages))
-        else:
-            self._run(f"{kind}_blocks", stream, pages, (rows, staged, table), (words, pages, *blocks))
+        name = f"{kind}_blocks" if blocks is not None else kind
+        self._run(name, stream, pages, (rows, staged, numbers), (words, pages, first, *(blocks or ())))
 
-    def add_node(self, graph: int, after: list[int], kind: str, rows: int, staged: int, table: int, pages: int,
-                 page_bytes: int, blocks: tuple[int, int, int] | None = None) -> int:
+    def add_node(self, graph: int, after: list[int], kind: str, rows: int, staged: int, numbers: int, first: int,
+                 pages: int, page_bytes: int, blocks: tuple[int, int] | None = None) -> int:
         """:meth:`launch`'s kernel as a node of CUDA graph ``graph`` run after the nodes ``after``
         (``cuGraphAddKernelNode_v2``; the arguments are copied into the node): its handle. Raises
         :class:`~kvtier.copy.cudart.CudaError`."""
         assert self._add_node is not None and pages > 0
         words = page_bytes // self.word_bytes
         name = f"{kind}_blocks" if blocks is not None else kind
-        self._fill(pages, (rows, staged, table), (words, pages, *blocks) if blocks is not None else (words, pages))
+        self._fill(pages, (rows, staged, numbers), (words, pages, first, *(blocks or ())))
         params = KernelNodeParams(self._functions[name], self.grid(pages), 1, 1, THREADS, 1, 1, 0,
                                   ctypes.cast(self._params, ctypes.c_void_p), None, None, None)
         node = ctypes.c_void_p(0)

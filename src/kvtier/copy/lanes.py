@@ -113,11 +113,11 @@ class CudaLanes:
         with cuda.stream(kernel_stream):
             self._index = torch.empty(64 * 1024, dtype=torch.int64, device=rows.device)
             self._index_size = 64 * 1024
-            pick = self._index[:1].zero_()
+            pick = self._index[:2].copy_(torch.tensor([1, 0]))  # a job of one page: its count, its row
             source = torch.zeros(2, rows.shape[1], dtype=rows.dtype, device=rows.device)
             target = torch.empty(1, rows.shape[1], dtype=rows.dtype, device=rows.device)
-            torch.index_select(source, 0, pick, out=target)  # load the kernels now
-            source.index_copy_(0, pick, target)
+            torch.index_select(source, 0, pick[1:], out=target)  # load the kernels now
+            source.index_copy_(0, pick[1:], target)
         self.kernels = None
         self.page_bytes = rows.shape[1] * rows.element_size()
         if self.runtime is not None and streams.own_kernels:
@@ -134,14 +134,15 @@ class CudaLanes:
 
     def _load_kernels(self, device: torch.device, source: torch.Tensor, target: torch.Tensor,
                       pick: torch.Tensor) -> RowKernels | None:
-        """kvtier's row kernels, loaded and run once on the KERNEL stream; None if unavailable."""
+        """kvtier's row kernels, loaded and run once on the KERNEL stream (``pick``: the numbers of
+        a job of one page, row 0); None if unavailable."""
         kernels = self.streams.load_kernels(device, self.page_bytes)
         if kernels is None:
             return None
         handle = self.kernel_stream.cuda_stream
         try:
             for kind in ("gather", "scatter"):
-                kernels.launch(kind, handle, source.data_ptr(), target.data_ptr(), pick.data_ptr(), 1, self.page_bytes)
+                kernels.launch(kind, handle, source.data_ptr(), target.data_ptr(), pick.data_ptr(), 0, 1, self.page_bytes)
         except Exception as exc:  # noqa: BLE001 - any failure: torch's ops instead
             logger.warning("kvtier: kvtier's copy kernels failed a first launch (%s): torch's ops instead", exc)
             self.runtime.get_last_error()
@@ -168,7 +169,7 @@ class CudaLanes:
             first = self._stage(parts, count, Lane.TRANSFER) if graph is not None else None
             if graph is not None and first is not None:  # (no room in the ring: op by op)
                 try:
-                    graph.launch(plan, self._transfer, self._ring_address + 8 * first)  # its first node uploads
+                    graph.launch(plan, self._transfer, self._ring_address + 8 * first, count)  # its first node uploads
                     self.graph_launches += 1
                     return
                 except Exception as exc:  # noqa: BLE001 - nothing of the job was launched: op by op instead
@@ -212,11 +213,10 @@ class CudaLanes:
             self._ordering.give(event)
 
     def _numbers(self, plan: StagedRuns) -> tuple[np.ndarray, ...]:
-        """What the job's kernels read, as the parts to upload one after the other: with kvtier's
-        kernels and a job of whole blocks its block table (:meth:`~kvtier.copy.staging.StagedRuns.block_table`:
-        the layers' rows, then one number per block), else its row index."""
-        table = plan.block_table() if self.kernels is not None else None
-        return table if table is not None else (plan.row_index(),)
+        """What the job's kernels read, as the parts to upload one after the other: for kvtier's
+        kernels its :meth:`~kvtier.copy.staging.StagedRuns.kernel_numbers` (its page count, then one
+        number per block of a job of whole blocks, else its row index), for torch's ops its row index."""
+        return plan.kernel_numbers() if self.kernels is not None else (plan.row_index(),)
 
     def _reserve(self, count: int) -> None:
         """The device index buffer at least ``count`` long: grown on the KERNEL stream, whose
@@ -343,12 +343,11 @@ class CudaLanes:
             self._launch("scatter", plan, uploaded, first, pages, buffer)
 
     def _launch(self, kind: str, plan: StagedRuns, uploaded: torch.Tensor, first: int, pages: int, buffer: int) -> None:
-        """kvtier's kernel ``kind`` on the KERNEL lane; ``uploaded`` is the block table of a job of
-        whole blocks, else its row index (see :meth:`upload`)."""
+        """kvtier's kernel ``kind`` on the KERNEL lane; ``uploaded``: the job's kernel numbers (see
+        :meth:`upload`)."""
         assert self.kernels is not None
-        table, blocks = plan.kernel_table(uploaded.data_ptr(), first)
         self.kernels.launch(kind, self._kernel, plan.rows_address, plan.buffers.address_list[buffer],
-                            table, pages, self.page_bytes, blocks=blocks)
+                            uploaded.data_ptr(), first, pages, self.page_bytes, blocks=plan.kernel_blocks())
 
     def transfer(self, plan: StagedRuns, chunk: int) -> None:
         self.streams._host_copies(self.transfer_stream, plan, chunk)

@@ -88,8 +88,8 @@ class StagingLanes(Protocol):
 
     def upload(self, plan: StagedRuns) -> torch.Tensor:
         """Issue the upload of what the job's gathers or scatters read (its row index,
-        :meth:`StagedRuns.row_index`, or the lanes' choice for a job of whole blocks,
-        :meth:`StagedRuns.block_table`) to the device on the KERNEL lane, after :meth:`begin`
+        :meth:`StagedRuns.row_index`, or, for kernels that read them, its
+        :meth:`StagedRuns.kernel_numbers`) to the device on the KERNEL lane, after :meth:`begin`
         (the lanes may land every job's upload in one device buffer: begun, the KERNEL lane is past
         every earlier job's gathers and scatters, whichever lane or graph issued them); the device
         tensor it lands in (valid for work issued on that lane from now on, until the next upload),
@@ -213,22 +213,26 @@ class StagedRuns:
         assert self.blocks is not None and self.layer_rows is not None
         return (self.blocks[:, None] * self.block_rows + self.layer_rows).ravel()
 
-    def block_table(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """What a block kernel reads (:meth:`kvtier.copy.kernels.RowKernels.launch` with
-        ``blocks``), as its two parts to upload one after the other: ``layer_rows``, then
-        ``blocks`` (int64); None unless a job of whole blocks."""
-        if self.blocks is None or self.layer_rows is None:
-            return None
-        return self.layer_rows, self.blocks
-
-    def kernel_table(self, uploaded: int, first: int) -> tuple[int, tuple[int, int, int] | None]:
-        """The ``table`` and ``blocks`` arguments of a row kernel
-        (:meth:`kvtier.copy.kernels.RowKernels.launch`) over the job's pages from ``first`` on,
-        ``uploaded`` the device address of the job's :meth:`block_table` (a job of whole blocks)
-        or else of its :meth:`row_index`."""
+    def kernel_numbers(self) -> tuple[np.ndarray, ...]:
+        """What kvtier's row kernels read (:meth:`kvtier.copy.kernels.RowKernels.launch`), as the
+        parts to upload one after the other (int64): the job's page count, then, for a job of
+        whole blocks, ``layer_rows`` and ``blocks``, else its :meth:`row_index`."""
+        count = np.array([self.num_pages], dtype=np.int64)
         if self.blocks is not None and self.layer_rows is not None:
-            return uploaded, (len(self.layer_rows), self.block_rows, first)
-        return uploaded + 8 * first, None
+            return count, self.layer_rows, self.blocks
+        return count, self.row_index()
+
+    def kernel_blocks(self) -> tuple[int, int] | None:
+        """The ``blocks`` argument of a row kernel (:meth:`kvtier.copy.kernels.RowKernels.launch`):
+        ``(layers, block_rows)`` for a job of whole blocks, else None."""
+        if self.blocks is not None and self.layer_rows is not None:
+            return len(self.layer_rows), self.block_rows
+        return None
+
+    @property
+    def last_chunk_pages(self) -> int:
+        """Pages of the job's last chunk (0: no chunk)."""
+        return self.num_pages - (self.num_chunks - 1) * self.chunk_pages if self.num_chunks else 0
 
     @property
     def num_chunks(self) -> int:
