@@ -9,7 +9,9 @@ driver), measured on a GPU by ``tests/gpu/profile_issue.py``; the goal for the w
 
 Prints one JSON: per page size and direction, the median and the minimum microseconds of the
 start call (this machine is shared: the minimum is the steadier figure), and the device calls
-one job makes.
+one job makes. ``mixed``: jobs of 1 to 512 blocks (seeded, uniform), as serving hands them (a
+load is as long as its prompt's hit, a prefill's last chunk varies): the share of jobs that
+went as a graph launch and the start call's median, at 16 KiB pages.
 
     python benchmarks/bench_issue_host.py [--jobs 1000]
 """
@@ -26,6 +28,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "gpu"))
@@ -41,7 +44,7 @@ from kvtier.core.slots import HostSlotLayout  # noqa: E402
 BLOCKS, LAYERS = 512, 32
 
 
-def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int) -> dict:
+def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int, mixed: bool = False) -> dict:
     case = Case("LBNHC", layers=LAYERS, heads=heads, tokens=16, content=256, dtype=torch.bfloat16)
     kv = build(case, BLOCKS + 8, "cpu")
     paged = PagedKV(kv.views, BLOCKS + 8)
@@ -51,9 +54,12 @@ def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int) -> di
     streams = host_streams(device, job_graphs=graphs)
     engine = CudaCopyEngine(BlockCopier(paged, host), streams, CopyMethod.STAGED)
     job = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)])  # as the scheduler sends it
+    sizes = np.random.default_rng(0).integers(1, BLOCKS + 1, jobs) if mixed else np.full(jobs, BLOCKS)
     ids = itertools.count()
     seconds, calls = [], Counter()
     for i in range(jobs):
+        job = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(int(sizes[i]))]) \
+            if mixed else job
         before = Counter(device.calls)
         began = time.perf_counter()
         if direction is Direction.STORE:
@@ -64,7 +70,10 @@ def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int) -> di
         if i == jobs - 1:
             calls = device.calls - before
         engine.poll()
+    launches = sum(lanes.graph_launches for lanes in streams._lanes.values())  # noqa: SLF001
     engine.close()
+    if mixed:
+        return {"median_us": round(statistics.median(seconds) * 1e6, 1), "graph_share": round(launches / jobs, 3)}
     return {"median_us": round(statistics.median(seconds) * 1e6, 1), "min_us": round(min(seconds) * 1e6, 1),
             "device_calls_per_job": dict(sorted(calls.items()))}
 
@@ -80,7 +89,8 @@ def main() -> None:
             for name, graphs in (("graph", True), ("op_by_op", False)):
                 row[name] = issue_times(heads, direction, graphs, args.jobs)
             rows.append(row)
-    print(json.dumps({"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+    mixed = {direction.value: issue_times(2, direction, True, args.jobs, mixed=True) for direction in Direction}
+    print(json.dumps({"mixed_16KiB": mixed, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                       "blocks": BLOCKS, "layers": LAYERS, "jobs": args.jobs, "rows": rows}, indent=1))
 
 

@@ -154,18 +154,19 @@ def test_a_shapes_second_job_is_a_graph_and_every_job_lands_exactly():
 
 def test_jobs_of_other_sizes_with_as_many_chunks_share_a_graph_and_touch_nothing_past_their_pages():
     """Chunks of 24 pages (6 blocks): jobs of 3 and 4 blocks are one chunk of 12 or 16 pages, one
-    graph shape (sized for 16); 5 and 6 blocks another (24). A graph built by a job of one size
+    graph shape (sized for 16); 5 and 6 blocks another (24); 7 to 9 blocks, two chunks, a third
+    (its last chunk's launch sized for a whole chunk). A graph built by a job of one size
     moves another size's pages exactly: its copies' sizes and its upload are the job's, and the
     kernels stop at the job's page count; nothing outside the job's slots or blocks changes."""
     device = HostDevice()
     engine, streams, paged, host = rig(device, chunk_pages=24)
-    sizes = [4, 3, 4, 3, 6, 5, 5, 6]
+    sizes = [4, 3, 4, 3, 6, 5, 5, 6, 7, 9, 8]
     stores, loads, first = [], [], 0
     for n in sizes:
         blocks = [(7 * (first + i) + 3) % BLOCKS for i in range(n)]
         stores.append(pages_of(range(first, first + n), blocks))
         loads.append(pages_of(range(first, first + n), [(b + 5) % BLOCKS for b in blocks]))
-        first = (first + n) % (SLOTS - 6)
+        first = (first + n) % (SLOTS - 9)
     for job_id, pages in enumerate(stores):
         outside = [s for s in range(SLOTS) if s not in {p.slot for p in pages}]
         before = {(s, layer): host.page(s, layer, 0).clone() for s in outside for layer in range(LAYERS)}
@@ -178,8 +179,9 @@ def test_jobs_of_other_sizes_with_as_many_chunks_share_a_graph_and_touch_nothing
         assert load_exactly(engine, paged, host, job_id, pages), job_id
         assert all(torch.equal(paged.page(layer, b), page) for (layer, b), page in kept.items()), job_id
     launches = sorted(lanes.graph_launches for lanes in streams._lanes.values())  # noqa: SLF001
-    # per direction: [4, 3, 4, 3] is one shape (its 2nd job builds it: 3 launches), [6, 5, 5, 6] another (3)
-    assert launches == [6, 6]
+    # per direction: [4, 3, 4, 3] is one shape (its 2nd job builds it: 3 launches), [6, 5, 5, 6] another (3),
+    # [7, 9, 8] a third (2)
+    assert launches == [8, 8]
     engine.close()
 
 

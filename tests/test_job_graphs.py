@@ -128,24 +128,25 @@ def test_only_jobs_of_one_host_run_per_chunk_have_a_graph_key():
     consecutive = staged_plan(engine, Direction.STORE, job(kv, [6, 0, 1, 2, 4, 5, 3, 7], BLOCKS))  # host order
     scattered = staged_plan(engine, Direction.STORE, job(kv, [0, 1, 2, 4, 5, 6, 9, 11], BLOCKS))
     assert consecutive.num_pages == 24 and consecutive.num_chunks == 5  # a last chunk of 4 pages
-    assert graph_key(consecutive) == (Direction.STORE, 5, True, 4)
+    assert graph_key(consecutive) == (Direction.STORE, 5, True, 5)
     assert graph_key(scattered) is None
     with pytest.raises(ValueError, match="one host run per chunk"):
         JobGraph.record(scattered, torch.zeros(1, dtype=torch.int64))
 
 
-def test_jobs_share_a_graph_key_by_chunks_and_the_last_chunks_pages_rounded_up_to_a_power_of_two():
-    assert [graph_pages(p, 4096) for p in (1, 2, 3, 4, 5, 1000, 1024, 1025, 4095, 4096)] == \
+def test_jobs_share_a_graph_key_by_chunks_and_a_one_chunk_jobs_pages_rounded_up_to_a_power_of_two():
+    assert [graph_pages(p, 4096, 1) for p in (1, 2, 3, 4, 5, 1000, 1024, 1025, 4095, 4096)] == \
         [1, 2, 4, 4, 8, 1024, 1024, 2048, 4096, 4096]
-    assert [graph_pages(p, 5) for p in (1, 3, 4, 5)] == [1, 4, 4, 5]  # never past a whole chunk
+    assert [graph_pages(p, 5, 1) for p in (1, 3, 4, 5)] == [1, 4, 4, 5]  # never past a whole chunk
+    assert [graph_pages(p, 4096, 2) for p in (1, 3, 4096)] == [4096] * 3  # several chunks: one shape per count
     engine, device, paged, host, kv = rig("LBNHC-attention", num_slots=12, chunk_pages=8, buffers=2)
     layers = paged.num_layers
     keys = {blocks: graph_key(staged_plan(engine, Direction.LOAD, job(kv, list(range(blocks)), BLOCKS[:blocks])))
             for blocks in range(1, 9)}
-    pages = {blocks: blocks * layers for blocks in keys}
     for blocks, key in keys.items():
-        chunks = -(-pages[blocks] // 8)
-        assert key == (Direction.LOAD, chunks, True, graph_pages(pages[blocks] - 8 * (chunks - 1), 8))
+        pages = blocks * layers
+        chunks = -(-pages // 8)
+        assert key == (Direction.LOAD, chunks, True, graph_pages(pages, 8, 1) if chunks == 1 else 8)
 
 
 def test_the_cache_builds_at_a_shapes_second_job_and_retires_the_least_recently_used():

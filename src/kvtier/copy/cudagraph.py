@@ -2,8 +2,8 @@
 
 Issued op by op (:meth:`~kvtier.copy.staging.StagedRuns.issue`), a staged job costs the thread
 that issues the forward ~6 device calls per chunk: 4-32 chunks for a 512-block job. Jobs of one
-shape (:func:`~kvtier.copy.jobgraph.graph_key`: direction, chunks, one host run per chunk, the
-last chunk's pages rounded up to a power of two) differ only in the host address and size of each
+shape (:func:`~kvtier.copy.jobgraph.graph_key`: direction, chunks, one host run per chunk, and
+for a job of one chunk its pages rounded up to a power of two) differ only in the host address and size of each
 chunk's copy and in the numbers uploaded for the kernels (the kernels read the job's page count
 there, and copy no page past it: a kernel node sized for its shape's largest chunk serves every
 job of the shape), so a :class:`CudaJobGraph` holds the whole schedule (:class:`~kvtier.copy.jobgraph.JobGraph`) as a
@@ -82,7 +82,7 @@ class CudaJobGraph:
                 else:
                     handle = kernels.add_node(graph, after, node.op, plan.rows_address,
                                               plan.buffers.address_list[node.buffer], uploaded, node.first,
-                                              graph_pages(node.pages, plan.chunk_pages), page_bytes,
+                                              graph_pages(node.pages, plan.chunk_pages, plan.num_chunks), page_bytes,
                                               blocks=plan.kernel_blocks())
                 nodes.append(handle)
             instance = runtime.graph_instantiate(graph)

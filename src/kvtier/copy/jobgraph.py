@@ -112,20 +112,23 @@ class JobGraph:
 def graph_key(plan: StagedRuns) -> Hashable | None:
     """What a job's graph depends on besides the per-job addresses and sizes of its host copies
     and the uploaded numbers (the owner of the graphs retires them when anything else they were
-    built on changes: the upload buffer): its direction, chunks, kind of kernel and its last
-    chunk's pages as :func:`graph_pages` rounds them (the kernels read the job's page count on the
-    device); None when the job cannot be a graph (a chunk of several host runs)."""
+    built on changes: the upload buffer): its direction, chunks, kind of kernel and the pages its
+    last chunk's launch is sized for (:func:`graph_pages`; the kernels read the job's page count on
+    the device); None when the job cannot be a graph (a chunk of several host runs)."""
     if not plan.num_chunks or not plan.one_run_per_chunk:
         return None
     return (plan.direction, plan.num_chunks, plan.blocks is not None,
-            graph_pages(plan.last_chunk_pages, plan.chunk_pages))
+            graph_pages(plan.last_chunk_pages, plan.chunk_pages, plan.num_chunks))
 
 
-def graph_pages(pages: int, chunk_pages: int) -> int:
-    """The pages a graph's launch over a chunk of ``pages`` pages is sized for: the next power of
-    two, at most a whole chunk (a launch sized for more pages than its job has there runs blocks
-    that copy nothing; rounding bounds them to as many as it copies, and the shapes to ~log2 of a
-    chunk's pages per chunk count)."""
+def graph_pages(pages: int, chunk_pages: int, chunks: int) -> int:
+    """The pages a graph's launch over a chunk of ``pages`` pages is sized for, in a job of
+    ``chunks`` chunks: a whole chunk in a job of several (the blocks of the last chunk's launch
+    that find no page cost microseconds beside the job's DMA, and one shape per chunk count keeps
+    the graphs few), else the next power of two (at most a chunk: the launch runs at most twice the
+    blocks it needs, and one-chunk jobs take ~log2 of a chunk's pages shapes)."""
+    if chunks > 1:
+        return chunk_pages
     return min(chunk_pages, 1 << max(pages - 1, 0).bit_length())
 
 

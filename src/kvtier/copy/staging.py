@@ -426,7 +426,7 @@ class StagedPlanner:
         return StagedRuns(direction, self.rows, self.host, index, self.chunk_pages, run_bounds, staging_offset, hosts,
                           sizes, staging_addr, self._host_address + hosts, buffers, self._rows_address, **blocks)
 
-    _CHUNKED_SHAPES = 64  # job sizes whose chunking is kept
+    _CHUNKED_SHAPES = 1024  # job sizes whose chunking is kept (jobs are as long as their prompts' hits)
 
     def _one_run_chunks(self, direction: Direction, count: int) -> tuple[np.ndarray, ...]:
         """(run starts in bytes from the run's start, run bounds, staging offsets, sizes, staging
