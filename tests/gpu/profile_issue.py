@@ -25,6 +25,7 @@ import io
 import itertools
 import json
 import pstats
+import random
 import statistics
 import sys
 import time
@@ -258,6 +259,39 @@ def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction
             "issue_ms_median_back_to_back": round(statistics.median(hot) * 1e3, 3), "profile": text.getvalue().splitlines()[:60]}
 
 
+def mixed_jobs(streams, direction: Direction, job_ids, count: int = 40) -> dict:
+    """Staged jobs of 1 to 512 blocks (seeded, uniform; 16 KiB LBNHC pages), each issued behind a
+    gate of compute as the kit issues them, as serving hands them (a load as long as its prompt's
+    hit): the share that went as graph launches and the start call's median and 90th percentile."""
+    case = Case("LBNHC", layers=LAYERS, heads=2, tokens=kit.TOKENS, content=kit.CONTENT, dtype=torch.bfloat16)
+    kv = build(case, BLOCKS + 8, streams.device)
+    paged = PagedKV(kv.views, BLOCKS + 8)
+    slots = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, BLOCKS)
+    buffer, pinning, _ = kit.host_region(slots.region_bytes, slots.slot_bytes)
+    engine = CudaCopyEngine(BlockCopier(paged, HostSlots(buffer, slots)), streams, CopyMethod.STAGED)
+    sizes = random.Random(0).choices(range(1, BLOCKS + 1), k=count)
+    before = sum(lanes.graph_launches for lanes in streams._lanes.values())  # noqa: SLF001
+    seconds = []
+    for size in sizes:
+        pages = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(size)])
+        torch.cuda.synchronize()
+        kit.gate()
+        began = time.perf_counter()
+        start(engine, direction, next(job_ids), pages)
+        seconds.append(time.perf_counter() - began)
+        engine.wait()
+        assert all(done.ok for done in engine.poll())
+    launches = sum(lanes.graph_launches for lanes in streams._lanes.values()) - before  # noqa: SLF001
+    engine.close()
+    pinning.release()
+    del kv
+    torch.cuda.empty_cache()
+    seconds.sort()
+    return {"jobs": count, "graph_share": round(launches / count, 3),
+            "issue_ms_median": round(statistics.median(seconds) * 1e3, 3),
+            "issue_ms_p90": round(seconds[int(0.9 * (count - 1))] * 1e3, 3)}
+
+
 def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     kit.CYCLES_PER_MS = kit.cycles_per_ms()
@@ -283,6 +317,12 @@ def main() -> None:
             name = f"LBNHC 16 KiB staged {direction.value}"
             out[section][name] = profile_jobs(variant, "LBNHC", 2, CopyMethod.STAGED, direction, job_ids)
         variant.close()
+    out["mixed_sizes"] = {}
+    for label, options in (("graphs", {}), ("op_by_op", {"job_graphs": False})):
+        for direction in Direction:
+            variant = TorchCudaStreams(device, **options)
+            out["mixed_sizes"][f"{label} {direction.value}"] = mixed_jobs(variant, direction, job_ids)
+            variant.close()
     print(json.dumps(out, indent=1))
 
 
