@@ -3,11 +3,11 @@
 Issued op by op (:meth:`~kvtier.copy.staging.StagedRuns.issue`), a staged job costs the thread
 that issues the forward ~6 device calls per chunk: 4-32 chunks for a 512-block job. Jobs of one
 shape (:func:`~kvtier.copy.jobgraph.graph_key`: direction, chunks, one host run per chunk, and
-for a job of one chunk its pages rounded up to a power of two) differ only in the host address and size of each
-chunk's copy and in the numbers uploaded for the kernels (the kernels read the job's page count
-there, and copy no page past it: a kernel node sized for its shape's largest chunk serves every
-job of the shape), so a :class:`CudaJobGraph` holds the whole schedule (:class:`~kvtier.copy.jobgraph.JobGraph`) as a
-CUDA graph: kernel nodes (kvtier's gather or scatter, :class:`~kvtier.copy.kernels.RowKernels`)
+for a job of one chunk its pages rounded up to a power of two) differ only in the host address
+and size of each chunk's copy and in the numbers uploaded for the kernels (the kernels read the
+job's page count there, and copy no page past it: a kernel node sized for its shape's largest
+chunk serves every job of the shape), so a :class:`CudaJobGraph` holds the whole schedule
+(:class:`~kvtier.copy.jobgraph.JobGraph`) as a CUDA graph: kernel nodes (kvtier's gather or scatter, :class:`~kvtier.copy.kernels.RowKernels`)
 and copy nodes, with the schedule's edges, after a first copy node that uploads the job's numbers
 from the lanes' page-locked ring (a plain ``cudaMemcpyAsync`` of them cost 10-25 us of host time
 on an H100's host, an update 3-4 us). Per job: one ``cudaGraphExecMemcpyNodeSetParams1D`` per
