@@ -448,4 +448,7 @@ def test_two_engines_write_the_same_blocks_into_one_small_root(tmp_path, model_p
         check_rounds(result, alone, engines=6)
     written = sum(metric(r, 1, "kvtier_transfer_bytes_total{direction=host_to_disk}") for r in results)
     print(f"bytes written to disk by both engines: {written}")
-    assert written > capacity, "the shared root stopped taking writes"
+    # what each engine's kvtier counted, for a failure to explain itself (stores, drops, evictions)
+    counters = [{k: v for k, v in r["round_metrics"][1].items() if k.startswith("kvtier_") and v
+                 and any(w in k for w in ("stores", "dropped", "evictions", "transfer_bytes"))} for r in results]
+    assert written > capacity, f"the shared root stopped taking writes; the engines' counters: {counters}"
