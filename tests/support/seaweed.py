@@ -212,15 +212,45 @@ class SeaweedServer:
             self.stop()
         self.start()
 
-    def throttle(self, writes: int | None) -> None:
+    def throttle(self, writes: int | None, timeout: float = 30.0) -> None:
         """SeaweedFS's S3 circuit breaker: answer 503 to writes past ``writes`` in flight at once
-        (None: off). Set with ``weed shell`` through the master, as an operator does; the S3 gateway
-        picks it up within about a second."""
+        (None: off). Set with ``weed shell`` through the master, as an operator does. The S3 gateway
+        picks it up asynchronously (about a second, longer on a busy machine), so this returns only
+        once the gateway does what was asked: 8 PUTs at once (no client retries) draw a 503, or
+        none does (None); a gateway that never does fails the test."""
         command = ("s3.circuitBreaker -delete -apply" if writes is None else
                    f"s3.circuitBreaker -global -type Count -actions Write -values {writes} -apply")
         subprocess.run([weed_binary(), "shell", f"-master=127.0.0.1:{self.master_port}"], input=command.encode(),
                        check=True, capture_output=True, timeout=60, cwd=self.folder)
-        time.sleep(1.0)
+        want = writes is not None
+        deadline = time.monotonic() + timeout
+        while (seen := self._writes_throttled()) != want:
+            if time.monotonic() > deadline:
+                pytest.fail(f"SeaweedFS's S3 gateway did not {'start' if want else 'stop'} answering 503 "
+                            f"within {timeout:.0f} s of s3.circuitBreaker: {self.log_tail()}")
+            time.sleep(0.2)
+        assert seen == want
+
+    def _writes_throttled(self, puts: int = 8) -> bool:
+        """Whether any of ``puts`` PUTs sent at once (256 KiB each, no retries) is answered 503."""
+        import asyncio
+
+        import obstore
+        from obstore.store import S3Store
+
+        store = S3Store(self.bucket, endpoint=self.endpoint, region=REGION, access_key_id=ACCESS_KEY,
+                        secret_access_key=SECRET_KEY, virtual_hosted_style_request=False,
+                        client_options={"allow_http": True}, retry_config={"max_retries": 0})
+        body = os.urandom(256 * 1024)
+
+        async def send() -> list:
+            return await asyncio.gather(*(obstore.put_async(store, f"probe/throttle-{i}", body, use_multipart=False)
+                                          for i in range(puts)), return_exceptions=True)
+
+        answers = asyncio.run(send())
+        with contextlib.suppress(Exception):  # a probe object left behind harms no test (own prefix)
+            obstore.delete(store, [f"probe/throttle-{i}" for i in range(puts)])
+        return any(isinstance(a, BaseException) and ("503" in str(a) or "SlowDown" in str(a)) for a in answers)
 
     def add_identity(self, name: str, access_key: str, secret_key: str, actions: str) -> None:
         """One more identity the server accepts (``actions``: SeaweedFS's, e.g. ``Read,List``), set with
