@@ -39,7 +39,9 @@ class DiskTierStats:
     and the two counted apart as well: ``writes_no_room`` (the namespace's usage ledger stayed
     full: the processes sharing the root hold ``capacity_bytes``) and ``writes_no_space`` (the
     filesystem refused: ``ENOSPC``, ``EDQUOT``, ``EFBIG``). ``no_room_retries``: writes the ledger
-    refused that were tried again after this process evicted a block to make room.
+    refused that were tried again after this process evicted a block to make room;
+    ``starved_rescans``: rescans started early because a write was dropped for no room with
+    nothing of this process's own to evict.
     """
 
     reads_ok: int = 0
@@ -52,6 +54,7 @@ class DiskTierStats:
     writes_no_room: int = 0
     writes_no_space: int = 0
     no_room_retries: int = 0
+    starved_rescans: int = 0
     evictions: int = 0
     bytes_read: int = 0
     bytes_written: int = 0

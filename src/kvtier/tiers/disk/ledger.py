@@ -24,29 +24,35 @@ namespace's ranks, and every block writer's temp file there
 (:meth:`~kvtier.tiers.disk.layout.DiskLayout.count_units` counts them), ``unit_bytes`` each.
 Invariants, kept by every writer and remover of those files:
 
-- A writer creates its temp files first, then charges the whole block, refusing ("no room") when
-  the ledger would exceed ``capacity_bytes``; it publishes each file with ``link`` (``EEXIST``:
-  another process published it first, and that file's charge is given back). A failed write gives
-  back what it charged. So exactly one process pays for each file on disk.
+- A writer charges the whole block and creates its temp files in one hold of the lock
+  (:meth:`Ledger.charge_creating`), refusing ("no room", nothing created) when the ledger would
+  exceed ``capacity_bytes``: so no temp file exists uncharged for a scan to count. It publishes
+  each file under its final name without replacing one (``EEXIST``: another process published it
+  first, and that file's charge is given back), by ``renameat2(RENAME_NOREPLACE)`` where the
+  filesystem has it, so a file never has two names that a scan could count twice, else by
+  ``link`` then ``unlink`` of the temp. A failed write gives back what it charged. So exactly one
+  process pays for each file on disk.
 - A charge is given back only under the lock, and before the file it paid for disappears: temp
   files are removed after their charge is given back; block files are removed (unlinked, renamed
   into quarantine) while holding the lock, together with giving back exactly the files removed.
 - Hence the ledger never counts less than the charged files present (absent tampering, such as
   block files copied in by hand), so the block files of the namespace never exceed
   ``capacity_bytes`` on disk. It may count more (drift: a writer killed between its charge and its
-  clean-up, a file deleted by hand, or temp files a scan counted before their writer charged them,
-  at most one block per write in flight): a scan of the files sets it to what it counted when no
-  update happened during its walk (:meth:`Ledger.reconcile`), which needs a moment when no engine
-  writes; until then the namespace holds that much less. (That walk relies on listing a leaf
-  directory being atomic with respect to a ``link`` + ``unlink`` in it, as on local filesystems for
-  directories this small; a network filesystem may rarely let a walk miss a file being published,
-  and the ledger then counts that file less until the next reconcile.)
+  clean-up, a file deleted by hand, a write whose temp files could not all be created, or, where
+  files are published by ``link`` + ``unlink``, a file a scan saw under both names): a scan of the
+  files sets it to what it counted when no update happened during its walk
+  (:meth:`Ledger.reconcile`), which needs a moment when no engine charges or gives back; until
+  then the namespace holds that much less. (That walk relies on listing a leaf directory being
+  atomic with respect to a rename or ``link`` in it, as on local filesystems for directories this
+  small; a network filesystem may rarely let a walk miss a file being published, and the ledger
+  then counts that file less until the next reconcile.)
 - A missing or unreadable ledger is rebuilt by the next engine update, from the files, under the
   lock (temp files included, so charges of writes in flight are kept).
 
 Threads: engines update it from the disk tier's worker threads only (writes and removals on the
 write pool, quarantines on the read pool, scans on the scan thread; the constructor attaches it);
-each update may wait for the lock (microseconds; a rebuild walks the namespace's names). The operator
+each update may wait for the lock (microseconds; a write's charge also creates its temp files, a
+rebuild walks the namespace's names). The operator
 tools (``kvtier purge``, ``kvtier verify``) give back what they remove through the same lock, and
 leave a missing or unreadable ledger to the engines.
 """
@@ -62,6 +68,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import xxhash
 
@@ -77,6 +84,7 @@ RECORD_BYTES = _RECORD.size + _SUM.size  # 40
 _NAME_PREFIX = "usage_g"  # usage_g<group>
 _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL})
 """``flock`` errors meaning this filesystem cannot lock (some NFS setups and FUSE filesystems)."""
+_Made = TypeVar("_Made")
 REMOVE_BATCH = 256
 """Most files removed under one hold of the lock (a sweep of millions releases it in between)."""
 
@@ -213,11 +221,18 @@ class Ledger:
 
     def charge(self, nbytes: int) -> bool:
         """Charge ``nbytes`` unless that would exceed the capacity (False: no room)."""
+        return self.charge_creating(nbytes, lambda: True) is not None
+
+    def charge_creating(self, nbytes: int, create: Callable[[], _Made]) -> _Made | None:
+        """Charge ``nbytes`` and run ``create`` (a writer makes the files it charges for) in one
+        hold of the lock; None, ``create`` not run, when that would exceed the capacity. If
+        ``create`` raises, nothing is charged (it must remove what it made before raising)."""
         with self.locked() as usage:
             if usage.bytes + nbytes > self._capacity:
-                return False
+                return None
+            made = create()
             usage.charge(nbytes)
-            return True
+            return made
 
     def give_back(self, nbytes: int) -> None:
         with self.locked() as usage:

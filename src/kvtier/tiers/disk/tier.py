@@ -35,10 +35,11 @@ however many processes write them: they share its usage ledger (:mod:`kvtier.tie
 a small file updated under ``flock``). A write charges its block's bytes there before writing
 anything and is refused when that would exceed ``capacity_bytes``: a ``DROPPED`` result counted in
 ``writes_no_room``, on which this process evicts its own least recently used block (not being
-read), so that every writer gives way and the namespace keeps turning over. Files are content
-addressed and published with ``link`` from a unique temp name: when another process published the
-same file first (``EEXIST``, identical bytes) the charge is given back, so each file is paid for
-once. Every removal (eviction, delete, clear, quarantine, orphans, ``kvtier purge``) gives back
+read), so that every writer gives way and the namespace keeps turning over; with nothing of its own
+left to evict it rescans early (paced, ``starved_rescans``) to learn the blocks others wrote. Files
+are content addressed and published from a unique temp name without replacing a file
+(:mod:`kvtier.tiers.disk.writer`): when another process published the same file first
+(``EEXIST``, identical bytes) the charge is given back, so each file is paid for once. Every removal (eviction, delete, clear, quarantine, orphans, ``kvtier purge``) gives back
 exactly the files it removed. A file another process deleted is a ``NOT_FOUND`` miss.
 :meth:`rescan` merges files written by other processes into the index, forgets indexed blocks
 whose files vanished and reconciles the ledger with the files it counted (drift: a writer killed
@@ -92,6 +93,8 @@ from kvtier.tiers.outbox import Outbox
 logger = logging.getLogger(__name__)
 _PRESENT, _ABSENT = Presence.PRESENT, Presence.ABSENT
 
+STARVED_RESCAN_S = 0.25
+"""Least time between the last scan and one started because writes found no room and nothing to evict."""
 NO_ROOM_RETRIES = 4
 """How often a write the usage ledger refuses is retried, each time after this process evicted its
 least recently used block (engines sharing a root evict the same blocks from their shared view
@@ -173,6 +176,8 @@ class DiskTier(SecondaryTier):
         )
 
         self._snapshot_taken = (0.0, -1)  # (monotonic time, index signature) of the last snapshot
+        self._scan_started = self._scan_ended = time.monotonic()  # the last scan's (starved rescans' pace)
+        self._scan_seconds = 0.0
         keys = read_snapshot(self._layout, self._file_bytes, max_keys=capacity_bytes // self._state.block_bytes)
         if keys is None:
             self._state.merge_scan(self._scan_files(None), scan_gen=None)
@@ -301,6 +306,7 @@ class DiskTier(SecondaryTier):
                 self._state.finish_removal(msg[1], msg[2], msg[3])
             elif kind == Msg.SCAN:
                 self._state.merge_scan(msg[1], scan_gen=msg[2])
+                self._scan_done()
                 self._snapshot_if_due()
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
@@ -422,8 +428,10 @@ class DiskTier(SecondaryTier):
         self._state.scan_epoch = self._state.clear_epoch
         known = list(self._state.index)  # a snapshot (C speed); the worker converts it to hex
         gen = self._state.gen
+        self._scan_started = time.monotonic()
         if wait:
             self._state.merge_scan(self._scan_files(known), scan_gen=gen)
+            self._scan_done()
         else:
             self._scan_pool.submit(self._scan_job, known, gen)
 
@@ -442,6 +450,22 @@ class DiskTier(SecondaryTier):
         result = IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED)
         self._state.finish_write(result, WriteOutcome.NO_ROOM)
         results.append(result)
+        self._rescan_when_starved()
+
+    def _rescan_when_starved(self) -> None:
+        """A write was dropped for no room with nothing of this process's own left to evict: the
+        root is full of blocks this process does not index (other engines wrote them since its last
+        scan) or the ledger drifted. Rescan now rather than at the next refresh: the scan indexes
+        those blocks, so the next writes can evict them, and reconciles the ledger. Paced to at most
+        a tenth of the scan thread's time (a walk of a big root takes seconds), never within
+        :data:`STARVED_RESCAN_S` of the last scan."""
+        if time.monotonic() - self._scan_ended >= max(STARVED_RESCAN_S, 10 * self._scan_seconds):
+            self._state.counts["starved_rescans"] += 1
+            self.rescan()
+
+    def _scan_done(self) -> None:
+        self._scan_ended = time.monotonic()
+        self._scan_seconds = self._scan_ended - self._scan_started
 
     def _byte_views(self, buffers: Sequence[memoryview], *, writable: bool, what: str) -> list[memoryview]:
         return disk_io.byte_views(

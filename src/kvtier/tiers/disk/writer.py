@@ -2,17 +2,20 @@
 
 :func:`write_block` keeps the usage ledger's invariants (:mod:`kvtier.tiers.disk.ledger`):
 
-1. create every rank's temp file ``<hash>.bin.<pid>.<random>.tmp`` in its final directory, that
-   directory reached from the root without following a symlink (a planted one fails the write:
-   ``ELOOP``) and kept open, so every later step acts in that same directory;
-2. charge the block's bytes to the ledger (refused: :attr:`WriteOutcome.NO_ROOM`, nothing written);
-3. write each temp file and publish it with ``link(temp, final)`` then unlink the temp. ``EEXIST``:
-   another process published that file first (content addressed: the same bytes), so its charge is
-   given back and the temp removed. Filesystems without hard links (some FUSE ones: ``EPERM``,
-   ``ENOTSUP``, ``ENOSYS``) get ``rename`` instead, once the final name is found free; a file
-   published between that check and the rename is then paid for twice (the ledger counts more
-   than is there until a scan reconciles it, never less);
-4. on any failure nothing of the block stays: the files it published are unlinked under the
+1. in one hold of the ledger's lock (:meth:`~kvtier.tiers.disk.ledger.Ledger.charge_creating`),
+   charge the block's bytes (refused: :attr:`WriteOutcome.NO_ROOM`, nothing created) and create
+   every rank's temp file ``<hash>.bin.<pid>.<random>.tmp`` in its final directory, that directory
+   reached from the root without following a symlink (a planted one fails the write: ``ELOOP``)
+   and kept open, so every later step acts in that same directory;
+2. write each temp file and publish it under its final name without replacing one:
+   ``renameat2(RENAME_NOREPLACE)`` (:mod:`kvtier.core.noreplace`), or where the filesystem lacks
+   it ``link(temp, final)`` then unlink the temp. ``EEXIST``: another process published that file
+   first (content addressed: the same bytes), so its charge is given back and the temp removed.
+   Filesystems without either (some FUSE ones: ``link`` fails ``EPERM``, ``ENOTSUP``, ``ENOSYS``)
+   get ``rename`` once the final name is found free; a file published between that check and
+   the rename is then paid for twice (the ledger counts more than is there until a scan
+   reconciles it, never less);
+3. on any failure nothing of the block stays: the files it published are unlinked under the
    ledger's lock and its whole remaining charge given back, then the temps are removed.
 
 Outcomes: ``WRITTEN``; ``NO_ROOM`` (the namespace is full across the processes sharing the root);
@@ -36,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.core.keys import BlockKey
+from kvtier.core.noreplace import UNSUPPORTED as NOREPLACE_UNSUPPORTED
+from kvtier.core.noreplace import rename_noreplace
 from kvtier.core.rootfs import O_BINARY, O_CLOEXEC, O_NOFOLLOW
 from kvtier.tiers.base import IoError
 from kvtier.tiers.blockfile import HEADER_LEN
@@ -50,7 +55,8 @@ NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 """Write errors meaning "no space": a full filesystem, an exhausted quota, a file-size limit."""
 _NO_LINK_ERRNOS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
 """``link`` errors meaning the filesystem has no hard links: publish with ``rename`` instead."""
-_RENAME_ROOTS: set[str] = set()  # roots found without hard links (checked once per root and process)
+_LINK_ROOTS: set[str] = set()  # roots found without RENAME_NOREPLACE (checked once per root and process)
+_RENAME_ROOTS: set[str] = set()  # roots found without hard links either
 
 
 class WriteOutcome(enum.Enum):
@@ -105,12 +111,11 @@ def write_block(
     charged = 0
     try:
         try:
-            for rank in range(len(sources)):
-                temps.append(_create_temp(layout, hex_key, rank))
-            if not ledger.charge(file_bytes * len(sources)):
-                _remove_temps(temps)
+            made = ledger.charge_creating(file_bytes * len(sources),
+                                          lambda: _create_temps(layout, hex_key, len(sources)))
+            if made is None:
                 return WriteOutcome.NO_ROOM
-            charged = file_bytes * len(sources)
+            temps, charged = made, file_bytes * len(sources)
             surplus: list[_Temp] = []  # files another process published first
             for rank, (temp, source) in enumerate(zip(temps, sources)):
                 header, payload = sealer.seal(
@@ -150,6 +155,19 @@ def _failed(layout: DiskLayout, hex_key: str, exc: Exception, no_space: NoSpaceL
     else:
         logger.exception("kvtier disk: writing block %s failed", hex_key)
     return WriteOutcome.FAILED
+
+
+def _create_temps(layout: DiskLayout, hex_key: str, ranks: int) -> list[_Temp]:
+    """Every rank's temp file of ``hex_key``; on a failure the ones made are removed first."""
+    temps: list[_Temp] = []
+    try:
+        for rank in range(ranks):
+            temps.append(_create_temp(layout, hex_key, rank))
+    except BaseException:
+        _remove_temps(temps)
+        _close_dirs(temps)
+        raise
+    return temps
 
 
 def _create_temp(layout: DiskLayout, hex_key: str, rank: int) -> _Temp:
@@ -197,6 +215,18 @@ def _publish(layout: DiskLayout, temp: _Temp) -> bool:
     """Give the temp file its final name; False if another process published that file first
     (the temp is then still there)."""
     dir_fd = temp.dir_fd
+    if layout.root not in _LINK_ROOTS:
+        try:
+            rename_noreplace(temp.name, temp.final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in NOREPLACE_UNSUPPORTED:
+                raise
+            _LINK_ROOTS.add(layout.root)
+            logger.info("kvtier disk: %s: no renameat2(RENAME_NOREPLACE) (%s); publishing block files by link",
+                        layout.root, exc.strerror or exc)
     if layout.root not in _RENAME_ROOTS:
         try:
             os.link(temp.name, temp.final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
