@@ -416,19 +416,22 @@ class UsageWatcher(threading.Thread):
 
 def test_two_engines_write_the_same_blocks_into_one_small_root(tmp_path, model_path, alone):
     """Two engines at once, one disk root whose capacity (8 blocks) is below the 12 blocks each
-    engine stores (3 of the prompts), host tiers of 4 blocks: the namespace's files on disk never
-    exceed ``capacity_bytes`` (they could reach twice it if each engine enforced only its own
-    budget), both keep serving bit-exact, and both keep writing (the namespace turns over). Both
-    write the same 12 blocks in the same order, so under this pressure the second round finds its
-    first blocks evicted (LRU): hits are not expected here. Two engines whose compute threads
-    share the cores slow each other ~20x (each runs two OpenMP threads that spin at barriers;
-    measured: 108-127 s a round for 3 prompts, vLLM alone 12 s for 6), so each engine is confined
-    to a core of its own where there are two (one compute thread); the round bound counts 6
-    engines' worth."""
+    engine stores (3 of the prompts), host tiers holding those 12: both engines cascade all 12 to
+    the root at once, so their writes contend for the ledger and must evict to fit. The
+    namespace's files on disk never exceed ``capacity_bytes`` (they could reach twice it if each
+    engine enforced only its own budget), both keep serving bit-exact, and both keep writing (the
+    namespace turns over). Two engines whose compute threads share the cores slow each other ~20x
+    (each runs two OpenMP threads that spin at barriers; measured: 108-127 s a round for 3
+    prompts, vLLM alone 12 s for 6), so each engine is confined to a core of its own where there
+    are two (one compute thread); the round bound counts 6 engines' worth. kvtier's background
+    threads then have no spare core and crawl beside a busy one, so each round settles (its
+    stores reported); with host tiers of 4 blocks, as this test had, a prompt's cascade could keep
+    the host tier pinned through a whole round and the later prompts' stores were dropped, which
+    left a run's writes to chance (3 failures in 14 runs here)."""
     root = tmp_path / "kvdisk"
     capacity = 8 * (HEADER_LEN + BLOCK_BYTES)
-    config = disk_config(root, host_blocks=4, capacity=capacity)
-    rounds = [{}, {"reset_prefix_cache": True}]
+    config = disk_config(root, host_blocks=12, capacity=capacity)
+    rounds = [{"settle": True}, {"reset_prefix_cache": True, "settle": True}]
     prompts, alone = PROMPTS[:3], Alone(alone.outputs[:3], alone.seconds)
     watcher = UsageWatcher(root)
     watcher.start()

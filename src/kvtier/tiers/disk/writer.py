@@ -35,7 +35,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtier.core.keys import BlockKey
@@ -216,34 +216,18 @@ def _publish(layout: DiskLayout, temp: _Temp) -> bool:
     (the temp is then still there)."""
     dir_fd = temp.dir_fd
     if layout.root not in _LINK_ROOTS:
-        try:
-            rename_noreplace(temp.name, temp.final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
-            return True
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            if exc.errno not in NOREPLACE_UNSUPPORTED:
-                raise
-            _LINK_ROOTS.add(layout.root)
-            logger.info("kvtier disk: %s: no renameat2(RENAME_NOREPLACE) (%s); publishing block files by link",
-                        layout.root, exc.strerror or exc)
+        done = _publish_by(layout, _LINK_ROOTS, NOREPLACE_UNSUPPORTED, logging.INFO, (
+            "kvtier disk: %s: no renameat2(RENAME_NOREPLACE) (%s); publishing block files by link"),
+            lambda: rename_noreplace(temp.name, temp.final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd))
+        if done is not None:
+            return done
     if layout.root not in _RENAME_ROOTS:
-        try:
-            os.link(temp.name, temp.final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            if exc.errno not in _NO_LINK_ERRNOS:
-                raise
-            _RENAME_ROOTS.add(layout.root)
-            logger.warning(
-                "kvtier disk: %s has no hard links (%s); publishing block files by rename, so a block "
-                "two engines write at the same moment may be charged twice to the usage ledger until "
-                "a rescan", layout.root, exc.strerror or exc,
-            )
-        else:
-            _unlink_temp(temp)
-            return True
+        done = _publish_by(layout, _RENAME_ROOTS, _NO_LINK_ERRNOS, logging.WARNING, (
+            "kvtier disk: %s has no hard links (%s); publishing block files by rename, so a block two "
+            "engines write at the same moment may be charged twice to the usage ledger until a rescan"),
+            lambda: _link(temp))
+        if done is not None:
+            return done
     try:
         os.stat(temp.final_name, dir_fd=dir_fd, follow_symlinks=False)
         return False
@@ -251,6 +235,29 @@ def _publish(layout: DiskLayout, temp: _Temp) -> bool:
         pass
     os.rename(temp.name, temp.final_name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return True
+
+
+def _publish_by(layout: DiskLayout, unable: set[str], unsupported: frozenset[int], level: int, note: str,
+                publish: Callable[[], None]) -> bool | None:
+    """One way of publishing: True done, False the name was taken (``EEXIST``), None this root
+    cannot publish that way (an error in ``unsupported``: the root joins ``unable``, ``note``
+    logged once)."""
+    try:
+        publish()
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in unsupported:
+            raise
+        unable.add(layout.root)
+        logger.log(level, note, layout.root, exc.strerror or exc)
+        return None
+    return True
+
+
+def _link(temp: _Temp) -> None:
+    os.link(temp.name, temp.final_name, src_dir_fd=temp.dir_fd, dst_dir_fd=temp.dir_fd, follow_symlinks=False)
+    _unlink_temp(temp)
 
 
 def _roll_back(
