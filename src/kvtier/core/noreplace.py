@@ -4,8 +4,10 @@ when that name is taken, without the instant of two names that ``link`` + ``unli
 
 :func:`rename_noreplace` raises ``OSError`` as the call fails. Where the C library has no
 ``renameat2`` (musl before 1.2.5, other systems) it raises ``ENOSYS`` without trying; a filesystem
-that does not support the flag answers ``EINVAL`` (NFS, some FUSE ones). Callers fall back to
-``link`` on those two: :data:`UNSUPPORTED` holds them.
+that does not support the flag answers ``EINVAL`` (NFS, some FUSE ones), and a seccomp filter
+that does not know the call (old container runtimes) ``EPERM`` or ``ENOSYS``. Callers fall back to
+``link`` on those: :data:`UNSUPPORTED` holds them (a real permission problem then fails the
+fallback too, with its own error).
 
 Threads: any (one system call, no state).
 """
@@ -18,7 +20,7 @@ import errno
 import os
 
 RENAME_NOREPLACE = 1  # <linux/fs.h>
-UNSUPPORTED = frozenset({errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+UNSUPPORTED = frozenset({errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM})
 """Errors meaning "this system or filesystem cannot do it", not "the name is taken"."""
 
 
