@@ -3,8 +3,8 @@
 Modules: :mod:`kvtier.tiers.disk.layout` (the directory layout and file names, documented there,
 and the scan that finds block files), :mod:`kvtier.tiers.disk.ledger` (the usage ledger shared by
 the processes writing a namespace), :mod:`kvtier.tiers.disk.writer` (writing a block) and
-:mod:`kvtier.tiers.disk.files` (reading, verifying and removing block files: what the worker
-threads do), :mod:`kvtier.tiers.disk.index` (the
+:mod:`kvtier.tiers.disk.files` (reading, verifying and removing block files),
+:mod:`kvtier.tiers.disk.jobs` (what the worker threads do, one job each), :mod:`kvtier.tiers.disk.index` (the
 index, capacity and LRU order, keys with jobs in flight, and how job outcomes change them: a
 :class:`~kvtier.tiers.disk.index.DiskIndex` the tier owns) and this one (:class:`DiskTier`: the
 contract, job submission, the worker pools and :meth:`DiskTier.poll`).
@@ -82,11 +82,12 @@ from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence, Secon
 from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import files as disk_io
 from kvtier.tiers.disk.index import DiskIndex, DiskTierStats
-from kvtier.tiers.disk.layout import Access, DiskLayout, ScanResult
+from kvtier.tiers.disk.jobs import DiskJobs
+from kvtier.tiers.disk.layout import Access, DiskLayout
 from kvtier.tiers.disk.ledger import Ledger, Sharing
 from kvtier.tiers.disk.messages import Msg, WriteJob, distinct_futures
 from kvtier.tiers.disk.snapshot import read_snapshot, write_snapshot
-from kvtier.tiers.disk.writer import NoSpaceLog, WriteOutcome, write_block
+from kvtier.tiers.disk.writer import NoSpaceLog, WriteOutcome
 from kvtier.tiers.sealing import PLAIN, Sealer
 from kvtier.tiers.outbox import Outbox
 
@@ -145,9 +146,7 @@ class DiskTier(SecondaryTier):
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
         self._layout = DiskLayout(root_dir, model_name, engine_digest, len(rank_digests), group, access)
-        self._rank_digests = tuple(bytes(d) for d in rank_digests)
-        self._sealer = sealer  # how records are sealed and which are accepted (kvtier.tiers.sealing)
-        self._world = len(self._rank_digests)
+        self._world = len(rank_digests)
         self._payload_bytes = payload_bytes
         self._file_bytes = HEADER_LEN + payload_bytes
         self._max_pending_writes = max_pending_writes
@@ -159,12 +158,13 @@ class DiskTier(SecondaryTier):
         self._done = Outbox()  # the workers' posts
         self._applied: list[IoResult] = []  # results applied by close(), not yet returned by poll()
         self._closed = False
-        self._no_space = NoSpaceLog(self._layout.root)
 
         self._layout.create(namespace_json)
         # Shared by every process writing this namespace and group: the bound on its files on disk.
         self._ledger = Ledger.for_engine(self._layout, self._file_bytes, capacity_bytes)
         self._ledger.attach()
+        self._jobs = DiskJobs(self._layout, self._ledger, NoSpaceLog(self._layout.root),
+                              tuple(bytes(d) for d in rank_digests), sealer, payload_bytes, self._done)
 
         self._read_pool = ThreadPoolExecutor(n_read_threads, thread_name_prefix="kvtier-disk-read")
         # Writes and scans are background work (lower priority); reads serve waiting requests.
@@ -180,7 +180,7 @@ class DiskTier(SecondaryTier):
         self._scan_seconds = 0.0
         keys = read_snapshot(self._layout, self._file_bytes, max_keys=capacity_bytes // self._state.block_bytes)
         if keys is None:
-            self._state.merge_scan(self._scan_files(None), scan_gen=None)
+            self._state.merge_scan(self._jobs.scan_files(None), scan_gen=None)
         else:
             # Serve from the snapshot now; the files written after it, or gone since, are found
             # by a rescan in the background (and any block read is verified anyway).
@@ -271,7 +271,7 @@ class DiskTier(SecondaryTier):
             return self._settle_write(job_id, key, IoError.DROPPED)
         if tail:
             self._state.tail_writes.add(key)
-        self._write_pool.submit(self._write_job, WriteJob(job_id, key, parent, num_tokens, views), wait_for)
+        self._write_pool.submit(self._jobs.write, WriteJob(job_id, key, parent, num_tokens, views), wait_for)
         return True
 
     def write_room(self) -> int | None:
@@ -430,10 +430,10 @@ class DiskTier(SecondaryTier):
         gen = self._state.gen
         self._scan_started = time.monotonic()
         if wait:
-            self._state.merge_scan(self._scan_files(known), scan_gen=gen)
+            self._state.merge_scan(self._jobs.scan_files(known), scan_gen=gen)
             self._scan_done()
         else:
-            self._scan_pool.submit(self._scan_job, known, gen)
+            self._scan_pool.submit(self._jobs.scan, known, gen)
 
     # ------------------------------------------------------------------ submission helpers (caller thread)
 
@@ -445,7 +445,7 @@ class DiskTier(SecondaryTier):
             wait_for = self._state.retry_after_no_room(job.key)
         if wait_for is not None:
             job.attempt += 1
-            self._write_pool.submit(self._write_job, job, wait_for)
+            self._write_pool.submit(self._jobs.write, job, wait_for)
             return
         result = IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED)
         self._state.finish_write(result, WriteOutcome.NO_ROOM)
@@ -484,80 +484,13 @@ class DiskTier(SecondaryTier):
 
         Returns the future the job resolves when done; None once closed (removed at once).
         """
-        if self._closed:
-            self._removal_job(keys, None, ())  # synchronous: no pool any more
+        if self._closed:  # synchronous: no pool any more
+            self._state.counts["io_errors"] += self._jobs.remove(keys, None, ())
             return None
         future: Future = Future()  # resolved by the job itself, so it can be waited on before it starts
-        self._write_pool.submit(self._removal_job, keys, future, distinct_futures(earlier))
+        self._write_pool.submit(self._jobs.remove, keys, future, distinct_futures(earlier))
         return future
 
-    # ------------------------------------------------------------------ worker threads (no index access)
-
     def _read_job(self, job_id: int, key: BlockKey, gen: int | None, dests: list[memoryview]) -> None:
-        """Read every rank's file of ``key`` into ``dests`` and post the result (``gen``: see Msg.IO)."""
-        start = time.perf_counter()
-        error = disk_io.read_block(self._layout, self._ledger, self._rank_digests, key, dests, self._sealer)
-        seconds = time.perf_counter() - start
-        nbytes = 0 if error is not None else self._payload_bytes * self._world
-        self._done.put((Msg.IO, IoResult(job_id, IoKind.READ, key, error is None, nbytes, seconds, error), gen))
-
-    def _write_job(self, job: WriteJob, wait_for: tuple[Future, ...]) -> None:
-        """Write ``job``'s files once the removals in ``wait_for`` are done; post the outcome."""
-        for future in wait_for:  # queued before this job, so already running or done: no deadlock
-            future.result()
-        start = time.perf_counter()
-        outcome = write_block(
-            self._layout, self._ledger, self._no_space, self._rank_digests,
-            job.key, job.parent, job.num_tokens, job.sources, self._sealer,
-        )
-        if outcome is WriteOutcome.NO_ROOM:
-            self._done.put((Msg.NO_ROOM, job))
-            return
-        seconds = time.perf_counter() - start
-        error = outcome.error
-        nbytes = self._state.block_bytes if error is None else 0
-        result = IoResult(job.job_id, IoKind.WRITE, job.key, error is None, nbytes, seconds, error)
-        self._done.put((Msg.IO, result, outcome))
-
-    def _removal_job(
-        self, keys: list[BlockKey] | None, future: Future | None, earlier: tuple[Future, ...]
-    ) -> None:
-        """Unlink ``keys``' files, or sweep the namespace (None), after the ``earlier`` removals.
-
-        Runs on the write pool; on the caller's thread (``future`` None) once the tier is closed.
-        """
-        errors = 0
-        try:
-            for previous in earlier:  # queued before this job: started already, maybe not done
-                previous.result()
-            if keys is None:
-                errors = disk_io.sweep_blocks(self._layout, self._ledger)
-            else:
-                errors = disk_io.unlink_blocks(self._layout, self._ledger, keys)
-        finally:
-            if future is None:
-                self._state.counts["io_errors"] += errors  # closed: called on the caller's thread
-            else:
-                future.set_result(None)
-                self._done.put((Msg.REMOVED, keys, future, errors))
-
-    def _scan_job(self, known: list[BlockKey], gen: int) -> None:
-        try:
-            result = self._scan_files(known)
-        except Exception:  # never lose the "scan finished" message
-            logger.exception("kvtier disk: rescan failed")
-            self._done.put((Msg.SCAN, ScanResult(new=[], vanished=[], io_errors=1), None))
-            return
-        self._done.put((Msg.SCAN, result, gen))
-
-    def _scan_files(self, known: list[BlockKey] | None) -> ScanResult:
-        """Walk the files, then settle what the walk found with the usage ledger (the scan thread;
-        the constructor and ``rescan(wait=True)`` on the caller's thread, where blocking is allowed)."""
-        try:
-            since = self._ledger.version()
-        except OSError as exc:  # not reconciled this time; removals still happen (see settle_scan)
-            logger.warning("kvtier disk: usage ledger %s: %s", self._ledger.path, exc)
-            since = None
-        result = self._layout.scan(known, self._file_bytes)
-        disk_io.settle_scan(self._layout, self._ledger, result, since)
-        return result
+        """The read pool's job (a seam: tests gate it to hold a read in flight)."""
+        self._jobs.read(job_id, key, gen, dests)
