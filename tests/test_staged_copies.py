@@ -186,6 +186,25 @@ def test_host_copies_are_whole_slot_runs_cut_at_chunk_ends_and_pinning_chunks():
     assert plan.num_runs > len(expected)  # cut at every slot now
 
 
+@pytest.mark.parametrize("direction", list(Direction))
+def test_one_run_chunking_matches_its_arithmetic_at_every_size(direction):
+    """A one-run job's chunking (slices of a table grown as larger jobs come: 300 pages of 3-page
+    chunks outgrow its first 64 chunks) equals the chunk arithmetic, in any order of sizes, and
+    what a size is given is read-only (plans of that size share it)."""
+    engine, *_ = rig("LBNHC-attention", chunk_pages=3)
+    staged = engine.staged
+    page, chunk = staged.page_bytes, 3
+    addresses = staged.buffers(direction).addresses
+    for count in (5, 300, 0, 1, 3, 192, 193, 7, 1000, 2):
+        starts, bounds, offsets, sizes, staging = staged._one_run_chunks(direction, count)  # noqa: SLF001
+        first = np.arange(0, count, chunk)
+        assert np.array_equal(starts, first * page) and np.array_equal(bounds, np.arange(len(first) + 1))
+        assert np.array_equal(offsets, np.zeros(len(first))) and np.array_equal(staging, addresses[np.arange(len(first)) % 2])
+        assert np.array_equal(sizes, np.diff(np.append(first, count)) * page) and sizes.sum() == count * page
+        assert not any(array.flags.writeable for array in (starts, bounds, offsets, sizes, staging))
+        staged._chunked.clear()  # noqa: SLF001 (each size sliced from the table again)
+
+
 def test_staged_jobs_move_the_widest_word_the_page_allows():
     engine, *_ = rig("LBNHC-attention")
     assert engine.staged.word is torch.int64  # noqa: SIM300 - 2 heads x 16 tokens x 32 fp16 values

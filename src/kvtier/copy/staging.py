@@ -346,6 +346,7 @@ class StagedPlanner:
         self._buffers: dict[Direction, StagingBuffers] = {}
         self._host_address = host.data_ptr()
         self._chunked: dict[tuple[Direction, int], tuple[np.ndarray, ...]] = {}  # see _one_run_chunks
+        self._chunk_tables: dict[Direction, tuple[np.ndarray, ...]] = {}
         self._block_rows = runs.block_rows(page)  # (rows a block, each layer's row of block 0), or None
 
     @staticmethod
@@ -430,24 +431,40 @@ class StagedPlanner:
 
     def _one_run_chunks(self, direction: Direction, count: int) -> tuple[np.ndarray, ...]:
         """(run starts in bytes from the run's start, run bounds, staging offsets, sizes, staging
-        addresses) of a job of ``count`` pages whose host copies are one run, cut at chunk starts:
-        the same for every such job of that size (most jobs: consecutive slots), so computed once
-        per size (the last :data:`_CHUNKED_SHAPES` sizes) and shared read-only by their plans."""
+        addresses) of a job of ``count`` pages whose host copies are one run, cut at chunk starts
+        (most jobs: consecutive slots), shared read-only by the plans of that size. Kept for the
+        last :data:`_CHUNKED_SHAPES` sizes; a size not kept is sliced from one table per direction
+        (grown as larger jobs come), so it costs a few slices, not a computation."""
         key = (direction, count)
         found = self._chunked.get(key)
         if found is not None:
             return found
-        page, chunk = self.page_bytes, self.chunk_pages
-        starts = np.arange(0, count, chunk)
-        sizes = (np.diff(np.append(starts, count)) * page).astype(np.int64, copy=False)
-        staging_addr = self.buffers(direction).addresses[(starts // chunk) % self.buffer_count]
-        found = (starts * page, np.arange(len(starts) + 1), np.zeros(len(starts), dtype=np.int64), sizes, staging_addr)
-        for array in found:
-            array.flags.writeable = False
+        chunks = -(-count // self.chunk_pages)
+        table = self._chunk_tables.get(direction)
+        if table is None or len(table[0]) < chunks:
+            table = self._chunk_table(direction, max(chunks, 2 * len(table[0]) if table else 64))
+            self._chunk_tables[direction] = table
+        starts, bounds, zeros, sizes, staging_addr = table
+        sizes = sizes[:chunks].copy()
+        if chunks:
+            sizes[-1] = (count - (chunks - 1) * self.chunk_pages) * self.page_bytes
+        sizes.flags.writeable = False
+        found = (starts[:chunks], bounds[:chunks + 1], zeros[:chunks], sizes, staging_addr[:chunks])
         if len(self._chunked) >= self._CHUNKED_SHAPES:
             self._chunked.pop(next(iter(self._chunked)))
         self._chunked[key] = found
         return found
+
+    def _chunk_table(self, direction: Direction, chunks: int) -> tuple[np.ndarray, ...]:
+        """:meth:`_one_run_chunks`' arrays for ``chunks`` whole chunks, read-only."""
+        chunk_bytes = self.chunk_pages * self.page_bytes
+        addresses = self.buffers(direction).addresses
+        table = (np.arange(chunks, dtype=np.int64) * chunk_bytes, np.arange(chunks + 1, dtype=np.int64),
+                 np.zeros(chunks, dtype=np.int64), np.full(chunks, chunk_bytes, dtype=np.int64),
+                 addresses[np.arange(chunks) % self.buffer_count])
+        for array in table:
+            array.flags.writeable = False
+        return table
 
     def buffers(self, direction: Direction) -> StagingBuffers:
         """The direction's staging buffers (allocated at the first call). Raises
