@@ -167,6 +167,45 @@ def test_mamba_hybrid_is_bit_exact_from_host_and_disk(tiny_dir, tmp_path):
 
 
 def test_mla_on_cpu_fails_closed(tiny_dir, tmp_path):
-    """Without this, round 2 was served wrong KV: outputs differed from the 12th token on."""
-    log = check_inactive(write_tiny_model("deepseek-v2-mla", tiny_dir), tmp_path, "MLA")
+    """vLLM-CPU's reference MLA backend (what a CPU without AMX runs; asked for by name, so that a
+    host with AMX runs it too: there vLLM would pick its AMX MLA kernels, which keep prefix caching
+    on and take bf16 weights only) turns prefix caching off. Without this, round 2 was served wrong
+    KV: outputs differed from the 12th token on."""
+    log = check_inactive(write_tiny_model("deepseek-v2-mla", tiny_dir), tmp_path, "MLA",
+                         engine={"attention_config": {"backend": "CPU_MLA"}})
     assert "forcing chunked prefill and prefix caching to be disabled" in log  # vLLM's own decision
+
+
+def _has_amx() -> bool:
+    """Whether this CPU has AMX tiles (vLLM-CPU then runs MLA with its AMX kernels)."""
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_amx(), reason="no AMX here: vLLM-CPU runs MLA with prefix caching off (the test above)")
+def test_mla_on_a_cpu_with_amx_matches_vllms_own_prefix_hits(tiny_dir, tmp_path):
+    """On a CPU with AMX, vLLM-CPU runs MLA with its AMX kernels (bf16 weights only), prefix
+    caching on: kvtier is active. Measured on this machine's Xeon (2026-11-28): a prefix hit,
+    vLLM's own, changes this bf16 model's greedy outputs against a full prefill (from the 3rd
+    token), so the reference is vLLM alone with its own prefix hits: kvtier's round 2 (host tier)
+    and a fresh engine (disk tier) give exactly its tokens, with the same hits, and the KV pages
+    of every loaded block byte for byte those round 1 computed."""
+    folder = write_tiny_model("deepseek-v2-mla", tiny_dir)
+    engine = {"dtype": "bfloat16"}
+    root = tmp_path / "kv"
+    rounds = [{"kv_pages": True}, {"reset_prefix_cache": True, "kv_pages": True}]
+    alone, first = launch_together([family_spec(folder, [{}, {}], None, engine),  # round 2: vLLM's own hits
+                                    family_spec(folder, rounds, kvtier_config(root), engine)], tmp_path)
+    assert "Using AMX_MLA backend" in first["log"] and "kvtier is INACTIVE" not in first["log"]
+    with_hits = tokens(alone, 1)
+    assert cached(alone, 0) == [0] * len(PROMPTS) and min(cached(alone, 1)) > 0
+    assert tokens(first, 0) == tokens(alone, 0) and cached(first, 0) == [0] * len(PROMPTS)
+    assert tokens(first, 1) == with_hits and cached(first, 1) == cached(alone, 1)
+    assert_loaded_pages_equal(first["kv_pages"][0], first["kv_pages"][1], cached(first, 1))
+    second = launch(family_spec(folder, [{"kv_pages": True}], kvtier_config(root), engine), tmp_path)  # disk
+    assert tokens(second) == with_hits and cached(second) == cached(alone, 1)
+    assert_loaded_pages_equal(first["kv_pages"][0], second["kv_pages"][0], cached(second))
+    print(f"AMX MLA: hits {cached(second)}; a prefix hit changed vLLM's own outputs: "
+          f"{tokens(alone, 0) != with_hits}")
