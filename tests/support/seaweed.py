@@ -133,13 +133,14 @@ class SeaweedServer:
         return {"type": "s3", "url": f"s3://{self.bucket}/{prefix}", "endpoint": self.endpoint, "region": REGION,
                 **more}
 
-    def store(self):
-        """An obstore client of the bucket with the server's credentials (for tests to look and tamper)."""
+    def store(self, **more):
+        """An obstore client of the bucket with the server's credentials (for tests to look and
+        tamper; ``more``: further ``S3Store`` options, e.g. ``retry_config``)."""
         from obstore.store import S3Store
 
         return S3Store(self.bucket, endpoint=self.endpoint, region=REGION, access_key_id=ACCESS_KEY,
                        secret_access_key=SECRET_KEY, virtual_hosted_style_request=False,
-                       client_options={"allow_http": True})
+                       client_options={"allow_http": True}, **more)
 
     def objects(self, prefix: str) -> dict[str, int]:
         """Every object under ``prefix`` -> its size."""
@@ -236,11 +237,8 @@ class SeaweedServer:
         import asyncio
 
         import obstore
-        from obstore.store import S3Store
 
-        store = S3Store(self.bucket, endpoint=self.endpoint, region=REGION, access_key_id=ACCESS_KEY,
-                        secret_access_key=SECRET_KEY, virtual_hosted_style_request=False,
-                        client_options={"allow_http": True}, retry_config={"max_retries": 0})
+        store = self.store(retry_config={"max_retries": 0})
         body = os.urandom(256 * 1024)
 
         async def send() -> list:

@@ -15,9 +15,9 @@ Threads: any (one system call, no state).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import os
+import sys
 
 RENAME_NOREPLACE = 1  # <linux/fs.h>
 UNSUPPORTED = frozenset({errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM})
@@ -25,11 +25,11 @@ UNSUPPORTED = frozenset({errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOT
 
 
 def _bind():
-    if not os.uname().sysname == "Linux":
+    """libc's ``renameat2`` as rootfs binds ``syscall``: the C library already loaded, no lookup."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        call = libc.renameat2
+        call = ctypes.CDLL(None, use_errno=True).renameat2
     except (OSError, AttributeError):
         return None
     call.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
