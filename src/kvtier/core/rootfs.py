@@ -4,8 +4,8 @@ Whoever can write a shared root (a member of a ``group_access`` root's group) ca
 anywhere under it: a symlink where a directory or a record should be, a FIFO, a socket, a sparse
 file of any size. So every path kvtier uses below its root is resolved by :class:`RootFS` relative
 to a descriptor of the root, with no symlink followed at any component: one ``openat2(2)`` with
-``RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH`` where the kernel has it (Linux 5.6+; one syscall, as
-fast as a plain ``open``), else one ``openat(O_DIRECTORY | O_NOFOLLOW)`` per directory, each
+``RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH`` where the kernel has it (:mod:`kvtier.core.openat2`;
+Linux 5.6+; one syscall, as fast as a plain ``open``), else one ``openat(O_DIRECTORY | O_NOFOLLOW)`` per directory, each
 relative to the one before. The last step (open, ``unlinkat``, ``renameat``, ``linkat``,
 ``fstatat``, ``mkdirat``, ``unlinkat(AT_REMOVEDIR)``) is taken relative to the descriptor of the
 directory so reached and never follows a symlink either. A symlink anywhere in a path is then
@@ -34,17 +34,17 @@ syscalls; nothing waits on a FIFO or a lock.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import logging
 import os
-import platform
 import secrets
 import stat
-import sys
 import threading
 import weakref
 from collections.abc import Iterator
+
+from kvtier.core.openat2 import OPENAT2 as _OPENAT2
+from kvtier.core.openat2 import openat2_available  # noqa: F401 (re-exported: rootfs is where callers look)
 
 logger = logging.getLogger(__name__)
 
@@ -96,76 +96,6 @@ def require_regular(fd: int, path: str) -> os.stat_result:
     if not stat.S_ISREG(st.st_mode):
         raise NotRegularFile(path, st.st_mode)
     return st
-
-
-# ---------------------------------------------------------------------- openat2
-
-
-class _OpenHow(ctypes.Structure):
-    _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64)]
-
-
-_RESOLVE_NO_SYMLINKS = 0x04
-_RESOLVE_BENEATH = 0x08
-_SYS_OPENAT2 = 437  # the same number on every Linux architecture (a syscall added after 5.1)
-_HOW_SIZE = ctypes.sizeof(_OpenHow)
-
-
-class _Openat2:
-    """``openat2(dir_fd, path, flags | O_NOFOLLOW | O_CLOEXEC, RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH)``
-    through libc's ``syscall``; :attr:`usable` False where the kernel (or a seccomp filter) lacks it."""
-
-    def __init__(self) -> None:
-        self.usable = False
-        self._hows: dict[tuple[int, int], tuple[_OpenHow, object]] = {}  # (flags, mode) -> (how, byref(how))
-        if not sys.platform.startswith("linux") or platform.machine() not in (
-            "x86_64", "aarch64", "arm64", "ppc64le", "s390x", "riscv64"
-        ):
-            return
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            call = libc.syscall
-        except (OSError, AttributeError):
-            return
-        call.restype = ctypes.c_long
-        call.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
-        self._call = call
-        try:
-            os.close(self.open(-100, ".", os.O_RDONLY | O_DIRECTORY))  # AT_FDCWD: does the kernel have it?
-        except OSError as exc:
-            logger.debug("kvtier disk: openat2 unavailable (%s); walking paths one directory at a time", exc)
-            return
-        self.usable = True
-
-    def open(self, dir_fd: int, path: str, flags: int, mode: int = 0) -> int:
-        entry = self._hows.get((flags, mode))
-        if entry is None:
-            entry = self._how(flags, mode)
-        fd = self._call(_SYS_OPENAT2, dir_fd, path.encode(), entry[1], _HOW_SIZE)
-        if fd >= 0:
-            return fd
-        for _ in range(8):  # EAGAIN: a rename raced the lookup; the kernel asks to try again
-            err = ctypes.get_errno()
-            if err not in (errno.EAGAIN, errno.EINTR):
-                break
-            fd = self._call(_SYS_OPENAT2, dir_fd, path.encode(), entry[1], _HOW_SIZE)
-            if fd >= 0:
-                return fd
-        raise OSError(err, os.strerror(err), path)
-
-    def _how(self, flags: int, mode: int) -> tuple[_OpenHow, object]:
-        full = flags | _ALWAYS
-        how = _OpenHow(full, mode if full & (os.O_CREAT | getattr(os, "O_TMPFILE", 0)) else 0,  # (else EINVAL)
-                       _RESOLVE_NO_SYMLINKS | _RESOLVE_BENEATH)
-        return self._hows.setdefault((flags, mode), (how, ctypes.byref(how)))
-
-
-_OPENAT2 = _Openat2()
-
-
-def openat2_available() -> bool:
-    """Whether paths are resolved in one ``openat2`` call (else one ``openat`` per directory)."""
-    return _OPENAT2.usable
 
 
 def _walk_open(dir_fd: int, rel: str, flags: int, mode: int) -> int:
