@@ -36,7 +36,7 @@ class RequestState(RequestKeys):
     jobs: set[int] = field(default_factory=set)
     load_first_token: int = 0  # locally computed tokens when the hit was counted
     # Under vLLM's MultiConnector: tokens another connector may have loaded (see
-    # KVTierScheduler._note_loaded_elsewhere). lookup_computed: vLLM's own (block-aligned) hit at
+    # note_loaded_elsewhere). lookup_computed: vLLM's own (block-aligned) hit at
     # the last lookup, until the request is scheduled; own_load_end: where kvtier's own load for
     # that scheduling ends (0: none); loaded_elsewhere: token ranges [start, end) another loaded.
     lookup_computed: int | None = None
@@ -48,6 +48,35 @@ class RequestState(RequestKeys):
     cacheable: bool = True  # False: never loaded nor stored (see KVTierScheduler._request_identity)
     arrival: float = 0.0  # wall time of its first lookup (the access log's "t")
     tail_probe: tuple[int, list] = (0, [])  # its last lookup's tail candidates (for the access log)
+
+    def note_loaded_elsewhere(self, computed: int, min_tokens: int, *, record: bool = True) -> None:
+        """At the request's first scheduling after a lookup (``computed``: the tokens vLLM counts as
+        computed then), find what another connector loaded, so that kvtier does not store it
+        (``record`` False: the connector stores it anyway, ``store_loaded_elsewhere: true``).
+
+        Inside vLLM's MultiConnector, every child is asked for hits and the first that has some
+        loads them (``MultiConnector.get_num_new_matched_tokens``); the others see
+        ``update_state_after_alloc`` with 0 tokens. vLLM then counts as computed its own hit (the
+        block-aligned one kvtier was asked beyond, :attr:`lookup_computed`: vLLM drops a sub-block
+        tail of its own hit whenever a connector loads) plus the loader's tokens. So tokens beyond
+        both that and kvtier's own load (:attr:`own_load_end`) came from another child. kvtier
+        stores none of its blocks (nor tails) that hold such tokens: the engine did not compute
+        them, the other child holds them, and storing them twice would only double the writes (on
+        a disaggregated decode instance: every prompt NIXL brought). Blocks the engine computed
+        before them (vLLM's own hit) or computes after them are stored. (A request may be scheduled
+        afresh after a preemption: each such range is kept in :attr:`loaded_elsewhere`.)
+
+        Less than ``min_tokens`` (an engine block) beyond is not told apart from vLLM's own
+        sub-block hit (a partial-hash hit, vLLM keeps it when no connector loads): treated as not
+        loaded elsewhere. A standalone kvtier never sees more (vLLM's hit and kvtier's load are
+        everything)."""
+        if self.lookup_computed is None:
+            return
+        known = max(self.lookup_computed, self.own_load_end)
+        self.lookup_computed = None
+        if computed - known < min_tokens or not record:
+            return
+        self.loaded_elsewhere.append((known, computed))
 
     def loaded_elsewhere_overlaps(self, start: int, end: int) -> bool:
         """Whether tokens ``[start, end)`` hold any that another connector loaded."""

@@ -233,7 +233,7 @@ class KVTierScheduler:
     # --- lookups -------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
-        state.lookup_computed, state.own_load_end = num_computed_tokens, 0  # (see _note_loaded_elsewhere)
+        state.lookup_computed, state.own_load_end = num_computed_tokens, 0  # (see RequestState.note_loaded_elsewhere)
         if not state.cacheable:
             return 0, False
         if state.jobs:
@@ -370,7 +370,8 @@ class KVTierScheduler:
             state = self._requests.get(req_id)
             if state is None or not state.cacheable:
                 continue
-            self._note_loaded_elsewhere(state, before)
+            state.note_loaded_elsewhere(before, self.geometry.engine_block_tokens,
+                                        record=not self.config.store_loaded_elsewhere)
             limit = self._offload_limit(state, before + scheduled.get(req_id, 0))
             tables = [ids for group, ids in enumerate(state.block_ids) if group not in self.geometry.state_groups]
             num_full = min(limit // block, min(map(len, tables), default=limit) // per_block)
@@ -382,7 +383,7 @@ class KVTierScheduler:
             for index in range(state.next_store_block, num_full):
                 if state.loaded_elsewhere and state.loaded_elsewhere_overlaps(index * block, (index + 1) * block):
                     self.orchestrator.stats.stores_skipped_loaded_elsewhere += 1
-                    continue  # another connector loaded (some of) it: see _note_loaded_elsewhere
+                    continue  # another connector loaded (some of) it: see RequestState.note_loaded_elsewhere
                 key = state.keys[index]
                 block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block)
                 if block_pages is None and self.geometry.state_groups:  # vLLM kept no state at its end
@@ -415,34 +416,6 @@ class KVTierScheduler:
             if keys:
                 jobs.append(self._new_store(state, keys, pages, blocks, rank_slots))
         return jobs
-
-    def _note_loaded_elsewhere(self, state: RequestState, computed: int) -> None:
-        """At a request's first scheduling after a lookup (``computed``: the tokens vLLM counts as
-        computed then), find what another connector loaded, and keep kvtier from storing it.
-
-        Inside vLLM's MultiConnector, every child is asked for hits and the first that has some
-        loads them (``MultiConnector.get_num_new_matched_tokens``); the others see
-        ``update_state_after_alloc`` with 0 tokens. vLLM then counts as computed its own hit (the
-        block-aligned one kvtier was asked beyond, ``state.lookup_computed``: vLLM drops a sub-block
-        tail of its own hit whenever a connector loads) plus the loader's tokens. So tokens beyond
-        both that and kvtier's own load (``state.own_load_end``) came from another child. kvtier
-        stores none of its blocks (nor tails) that hold such tokens: the engine did not compute
-        them, the other child holds them, and storing them twice would only double the writes (on
-        a disaggregated decode instance: every prompt NIXL brought). Blocks the engine computed
-        before them (vLLM's own hit) or computes after them are stored; ``store_loaded_elsewhere:
-        true`` stores them too. (A request may be scheduled afresh after a preemption: each such
-        range is kept in ``state.loaded_elsewhere``.)
-
-        Less than an engine block beyond is not told apart from vLLM's own sub-block hit (a
-        partial-hash hit, vLLM keeps it when no connector loads): treated as not loaded elsewhere.
-        A standalone kvtier never sees more (vLLM's hit and kvtier's load are everything)."""
-        if state.lookup_computed is None:
-            return
-        known = max(state.lookup_computed, state.own_load_end)
-        state.lookup_computed = None
-        if computed - known < self.geometry.engine_block_tokens or self.config.store_loaded_elsewhere:
-            return
-        state.loaded_elsewhere.append((known, computed))
 
     def _copy_job(self, job_id: int, req_id: str, pages: list[PageCopy],
                   rank_slots: list[tuple[int, ...]], pool_of: str | None = None) -> CopyJob:
@@ -530,7 +503,7 @@ class KVTierScheduler:
         block = self.geometry.block_tokens
         num_full, tail_tokens = divmod(limit, block)
         if tail_tokens == 0 or state.loaded_elsewhere_overlaps(num_full * block, limit):
-            return  # (a tail holding tokens another connector loaded: see _note_loaded_elsewhere)
+            return  # (a tail holding tokens another connector loaded: see RequestState.note_loaded_elsewhere)
         block_pages = self._engine_blocks.pages_of(request.request_id, block_ids, num_full * self.geometry.pages_per_block,
                                      -(-tail_tokens // self.geometry.engine_block_tokens))
         if block_pages is None:
