@@ -11,6 +11,7 @@ import errno
 import logging
 import multiprocessing
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -342,24 +343,98 @@ def test_no_room_and_nothing_to_evict_drops_the_write(tmp_path):
         other.close()
 
 
-def test_a_drop_with_nothing_to_evict_rescans_early_and_the_next_write_gives_way(tmp_path):
-    """Another engine filled the namespace since this one's last scan: the dropped write starts a
-    rescan at once (not at the next 30 s refresh), which indexes the other's blocks, so the next
-    write evicts one of them and fits."""
+def test_a_write_with_nothing_to_evict_waits_for_an_early_rescan_then_gives_way(tmp_path):
+    """Another engine filled the namespace since this one's last scan: the refused write starts a
+    rescan at once (not at the next 30 s refresh) and waits for it, its space reserved; the rescan
+    indexes the other's blocks, evicting the least recently used so the reservation fits, and the
+    write then succeeds in its place."""
     mine = open_tier(tmp_path, world=WORLD, payload=PAYLOAD, capacity_blocks=4)  # indexes nothing
     other = open_tier(tmp_path, world=WORLD, payload=PAYLOAD, capacity_blocks=4)
     try:
         for i in range(4):
             assert write(other, key_for(2, i)).ok
         time.sleep(disk_tier.STARVED_RESCAN_S + 0.05)  # the start-up scan is that old
-        assert write(mine, key_for(1, 0)).error is IoError.DROPPED
-        assert mine.stats.starved_rescans == 1
-        poll_until(mine, lambda: len(mine.lru_keys()) == 4)  # the rescan found the other's blocks
-        assert write(mine, key_for(1, 1)).ok and not os.path.exists(other.block_path(key_for(2, 0), 0))
+        result = write(mine, key_for(1, 0))
+        assert result.ok and result.num_bytes == BLOCK
+        stats = mine.stats
+        assert stats.starved_rescans == 1 and stats.no_room_retries == 1 and stats.writes_dropped == 0
+        assert stats.evictions == 1 and not os.path.exists(other.block_path(key_for(2, 0), 0))
+        assert mine.lru_keys() == [key_for(2, i) for i in (1, 2, 3)] + [key_for(1, 0)]
         assert ledger_bytes(layout_of(mine)) == 4 * BLOCK == bin_bytes(layout_of(mine))
     finally:
         mine.close()
         other.close()
+
+
+def test_a_write_whose_block_the_rescan_finds_on_disk_completes_without_writing(tmp_path):
+    """Both engines store the same block; the other published it and filled the namespace: the
+    refused write waits for the rescan, which finds that very block, so it is stored (indexed,
+    reported ok, 0 bytes written) and nothing of the other's is evicted for it."""
+    mine = open_tier(tmp_path, world=WORLD, payload=PAYLOAD, capacity_blocks=4)
+    other = open_tier(tmp_path, world=WORLD, payload=PAYLOAD, capacity_blocks=4)
+    try:
+        for i in range(4):
+            assert write(other, key_for(2, i)).ok
+        inode = os.stat(other.block_path(key_for(2, 1), 0)).st_ino
+        time.sleep(disk_tier.STARVED_RESCAN_S + 0.05)
+        result = write(mine, key_for(2, 1))
+        assert result.ok and result.num_bytes == 0
+        stats = mine.stats
+        assert stats.starved_rescans == 1 and stats.evictions == 0 and stats.writes_dropped == 0
+        assert mine.contains(key_for(2, 1)) and os.stat(mine.block_path(key_for(2, 1), 0)).st_ino == inode
+        assert sorted(mine.lru_keys()) == sorted(key_for(2, i) for i in range(4))
+        assert ledger_bytes(layout_of(mine)) == 4 * BLOCK == bin_bytes(layout_of(mine))
+    finally:
+        mine.close()
+        other.close()
+
+
+def test_a_write_waiting_for_a_rescan_is_dropped_by_close(tmp_path):
+    """Closing while a refused write waits for a rescan completes it DROPPED (nothing waits forever,
+    nothing is left on disk for it)."""
+    mine = open_tier(tmp_path, world=WORLD, payload=PAYLOAD, capacity_blocks=4)
+    other = open_tier(tmp_path, world=WORLD, payload=PAYLOAD, capacity_blocks=4)
+    try:
+        for i in range(4):
+            assert write(other, key_for(2, i)).ok
+        time.sleep(disk_tier.STARVED_RESCAN_S + 0.05)
+        busy = threading.Event()
+        mine._scan_pool.submit(busy.wait, 10)  # noqa: SLF001 - the rescan queues behind this
+        sources = [memoryview(payload_of(key_for(1, 0), rank, PAYLOAD)) for rank in range(WORLD)]
+        assert mine.submit_write(1, key_for(1, 0), PARENT, 16, sources)
+        poll_until(mine, lambda: mine.stats.starved_rescans == 1)  # refused: waits for the rescan
+        assert mine.poll() == []
+        threading.Timer(0.2, busy.set).start()
+        mine.close()  # cancels the queued rescan, which then never reports
+        (result,) = mine.poll()
+        assert result.error is IoError.DROPPED and mine.stats.writes_no_room == 1
+        assert temp_files(layout_of(mine)) == [] and not os.path.exists(mine.block_path(key_for(1, 0), 0))
+        assert ledger_bytes(layout_of(mine)) == bin_bytes(layout_of(mine))
+    finally:
+        mine.close()
+        other.close()
+
+
+def test_write_room_leaves_out_writes_that_cannot_fit_beside_those_in_flight(tmp_path):
+    """A root of 4 blocks, 64 writes allowed in flight: with 4 in flight, no fifth is invited (it
+    could evict nothing: the space is reserved, not indexed); room comes back as they complete. A
+    caller's backlog then waits instead of having the fifth refused."""
+    tier = open_tier(tmp_path, world=WORLD, payload=PAYLOAD, capacity_blocks=4, max_pending_writes=64)
+    try:
+        assert tier.write_room() == 4
+        for i in range(3):
+            sources = [memoryview(payload_of(key_for(1, i), rank, PAYLOAD)) for rank in range(WORLD)]
+            assert tier.submit_write(i, key_for(1, i), PARENT, 16, sources)
+        assert tier.write_room() == 1  # results not polled yet: all three still reserve their space
+        assert all(r.ok for r in wait_results(tier, 3))
+        assert tier.write_room() == 4  # indexed blocks can be evicted for new writes
+    finally:
+        tier.close()
+    tiny = open_tier(tmp_path / "tiny", world=WORLD, payload=PAYLOAD, capacity_blocks=0, max_pending_writes=8)
+    try:  # no block ever fits: writes are refused at submit, never held back for ever
+        assert tiny.write_room() == 8
+    finally:
+        tiny.close()
 
 
 # ---------------------------------------------------------------- drift

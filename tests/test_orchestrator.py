@@ -10,6 +10,7 @@ from support.namespaces import toy_namespace
 from kvtier.core.keys import chain_block_keys
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
+from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostIndex
 
@@ -22,7 +23,7 @@ def keys(n: int, seed: int = 0) -> list[bytes]:
 
 
 def make(tmp_path: Path | None, num_slots=4, threshold=0, ranks=1,
-         max_pending_writes=64) -> tuple[Orchestrator, list[bytearray]]:
+         max_pending_writes=64, disk_blocks=10**8 // SLOT) -> tuple[Orchestrator, list[bytearray]]:
     buffers = [bytearray(SLOT * num_slots) for _ in range(ranks)]
     disk = None
     if tmp_path is not None:
@@ -30,8 +31,8 @@ def make(tmp_path: Path | None, num_slots=4, threshold=0, ranks=1,
         disk = DiskTier(
             root_dir=tmp_path, model_name="toy", engine_digest=ns.digest,
             rank_digests=ns.rank_digests(), namespace_json=ns.config_json("toy"),
-            payload_bytes=SLOT, capacity_bytes=10**8, n_read_threads=2, n_write_threads=2,
-            max_pending_writes=max_pending_writes,
+            payload_bytes=SLOT, capacity_bytes=disk_blocks * ranks * (HEADER_LEN + SLOT),
+            n_read_threads=2, n_write_threads=2, max_pending_writes=max_pending_writes,
         )
     orch = Orchestrator(
         HostIndex(num_slots), HostBytes([memoryview(b) for b in buffers], SLOT), [disk] if disk else [],
@@ -275,6 +276,21 @@ def test_a_long_prompt_reaches_a_tier_whose_write_queue_is_shorter(tmp_path):
     assert all(orch.disk.contains(k) for k in ks)
     assert orch.stats.disk_writes_dropped == 0
     assert orch.host.pinned_slots() == 0
+    orch.close()
+
+
+def test_a_prefill_step_larger_than_the_disk_tier_turns_it_over_without_drops(tmp_path):
+    """40 blocks at once to a disk tier that holds 8 (64 writes allowed in flight): a write can
+    evict indexed blocks but not the space of writes in flight, so the tier invites 8 at a time and
+    the rest wait in the host tier; every block is written in turn, none dropped, 8 stay."""
+    orch, buffers = make(tmp_path, num_slots=48, disk_blocks=8)
+    ks = keys(40, seed=4)
+    assert None not in store(orch, buffers, ks)
+    settle(orch, timeout=60)
+    disk = orch.disk
+    assert orch.stats.disk_writes_dropped == 0 and disk.stats.writes_dropped == 0
+    assert disk.stats.writes_ok == 40 and disk.stats.evictions == 32
+    assert len(disk.lru_keys()) == 8 and set(disk.lru_keys()) <= set(ks) and orch.host.pinned_slots() == 0
     orch.close()
 
 

@@ -182,8 +182,10 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def write_room(self) -> int | None:
-        """How many more writes :meth:`submit_write` would queue now (its bound on I/O in flight);
-        0 while that many are in flight (room frees as their results come out of :meth:`poll`);
+        """How many more writes :meth:`submit_write` would queue now (its bound on I/O in flight;
+        the disk tier also leaves out writes that could not fit beside those in flight, so a small
+        root is not handed more than it can take); 0 while that many are in flight (room frees as
+        their results come out of :meth:`poll`);
         None when the tier takes no writes at all for now (closed, or a remote tier whose server
         is down): a caller holding writes back should drop them (a future miss) rather than wait.
         Memory only."""

@@ -39,9 +39,9 @@ class DiskTierStats:
     and the two counted apart as well: ``writes_no_room`` (the namespace's usage ledger stayed
     full: the processes sharing the root hold ``capacity_bytes``) and ``writes_no_space`` (the
     filesystem refused: ``ENOSPC``, ``EDQUOT``, ``EFBIG``). ``no_room_retries``: writes the ledger
-    refused that were tried again after this process evicted a block to make room;
-    ``starved_rescans``: rescans started early because a write was dropped for no room with
-    nothing of this process's own to evict.
+    refused that were tried again after this process evicted a block to make room (one of its own,
+    or one a rescan found); ``starved_rescans``: rescans started early because the ledger refused a
+    write and this process had nothing to evict (the write waits for the rescan).
     """
 
     reads_ok: int = 0
@@ -165,17 +165,20 @@ class DiskIndex:
             self.removed_while_reading.add(key)
         return True
 
-    def evict(self, extra: int = 0, *, all_or_nothing: bool = False) -> bool:
-        """Evict LRU blocks (not being read) until ``extra`` more bytes fit in the capacity.
+    def evict(self, extra: int = 0) -> Future | None:
+        """Evict LRU blocks (not being read) until ``extra`` more bytes fit in the capacity, or as
+        many as can go. Returns the future of their unlink (None: nothing evicted, or removed at once)."""
+        victims = self._victims(extra, all_or_nothing=False)
+        return self._evict_keys(victims) if victims else None
 
-        With ``all_or_nothing``, evicts nothing and returns False when that is impossible;
-        otherwise evicts as many as it can.
-        """
-        victims = self._victims(extra, all_or_nothing=all_or_nothing)
-        if victims is None:
-            return False
-        self._evict_keys(victims)
-        return True
+    def writes_that_fit(self) -> int | None:
+        """How many more writes could reserve their block now, evicting indexed blocks: the
+        capacity less what writes in flight reserved. None when no write ever fits (a block larger
+        than the capacity: refused at submit). Blocks being read are counted as evictable (reads
+        are short)."""
+        if self.block_bytes > self.capacity:
+            return None
+        return (self.capacity - self.reserved) // self.block_bytes
 
     def reserve_write(self, key: BlockKey) -> tuple[Future, ...] | None:
         """Reserve a block's space for a write of ``key``, evicting LRU blocks (not being read) to
@@ -237,15 +240,17 @@ class DiskIndex:
                     return None  # not enough evictable blocks: evict nothing
         return victims
 
-    def _evict_keys(self, victims: list[BlockKey]) -> None:
+    def _evict_keys(self, victims: list[BlockKey]) -> Future | None:
         for key in victims:
             self.forget(key)
         self.counts["evictions"] += len(victims)
-        self.schedule_unlink(victims)
+        return self.schedule_unlink(victims)
 
-    def schedule_unlink(self, keys: list[BlockKey]) -> None:
+    def schedule_unlink(self, keys: list[BlockKey]) -> Future | None:
+        """Queue the unlink of ``keys``' files (after earlier unlinks of them); returns its future
+        (None: nothing to do, or removed at once)."""
         if not keys:
-            return
+            return None
         reading = self.reading
         self.removed_while_reading.update(key for key in keys if key in reading)
         # Earlier unlinks of these keys still pending: this one runs after them, so a write that
@@ -254,6 +259,7 @@ class DiskIndex:
         if future is not None:
             for key in keys:
                 self.unlinking[key] = future
+        return future
 
     def finish_read(self, result: IoResult, gen: int | None) -> None:
         key = result.key
@@ -328,8 +334,10 @@ class DiskIndex:
             self.insert(key, tail=is_tail)
         self.evict()
 
-    def merge_scan(self, result: ScanResult, scan_gen: int | None) -> None:
-        """Apply a scan. ``scan_gen`` None: the start-up scan (the index is empty)."""
+    def merge_scan(self, result: ScanResult, scan_gen: int | None) -> Future | None:
+        """Apply a scan. ``scan_gen`` None: the start-up scan (the index is empty). Returns the
+        unlink of the least recently used blocks evicted so that the index and the writes in flight
+        fit the capacity (None: none)."""
         self.counts["corrupt_quarantined"] += result.quarantined
         self.counts["io_errors"] += result.io_errors
         forgotten = self.scan_forgotten
@@ -337,7 +345,7 @@ class DiskIndex:
         self.scan_forgotten = set()
         index = self.index
         if scan_gen is not None and (self.scan_epoch != self.clear_epoch or self.clearing is not None):
-            return  # clear() ran since the scan started: what it saw is being swept
+            return None  # clear() ran since the scan started: what it saw is being swept
         if scan_gen is not None:
             # Indexed before the scan started, no longer complete on disk: another process removed it.
             for hex_key in result.vanished:
@@ -358,4 +366,4 @@ class DiskIndex:
             ):
                 continue
             self.insert(key)
-        self.evict()
+        return self.evict()

@@ -24,7 +24,10 @@ Index and capacity. ``key -> generation`` in an ``OrderedDict`` kept in LRU
 order. Every valid file has the same size (header + ``payload_bytes``), so a block costs
 ``world_size * (HEADER_LEN + payload_bytes)`` bytes. Space for a write is reserved (evicting
 LRU blocks) when it is submitted, so indexed plus in-flight bytes never exceed
-``capacity_bytes``. A key with a read in flight is never evicted. An evicted or deleted key
+``capacity_bytes``; :meth:`DiskTier.write_room` counts only the writes whose space the writes in
+flight leave, so a caller that holds writes back (:class:`~kvtier.tiers.stack.WriteBacklog`)
+submits the rest as earlier ones complete instead of having them refused (a root smaller than the
+writes one prefill step hands it). A key with a read in flight is never evicted. An evicted or deleted key
 leaves the index at once, before its files are unlinked on the write pool; a later write of the
 same key waits for that unlink (and for a pending :meth:`clear` sweep) first, so an unlink can
 never remove a newer file. A write also waits for the unlink of the blocks evicted to make room for
@@ -33,10 +36,14 @@ it, so that their bytes are back in the usage ledger (below) before it charges i
 Sharing a root. ``capacity_bytes`` bounds the block files of the namespace and group on disk,
 however many processes write them: they share its usage ledger (:mod:`kvtier.tiers.disk.ledger`,
 a small file updated under ``flock``). A write charges its block's bytes there before writing
-anything and is refused when that would exceed ``capacity_bytes``: a ``DROPPED`` result counted in
-``writes_no_room``, on which this process evicts its own least recently used block (not being
-read), so that every writer gives way and the namespace keeps turning over; with nothing of its own
-left to evict it rescans early (paced, ``starved_rescans``) to learn the blocks others wrote. Files
+anything and is refused when that would exceed ``capacity_bytes``. On a refusal this process
+evicts its own least recently used block (not being read) and retries (``no_room_retries``, at most
+:data:`NO_ROOM_RETRIES`), so that every writer gives way and the namespace keeps turning over. With
+nothing of its own left to evict it rescans early (paced, ``starved_rescans``) to learn the blocks
+others wrote, and the write waits for that scan, its space still reserved: a block the scan found on
+disk is stored already (the write completes, nothing written), any other is retried once the
+blocks the merge evicted (the reservations must fit beside what it indexed) are unlinked. A write
+still refused completes ``DROPPED``, counted in ``writes_no_room``. Files
 are content addressed and published from a unique temp name without replacing a file
 (:mod:`kvtier.tiers.disk.writer`): when another process published the same file first
 (``EEXIST``, identical bytes) the charge is given back, so each file is paid for once. Every removal (eviction, delete, clear, quarantine, orphans, ``kvtier purge``) gives back
@@ -83,7 +90,7 @@ from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import files as disk_io
 from kvtier.tiers.disk.index import DiskIndex, DiskTierStats
 from kvtier.tiers.disk.jobs import DiskJobs
-from kvtier.tiers.disk.layout import Access, DiskLayout
+from kvtier.tiers.disk.layout import Access, DiskLayout, ScanResult
 from kvtier.tiers.disk.ledger import Ledger, Sharing
 from kvtier.tiers.disk.messages import Msg, WriteJob, distinct_futures
 from kvtier.tiers.disk.snapshot import read_snapshot, write_snapshot
@@ -157,6 +164,7 @@ class DiskTier(SecondaryTier):
         self._index = self._state.index  # the same dict for the tier's life (presence reads it)
         self._done = Outbox()  # the workers' posts
         self._applied: list[IoResult] = []  # results applied by close(), not yet returned by poll()
+        self._parked: list[WriteJob] = []  # writes refused for no room, waiting for the rescan under way
         self._closed = False
 
         self._layout.create(namespace_json)
@@ -275,9 +283,13 @@ class DiskTier(SecondaryTier):
         return True
 
     def write_room(self) -> int | None:
+        """At most ``max_pending_writes`` in flight, and only writes whose blocks fit in the
+        capacity beside those in flight (a write can evict indexed blocks, not reservations)."""
         if self._closed:
             return None
-        return max(0, self._max_pending_writes - len(self._state.writing))
+        room = self._max_pending_writes - len(self._state.writing)
+        fit = self._state.writes_that_fit()
+        return max(0, room if fit is None else min(room, fit))
 
     def poll(self) -> list[IoResult]:
         results, self._applied = self._applied, []
@@ -305,8 +317,7 @@ class DiskTier(SecondaryTier):
             elif kind == Msg.REMOVED:
                 self._state.finish_removal(msg[1], msg[2], msg[3])
             elif kind == Msg.SCAN:
-                self._state.merge_scan(msg[1], scan_gen=msg[2])
-                self._scan_done()
+                self._merge_scan(msg[1], msg[2], results)
                 self._snapshot_if_due()
 
     def touch(self, keys: Sequence[BlockKey]) -> None:
@@ -366,6 +377,9 @@ class DiskTier(SecondaryTier):
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
         self._apply_finished(self._applied)  # returned by the next poll()
+        parked, self._parked = self._parked, []  # a scan cancelled by the shutdown never posts
+        for job in parked:
+            self._retry_or_drop(job, self._applied)
         write_snapshot(self._layout, b"".join(self._state.index), self._file_bytes)
         self._layout.fs.close()  # the root's descriptor (opened again if a removal still runs)
 
@@ -430,19 +444,23 @@ class DiskTier(SecondaryTier):
         gen = self._state.gen
         self._scan_started = time.monotonic()
         if wait:
-            self._state.merge_scan(self._jobs.scan_files(known), scan_gen=gen)
-            self._scan_done()
+            self._merge_scan(self._jobs.scan_files(known), gen, self._applied)
         else:
             self._scan_pool.submit(self._jobs.scan, known, gen)
 
     # ------------------------------------------------------------------ submission helpers (caller thread)
 
     def _retry_or_drop(self, job: WriteJob, results: list[IoResult]) -> None:
-        """The usage ledger refused ``job``: give way and retry it, or (retries spent, nothing to
-        evict, deleted meanwhile, closed) complete it ``DROPPED``."""
-        wait_for = None
-        if job.attempt < NO_ROOM_RETRIES and not self._closed:
-            wait_for = self._state.retry_after_no_room(job.key)
+        """The usage ledger refused ``job``: give way and retry it; with nothing to evict, wait for
+        a (starved) rescan; else (retries spent, deleted meanwhile, closed) complete it ``DROPPED``."""
+        retry = job.attempt < NO_ROOM_RETRIES and not self._closed
+        wait_for = self._state.retry_after_no_room(job.key) if retry else None
+        if wait_for is None and retry and job.key not in self._state.cancelled:
+            self._rescan_when_starved()
+            if self._state.scan_running:
+                job.attempt += 1
+                self._parked.append(job)
+                return
         if wait_for is not None:
             job.attempt += 1
             self._write_pool.submit(self._jobs.write, job, wait_for)
@@ -450,7 +468,33 @@ class DiskTier(SecondaryTier):
         result = IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED)
         self._state.finish_write(result, WriteOutcome.NO_ROOM)
         results.append(result)
-        self._rescan_when_starved()
+
+    def _merge_scan(self, scan: ScanResult, gen: int | None, results: list[IoResult]) -> None:
+        """Apply a rescan, then settle the writes that waited for it: a block the scan found on
+        disk (another process published it) is stored, nothing written; any other is retried after
+        the unlink of the blocks the merge evicted (to fit the reservations beside what it
+        indexed), or, with nothing evicted, as after any refusal."""
+        evicted = self._state.merge_scan(scan, scan_gen=gen)
+        self._scan_done()
+        parked, self._parked = self._parked, []
+        if not parked:
+            return
+        found = {hex_key for _, hex_key in scan.new}
+        state = self._state
+        for job in parked:
+            key = job.key
+            if self._closed or key in state.cancelled:
+                self._retry_or_drop(job, results)
+            elif key.hex() in found and key not in state.unlinking and key not in state.unreadable:
+                result = IoResult(job.job_id, IoKind.WRITE, key, True)
+                state.finish_write(result, WriteOutcome.WRITTEN)  # indexes it: 0 bytes written
+                results.append(result)
+            elif evicted is not None:
+                state.counts["no_room_retries"] += 1
+                self._write_pool.submit(self._jobs.write, job, distinct_futures(
+                    (state.unlinking.get(key), state.clearing, evicted)))
+            else:
+                self._retry_or_drop(job, results)
 
     def _rescan_when_starved(self) -> None:
         """A write was dropped for no room with nothing of this process's own left to evict: the
