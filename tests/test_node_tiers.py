@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 from support.namespaces import toy_namespace
 from support.node_service import NodeThread
 from support.redis_server import free_port, redis_factory  # noqa: F401  (pytest fixture)
@@ -33,11 +34,12 @@ from kvtier.core.fleet_key import AuthConfig, FleetKey
 from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig
 from kvtier.node import NodeUnavailable, Role
 from kvtier.node import tiers as tiers_module
+from kvtier.node.metrics import registry_for
 from kvtier.tiers import stack as stack_module
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.node_host import NodeHost, connect_node
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo
-from kvtier.tiers.blockfile import decode_header
+from kvtier.tiers.blockfile import HEADER_LEN, decode_header
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.factory import open_tier
 from kvtier.tiers.sealing import PLAIN, Sealer
@@ -216,6 +218,26 @@ def test_a_record_another_writer_puts_into_the_disk_root_is_found_after_a_refres
         other.close()
         wait_for(lambda: a.leading_run([key(7)]) == 1, what="the service to find the record (a refresh)")
         assert load(a, [7])[1:] == (1, [payload(7)])
+        a.close()
+    finally:
+        svc.stop()
+
+
+def test_a_commit_larger_than_the_node_disk_turns_it_over_and_counts_its_evictions(tmp_path):
+    """8 blocks committed at once to a service whose disk tier holds 4: the tier takes what fits
+    beside its writes in flight and the rest wait in the pool, so all 8 are written, 4 evicted,
+    none dropped; the evictions show in the stats and on /metrics, as an embedded engine's do."""
+    small = replace(disk(tmp_path / "disk"), capacity_bytes=4 * (HEADER_LEN + SLOT))
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=16 * SLOT, slot_bytes=SLOT, tiers=(small,))
+    try:
+        a = engine(svc.sock)
+        wait_for(lambda: tiers_open(a), what="the namespace's tiers to open")
+        store(a, list(range(1, 9)))
+        wait_for(lambda: tier_counts(a).get("written_disk", 0) == 8, what="8 disk writes")
+        counts = tier_counts(a)
+        assert counts["writes_dropped_disk"] == 0 and counts["evicted_disk"] == 4
+        metrics = generate_latest(registry_for(svc.server)).decode()
+        assert 'kvtier_node_tier_evicted_blocks_total{tier="disk"} 4.0' in metrics
         a.close()
     finally:
         svc.stop()

@@ -73,7 +73,9 @@ def _tier_metrics(t: dict) -> Iterator[Metric]:
             ("kvtier_node_cascaded_blocks", "Blocks written from the pool to the service's tiers.", "written_"),
             ("kvtier_node_cascade_dropped_blocks", "Blocks not written to a tier (no room, server down).",
              "writes_dropped_"),
-            ("kvtier_node_promoted_blocks", "Blocks promoted from the service's tiers into the pool.", "promoted_")):
+            ("kvtier_node_promoted_blocks", "Blocks promoted from the service's tiers into the pool.", "promoted_"),
+            ("kvtier_node_tier_evicted_blocks", "Blocks the service's tiers evicted to stay within their capacity "
+             "(s3: its capacity sweeps; remote: 0, the server evicts).", "evicted_")):
         family = CounterMetricFamily(name, doc, labels=["tier"])
         for tier in ("disk", "remote", "s3"):
             family.add_metric([tier], t.get(prefix + tier, 0))

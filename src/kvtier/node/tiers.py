@@ -30,7 +30,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -253,7 +253,7 @@ class NodeTiers:
                 ns.stack.poll()
 
     def snapshot(self) -> dict[str, Any]:
-        total, reads, writes, namespaces = KVTierStats(), 0, 0, {}
+        total, reads, writes, namespaces, evicted = KVTierStats(), 0, 0, {}, Counter[Medium]()
         for (digest, payload), ns in self._namespaces.items():
             usage = {}
             if ns.stack is not None:
@@ -261,6 +261,7 @@ class NodeTiers:
                 in_flight = ns.stack.in_flight()
                 reads, writes = reads + in_flight[0], writes + in_flight[1]
                 for tier in ns.stack.tiers:
+                    evicted[tier.medium] += tier.evictions
                     u = tier.usage()
                     usage[tier.medium.value.lower()] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                                         "blocks": u.num_blocks}
@@ -274,6 +275,7 @@ class NodeTiers:
             counts[f"written_{name}"] = total.written_to(medium).jobs
             counts[f"writes_dropped_{name}"] = getattr(total, f"{name}_writes_dropped")
             counts[f"promoted_{name}"] = total.read_from(medium).jobs
+            counts[f"evicted_{name}"] = evicted[medium]
         return {**counts, "promotions_in_flight": reads, "writes_in_flight": writes, "namespaces": namespaces}
 
     @property
