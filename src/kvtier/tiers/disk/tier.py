@@ -468,6 +468,7 @@ class DiskTier(SecondaryTier):
         result = IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED)
         self._state.finish_write(result, WriteOutcome.NO_ROOM)
         results.append(result)
+        self._rescan_when_starved()  # the root stayed full: learn what fills it (paced; not once closed)
 
     def _merge_scan(self, scan: ScanResult, gen: int | None, results: list[IoResult]) -> None:
         """Apply a rescan, then settle the writes that waited for it: a block the scan found on
@@ -497,15 +498,18 @@ class DiskTier(SecondaryTier):
                 self._retry_or_drop(job, results)
 
     def _rescan_when_starved(self) -> None:
-        """A write was dropped for no room with nothing of this process's own left to evict: the
-        root is full of blocks this process does not index (other engines wrote them since its last
-        scan) or the ledger drifted. Rescan now rather than at the next refresh: the scan indexes
-        those blocks, so the next writes can evict them, and reconciles the ledger. Paced to at most
-        a tenth of the scan thread's time (a walk of a big root takes seconds), never within
-        :data:`STARVED_RESCAN_S` of the last scan."""
-        if time.monotonic() - self._scan_ended >= max(STARVED_RESCAN_S, 10 * self._scan_seconds):
+        """The ledger refused a write and this process has nothing of its own left to evict (or
+        its retries are spent): the root is full of blocks this process does not index (other
+        engines wrote them since its last scan) or the ledger drifted. Rescan now rather than at the
+        next refresh: the scan indexes those blocks, so writes can evict them, and reconciles the
+        ledger. Paced to at most a tenth of the scan thread's time (a walk of a big root takes
+        seconds), never within :data:`STARVED_RESCAN_S` of the last scan; counted when one starts."""
+        if self._state.scan_running or time.monotonic() - self._scan_ended < max(STARVED_RESCAN_S,
+                                                                                 10 * self._scan_seconds):
+            return
+        self.rescan()
+        if self._state.scan_running:
             self._state.counts["starved_rescans"] += 1
-            self.rescan()
 
     def _scan_done(self) -> None:
         self._scan_ended = time.monotonic()
