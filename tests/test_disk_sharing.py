@@ -30,7 +30,7 @@ from support.disk_writer import (
 from kvtier.tiers.base import IoError, IoKind
 from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import DiskTier, writer
-from kvtier.tiers.disk import tier as disk_tier
+from kvtier.tiers.disk import refused
 from kvtier.tiers.disk.layout import DiskLayout
 from kvtier.tiers.disk.ledger import Ledger, Sharing, decode, encode, ledger_path
 from kvtier.tiers.disk.writer import WriteOutcome
@@ -353,7 +353,7 @@ def test_a_write_with_nothing_to_evict_waits_for_an_early_rescan_then_gives_way(
     try:
         for i in range(4):
             assert write(other, key_for(2, i)).ok
-        time.sleep(disk_tier.STARVED_RESCAN_S + 0.05)  # the start-up scan is that old
+        time.sleep(refused.STARVED_RESCAN_S + 0.05)  # the start-up scan is that old
         result = write(mine, key_for(1, 0))
         assert result.ok and result.num_bytes == BLOCK
         stats = mine.stats
@@ -376,7 +376,7 @@ def test_a_write_whose_block_the_rescan_finds_on_disk_completes_without_writing(
         for i in range(4):
             assert write(other, key_for(2, i)).ok
         inode = os.stat(other.block_path(key_for(2, 1), 0)).st_ino
-        time.sleep(disk_tier.STARVED_RESCAN_S + 0.05)
+        time.sleep(refused.STARVED_RESCAN_S + 0.05)
         result = write(mine, key_for(2, 1))
         assert result.ok and result.num_bytes == 0
         stats = mine.stats
@@ -397,7 +397,7 @@ def test_a_write_waiting_for_a_rescan_is_dropped_by_close(tmp_path):
     try:
         for i in range(4):
             assert write(other, key_for(2, i)).ok
-        time.sleep(disk_tier.STARVED_RESCAN_S + 0.05)
+        time.sleep(refused.STARVED_RESCAN_S + 0.05)
         busy = threading.Event()
         mine._scan_pool.submit(busy.wait, 10)  # noqa: SLF001 - the rescan queues behind this
         sources = [memoryview(payload_of(key_for(1, 0), rank, PAYLOAD)) for rank in range(WORLD)]

@@ -4,7 +4,8 @@ Modules: :mod:`kvtier.tiers.disk.layout` (the directory layout and file names, d
 and the scan that finds block files), :mod:`kvtier.tiers.disk.ledger` (the usage ledger shared by
 the processes writing a namespace), :mod:`kvtier.tiers.disk.writer` (writing a block) and
 :mod:`kvtier.tiers.disk.files` (reading, verifying and removing block files),
-:mod:`kvtier.tiers.disk.jobs` (what the worker threads do, one job each), :mod:`kvtier.tiers.disk.index` (the
+:mod:`kvtier.tiers.disk.jobs` (what the worker threads do, one job each),
+:mod:`kvtier.tiers.disk.refused` (writes the usage ledger refused), :mod:`kvtier.tiers.disk.index` (the
 index, capacity and LRU order, keys with jobs in flight, and how job outcomes change them: a
 :class:`~kvtier.tiers.disk.index.DiskIndex` the tier owns) and this one (:class:`DiskTier`: the
 contract, job submission, the worker pools and :meth:`DiskTier.poll`).
@@ -36,14 +37,11 @@ it, so that their bytes are back in the usage ledger (below) before it charges i
 Sharing a root. ``capacity_bytes`` bounds the block files of the namespace and group on disk,
 however many processes write them: they share its usage ledger (:mod:`kvtier.tiers.disk.ledger`,
 a small file updated under ``flock``). A write charges its block's bytes there before writing
-anything and is refused when that would exceed ``capacity_bytes``. On a refusal this process
-evicts its own least recently used block (not being read) and retries (``no_room_retries``, at most
-:data:`NO_ROOM_RETRIES`), so that every writer gives way and the namespace keeps turning over. With
-nothing of its own left to evict it rescans early (paced, ``starved_rescans``) to learn the blocks
-others wrote, and the write waits for that scan, its space still reserved: a block the scan found on
-disk is stored already (the write completes, nothing written), any other is retried once the
-blocks the merge evicted (the reservations must fit beside what it indexed) are unlinked. A write
-still refused completes ``DROPPED``, counted in ``writes_no_room``. Files
+anything and is refused when that would exceed ``capacity_bytes``; this process then gives way
+(evicts its own least recently used block and retries), or, with nothing of its own to evict,
+rescans early and waits for that scan, so the namespace keeps turning over
+(:mod:`kvtier.tiers.disk.refused`; a write still refused completes ``DROPPED``, counted in
+``writes_no_room``). Files
 are content addressed and published from a unique temp name without replacing a file
 (:mod:`kvtier.tiers.disk.writer`): when another process published the same file first
 (``EEXIST``, identical bytes) the charge is given back, so each file is paid for once. Every removal (eviction, delete, clear, quarantine, orphans, ``kvtier purge``) gives back
@@ -93,20 +91,15 @@ from kvtier.tiers.disk.jobs import DiskJobs
 from kvtier.tiers.disk.layout import Access, DiskLayout, ScanResult
 from kvtier.tiers.disk.ledger import Ledger, Sharing
 from kvtier.tiers.disk.messages import Msg, WriteJob, distinct_futures
+from kvtier.tiers.disk.refused import RefusedWrites
 from kvtier.tiers.disk.snapshot import read_snapshot, write_snapshot
-from kvtier.tiers.disk.writer import NoSpaceLog, WriteOutcome
+from kvtier.tiers.disk.writer import NoSpaceLog
 from kvtier.tiers.sealing import PLAIN, Sealer
 from kvtier.tiers.outbox import Outbox
 
 logger = logging.getLogger(__name__)
 _PRESENT, _ABSENT = Presence.PRESENT, Presence.ABSENT
 
-STARVED_RESCAN_S = 0.25
-"""Least time between the last scan and one started because writes found no room and nothing to evict."""
-NO_ROOM_RETRIES = 4
-"""How often a write the usage ledger refuses is retried, each time after this process evicted its
-least recently used block (engines sharing a root evict the same blocks from their shared view
-of it, so one eviction of a pair often frees nothing)."""
 SNAPSHOT_INTERVAL_S = 120.0
 """At most one index snapshot per interval while running (after a rescan, if the index changed)."""
 
@@ -164,7 +157,6 @@ class DiskTier(SecondaryTier):
         self._index = self._state.index  # the same dict for the tier's life (presence reads it)
         self._done = Outbox()  # the workers' posts
         self._applied: list[IoResult] = []  # results applied by close(), not yet returned by poll()
-        self._parked: list[WriteJob] = []  # writes refused for no room, waiting for the rescan under way
         self._closed = False
 
         self._layout.create(namespace_json)
@@ -184,8 +176,7 @@ class DiskTier(SecondaryTier):
         )
 
         self._snapshot_taken = (0.0, -1)  # (monotonic time, index signature) of the last snapshot
-        self._scan_started = self._scan_ended = time.monotonic()  # the last scan's (starved rescans' pace)
-        self._scan_seconds = 0.0
+        self._refused = RefusedWrites(self._state, self._resubmit, self.rescan)
         keys = read_snapshot(self._layout, self._file_bytes, max_keys=capacity_bytes // self._state.block_bytes)
         if keys is None:
             self._state.merge_scan(self._jobs.scan_files(None), scan_gen=None)
@@ -313,7 +304,7 @@ class DiskTier(SecondaryTier):
                     self._state.finish_write(result, msg[2])
                 results.append(result)
             elif kind == Msg.NO_ROOM:
-                self._retry_or_drop(msg[1], results)
+                self._refused.refused(msg[1], results, closed=self._closed)
             elif kind == Msg.REMOVED:
                 self._state.finish_removal(msg[1], msg[2], msg[3])
             elif kind == Msg.SCAN:
@@ -377,9 +368,7 @@ class DiskTier(SecondaryTier):
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
         self._apply_finished(self._applied)  # returned by the next poll()
-        parked, self._parked = self._parked, []  # a scan cancelled by the shutdown never posts
-        for job in parked:
-            self._retry_or_drop(job, self._applied)
+        self._refused.drop_parked(self._applied)  # a scan cancelled by the shutdown never posts
         write_snapshot(self._layout, b"".join(self._state.index), self._file_bytes)
         self._layout.fs.close()  # the root's descriptor (opened again if a removal still runs)
 
@@ -442,7 +431,7 @@ class DiskTier(SecondaryTier):
         self._state.scan_epoch = self._state.clear_epoch
         known = list(self._state.index)  # a snapshot (C speed); the worker converts it to hex
         gen = self._state.gen
-        self._scan_started = time.monotonic()
+        self._refused.scan_started()
         if wait:
             self._merge_scan(self._jobs.scan_files(known), gen, self._applied)
         else:
@@ -450,70 +439,13 @@ class DiskTier(SecondaryTier):
 
     # ------------------------------------------------------------------ submission helpers (caller thread)
 
-    def _retry_or_drop(self, job: WriteJob, results: list[IoResult]) -> None:
-        """The usage ledger refused ``job``: give way and retry it; with nothing to evict, wait for
-        a (starved) rescan; else (retries spent, deleted meanwhile, closed) complete it ``DROPPED``."""
-        retry = job.attempt < NO_ROOM_RETRIES and not self._closed
-        wait_for = self._state.retry_after_no_room(job.key) if retry else None
-        if wait_for is None and retry and job.key not in self._state.cancelled:
-            self._rescan_when_starved()
-            if self._state.scan_running:
-                job.attempt += 1
-                self._parked.append(job)
-                return
-        if wait_for is not None:
-            job.attempt += 1
-            self._write_pool.submit(self._jobs.write, job, wait_for)
-            return
-        result = IoResult(job.job_id, IoKind.WRITE, job.key, False, error=IoError.DROPPED)
-        self._state.finish_write(result, WriteOutcome.NO_ROOM)
-        results.append(result)
-        self._rescan_when_starved()  # the root stayed full: learn what fills it (paced; not once closed)
-
     def _merge_scan(self, scan: ScanResult, gen: int | None, results: list[IoResult]) -> None:
-        """Apply a rescan, then settle the writes that waited for it: a block the scan found on
-        disk (another process published it) is stored, nothing written; any other is retried after
-        the unlink of the blocks the merge evicted (to fit the reservations beside what it
-        indexed), or, with nothing evicted, as after any refusal."""
+        """Apply a rescan, then settle the writes that waited for it (:mod:`kvtier.tiers.disk.refused`)."""
         evicted = self._state.merge_scan(scan, scan_gen=gen)
-        self._scan_done()
-        parked, self._parked = self._parked, []
-        if not parked:
-            return
-        found = {hex_key for _, hex_key in scan.new}
-        state = self._state
-        for job in parked:
-            key = job.key
-            if self._closed or key in state.cancelled:
-                self._retry_or_drop(job, results)
-            elif key.hex() in found and key not in state.unlinking and key not in state.unreadable:
-                result = IoResult(job.job_id, IoKind.WRITE, key, True)
-                state.finish_write(result, WriteOutcome.WRITTEN)  # indexes it: 0 bytes written
-                results.append(result)
-            elif evicted is not None:
-                state.counts["no_room_retries"] += 1
-                self._write_pool.submit(self._jobs.write, job, distinct_futures(
-                    (state.unlinking.get(key), state.clearing, evicted)))
-            else:
-                self._retry_or_drop(job, results)
+        self._refused.after_scan(scan, evicted, results, closed=self._closed)
 
-    def _rescan_when_starved(self) -> None:
-        """The ledger refused a write and this process has nothing of its own left to evict (or
-        its retries are spent): the root is full of blocks this process does not index (other
-        engines wrote them since its last scan) or the ledger drifted. Rescan now rather than at the
-        next refresh: the scan indexes those blocks, so writes can evict them, and reconciles the
-        ledger. Paced to at most a tenth of the scan thread's time (a walk of a big root takes
-        seconds), never within :data:`STARVED_RESCAN_S` of the last scan; counted when one starts."""
-        if self._state.scan_running or time.monotonic() - self._scan_ended < max(STARVED_RESCAN_S,
-                                                                                 10 * self._scan_seconds):
-            return
-        self.rescan()
-        if self._state.scan_running:
-            self._state.counts["starved_rescans"] += 1
-
-    def _scan_done(self) -> None:
-        self._scan_ended = time.monotonic()
-        self._scan_seconds = self._scan_ended - self._scan_started
+    def _resubmit(self, job: WriteJob, wait_for: tuple[Future, ...]) -> None:
+        self._write_pool.submit(self._jobs.write, job, wait_for)
 
     def _byte_views(self, buffers: Sequence[memoryview], *, writable: bool, what: str) -> list[memoryview]:
         return disk_io.byte_views(
