@@ -143,3 +143,46 @@ def test_a_service_that_refuses_the_engine_at_start_up_stops_it_naming_the_key_a
     finally:
         other.close()
         node.stop()
+
+
+def test_a_load_whose_pin_went_with_a_lost_connection_fails_and_is_recomputed(model, ref, tmp_path):
+    """Engine A pins a run, then loses its connection (a call timed out) and reattaches to the same
+    service before the run's load is planned: the service released the pin when the connection
+    closed, and engine B's blocks now fill those slots. A's load fails (vLLM recomputes) and never
+    copies B's bytes (the fake model samples from every KV byte: B's would change the outputs)."""
+    node = NodeThread(tmp_path / "node.sock", pool_bytes=16 * SLOT)  # A's 15 blocks fill it
+    try:
+        with attached(model, node.sock, "lost-pin") as a:
+            assert tokens_of(a.generate(PROMPTS, 4)) == ref
+            host = a.kvtier_scheduler.orchestrator
+            counted = counting(host)
+            acquire, lost = host.acquire, []
+
+            def acquire_then_lose_the_pin(owner, keys, *args, **kwargs):
+                got = acquire(owner, keys, *args, **kwargs)
+                if got.num_blocks and not lost:
+                    slots = [s[0] for s in host.held_slots(owner)]
+                    host.client.connect()  # a new attachment to the same pool: the old one's pin is released
+                    assert host.client.generation == 2 and host.pool_id == node.stats()["pool_id"]
+                    deadline = time.monotonic() + 10
+                    while node.stats()["pinned_blocks"]:  # the service sees the old connection close on its loop
+                        assert time.monotonic() < deadline, "the lost connection's pin was never released"
+                        time.sleep(0.01)
+                    with NodeClient(node.sock, engine="b", slot_bytes=SLOT) as b:
+                        taken = b.reserve([bytes([0xB0, i]) * 16 for i in range(16)])  # evicts all of A's
+                        for _status, (slot,) in taken:
+                            b.pool.slot(slot)[:] = b"\x55" * SLOT
+                        b.commit([bytes([0xB0, i]) * 16 for i in range(16)])
+                    assert {slot for _status, (slot,) in taken} >= set(slots)
+                    lost.append(owner)
+                return got
+
+            host.acquire = acquire_then_lose_the_pin
+            assert a.reset_prefix_cache()
+            again = a.generate(renamed(PROMPTS, "-again"), 4)
+            assert lost and by_prompt(again, "-again") == ref
+            # (the fake model saw the failed load's blocks before vLLM rolled that step back: a
+            # synchronous load fails after the forward it fed, whose output vLLM then discards)
+            assert counted.add(host.stats).load_errors == 1
+    finally:
+        node.stop()

@@ -68,6 +68,10 @@ class HostSide(Protocol):
 
     def held_pool(self, owner: str) -> str | None: ...
 
+    def hold_lost(self, owner: str) -> bool:
+        """Whether ``owner``'s pin may be gone (a node connection lost since it was made): a load
+        from its slots must fail rather than copy what may be another block's bytes now."""
+
     def trim_hold(self, owner: str, num_blocks: int) -> None: ...
 
     def release(self, owner: str) -> None: ...

@@ -28,7 +28,10 @@ way. Only a service that answers at start-up and refuses the engine stops it (:f
 Generations (a restarted service has a new, empty pool with another ``pool_id``): every hold and
 reservation remembers the client's attachment ``generation`` it was made in. One of an older
 generation is forgotten, never sent to the new service (its pin handle would name another
-session's pin there; its reservation is not this session's, so it is never committed). Copy jobs
+session's pin there; its reservation is not this session's, so it is never committed), and a load
+planned from such a hold fails (:meth:`NodeHost.hold_lost`): the service released the pin when the
+connection closed, so its slots may hold another engine's block by then, even in the same pool
+(a call timed out and the client reattached to the same service). Copy jobs
 carry the ``pool_id`` of their slots (:attr:`NodeHost.pool_id`), so a worker never copies into or
 out of a pool other than the one the scheduler reserved or pinned in.
 
@@ -174,6 +177,14 @@ class NodeHost:
         a worker mapping another pool fails the job rather than read another pool's slots)."""
         hold = self._holds.get(owner)
         return hold.pool_id if hold else None
+
+    def hold_lost(self, owner: str) -> bool:
+        """Whether ``owner``'s pin went with the attachment it was made in: the client lost that
+        connection since (a call timed out or failed; maybe reattached to the same service, the same
+        ``pool_id``), and the service released the pin when it closed, so the slots may hold other
+        blocks now. A load planned from such a hold must fail (vLLM recomputes), never copy."""
+        hold = self._holds.get(owner)
+        return hold is not None and (hold.generation != self.client.generation or not self.client.connected)
 
     def trim_hold(self, owner: str, num_blocks: int) -> None:
         """Keep only the first ``num_blocks`` of ``owner``'s hold. The service pins a run under one

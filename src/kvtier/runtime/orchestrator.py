@@ -163,6 +163,9 @@ class Orchestrator:
     def held_pool(self, owner: str) -> str | None:
         return None
 
+    def hold_lost(self, owner: str) -> bool:
+        return False  # its pins live as long as this process
+
     # --- stores -----------------------------------------------------------------------------
     def begin_store(self, key: BlockKey, info: BlockInfo) -> int | None:
         """Reserve a host slot to receive ``key`` from the engine, or None (skipped/dropped).

@@ -30,6 +30,9 @@ class CopyJob:
     # block's slots differ between ranks (tensor parallelism). None: embedded host tier.
     pool_id: str | None = None
     rank_slots: dict[int, tuple[int, ...]] | None = None
+    # A load whose pin went with a lost node connection (HostSide.hold_lost): the service released
+    # it, so its slots may hold another block now; every worker reports the job failed, copying nothing.
+    lost: bool = False
 
 
 @dataclass

@@ -429,7 +429,8 @@ class KVTierScheduler:
             return CopyJob(job_id, req_id, table)
         differ = any(len(set(slots)) > 1 for slots in rank_slots)
         return CopyJob(job_id, req_id, table, pool_id=pool_id,
-                       rank_slots={slots[0]: slots for slots in rank_slots} if differ else None)
+                       rank_slots={slots[0]: slots for slots in rank_slots} if differ else None,
+                       lost=pool_of is not None and self.orchestrator.hold_lost(pool_of))
 
     def _new_store(self, state: RequestState, keys: list[BlockKey], pages: list[PageCopy],
                    blocks: list[int] | None = None, rank_slots: list[tuple[int, ...]] | None = None) -> CopyJob:

@@ -171,9 +171,13 @@ class KVTierWorker:
 
     def _runnable(self, job: CopyJob, direction: Direction) -> CopyJob | None:
         """``job`` with this rank's slots, if its slots are in the pool this rank maps (reattaching
-        first if the pool changed); else None, and the job is reported failed."""
+        first if the pool changed) and its pin still held (not ``lost``); else None, and the job
+        is reported failed."""
         if job.pool_id is None or self._node is None:
             return job
+        if job.lost:  # its pin went with a lost connection: the slots may be another block's now
+            self._carried.append(CopyDone(job.job_id, direction, False, 0, 0.0))
+            return None
         if job.pool_id != self._pool_id:
             self._reattach()
         if job.pool_id != self._pool_id:
