@@ -465,6 +465,36 @@ def test_file_deleted_behind_the_tiers_back_is_not_found(tmp_path, tiers):
     assert _quarantined(tmp_path) == []
 
 
+def test_a_block_stored_again_after_a_read_io_error_replaces_its_files(tmp_path, tiers, monkeypatch):
+    """A read that fails with EIO (a bad sector under the file) leaves the file alone and makes the
+    block a miss; storing it again replaces the file, so the block is served again (not the old
+    file adopted again, failing every read)."""
+    import errno
+
+    from kvtier.tiers.disk import files
+
+    tier = tiers(tmp_path)
+    key = key_of(1)
+    write(tier, key)
+    held = open(tier.block_path(key, 0), "rb")  # noqa: SIM115 - keeps its inode number from being reused
+    bad_inode = os.fstat(held.fileno()).st_ino
+    real = files._read_file
+
+    def bad_sector(fs, path, *args, **kwargs):
+        if os.stat(os.path.join(fs.root, path)).st_ino == bad_inode:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(files, "_read_file", bad_sector)
+    result, _ = read(tier, key)
+    assert result.error is IoError.IO and not tier.contains(key) and tier.stats.io_errors == 1
+    assert write(tier, key, job_id=3).ok and tier.contains(key)
+    assert tier.block_path(key, 0).stat().st_ino != bad_inode
+    assert_reads_back(tier, key)
+    assert tier.stats.io_errors == 1
+    held.close()
+
+
 def test_write_io_error_leaves_no_files(tmp_path, tiers):
     tier = tiers(tmp_path, world=2)
     key = key_of(1)

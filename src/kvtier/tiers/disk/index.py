@@ -185,13 +185,16 @@ class DiskIndex:
         fit the capacity; None (nothing evicted) when impossible. Returns the removals the write must
         wait for: an earlier unlink of ``key`` and a pending clear() sweep (they must not remove the
         new files), and the unlink of the blocks evicted for it (so their bytes are given back to the
-        usage ledger before the write charges its own)."""
+        usage ledger before the write charges its own). The files of a block that failed a read
+        with an I/O error (``unreadable``) are removed first, so the write replaces them."""
         victims = self._victims(self.block_bytes, all_or_nothing=True)
         if victims is None:
             return None
         self._evict_keys(victims)
         self.reserved += self.block_bytes
         self.writing.add(key)
+        if key in self.unreadable:  # its files failed a read: replace them (a write never replaces a file)
+            self.schedule_unlink([key])
         earlier = [self.unlinking.get(key), self.clearing, *map(self.unlinking.get, victims)]
         return tuple({id(f): f for f in earlier if f is not None}.values())
 
@@ -297,7 +300,8 @@ class DiskIndex:
         else:
             counts["io_errors"] += 1
             # Maybe transient, but offered again it could fail again on every step (vLLM asks
-            # again after a failed promotion): the block is a miss from now on, its file left alone.
+            # again after a failed promotion): the block is a miss from now on, its file left alone
+            # until this process writes the block again (reserve_write removes the files first).
             self.unreadable.add(key)
         if gen is not None and self.index.get(key) == gen:  # not rewritten since the read was submitted
             self.forget(key)
