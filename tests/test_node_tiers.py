@@ -375,6 +375,31 @@ def test_commits_made_while_the_tiers_open_are_cascaded_once_they_are_open(tmp_p
         svc.stop()
 
 
+def test_a_tier_that_cannot_open_leaves_the_others_serving(tmp_path, monkeypatch):
+    """A namespace's Redis tier fails to open (here: a user whose ACL refuses the namespace's keys);
+    its disk tier opens and serves, as each of vLLM's offloading tiers opens on its own."""
+    real_open = tiers_module.open_tier
+
+    def redis_refuses(config, **kwargs):
+        if isinstance(config, RedisTierConfig):
+            raise ConfigError("NOPERM this user has no permissions to access one of the keys")
+        return real_open(config, **kwargs)
+
+    monkeypatch.setattr(tiers_module, "open_tier", redis_refuses)
+    redis = RedisTierConfig(url=f"redis://127.0.0.1:{free_port()}")
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(disk(tmp_path / "disk"), redis))
+    try:
+        a = engine(svc.sock)
+        wait_for(lambda: tiers_open(a), what="the namespace's tiers to open")
+        counts = tier_counts(a)
+        assert counts["tiers_failed"] == 1 and list(next(iter(counts["namespaces"].values()))["tiers"]) == ["disk"]
+        store(a, [1, 2])
+        wait_for(lambda: tier_counts(a).get("written_disk", 0) == 2, what="the 2 commits written to disk")
+        a.close()
+    finally:
+        svc.stop()
+
+
 class _GatedDisk(DiskTier):
     """A real disk tier whose reads wait for a gate (a stuck device)."""
 

@@ -244,8 +244,15 @@ def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
 
 
 def _types(kinds: list[type]) -> list[TierType]:
-    names = {DiskTierConfig: TierType.FS, RedisTierConfig: TierType.REDIS, S3TierConfig: TierType.S3}
-    return [names[kind] for kind in kinds]
+    return [_TYPES[kind] for kind in kinds]
+
+
+_TYPES = {DiskTierConfig: TierType.FS, RedisTierConfig: TierType.REDIS, S3TierConfig: TierType.S3}
+
+
+def tier_type(config: SecondaryTierConfig) -> TierType:
+    """The ``type`` of a ``secondary_tiers`` entry, from its parsed config."""
+    return _TYPES[type(config)]
 
 
 def parse_tier(raw: Mapping[str, Any], tier_type: TierType, where: str) -> SecondaryTierConfig | NodeTierConfig:

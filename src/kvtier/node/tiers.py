@@ -37,7 +37,7 @@ from typing import Any
 
 from kvtier.core.keys import BlockKey, Namespace
 from kvtier.core.stats import KVTierStats
-from kvtier.core.tier_config import SecondaryTierConfig
+from kvtier.core.tier_config import SecondaryTierConfig, tier_type
 from kvtier.node.index import EntryState, NodeIndex, Session
 from kvtier.node.protocol import Reservation
 from kvtier.tiers.base import Medium, SecondaryTier
@@ -147,6 +147,7 @@ class NodeTiers:
         self._opener = ThreadPoolExecutor(1, thread_name_prefix="kvtier-node-open")
         self.skipped_opening = 0  # commits neither cascaded nor remembered while tiers opened
         self.namespaces_refused = 0  # hellos whose namespace got no tiers (MAX_NAMESPACES open)
+        self.tiers_failed = 0  # tiers of a namespace that could not open (the others serve); opener thread
 
     def bind(self, index: NodeIndex, stride: int, slot_bytes: int) -> None:
         """The pool was cut (only while it holds nothing, so no tier job is in flight): its index
@@ -177,8 +178,19 @@ class NodeTiers:
 
     def _open(self, namespace: Namespace, model_name: str, namespace_json: str, payload_bytes: int
               ) -> tuple[SecondaryTier, ...]:
-        return tuple(open_tier(config, model_name=model_name, namespace=namespace, namespace_json=namespace_json,
-                               payload_bytes=payload_bytes) for config in self.configs)  # disk, Redis, S3
+        """The namespace's tiers that open (disk, Redis, S3 order), each on its own: one that cannot
+        (a Redis user refused the namespace's keys, a root it may not write) is logged and left out,
+        and the others serve, as each of vLLM's offloading tiers opens alone (the opener's thread)."""
+        opened = []
+        for config in self.configs:
+            try:
+                opened.append(open_tier(config, model_name=model_name, namespace=namespace,
+                                        namespace_json=namespace_json, payload_bytes=payload_bytes))
+            except Exception as exc:  # noqa: BLE001 (logged; the namespace's other tiers serve)
+                self.tiers_failed += 1
+                log.error("namespace %s: its %s tier could not open: %s (its blocks skip that tier)",
+                          namespace.engine_digest.hex()[:16], tier_type(config).value, exc)
+        return tuple(opened)
 
     def _settle_open(self, ns: _Namespace) -> None:
         future = ns.opening
@@ -190,6 +202,9 @@ class NodeTiers:
             tiers = future.result()
         except Exception as exc:  # noqa: BLE001 (logged; the namespace stays pool-only)
             log.error("tiers of namespace %s could not open: %s (its blocks stay in the pool only)", digest, exc)
+            return
+        if not tiers:  # each was logged by _open
+            log.error("no tier of namespace %s opened: its blocks stay in the pool only", digest)
             return
         assert self.index is not None
         width = len(ns.namespace.ranks)
@@ -269,7 +284,7 @@ class NodeTiers:
             namespaces[name] = {"open": ns.stack is not None, "tiers": usage}
         counts = {"promotion_failures": total.promotion_failures, "checksum_failures": total.checksum_failures,
                   "auth_failures": total.auth_failures, "cascades_skipped_opening": self.skipped_opening,
-                  "namespaces_refused": self.namespaces_refused}
+                  "namespaces_refused": self.namespaces_refused, "tiers_failed": self.tiers_failed}
         for medium in (Medium.DISK, Medium.REMOTE, Medium.S3):
             name = medium.value.lower()
             counts[f"written_{name}"] = total.written_to(medium).jobs
