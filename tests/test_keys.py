@@ -21,6 +21,7 @@ from kvtier.core.keys import (
     block_key,
     chain_block_keys,
     stateless_key,
+    stored_ranks_of,
     tail_key,
 )
 
@@ -154,6 +155,28 @@ def test_config_json_round_trip_and_display_name_outside_the_digest():
     assert data["model_name"] == "SmolLM2-135M-Instruct"
     assert Namespace.from_dict(data) == NS
     assert json.loads(NS.config_json("other name"))["spec_version"] == KEY_SPEC_VERSION == "kvtier/2"
+
+
+@pytest.mark.parametrize("path, value", [
+    (("block_tokens",), float("inf")), (("block_tokens",), 1e999), (("block_tokens",), True), (("block_tokens",), "128"),
+    (("block_tokens",), 0), (("tp_size",), 10**13), (("pp_size",), -1), (("rank",), 2**70),
+    (("ranks",), "not a list"), (("ranks",), [{}] * 10**4), (("ranks", 0, "page_bytes"), float("inf")),
+    (("ranks", 0, "num_layers"), "30"), (("ranks", 0, "backends"), "CPU_ATTN"), (("model", "dtype"), 32),
+])
+def test_a_namespace_read_from_outside_is_checked_before_use(path, value):
+    """config.json (a disk root anyone with write access may edit) and a node hello carry a
+    namespace: a number that is not a whole number in range (1e999, a bool, a string) is a
+    ValueError or TypeError naming it, never an OverflowError or MemoryError later."""
+    data = json.loads(NS.config_json("m"))
+    target = data
+    for step in path[:-1]:
+        target = target[step]
+    target[path[-1]] = value
+    with pytest.raises((ValueError, TypeError)):
+        Namespace.from_dict(data)
+    if path in (("tp_size",), ("pp_size",)):
+        with pytest.raises(ValueError, match=path[0]):
+            stored_ranks_of(data)
 
 
 def test_older_spec_is_refused_by_name():

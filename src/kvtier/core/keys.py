@@ -174,14 +174,18 @@ class Namespace:
         version = data.get("spec_version")
         if version != KEY_SPEC_VERSION:
             raise SpecVersionError(f"key spec {version!r}, this kvtier reads {KEY_SPEC_VERSION!r}")
-        ranks = tuple(PageFormat(**{**rank, "backends": tuple(rank["backends"])}) for rank in data["ranks"])
+        tp_size, pp_size = _count(data["tp_size"], "tp_size", MAX_RANKS), _count(data["pp_size"], "pp_size", MAX_RANKS)
+        raw_ranks = data["ranks"]
+        if not isinstance(raw_ranks, list | tuple) or len(raw_ranks) > tp_size * pp_size:
+            raise ValueError(f"'ranks' must be a list of at most tp_size * pp_size = {tp_size * pp_size} page formats")
+        ranks = tuple(_page_format(rank) for rank in raw_ranks)
         return cls(
-            model=ModelIdentity(**data["model"]),
+            model=ModelIdentity(**{name: _text(value, f"model.{name}") for name, value in data["model"].items()}),
             ranks=ranks,
-            block_tokens=int(data["block_tokens"]),
-            tp_size=int(data["tp_size"]),
-            pp_size=int(data["pp_size"]),
-            rank=int(data.get("rank", 0)),
+            block_tokens=_count(data["block_tokens"], "block_tokens", MAX_BLOCK_TOKENS),
+            tp_size=tp_size,
+            pp_size=pp_size,
+            rank=_count(data.get("rank", 0), "rank", MAX_RANKS * MAX_RANKS, low=0),
             replicated=bool(data.get("replicated", False)),
         )
 
@@ -192,7 +196,40 @@ def stored_ranks_of(config: dict) -> int:
     Raises TypeError/ValueError for values that are not numbers."""
     if config.get("replicated") is True:
         return 1
-    return max(1, int(config.get("tp_size", 1)) * int(config.get("pp_size", 1)))
+    return _count(config.get("tp_size", 1), "tp_size", MAX_RANKS) * _count(config.get("pp_size", 1), "pp_size", MAX_RANKS)
+
+
+MAX_RANKS = 1024
+"""Most tensor-parallel (and pipeline-parallel) ranks a namespace read from outside may name."""
+MAX_BLOCK_TOKENS = 1 << 20
+"""Most tokens per block a namespace read from outside may name."""
+_PAGE_COUNTS = {"engine_block_tokens": MAX_BLOCK_TOKENS, "num_layers": 1 << 16, "num_kv_heads": 1 << 16,
+                "head_size": 1 << 16, "page_bytes": 1 << 40}
+
+
+def _count(value: object, name: str, high: int, *, low: int = 1) -> int:
+    """``value`` as a whole number in ``[low, high]``: a namespace read from a file or a frame
+    (a JSON number may be 1e999, a bool, a string) is checked before anything computes with it."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name!r} must be a whole number from {low} to {high}, got {value!r:.40}")
+    return value
+
+
+def _text(value: object, name: str) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"{name!r} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _page_format(raw: object) -> PageFormat:
+    if not isinstance(raw, dict):
+        raise TypeError(f"a page format must be an object, got {type(raw).__name__}")
+    backends = raw.get("backends")
+    if not isinstance(backends, list | tuple):
+        raise TypeError("a page format's 'backends' must be a list")
+    fields = {name: (_count(value, name, _PAGE_COUNTS[name]) if name in _PAGE_COUNTS else _text(value, name))
+              for name, value in raw.items() if name != "backends"}
+    return PageFormat(**fields, backends=tuple(_text(b, "backends[]") for b in backends))
 
 
 @dataclass(frozen=True)
