@@ -455,6 +455,33 @@ def fill(tier: DiskTier, n: int) -> list[bytes]:
     return keys
 
 
+def test_a_ledger_locked_by_another_process_for_long_is_given_up_not_waited_on(tier, monkeypatch, caplog):
+    """Another process (hung, or a writer of the root doing it on purpose: a read-only open is
+    enough) holds a lock on the ledger: writes, removals and the operator's tools wait at most
+    LOCK_WAIT_S, then go on without it (capacity bounded per process, as on a root that cannot lock)."""
+    import fcntl
+
+    from kvtier.tiers.disk import ledger as ledger_module
+
+    keys = fill(tier, 2)
+    layout = layout_of(tier)
+    monkeypatch.setattr(ledger_module, "LOCK_WAIT_S", 0.3)
+    holder = os.open(ledger_path(layout), os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_SH)
+    try:
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING):
+            assert write(tier, key_for(3, 50), job=50).ok and tier.contains(key_for(3, 50))
+            assert tier.sharing is Sharing.PER_PROCESS
+            assert "held by another process" in caplog.text
+            tool = Ledger.for_tool(layout)
+            paths = [str(tier.block_path(keys[0], rank)) for rank in range(WORLD)]
+            assert [o.removed for o in tool.remove(paths)] == [True] * WORLD
+        assert time.monotonic() - began < 5.0
+    finally:
+        os.close(holder)
+
+
 def test_files_deleted_by_hand_are_given_back_by_a_rescan(tier):
     keys = fill(tier, 10)
     layout = layout_of(tier)

@@ -52,7 +52,9 @@ Invariants, kept by every writer and remover of those files:
 Threads: engines update it from the disk tier's worker threads only (writes and removals on the
 write pool, quarantines on the read pool, scans on the scan thread; the constructor attaches it);
 each update may wait for the lock (microseconds; a write's charge also creates its temp files, a
-rebuild walks the namespace's names). The operator
+rebuild walks the namespace's names), and at most :data:`LOCK_WAIT_S`: a lock held longer by
+another process (hung, or a writer of the root holding it on purpose) makes this process give the
+ledger up (:attr:`Sharing.PER_PROCESS`, logged), never wait on it forever. The operator
 tools (``kvtier purge``, ``kvtier verify``) give back what they remove through the same lock, and
 leave a missing or unreadable ledger to the engines.
 """
@@ -66,6 +68,7 @@ import fcntl
 import logging
 import os
 import struct
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -87,6 +90,13 @@ _NO_LOCKS = frozenset({errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOS
 _Made = TypeVar("_Made")
 REMOVE_BATCH = 256
 """Most files removed under one hold of the lock (a sweep of millions releases it in between)."""
+LOCK_WAIT_S = 10.0
+"""Longest wait for the ledger's lock. kvtier's processes hold it for microseconds (a rebuild walks
+the namespace's names: longer, once); a process that holds it longer (hung, or a writer of the root
+holding a lock on the file on purpose) makes this one give the ledger up, as on a filesystem that
+cannot lock (:attr:`Sharing.PER_PROCESS`, logged), rather than wait on it forever."""
+_LOCK_PAUSE_S = (0.0005, 0.02)
+"""The first and the longest pause between tries of the lock while it is held."""
 
 
 class Sharing(enum.Enum):
@@ -291,8 +301,14 @@ class Ledger:
         if self.sharing is Sharing.PER_PROCESS:
             yield self._untracked()
             return
-        fd = self._open_locked()
-        if fd is None:  # a tool and no ledger: the engines build it from the files
+        try:
+            fd = self._open_locked()
+        except LockTimeout as exc:
+            self.sharing = Sharing.PER_PROCESS
+            logger.warning("kvtier disk: %s: %s; capacity_bytes now bounds only what this process indexes "
+                           "(processes sharing this root may together exceed it)", self.path, exc)
+            fd = None
+        if fd is None:  # a tool and no ledger (the engines build it from the files), or given up
             yield self._untracked()
             return
         try:
@@ -335,7 +351,7 @@ class Ledger:
             if fd is None:
                 return None
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                _lock(fd, self.path)
                 mine = os.fstat(fd)
                 current = self._layout.fs.lstat(self.path)
                 if (mine.st_dev, mine.st_ino) == (current.st_dev, current.st_ino):
@@ -379,3 +395,24 @@ class Ledger:
                 raise
             return fd
         raise OSError(errno.EAGAIN, f"cannot create {self.path}")
+
+
+class LockTimeout(OSError):
+    """The ledger's lock stayed held for :data:`LOCK_WAIT_S`."""
+
+
+def _lock(fd: int, path: str) -> None:
+    """Take the exclusive ``flock`` of ``fd``, waiting at most :data:`LOCK_WAIT_S` (tries a
+    moment apart: ``flock`` itself cannot time out); raises :class:`LockTimeout`."""
+    deadline = time.monotonic() + LOCK_WAIT_S
+    pause, longest = _LOCK_PAUSE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise LockTimeout(errno.ETIMEDOUT, f"its lock was held by another process for over {LOCK_WAIT_S:g} s",
+                                  path) from None
+            time.sleep(pause)
+            pause = min(2 * pause, longest)
