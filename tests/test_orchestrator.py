@@ -8,8 +8,11 @@ import pytest
 from support.namespaces import toy_namespace
 
 from kvtier.core.keys import chain_block_keys
+from kvtier.core.stats import KVTierStats
 from kvtier.policy.admission import StoreAdmission
+from kvtier.replay.sim_tiers import SimDiskTier
 from kvtier.runtime.orchestrator import AcquireStatus, BlockInfo, HostBytes, Orchestrator
+from kvtier.tiers.base import Medium, TierUsage
 from kvtier.tiers.blockfile import HEADER_LEN
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.host import HostIndex
@@ -304,3 +307,69 @@ def test_stats_count_host_evictions_and_those_that_continued_a_run_since_the_las
     stats = orch.take_stats()
     assert (stats.host_evictions, stats.host_run_evictions) == (1, 1)
     assert (orch.take_stats().host_evictions, orch.take_stats().host_run_evictions) == (0, 0)
+
+
+def test_a_write_that_fails_with_an_io_error_is_counted_alike_in_every_way_in(tmp_path, monkeypatch):
+    """A tier write that fails (disk EIO here; a Redis error reply, an S3 PUT that failed) stored
+    nothing, as a dropped one: the core (embedded engine, node service) counts it in
+    ``<tier>_writes_dropped`` and the native ChunkStore in a reason of kvtier_offload_stores_dropped,
+    both by the one mapping WRITE_FAILURES."""
+    import errno
+
+    import kvtier.tiers.disk.writer as writer
+    from kvtier.runtime.chunks.rows import Rows
+    from kvtier.runtime.chunks.store import ChunkStore
+
+    def eio(*_args, **_kwargs):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    monkeypatch.setattr(writer, "_fill", eio)
+    orch, buffers = make(tmp_path / "embedded")
+    store(orch, buffers, keys(2))
+    settle(orch)
+    stats = orch.take_stats()
+    assert orch.disk.stats.io_errors == 2 and stats.host_to_disk.jobs == 0
+    assert stats.disk_writes_dropped == 2 and stats.promotion_failures == 0
+    orch.close()
+
+    from kvtier.tiers.base import WRITE_FAILURES, IoError, write_failure
+
+    tier = make(tmp_path / "native")[0].disk
+    region = bytearray(SLOT * 2)
+    chunks = ChunkStore(tier, Rows(memoryview(region).cast("B", (2, SLOT)), copies=1, payload_bytes=SLOT),
+                        namespace_digest=NS.digest, chunk_tokens=16)
+    chunks.submit_store(1, [b"k" * 36], [0])
+    deadline = time.monotonic() + 10
+    while not (outcomes := chunks.poll()):
+        assert time.monotonic() < deadline, "the store job never completed"
+        time.sleep(0.005)
+    assert not outcomes[0].ok and dict(chunks.counts) == {write_failure(IoError.IO).reason: 1}
+    chunks.close()
+    assert write_failure(None) == WRITE_FAILURES[IoError.IO] and set(WRITE_FAILURES) == {IoError.IO, IoError.DROPPED}
+    assert {f.counter for f in WRITE_FAILURES.values()} == {"writes_dropped"}
+
+
+class _SimS3(SimDiskTier):
+    """An in-memory tier (kvtier.replay.sim_tiers) standing for the S3 tier: a capacity it keeps
+    by evicting, as S3's capacity sweeps do."""
+
+    medium = Medium.S3
+
+    def usage(self) -> TierUsage:
+        return TierUsage(Medium.S3, self.index.used, self.index.capacity, len(self.index.index))
+
+
+def test_stats_count_s3_evictions_since_the_last_take():
+    """Every secondary tier's evictions reach KVTierStats, as disk_evictions do (kvtier_evictions{tier};
+    the node service: evicted_<tier>); the connector's Prometheus side: tests/test_prom.py."""
+    block_bytes = HEADER_LEN + SLOT
+    s3 = _SimS3(capacity_bytes=2 * block_bytes, block_bytes=block_bytes)
+    buffers = [bytearray(SLOT * 8)]
+    orch = Orchestrator(HostIndex(8), HostBytes([memoryview(b) for b in buffers], SLOT), [s3], StoreAdmission(0, 100))
+    store(orch, buffers, keys(5))
+    settle(orch)
+    stats = orch.take_stats()
+    assert s3.evictions == 3 and stats.s3_evictions == 3 and stats.disk_evictions == 0
+    assert KVTierStats.from_dict(stats.as_dict()).s3_evictions == 3
+    assert orch.take_stats().s3_evictions == 0
+    orch.close()

@@ -527,6 +527,56 @@ def test_corrupt_values_are_never_served_counted_and_deleted(server, tiers, muta
     assert result.ok  # the rest is untouched
 
 
+@pytest.mark.parametrize("piece_bytes", [PIECE_BYTES, 1000])
+def test_an_empty_value_is_corrupt_counted_and_deleted_not_a_miss_found_again_forever(
+    server, tiers, piece_bytes, monkeypatch, caplog
+):
+    """GETRANGE answers "" for an empty value as for a missing key. An empty reply is asked again as
+    EXISTS then GETRANGE in one pipeline: EXISTS 1 then "" is CORRUPT (counted, UNLINKed: EXISTS
+    no longer answers 1 for it, so it is not found present again by every probe); EXISTS 0 is a
+    miss that removes nothing; a valid value another engine wrote meanwhile is served, never removed."""
+    tier = tiers(config_for(server), piece_bytes=piece_bytes)
+    tier.residency.enable()
+    key, other, late = key_of(1), key_of(2), key_of(3)
+    write_all(tier, [key, other, late])
+    admin = server.client()
+    name = tier.keys.block(key)
+    admin.set(name, b"")
+    tier.residency.take()
+    batches = tier.stats.read_batches
+    with caplog.at_level(logging.WARNING):
+        result, data = read_one(tier, key)
+    assert not result.ok and result.error is IoError.CORRUPT and "empty value" in caplog.text
+    assert tier.stats.read_batches - batches == 2  # the read, then EXISTS + GETRANGE
+    assert tier.stats.corrupt == 1 and tier.stats.read_misses == 0 and tier.presence(key) is Presence.ABSENT
+    assert [(c.kind, c.key) for c in tier.residency.take()] == [(ChangeKind.REMOVED, key)]
+    wait_for(tier, lambda: admin.exists(name) == 0, what="empty value deleted")
+    wait_for(tier, lambda: tier.stats.removed == 1, what="removal counted")
+    fresh = tiers(config_for(server))
+    probe_now(fresh, [key])
+    assert fresh.presence(key) is Presence.ABSENT
+    # A missing key: EXISTS 0, a miss; nothing is removed, nothing counted corrupt.
+    result, _ = read_one(tier, key_of(99))
+    assert result.error is IoError.NOT_FOUND and tier.stats.corrupt == 1 and tier.stats.removed == 1
+    # Missing at the first read, written by another engine before the second: served, kept.
+    late_name, value = tier.keys.block(late), admin.get(tier.keys.block(late))
+    admin.delete(late_name)
+    client, run = tier._path.client, tier._path.client.run
+
+    def write_between(commands, **kwargs):
+        replies = run(commands, **kwargs)
+        if commands[0][0] == b"GETRANGE" and commands[0][1] == late_name and not admin.exists(late_name):
+            admin.set(late_name, value)
+        return replies
+
+    monkeypatch.setattr(client, "run", write_between)
+    result, data = read_one(tier, late)
+    assert result.ok and data == [payload_of(late, 0)] and admin.get(late_name) == value
+    assert tier.stats.corrupt == 1
+    result, _ = read_one(tier, other)
+    assert result.ok  # the rest is untouched
+
+
 def test_pieces_that_fail_a_check_are_read_again_whole_before_anything_is_called_corrupt(
     server, tiers, monkeypatch
 ):
@@ -555,7 +605,7 @@ def test_pieces_that_fail_a_check_are_read_again_whole_before_anything_is_called
     assert tier.stats.read_batches - batches == 2  # the pieces, then one GET per failed read
     assert all(server.client().exists(tier.keys.block(k)) for k in keys)
     monkeypatch.setattr(PieceLander, "finish", finish)
-    # A missing key: GETRANGE answers "" (as for an empty value), the GET says nil: NOT_FOUND.
+    # A missing key: GETRANGE answers "" (as for an empty value), EXISTS says 0: NOT_FOUND.
     result, data = read_one(tier, key_of(99))
     assert result.error is IoError.NOT_FOUND and tier.stats.corrupt == 0
 
@@ -667,6 +717,13 @@ def test_server_killed_fails_fast_opens_breaker_and_recovers_after_restart(serve
     keys = [key_of(n) for n in range(4)]
     write_all(tier, keys)
     server.kill()
+    # Before the breaker opens: a write and a read that found the server gone are counted unavailable
+    # (kvtier_offload_unavailable, RemoteTier's accounting, as for the S3 tier).
+    assert tier.submit_write(50, key_of(50), PARENT, 1, [memoryview(bytes(PAYLOAD))])
+    (written,) = wait_results(tier, 1)
+    assert written.error is IoError.IO and tier.stats.unreachable == 1 == tier.unavailable
+    result, _ = read_one(tier, keys[0])
+    assert result.error is IoError.IO and tier.stats.unreachable == 2 == tier.unavailable
     deadline = time.monotonic() + 10
     slowest = 0.0
     while tier.breaker.closed:
@@ -683,6 +740,7 @@ def test_server_killed_fails_fast_opens_breaker_and_recovers_after_restart(serve
     assert tier.stats.writes_dropped == dropped + 1
     result, _ = read_one(tier, keys[0])
     assert result.error is IoError.IO and tier.stats.breaker_rejects >= 1
+    assert tier.unavailable == tier.stats.unreachable + tier.stats.breaker_rejects
     server.start()  # same port, empty (no persistence)
     took = wait_for(tier, lambda: tier.breaker.closed, timeout=10, what="recovery")
     assert took < 8
@@ -851,6 +909,12 @@ def test_cluster_round_trip_across_slots_and_nodes(redis_factory, tiers):  # noq
         all(other.presence(k) is Presence.PRESENT for k in keys)
         and other.presence(key_of(99)) is Presence.ABSENT
     )
+    # An empty value: EXISTS and GETRANGE of its key go to its node in one pipeline: CORRUPT, deleted.
+    empty = tier.keys.block(keys[0])
+    assert list(tier._client.run([(b"SET", empty, b"")])) == [b"OK"]
+    result, _ = read_one(tier, keys[0], world=2)
+    assert result.error is IoError.CORRUPT and tier.stats.corrupt == 1
+    wait_for(tier, lambda: list(tier._client.run([(b"EXISTS", empty)])) == [0], what="empty value deleted")
     tier.clear()
     wait_for(tier, lambda: tier.stats.removed == 12, what="cluster clear")
     assert sum(node.client().dbsize() for node in cluster.nodes) == 1

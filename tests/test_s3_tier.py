@@ -483,12 +483,37 @@ def test_a_paused_store_costs_misses_never_a_wait_then_recovers(s3, tiers):
         tier.submit_read(10, keys[0], [memoryview(bytearray(PAYLOAD))])
         assert time.perf_counter() - started < 0.05, "the caller waited on a paused store"
         assert tier.stats.unreachable >= 3 and tier.unavailable >= 3
+        assert tier.unavailable == tier.stats.unreachable + tier.stats.breaker_rejects  # RemoteTier's, as Redis's
     finally:
         s3.resume()
     wait_for(tier, lambda: tier.breaker.closed, timeout=20, what="recovered")
     wait_for(tier, lambda: tier.presence(keys[0]) is Presence.PRESENT, what="listed again")
     result, data = read_one(tier, keys[1])
     assert result.ok and data == [payload_of(keys[1], 0)]
+
+
+def test_jobs_that_found_the_store_unreachable_are_counted_once_by_remote_tier(tiers, monkeypatch):
+    """RemoteTier counts reads and writes whose request found the store unreachable (S3's fault
+    value is its UNREACHABLE), as for Redis; the S3 tier adds only its own faults (throttled...)."""
+    from support.redis_server import free_port
+
+    from kvtier.tiers.remote import MSG_IO, UNREACHABLE
+    from kvtier.tiers.s3.client import Fault
+
+    assert Fault.UNREACHABLE.value == UNREACHABLE
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
+    tier = tiers(S3TierConfig(url="s3://b/p", bucket="b", prefix="p", endpoint=f"http://127.0.0.1:{free_port()}",
+                              path_style=True, timeout_s=0.5, connect_timeout_s=0.3))
+    tier.poll()
+    before = tier.unavailable
+    failed = [IoResult(1, IoKind.READ, key_of(1), False, error=IoError.IO),
+              IoResult(2, IoKind.WRITE, key_of(2), False, error=IoError.IO),
+              IoResult(3, IoKind.READ, key_of(3), False, error=IoError.IO)]
+    tier.outbox.put([(MSG_IO, failed[0], UNREACHABLE), (MSG_IO, failed[1], UNREACHABLE, None),
+                     (MSG_IO, failed[2], Fault.THROTTLED.value)])
+    tier.poll()
+    assert tier.stats.throttled == 1 and tier.unavailable - before == 2
 
 
 def test_down_at_start_up_starts_with_misses_and_recovers_when_the_store_is_back(s3, tiers, caplog):

@@ -83,6 +83,7 @@ class KVTierStats:
     host_to_s3: TransferCounters = field(default_factory=TransferCounters)
     s3_to_host: TransferCounters = field(default_factory=TransferCounters)
     disk_evictions: int = 0
+    s3_evictions: int = 0  # by this engine's capacity sweeps (a Redis server evicts without telling)
     host_used_bytes: int | None = field(default=None, metadata=GAUGE)
     host_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
     host_blocks: int | None = field(default=None, metadata=GAUGE)
@@ -104,8 +105,10 @@ class KVTierStats:
         """``medium`` -> host transfers (promotions)."""
         return getattr(self, f"{_TIER_NAMES[medium]}_to_host")
 
-    def count_write_dropped(self, medium: Medium) -> None:
-        name = f"{_TIER_NAMES[medium]}_writes_dropped"
+    def count_write_dropped(self, medium: Medium, counter: str = "writes_dropped") -> None:
+        """A write to ``medium`` that did not store its block (dropped or failed): ``counter`` names
+        its reason's counter of that tier (:data:`kvtier.tiers.base.WRITE_FAILURES`)."""
+        name = f"{_TIER_NAMES[medium]}_{counter}"
         setattr(self, name, getattr(self, name) + 1)
 
     def count_failed_read(self, counter: str | None) -> None:

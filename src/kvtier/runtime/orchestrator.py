@@ -267,6 +267,8 @@ class Orchestrator:
             evictions = self._since_reported(tier.medium, tier.evictions)
             if tier.medium is Medium.DISK:
                 stats.disk_evictions = evictions
+            elif tier.medium is Medium.S3:
+                stats.s3_evictions = evictions
         return stats
 
     def _since_reported(self, medium: Medium | str | None, total: int) -> int:

@@ -21,7 +21,8 @@ the orchestrator shares between all tiers so that it can wait for the next outco
 (:mod:`kvtier.tiers.outbox`) when it has nothing else to do.
 
 Failures never raise into the caller: a failed read is an ``IoResult`` with ``ok=False`` and a
-:class:`IoError` reason; the block is then a miss. A failed write only costs a future miss.
+:class:`IoError` reason; the block is then a miss. A failed write only costs a future miss
+(counted by :data:`WRITE_FAILURES`, as failed reads are by :data:`READ_FAILURES`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from kvtier.core.keys import BlockKey
 from kvtier.core.residency import Medium, ResidencyLog
 from kvtier.tiers.outbox import Outbox
 
-__all__ = ["READ_FAILURES", "IoError", "IoKind", "IoResult", "Medium", "Presence", "ReadFailure", "SecondaryTier",
-           "TierUsage", "first_holder", "read_failure"]
+__all__ = ["READ_FAILURES", "WRITE_FAILURES", "IoError", "IoKind", "IoResult", "Medium", "Presence", "ReadFailure",
+           "SecondaryTier", "TierUsage", "WriteFailure", "first_holder", "read_failure", "write_failure"]
 
 
 class Presence(enum.Enum):
@@ -85,6 +86,30 @@ READ_FAILURES: dict[IoError, ReadFailure] = {
 def read_failure(error: IoError | None) -> ReadFailure:
     failure = READ_FAILURES.get(error) if error is not None else None
     return failure or READ_FAILURES[IoError.IO]
+
+
+class WriteFailure(NamedTuple):
+    """How one failed write (the block was not stored: a future miss) is counted, whichever way in:
+    ``reason``, the :class:`~kvtier.runtime.chunks.store.ChunkStore` count (every reason adds to
+    ``kvtier_offload_stores_dropped``: kvtier's tiers behind vLLM's offloading); ``counter``, the
+    :class:`~kvtier.core.stats.KVTierStats` counter of the tier it adds to (``<tier>_<counter>``:
+    ``kvtier_writes_dropped{tier}`` of an embedded engine, ``writes_dropped_<tier>`` /
+    ``kvtier_node_cascade_dropped_blocks{tier}`` of the node service)."""
+
+    reason: str
+    counter: str
+
+
+WRITE_FAILURES: dict[IoError, WriteFailure] = {
+    IoError.DROPPED: WriteFailure("stores_dropped", "writes_dropped"),  # no room, queue full, server full or down
+    IoError.IO: WriteFailure("store_errors", "writes_dropped"),  # failed: EIO, an error reply, a PUT that failed
+}
+"""The one IoError -> counter mapping of failed writes: dropped or failed, each counted."""
+
+
+def write_failure(error: IoError | None) -> WriteFailure:
+    failure = WRITE_FAILURES.get(error) if error is not None else None
+    return failure or WRITE_FAILURES[IoError.IO]
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,12 @@ post a list of messages) and counts it. A subclass runs the requests (:meth:`Rem
 
 Messages every such tier's workers post: ``(MSG_IO, IoResult, detail[, WriteJob])`` for a job
 (``detail``: None, ``"breaker"`` refused while the breaker was open, ``"dedup"`` completed at once,
-or a tier's own word for the failure) and ``(MSG_PROBE, keys, found)`` for a probe (``found[i]``
-None where that key got no answer).
+:data:`UNREACHABLE` its request found the server unreachable, or a tier's own word for the failure)
+and ``(MSG_PROBE, keys, found)`` for a probe (``found[i]`` None where that key got no answer).
+
+Unavailability is counted here, alike for every such tier: reads and writes whose request found the
+server unreachable (``unreachable``) and reads refused while the breaker was open
+(``breaker_rejects``) make :attr:`RemoteTier.unavailable` (``kvtier_offload_unavailable``).
 
 Threading: every method runs on the caller's (orchestrator's) thread; the state here is that
 thread's alone, so it needs no lock. Workers only post.
@@ -38,6 +42,7 @@ from kvtier.tiers.value import value_bytes
 
 MSG_IO = "io"  # (MSG_IO, IoResult, detail[, the WriteJob of a write])
 MSG_PROBE = "probe"  # (MSG_PROBE, keys, found: list[bool | None]  (None: the probe of that key failed))
+UNREACHABLE = "unreachable"  # MSG_IO detail: the job's request found the server unreachable (no answer)
 _ABSENT, _PRESENT = Presence.ABSENT, Presence.PRESENT
 
 
@@ -70,7 +75,8 @@ class RemoteTier(SecondaryTier):
     knows_absence = False  # the server may hold what this process never heard of
 
     _monitor: Any = None  # the tier's monitor thread (``wake()``: the breaker opened), once started
-    stats_type: type  # the tier's frozen counters dataclass: its fields, less ``breaker_opens``, are counted here
+    stats_type: type  # the tier's frozen counters dataclass (with ``breaker_rejects`` and ``unreachable``): its
+    # fields, less ``breaker_opens``, are counted here
 
     def __init__(self, *, medium: Medium, rank_digests: Sequence[bytes],
                  payload_bytes: int, max_pending_writes: int, reconnect_max_s: float,
@@ -266,6 +272,12 @@ class RemoteTier(SecondaryTier):
         return self._breaker
 
     @property
+    def unavailable(self) -> int:  # type: ignore[override]
+        """Reads and writes whose request found the server unreachable (``unreachable``), and reads
+        refused at once while the breaker was open (``breaker_rejects``): each a miss or a store lost."""
+        return int(self._counts["unreachable"] + self._counts["breaker_rejects"])
+
+    @property
     def stats(self) -> Any:
         """A snapshot of the tier's counters (its :attr:`stats_type`)."""
         return self.stats_type(**self._counts, breaker_opens=self._breaker.opens)
@@ -307,6 +319,7 @@ class RemoteTier(SecondaryTier):
         else:
             counts["io_errors"] += 1
             counts["breaker_rejects"] += detail == "breaker"
+            counts["unreachable"] += detail == UNREACHABLE
             self._read_failed(result, detail)
             self._presence.failed(result.key)
             return
@@ -341,6 +354,7 @@ class RemoteTier(SecondaryTier):
             self._write_failed(result, detail)
         else:
             counts["io_errors"] += 1
+            counts["unreachable"] += detail == UNREACHABLE
             self._write_failed(result, detail)
         if key not in self._writing:
             self._cancelled.discard(key)

@@ -17,7 +17,7 @@ to a block is the same whichever way it came in:
   (:class:`WriteBacklog`), so a long prompt's blocks all reach a slow tier; one that takes no
   writes (closed, server down) drops them, counted;
 - **completions** (:meth:`TierStack.poll`) are counted in :attr:`TierStack.stats` (failed reads by
-  :data:`~kvtier.tiers.base.READ_FAILURES`); every :data:`REFRESH_INTERVAL_S` the tiers look for
+  :data:`~kvtier.tiers.base.READ_FAILURES`, failed writes by :data:`~kvtier.tiers.base.WRITE_FAILURES`); every :data:`REFRESH_INTERVAL_S` the tiers look for
   blocks other processes stored.
 
 Threads: ONE thread calls every method and never waits on I/O, except in :meth:`TierStack.wait`
@@ -41,7 +41,8 @@ from typing import Generic, Protocol, TypeVar
 
 from kvtier.core.keys import BlockKey
 from kvtier.core.stats import KVTierStats
-from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, SecondaryTier, first_holder, read_failure
+from kvtier.tiers.base import (IoError, IoKind, IoResult, Medium, SecondaryTier, first_holder, read_failure,
+                               write_failure)
 from kvtier.tiers.outbox import wait_for_any
 
 logger = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ class TierStack:
 
     def _drop(self, tier: SecondaryTier, item: tuple[BlockKey, BlockInfo]) -> None:
         self.index.unpin(item[0])
-        self.stats.count_write_dropped(tier.medium)
+        self.stats.count_write_dropped(tier.medium, write_failure(IoError.DROPPED).counter)
 
     # --- completions --------------------------------------------------------------------
     def poll(self) -> None:
@@ -306,8 +307,8 @@ class TierStack:
         self.index.unpin(key)
         if result.ok:
             self.stats.written_to(tier.medium).record(result.num_bytes, result.seconds)
-        elif result.error is IoError.DROPPED:
-            self.stats.count_write_dropped(tier.medium)
+        else:  # dropped or failed: not stored either way
+            self.stats.count_write_dropped(tier.medium, write_failure(result.error).counter)
 
     def _read(self, result: IoResult) -> None:
         read = self._reads.pop(result.job_id, None)

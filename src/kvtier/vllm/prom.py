@@ -22,6 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 from kvtier.core.stats import KVTierStats
 
+_WRITES_DROPPED_HELP = ("Writes to a secondary tier that did not store their block, by tier: dropped (queue full, "
+                        "no room, disk full, server down or full) or failed (I/O error, error reply)")
 # stats field -> (metric name, help, extra label name, label value)
 _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "lookups": ("kvtier_lookups", "Prefix lookups answered by kvtier", None, None),
@@ -40,12 +42,9 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "stores_skipped_loaded_elsewhere": ("kvtier_stores_skipped_loaded_elsewhere",
                                         "Blocks not stored because another connector of vLLM's MultiConnector "
                                         "loaded them (store_loaded_elsewhere: false)", None, None),
-    "disk_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
-                            "disk full, server down or full), by tier", "tier", "disk"),
-    "remote_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
-                              "disk full, server down or full), by tier", "tier", "remote"),
-    "s3_writes_dropped": ("kvtier_writes_dropped", "Writes to a secondary tier dropped (queue full, no room, "
-                          "disk full, server down or full), by tier", "tier", "s3"),
+    "disk_writes_dropped": ("kvtier_writes_dropped", _WRITES_DROPPED_HELP, "tier", "disk"),
+    "remote_writes_dropped": ("kvtier_writes_dropped", _WRITES_DROPPED_HELP, "tier", "remote"),
+    "s3_writes_dropped": ("kvtier_writes_dropped", _WRITES_DROPPED_HELP, "tier", "s3"),
     "promotions": ("kvtier_promotions", "Blocks promoted from disk into the host tier", None, None),
     "promotion_failures": ("kvtier_promotion_failures", "Disk reads that failed (block became a miss)", None, None),
     "load_errors": ("kvtier_load_errors", "Loads into the engine that failed (recomputed by vLLM)", None, None),
@@ -66,6 +65,7 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "host_run_evictions": ("kvtier_run_evictions", "Of kvtier_evictions: cold blocks evicted early to continue a "
                            "run of consecutive slots (a copy job then moves as few large runs)", "tier", "host"),
     "disk_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "disk"),
+    "s3_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "s3"),
 }
 # stats gauge field -> (metric name, help, tier label value)
 _USAGE_GAUGES: dict[str, tuple[str, str, str]] = {

@@ -44,7 +44,8 @@ import blake3
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import ChangeKind
 from kvtier.runtime.chunks.rows import Rows
-from kvtier.tiers.base import IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage, read_failure
+from kvtier.tiers.base import (IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage, read_failure,
+                               write_failure)
 from kvtier.tiers.outbox import wait_for_any
 from kvtier.tiers.stack import REFRESH_INTERVAL_S, WriteBacklog
 
@@ -169,7 +170,8 @@ class ChunkStore:
 
     def submit_store(self, job_id: int, engine_keys: Sequence[bytes], rows: Sequence[int]) -> None:
         """Write each chunk's row under its key: every chunk is taken (see the module docstring);
-        those beyond the tier's room wait here, in order, and are submitted by later polls."""
+        those beyond the tier's room wait here, in order, and are submitted by later polls. A chunk
+        not stored is counted by its reason (:data:`~kvtier.tiers.base.WRITE_FAILURES`)."""
         job = self._open(job_id, IoKind.WRITE)
         waiting, held = self._waiting, []
         for engine_key, row in zip(engine_keys, rows, strict=True):
@@ -314,7 +316,7 @@ class ChunkStore:
         return True
 
     def _drop(self, tier: SecondaryTier, chunk: tuple[int, bytes, int]) -> None:
-        self.counts["stores_dropped"] += 1  # the tier takes no writes (closed, server down)
+        self.counts[write_failure(IoError.DROPPED).reason] += 1  # the tier takes no writes (closed, server down)
         job_id, engine_key, _row = chunk
         job = self._jobs[job_id]
         job.pending -= 1
@@ -336,7 +338,7 @@ class ChunkStore:
             if result.kind is IoKind.READ:
                 self.counts[read_failure(result.error).reason] += 1
             else:
-                self.counts["stores_dropped" if result.error is IoError.DROPPED else "store_errors"] += 1
+                self.counts[write_failure(result.error).reason] += 1
                 if self._names is not None:
                     self._names.pop(result.key, None)
         self._settle_if_done(job_id, job)

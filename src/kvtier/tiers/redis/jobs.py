@@ -12,17 +12,31 @@ touches the tier's caller-side state and never raises.
 - Reads: ``GETRANGE name 0 <value length>``, never ``GET``: a reply is at most one byte longer
   than a record of this tier can be, so a value planted under a block key that is larger (any
   size: 256 MiB cost the reader +514 MiB with ``GET``) costs the reader that many bytes and a
-  counted CORRUPT miss, not its size in memory; the extra byte shows that it is longer. (An empty
-  reply is a missing key, or an empty value: both NOT_FOUND.) Each reply (``bytes``, parsed by redis-py) is handled as soon as it is read,
+  counted CORRUPT miss, not its size in memory; the extra byte shows that it is longer. Each reply
+  (``bytes``, parsed by redis-py) is handled as soon as it is read,
   while the server is already sending the next one (``run(on_reply=...)``): its length and
   headers are checked where it is, then its payloads are copied into the caller's buffers, each
   checksummed as it is copied (:func:`~kvtier.tiers.redis.codec.decode_value`: one pass, the
   least a maintained client allows), and the reply is dropped, so a batch holds one value at a
-  time. A missing key (nil) is NOT_FOUND; a wrong length, a failed check or a non-string value
+  time. A wrong length, a failed check, an empty value (below) or a non-string value
   (``WRONGTYPE``) is CORRUPT: counted, never served (the read is not ok, so the caller discards
   its buffers), and the key is UNLINKed right after the batch's results are posted. A batch
   whose exchange fails after some values landed fails every read of it (IO): the caller
   discards those buffers too.
+- A value is called corrupt (and UNLINKed) only from one atomic observation of it: one
+  ``GETRANGE`` reply, never a check that failed across pieces (those are read again, whole:
+  :data:`REREAD`). ``GETRANGE`` answers "" both for a missing key and for an empty value, so an
+  empty reply decides nothing by itself (:data:`EMPTY`): the key is read again in a second round
+  trip as ``EXISTS name`` then ``GETRANGE`` in one pipeline (one connection, run in order; a
+  cluster sends both to the key's node, grouped by ``args[1]``). EXISTS 0 (or an error): NOT_FOUND,
+  a miss. EXISTS 1 then "": when the GETRANGE ran, the key held no record of this tier (a record is
+  never empty): an empty value, or one deleted between the two commands. Either way nothing valid
+  is lost by UNLINKing it: the only value the UNLINK can remove that the read did not see is one
+  written after the read, the window every corrupt value's removal has. It is CORRUPT (counted in
+  ``corrupt`` / ``checksum_failures``, UNLINKed, then a miss), so an empty value is not found
+  present again by every later probe (EXISTS answers 1 for it). The other order (GETRANGE "", then
+  EXISTS 1) could be a valid value written in between, and is never used. A value that is no
+  longer empty by then is read and checked like any other.
 - Writes: ``SET name value [EX ttl]``, the value ONE argument given as its parts
   (:class:`~kvtier.tiers.redis.wire.ValueParts` of :func:`~kvtier.tiers.redis.codec.encode_value`:
   each rank's header, then its payload, the host slot itself): the packer sends the slots as
@@ -32,8 +46,9 @@ touches the tier's caller-side state and never raises.
 - Probes: ``EXISTS`` per key. Removals and TTL refreshes: ``UNLINK`` / ``EXPIRE`` per key.
   ``clear``: ``SCAN MATCH {prefix}:{ns}:*`` per server, then UNLINK in batches of 1000.
 
-A batch that could not reach a server (refused, reset, timed out) is one breaker failure; a batch
-that got answers is a success. While the breaker is not closed, batches fail at once without
+A batch that could not reach a server (refused, reset, timed out) is one breaker failure, and its
+reads and writes fail with the detail :data:`~kvtier.tiers.remote.UNREACHABLE` (counted in
+``unreachable``, part of ``RedisTier.unavailable``); a batch that got answers is a success. While the breaker is not closed, batches fail at once without
 touching the network (reads IO, writes DROPPED, probes ABSENT).
 
 Threading: every method runs on one of the tier's worker threads (reads on the read pool,
@@ -51,7 +66,7 @@ from redis.exceptions import OutOfMemoryError, ResponseError
 from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError, IoKind, IoResult
 from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.remote import MSG_IO, MSG_PROBE, ReadJob, WriteJob
+from kvtier.tiers.remote import MSG_IO, MSG_PROBE, UNREACHABLE, ReadJob, WriteJob
 from kvtier.tiers.redis.client import (
     Reply,
     RedisClient,
@@ -75,7 +90,8 @@ from kvtier.tiers.sealing import PLAIN, Sealer, UnauthenticatedRecord
 logger = logging.getLogger(__name__)
 
 # Messages posted on the completion queue (each post is a list of them: one batch's outcomes, in order).
-# MSG_IO (detail: None | "oom" | "breaker") and MSG_PROBE: kvtier.tiers.remote's, shared with the S3 tier.
+# MSG_IO (detail: None | "oom" | "breaker" | UNREACHABLE) and MSG_PROBE: kvtier.tiers.remote's, shared with the
+# S3 tier.
 MSG_BATCH = "batch"  # (MSG_BATCH, "read" | "write" | "probe", round trips)
 MSG_USAGE = "usage"  # (MSG_USAGE, used_bytes, capacity_bytes)
 MSG_REMOVED = "removed"  # (MSG_REMOVED, keys removed (count), failed commands (count))
@@ -85,7 +101,10 @@ SCAN_BATCH = 1000
 LANDED = object()
 """A read's reply once its value passed every check and was copied into the job's buffers."""
 REREAD = object()
-"""A read's outcome when its pieces did not land: the value is read again, whole."""
+"""A read's outcome when its pieces did not land: the value is read again, whole, after EXISTS."""
+EMPTY = object()
+"""A whole read's outcome when ``GETRANGE`` answered "" (no such key, or an empty value): read
+again after EXISTS, which tells the two apart."""
 PIECE_BYTES = 1 << 20
 """Reads of a single-rank value of at least twice this size go as ``value // PIECE_BYTES`` even
 ``GETRANGE`` pieces: each piece is copied and hashed while it is in cache and while the server
@@ -160,16 +179,18 @@ class DataPath:
         if self.piecewise:
             replies = self._read_pieces(jobs, messages)
             again = [index for index, reply in enumerate(replies) if reply is REREAD]
-            if again:  # a check failed: only an atomic read may call a value corrupt
-                for index, reply in zip(again, self._read_whole([jobs[i] for i in again], messages)):
-                    replies[index] = reply
         else:
             replies = self._read_whole(jobs, messages)
+            again = [index for index, reply in enumerate(replies) if reply is EMPTY]
+        if again:  # only an atomic read may call a value corrupt; an empty reply only after EXISTS said 1
+            for index, reply in zip(again, self._read_whole([jobs[i] for i in again], messages, checked=True)):
+                replies[index] = reply
         failed = False
         corrupt: list[BlockKey] = []
         results = []
         for job, reply in zip(jobs, replies):
             error: IoError | None = None
+            lost = False
             if reply is LANDED:
                 pass
             elif isinstance(reply, CorruptBlockError):
@@ -180,42 +201,60 @@ class DataPath:
                 error = self._corrupt(job.key, "not a string value", corrupt)
             else:
                 error = IoError.IO
-                failed |= self._note_error("read", reply)
-            results.append((job, error))
+                lost = self._note_error("read", reply)
+                failed |= lost
+            results.append((job, error, UNREACHABLE if lost else None))
         seconds = (time.perf_counter() - start) / len(jobs)
         nbytes = self.world * self.payload_bytes
-        results = [
-            IoResult(job.job_id, IoKind.READ, job.key, True, nbytes, seconds)
+        posts = [
+            (MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, True, nbytes, seconds), None)
             if error is None
-            else IoResult(job.job_id, IoKind.READ, job.key, False, 0, seconds, error)
-            for job, error in results
+            else (MSG_IO, IoResult(job.job_id, IoKind.READ, job.key, False, 0, seconds, error), detail)
+            for job, error, detail in results
         ]
         self._report(failed)
-        self.post(messages + [(MSG_IO, result, None) for result in results])
+        self.post(messages + posts)
         if corrupt:
             self.remove(corrupt)
 
-    def _read_whole(self, jobs: list[ReadJob], messages: list[tuple]) -> list[Reply]:
+    def _read_whole(self, jobs: list[ReadJob], messages: list[tuple], *, checked: bool = False) -> list[Reply]:
         """One ``GETRANGE`` of the whole value (and one byte more) per job; each value landed as soon
-        as it is read. Per job: LANDED, a CorruptBlockError, or the reply as read (None: no such
-        key, or an empty value; an error)."""
+        as it is read. Per job: LANDED, a CorruptBlockError, EMPTY (GETRANGE's "": no such key, or
+        an empty value), or the failure as read. ``checked``: each ``GETRANGE`` follows an
+        ``EXISTS`` of the same key in the same pipeline (one connection, in order; a cluster sends
+        both to the key's node), and an empty reply is then a CorruptBlockError where EXISTS
+        answered 1, else None (no such key): see the module docstring."""
+        step = 2 if checked else 1  # commands per job: [EXISTS,] GETRANGE
+        existed = [False] * len(jobs)  # checked: what EXISTS answered (written only by the thread of its node)
 
         def land(index: int, reply: Reply) -> Reply:
+            position, part = divmod(index, step)
+            if part != step - 1:  # EXISTS
+                existed[position] = isinstance(reply, int) and reply > 0
+                return reply
             if not isinstance(reply, bytes):
                 return reply
-            if not reply:
-                return None  # GETRANGE answers "" for a missing key
+            if not reply:  # GETRANGE answers "" for a missing key and for an empty value
+                if not checked:
+                    return EMPTY
+                return CorruptBlockError("empty value") if existed[position] else None
+            job = jobs[position]
             try:
-                decode_value(reply, jobs[index].dests, rank_digests=self.rank_digests, key=jobs[index].key,
-                             sealer=self.sealer)
+                decode_value(reply, job.dests, rank_digests=self.rank_digests, key=job.key, sealer=self.sealer)
             except CorruptBlockError as exc:
                 return exc
             return LANDED
 
         last = self.world * (HEADER_LEN + self.payload_bytes)  # inclusive end: one byte past a record
-        replies = self.client.run([(b"GETRANGE", self.keys.block(job.key), 0, last) for job in jobs], on_reply=land)
+        commands: list[tuple] = []
+        for job in jobs:
+            name = self.keys.block(job.key)
+            if checked:
+                commands.append((b"EXISTS", name))
+            commands.append((b"GETRANGE", name, 0, last))
+        replies = self.client.run(commands, on_reply=land)
         messages.append((MSG_BATCH, "read", replies.round_trips))
-        return list(replies)
+        return list(replies)[step - 1 :: step]
 
     def _read_pieces(self, jobs: list[ReadJob], messages: list[tuple]) -> list[Reply]:
         """Each job's value as ``GETRANGE`` pieces of about ``piece_bytes`` (single rank), each landed as
@@ -325,12 +364,13 @@ class DataPath:
                 result = IoResult(job.job_id, IoKind.WRITE, job.key, False, 0, seconds, IoError.DROPPED)
                 posts.append((MSG_IO, result, "oom", job))
                 continue
-            failed |= self._note_error("write", reply)
+            lost = self._note_error("write", reply)
+            failed |= lost
             posts.append(
                 (
                     MSG_IO,
                     IoResult(job.job_id, IoKind.WRITE, job.key, False, 0, seconds, IoError.IO),
-                    None,
+                    UNREACHABLE if lost else None,
                     job,
                 )
             )

@@ -18,7 +18,8 @@ class RedisTierStats:
     Reads: ``reads_ok``; ``read_misses`` (NOT_FOUND); ``corrupt`` (values that failed a check:
     never served, deleted); ``unauthenticated`` (values without a valid MAC under the tier's fleet
     keys, or sealed where the tier has none: never served, deleted); ``io_errors`` (reads, writes and removals that failed, including
-    ``breaker_rejects``: reads refused at once while the breaker was open). Writes:
+    ``breaker_rejects``: reads refused at once while the breaker was open, and ``unreachable``: reads
+    and writes whose batch found the server unreachable; the two make ``RedisTier.unavailable``). Writes:
     ``writes_ok``; ``writes_dropped`` (not stored: queue full, breaker open, or server full;
     ``writes_oom`` of them refused by a full server); ``writes_deduped`` (completed at once: the
     block was known present or already being written). ``probes``: keys probed (``probe_failures``
@@ -33,6 +34,7 @@ class RedisTierStats:
     unauthenticated: int = 0
     io_errors: int = 0
     breaker_rejects: int = 0
+    unreachable: int = 0
     writes_ok: int = 0
     writes_dropped: int = 0
     writes_oom: int = 0

@@ -73,7 +73,7 @@ logger = logging.getLogger(__name__)
 
 PROBE_THREADS = 4
 _PRESENT, _UNKNOWN = Presence.PRESENT, Presence.UNKNOWN
-_COUNTED_FAULTS = {"throttled", "refused", "unreachable"}
+_COUNTED_FAULTS = {"throttled", "refused"}  # a job's fault counted here; "unreachable" is RemoteTier's
 
 
 class S3Tier(RemoteTier):
@@ -271,11 +271,6 @@ class S3Tier(RemoteTier):
     def evictions(self) -> int:
         """Objects this tier's capacity sweeps deleted (other engines' sweeps are theirs)."""
         return int(self._counts["evicted"])
-
-    @property
-    def unavailable(self) -> int:  # type: ignore[override]
-        """Requests that found the store unreachable, and reads refused while the breaker was open."""
-        return int(self._counts["unreachable"] + self._counts["breaker_rejects"])
 
     def refresh(self) -> None:
         """Nothing: the monitor lists the namespace every ``list_interval_s`` by itself."""

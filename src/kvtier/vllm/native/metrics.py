@@ -20,7 +20,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.runtime.chunks.store import ChunkStore
-from kvtier.tiers.base import READ_FAILURES
+from kvtier.tiers.base import READ_FAILURES, WRITE_FAILURES
 
 FAILED_READS = "kvtier_offload_failed_reads"
 STORES_DROPPED = "kvtier_offload_stores_dropped"
@@ -28,7 +28,7 @@ EVICTIONS = "kvtier_offload_evictions"
 USED_BYTES = "kvtier_offload_used_bytes"
 CAPACITY_BYTES = "kvtier_offload_capacity_bytes"
 UNAVAILABLE = "kvtier_offload_unavailable"
-_DROPS = ("stores_dropped", "store_errors")
+_DROPS = tuple(sorted({failure.reason for failure in WRITE_FAILURES.values()}))  # chunks not stored
 
 
 def definitions() -> dict[str, OffloadingMetricMetadata]:
