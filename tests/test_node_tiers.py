@@ -243,6 +243,25 @@ def test_a_commit_larger_than_the_node_disk_turns_it_over_and_counts_its_evictio
         svc.stop()
 
 
+def test_a_block_committed_again_that_the_disk_holds_is_touched_there_not_evicted_first(tmp_path):
+    """The disk (6 blocks) holds block 1, which the pool (4 slots) evicted; an engine commits block 1
+    again: the cascade finds it on disk and touches it there, as an embedded engine touches a tier
+    that holds a block it stores, so the disk's next eviction takes block 2, its least recently used."""
+    small = replace(disk(tmp_path / "disk"), capacity_bytes=6 * (HEADER_LEN + SLOT))
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=4 * SLOT, slot_bytes=SLOT, tiers=(small,))
+    try:
+        a = engine(svc.sock)
+        wait_for(lambda: tiers_open(a), what="the namespace's tiers to open")
+        for ids, written in (([1, 2, 3, 4], 4), ([5, 6], 6), ([1], 6), ([7], 7)):
+            store(a, ids)  # the pool evicts its least recently used blocks; the disk keeps 6
+            wait_for(lambda n=written: tier_counts(a).get("written_disk", 0) == n, what=f"{written} disk writes")
+        on_disk = {p.name.removesuffix(".bin") for p in (tmp_path / "disk").rglob("*.bin")}
+        assert key(1).hex() in on_disk and key(2).hex() not in on_disk, sorted(on_disk)
+        a.close()
+    finally:
+        svc.stop()
+
+
 def test_after_a_sigkill_and_restart_on_the_same_disk_dir_lookups_are_disk_hits(tmp_path):
     sock, root = tmp_path / "n.sock", tmp_path / "disk"
     args = ("--pool-bytes", str(16 * SLOT), "--slot-bytes", str(SLOT), "--no-prefault", "--disk-dir", str(root),

@@ -252,11 +252,16 @@ class TierStack:
 
     # --- cascade ------------------------------------------------------------------------
     def cascade(self, key: BlockKey, info: BlockInfo, tiers: Sequence[SecondaryTier] | None = None) -> None:
-        """Write READY ``key`` to each of ``tiers`` (default: all) that lacks it, pinned per write."""
+        """Write READY ``key`` to each of ``tiers`` (default: all) that lacks it, pinned per write;
+        one that holds it is touched instead (stored again: recently used, as a store of a block a
+        tier holds touches it there)."""
         if not self.index.is_ready(key):
             return
         for tier in self.tiers if tiers is None else tiers:
-            if tier.contains(key) or (info.tail and tier.medium.shared):
+            if info.tail and tier.medium.shared:
+                continue
+            if tier.contains(key):
+                tier.touch((key,))
                 continue
             self.index.pin(key)
             backlog = self._backlogs[tier]
