@@ -22,6 +22,7 @@ real server on a thread), real sockets, a real disk tier below the pool:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
@@ -526,3 +527,313 @@ def test_a_planted_lock_file_is_refused_and_its_target_untouched(tmp_path, plant
         server.start()
     assert victim.read_text() == "precious\n" and not sock.exists()
     server.close()
+
+
+# --- the node audit's findings: each a test that failed before its fix -----------------------------
+class Served:
+    """A real :class:`NodeServer` (any :class:`NodeOptions`) with its loop on a thread."""
+
+    def __init__(self, folder: Path, **options) -> None:
+        self.sock = folder / "n.sock"
+        self.server = NodeServer(NodeOptions(self.sock, **{"pool_bytes": 64 * SLOT, "slot_bytes": SLOT,
+                                                           "prefault": False, **options}))
+        self.server.start()
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)
+        self.thread.start()
+
+    def stats(self) -> dict:
+        with self.server.lock:
+            return self.server.snapshot()
+
+    def close(self) -> None:
+        self.server.stop()
+        self.thread.join(timeout=10)
+        self.server.close()
+
+
+@pytest.fixture
+def served(tmp_path):
+    made: list[Served] = []
+
+    def make(**options) -> Served:
+        made.append(Served(tmp_path, **options))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _namespace_with(field: str, raw_number: str) -> str:
+    """The test namespace's JSON with ``field``'s number replaced by ``raw_number`` as written."""
+    data = json.loads(NAMESPACE)
+    text = json.dumps(data)
+    old = f'"{field}": {data[field]}'
+    assert old in text
+    return text.replace(old, f'"{field}": {raw_number}')
+
+
+@pytest.mark.parametrize(("field", "raw"), [("block_tokens", "1e999"), ("tp_size", "1e999"), ("pp_size", "-1e999"),
+                                            ("rank", "1e999"), ("tp_size", "1" + "0" * 400), ("block_tokens", "4.5")])
+def test_f1_a_namespace_number_beyond_an_integer_is_refused_naming_it(service, field, raw):
+    """JSON reads 1e999 as a float infinity, which int() cannot take (OverflowError): it killed the
+    service. Now a bad request naming the field and the namespace's number."""
+    sock, proc = service
+    replies, closed = exchange(sock, [hello(namespace=_namespace_with(field, raw))])
+    assert closed and not replies[-1]["ok"] and replies[-1]["field"] == "namespace", replies
+    assert repr(field) in replies[-1]["error"], replies[-1]
+    assert proc.poll() is None, "the service died"
+    assert service_stats(sock)["internal_errors"] == 0
+
+
+def test_f1_whatever_raises_while_serving_a_frame_closes_that_connection_only(served, monkeypatch):
+    """A bug outside a request's handling (here: packing a lookup's reply raises) ended the loop;
+    now it closes that connection (internal_errors, logged) and the loop serves the others."""
+    from kvtier.node import server as server_module
+
+    svc = served()
+    real_pack = server_module.pack
+
+    def failing_pack(message):
+        if "hits" in message:
+            raise RuntimeError("a bug")
+        return real_pack(message)
+
+    bystander = engine(svc.sock, "bystander")
+    monkeypatch.setattr(server_module, "pack", failing_pack)
+    replies, closed = exchange(svc.sock, [hello(), {"op": "lookup", "keys": K3}])
+    assert closed and all(r["ok"] for r in replies), replies  # (the hello's reply, if it was written first)
+    monkeypatch.setattr(server_module, "pack", real_pack)
+    assert svc.thread.is_alive(), "the loop ended"
+    assert svc.stats()["internal_errors"] == 1
+    store(bystander, [1])
+    assert bystander.lookup([key(1)]).hits == 1
+    bystander.close()
+
+
+def test_f2_connections_beyond_the_bound_are_closed_at_once_and_counted(served):
+    from prometheus_client import generate_latest
+
+    from kvtier.node.metrics import registry_for
+
+    svc = served(max_connections=3)
+    held = [engine(svc.sock, f"e{i}") for i in range(3)]
+    with socket.socket(socket.AF_UNIX) as extra:
+        extra.settimeout(5)
+        extra.connect(str(svc.sock))
+        refusal = FrameReader().feed(extra.recv(1 << 16))
+        assert "at most 3 connections" in refusal[0]["error"] and extra.recv(1) == b""
+    held.pop().close()
+    deadline = time.monotonic() + 5
+    while svc.stats()["connections"] > 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert service_stats(svc.sock)["refused_connections"] == 1  # (a connection is free again)
+    assert "kvtier_node_refused_connections_total 1.0" in generate_latest(registry_for(svc.server)).decode()
+    for c in held:
+        c.close()
+
+
+def test_f2_accept_failing_for_want_of_descriptors_does_not_end_the_service(tmp_path):
+    """A real service at a low descriptor limit (RLIMIT_NOFILE 48) and a bound above it: accept
+    raised EMFILE and the service exited. Now it pauses accepting, logs, keeps serving, and
+    accepts again once descriptors are free."""
+    import resource
+
+    sock = tmp_path / "n.sock"
+    log_path = tmp_path / "node.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.cli.main", "node", "--socket", str(sock), "--pool-bytes", str(16 * SLOT),
+             "--slot-bytes", str(SLOT), "--no-prefault", "--max-connections", "1000"], env=ENV, stdout=log,
+            stderr=log, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48)))
+    flood: list[socket.socket] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert proc.poll() is None, log_path.read_text()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        first = engine(sock, "first")
+        store(first, [1])
+        for _ in range(60):  # past the limit: the rest wait in the listen backlog
+            s = socket.socket(socket.AF_UNIX)
+            s.connect(str(sock))
+            flood.append(s)
+        time.sleep(0.5)
+        assert proc.poll() is None, log_path.read_text()[-2000:]
+        assert first.lookup([key(1)]).hits == 1  # its connection is served meanwhile
+        for s in flood:
+            s.close()
+        flood.clear()
+        deadline = time.monotonic() + 10
+        while True:  # accepting again once descriptors are free (the pause is at most 1 s)
+            try:
+                stats = service_stats(sock)
+                break
+            except (NodeError, OSError):
+                assert time.monotonic() < deadline, log_path.read_text()[-2000:]
+                time.sleep(0.1)
+        assert stats["accept_errors"] >= 1 and stats["internal_errors"] == 0
+        assert "Too many open files" in log_path.read_text()
+        first.close()
+    finally:
+        for s in flood:
+            s.close()
+        stop(proc)
+
+
+def test_f4_a_pipelined_burst_delays_another_client_by_one_turn_and_is_all_answered(service):
+    """15,000 pipelined stats frames behind a full window of lookup times answered every frame of
+    one read before anyone else (a bystander waited 10 s and more). Now each connection is answered
+    a few frames per turn; the burst's frames left buffered are answered without new bytes."""
+    sock, proc = service
+    warm = engine(sock, "warm")
+    store(warm, [3000])
+    with socket.socket(socket.AF_UNIX) as w:  # 4,096 lookups: the percentiles' window full
+        w.settimeout(10)
+        w.connect(str(sock))
+        w.sendall(pack(hello(engine="warmer")) + pack({"op": "lookup", "keys": pack_keys([key(3000)])}) * 4096)
+        reader, got = FrameReader(), 0
+        while got < 4097:
+            got += len(reader.feed(w.recv(1 << 16)))
+    burst = 5000
+    with socket.socket(socket.AF_UNIX) as attacker:
+        attacker.settimeout(10)
+        attacker.connect(str(sock))
+        attacker.sendall(pack({"op": "stats"}) * burst)  # then nothing more: the rest stays buffered there
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        assert warm.lookup([key(3000)]).hits == 1
+        waited = time.monotonic() - t0
+        reader, got = FrameReader(), 0
+        while got < burst:
+            data = attacker.recv(1 << 20)
+            assert data, f"closed after {got} replies"
+            got += len(reader.feed(data))
+    assert waited < 0.5, f"a lookup waited {waited:.2f} s behind a pipelined burst"
+    assert proc.poll() is None
+    warm.close()
+
+
+def test_f5_a_lookup_repeating_one_key_gets_a_reply_no_larger_than_the_pool(service):
+    """One READY block named 65,536 times in a pinned lookup: its reply held 65,536 * width slot
+    numbers (GiBs at width 256). Now a run stops at num_slots // width keys."""
+    sock, proc = service
+    c = engine(sock, "repeater")
+    store(c, [4000])
+    num_slots = c.attachment.num_slots
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(sock))
+        s.sendall(pack(hello(engine="repeater")) + pack({"op": "lookup", "keys": pack_keys([key(4000)] * MAX_KEYS),
+                                                         "pin": True}))
+        reader, replies = FrameReader(), []
+        while len(replies) < 2:
+            replies += reader.feed(s.recv(1 << 20))
+    reply = replies[1]
+    assert reply["ok"] and 1 <= reply["hits"] <= num_slots and len(reply["slots"]) <= num_slots, \
+        (reply["hits"], len(reply["slots"]))
+    assert service_stats(sock)["pinned_blocks"] == 0  # released with the connection
+    c.close()
+
+
+def test_f6_a_session_pins_within_its_bounds_and_is_refused_beyond(served, monkeypatch):
+    """Pinned lookups never unpinned piled up without limit (1,000 of 65,536 keys: +514 MiB). Now
+    a session holds at most MAX_SESSION_PINS handles pinning MAX_SESSION_PINNED entries in all
+    (made small here); beyond, the pinning lookup is refused, the connection kept."""
+    from kvtier.node import index as index_module
+
+    monkeypatch.setattr(index_module, "MAX_SESSION_PINS", 3)
+    monkeypatch.setattr(index_module, "MAX_SESSION_PINNED", 40)
+    svc = served()
+    c = engine(svc.sock, "pinner")
+    store(c, list(range(1, 33)))
+    keys = [key(i) for i in range(1, 33)]
+    first = c.lookup(keys, pin=True)  # 32 pinned
+    with pytest.raises(NodeError, match="past 40 pinned blocks"):
+        c.lookup(keys, pin=True)
+    assert c.lookup(keys).hits == 32  # the connection is kept; a lookup that pins nothing is not bounded
+    handles = [c.lookup(keys[:1], pin=True).pin, c.lookup(keys[:1], pin=True).pin]
+    with pytest.raises(NodeError, match="3 pin handles"):
+        c.lookup(keys[:1], pin=True)
+    assert c.unpin([first.pin, *handles]) == 0
+    assert c.lookup(keys, pin=True).hits == 32  # room again
+    assert svc.stats()["internal_errors"] == 0
+    c.close()
+
+
+def test_f7_a_commit_cascades_only_what_the_session_committed_each_once(service):
+    """A commit naming a block this session never reserved (another engine's, READY, not yet on
+    disk), 4,096 times, with records of its own: every one was cascaded (pinned, queued, written
+    with the attacker's records). Now only keys this session committed go on, each once."""
+    sock, proc = service
+    victim = engine(sock, "victim")
+    (status, slots), = victim.reserve([key(5100)])
+    victim.pool.slot(slots[0])[:] = b"\1" * SLOT
+    assert victim.commit([key(5100)]) == 0  # no records: not cascaded
+    before = service_stats(sock)["tiers"]
+    n = 4096
+    replies, closed = exchange(sock, [hello(engine="attacker"), {
+        "op": "commit", "keys": pack_keys([key(5100)] * n), "parents": pack_keys([key(5099)] * n),
+        "tokens": pack_u32([16] * n)}])
+    assert replies[1] == {"ok": True, "unknown": n} and not closed
+    time.sleep(0.5)
+    after = service_stats(sock)
+    assert after["tiers"]["written_disk"] == before["written_disk"], "another engine's block was cascaded"
+    assert after["pinned_blocks"] == 0 and after["tiers"]["writes_in_flight"] == 0
+    # ... and a commit that repeats its own key cascades it once
+    c = engine(sock, "repeats")
+    (status, slots), = c.reserve([key(5200)])
+    c.pool.slot(slots[0])[:] = b"\2" * SLOT
+    assert c.commit([key(5200)] * 3, [(key(5199), 16, False)] * 3) == 2
+    deadline = time.monotonic() + 10
+    while service_stats(sock)["tiers"]["written_disk"] < before["written_disk"] + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)
+    assert service_stats(sock)["tiers"]["written_disk"] == before["written_disk"] + 1
+    victim.close()
+    c.close()
+
+
+def test_f10_a_hello_cannot_recut_a_pool_whose_slot_size_the_operator_set(served):
+    """With --slot-bytes, a hello naming another slot size re-cut the empty pool, and engines of the
+    operator's size were refused while it stayed. Now that hello is refused."""
+    svc = served()
+    with pytest.raises(NodeError, match=f"started with --slot-bytes {SLOT}"):
+        NodeClient(svc.sock, engine="recutter", role=Role.WORKER, slot_bytes=2 * SLOT + 1).connect()
+    assert svc.server.slot_bytes == SLOT
+    c = engine(svc.sock, "real")
+    assert c.attachment.slot_bytes == SLOT
+    c.close()
+
+
+def test_f11_stats_of_departed_engines_are_bounded_and_pruned(served):
+    """Engines with fresh names that stored a block and left: those pushed out of the kept list
+    while they held blocks were never forgotten (metric labels without bound). Now at most
+    MAX_DEPARTED are known, and those beyond the last KEEP_DEPARTED go once they hold nothing."""
+    from kvtier.node.roster import KEEP_DEPARTED, MAX_DEPARTED
+
+    svc = served(pool_bytes=400 * SLOT)
+    for i in range(MAX_DEPARTED + 40):
+        c = NodeClient(svc.sock, engine=f"pod-{i}", slot_bytes=SLOT, map_pool=False)
+        c.connect()
+        c.reserve([key(i)])
+        c.commit([key(i)])
+        c.close()
+    deadline = time.monotonic() + 5
+    while svc.stats()["connections"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert len(svc.stats()["engines"]) <= MAX_DEPARTED, len(svc.stats()["engines"])
+    filler = NodeClient(svc.sock, engine="filler", slot_bytes=SLOT, map_pool=False)
+    filler.connect()
+    filler.reserve([key(10_000 + i) for i in range(400)])  # evicts every pod's block
+    filler.commit([key(10_000 + i) for i in range(400)])
+    filler.close()
+    deadline = time.monotonic() + 5
+    while len(svc.stats()["engines"]) > KEEP_DEPARTED:  # pruned by the loop's periodic work
+        assert time.monotonic() < deadline, len(svc.stats()["engines"])
+        time.sleep(0.02)
+    assert "filler" in svc.stats()["engines"]

@@ -184,3 +184,48 @@ TestNodeIndexMachine.settings = settings(max_examples=150, stateful_step_count=4
 def test_width_outside_the_pool_is_refused():
     with pytest.raises(ValueError, match="width"):
         NodeIndex(2).reserve(Session(1, "A"), [key(1)], 3)
+
+
+def test_a_run_of_repeated_keys_stops_at_the_pools_slots():
+    """A lookup naming one block many times: its run (and its reply's slots) stops at
+    num_slots // width keys, however many keys it names."""
+    index = NodeIndex(8)
+    a = Session(1, "A")
+    store(index, a, 1, width=2)
+    hits, slots, handle = index.lookup(a, [key(1)] * 65536, pin=True, width=2)
+    assert hits == 4 and len(slots) == 8 and handle
+    assert a.pinned == 4 and index.pinned_entries == 1
+    assert index.unpin(a, [handle]) == 0 and a.pinned == 0 and index.pinned_entries == 0
+
+
+def test_a_commit_reports_each_key_it_committed_once():
+    index = NodeIndex(4)
+    a, b = Session(1, "A"), Session(2, "B")
+    index.reserve(a, [key(1), key(2)], 1)
+    committed: list[int] = []
+    assert index.commit(b, [key(1)], committed) == 1 and committed == []  # not b's
+    assert index.commit(a, [key(1), key(1), key(3), key(2), key(2)], committed) == 3
+    assert committed == [0, 3]
+
+
+def test_pins_of_a_session_are_bounded_and_a_refusal_pins_nothing(monkeypatch):
+    from kvtier.node import index as index_module
+
+    monkeypatch.setattr(index_module, "MAX_SESSION_PINS", 2)
+    monkeypatch.setattr(index_module, "MAX_SESSION_PINNED", 5)
+    index = NodeIndex(8)
+    a, b = Session(1, "A"), Session(2, "B")
+    store(index, a, 1, 2, 3)
+    keys = [key(1), key(2), key(3)]
+    _, _, first = index.lookup(a, keys, pin=True)
+    lookups = index.stats_of("A").lookups
+    with pytest.raises(index_module.PinLimit, match="past 5 pinned"):
+        index.lookup(a, keys, pin=True)
+    assert a.pinned == 3 and index.pinned_entries == 3 and index.stats_of("A").lookups == lookups
+    assert index.lookup(a, keys, pin=False)[0] == 3  # not pinning: not bounded
+    index.lookup(a, keys[:1], pin=True)
+    with pytest.raises(index_module.PinLimit, match="2 pin handles"):
+        index.lookup(a, keys[:1], pin=True)
+    assert index.lookup(b, keys, pin=True)[0] == 3  # another session's own bounds
+    index.unpin(a, [first])
+    assert a.pinned == 1

@@ -247,7 +247,8 @@ def test_a_block_committed_again_that_the_disk_holds_is_touched_there_not_evicte
     """The disk (6 blocks) holds block 1, which the pool (4 slots) evicted; an engine commits block 1
     again: the cascade finds it on disk and touches it there, as an embedded engine touches a tier
     that holds a block it stores, so the disk's next eviction takes block 2, its least recently used."""
-    small = replace(disk(tmp_path / "disk"), capacity_bytes=6 * (HEADER_LEN + SLOT))
+    # one writer thread: the disk's recency is the order its writes land in, the order of the commits
+    small = replace(disk(tmp_path / "disk"), capacity_bytes=6 * (HEADER_LEN + SLOT), n_write_threads=1)
     svc = NodeThread(tmp_path / "n.sock", pool_bytes=4 * SLOT, slot_bytes=SLOT, tiers=(small,))
     try:
         a = engine(svc.sock)

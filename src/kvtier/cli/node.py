@@ -56,6 +56,10 @@ class ByteSize(click.ParamType):
 @click.option("--metrics-port", type=int, default=None,
               help="Serve Prometheus metrics (pool usage, hits per engine, pins, attached engines) on this port.")
 @click.option("--metrics-host", default="127.0.0.1", show_default=True, help="Address for --metrics-port.")
+@click.option("--max-connections", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Connections served at once; beyond them a new one is closed at once (counted in "
+                   "kvtier_node_refused_connections_total). An engine holds 1 + its tensor-parallel size "
+                   "(its scheduler's and one per worker rank). Bounds the service's memory per client too.")
 @click.option("--no-prefault", is_flag=True,
               help="Do not touch every page of the pool at start-up (faster start, first stores pay the faults).")
 @click.option("--disk-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
@@ -80,7 +84,8 @@ class ByteSize(click.ParamType):
               help="Encrypt records at rest (AES-256-GCM under keys derived from --fleet-key-env).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning"]), default="info", show_default=True)
 def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, eviction_policy: str,
-                 group: str | None, metrics_port: int | None, metrics_host: str, no_prefault: bool,
+                 group: str | None, metrics_port: int | None, metrics_host: str, max_connections: int,
+                 no_prefault: bool,
                  disk_dir: str | None, disk_size: float | None, redis_url: str | None, s3_url: str | None,
                  s3_endpoint: str | None, s3_region: str | None, s3_size: float | None, s3_ca_bundle: str | None,
                  fleet_key_env: str | None,
@@ -126,7 +131,7 @@ def node_command(socket_path: str, pool_bytes: int, slot_bytes: int | None, evic
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s kvtier node: %(message)s")
     options = NodeOptions(Path(socket_path), pool_bytes, slot_bytes, PolicyName(eviction_policy), group,
-                          prefault=not no_prefault,
+                          prefault=not no_prefault, max_connections=max_connections,
                           tiers=_tier_configs(disk_dir, disk_size, redis_url, _fleet_keys(
                               {"auth_key_env": fleet_key_env, "auth_key_file": fleet_key_file, "encrypt": encrypt,
                                "auth_read_key_envs": read_key_env, "auth_read_key_files": read_key_file}),

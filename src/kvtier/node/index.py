@@ -21,6 +21,16 @@ Invariants (``tests/test_node_index.py`` checks them after every operation), bes
   reserve is CAPPED);
 - a pin is a handle: one lookup pins its whole hit run under one id that :meth:`NodeIndex.unpin`
   releases (one request's load = one handle; no key crosses the socket twice);
+- a lookup's reply is bounded before it is built: its run holds at most ``num_slots // width``
+  keys (a longer one can only repeat keys), so its slots are at most the pool's slot count;
+- a session holds at most :data:`MAX_SESSION_PINS` pin handles pinning at most
+  :data:`MAX_SESSION_PINNED` entries in all (a key pinned by two handles counts twice); a pinning
+  lookup beyond either is refused (:class:`PinLimit`) before it touches or pins anything;
+- a commit reports which keys it committed (each at most once: a key repeated in one request is
+  READY by its second occurrence, so ``unknown``); only those are cascaded to the service's tiers;
+- :attr:`NodeIndex.pinned_entries` (WRITING entries and those with readers) is a counter kept by
+  every transition, O(1) to read;
+- an owner charged nothing has no per-owner policy left (engines come and go with fresh names).
 - when a session ends (:meth:`NodeIndex.release_session`), every reservation it holds is aborted
   and every pin it holds is released: nothing stays pinned by a dead engine;
 - the service's own pins (:meth:`NodeIndex.hold`: a block being written to one of its tiers, or
@@ -44,7 +54,19 @@ from kvtier.tiers.host import SlotEntry as NodeEntry
 from kvtier.tiers.host import SlotState as EntryState
 from kvtier.tiers.host import SlotTable
 
-__all__ = ["EngineStats", "EntryState", "NodeEntry", "NodeIndex", "Session"]
+__all__ = ["EngineStats", "EntryState", "NodeEntry", "NodeIndex", "PinLimit", "Session"]
+
+MAX_SESSION_PINS = 1 << 14
+"""Pin handles one session may hold (an engine holds one per request whose load is planned; vLLM
+schedules at most a few thousand at once)."""
+MAX_SESSION_PINNED = 1 << 20
+"""Entries one session's handles may pin in all (1M: sixteen 1M-token prompts at 16 tokens per
+block, or 1,024 requests of 16K-token prefixes; each costs the service 8 bytes while held)."""
+
+
+class PinLimit(Exception):
+    """A pinning lookup that would take the session past :data:`MAX_SESSION_PINS` or
+    :data:`MAX_SESSION_PINNED` (refused; nothing touched or pinned)."""
 
 _is_entry = partial(is_not, None)
 _slots_of = attrgetter("slots")
@@ -59,6 +81,7 @@ class Session:
     cap_slots: int | None = None
     reserved: set[BlockKey] = field(default_factory=set)
     pins: dict[int, list[NodeEntry]] = field(default_factory=dict)  # pin handle -> the entries it pins
+    pinned: int = 0  # entries its handles pin, in all (sum of the runs' lengths)
     next_pin: int = 1
     namespace: tuple[bytes, int] | None = None  # its engine's namespace digest and slot size (hello): its tiers
 
@@ -82,13 +105,13 @@ class NodeIndex(SlotTable):
         self.charged: Counter = Counter()  # owner -> slots held (READY + WRITING)
         self.engines: dict[str, EngineStats] = {}
         self._ready: dict[int, dict[BlockKey, NodeEntry]] = {}  # width -> READY entries of that width
+        self._pinned = 0  # entries WRITING or with readers (kept by every transition)
 
     # --- queries ------------------------------------------------------------------------
     @property
     def pinned_entries(self) -> int:
-        """Entries WRITING or with readers (never evictable). O(blocks): for stats, not hot paths."""
-        writing = EntryState.WRITING
-        return sum(1 for e in self._entries.values() if e.readers or e.state is writing)
+        """Entries WRITING or with readers (never evictable). O(1)."""
+        return self._pinned
 
     @property
     def blocks(self) -> int:
@@ -110,11 +133,22 @@ class NodeIndex(SlotTable):
 
         With ``pin`` the run is pinned under a new handle (returned; 0 when nothing was pinned)
         and its slots are returned flat, ``width`` per key. Memory only: O(len(keys)), the probe
-        and the slot list in C loops (``map`` over the READY dict of that width).
+        and the slot list in C loops (``map`` over the READY dict of that width). The run stops
+        at ``num_slots // width`` keys (only repeated keys make a longer one). Raises
+        :class:`PinLimit` (nothing touched or pinned) when pinning it would take ``session``
+        past its bounds.
         """
         ready = self._ready.get(width)
-        run = list(takewhile(_is_entry, map(ready.get, keys))) if ready else []
+        most = self.num_slots // width
+        run = list(takewhile(_is_entry, map(ready.get, keys[:most] if len(keys) > most else keys))) if ready else []
         hits = len(run)
+        if pin and hits:
+            if len(session.pins) >= MAX_SESSION_PINS:
+                raise PinLimit(f"this session holds {len(session.pins)} pin handles, the most one may hold: "
+                               "unpin finished loads first")
+            if session.pinned + hits > MAX_SESSION_PINNED:
+                raise PinLimit(f"pinning {hits} more blocks would take this session past {MAX_SESSION_PINNED} "
+                               f"pinned blocks (it pins {session.pinned}): unpin finished loads first")
         stats = self.stats_of(session.engine)
         stats.lookups += 1
         stats.lookup_blocks += len(keys)
@@ -130,9 +164,11 @@ class NodeIndex(SlotTable):
             return hits, [], 0
         for entry in run:
             entry.readers += 1
+            self._pinned += entry.readers == 1  # (a run is READY)
         handle = session.next_pin
         session.next_pin += 1
         session.pins[handle] = run
+        session.pinned += hits
         return hits, list(chain.from_iterable(map(_slots_of, run))), handle
 
     def reserve(self, session: Session, keys: list[BlockKey], width: int, tails: frozenset[int] = frozenset()
@@ -160,21 +196,27 @@ class NodeIndex(SlotTable):
                     outcome = Reservation.FULL if outcome is Reservation.RESERVED else outcome
                 else:
                     self.charged[session.engine] += width
+                    self._pinned += 1
                     session.reserved.add(key)
             status.append(outcome)
             slots.append(got)
         return status, slots
 
-    def commit(self, session: Session, keys: list[BlockKey]) -> int:
-        """WRITING -> READY for keys this session reserved; returns how many were not its own."""
+    def commit(self, session: Session, keys: list[BlockKey], committed: list[int] | None = None) -> int:
+        """WRITING -> READY for keys this session reserved; returns how many were not its own
+        (a key repeated in ``keys`` is READY by its second occurrence: not its own then). The
+        positions in ``keys`` of those committed are appended to ``committed`` (each key once)."""
         unknown = 0
         stats = self.stats_of(session.engine)
-        for key in keys:
+        for position, key in enumerate(keys):
             entry = self._entries.get(key)
             if entry is None or entry.state is not EntryState.WRITING or entry.writer != session.id:
                 unknown += 1
                 continue
             self._commit(key, entry)
+            self._pinned -= 1  # no reader pins a WRITING entry
+            if committed is not None:
+                committed.append(position)
             self._ready_of(len(entry.slots))[key] = entry
             session.reserved.discard(key)
             self._owner_policy(entry.owner).insert(key)
@@ -201,8 +243,8 @@ class NodeIndex(SlotTable):
             if run is None:
                 unknown += 1
                 continue
-            for entry in run:
-                entry.readers -= 1
+            session.pinned -= len(run)
+            self.let_go(run)
         return unknown
 
     def release_session(self, session: Session) -> tuple[int, int]:
@@ -220,12 +262,14 @@ class NodeIndex(SlotTable):
         if entry is None or entry.state is not EntryState.READY:
             return None
         entry.readers += 1
+        self._pinned += entry.readers == 1
         return entry
 
     def let_go(self, entries: list[NodeEntry]) -> None:
-        """Release pins taken by :meth:`hold`."""
+        """Release pins taken by :meth:`hold` (and a handle's, by :meth:`unpin`)."""
         for entry in entries:
             entry.readers -= 1
+            self._pinned -= entry.readers == 0  # (pinned entries are READY)
 
     # --- internals ----------------------------------------------------------------------
     def _owner_policy(self, owner: str) -> LRUPolicy:
@@ -244,12 +288,15 @@ class NodeIndex(SlotTable):
         entry = super()._drop(key)
         if entry.state is EntryState.READY:
             del self._ready[len(entry.slots)][key]
+        if entry.state is EntryState.WRITING or entry.readers:  # (abort; a READY entry dropped is unpinned)
+            self._pinned -= 1
         owner = self._by_owner.get(entry.owner)
         if owner is not None:
             owner.remove(key)
         self.charged[entry.owner] -= len(entry.slots)
         if not self.charged[entry.owner]:
             del self.charged[entry.owner]
+            self._by_owner.pop(entry.owner, None)  # it holds no READY key: its policy is empty
         return entry
 
     def _within_cap(self, session: Session, width: int) -> Reservation:

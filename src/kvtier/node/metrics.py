@@ -30,11 +30,18 @@ class NodeCollector(Collector):
                                 value=s["pinned_blocks"])
         yield GaugeMetricFamily("kvtier_node_attached_engines", "Engines with a live connection.",
                                 value=s["attached_engines"])
+        yield GaugeMetricFamily("kvtier_node_connections", "Open connections (at most --max-connections).",
+                                value=s["connections"])
         yield CounterMetricFamily("kvtier_node_evictions", "Blocks evicted from the pool.", value=s["evictions"])
         yield CounterMetricFamily("kvtier_node_run_evictions", "Of kvtier_node_evictions: cold blocks evicted "
                                   "early to continue a run of consecutive slots.", value=s["run_evictions"])
         yield CounterMetricFamily("kvtier_node_rejected_peers", "Connections refused by their credentials.",
                                   value=s["rejected_peers"])
+        yield CounterMetricFamily("kvtier_node_refused_connections", "Connections closed at once because "
+                                  "--max-connections were open.", value=s["refused_connections"])
+        yield CounterMetricFamily("kvtier_node_accept_errors", "Accepts that failed for want of descriptors or "
+                                  "memory (EMFILE, ENFILE, ENOBUFS, ENOMEM): accepting paused briefly.",
+                                  value=s["accept_errors"])
         yield CounterMetricFamily("kvtier_node_protocol_errors", "Connections closed for a frame that is not a "
                                   "valid request (answered with the field at fault).", value=s["protocol_errors"])
         yield CounterMetricFamily("kvtier_node_slow_readers", "Connections closed for leaving too many replies "
@@ -71,7 +78,7 @@ def _tier_metrics(t: dict) -> Iterator[Metric]:
     tier (``remote``: Redis)."""
     for name, doc, prefix in (
             ("kvtier_node_cascaded_blocks", "Blocks written from the pool to the service's tiers.", "written_"),
-            ("kvtier_node_cascade_dropped_blocks", "Blocks not written to a tier (no room, server down).",
+            ("kvtier_node_cascade_dropped_blocks", "Blocks not written to a tier (dropped: no room, server down; or failed: an I/O error).",
              "writes_dropped_"),
             ("kvtier_node_promoted_blocks", "Blocks promoted from the service's tiers into the pool.", "promoted_"),
             ("kvtier_node_tier_evicted_blocks", "Blocks the service's tiers evicted to stay within their capacity "

@@ -39,7 +39,11 @@ stats       --                                                     the service's
 ==========  =====================================================  ===============================================
 
 Keys are raw 32-byte block keys (:data:`kvtier.core.keys.BlockKey`): namespaces are already
-chained into them, so two engines share a block exactly when they share its namespace.
+chained into them, so two engines share a block exactly when they share its namespace. A key may
+repeat within a request (two requests of a step storing one block): a reserve answers its later
+occurrences ``present``, a commit or abort counts them ``unknown``, and a lookup's run stops at
+``num_slots // width`` keys, so no reply holds more slot numbers than the pool has slots. A
+pinning lookup past the session's pin bounds is refused (:class:`kvtier.node.index.PinLimit`).
 
 Every request is checked here, in one place (:func:`parse_request`, driven by :data:`FIELDS`):
 types, ranges and lengths of every field, unknown and missing fields, and the fields that must
@@ -197,27 +201,48 @@ class FrameReader:
         return container
 
     def feed(self, data: bytes | memoryview) -> list[dict[str, Any]]:
+        """Buffer ``data`` and return every message it completes (the client's end, and tests)."""
         if self.error is not None:
             raise self.error
-        unpacker = self._unpacker
+        self.push(data)
         messages: list[dict[str, Any]] = []
         try:
-            unpacker.feed(data)
-            self._fed += len(data)
-            for message in unpacker:
-                self._containers = 0
-                if not isinstance(message, dict):
-                    raise ProtocolError(f"a frame must be a map, got {type(message).__name__}")
+            while (message := self.next_message()) is not None:
                 messages.append(message)
-            if self._fed - unpacker.tell() > self.max_frame:  # what is left is one frame, unfinished
-                raise ProtocolError(f"a frame larger than {self.max_frame} bytes")
-        except Exception as exc:  # noqa: BLE001 (whatever msgpack raises on a frame it cannot decode)
-            error = exc if isinstance(exc, ProtocolError) else ProtocolError(
-                f"malformed frame: {type(exc).__name__}: {exc}")
+        except ProtocolError as exc:
             if not messages:
-                raise error from None
-            self.error = error
+                raise
+            self.error = exc
         return messages
+
+    def push(self, data: bytes | memoryview) -> None:
+        """Buffer ``data`` without decoding it (the service's end: it then takes its frames one at
+        a time with :meth:`next_message`, a few per turn, and pushes more only once none is left,
+        so what waits here is at most one read beside one unfinished frame)."""
+        try:
+            self._unpacker.feed(data)
+        except Exception as exc:  # noqa: BLE001 (BufferFull: more than a frame and a read)
+            raise ProtocolError(f"malformed stream: {type(exc).__name__}: {exc}") from None
+        self._fed += len(data)
+
+    def next_message(self) -> dict[str, Any] | None:
+        """The next complete message buffered, or None when none is (what is left, if anything,
+        is one unfinished frame, checked against :attr:`max_frame`). Raises :class:`ProtocolError`."""
+        unpacker = self._unpacker
+        try:
+            self._containers = 0
+            try:
+                message = next(unpacker)
+            except StopIteration:
+                if self._fed - unpacker.tell() > self.max_frame:  # what is left is one frame, unfinished
+                    raise ProtocolError(f"a frame larger than {self.max_frame} bytes") from None
+                return None
+            if not isinstance(message, dict):
+                raise ProtocolError(f"a frame must be a map, got {type(message).__name__}")
+            return message
+        except Exception as exc:  # noqa: BLE001 (whatever msgpack raises on a frame it cannot decode)
+            raise (exc if isinstance(exc, ProtocolError) else ProtocolError(
+                f"malformed frame: {type(exc).__name__}: {exc}")) from None
 
 
 # --- requests --------------------------------------------------------------------------------
@@ -267,11 +292,14 @@ class Commit(NamedTuple):
     @property
     def blocks(self) -> list[BlockInfo] | None:
         """Each key's record (None: not given)."""
+        return None if self.parents is None else self.records(range(len(self.keys)))
+
+    def records(self, positions: list[int] | range) -> list[BlockInfo] | None:
+        """The records of the keys at ``positions`` (None: not given)."""
         if self.parents is None or self.tokens is None:
             return None
-        tails = self.tails
-        return [BlockInfo(parent, tokens, position in tails)
-                for position, (parent, tokens) in enumerate(zip(self.parents, self.tokens))]
+        parents, tokens, tails = self.parents, self.tokens, self.tails
+        return [BlockInfo(parents[p], tokens[p], p in tails) for p in positions]
 
 
 class Abort(NamedTuple):
@@ -375,7 +403,10 @@ def _positions(value: Any) -> frozenset[int]:
 
 def _namespace(value: Any) -> tuple[Namespace, str, str]:
     """A scheduler's namespace: (the namespace, its model's display name, its JSON as the
-    service's disk root keeps it). The digests are the service's own, computed from it."""
+    service's disk root keeps it). The digests are the service's own, computed from it.
+    :meth:`Namespace.from_dict` checks every number before anything computes with it (JSON reads
+    ``1e999`` as a float infinity), naming it; whatever else a wrong namespace raises, this raises
+    only :class:`_Wrong`: a bad request, never a crash of the service."""
     raw = _text(MAX_NAMESPACE_CHARS)(value)
     try:
         data = json.loads(raw)
@@ -383,8 +414,8 @@ def _namespace(value: Any) -> tuple[Namespace, str, str]:
         if not isinstance(model, str):
             raise TypeError("model_name must be a string")
         return Namespace.from_dict(data), model, raw
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-        raise _Wrong(f"is not a namespace description: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 (any value of any type: a wrong namespace, never a crash)
+        raise _Wrong(f"is not a namespace description: {type(exc).__name__}: {exc}") from None
 
 
 def _encoded(n: int, small: int = 31) -> int:

@@ -5,15 +5,34 @@ reads requests and answers them from memory (:class:`kvtier.node.index.NodeIndex
 waits on any one client: sockets are non-blocking, replies (the hello's, with the pool's memfd,
 too) queue per connection and are written as the peer reads them, so an engine that stops reading
 stalls only itself (its connection is dropped, and counted in ``slow_readers``, once more than
-:data:`MAX_QUEUED_REPLY_BYTES` are waiting). The Prometheus exporter's thread (if
-any) reads :meth:`NodeServer.snapshot` under :attr:`NodeServer.lock`, which the loop holds while
-it handles a request.
+``NodeServer.max_queued`` bytes are waiting: :data:`MAX_QUEUED_REPLY_BYTES`, or twice the
+largest reply this pool can give if more). The Prometheus exporter's thread (if any) reads
+:meth:`NodeServer.snapshot` under :attr:`NodeServer.lock`, which the loop holds while it handles
+a request.
+
+The loop is fair: each turn answers at most :data:`FRAMES_PER_TURN` frames of a connection (fewer
+once they carried :data:`KEYS_PER_TURN` keys); the rest stay buffered, undecoded, in its
+:class:`~kvtier.node.protocol.FrameReader` and are answered in the next turns (the loop does not
+wait in ``select`` while any are buffered, and reads no more from that socket until they are
+answered). So a client that pipelines thousands of requests delays the others by one turn, not by
+all of its requests, and what the service buffers per connection stays one read beside one
+unfinished frame.
 
 A client's frames may be hostile: each is decoded within bounds and checked field by field
 before use (:func:`kvtier.node.protocol.parse_request`); a frame that is not a valid request is
 answered with an error naming the field and its connection is closed (``protocol_errors``), and
-a request whose handling raises anyway is answered, logged and closed (``internal_errors``): the
-service never dies of a client's frame. Nothing a failed request took stays held.
+a request whose handling raises anyway is answered, logged and closed (``internal_errors``).
+Whatever else raises while one connection is served (a bug) closes that connection, logged and
+counted in ``internal_errors``: the service never dies of a client's frame. Nothing a failed
+request took stays held.
+
+Bounds: at most ``--max-connections`` connections (:attr:`NodeOptions.max_connections`); a
+connection beyond them gets an error frame and is closed at once (``refused_connections``). An
+``accept`` that fails for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) pauses
+accepting briefly and is logged (:class:`~kvtier.node.conn.AcceptBackoff`, ``accept_errors``); the
+service goes on serving the connections it has. Per session: pins bounded
+(:data:`kvtier.node.index.MAX_SESSION_PINS`, :data:`~kvtier.node.index.MAX_SESSION_PINNED`).
+Per-engine stats: bounded (:mod:`kvtier.node.roster`).
 
 Start-up refuses, with an error naming what to change:
 
@@ -23,6 +42,10 @@ Start-up refuses, with an error naming what to change:
   someone who can write the socket's directory) is refused, never followed or truncated (the
   socket and its lock: :mod:`kvtier.node.listener`);
 - a pool larger than the node's memory (:class:`kvtier.node.pool.PoolTooLargeError`).
+
+With ``--slot-bytes`` the pool's slot size is the operator's: a hello that names another is
+refused (without it the first engine to attach sets it, and the pool is cut again for another
+size only while it holds nothing and no engine maps it).
 
 Access: the socket is created owner-only (0600), or 0660 and owned by ``group`` when one is
 given; each peer's credentials (``SO_PEERCRED``) are checked at accept: root, the service's own
@@ -43,6 +66,7 @@ first lookups are disk hits, promoted into the new pool.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import logging
 import os
@@ -51,31 +75,37 @@ import selectors
 import socket
 import threading
 import time
-from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass
+from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.core.config import PolicyName
 from kvtier.core.tier_config import SecondaryTierConfig
-from kvtier.node.conn import Conn, percentiles
+from kvtier.node.conn import RESOURCE_ERRNOS, AcceptBackoff, Conn
 from kvtier.node.credentials import groups_of, peer_credentials
-from kvtier.node.index import NodeIndex, Session
+from kvtier.node.index import NodeIndex, PinLimit, Session
 from kvtier.node.listener import (NodeConfigError, clear_dead_socket, hold_socket_lock, listen,
                                   resolve_group)
 from kvtier.node.pool import check_pool_size, create_pool_fd, slot_stride
 from kvtier.node.protocol import (MAX_KEYS, PROTOCOL_VERSION, RECV_BYTES, Abort, BadRequest, Commit, Hello, Lookup,
                                   ProtocolError, Request, Reserve, Role, Stats, Unpin, pack, parse_request)
+from kvtier.node.roster import Roster
+from kvtier.node.snapshot import snapshot
 from kvtier.node.tiers import NodeTiers
 
 log = logging.getLogger("kvtier.node")
 
 MAX_QUEUED_REPLY_BYTES = 16 * 2**20
 """Replies waiting for a peer that does not read; beyond this (or twice the largest reply a pool of
-this many slots can give, if more) its connection is dropped."""
-KEEP_DETACHED_ENGINES = 64
-"""Stats of this many engines that left are kept (for inspect and metrics); older ones holding
-nothing in the pool are forgotten."""
+this many slots can give, if more: :attr:`NodeServer.max_queued`) its connection is dropped."""
+MAX_CONNECTIONS = 256
+"""Default of ``--max-connections``: an engine holds 1 + its tensor-parallel size connections
+(its scheduler's and one per worker rank), so 256 serve some 28 engines of TP 8."""
+FRAMES_PER_TURN = 8
+"""Frames of one connection answered per turn of the loop (see the module docstring)."""
+KEYS_PER_TURN = MAX_KEYS
+"""... or fewer, once the frames answered in the turn carried this many keys (or pin handles)."""
 
 
 _BELL = object()
@@ -93,6 +123,7 @@ class NodeOptions:
     group: str | None = None  # admit this group's members too (socket 0660 owned by it)
     prefault: bool = True
     tiers: tuple[SecondaryTierConfig, ...] = ()  # owned below the pool, cascade order (disk, then Redis)
+    max_connections: int = MAX_CONNECTIONS  # beyond them a new connection is closed at once (counted)
 
 
 class NodeServer:
@@ -107,7 +138,7 @@ class NodeServer:
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
         self._pool_fd: int | None = None
-        self._conns: dict[int, Conn] = {}
+        self.conns: dict[int, Conn] = {}  # open connections by descriptor (the metrics thread reads it under lock)
         self._recv_view = memoryview(bytearray(RECV_BYTES))  # the loop thread's one read buffer
         self._next_session = 1
         self._gid = resolve_group(options.group)
@@ -118,12 +149,16 @@ class NodeServer:
         self.pool_id = secrets.token_hex(8)  # names this pool: a restarted service's pool is another one
         self.rejected_peers = 0
         self.protocol_errors = 0  # connections closed for a frame that is not a valid request
-        self.internal_errors = 0  # requests whose handling raised (logged; the connection closed)
+        self.internal_errors = 0  # requests (or connections) whose serving raised: a bug, logged; it is closed
         self.slow_readers = 0  # connections closed for not reading their replies
-        self._max_queued = MAX_QUEUED_REPLY_BYTES
+        self.refused_connections = 0  # connections closed at accept: --max-connections were open
+        self.max_queued = MAX_QUEUED_REPLY_BYTES
         self.sessions_released = 0
-        self._detached: OrderedDict[str, None] = OrderedDict()  # engines with no session, last to leave last
+        self.roster = Roster()  # engines that left, whose stats are kept a while
+        self._backlog: dict[Conn, None] = {}  # connections with frames buffered, not answered yet
+        self.accepting = AcceptBackoff(log)
         self.lookup_seconds: deque[float] = deque(maxlen=4096)  # the service's own time per lookup, latest
+        self.percentiles: tuple[float, dict[str, float]] = (-float("inf"), {})  # (when, of lookup_seconds)
         self.below: NodeTiers | None = None  # the tiers below the pool (made at start: they map it)
         self._pool_map: mmap.mmap | None = None
         if options.slot_bytes is not None:
@@ -142,13 +177,15 @@ class NodeServer:
         self.slot_bytes, self.stride = slot_bytes, stride
         self.index = NodeIndex(self.options.pool_bytes // stride, self.options.policy)
         largest_reply = MAX_KEYS * 16 + self.index.num_slots * 5  # statuses, and every slot's number
-        self._max_queued = max(MAX_QUEUED_REPLY_BYTES, 2 * largest_reply)
+        self.max_queued = max(MAX_QUEUED_REPLY_BYTES, 2 * largest_reply)
         if self.below is not None:
             self.below.bind(self.index, stride, slot_bytes)
 
     def start(self) -> None:
         path = self.options.socket_path
         check_pool_size(self.options.pool_bytes)
+        if self.options.max_connections < 1:
+            raise NodeConfigError(f"--max-connections must be at least 1, got {self.options.max_connections}")
         if not path.parent.is_dir():
             raise NodeConfigError(f"--socket {path}: directory {path.parent} does not exist")
         self._lock_fd = hold_socket_lock(path)
@@ -171,10 +208,17 @@ class NodeServer:
 
     # --- the loop ------------------------------------------------------------------------
     def serve_forever(self, poll_s: float = 0.2) -> None:
+        """One turn: what ``select`` reports (new connections, reads: a turn of each connection
+        read, writes), then a turn of each connection with frames still buffered, then the tiers'
+        outcomes and the periodic work. Nothing one connection does ends the loop."""
         next_poll = 0.0
         while not self._stop.is_set():
             rang = False
-            for key, events in self._sel.select(timeout=poll_s):
+            timeout = 0.0 if self._backlog else poll_s
+            if self.accepting.until:
+                timeout = min(timeout, max(0.0, self.accepting.until - time.monotonic()))
+            served: set[Conn] = set()
+            for key, events in self._sel.select(timeout=timeout):
                 if key.data is None:
                     self._accept()
                     continue
@@ -182,25 +226,49 @@ class NodeServer:
                     rang = True
                     continue
                 conn: Conn = key.data
-                if events & selectors.EVENT_READ:
-                    self._read(conn)
-                if events & selectors.EVENT_WRITE and not conn.closing:
-                    self._flush(conn)
-            if self.below is not None and (rang or time.monotonic() >= next_poll):
+                if events & selectors.EVENT_READ:  # its turn comes now
+                    served.add(conn)
+                self._guarded(conn, self._ready, conn, events)
+            for conn in list(self._backlog):
+                if conn not in served and not conn.closing:
+                    self._guarded(conn, self._turn, conn)
+            if self.accepting.due() and self._listener is not None:
+                self._sel.register(self._listener, selectors.EVENT_READ, None)
+            if rang or time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + poll_s
-                with self.lock:
-                    try:
-                        self.below.poll()
-                    except Exception:  # noqa: BLE001 (a tier's bug costs its outcomes, never the loop)
-                        self.internal_errors += 1
-                        log.exception("kvtier node: applying the tiers' outcomes failed")
+                self._periodic()
+
+    def _periodic(self) -> None:
+        """The tiers' outcomes and refresh; forgetting departed engines whose blocks are gone."""
+        with self.lock:
+            self.roster.prune(self.index)
+            if self.below is None:
+                return
+            try:
+                self.below.poll()
+            except Exception:  # noqa: BLE001 (a tier's bug costs its outcomes, never the loop)
+                self.internal_errors += 1
+                log.exception("kvtier node: applying the tiers' outcomes failed")
+
+    def _guarded(self, conn: Conn, serve, *args) -> None:  # noqa: ANN001 (one of the loop's methods)
+        """``serve(*args)``; whatever it raises closes ``conn`` (logged, ``internal_errors``)."""
+        try:
+            serve(*args)
+        except Exception:  # noqa: BLE001 (a bug must cost one connection, never the service)
+            with self.lock:
+                self.internal_errors += 1
+            log.exception("kvtier node: serving pid %d failed; its connection is closed", conn.pid)
+            try:
+                self._drop(conn, "internal error")
+            except Exception:  # noqa: BLE001 (releasing its session raised too: the socket is closed anyway)
+                log.exception("kvtier node: releasing the session of pid %d failed", conn.pid)
 
     def stop(self) -> None:
         """Ask the loop to return (any thread, or a signal handler)."""
         self._stop.set()
 
     def close(self) -> None:
-        for conn in list(self._conns.values()):
+        for conn in list(self.conns.values()):
             self._drop(conn, "service stopping")
         if self.below is not None:
             self._sel.unregister(self.below.bell.fd)
@@ -213,7 +281,8 @@ class NodeServer:
                 pass
             self._pool_map = None
         if self._listener is not None:
-            self._sel.unregister(self._listener)
+            with contextlib.suppress(KeyError):  # (not watched while accepting is paused)
+                self._sel.unregister(self._listener)
             self._listener.close()
             self._listener = None
             try:
@@ -234,31 +303,73 @@ class NodeServer:
         return self._gid is not None and (gid == self._gid or self._gid in groups_of(pid))
 
     def _accept(self) -> None:
+        """Take one connection off the listener: refused (an error frame, then closed) if its
+        peer is not admitted or ``max_connections`` are open. An accept that fails for want of
+        resources pauses the listener (:class:`AcceptBackoff`); any other failure costs only
+        that connection."""
         assert self._listener is not None
         try:
             sock, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        except OSError as exc:
+            if exc.errno in RESOURCE_ERRNOS:
+                self.accepting.failed(exc)
+                self._sel.unregister(self._listener)  # watched again once the pause is over
+            else:  # ECONNABORTED and the like: that peer is gone
+                log.debug("kvtier node: accept failed: %s", exc)
+            return
+        self.accepting.succeeded()
+        try:
+            self._admit(sock)
+        except Exception:  # noqa: BLE001 (its peer went away during the checks, or a bug: that one only)
+            log.exception("kvtier node: admitting a connection failed; it is closed")
+            sock.close()
+
+    def _admit(self, sock: socket.socket) -> None:
         sock.setblocking(False)
         pid, uid, gid = peer_credentials(sock)
         if not self._allowed(uid, gid, pid):
             self.rejected_peers += 1
             who = f"uid {os.getuid()}" + (f" and group {self.options.group}" if self._gid is not None else "")
-            message = (f"kvtier node at {self.options.socket_path} admits only {who}; this client runs as "
-                       f"uid {uid} gid {gid} (start the service with --group GROUP to admit a group)")
-            log.warning("refused pid %d: %s", pid, message)
-            try:
-                sock.send(pack({"ok": False, "error": message}))  # a fresh socket's buffer takes it
-            except OSError:
-                pass
-            sock.close()
+            self._refuse(sock, f"kvtier node at {self.options.socket_path} admits only {who}; this client runs as "
+                               f"uid {uid} gid {gid} (start the service with --group GROUP to admit a group)")
+            log.warning("refused pid %d: uid %d gid %d not admitted", pid, uid, gid)
+            return
+        if len(self.conns) >= self.options.max_connections:
+            with self.lock:
+                self.refused_connections += 1
+            self._refuse(sock, f"kvtier node at {self.options.socket_path} serves at most "
+                               f"{self.options.max_connections} connections (--max-connections), all open")
+            if self.refused_connections & (self.refused_connections - 1) == 0:  # 1, 2, 4, ...: not a log flood
+                log.warning("refused pid %d: %d connections open (--max-connections); %d refused so far",
+                            pid, len(self.conns), self.refused_connections)
             return
         conn = Conn(sock, uid, pid)
-        with self.lock:  # the metrics thread iterates the connections
-            self._conns[sock.fileno()] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
+        with self.lock:  # the metrics thread iterates the connections
+            self.conns[sock.fileno()] = conn
 
-    def _read(self, conn: Conn) -> None:
+    @staticmethod
+    def _refuse(sock: socket.socket, message: str) -> None:
+        with contextlib.suppress(OSError):
+            sock.send(pack({"ok": False, "error": message}))  # a fresh socket's buffer takes it
+        sock.close()
+
+    def _ready(self, conn: Conn, events: int) -> None:
+        """What ``select`` reported for ``conn``: readable, its turn (after a read, unless frames
+        of it are still buffered: those are answered first); writable, a flush."""
+        if events & selectors.EVENT_READ:
+            if conn in self._backlog:
+                self._turn(conn)
+            else:
+                self._receive(conn)
+        if events & selectors.EVENT_WRITE and not conn.closing:
+            self._flush(conn)
+
+    def _receive(self, conn: Conn) -> None:
+        """One read of ``conn`` (none of its frames buffered: what its reader holds is at most one
+        unfinished frame), then its turn."""
         try:
             got = conn.sock.recv_into(self._recv_view)
         except (BlockingIOError, InterruptedError):
@@ -270,45 +381,68 @@ class NodeServer:
             self._drop(conn, "closed by peer")
             return
         try:
-            messages = conn.reader.feed(self._recv_view[:got])
-        except ProtocolError as exc:
+            conn.reader.push(self._recv_view[:got])
+        except ProtocolError as exc:  # (cannot happen: at most a frame and a read wait there)
+            self._broken(conn, exc)
+        self._turn(conn)
+
+    def _broken(self, conn: Conn, exc: ProtocolError) -> None:
+        """``conn``'s stream is not this protocol: answered so, then closed."""
+        with self.lock:
             self.protocol_errors += 1
-            conn.out += pack({"ok": False, "error": f"not this protocol: {exc}"})
-            conn.hang_up = True
-            messages = []
-        for message in messages:
+        conn.out += pack({"ok": False, "error": f"not this protocol: {exc}"})
+        conn.hang_up = True
+
+    def _turn(self, conn: Conn) -> None:
+        """Answer ``conn``'s buffered frames: at most :data:`FRAMES_PER_TURN`, fewer once they
+        carried :data:`KEYS_PER_TURN` keys or its unread replies passed :attr:`max_queued`. If
+        it stopped at a bound, ``conn`` keeps a turn in the next iterations (:attr:`_backlog`)."""
+        frames = keys = 0
+        more = False
+        while not conn.hang_up:
+            try:
+                message = conn.reader.next_message()
+            except ProtocolError as exc:
+                self._broken(conn, exc)
+                break
+            if message is None:
+                break
             fds: list[int] = []
             with self.lock:
-                start = time.perf_counter()
-                reply, lookup = self._answer(conn, message, fds)
-                if lookup:
-                    self.lookup_seconds.append(time.perf_counter() - start)
+                reply, carried = self._answer(conn, message, fds)
             if fds:
                 conn.fds, conn.fd_at = fds, len(conn.out)
             conn.out += pack(reply)
-            if conn.hang_up:
+            frames, keys = frames + 1, keys + carried
+            if frames >= FRAMES_PER_TURN or keys >= KEYS_PER_TURN or len(conn.out) > self.max_queued:
+                more = not conn.hang_up
                 break
+        if more:
+            self._backlog[conn] = None
         else:
-            if conn.reader.error is not None:  # the stream broke after these messages
-                self.protocol_errors += 1
-                conn.out += pack({"ok": False, "error": f"not this protocol: {conn.reader.error}"})
-                conn.hang_up = True
+            self._backlog.pop(conn, None)
         self._flush(conn)
         if conn.hang_up and not conn.closing:
             self._drop(conn, "bad request")
 
-    def _answer(self, conn: Conn, message: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], bool]:
-        """The reply to one message, and whether it was a lookup. Never raises: a message that is
-        not a valid request, or whose handling raised, is answered with an error and its
-        connection marked to close (:attr:`Conn.hang_up`)."""
+    def _answer(self, conn: Conn, message: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], int]:
+        """The reply to one message, and the keys (or pin handles) it carried. Never raises: a
+        message that is not a valid request, or whose checks or handling raised, is answered
+        with an error and its connection marked to close (:attr:`Conn.hang_up`)."""
         try:
             request = parse_request(message)
         except BadRequest as exc:
             self.protocol_errors += 1
             conn.hang_up = True
-            return {"ok": False, "error": f"bad request: {exc}", "field": exc.field}, False
+            return {"ok": False, "error": f"bad request: {exc}", "field": exc.field}, 0
+        except Exception:  # noqa: BLE001 (a check that raised: a bug, that connection only)
+            self.internal_errors += 1
+            conn.hang_up = True
+            log.exception("kvtier node: checking a request of pid %d failed; its connection is closed", conn.pid)
+            return {"ok": False, "error": "the service failed to check this request (a bug: see its log)"}, 0
+        carried = len(request.pins) if type(request) is Unpin else len(getattr(request, "keys", ()))
         try:
-            return self._handle(conn, request, fds), type(request) is Lookup
+            return self._handle(conn, request, fds), carried
         except Exception:  # noqa: BLE001 (a bug must cost one connection, never the service)
             self.internal_errors += 1
             conn.hang_up = True
@@ -316,7 +450,7 @@ class NodeServer:
             log.exception("kvtier node: a %s request of pid %d failed; its connection is closed",
                           type(request).__name__.lower(), conn.pid)
             return {"ok": False, "error": f"the service failed on this {type(request).__name__.lower()} request "
-                                          "(a bug: see the service's log)"}, False
+                                          "(a bug: see the service's log)"}, carried
 
     def _flush(self, conn: Conn) -> None:
         """Write what the peer's socket takes now (never waits); drop a peer with too much unread."""
@@ -337,7 +471,7 @@ class NodeServer:
         except OSError as exc:
             self._drop(conn, f"write failed: {exc}")
             return
-        if len(out) > self._max_queued:
+        if len(out) > self.max_queued:
             self.slow_readers += 1
             self._drop(conn, f"{len(out)} bytes of replies unread")
             return
@@ -347,25 +481,30 @@ class NodeServer:
             self._sel.modify(conn.sock, want, conn)
 
     def _drop(self, conn: Conn, why: str) -> None:
+        """Close ``conn`` and release what its session held. Whatever raises on the way, the
+        connection is gone from the loop and its socket closed."""
         if conn.closing:
             return
         conn.closing = True
-        with self.lock:
-            if conn.session is not None and self.below is not None:
-                self.below.release(conn.session)
-            if conn.session is not None and self.index is not None:
-                aborted, unpinned = self.index.release_session(conn.session)
-                self.sessions_released += 1
-                log.info("engine %s (pid %d) detached (%s): %d reservations aborted, %d pins released",
-                         conn.session.engine, conn.pid, why, aborted, unpinned)
-            self._conns.pop(conn.sock.fileno(), None)
-            if conn.session is not None:
-                self._note_detached(conn.session.engine)
+        self._backlog.pop(conn, None)
         try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
-        conn.sock.close()
+            with self.lock:
+                self.conns.pop(conn.sock.fileno(), None)
+                session = conn.session
+                if session is not None and self.below is not None:
+                    self.below.release(session)
+                if session is not None and self.index is not None:
+                    aborted, unpinned = self.index.release_session(session)
+                    self.sessions_released += 1
+                    log.info("engine %s (pid %d) detached (%s): %d reservations aborted, %d pins released",
+                             session.engine, conn.pid, why, aborted, unpinned)
+                if session is not None and not any(c.session is not None and c.session.engine == session.engine
+                                                   for c in self.conns.values()):
+                    self.roster.left(session.engine, self.index)
+        finally:
+            with contextlib.suppress(KeyError, ValueError):
+                self._sel.unregister(conn.sock)
+            conn.sock.close()
 
     # --- requests ------------------------------------------------------------------------
     def _handle(self, conn: Conn, request: Request, fds: list[int]) -> dict[str, Any]:
@@ -373,15 +512,20 @@ class NodeServer:
         if type(request) is Hello:
             return self._hello(conn, request, fds)
         if type(request) is Stats:
-            return {"ok": True, **self.snapshot()}
+            return {"ok": True, **self.snapshot()}  # O(engines): bounded (kvtier.node.roster)
         session = conn.session
         if session is None or conn.role is not Role.SCHEDULER or self.index is None:
             return {"ok": False, "error": f"{type(request).__name__.lower()!r} needs a hello as role 'scheduler' first"}
         if type(request) is Lookup:
+            start = time.perf_counter()
             keys, width, pin = request.keys, request.width, request.pin
-            hits, slots, handle = self.index.lookup(session, keys, pin, width)
+            try:
+                hits, slots, handle = self.index.lookup(session, keys, pin, width)
+            except PinLimit as exc:
+                return {"ok": False, "error": f"lookup refused: {exc}"}
             pending, below = (self.below.after_lookup(session, keys, hits, width, pin, request.chain)
                               if self.below else (False, 0))
+            self.lookup_seconds.append(time.perf_counter() - start)
             return {"ok": True, "hits": hits, "slots": slots, "pin": handle, "pending": pending, "below": below}
         if type(request) is Unpin:
             return {"ok": True, "unknown": self.index.unpin(session, request.pins)}
@@ -391,24 +535,31 @@ class NodeServer:
                                               f"{self.index.num_slots} slots"}
             status, slots = self.index.reserve(session, request.keys, request.width, request.tails)
             return {"ok": True, "status": [s.value for s in status], "slots": slots}
-        if type(request) is Commit:
-            unknown = self.index.commit(session, request.keys)
-            infos = request.blocks
-            if self.below is not None and infos:
-                self.below.committed(session, request.keys, infos)
+        if type(request) is Commit:  # only keys this session committed now go to the tiers, each once
+            committed: list[int] = []
+            unknown = self.index.commit(session, request.keys, committed)
+            infos = request.records(committed) if self.below is not None and committed else None
+            if infos:
+                self.below.committed(session, [request.keys[p] for p in committed], infos)
             return {"ok": True, "unknown": unknown}
         assert type(request) is Abort
         return {"ok": True, "unknown": self.index.abort(session, request.keys)}
 
     def _hello(self, conn: Conn, hello: Hello, fds: list[int]) -> dict[str, Any]:
         engine = hello.engine or f"pid-{conn.pid}"
-        self._detached.pop(engine, None)  # (re)attached: not among the departed
         if conn.role is not None:
             return {"ok": False, "error": "hello sent twice on one connection"}
         if hello.version != PROTOCOL_VERSION:
             return {"ok": False, "error": f"protocol version {hello.version} is not this service's "
                                           f"({PROTOCOL_VERSION}): run the same kvtier version in engines and node"}
         role, slot_bytes = hello.role, hello.slot_bytes
+        fixed = self.options.slot_bytes
+        if fixed is not None and slot_bytes is not None and slot_bytes != fixed:
+            return {"ok": False, "error":
+                    f"this node's pool is cut into slots of {fixed} bytes; this engine's blocks are {slot_bytes} "
+                    f"bytes, and the service was started with --slot-bytes {fixed}. One service serves one block "
+                    "size: run another kvtier node (another --socket) for this model, or give the engines the same "
+                    "block size"}
         if role.maps_pool:
             if slot_bytes is None and self.slot_bytes is None:
                 return {"ok": False, "error": "this service's slot size is not set yet: the first engine to "
@@ -431,6 +582,7 @@ class NodeServer:
                                               f"node's pool ({self.stride} bytes)"}
             conn.session = Session(self._next_session, engine, cap)
             self._next_session += 1
+            self.roster.attached(engine)  # (re)attached: not among the departed
             if hello.namespace is not None and self.below is not None:
                 self.below.attach(conn.session, *hello.namespace)
         conn.role = role
@@ -442,57 +594,11 @@ class NodeServer:
                 "session": conn.session.id if conn.session else 0, "service_pid": os.getpid(),
                 "pool_id": self.pool_id}
 
-    def _note_detached(self, engine: str) -> None:
-        """Keep the stats of the last :data:`KEEP_DETACHED_ENGINES` engines that left; forget older
-        ones that hold nothing (engines come and go with fresh names: bounded memory and labels)."""
-        if any(c.session is not None and c.session.engine == engine for c in self._conns.values()):
-            return
-        self._detached[engine] = None
-        self._detached.move_to_end(engine)
-        while len(self._detached) > KEEP_DETACHED_ENGINES:
-            old, _ = self._detached.popitem(last=False)
-            if self.index is not None and not self.index.charged.get(old):
-                self.index.engines.pop(old, None)
-
     def _engines_attached(self) -> bool:
-        return any(c.role is not None and c.role.maps_pool for c in self._conns.values())
+        return any(c.role is not None and c.role.maps_pool for c in self.conns.values())
 
     # --- observability -------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """Counters and gauges (call with :attr:`lock` held, or from the loop thread)."""
-        index = self.index
-        attached: dict[str, int] = {}
-        for conn in self._conns.values():
-            if conn.session is not None:
-                attached[conn.session.engine] = attached.get(conn.session.engine, 0) + 1
-        engines = {}
-        if index is not None:
-            for name, stats in index.engines.items():
-                engines[name] = {**asdict(stats), "held_slots": index.charged.get(name, 0),
-                                 "sessions": attached.get(name, 0)}
-        return {
-            "socket": str(self.options.socket_path),
-            "service_pid": os.getpid(),
-            "pool_id": self.pool_id,
-            "uptime_s": round(time.time() - self.started_at, 3),
-            "policy": self.options.policy.value,
-            "pool_bytes": self.options.pool_bytes,
-            "slot_bytes": self.slot_bytes,
-            "slot_stride": self.stride,
-            "num_slots": index.num_slots if index else 0,
-            "used_slots": index.used_slots if index else 0,
-            "blocks": index.blocks if index else 0,
-            "pinned_blocks": index.pinned_entries if index else 0,
-            "evictions": index.evictions if index else 0,
-            "run_evictions": index.run_evictions if index else 0,
-            "connections": len(self._conns),
-            "attached_engines": len(attached),
-            "sessions_released": self.sessions_released,
-            "lookup_service_us": percentiles(self.lookup_seconds),
-            "rejected_peers": self.rejected_peers,
-            "protocol_errors": self.protocol_errors,
-            "internal_errors": self.internal_errors,
-            "slow_readers": self.slow_readers,
-            "engines": engines,
-            "tiers": self.below.snapshot() if self.below is not None else None,
-        }
+        """Counters and gauges (call with :attr:`lock` held, or from the loop thread):
+        :func:`kvtier.node.snapshot.snapshot`."""
+        return snapshot(self)
