@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support import unreadable
 from support.namespaces import toy_namespace
 
 from kvtier.cachetools import PurgeSelection, inspect_cache, parse_duration, purge_cache, verify_cache
 from kvtier.cli.main import main
 from kvtier.core.keys import Namespace
 from kvtier.tiers.base import IoError, IoKind, IoResult
-from kvtier.tiers.blockfile import HEADER_LEN
+from kvtier.tiers.blockfile import HEADER_LEN, encode_header
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.layout import DiskLayout
 from kvtier.tiers.disk.ledger import decode, ledger_path
@@ -373,3 +374,161 @@ def test_older_spec_roots_are_shown_and_purged(cache: Cache) -> None:
     assert [ns["prefix"] for ns in data["namespaces"]] == [old.prefix] and data["namespaces"][0]["config_removed"]
     assert not path.exists() and not os.path.exists(old.ns_dir)
     assert {ns.prefix for ns in inspect_cache(cache.root).namespaces} == {cache.prefix("smol"), cache.prefix("qwen")}
+
+
+# ---------------------------------------------------------------------------- hostile and odd roots
+
+
+def plant_record(cache: Cache, name: str, key: bytes, payload_len: int, digest: bytes | None = None) -> Path:
+    """A rank-0 record of ``name`` with a valid header announcing ``payload_len`` bytes, as long as
+    it says (sparse: costs nothing to make)."""
+    path = Path(cache.layout(name).path(key.hex(), 0))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    namespace = digest if digest is not None else NAMESPACES[name].rank_digests()[0]
+    with open(path, "wb") as f:
+        f.write(encode_header(namespace=namespace, key=key, parent=bytes(32), num_tokens=16,
+                              payload_len=payload_len, checksum=0))
+        f.truncate(HEADER_LEN + payload_len)
+    return path
+
+
+def test_verify_leaves_a_namespace_with_a_mismatched_config_in_place(cache: Cache) -> None:
+    """A config.json that does not match its directory (here: another namespace's, of one rank) is
+    reported; the namespace's good blocks are not judged by it (none quarantined)."""
+    config = Path(cache.layout("qwen").ns_dir) / "config.json"
+    config.write_text(toy_namespace(layers=5, tp_size=1).config_json("Qwen3-0.6B"))
+    before = cache.files()
+    report = verify_cache(cache.root)
+    assert [(p.path, p.action) for p in report.problems] == [(str(config), "left in place")]
+    assert "does not match the directory name" in report.problems[0].reason
+    assert report.files_ok == 2 * (6 + 4) and report.quarantined == 0
+    assert cache.files() == before and not (cache.root / "quarantine").exists()
+    code, out = run("verify", cache.root)
+    assert code == 1 and "20 ok, 1 problem(s), 0 quarantined" in out
+
+
+def test_verify_reads_no_payload_beyond_the_block_size(cache: Cache, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Records whose header claims more than the namespace's blocks can hold are problems found
+    without reading their payload: the bound comes from config.json, else the usage ledger, else
+    a hard cap (then the record is only reported)."""
+    read = [0]
+    real_preadv = os.preadv
+
+    def counted(fd: int, buffers: list, offset: int) -> int:
+        n = real_preadv(fd, buffers, offset)
+        read[0] += n
+        assert read[0] < 64 << 20, "verify reads a payload beyond the namespace's block size"
+        return n
+
+    monkeypatch.setattr(os, "preadv", counted)
+    huge = plant_record(cache, "qwen", b"\x01" * 32, 1 << 30)  # 1 GiB: a config.json bound
+    report = verify_cache(cache.root, selectors=("Qwen3-0.6B",))
+    (problem,) = report.problems
+    assert problem.path == str(huge) and problem.action == "quarantined" and not huge.exists()
+    assert "payload bytes of this namespace's records (config.json); not read" in problem.reason
+    assert report.files_ok == 8 and read[0] == 8 * PAYLOAD
+
+    os.unlink(Path(cache.layout("qwen").ns_dir) / "config.json")  # no config: the ledger's file size bounds it
+    longer = plant_record(cache, "qwen", b"\x02" * 32, 4 * PAYLOAD)
+    (problem,) = [p for p in verify_cache(cache.root, selectors=("Qwen3-0.6B",)).problems if p.path == str(longer)]
+    assert f"more than the {PAYLOAD} payload bytes" in problem.reason and "(usage ledger)" in problem.reason
+    assert problem.action == "quarantined" and not longer.exists()
+
+    os.unlink(ledger_path(cache.layout("qwen")))  # neither: the hard cap; reported, left in place, unread
+    beyond = plant_record(cache, "qwen", b"\x03" * 32, (1 << 30) + 1)
+    (problem,) = [p for p in verify_cache(cache.root, selectors=("Qwen3-0.6B",)).problems if p.path == str(beyond)]
+    assert "without the namespace's block size" in problem.reason and problem.action == "left in place"
+    assert beyond.exists() and read[0] == 3 * 8 * PAYLOAD
+
+
+def test_an_ambiguous_digest_prefix_is_refused(cache: Cache) -> None:
+    digest = NAMESPACES["qwen"].digest.hex()
+    twin = cache.root / f"Other_{digest[:4]}{'f' * 12}"  # another namespace whose digest starts alike
+    twin.mkdir()
+    before = cache.files()
+    for command in (["purge", cache.root, "--namespace", digest[:4]], ["verify", cache.root, "--namespace", digest[:4]]):
+        code, out = run(*command)
+        assert code == 2 and "is ambiguous" in out and cache.prefix("qwen") in out and twin.name in out
+    assert cache.files() == before
+    code, out = run("purge", cache.root, "--namespace", digest[:8])  # more digits: one namespace
+    assert code == 0 and "removed 4 blocks" in out and twin.exists()
+
+
+def test_purge_counts_only_what_it_removed(cache: Cache) -> None:
+    stuck = Path(cache.layout("smol").path("ab" * 32, 0))  # a directory where a block file should be
+    stuck.mkdir(parents=True)
+    (stuck / "x").write_text("x")
+    code, out = run("purge", cache.root, "--namespace", cache.prefix("smol"), "--json")
+    assert code == 1 and "1 file(s) could not be removed" in out
+    data = json.loads(out[: out.rindex("}") + 1])
+    (smol,) = data["namespaces"]
+    assert (smol["blocks"], smol["files"], smol["bytes"]) == (6, 12, 12 * FILE_BYTES)
+    assert smol["errors"] == data["errors"] == 1 and smol["failed"] == [str(stuck)] and not smol["config_removed"]
+    assert stuck.is_dir() and (Path(cache.layout("smol").ns_dir) / "config.json").exists()
+
+
+def test_purge_removes_a_namespace_holding_only_its_snapshot(cache: Cache) -> None:
+    snapshot = Path(cache.layout("qwen").ns_dir) / "index_g0.snapshot"
+    lone = DiskLayout(cache.root, "Gone", bytes.fromhex("ab" * 32), 1, 0)
+    os.makedirs(lone.ns_dir)
+    (Path(lone.ns_dir) / snapshot.name).write_bytes(snapshot.read_bytes())
+    code, out = run("purge", cache.root, "--namespace", lone.prefix, "--dry-run")
+    assert code == 0 and f"{lone.prefix}: would remove 0 blocks" in out and "its directories would go" in out
+    code, out = run("purge", cache.root, "--namespace", lone.prefix, "--json")
+    assert code == 0 and json.loads(out)["namespaces"][0]["namespace_removed"]
+    assert not os.path.exists(lone.ns_dir)
+
+
+def test_quarantined_files_of_a_model_named_with_double_underscores(cache: Cache) -> None:
+    odd = DiskLayout(cache.root, "org__model", bytes.fromhex("cd" * 32), 1, 0)
+    odd.create(toy_namespace().config_json("org__model"))
+    quarantined = Path(odd.quarantine_path("ef" * 32, 0))
+    quarantined.parent.mkdir()
+    quarantined.write_bytes(b"q" * 100)
+    (ns,) = [ns for ns in inspect_cache(cache.root).namespaces if ns.prefix == odd.prefix]
+    assert (ns.quarantine_files, ns.quarantine_bytes) == (1, 100)
+    code, out = run("purge", cache.root, "--model", "org__model", "--quarantine")
+    assert code == 0 and "quarantine: removed 1 files" in out and not quarantined.exists()
+
+
+def test_purge_refuses_an_absurd_duration(cache: Cache) -> None:
+    before = cache.files()
+    for duration in ("1" * 400 + "d", "99999999999w"):
+        code, out = run("purge", cache.root, "--older-than", duration)
+        assert code == 2 and "too long" in out
+    code, out = run("purge", cache.root, "--older-than", "300000d")  # 821 years: allowed, nothing that old
+    assert code == 0 and "removed 0 files" in out and cache.files() == before
+
+
+def test_unreadable_directories_are_counted_skips(cache: Cache) -> None:
+    """A directory the command cannot read is skipped and reported; inspect, verify and purge go on
+    with the rest, say what they did (text and JSON) and exit 1."""
+    if unreadable.runner_prefix() is None:
+        pytest.skip("cannot run a process without CAP_DAC_OVERRIDE here")
+    leaf = cache.path("smol", 0, rank=1).parent  # smol sorts after qwen: purged after it
+    quarantine = cache.root / "quarantine"
+    quarantine.mkdir()
+    (quarantine / "x.bin").write_bytes(b"x")
+    for path in (leaf, quarantine):
+        unreadable.make_unreadable(path)
+    try:
+        done = unreadable.kvtier("inspect", cache.root, "--json")
+        data = json.loads(done.stdout)
+        assert done.returncode == 1 and {u["path"] for u in data["unreadable"]} == {str(leaf), str(quarantine)}
+        assert [ns["unreadable"] for ns in data["namespaces"]] == [0, 1]
+        done = unreadable.kvtier("verify", cache.root, "--no-quarantine")
+        assert done.returncode == 1 and "Traceback" not in done.stderr
+        assert "19 ok, no problems" in done.stdout and f"SKIPPED {cache.prefix('smol')}_r1/" in done.stdout
+        done = unreadable.kvtier("purge", cache.root, "--all", "--json")
+        assert done.returncode == 1 and "2 director(ies) could not be read: skipped" in done.stderr
+        data = json.loads(done.stdout)
+        assert [(ns["files"], ns["unreadable"]) for ns in data["namespaces"]] == [(8, 0), (0, 1)]
+        assert data["files"] == 8 and len(data["unreadable"]) == 2
+        done = unreadable.kvtier("purge", cache.root, "--all")
+        assert done.returncode == 1 and f"{cache.prefix('smol')}: skipped" in done.stdout
+        assert "SKIPPED quarantine" in done.stdout and "removed 0 files" in done.stdout
+    finally:
+        for path in (leaf, quarantine):
+            unreadable.make_readable(path)
+    assert not os.path.exists(cache.layout("qwen").ns_dir)  # purged
+    assert len([p for p in cache.files() if p.endswith(".bin")]) == 12 + 1  # smol's blocks, the quarantined file

@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from rich.console import Console
+
+from kvtier.cli.doctor import render_measurements
 from kvtier.cli.main import main
 from kvtier.doctor.audit import audit
-from kvtier.doctor.measure import cuda_available, cuda_copies, disk_write_read, dram_copy
+from kvtier.doctor.measure import Bandwidth, compare, cuda_available, cuda_copies, disk_write_read, dram_copy
 from kvtier.doctor.probes import filesystem_type, namespaces_under
 from kvtier.launch.cmdline import parse_serve_line
 
@@ -372,3 +375,19 @@ def test_cli_measure_compares_with_the_model(tmp_path):
                                      "--disk-mib", "4", "--", "kvtier", "serve", "-tp", "1"])
     assert text.exit_code == 0, text.output
     assert "DRAM copy" in text.output and "SmolLM2-135M-Instruct" in text.output
+
+
+def test_measure_says_when_recomputing_beats_even_the_host():
+    """A small model recomputes faster than a slow host link loads its KV: no disk bandwidth is
+    "needed" then (not a figure from dividing by nothing)."""
+    slow = [Bandwidth("DRAM copy (memcpy)", 2**20, 1.0), Bandwidth("disk read", 2**20, 1.0)]  # ~1 MB/s
+    comparison = compare(slow, "default", 1, 8192)
+    assert comparison["recompute_s"] < comparison["host_load_s"]
+    assert comparison["disk_bw_needed_gbps"] is None and comparison["recompute_faster"]
+    console = Console(record=True, width=200)
+    render_measurements(slow, comparison, console)
+    text = console.export_text()
+    assert "recomputing is faster on this machine than loading from host memory" in text and "needs" not in text
+    fast = [Bandwidth("DRAM copy (memcpy)", 10**10, 1.0), Bandwidth("disk read", 10**10, 1.0)]
+    comparison = compare(fast, L70, 1, 32768)
+    assert comparison["disk_bw_needed_gbps"] > 0 and not comparison["recompute_faster"]

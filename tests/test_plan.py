@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from support import unreadable
 
 from kvtier.cli.main import main
-from kvtier.planning.geometry import FULL, MLP_ONLY, SLIDING, STATEFUL, ModelKVGeometry, layer_kinds
+from kvtier.planning.geometry import FULL, MLP_ONLY, SLIDING, STATEFUL, ModelConfigError, ModelKVGeometry, layer_kinds
 from kvtier.planning.model_source import SMOLLM2_CONFIG, load_model_config
 from kvtier.planning.sizing import GIB, PlanInputs, make_plan
 from kvtier.planning.weights import count_parameters, weight_bytes
@@ -282,3 +283,49 @@ def test_plan_and_doctor_do_not_import_vllm_or_torch():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch', 'transformers')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- inputs and configs no deployment has -----------------------------------------------------------
+
+@pytest.mark.parametrize("flag", ["--gpu-memory", "--kv-cache-gib", "--weights-gib", "--host-bw"])
+@pytest.mark.parametrize("value", ["inf", "nan", "1e300"])
+def test_cli_plan_refuses_numbers_that_are_not_finite(flag, value):
+    result = CliRunner().invoke(main, ["plan", "default", flag, value])
+    assert result.exit_code == 2 and flag in result.output and "finite" in result.output, result.output
+
+
+def test_zero_kv_heads_is_refused_like_zero_attention_heads():
+    for key in ("num_key_value_heads", "num_attention_heads"):
+        with pytest.raises(ModelConfigError, match=f"no positive '{key}'"):
+            ModelKVGeometry.from_config({**SMOLLM2_CONFIG, key: 0})
+
+
+def test_plan_notes_a_tp_that_does_not_split_the_kv_heads():
+    """The note is doctor's tp-kv-heads check (one predicate), said by plan too."""
+    llama = config("llama-3.1-70b")  # 8 KV heads
+    (note,) = [n for n in make_plan("l", llama, PlanInputs(tp=3)).notes if "tp-kv-heads" in n]
+    geo = ModelKVGeometry.from_config(llama)
+    assert geo.tp_split_problem(3) in note and "vLLM refuses to start" in note
+    for tp in (1, 2, 4, 8, 16):
+        assert geo.tp_split_problem(tp) is None
+        assert not any("tp-kv-heads" in n for n in make_plan("l", llama, PlanInputs(tp=tp)).notes)
+    result = CliRunner().invoke(main, ["plan", str(FIXTURES / "llama-3.1-70b.json"), "--tp", "3"])
+    assert result.exit_code == 0 and "-tp 3 does not divide 8 KV heads" in result.output
+
+
+def test_plan_and_doctor_on_a_model_folder_that_cannot_be_read(tmp_path):
+    if unreadable.runner_prefix() is None:
+        pytest.skip("cannot run a process without CAP_DAC_OVERRIDE here")
+    models = tmp_path / "models"
+    (models / "Llama").mkdir(parents=True)
+    (models / "Llama" / "config.json").write_text((FIXTURES / "llama-3.1-70b.json").read_text())
+    unreadable.make_unreadable(models)
+    try:
+        plan = unreadable.kvtier("plan", models / "Llama")
+        doctor = unreadable.kvtier("doctor", "--", "vllm", "serve", models / "Llama")
+    finally:
+        unreadable.make_readable(models)
+    assert plan.returncode == 1 and "Traceback" not in plan.stderr
+    assert f"cannot read {models / 'Llama'}: Permission denied" in plan.stderr
+    assert doctor.returncode == 0 and "Traceback" not in doctor.stderr
+    assert "Model config not readable" in doctor.stdout and "Permission denied" in doctor.stdout

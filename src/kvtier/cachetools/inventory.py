@@ -3,7 +3,9 @@
 Never opens a block file unless asked to count tails (``count_tails``: one header read of rank 0's
 file per block): cost is one ``stat`` per file (about 1 s per 100,000 files with a warm page
 cache), whatever the blocks' size. Everything is reached as :mod:`kvtier.cachetools.scan` says (no
-symlink followed; headers, ledgers and snapshot headers read only from regular files, bounded).
+symlink followed; headers, ledgers and snapshot headers read only from regular files, bounded). A
+directory that cannot be listed is skipped and listed in ``unreadable`` (the figures of its
+namespace are then partial).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.cachetools.scan import CacheNamespace, Kind, discover, iter_files, iter_quarantine
+from kvtier.cachetools.scan import (CacheNamespace, Kind, Unreadable, discover, iter_files, iter_quarantine,
+                                    unreadable_of)
 from kvtier.core.keys import describe_config
 from kvtier.core.rootfs import RootFS
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
@@ -68,6 +71,7 @@ class NamespaceInventory:
     snapshot_written: float | None = None  # newest snapshot's mtime (seconds since the epoch)
     ledger_bytes: int | None = None  # what its usage ledgers charge (None: no readable ledger)
     tail_blocks: int | None = None  # complete blocks that are tails (partial blocks); None: not counted
+    unreadable: int = 0  # its directories that could not be listed (its figures are partial)
 
 
 @dataclass(slots=True)
@@ -80,6 +84,7 @@ class Inventory:
     quarantine_files: int = 0  # all of them, including files of no known namespace
     quarantine_bytes: int = 0
     strays: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), top level and rank dirs
+    unreadable: list[Unreadable] = field(default_factory=list)  # directories skipped: not counted
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``kvtier inspect --json``); times are seconds since the epoch."""
@@ -89,6 +94,7 @@ class Inventory:
             "namespaces": [asdict(ns) for ns in self.namespaces],
             "quarantine": {"files": self.quarantine_files, "bytes": self.quarantine_bytes},
             "strays": [{"path": path, "reason": reason} for path, reason in self.strays],
+            "unreadable": [asdict(u) for u in self.unreadable],
         }
 
 
@@ -100,10 +106,10 @@ def inspect_cache(root_dir: str | Path, *, now: float | None = None, count_tails
     inventory = Inventory(cache.root, now, [], strays=[(f.path, f.reason) for f in cache.strays])
     by_prefix: dict[str, NamespaceInventory] = {}
     for ns in cache.namespaces:
-        summary = _summarize(ns, now, inventory.strays, count_tails)
+        summary = _summarize(ns, now, inventory.strays, count_tails, inventory.unreadable)
         by_prefix[ns.prefix] = summary
         inventory.namespaces.append(summary)
-    for qfile in iter_quarantine(cache):
+    for qfile in iter_quarantine(cache, inventory.unreadable):
         inventory.quarantine_files += 1
         inventory.quarantine_bytes += qfile.size
         owner = by_prefix.get(qfile.prefix or "")
@@ -113,7 +119,8 @@ def inspect_cache(root_dir: str | Path, *, now: float | None = None, count_tails
     return inventory
 
 
-def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]], count_tails: bool) -> NamespaceInventory:
+def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]], count_tails: bool,
+               unreadable: list[Unreadable]) -> NamespaceInventory:
     config = ns.config or {}
     summary = NamespaceInventory(
         prefix=ns.prefix,
@@ -127,7 +134,8 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]], co
     )
     blocks: dict[tuple[int, str], list[int]] = {}  # (group, hex key) -> [bit mask of ranks, newest mtime_ns]
     rank0_paths: dict[tuple[int, str], str] = {}
-    for f in iter_files(ns, stat=True):
+    skipped = len(unreadable)
+    for f in iter_files(ns, stat=True, unreadable=unreadable):
         if f.kind is Kind.TEMP:
             summary.temp_files += 1
             summary.temp_bytes += f.size
@@ -142,6 +150,11 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]], co
             seen[1] = max(seen[1], f.mtime_ns)
             if f.rank == 0:
                 rank0_paths[(f.group or 0, f.hex_key or "")] = f.path
+    try:  # its ledgers and snapshots are listed quietly: say if they could not be
+        ns.fs.listing(ns.ns_dir, stat=False)
+    except OSError as exc:
+        unreadable.append(unreadable_of(ns.ns_dir, exc, ns.prefix))
+    summary.unreadable = len(unreadable) - skipped
     summary.groups = sorted({group for group, _ in blocks})
     newest, all_ranks = 0, (1 << summary.world) - 1
     block_tokens = config.get("block_tokens") if isinstance(config.get("block_tokens"), int) else None

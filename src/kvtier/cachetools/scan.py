@@ -9,7 +9,9 @@ layouts), as the tier reaches it: a symlink is never followed (a symlinked or no
 where a directory should be is listed as a stray, never descended into), ``config.json`` is read
 only if it is a regular file of at most 1 MiB, and the status of an entry is its own (``lstat``).
 The tools act on what is listed through the same object, so a path swapped for a symlink after
-it was listed is not followed either.
+it was listed is not followed either. A directory that cannot be listed (``EACCES``, ``EIO``...) is
+skipped and recorded as :class:`Unreadable` when the caller collects them (the tools report them
+and exit non-zero); the walk goes on with the rest.
 
 Called by inspect, verify and purge in the ``kvtier`` command's process, one thread.
 """
@@ -36,6 +38,19 @@ _DIGEST16 = 16
 
 def _is_hex(text: str) -> bool:
     return bool(text) and set(text) <= _HEX
+
+
+@dataclass(frozen=True, slots=True)
+class Unreadable:
+    """A directory (or entry) that could not be listed or stat-ed: skipped, and reported."""
+
+    path: str
+    reason: str  # the error, e.g. "Permission denied"
+    namespace: str | None = None  # the namespace directory name, if it is one's
+
+
+def unreadable_of(path: str, exc: OSError, namespace: str | None = None) -> Unreadable:
+    return Unreadable(path, exc.strerror or str(exc), namespace)
 
 
 class Kind(Enum):
@@ -87,8 +102,9 @@ class CacheNamespace:
     @property
     def world(self) -> int:
         """Ranks a complete block has: tp_size x pp_size of config.json (1 for a replicated
-        namespace: MLA stored once), else the rank dirs found."""
-        if self.config is not None:
+        namespace: MLA stored once), else (no config.json, or one judged wrong: it does not match
+        the directory name) the rank dirs found."""
+        if self.config is not None and self.config_problem is None:
             try:
                 return stored_ranks_of(self.config)
             except (TypeError, ValueError):
@@ -106,8 +122,9 @@ class CacheNamespace:
 
     def rank_digests(self) -> list[bytes] | None:
         """The namespace digest each rank's headers carry (as ``EngineGeometry.rank_digests``),
-        or None when config.json is not a kvtier Namespace."""
-        if self.namespace is None:
+        or None when config.json is not a kvtier Namespace or does not match the directory name
+        (nothing is judged by a config already judged wrong)."""
+        if self.namespace is None or self.config_problem is not None:
             return None
         return self.namespace.rank_digests()
 
@@ -220,38 +237,57 @@ def _load_config(ns: CacheNamespace) -> None:
         ns.config_problem = f"{CONFIG_NAME} digest does not match the directory name"
 
 
-def iter_files(ns: CacheNamespace, *, stat: bool = True) -> Iterator[CacheFile]:
+def iter_files(ns: CacheNamespace, *, stat: bool = True,
+               unreadable: list[Unreadable] | None = None) -> Iterator[CacheFile]:
     """Every entry under the namespace's rank directories, classified (see :class:`Kind`).
 
     ``stat``: fill in size and mtime (the entry's own ``lstat``, one per file). Entries that vanish
     mid-walk are skipped; unexpected entries where directories should be (a symlink, a file, a
     misnamed directory) are reported as one stray entry each, never descended into.
+    ``unreadable``: directories that cannot be listed are appended there and skipped (without
+    it, the ``OSError`` is raised).
     """
     fs = ns.fs
+
+    def listing(path: str, with_stat: bool) -> list[tuple[str, os.stat_result | None]] | None | bool:
+        """:meth:`RootFS.listing`, or False when the directory cannot be listed (recorded)."""
+        try:
+            return fs.listing(path, stat=with_stat)
+        except OSError as exc:
+            if unreadable is None:
+                raise
+            unreadable.append(unreadable_of(path, exc, ns.prefix))
+            return False
+
     for rank in sorted(ns.rank_dirs):
         rank_dir = ns.rank_dirs[rank]
-        for top, _ in fs.listing(rank_dir, stat=False) or ():
+        for top, _ in listing(rank_dir, False) or ():
             top_path = f"{rank_dir}/{top}"
-            subs = fs.listing(top_path, stat=False) if len(top) == 3 and _is_hex(top) else None
+            subs = listing(top_path, False) if len(top) == 3 and _is_hex(top) else None
+            if subs is False:
+                continue
             if subs is None:
-                yield from _stray(fs, top_path, rank, "unexpected entry in a rank directory", stat)
+                yield from _stray(fs, top_path, rank, "unexpected entry in a rank directory", stat, unreadable=unreadable)
                 continue
             for sub, _ in subs:
                 leaf_path = f"{top_path}/{sub}"
                 hh, sep, group = sub[:2], sub[2:4], sub[4:]
                 well_named = _is_hex(hh) and sep == "_g" and group.isdigit()
-                listing = fs.listing(leaf_path, stat=stat) if well_named else None
-                if listing is None:
-                    yield from _stray(fs, leaf_path, rank, "unexpected entry in a rank directory", stat)
+                leaf = listing(leaf_path, stat) if well_named else None
+                if leaf is False:
+                    continue
+                if leaf is None:
+                    yield from _stray(fs, leaf_path, rank, "unexpected entry in a rank directory", stat,
+                                      unreadable=unreadable)
                     continue
                 layout = ns.layout(int(group))
-                for name, st in listing:
-                    yield from _classify(fs, leaf_path, name, st, rank, int(group), layout, stat)
+                for name, st in leaf:
+                    yield from _classify(fs, leaf_path, name, st, rank, int(group), layout, stat, unreadable)
 
 
 def _classify(
     fs: RootFS, leaf: str, name: str, st: os.stat_result | None, rank: int, group: int, layout: DiskLayout,
-    stat: bool,
+    stat: bool, unreadable: list[Unreadable] | None = None,
 ) -> Iterator[CacheFile]:
     """The entry ``name`` of a leaf directory, classified (nothing if it vanished meanwhile)."""
     path = f"{leaf}/{name}"
@@ -265,7 +301,7 @@ def _classify(
         else:
             kind, reason = Kind.STRAY, f"misplaced block file: belongs in {layout.path(hex_key, rank)}"
     else:
-        yield from _stray(fs, path, rank, "not a block file", stat, st)
+        yield from _stray(fs, path, rank, "not a block file", stat, st, unreadable)
         return
     if stat and st is None:
         return  # vanished
@@ -274,16 +310,20 @@ def _classify(
 
 
 def _stray(
-    fs: RootFS, path: str, rank: int, reason: str, stat: bool, st: os.stat_result | None = None
+    fs: RootFS, path: str, rank: int, reason: str, stat: bool, st: os.stat_result | None = None,
+    unreadable: list[Unreadable] | None = None,
 ) -> Iterator[CacheFile]:
-    """The stray entry at ``path`` (none if it vanished)."""
+    """The stray entry at ``path`` (none if it vanished, or cannot be stat-ed: recorded in ``unreadable``)."""
     if st is None:
         try:
             st = fs.lstat(path)
         except OSError as exc:
             if exc.errno in NOT_THERE:
                 return
-            raise
+            if unreadable is None:
+                raise
+            unreadable.append(unreadable_of(path, exc))
+            return
     is_dir = S_ISDIR(st.st_mode)
     size, mtime_ns = (st.st_size, st.st_mtime_ns) if stat and not is_dir else (0, 0)
     name = path.rpartition("/")[2]
@@ -305,13 +345,22 @@ class QuarantineFile:
     mtime_ns: int
 
 
-def iter_quarantine(cache: CacheRoot) -> Iterator[QuarantineFile]:
-    """The files in the quarantine directory (named ``<prefix>_r<rank>__<hash>.bin`` by the tier);
-    nothing if ``quarantine`` is a symlink or not a directory (never followed)."""
-    for name, st in cache.fs.listing(cache.quarantine_dir) or ():
+def iter_quarantine(cache: CacheRoot, unreadable: list[Unreadable] | None = None) -> Iterator[QuarantineFile]:
+    """The files in the quarantine directory (named ``<prefix>_r<rank>__<hash>.bin`` by the tier:
+    :meth:`DiskLayout.quarantine_path`); nothing if ``quarantine`` is a symlink or not a directory
+    (never followed). ``unreadable``: where a quarantine that cannot be listed is recorded (else
+    the ``OSError`` is raised)."""
+    try:
+        listing = cache.fs.listing(cache.quarantine_dir)
+    except OSError as exc:
+        if unreadable is None:
+            raise
+        unreadable.append(unreadable_of(cache.quarantine_dir, exc))
+        return
+    for name, st in listing or ():
         if st is None or S_ISDIR(st.st_mode):
             continue
-        head, sep, _ = name.partition("__")
+        head, sep, _ = name.rpartition("__")  # the hash has no "__"; a model name may
         prefix, rsep, rank = head.rpartition("_r")
         owner = prefix if sep and rsep and rank.isdigit() and split_prefix(prefix, cache.root) else None
         yield QuarantineFile(os.path.join(cache.quarantine_dir, name), owner, st.st_size, st.st_mtime_ns)

@@ -9,7 +9,7 @@ from kvtier.cachetools.scan import CacheNamespace, CacheRoot
 
 
 class SelectionError(ValueError):
-    """A ``--namespace``/``--model`` selector matched no namespace."""
+    """A ``--namespace``/``--model`` selector matched no namespace, or a digest matched several."""
 
 
 def select(
@@ -21,8 +21,11 @@ def select(
 ) -> list[CacheNamespace]:
     """The namespaces matching every given kind of selector (any one value of each kind): by
     digest, by model, or by either; all namespaces when no selector is given. Raises
-    :class:`SelectionError` for a selector that matches no namespace (a typo, usually)."""
+    :class:`SelectionError` for a selector that matches no namespace (a typo, usually) and for a
+    digest that matches several (a prefix too short to tell them apart: nothing is chosen by a
+    guess). A model name may match several namespaces (one model, several configurations)."""
     chosen = list(cache.namespaces)
+    known = ", ".join(ns.prefix for ns in cache.namespaces) or "none"
     for selectors, test in (
         (namespaces, CacheNamespace.matches_digest),
         (models, CacheNamespace.matches_model),
@@ -30,8 +33,13 @@ def select(
     ):
         for sel in selectors:
             if not any(test(ns, sel) for ns in cache.namespaces):
-                known = ", ".join(ns.prefix for ns in cache.namespaces) or "none"
                 raise SelectionError(f"no namespace under {cache.root} matches {sel!r} (namespaces: {known})")
+            if test is not CacheNamespace.matches_model:
+                by_digest = [ns.prefix for ns in cache.namespaces if ns.matches_digest(sel)]
+                if len(by_digest) > 1:
+                    raise SelectionError(
+                        f"{sel!r} is ambiguous: it matches the digests of {', '.join(by_digest)}; give more "
+                        "digits or the directory name")
         if selectors:
             chosen = [ns for ns in chosen if any(test(ns, sel) for sel in selectors)]
     return chosen

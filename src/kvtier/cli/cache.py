@@ -81,6 +81,7 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
     A directory: reads directory entries, file sizes and mtimes and each namespace's config.json
     only (never a block's payload), so it is fast and safe while engines use it. A block is
     complete when every tensor-parallel rank's file is present; ages are by last use (mtime).
+    Directories that cannot be read are skipped and listed (exit status 1: the figures are partial).
     A Redis URL (redis://, rediss://, unix://): SCAN, STRLEN and OBJECT IDLETIME, never KEYS.
     An S3 URL (s3://BUCKET/PREFIX): one LIST of the prefix (ages by last write).
     A node socket: the pool's usage, pins, attached engines and each engine's hits and stores.
@@ -109,6 +110,8 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
         _emit_json(inventory.to_json())
     else:
         render_inventory(inventory, _console())
+    if inventory.unreadable:
+        sys.exit(1)
 
 
 def _inspect_node(target: str, as_json: bool) -> None:
@@ -169,6 +172,8 @@ def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
         name += f"\n[red]{escape(ns.config_problem)}[/red]"
     if ns.older_spec:
         name += "\n[yellow]older key spec: never read (kvtier purge --older-spec)[/yellow]"
+    if ns.unreadable:
+        name += f"\n[red]{ns.unreadable} unreadable dir(s): figures partial[/red]"
     incomplete = f"\n[yellow]+{ns.incomplete_blocks:,} incomplete[/]" if ns.incomplete_blocks else ""
     if ns.snapshot_blocks is not None:
         incomplete += f"\n[dim]snapshot {ns.snapshot_blocks:,}[/dim]"
@@ -232,6 +237,21 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
             console.print(f"  {escape(_relative(path, inventory.root))}: {escape(reason)}")
         if len(inventory.strays) > 10:
             console.print(f"  ... and {len(inventory.strays) - 10} more (--json lists all)")
+    _render_unreadable(inventory.unreadable, inventory.root, console, "not counted")
+
+
+def _render_unreadable(unreadable: list[Any], root: str, console: Console, consequence: str) -> None:
+    """The directories a command could not read (skipped), the first 10 of them."""
+    from rich.markup import escape
+
+    if not unreadable:
+        return
+    console.print(f"[red]{len(unreadable)} director{'y' if len(unreadable) == 1 else 'ies'} could not be read "
+                  f"and {'was' if len(unreadable) == 1 else 'were'} skipped ({consequence}):[/red]")
+    for u in unreadable[:10]:
+        console.print(f"  [red]SKIPPED[/red] {escape(_relative(u.path, root))}: {escape(u.reason)}")
+    if len(unreadable) > 10:
+        console.print(f"  ... and {len(unreadable) - 10} more (--json lists all)")
 
 
 # ---------------------------------------------------------------------------- verify
@@ -240,7 +260,8 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
 @click.command("verify")
 @target_options
 @click.option("--namespace", "selectors", multiple=True, metavar="DIGEST_OR_MODEL",
-              help="Only this namespace (digest, at least 4 hex digits, or model name); repeatable.")
+              help="Only this namespace (digest, at least 4 hex digits, or model name); repeatable. A digest "
+                   "that matches several namespaces is refused.")
 @click.option("--no-quarantine", is_flag=True,
               help="Only report bad files (values); do not move them to quarantine/ (delete them, on Redis).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
@@ -259,11 +280,13 @@ def verify_command(target: str, username: str | None, password_env: str | None, 
     header and size only, never removed for want of a key.
 
     A directory: bad files are listed and moved to DIR/quarantine/ (where the tier itself puts
-    them) unless --no-quarantine; files that are not kvtier's are reported and left in place;
-    payloads are streamed (bounded memory). A Redis URL: every value is read (in batches of at
+    them) unless --no-quarantine; files that are not kvtier's are reported and left in place, and
+    so are namespaces whose config.json is missing or does not match the directory name (their
+    files are checked without it); payloads are streamed (bounded memory) and never read beyond
+    the namespace's block size; directories that cannot be read are skipped and listed. A Redis URL: every value is read (in batches of at
     most 64 MiB) and bad ones are deleted unless --no-quarantine. An S3 URL: every block object is
     read (GETs bounded by the namespace's block size) and bad ones are deleted unless
-    --no-quarantine. Safe while engines run. Exit status 1 if anything was bad.
+    --no-quarantine. Safe while engines run. Exit status 1 if anything was bad or skipped.
     """
     from kvtier.cachetools import SelectionError, verify_cache
 
@@ -335,6 +358,7 @@ def render_verify(report: VerifyReport, console: Console, seconds: float) -> Non
         + (f"[red]{bad} problem(s)[/red], {report.quarantined} quarantined" if bad else "no problems")
         + (f"; {report.vanished} removed meanwhile by an engine" if report.vanished else "")
     )
+    _render_unreadable(report.unreadable, report.root, console, "not verified")
     for key_id, count in report.retired.items():
         console.print(f"[yellow]{count:,} records under retired key {key_id}[/yellow] (still accepted while "
                       "listed; kvtier purge --retired removes them)")
@@ -360,7 +384,8 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.command("purge")
 @target_options
 @click.option("--namespace", "namespaces", multiple=True, metavar="DIGEST",
-              help="Blocks of this namespace (its digest, at least 4 hex digits, or directory name); repeatable.")
+              help="Blocks of this namespace (its digest, at least 4 hex digits, or directory name); repeatable. "
+                   "A digest that matches several namespaces is refused.")
 @click.option("--model", "models", multiple=True, metavar="NAME", help="Blocks of this model's namespaces; repeatable.")
 @click.option("--older-spec", is_flag=True,
               help="Namespaces written under an older key spec (kvtier inspect marks them): never read again.")
@@ -391,7 +416,9 @@ def purge_command(target: str, username: str | None, password_env: str | None, k
     required. Safe while engines use DIR: only block files are unlinked (a running engine sees a
     miss), writers' temp files are never touched, emptied directories are removed only if still
     empty, and a namespace's config.json goes only with the whole namespace (--all, --namespace,
-    --model) when no block or temp file is left in it. On a Redis URL the selected keys are
+    --model) when no block or temp file is left in it. A namespace with a directory that cannot be
+    read is skipped whole (nothing removed from it) and listed; exit status 1 then, and when a
+    file could not be removed. On a Redis URL the selected keys are
     UNLINKed (SCAN, never KEYS); there is no quarantine there. On an S3 URL the selected objects
     are deleted (bulk DELETE), --older-than going by last write; no quarantine either.
     """
@@ -424,8 +451,11 @@ def purge_command(target: str, username: str | None, password_env: str | None, k
     else:
         render_purge(report, _console())
     errors = report.errors + sum(ns.errors for ns in report.namespaces)
-    if errors:
-        raise click.ClickException(f"{errors} file(s) could not be removed (see the warnings above)")
+    skipped = len(report.unreadable)
+    if errors or skipped:
+        why = [f"{errors} file(s) could not be removed"] if errors else []
+        why += [f"{skipped} director(ies) could not be read: skipped"] if skipped else []
+        raise click.ClickException("; ".join(why) + " (listed " + ("in the JSON)" if as_json else "above)"))
 
 
 def render_purge(report: PurgeReport, console: Console) -> None:
@@ -434,16 +464,29 @@ def render_purge(report: PurgeReport, console: Console) -> None:
 
     verb = "would remove" if report.dry_run else "removed"
     for ns in report.namespaces:
-        if not (ns.files or ns.skipped or ns.config_removed or ns.errors):
+        if ns.unreadable:
+            console.print(f"[red]{escape(ns.prefix)}: skipped[/red], {ns.unreadable} of its directories could not be "
+                          "read; nothing removed from it")
+            continue
+        if not (ns.files or ns.skipped or ns.config_removed or ns.errors or ns.namespace_removed):
             continue
         line = f"{escape(ns.prefix)}: {verb} {ns.blocks:,} blocks, {ns.files:,} files, {fmt_bytes(ns.bytes)}"
         if ns.skipped:
             line += f" (kept {ns.skipped} used meanwhile)"
+        if ns.errors:
+            line += f" [red]({ns.errors} could not be removed)[/red]"
         if ns.config_removed:
             line += "; config.json " + ("would go too" if report.dry_run else "removed")
+        if ns.namespace_removed:
+            line += "; its directories " + ("would go" if report.dry_run else "removed")
         console.print(line)
+        for path in ns.failed[:10]:
+            console.print(f"  [red]NOT REMOVED[/red] {escape(_relative(path, report.root))}")
+        if len(ns.failed) > 10:
+            console.print(f"  ... and {len(ns.failed) - 10} more (--json lists all)")
     if report.quarantine_files or not report.namespaces:  # --quarantine given, or no namespace at all
         console.print(f"quarantine: {verb} {report.quarantine_files:,} files, {fmt_bytes(report.quarantine_bytes)}")
     total = f"{report.files:,} files, {fmt_bytes(report.bytes)}"
     console.print(f"[bold]dry run: would remove {total}; nothing was deleted[/bold]" if report.dry_run
                   else f"[bold]removed {total}[/bold]")
+    _render_unreadable(report.unreadable, report.root, console, "nothing removed there")

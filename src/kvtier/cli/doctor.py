@@ -9,6 +9,7 @@ error. Never imports vLLM; torch only for ``--measure`` on a machine with an NVI
 from __future__ import annotations
 
 import json
+import math
 import shlex
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -61,6 +62,10 @@ def render_measurements(
         console.print(f"  {name:20} {fmt_seconds(c[key])}", highlight=False)
     console.print(f"  recompute basis: {c['recompute_basis']} "
                   "(kvtier plan --prefill-tps to use a measured rate)", highlight=False, markup=False)
+    if c["disk_bw_needed_gbps"] is None:
+        console.print("  recomputing is faster on this machine than loading from host memory, so no disk "
+                      "bandwidth lets the disk tier beat it", highlight=False)
+        return
     verdict = "beats" if c["disk_bw_gbps"] >= c["disk_bw_needed_gbps"] else "does NOT beat"
     console.print(f"  disk tier {verdict} recomputation here: needs {c['disk_bw_needed_gbps']:.2f} GB/s, "
                   f"measured {c['disk_bw_gbps']:.2f} GB/s", highlight=False)
@@ -70,8 +75,14 @@ def run(command: Sequence[str], *, do_measure: bool, directory: str | None, gpu_
         model: str | None, context: int | None, as_json: bool, dram_mib: int = 1024, disk_mib: int = 512,
         console: Console | None = None) -> int:
     """The ``kvtier doctor`` body; returns the exit code (1 if any finding is an error)."""
+    import click
+
     from kvtier.doctor.audit import audit
     from kvtier.doctor.setup import resolve_setup
+    from kvtier.planning.sizing import MAX_INPUT
+
+    if gpu_memory is not None and not (math.isfinite(gpu_memory) and gpu_memory <= MAX_INPUT):
+        raise click.UsageError(f"--gpu-memory {gpu_memory}: give a finite number of at most {MAX_INPUT:.0e}")
 
     if console is None:
         console = Console()

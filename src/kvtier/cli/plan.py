@@ -172,7 +172,12 @@ def run(model: str, inputs: PlanInputs, as_json: bool) -> None:
 
     from kvtier.planning.geometry import ModelConfigError
     from kvtier.planning.model_source import load_model_config
+    from kvtier.planning.sizing import PlanInputError, check_inputs
 
+    try:
+        check_inputs(inputs)
+    except PlanInputError as exc:
+        raise click.UsageError(str(exc)) from None
     try:
         source = load_model_config(model)
         plan = make_plan(source.name, source.config, inputs)

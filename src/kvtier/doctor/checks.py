@@ -42,6 +42,12 @@ def _gib(n: float, other: float | None = None) -> str:
 
 
 def check_model(s: Setup) -> list[Finding]:
+    if s.source is None and s.source_error:
+        return [Finding(
+            "model-config", "warning", f"Model config not readable for {s.model!r}",
+            "Checks that need the model's config.json (KV size, MLA, fp8 scales, max-model-len) were "
+            f"skipped: {s.source_error}.",
+            "Make the model folder and its config.json readable by the user that runs vLLM (and this check).")]
     if s.source is None:
         return [Finding(
             "model-config", "info",

@@ -155,7 +155,8 @@ def measure(directory: Path, dram_bytes: int = 1024 * MIB, disk_bytes: int = 512
 
 def compare(results: Sequence[Bandwidth], model: str, tp: int, context: int | None) -> dict[str, Any]:
     """Time to load one context of ``model`` from each tier at the measured bandwidths, against
-    recomputing it, and the disk bandwidth needed to beat recomputation."""
+    recomputing it, and the disk bandwidth needed to beat recomputation (``disk_bw_needed_gbps``
+    None, ``recompute_faster`` True: recomputing is faster than loading even from host memory)."""
     from kvtier.planning.model_source import load_model_config
     from kvtier.planning.sizing import PlanInputs, make_plan
 
@@ -165,7 +166,10 @@ def compare(results: Sequence[Bandwidth], model: str, tp: int, context: int | No
     source = load_model_config(model)
     plan = make_plan(source.name, source.config,
                      PlanInputs(tp=tp, context=context, host_bw_gbps=host_bw, disk_bw_gbps=disk_bw))
-    needed = plan.offload_sequence_bytes_total / max(plan.recompute_s - plan.host_load_s, 1e-9) / 1e9
+    # Loading from disk beats recomputing when bytes / disk_bw + host_load < recompute; when even the
+    # host step alone is no faster than recomputing, no disk bandwidth is enough (None).
+    spare = plan.recompute_s - plan.host_load_s
+    needed = plan.offload_sequence_bytes_total / spare / 1e9 if spare > 0 else None
     return {
         "model": plan.model, "tp": tp, "context": plan.context, "kv_dtype": plan.kv_dtype,
         "context_bytes_total": plan.offload_sequence_bytes_total,
@@ -173,6 +177,7 @@ def compare(results: Sequence[Bandwidth], model: str, tp: int, context: int | No
         "host_bw_gbps": host_bw, "disk_bw_gbps": disk_bw,
         "host_load_s": plan.host_load_s, "disk_load_s": plan.disk_load_s, "recompute_s": plan.recompute_s,
         "recompute_basis": plan.recompute_basis, "disk_bw_needed_gbps": needed,
+        "recompute_faster": needed is None,
     }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvtier.doctor import probes
 from kvtier.doctor.probes import kv_scales_present
 from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
-from kvtier.planning.sizing import GIB
+from kvtier.planning.sizing import GIB, TP_SPLIT_FIX, TP_SPLIT_WHY
 
 
 def _gib(n: float) -> str:
@@ -68,13 +68,10 @@ def check_model_support(s: Setup) -> list[Finding]:
 
 
 def check_tp(s: Setup) -> list[Finding]:
-    geo, tp = s.geometry, s.line.tp
-    if geo is None or geo.is_mla or tp == 1 or geo.num_kv_heads % tp == 0 or tp % geo.num_kv_heads == 0:
+    problem = s.geometry.tp_split_problem(s.line.tp) if s.geometry is not None else None
+    if problem is None:
         return []
-    return [Finding(
-        "tp-kv-heads", "error", f"-tp {tp} does not divide {geo.num_kv_heads} KV heads",
-        "vLLM needs the KV heads to split evenly over the ranks (or tp to be a multiple of them).",
-        "Use a tensor-parallel size that divides the KV heads, or a multiple of them.")]
+    return [Finding("tp-kv-heads", "error", problem, TP_SPLIT_WHY, TP_SPLIT_FIX)]
 
 
 def check_fp8_scales(s: Setup) -> list[Finding]:

@@ -55,6 +55,7 @@ class Setup:
     line: ServeLine
     model: str | None
     source: ModelSource | None = None
+    source_error: str | None = None  # why the model's config.json could not be read (it is there)
     geometry: ModelKVGeometry | None = None
     plan: Plan | None = None
     plan_error: str | None = None
@@ -221,7 +222,7 @@ def resolve_setup(argv: Sequence[str], gpu_memory_gib: float | None = None) -> S
     if gpu_memory_gib is not None:
         setup.gpu_memory_gib, setup.gpu_memory_assumed = gpu_memory_gib, False
     _connector(setup)
-    setup.source = find_model_config(model or ("default" if line.program == "kvtier" else None))
+    setup.source, setup.source_error = find_model_config(model or ("default" if line.program == "kvtier" else None))
     if setup.source is not None:
         try:
             setup.geometry = ModelKVGeometry.from_config(setup.source.config)

@@ -165,6 +165,13 @@ class ModelKVGeometry:
             return "mha"
         return "mqa" if self.num_kv_heads == 1 else "gqa"
 
+    def tp_split_problem(self, tp: int) -> str | None:
+        """Why vLLM cannot split this model's KV heads over ``tp`` ranks (they must divide evenly, or
+        ``tp`` be a multiple of them), or None. MLA's one latent is replicated, never split."""
+        if self.is_mla or tp == 1 or self.num_kv_heads % tp == 0 or tp % self.num_kv_heads == 0:
+            return None
+        return f"-tp {tp} does not divide {self.num_kv_heads} KV heads"
+
     def kv_heads_per_rank(self, tp: int = 1) -> int:
         """KV heads one TP rank holds: ``ceil(kv_heads / tp)`` (replicated when tp > kv_heads); MLA 1."""
         return 1 if self.is_mla else math.ceil(self.num_kv_heads / tp)
@@ -210,6 +217,8 @@ class ModelKVGeometry:
             kv_heads, head_dim = 1, latent
         else:
             kv_heads = int(_first(cfg, "num_key_value_heads", "num_kv_heads", "n_head_kv", default=heads))
+            if kv_heads <= 0:
+                raise ModelConfigError("config has no positive 'num_key_value_heads'")
             head_dim = int(_first(cfg, "head_dim", "attention_head_size", default=0)) or (hidden // heads)
             if head_dim <= 0:
                 raise ModelConfigError("config has neither 'head_dim' nor 'hidden_size'")

@@ -8,13 +8,19 @@ triggers the model conversion of :func:`kvtier.models.default.ensure_default_mod
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kvtier.planning.geometry import ModelConfigError
+
+class ModelNotFound(ModelConfigError):
+    """No config.json where the model's name leads (as opposed to one that cannot be read)."""
+
 
 DEFAULT_NAMES = ("default", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct", "smollm2")
 
@@ -77,6 +83,21 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG})
+
+
+def _kind(path: Path) -> str | None:
+    """``dir``, ``file`` (anything else that exists) or None (absent); ModelConfigError when it
+    cannot be told (a folder on the way that cannot be searched: permission denied)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError as exc:
+        if exc.errno in _ABSENT:
+            return None
+        raise ModelConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return "dir" if stat.S_ISDIR(mode) else "file"
+
+
 def _read(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text())
@@ -93,32 +114,40 @@ def load_model_config(model: str) -> ModelSource:
         from kvtier.models.default import DEFAULT_MODEL_NAME, default_cache_dir
 
         folder = default_cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-float32"
-        return ModelSource(DEFAULT_MODEL_NAME, dict(SMOLLM2_CONFIG), folder if folder.is_dir() else None,
+        try:
+            found = folder.is_dir()
+        except OSError:  # cannot be searched: the embedded config serves anyway
+            found = False
+        return ModelSource(DEFAULT_MODEL_NAME, dict(SMOLLM2_CONFIG), folder if found else None,
                            "embedded default model (kvtier.planning.model_source.SMOLLM2_CONFIG)")
     path = Path(model).expanduser()
-    if path.is_dir():
+    kind = _kind(path)
+    if kind == "dir":
         config = path / "config.json"
-        if not config.is_file():
-            raise ModelConfigError(f"{path} has no config.json")
+        if _kind(config) is None:
+            raise ModelNotFound(f"{path} has no config.json")
         return ModelSource(path.resolve().name, _read(config), path, str(config))
-    if path.is_file():
+    if kind == "file":
         name = path.parent.resolve().name if path.name == "config.json" else path.stem
         return ModelSource(name, _read(path), path.parent, str(path))
     cached = hf_cache_config(model)
     if cached is not None:
         name = model.split("/")[-1]
         return ModelSource(name, _read(cached), cached.parent, f"Hugging Face cache: {cached}")
-    raise ModelConfigError(
+    raise ModelNotFound(
         f"model {model!r}: not a folder with config.json, not a config.json file, not in the local Hugging "
         "Face cache, and not 'default'. Download its config.json and pass that path."
     )
 
 
-def find_model_config(model: str | None) -> ModelSource | None:
-    """Like :func:`load_model_config`, but None instead of an error (doctor's "cannot check")."""
+def find_model_config(model: str | None) -> tuple[ModelSource | None, str | None]:
+    """Like :func:`load_model_config`, but ``(None, None)`` when there is no config to find and
+    ``(None, why)`` when there is one that cannot be read (doctor's "cannot check")."""
     if not model:
-        return None
+        return None, None
     try:
-        return load_model_config(model)
-    except ModelConfigError:
-        return None
+        return load_model_config(model), None
+    except ModelNotFound:
+        return None, None
+    except ModelConfigError as exc:
+        return None, str(exc)

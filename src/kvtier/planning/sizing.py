@@ -12,6 +12,7 @@ Pure Python: no torch, no vLLM (:mod:`kvtier.planning.model_source` finds model 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -39,6 +40,10 @@ HOST_HEADROOM = 0.2
 DISK_FACTOR = 4
 """Disk tier suggestion = this x the host tier: the long tail of returning prefixes."""
 KV_DTYPES = ("auto", "fp8", "float16", "bfloat16", "float32")
+TP_SPLIT_WHY = "vLLM needs the KV heads to split evenly over the ranks (or tp to be a multiple of them)."
+TP_SPLIT_FIX = "Use a tensor-parallel size that divides the KV heads, or a multiple of them."
+"""What ``kvtier plan`` notes and ``kvtier doctor`` reports (``tp-kv-heads``) for
+:meth:`~kvtier.planning.geometry.ModelKVGeometry.tp_split_problem`."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,27 @@ class PlanInputs:
     prefill_tps: float | None = None
     """Measured prefill tokens/s of the whole engine; else estimated from FLOPs at ``gpu_tflops``."""
     gpu_tflops: float = DEFAULT_GPU_TFLOPS
+
+
+INPUT_FLAGS = {"gpu_memory_gib": "--gpu-memory", "gpu_memory_utilization": "--gpu-memory-utilization",
+               "kv_cache_gib": "--kv-cache-gib", "reserve_gib": "--reserve-gib", "weights_gib": "--weights-gib",
+               "host_bw_gbps": "--host-bw", "disk_bw_gbps": "--disk-bw", "prefill_tps": "--prefill-tps",
+               "gpu_tflops": "--gpu-tflops"}
+"""The number fields of :class:`PlanInputs` and the options that set them."""
+MAX_INPUT = 1e12
+"""The largest value any of them may take (GiB, GB/s, tokens/s, TFLOP/s): beyond, a typo."""
+
+
+class PlanInputError(ValueError):
+    """An input that no deployment has (``inf``, ``nan``, absurdly large); names the option."""
+
+
+def check_inputs(inputs: PlanInputs) -> None:
+    """Raise :class:`PlanInputError` for a number field that is not finite or above :data:`MAX_INPUT`."""
+    for name, flag in INPUT_FLAGS.items():
+        value = getattr(inputs, name)
+        if value is not None and not (math.isfinite(value) and abs(value) <= MAX_INPUT):
+            raise PlanInputError(f"{flag} {value}: give a finite number of at most {MAX_INPUT:.0e}")
 
 
 @dataclass(frozen=True)
@@ -144,8 +170,9 @@ def make_plan(model: str, config: Mapping[str, Any], inputs: PlanInputs) -> Plan
     """The plan for ``config`` (a Hugging Face config dict) under ``inputs``.
 
     Raises :class:`~kvtier.planning.geometry.ModelConfigError` for configs it cannot read and ``ValueError``
-    for impossible inputs.
+    for impossible inputs (:class:`PlanInputError` for numbers that are not finite).
     """
+    check_inputs(inputs)
     if inputs.tp < 1 or inputs.concurrency < 1 or inputs.block_size < 1:
         raise ValueError("--tp, --concurrency and --block-size must be >= 1")
     if inputs.kv_dtype not in KV_DTYPES:
@@ -262,7 +289,11 @@ def _notes(geo: ModelKVGeometry, config: Mapping[str, Any], dtype: str, kv_dtype
         notes.append("MLA on vLLM's CPU build (without AMX): vLLM runs it with prefix caching off and cannot "
                      "resume from cached KV, so kvtier stays inactive there (kvtier doctor checks the machine); "
                      "these figures are for accelerators.")
-    if not geo.is_mla and tp > geo.num_kv_heads:
+    split = geo.tp_split_problem(tp)
+    if split is not None:
+        notes.append(f"ERROR: {split}: vLLM refuses to start (kvtier doctor: tp-kv-heads). {TP_SPLIT_WHY} "
+                     f"{TP_SPLIT_FIX}")
+    elif not geo.is_mla and tp > geo.num_kv_heads:
         notes.append(f"tp={tp} > {geo.num_kv_heads} KV heads: each rank holds a replicated KV head.")
     if geo.sliding_layers:
         notes.append("Sliding-window layers: vLLM's hybrid allocator stays on with kvtier, so on the accelerator "
