@@ -86,9 +86,9 @@ def test_an_engine_reads_from_its_own_mapping_what_another_engine_wrote(node):
         assert status is Reservation.RESERVED and len(slots) == 2
         for s in slots:
             a.pool.slot(s)[:] = data
-    assert b.lookup(list(payloads), width=2) == (0, [], 0, False, 0)  # WRITING: not a hit yet
+    assert b.lookup(list(payloads), width=2) == (0, [], 0, False, 0, ())  # WRITING: not a hit yet
     assert a.commit(list(payloads)) == 0
-    hits, slots, pin, _, _ = b.lookup([*payloads, key(99)], pin=True, width=2)
+    hits, slots, pin, _, _, _ = b.lookup([*payloads, key(99)], pin=True, width=2)
     assert hits == 3 and len(slots) == 6 and pin
     for i, data in enumerate(payloads.values()):
         assert all(bytes(b.pool.slot(s)) == data for s in slots[2 * i:2 * i + 2])
@@ -161,7 +161,7 @@ def test_engines_miss_while_the_service_is_down_and_reattach_after_a_restart(tmp
         a.lookup([key(1)])  # within retry_interval_s, or the socket is gone: no hang, an error at once
     proc = start_node(sock, "--pool-bytes", "1MiB", "--slot-bytes", str(SLOT))  # replaces the dead socket
     time.sleep(0.15)
-    assert a.lookup([key(1)]) == (0, [], 0, False, 0)  # a fresh, empty pool: reattached by itself
+    assert a.lookup([key(1)]) == (0, [], 0, False, 0, ())  # a fresh, empty pool: reattached by itself
     assert a.generation == 2 and a.pool is not None and a.attachment.pool_id != first_pool
     a.close()
     stop(proc)

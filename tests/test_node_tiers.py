@@ -35,6 +35,7 @@ from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig
 from kvtier.node import NodeUnavailable, Role
 from kvtier.node import tiers as tiers_module
 from kvtier.node.metrics import registry_for
+from kvtier.core.residency import Medium
 from kvtier.tiers import stack as stack_module
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.node_host import NodeHost, connect_node
@@ -105,6 +106,13 @@ def store(host: NodeHost, ids: list[int]) -> None:
     host.finish_store([key(i) for i in ids], True)
 
 
+def answers_of(host: NodeHost) -> list:
+    """Every answer ``host.acquire`` gives from now on, appended as it gives it."""
+    answers, acquire = [], host.acquire
+    host.acquire = lambda *args, **kwargs: answers.append(acquire(*args, **kwargs)) or answers[-1]
+    return answers
+
+
 def load(host: NodeHost, ids: list[int], owner: str = "req") -> tuple[int, int, list[bytes]]:
     """Acquire ``ids`` until the answer is READY: (RETRY answers seen, hits, the bytes read)."""
     retries = 0
@@ -133,9 +141,11 @@ def test_a_block_evicted_from_the_pool_is_promoted_back_from_disk_bit_exact(tmp_
             wait_for(lambda: not tier_counts(a)["writes_in_flight"])
         assert a.leading_run([key(i) for i in (1, 2, 3, 4)]) == 4  # the pool has none, the disk all
         assert a.client.lookup([key(1)]).hits == 0
+        answers = answers_of(a)
         retries, hits, data = load(a, [1, 2, 3, 4])
         assert retries >= 1 and hits == 4
         assert data == [payload(i) for i in (1, 2, 3, 4)]
+        assert answers[-1].promoted == {Medium.DISK: 4}  # the engine counts these hits as disk's, not the pool's
         counts = tier_counts(a)
         assert counts["promoted_disk"] == 4 and counts.get("promotion_failures", 0) == 0
         assert svc.stats()["pinned_blocks"] == 0  # parked promotions were let go
@@ -155,9 +165,11 @@ def test_a_block_evicted_from_the_pool_is_promoted_back_from_redis(tmp_path, red
         wait_for(lambda: tier_counts(a).get("written_remote", 0) == 2, what="2 Redis writes")
         store(a, [3, 4, 5, 6])  # evicts 1 and 2 from the pool
         wait_for(lambda: not tier_counts(a)["writes_in_flight"])
+        answers = answers_of(a)
         retries, hits, data = load(a, [1, 2])
         assert retries >= 1 and hits == 2 and data == [payload(1), payload(2)]
-        assert tier_counts(a)["promoted_remote"] == 2
+        assert tier_counts(a)["promoted_remote"] == 2 and answers[-1].promoted == {Medium.REMOTE: 2}
+        assert load(a, [1, 2])[:2] == (0, 2) and answers[-1].promoted == {}  # in the pool now
         a.close()
     finally:
         svc.stop()

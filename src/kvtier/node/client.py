@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvtier.core.keys import BlockKey
+from kvtier.core.residency import Medium
 from kvtier.node.credentials import UntrustedService, check_service
 from kvtier.node.pool import PoolMapping, PoolSealError
 from kvtier.node.protocol import (MAX_KEYS, PROTOCOL_VERSION, RECV_BYTES, FrameReader, Op, ProtocolError, Reservation,
-                                  Role, pack, pack_keys, pack_u32, pack_u64)
+                                  Role, decode_sources, pack, pack_keys, pack_u32, pack_u64)
 
 
 class NodeUnavailable(ConnectionError):
@@ -74,6 +75,7 @@ class Hit(NamedTuple):
     pin: int
     pending: bool = False  # the run continues in the service's tiers, being promoted: ask again
     below: int = 0  # keys after the hits the service's tiers hold
+    sources: tuple[Medium | None, ...] = ()  # per hit, the tier the service promoted it from (None: the pool)
 
 
 class NodeClient:
@@ -262,7 +264,8 @@ class NodeClient:
             keys, tail_tokens = keys[:MAX_KEYS], 0  # (the tail was the last key)
         chain = {"parent": parent, "tokens": block_tokens, "tail_tokens": tail_tokens} if parent is not None else {}
         reply = self._call(Op.LOOKUP, keys=pack_keys(list(keys)), pin=pin, width=width, **chain)
-        return Hit(reply["hits"], reply["slots"], reply["pin"], bool(reply.get("pending")), int(reply.get("below", 0)))
+        return Hit(reply["hits"], reply["slots"], reply["pin"], bool(reply.get("pending")), int(reply.get("below", 0)),
+                   decode_sources(reply.get("sources"), reply["hits"]))
 
     def reserve(self, keys: Sequence[BlockKey], width: int = 1, tails: Sequence[int] = ()
                 ) -> list[tuple[Reservation, list[int] | None]]:

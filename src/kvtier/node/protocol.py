@@ -27,7 +27,10 @@ lookup      keys, [pin (bool): False], [width (int: slots per      hits (int: le
             tokens (int: of a block), [tail_tokens (int: of the    handle that pins the run; 0 if none), pending
             last key, a tail): 0]]: they name the records of the   (bool: the run continues in the service's tiers
             blocks the service promotes                            and is being promoted: ask again), below (int:
-                                                                   keys after the hits the tiers hold)
+                                                                   keys after the hits the tiers hold), [sources
+                                                                   (bin: one byte per hit, where the service
+                                                                   promoted it from for this session:
+                                                                   PROMOTED_FROM; only when some hit was)]
 reserve     keys, width (int: slots per key), [tails (u32:         status (list[Reservation]), slots
             positions in keys of tails, evicted first)]            (list[list[int] | None])
 commit      keys, [parents (keys), tokens (u32), [tails (u32:      unknown (int: keys not reserved by this session)
@@ -65,7 +68,26 @@ import msgpack
 import numpy as np
 
 from kvtier.core.keys import KEY_BYTES, BlockKey, Namespace
+from kvtier.core.residency import Medium
 from kvtier.tiers.stack import BlockInfo, Chain
+
+PROMOTED_FROM: tuple[Medium | None, ...] = (None, Medium.DISK, Medium.REMOTE, Medium.S3)
+"""A lookup reply's ``sources`` byte -> the tier the service promoted that hit from (0: it was in the pool)."""
+
+
+def encode_sources(keys: list[BlockKey], promoted: dict[BlockKey, Medium]) -> bytes:
+    """``sources`` of a reply whose hits are ``keys``: b"" when none was promoted."""
+    if not promoted or not any(key in promoted for key in keys):
+        return b""
+    return bytes(PROMOTED_FROM.index(promoted.get(key)) for key in keys)
+
+
+def decode_sources(raw: object, hits: int) -> tuple[Medium | None, ...]:
+    """The tier each hit was promoted from (None: the pool), from a reply's ``sources``; a
+    malformed value (wrong type or length, unknown code) is read as none promoted."""
+    if not isinstance(raw, bytes) or len(raw) != hits or any(code >= len(PROMOTED_FROM) for code in raw):
+        return ()
+    return tuple(PROMOTED_FROM[code] for code in raw)
 
 PROTOCOL_VERSION = 4
 RECV_BYTES = 1 << 18

@@ -89,7 +89,8 @@ from kvtier.node.listener import (NodeConfigError, clear_dead_socket, hold_socke
                                   resolve_group)
 from kvtier.node.pool import check_pool_size, create_pool_fd, slot_stride
 from kvtier.node.protocol import (MAX_KEYS, PROTOCOL_VERSION, RECV_BYTES, Abort, BadRequest, Commit, Hello, Lookup,
-                                  ProtocolError, Request, Reserve, Role, Stats, Unpin, pack, parse_request)
+                                  ProtocolError, Request, Reserve, Role, Stats, Unpin, encode_sources, pack,
+                                  parse_request)
 from kvtier.node.roster import Roster
 from kvtier.node.snapshot import snapshot
 from kvtier.node.tiers import NodeTiers
@@ -523,10 +524,14 @@ class NodeServer:
                 hits, slots, handle = self.index.lookup(session, keys, pin, width)
             except PinLimit as exc:
                 return {"ok": False, "error": f"lookup refused: {exc}"}
-            pending, below = (self.below.after_lookup(session, keys, hits, width, pin, request.chain)
-                              if self.below else (False, 0))
+            pending, below, promoted = (self.below.after_lookup(session, keys, hits, width, pin, request.chain)
+                                        if self.below else (False, 0, {}))
             self.lookup_seconds.append(time.perf_counter() - start)
-            return {"ok": True, "hits": hits, "slots": slots, "pin": handle, "pending": pending, "below": below}
+            reply = {"ok": True, "hits": hits, "slots": slots, "pin": handle, "pending": pending, "below": below}
+            sources = encode_sources(keys[:hits], promoted)
+            if sources:
+                reply["sources"] = sources
+            return reply
         if type(request) is Unpin:
             return {"ok": True, "unknown": self.index.unpin(session, request.pins)}
         if type(request) is Reserve:

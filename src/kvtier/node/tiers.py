@@ -220,22 +220,22 @@ class NodeTiers:
 
     # --- lookups and commits ------------------------------------------------------------------
     def after_lookup(self, session: Session, keys: list[BlockKey], hits: int, width: int, pin: bool,
-                     chain: Chain) -> tuple[bool, int]:
-        """The pool held ``keys[:hits]``: ``(pending, below)``. Without ``pin``: ``below`` = how many
-        of the next keys the pool or a tier is known to hold (memory only). With ``pin``: the rest
-        of the run is promoted (:meth:`TierStack.promote <kvtier.tiers.stack.TierStack.promote>`)
-        and ``pending`` says to ask again; an answer that needs no more lets go of what was parked."""
+                     chain: Chain) -> tuple[bool, int, dict[BlockKey, Medium]]:
+        """The pool held ``keys[:hits]``: ``(pending, below, promoted)``. Without ``pin``: ``below``
+        = how many of the next keys the pool or a tier is known to hold (memory only). With
+        ``pin``: the rest of the run is promoted (:meth:`TierStack.promote
+        <kvtier.tiers.stack.TierStack.promote>`) and ``pending`` says to ask again; an answer that
+        needs no more lets go of what was parked, and ``promoted`` names the tier each block
+        promoted for the session came from (what the engine reports its hits by)."""
         ns = self._of(session)
         stack = ns.stack if ns is not None and len(ns.namespace.ranks) == width else None
         if stack is None:  # no tiers for it (none configured, failed, another width), or still opening
             opening = ns is not None and ns.opening is not None and time.monotonic() < ns.wait_until
-            return pin and hits < len(keys) and opening, 0
+            return pin and hits < len(keys) and opening, 0, {}
         if not pin:
-            return False, stack.leading_run(keys[hits:])
+            return False, stack.leading_run(keys[hits:]), {}
         pending = stack.promote(session.id, keys, hits, chain)
-        if not pending:
-            stack.settle(session.id)
-        return pending, 0
+        return pending, 0, {} if pending else stack.settle(session.id)
 
     def committed(self, session: Session, keys: list[BlockKey], infos: list[BlockInfo]) -> None:
         """``keys`` were committed by ``session``: write each to the tiers of its namespace that lack it."""

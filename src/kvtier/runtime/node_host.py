@@ -6,7 +6,9 @@ them): the service owns the node's (``kvtier node --disk-dir/--redis-url``) and 
 promotion and cascade over its pool as an embedded engine runs over its host tier
 (:class:`~kvtier.tiers.stack.TierStack`, :mod:`kvtier.node.tiers`). A lookup whose run continues
 there is answered ``pending`` while the service promotes the blocks into the pool: :meth:`acquire`
-answers RETRY, and vLLM's scheduler asks again. Lives in vLLM's scheduler process and is driven by
+answers RETRY, and vLLM's scheduler asks again; the answer that pins them says which tier each was
+promoted from (the lookup reply's ``sources``), so the engine reports its hits by tier as an
+embedded engine does (``kvtier_hit_tokens{tier}``, vLLM's cached tokens by source). Lives in vLLM's scheduler process and is driven by
 ONE thread (the scheduler's). It never touches the pool's bytes: the workers copy engine pages <->
 pool slots themselves (:mod:`kvtier.vllm.worker_side`).
 
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,6 +77,7 @@ class _NodeHold:
     pool_id: str | None  # the pool its slots are in
     keys: list[BlockKey] = field(default_factory=list)
     slots: list[tuple[int, ...]] = field(default_factory=list)
+    promoted: dict[BlockKey, Medium] = field(default_factory=dict)  # held keys the service promoted, by source
 
 
 class NodeHost:
@@ -149,19 +153,23 @@ class NodeHost:
             self._failed(exc)
             return Acquired(AcquireStatus.READY, 0)
         self._attached()
+        promoted: dict[BlockKey, Medium] = {}
         if hit.hits:
             width = self.width
             slots = [tuple(hit.slots[i * width:(i + 1) * width]) for i in range(hit.hits)]
+            promoted = {key: medium for key, medium in zip(keys, hit.sources) if medium is not None}
             self._holds[owner] = _NodeHold(self.client.generation, hit.pin, self.pool_id, list(keys[:hit.hits]),
-                                           slots)
+                                           slots, promoted)
         self._asked_again = hit.pending
         if hit.pending:
             self.stats.lookups_retried += 1
             return Acquired(AcquireStatus.RETRY, hit.hits)
-        return Acquired(AcquireStatus.READY, hit.hits)
+        return Acquired(AcquireStatus.READY, hit.hits, dict(Counter(promoted.values())))
 
     def promoted_source(self, owner: str, key: BlockKey) -> Medium | None:
-        return None  # nothing is promoted: every hit is in the pool
+        """The tier the service promoted ``owner``'s held ``key`` from for it (None: it was in the pool)."""
+        hold = self._holds.get(owner)
+        return hold.promoted.get(key) if hold else None
 
     def held(self, owner: str) -> list[BlockKey]:
         hold = self._holds.get(owner)
@@ -191,6 +199,8 @@ class NodeHost:
         handle, so the rest stays pinned until :meth:`release` (a request's lifetime at most)."""
         hold = self._holds.get(owner)
         if hold is not None:
+            for key in hold.keys[num_blocks:]:
+                hold.promoted.pop(key, None)
             del hold.keys[num_blocks:]
             del hold.slots[num_blocks:]
 
