@@ -492,6 +492,34 @@ def test_a_paused_store_costs_misses_never_a_wait_then_recovers(s3, tiers):
     assert result.ok and data == [payload_of(keys[1], 0)]
 
 
+def test_a_key_the_client_cannot_list_costs_the_listings_never_the_tier(s3, tiers, monkeypatch, caplog):
+    """A writer of the bucket plants a key with an empty segment ('a//b', which S3 allows and obstore
+    refuses to list): every LIST of the prefix fails. The store still answers, so the breaker stays
+    closed: writes land, HEAD probes find blocks, reads serve them; the log names the key and says
+    to remove it. (It was taken for an unreachable store: the tier was off for every engine.)"""
+    from obstore.exceptions import InvalidPathError
+
+    planted = "bad-key/zz_0123456789abcdef//x"
+
+    def refuse(*args, **kwargs):
+        raise InvalidPathError(f'Encountered object with invalid path: Path "{planted}" contained empty path segment')
+
+    monkeypatch.setattr(obstore, "list", refuse)
+    engine = os.urandom(32)
+    writer = tiers(entry(s3, "bad-key"), engine=engine)
+    keys = [key_of(i) for i in range(3)]
+    with caplog.at_level(logging.ERROR, logger="kvtier.tiers.s3.monitor"):
+        assert all(r.ok for r in write_all(writer, keys))
+        reader = tiers(entry(s3, "bad-key"), engine=engine)  # another process: knows nothing of the blocks
+        wait_for(reader, lambda: reader.stats.listing_failures >= 1, what="a failed listing")
+        probe_now(reader, keys)
+        assert all(reader.presence(k) is Presence.PRESENT for k in keys)
+        result, data = read_one(reader, keys[1])
+        assert result.ok and data == [payload_of(keys[1], 0)]
+    assert reader.breaker.closed and reader.stats.breaker_opens == 0 and writer.stats.breaker_opens == 0
+    assert planted in caplog.text and "remove that object" in caplog.text
+
+
 def test_jobs_that_found_the_store_unreachable_are_counted_once_by_remote_tier(tiers, monkeypatch):
     """RemoteTier counts reads and writes whose request found the store unreachable (S3's fault
     value is its UNREACHABLE), as for Redis; the S3 tier adds only its own faults (throttled...)."""

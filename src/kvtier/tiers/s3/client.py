@@ -67,6 +67,8 @@ class Fault(enum.Enum):
     BAD_RANGE = "bad_range"  # 416: a range of an empty object (a bad object)
     NO_BUCKET = "no_bucket"  # 404 NoSuchBucket
     SERVER = "server"  # any other answer (5xx, 400...): the server answered, the request failed
+    BAD_KEY = "bad_key"  # a LIST found a key obstore cannot hold (an empty, "." or ".." segment, which S3
+    # allows): the store answered, but that LIST (its page and the rest) is lost; the key must go
 
 
 @dataclass(frozen=True)
@@ -220,10 +222,12 @@ def status_of(exc: BaseException) -> int | None:
 
 def classify(exc: BaseException) -> Fault:
     """What ``exc`` (from an obstore call) means: see :class:`Fault`."""
-    from obstore.exceptions import NotFoundError, PermissionDeniedError, UnauthenticatedError
+    from obstore.exceptions import InvalidPathError, NotFoundError, PermissionDeniedError, UnauthenticatedError
 
     if isinstance(exc, PermissionDeniedError | UnauthenticatedError):
         return Fault.REFUSED
+    if isinstance(exc, InvalidPathError):
+        return Fault.BAD_KEY
     text = str(exc)
     if isinstance(exc, NotFoundError | FileNotFoundError):
         return Fault.NO_BUCKET if "NoSuchBucket" in text else Fault.NOT_FOUND
@@ -248,6 +252,10 @@ def describe(exc: BaseException) -> str:
     client's reason when the store did not answer. Never credentials (obstore's messages hold the
     request's URL, not its signature)."""
     text = str(exc)
+    if classify(exc) is Fault.BAD_KEY:
+        return (f"the store holds a key kvtier's S3 client cannot list ({text.strip().splitlines()[0][:300]}; "
+                "S3 allows empty, '.' and '..' key segments, obstore does not): remove that object "
+                "(e.g. aws s3 rm) so that listings of the prefix work again")
     status = status_of(exc)
     code, message = _CODE.search(text), _MESSAGE.search(text)
     if status is not None:

@@ -154,7 +154,7 @@ class Monitor:
             next(iter(obstore.list(self._path.store, self._prefix + "/", chunk_size=1)), None)
             ok = True
         except Exception as exc:  # noqa: BLE001 (a trial that fails only keeps the breaker open)
-            ok = False
+            ok = classify(exc) is Fault.BAD_KEY  # the store answered (its listings fail until the key goes)
             if classify(exc) is Fault.REFUSED:  # e.g. the credentials were rotated under us
                 logger.error("kvtier s3: reconnecting: the store refuses the credentials: %s", describe(exc))
             else:
@@ -212,7 +212,10 @@ class Monitor:
             else:
                 self._breaker.success()
             self._post([(MSG_FAULT, "listing_failures"), (MSG_FAULT, fault.value)])
-            logger.warning("kvtier s3: listing %s failed: %s", scope, describe(exc))
+            if fault is Fault.BAD_KEY:  # the store answers: HEAD probes keep finding blocks meanwhile
+                logger.error("kvtier s3: listing %s failed: %s", scope, describe(exc))
+            else:
+                logger.warning("kvtier s3: listing %s failed: %s", scope, describe(exc))
             return
         self._breaker.success()
         listing = Listing(mine, started, used, blocks, len(entries) if self._capacity is not None else blocks)
