@@ -13,15 +13,23 @@ import pytest
 from click.testing import CliRunner
 from support.namespaces import toy_namespace
 from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
+from support.seaweed import REGION, s3, seaweed  # noqa: F401  (pytest fixtures)
 
+from kvtier.cachetools.objects import ObjectTarget, inspect_objects, verify_objects
 from kvtier.cachetools.purge import PurgeSelection
 from kvtier.cachetools.remote import RemoteTarget, inspect_remote, purge_remote, verify_remote
+from kvtier.cachetools.scan import discover
 from kvtier.cli.main import main
 from kvtier.core.keys import Namespace
 from kvtier.core.tier_config import RedisTierConfig
 from kvtier.doctor.audit import audit
 from kvtier.doctor.remote import Reach, probe_remote
+from kvtier.tiers.blockfile import HEADER_LEN, encode_header
+from kvtier.tiers.disk.layout import DiskLayout
 from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis.codec import KeySpace
+from kvtier.tiers.s3.keys import ObjectKeys
+from kvtier.tiers.value import encode_value
 
 PAYLOAD = 256
 WORLD = 2
@@ -236,3 +244,127 @@ def test_doctor_audit_flags_an_unsafe_redis_and_a_refusing_one(redis_factory, tm
     assert (
         codes_for({"type": "redis", "url": f"redis://127.0.0.1:{port}/0"})["remote-unreachable"] == "warning"
     )
+
+
+# ---------------------------------------------------------------------- a config judged wrong, a bounded read
+
+
+BOMB = b"[" * 100_000  # under the 1 MiB bound; json.loads raises RecursionError on it
+
+
+def config_key(name: str) -> str:
+    return f"kvtier:{NAMESPACES[name].digest.hex()[:16]}:config"
+
+
+def test_a_config_key_of_another_namespace_is_reported_and_its_values_left_in_place(server) -> None:
+    raw = server.client()
+    raw.set(config_key("smol"), NAMESPACES["qwen"].config_json(MODEL_NAMES["qwen"]))  # planted, or stale
+    names = block_names(server, "smol")
+    report = verify_remote(RemoteTarget(server.url()), delete=True)
+    assert all(raw.exists(n) for n in names)  # before: all 6 deleted as "namespace ... is not this rank's"
+    (problem,) = report.problems
+    assert "does not match its key name" in problem.reason and problem.action == "reported"
+    assert report.files_ok == BLOCKS["qwen"]
+    by_digest = {ns.digest16: ns for ns in inspect_remote(RemoteTarget(server.url())).namespaces}
+    assert "does not match" in by_digest[NAMESPACES["smol"].digest.hex()[:16]].config_problem
+
+
+def test_verify_reads_no_value_beyond_the_namespace_block_size(server) -> None:
+    raw = server.client()
+    ns = NAMESPACES["smol"]
+    payload = 8 << 20  # far more than the 737,280 payload bytes a rank of its config can hold
+    planted = KeySpace.of("kvtier", ns.digest).block(key_of("planted", 0))
+    header = encode_header(namespace=ns.rank_digests()[0], key=key_of("planted", 0), parent=ns.digest,
+                           num_tokens=16, payload_len=payload, checksum=0)
+    raw.set(planted, header)
+    raw.setrange(planted, WORLD * (HEADER_LEN + payload) - 1, b"x")  # the size its header announces
+    report = verify_remote(RemoteTarget(server.url()), delete=True)
+    assert report.bytes_checked < 1 << 20  # before: the 16 MiB value was read whole
+    (problem,) = report.problems
+    assert problem.path == planted.decode() and "more than the 737280" in problem.reason
+    assert not raw.exists(planted) and report.files_ok == sum(BLOCKS.values())
+
+
+def test_a_config_that_does_not_parse_is_reported_never_a_traceback(server, tmp_path) -> None:
+    raw = server.client()
+    raw.set(config_key("smol"), BOMB)
+    code, out = run("inspect", server.url(), "--json")
+    assert code == 0, out  # before: RecursionError
+    problems = [ns["config_problem"] for ns in json.loads(out)["namespaces"]]
+    assert set(problems) == {"config key unreadable: nested too deeply", None}
+    report = verify_remote(RemoteTarget(server.url()))
+    assert [p.reason.split(":")[0] for p in report.problems] == ["config key unreadable"]
+    assert len(block_names(server, "smol")) == BLOCKS["smol"]
+    root = tmp_path / "root"  # a disk root: the same parse
+    prefix = DiskLayout(root, "m", bytes(8), 1, 0).prefix
+    (root / prefix).mkdir(parents=True)
+    (root / prefix / "config.json").write_bytes(BOMB)
+    (found,) = discover(root).namespaces
+    assert found.config is None and found.config_problem == "config.json unreadable: nested too deeply"
+    code, out = run("inspect", root, "--json")
+    assert code == 0 and json.loads(out)["namespaces"][0]["config_problem"] == found.config_problem
+
+
+# S3: objects put as the tier puts them (the object is the value, tests/test_s3_tier.py)
+S3_NS = toy_namespace(weights="blake3:" + "5" * 64)  # 512 payload bytes a block at most: 648-byte objects
+S3_PAYLOAD = 512
+
+
+def s3_fill(s3, prefix: str, count: int, config: str | bytes | None = None) -> tuple[ObjectKeys, list[str]]:  # noqa: F811
+    import obstore
+
+    keys = ObjectKeys.of(prefix, "m", S3_NS.engine_digest)
+    store = s3.store()
+    obstore.put(store, keys.config, config if config is not None else S3_NS.config_json("m").encode(),
+                use_multipart=False)
+    paths = []
+    for i in range(count):
+        key = key_of("s3", i)
+        value = b"".join(encode_value(S3_NS.rank_digests(), key, S3_NS.digest, 4, [memoryview(os.urandom(S3_PAYLOAD))]))
+        obstore.put(store, keys.block(key), value, use_multipart=False)
+        paths.append(keys.block(key))
+    return keys, paths
+
+
+def s3_target(s3, prefix: str) -> ObjectTarget:  # noqa: F811
+    return ObjectTarget.of(f"s3://{s3.bucket}/{prefix}", endpoint=s3.endpoint, region=REGION)
+
+
+def test_s3_verify_judges_by_the_config_never_by_the_most_common_size(s3) -> None:  # noqa: F811
+    import obstore
+
+    prefix = f"bound-{os.urandom(4).hex()}"
+    keys, valid = s3_fill(s3, prefix, 3)
+    planted = [keys.block(key_of("planted", i)) for i in range(4)]
+    for path in planted:  # outnumber the valid blocks
+        obstore.put(s3.store(), path, os.urandom(64 << 10), use_multipart=False)
+    report = verify_objects(s3_target(s3, prefix), delete=True)
+    left = s3.objects(prefix + "/")
+    assert all(path in left for path in valid)  # before: the 3 valid blocks deleted as "of another size"
+    assert report.files_ok == 3 and report.bytes_checked == 3 * (HEADER_LEN + S3_PAYLOAD)  # before: 256 KiB read
+    assert {p.path for p in report.problems} == set(planted) and not any(path in left for path in planted)
+    assert all("more than the 648 bytes" in p.reason for p in report.problems)
+
+
+def test_s3_config_of_another_namespace_or_unparsable_leaves_the_objects(s3) -> None:  # noqa: F811
+    other = toy_namespace(weights="blake3:" + "6" * 64)
+    for config, why in ((other.config_json("m").encode(), "does not match its folder name"), (BOMB, "nested too deeply")):
+        prefix = f"cfg-{os.urandom(4).hex()}"
+        _, valid = s3_fill(s3, prefix, 3, config)
+        report = verify_objects(s3_target(s3, prefix), delete=True)  # before: deleted / RecursionError
+        (problem,) = report.problems
+        assert why in problem.reason and problem.action == "reported"
+        assert all(path in s3.objects(prefix + "/") for path in valid)
+        (space,) = inspect_objects(s3_target(s3, prefix)).namespaces
+        assert why in space.config_problem
+        code, out = run("inspect", f"s3://{s3.bucket}/{prefix}", "--endpoint", s3.endpoint, "--region", REGION)
+        assert code == 0, out
+
+
+@pytest.mark.parametrize("url", [
+    "redis://:S3cr3tPW/x@127.0.0.1:1/0", "redis://:S3cr3tPW#x@127.0.0.1:1/0", "redis://:S3cr3tPW?x@127.0.0.1:1/0",
+    "redis://:123/S3cr3tPW@127.0.0.1:1/0", "redis://user:S3cr3tPW@127.0.0.1:notaport/0", "redis://:S3cr3tPW@[::1/0",
+])
+def test_a_url_the_tools_cannot_use_is_a_usage_error_that_never_shows_the_password(url) -> None:
+    code, out = run("inspect", url)  # before: a traceback quoting the password (or a bare ValueError)
+    assert code == 2 and "S3cr3tPW" not in out and "***@" in out, out

@@ -6,10 +6,15 @@ the tier's own object keys (:mod:`kvtier.tiers.s3.keys`) and values (the Redis t
 :func:`~kvtier.cachetools.remote.check_value`): a namespace is a ``PREFIX/<model>_<digest16>/``
 folder with its ``config.json`` and its blocks. Everything comes from one paginated ``LIST`` of the
 prefix (keys, sizes, LastModified): ages are by last write (an object store keeps no access time).
-Verify reads every block object of the selected namespaces with GETs bounded by the namespace's
-block size (an object of another size is bad without being read) and deletes the bad ones unless
-told not to; purge deletes what it selects (bulk DELETE, 1000 keys per request). Safe while engines
-use the prefix: an engine that loses a block sees a miss and forgets it at its next listing.
+Verify reads every block object of the selected namespaces with GETs bounded by the object's listed
+size and by the namespace's block size from its config.json (as
+:func:`~kvtier.cachetools.verify.payload_bound` bounds a disk record: an object larger than that is
+bad without being read) and deletes the bad ones unless told not to. A config.json is judged as a
+disk root's (:func:`~kvtier.cachetools.scan.parse_config`): one that does not parse or that names
+another namespace than its folder's digest is reported and the folder's objects are left in place
+unread, as are those of a folder without a config.json of this key spec. Purge deletes what it
+selects (bulk DELETE, 1000 keys per request). Safe while engines use the prefix: an engine that
+loses a block sees a miss and forgets it at its next listing.
 
 Credentials come from the standard AWS chain, as the tier's (:mod:`kvtier.tiers.s3.client`); never
 printed. Called by :mod:`kvtier.cli.cache` in the ``kvtier`` command's process, one thread.
@@ -17,22 +22,22 @@ printed. Called by :mod:`kvtier.cli.cache` in the ``kvtier`` command's process, 
 
 from __future__ import annotations
 
-import json
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvtier.cachetools.inventory import Inventory, NamespaceInventory, age_bucket
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
 from kvtier.cachetools.remote import _RemoteNamespace, check_value, purged_namespaces
+from kvtier.cachetools.scan import ParsedConfig, parse_config
 from kvtier.cachetools.selection import SelectionError
 from kvtier.cachetools.verify import Problem, VerifyReport
 from kvtier.core.fleet_key import AuthConfig
-from kvtier.core.keys import Namespace, SpecVersionError, describe_config
+from kvtier.core.keys import describe_config
 from kvtier.core.tier_config import S3_URL_SCHEMES, S3TierConfig, TierType, parse_tier
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
+from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES
 from kvtier.tiers.s3.keys import CONFIG_NAME, namespace_folder, parse_block
 from kvtier.tiers.sealing import Sealer
 
@@ -84,12 +89,6 @@ class _ObjectNamespace(_RemoteNamespace):
     def prefix(self) -> str:
         return self.folder
 
-    @property
-    def block_size(self) -> int | None:
-        """The size most of its block objects have (every valid block of a namespace has one size)."""
-        counts = Counter(self.sizes.values())
-        return counts.most_common(1)[0][0] if counts else None
-
 
 def _discover(store, prefix: str) -> list[_ObjectNamespace]:
     """Every namespace folder under ``prefix`` (by its config.json, or by its blocks alone)."""
@@ -109,33 +108,30 @@ def _discover(store, prefix: str) -> list[_ObjectNamespace]:
             if folder is not None:
                 configs[folder] = path
     for folder in sorted(set(by_folder) | set(configs)):
-        config = namespace = version = None
-        if folder in configs:
-            config = _read_config(store, configs[folder])
-            if config is not None:
-                version = config.get("spec_version") if isinstance(config.get("spec_version"), str) else None
-                try:
-                    namespace = Namespace.from_dict(config)
-                except (SpecVersionError, TypeError, ValueError, KeyError, AttributeError):
-                    namespace = None
+        digest16 = folder.rsplit("_", 1)[1]
+        parsed = (_read_config(store, configs[folder], digest16) if folder in configs
+                  else ParsedConfig(None, None, None, f"{CONFIG_NAME} missing"))
         metas = sorted(by_folder.get(folder, []), key=lambda m: m["path"])
         folders[folder] = _ObjectNamespace(
-            space=None, digest16=folder.rsplit("_", 1)[1], config=config, namespace=namespace, spec_version=version,
-            blocks=[m["path"] for m in metas], folder=folder, config_path=configs.get(folder),
-            sizes={m["path"]: m["size"] for m in metas},
+            space=None, digest16=digest16, config=parsed.config, namespace=parsed.namespace,
+            spec_version=parsed.spec_version, blocks=[m["path"] for m in metas], config_problem=parsed.problem,
+            folder=folder, config_path=configs.get(folder), sizes={m["path"]: m["size"] for m in metas},
             written={m["path"]: m["last_modified"].timestamp() for m in metas})
     return list(folders.values())
 
 
-def _read_config(store, path: str) -> dict[str, Any] | None:
+def _read_config(store, path: str, digest16: str) -> ParsedConfig:
+    """The folder's config.json, read up to :data:`CONFIG_MAX_BYTES` and one byte more, judged as a
+    disk root's (a problem when unreadable, too long, or another namespace's)."""
     import obstore
 
     try:
-        raw = obstore.get(store, path, options={"range": (0, 1 << 20)}).bytes().to_bytes()
-        config = json.loads(raw)
-    except (ValueError, FileNotFoundError):
-        return None
-    return config if isinstance(config, dict) else None
+        raw = obstore.get(store, path, options={"range": (0, CONFIG_MAX_BYTES + 1)}).bytes().to_bytes()
+    except FileNotFoundError:
+        return ParsedConfig(None, None, None, f"{CONFIG_NAME} missing")
+    if len(raw) > CONFIG_MAX_BYTES:
+        return ParsedConfig(None, None, None, f"{CONFIG_NAME} longer than {CONFIG_MAX_BYTES} bytes (not read)")
+    return parse_config(raw, digest16, CONFIG_NAME, "its folder name")
 
 
 def inspect_objects(target: ObjectTarget, *, now: float | None = None) -> Inventory:
@@ -147,7 +143,7 @@ def inspect_objects(target: ObjectTarget, *, now: float | None = None) -> Invent
         summary = NamespaceInventory(
             prefix=ns.folder, model=model, digest16=ns.digest16, model_name=ns.model_name,
             layout=describe_config(ns.config) if ns.config is not None else None,
-            config_problem=None if ns.config is not None else f"{CONFIG_NAME} missing or unreadable",
+            config_problem=ns.config_problem,
             world=ns.world, older_spec=ns.older_spec)
         summary.complete_blocks = summary.block_files = len(ns.blocks)
         summary.block_bytes = sum(ns.sizes.values())
@@ -173,16 +169,20 @@ def verify_objects(target: ObjectTarget, selectors: Sequence[str] = (), *, delet
         raise SelectionError(f"no namespace at {target.shown} matches {list(selectors)}")
     report = VerifyReport(root=target.shown, namespaces=[ns.prefix for ns in chosen])
     for ns in chosen:
-        if ns.namespace is None:
-            why = "written under an older key spec" if ns.older_spec else f"{CONFIG_NAME} missing or unreadable"
+        why = ns.unchecked
+        if why is not None or ns.namespace is None:
             report.problems.append(Problem(ns.prefix, f"{why}: its {len(ns.blocks)} objects cannot be checked "
                                            "(left in place)", "reported"))
             continue
-        rank_digests, size = ns.namespace.rank_digests(), ns.block_size
+        rank_digests, most = ns.namespace.rank_digests(), ns.value_bound()
         bad: list[str] = []
         for path in ns.blocks:
-            if ns.sizes[path] != size:
-                reason = f"object of {ns.sizes[path]} bytes; the namespace's blocks are {size} bytes"
+            size = ns.sizes[path]
+            if size > most:
+                reason = (f"object of {size} bytes: more than the {most} bytes of this namespace's blocks "
+                          f"(its {CONFIG_NAME}); not read")
+            elif size % ns.world or size // ns.world <= HEADER_LEN:
+                reason = f"object of {size} bytes is not {ns.world} block records (not read)"
             else:
                 try:
                     value = obstore.get(store, path, options={"range": (0, size + 1)}).bytes().to_bytes()

@@ -9,7 +9,13 @@ LFU eviction policy: then ages are not reported), all pipelined in batches. Veri
 value and deletes (``UNLINK``) the bad ones unless told not to; purge unlinks what it selects.
 Nothing is read whole before its size is known: a config key at most :data:`CONFIG_MAX_BYTES`
 (``GETRANGE``), a block value only when its length (``STRLEN``) is what its first header
-(``GETRANGE``) announces for the namespace's ranks; any other value is a problem, never read.
+(``GETRANGE``) announces for the namespace's ranks and that header's payload is no longer than the
+namespace's records can be (its config's block size, as :func:`~kvtier.cachetools.verify.payload_bound`
+says for a disk root); any other value is a problem, never read. A config key is judged as a disk
+root's ``config.json`` (:func:`~kvtier.cachetools.scan.parse_config`): one that does not parse (a
+JSON bomb included) or that names another namespace than its key's digest is reported, and the
+namespace's values are left in place unread (nothing is judged, let alone deleted, by a config
+judged wrong; without a valid config a value's rank count and block size are unknown).
 Safe while engines use the server: an engine that loses a block to verify or purge sees a miss.
 
 Called by :mod:`kvtier.cli.cache` in the ``kvtier`` command's process, one thread. Passwords come
@@ -18,20 +24,19 @@ from an environment variable or the URL and are never printed.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvtier.cachetools.inventory import AGE_BUCKETS, Inventory, NamespaceInventory, age_bucket
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
+from kvtier.cachetools.scan import parse_config
 from kvtier.cachetools.selection import SelectionError
-from kvtier.cachetools.verify import Problem, VerifyReport
+from kvtier.cachetools.verify import Problem, VerifyReport, payload_bound
 from kvtier.core.fleet_key import AuthConfig
-from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, SpecVersionError, describe_config, stored_ranks_of
+from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, describe_config, stored_ranks_of
 from kvtier.core.tier_config import REDIS_SCHEMES, redact_url
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES
@@ -45,8 +50,10 @@ READ_BATCH_BYTES = 64 * 2**20
 
 
 def is_remote(target: str) -> bool:
-    """Whether ``target`` names a Redis server (a URL) rather than a directory."""
-    return urlsplit(target).scheme in REDIS_SCHEMES
+    """Whether ``target`` names a Redis server (a URL) rather than a directory (by its scheme alone:
+    a URL that does not parse is still one, refused with its own error)."""
+    scheme, sep, _ = target.partition("://")
+    return bool(sep) and scheme.lower() in REDIS_SCHEMES
 
 
 @dataclass(frozen=True)
@@ -84,10 +91,11 @@ class RemoteTarget:
 class _RemoteNamespace:
     space: KeySpace
     digest16: str
-    config: dict[str, Any] | None
-    namespace: Namespace | None
+    config: dict[str, Any] | None  # the config as stored (None: missing or unreadable)
+    namespace: Namespace | None  # the config as a Namespace of this key spec (see config_problem)
     spec_version: str | None
     blocks: list[bytes]  # Redis key names of the blocks
+    config_problem: str | None = None  # why the config is unusable or not this namespace's (None: usable)
 
     @property
     def prefix(self) -> str:
@@ -100,10 +108,30 @@ class _RemoteNamespace:
 
     @property
     def world(self) -> int:
+        """Ranks a block value holds records of: from the config unless it is judged wrong, else 1."""
         try:
-            return stored_ranks_of(self.config or {})
+            return stored_ranks_of(self.config or {}) if self.config_problem is None else 1
         except (TypeError, ValueError):
             return 1
+
+    @property
+    def unchecked(self) -> str | None:
+        """Why its values cannot be checked (no usable config of this key spec), or None."""
+        if self.config_problem is not None:
+            return self.config_problem
+        if self.namespace is None:
+            return "written under an older key spec" if self.older_spec else "its config is not a kvtier namespace"
+        return None
+
+    def value_bound(self) -> int:
+        """The most bytes a block value of this namespace can have: ``world`` records of at most
+        the payload its config allows a rank (:func:`~kvtier.cachetools.verify.payload_bound`, which
+        reads only ``namespace`` and ``config_problem``: call it only when :attr:`unchecked` is None)."""
+        return self.world * (HEADER_LEN + self.payload_bound())
+
+    def payload_bound(self) -> int:
+        """The longest payload a record of any of its ranks can have (see :meth:`value_bound`)."""
+        return max(payload_bound(self, 0, rank)[0] for rank in range(self.world))  # type: ignore[arg-type]
 
     @property
     def older_spec(self) -> bool:
@@ -139,22 +167,16 @@ def _discover(client, key_prefix: str) -> list[_RemoteNamespace]:
     for digest16 in sorted(set(by_digest) | set(configs)):
         space = KeySpace(head + digest16.encode() + b":")
         config = namespace = version = None
+        problem: str | None = "config key missing"
         if digest16 in configs:
-            raw = client.getrange(configs[digest16], 0, CONFIG_MAX_BYTES)  # one byte more shows a longer one
-            try:
-                config = json.loads(raw or b"null") if len(raw or b"") <= CONFIG_MAX_BYTES else None
-            except ValueError:
-                config = None
-            if isinstance(config, dict):
-                version = config.get("spec_version") if isinstance(config.get("spec_version"), str) else None
-                try:
-                    namespace = Namespace.from_dict(config)
-                except (SpecVersionError, TypeError, ValueError, KeyError, AttributeError):
-                    namespace = None
+            raw = client.getrange(configs[digest16], 0, CONFIG_MAX_BYTES) or b""  # one byte more shows a longer one
+            if len(raw) > CONFIG_MAX_BYTES:
+                problem = f"config key longer than {CONFIG_MAX_BYTES} bytes (not read)"
             else:
-                config = None
+                parsed = parse_config(raw, digest16, "config key", "its key name")
+                config, namespace, version, problem = parsed.config, parsed.namespace, parsed.spec_version, parsed.problem
         blocks = [n for n in by_digest.get(digest16, []) if space.block_key_of(n) is not None]
-        found.append(_RemoteNamespace(space, digest16, config, namespace, version, sorted(blocks)))
+        found.append(_RemoteNamespace(space, digest16, config, namespace, version, sorted(blocks), problem))
     return found
 
 
@@ -208,7 +230,7 @@ def inspect_remote(target: RemoteTarget, *, now: float | None = None) -> Invento
             digest16=ns.digest16,
             model_name=ns.model_name,
             layout=describe_config(ns.config) if ns.config is not None else None,
-            config_problem=None if ns.config is not None else "config key missing or unreadable",
+            config_problem=ns.config_problem,
             world=ns.world,
             older_spec=ns.older_spec,
         )
@@ -232,8 +254,11 @@ def verify_remote(
     target: RemoteTarget, selectors: Sequence[str] = (), *, delete: bool = True, auth: AuthConfig | None = None
 ) -> VerifyReport:
     """Read and check every block value of the selected namespaces (by digest or model); delete
-    the bad ones unless ``delete`` is False. Values of namespaces without a readable config of
-    this key spec cannot be checked: reported, left alone. Fleet keys (``auth``) as
+    the bad ones unless ``delete`` is False. Values of namespaces without a usable config of this
+    key spec (missing, unreadable, another spec's, or another namespace's) cannot be checked:
+    reported, left alone, unread. A value is read only when its length is what its header
+    announces and that is within the namespace's block size (:meth:`_RemoteNamespace.value_bound`).
+    Fleet keys (``auth``) as
     :func:`~kvtier.cachetools.verify.verify_cache` uses them: without, sealed values are counted
     ``sealed_unchecked`` and left alone."""
     sealer = Sealer(auth) if auth is not None else None
@@ -248,19 +273,15 @@ def verify_remote(
         raise SelectionError(f"no namespace at {target.shown} matches {list(selectors)}")
     report = VerifyReport(root=target.shown, namespaces=[ns.prefix for ns in chosen])
     for ns in chosen:
-        if ns.namespace is None:
-            why = "written under an older key spec" if ns.older_spec else "config key missing or unreadable"
+        why = ns.unchecked
+        if why is not None or ns.namespace is None:
             report.problems.append(
-                Problem(
-                    ns.prefix,
-                    f"{why}: its {len(ns.blocks)} values cannot be checked (left in place)",
-                    "reported",
-                )
+                Problem(ns.prefix, f"{why}: its {len(ns.blocks)} values cannot be checked (left in place)", "reported")
             )
             continue
         rank_digests = ns.namespace.rank_digests()
         bad: list[bytes] = []
-        for batch in _read_batches(client, ns.blocks, ns.world):
+        for batch in _read_batches(client, ns.blocks, ns.world, ns.payload_bound()):
             for name, value in batch:
                 if value is None:
                     report.vanished += 1
@@ -284,10 +305,13 @@ def verify_remote(
     return report
 
 
-def _read_batches(client, names: Sequence[bytes], world: int) -> Iterator[list[tuple[bytes, bytes | str | None]]]:
+def _read_batches(
+    client, names: Sequence[bytes], world: int, payload_max: int
+) -> Iterator[list[tuple[bytes, bytes | str | None]]]:
     """The values of ``names`` a few at a time, bounded in bytes per trip: ``(name, value)``, value
     None when the key vanished, or a reason (str) instead of a value that was not read because its
-    length (``STRLEN``) is not ``world`` records of the payload its first header announces."""
+    first header announces a payload longer than ``payload_max`` (the namespace's block size) or
+    its length (``STRLEN``) is not ``world`` records of that payload."""
     for batch in _batches(names, 64):
         pipe = client.pipeline(transaction=False)
         for name in batch:
@@ -302,7 +326,7 @@ def _read_batches(client, names: Sequence[bytes], world: int) -> Iterator[list[t
             if not isinstance(size, int) or size == 0:
                 skipped.append((name, None if size == 0 else f"unreadable: {type(size).__name__}"))
                 continue
-            why = _size_problem(size, head, world)
+            why = _size_problem(size, head, world, payload_max)
             if why is not None:
                 skipped.append((name, why))
                 continue
@@ -318,7 +342,7 @@ def _read_batches(client, names: Sequence[bytes], world: int) -> Iterator[list[t
             yield skipped
 
 
-def _size_problem(size: int, head: object, world: int) -> str | None:
+def _size_problem(size: int, head: object, world: int, payload_max: int) -> str | None:
     """Why a value of ``size`` bytes whose first ``HEADER_LEN`` bytes are ``head`` is not read, or None."""
     if not isinstance(head, bytes):
         return f"unreadable: {type(head).__name__}"
@@ -326,6 +350,9 @@ def _size_problem(size: int, head: object, world: int) -> str | None:
         header = decode_header(head)
     except CorruptBlockError as exc:
         return str(exc)
+    if header.payload_len > payload_max:
+        return (f"header claims {header.payload_len} payload bytes: more than the {payload_max} of this "
+                "namespace's records (its config); not read")
     expected = world * (HEADER_LEN + header.payload_len)
     if size != expected:
         return f"value of {size} bytes; its header announces {world} record(s) of {expected} bytes in all (not read)"

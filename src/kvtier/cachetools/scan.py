@@ -214,27 +214,79 @@ def discover(root_dir: str | Path) -> CacheRoot:
 
 def _load_config(ns: CacheNamespace) -> None:
     try:
-        config = json.loads(ns.fs.read_bytes(ns.config_path, CONFIG_MAX_BYTES))
+        raw = ns.fs.read_bytes(ns.config_path, CONFIG_MAX_BYTES)
     except FileNotFoundError:
         ns.config_problem = f"{CONFIG_NAME} missing"
         return
     except (OSError, ValueError) as exc:
         ns.config_problem = f"{CONFIG_NAME} unreadable: {exc}"
         return
-    if not isinstance(config, dict):
-        ns.config_problem = f"{CONFIG_NAME} is not a JSON object"
-        return
-    ns.config = config
-    version = config.get("spec_version")
-    ns.spec_version = version if isinstance(version, str) else None
+    parsed = parse_config(raw, ns.digest16, CONFIG_NAME, "the directory name")
+    ns.config, ns.namespace, ns.spec_version, ns.config_problem = (
+        parsed.config, parsed.namespace, parsed.spec_version, parsed.problem)
+
+
+CONFIG_MAX_DEPTH = 32
+"""The deepest nesting of arrays and objects a namespace's config may have (kvtier's own has 4)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedConfig:
+    """A namespace's config (a disk root's ``config.json``, a Redis config key, an S3 ``config.json``)
+    as the tools judge it. ``config``: the JSON object (None when unreadable); ``namespace``: it as a
+    kvtier :class:`Namespace` of this key spec (None: another spec, or hand-written); ``problem``: why
+    it is unusable or not the config of the namespace it is stored for (None: usable). Nothing is
+    judged by a config with a problem."""
+
+    config: dict[str, Any] | None
+    namespace: Namespace | None
+    spec_version: str | None
+    problem: str | None
+
+
+def parse_config(raw: bytes, digest16: str, name: str = CONFIG_NAME,
+                 named_by: str = "the directory name") -> ParsedConfig:
+    """``raw`` (at most :data:`CONFIG_MAX_BYTES`, read by the caller) judged as the config of the
+    namespace whose digest's first 16 hex digits are ``digest16`` (from ``named_by``: its directory,
+    key or folder name). Whatever fails to parse (invalid JSON or UTF-8, nesting deeper than
+    :data:`CONFIG_MAX_DEPTH` or than the parser's recursion allows) is a ``problem``, never raised; a
+    valid :class:`Namespace` whose digest is not ``digest16`` is one too (another namespace's config:
+    kept in ``config`` to be shown, never to judge blocks by)."""
     try:
-        ns.namespace = Namespace.from_dict(config)
+        config = json.loads(raw)
+    except RecursionError:
+        return ParsedConfig(None, None, None, f"{name} unreadable: nested too deeply")
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        return ParsedConfig(None, None, None, f"{name} unreadable: {exc}")
+    if not isinstance(config, dict):
+        return ParsedConfig(None, None, None, f"{name} is not a JSON object")
+    if _depth_over(config, CONFIG_MAX_DEPTH):
+        return ParsedConfig(None, None, None, f"{name} unreadable: nested more than {CONFIG_MAX_DEPTH} levels deep")
+    version = config.get("spec_version")
+    spec_version = version if isinstance(version, str) else None
+    try:
+        namespace = Namespace.from_dict(config)
     except SpecVersionError:
-        return  # an older (or newer) key spec: shown as such, headers not cross-checked
+        return ParsedConfig(config, None, spec_version, None)  # an older (or newer) key spec: shown as such
     except (TypeError, ValueError, KeyError, AttributeError):
-        return  # not a kvtier Namespace (hand-written): shown, but headers not cross-checked
-    if ns.namespace.engine_digest.hex()[:_DIGEST16] != ns.digest16:
-        ns.config_problem = f"{CONFIG_NAME} digest does not match the directory name"
+        return ParsedConfig(config, None, spec_version, None)  # not a kvtier Namespace (hand-written): shown
+    if namespace.engine_digest.hex()[:_DIGEST16] != digest16:
+        return ParsedConfig(config, namespace, spec_version, f"{name} digest does not match {named_by}")
+    return ParsedConfig(config, namespace, spec_version, None)
+
+
+def _depth_over(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest in ``value`` more than ``limit`` levels deep (no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack += [(child, depth + 1) for child in children]
+    return False
 
 
 def iter_files(ns: CacheNamespace, *, stat: bool = True,

@@ -58,7 +58,8 @@ def auth_config(auth_key_env: str | None, auth_key_file: str | None, read_key_en
 def open_target(target: str, username: str | None, password_env: str | None, key_prefix: str, s3: dict | None = None):
     """A :class:`~kvtier.cachetools.remote.RemoteTarget` for a Redis URL, an
     :class:`~kvtier.cachetools.objects.ObjectTarget` for an s3:// URL (``s3``: its options), else None
-    (a directory, which must exist)."""
+    (a directory, which must exist). A URL is checked as a tier entry's (a usage error naming it
+    with its credentials redacted, never a parser's message or a traceback)."""
     from kvtier.cachetools.objects import ObjectTarget, is_s3
     from kvtier.cachetools.remote import RemoteTarget, is_remote
     from kvtier.core.values import ConfigError
@@ -70,6 +71,7 @@ def open_target(target: str, username: str | None, password_env: str | None, key
             raise click.UsageError(str(exc).replace("kv_connector_extra_config: ", "").replace("'options.", "'--")
                                    .replace("_", "-")) from None
     if is_remote(target):
+        _check_redis_url(target)
         password = None
         if password_env is not None:
             password = os.environ.get(password_env)
@@ -79,6 +81,26 @@ def open_target(target: str, username: str | None, password_env: str | None, key
     if not os.path.isdir(target):
         raise click.UsageError(f"{target!r} is neither a directory nor a redis://, rediss://, unix:// or s3:// URL.")
     return None
+
+
+def _check_redis_url(target: str) -> None:
+    """A usage error unless ``target`` is a Redis URL a ``redis`` tier entry accepts and redis-py can
+    use (its query arguments), named redacted."""
+    from redis.connection import parse_url
+
+    from kvtier.core.tier_config import TierType, parse_tier, redact_url
+    from kvtier.core.values import ConfigError
+
+    try:
+        parse_tier({"url": target}, TierType.REDIS, "options")
+    except ConfigError as exc:
+        message = str(exc).replace("kv_connector_extra_config: ", "").replace("'options.url' ", "DIR_OR_URL ")
+        raise click.UsageError(message.replace("password_env", "--password-env")) from None
+    try:
+        parse_url(target)
+    except ValueError as exc:  # only a query argument's value is left to refuse; the message names only its name
+        why = str(exc) if str(exc).startswith("Invalid value for '") else "redis-py refuses it"
+        raise click.UsageError(f"DIR_OR_URL {redact_url(target)!r}: {why}") from None
 
 
 def target_errors():

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from kvtier.core.fleet_key import AUTH_KEYS, AuthConfig, parse_auth
 from kvtier.core.values import (
@@ -174,18 +174,49 @@ class NodeTierConfig:
     node_uid: int | None = None
 
 
+_QUERY_PASSWORD = re.compile(r"([?&;#]password=)[^&;#]*", re.IGNORECASE)
+
+
 def redact_url(url: str) -> str:
-    """A URL with its password (if any) replaced by ``***``."""
+    """``url`` as it may be shown in a message or a log: whatever lies between its ``//`` and its last
+    ``@`` (user and password) replaced by ``***``, whatever it holds (a password with an unescaped
+    ``/``, ``?``, ``#`` or ``@`` ends the URL's authority early for a parser, so none is used), and
+    the value of a ``password=`` query parameter (redis-py reads one) too. Never raises."""
+    scheme, sep, rest = url.partition("//")
+    if not sep:
+        scheme, rest = "", url
+    _, at, host = rest.rpartition("@")
+    if at:
+        rest = "***@" + host
+    return scheme + sep + _QUERY_PASSWORD.sub(r"\1***", rest)
+
+
+def _split(url: str):
+    """``urlsplit(url)`` with its port checked, or None where either raises (never quoted: a parser's
+    message may hold part of a password)."""
     try:
         parts = urlsplit(url)
+        parts.port  # noqa: B018
     except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+        return None
+    return parts
+
+
+def _url_error(url: str, key: str) -> str | None:
+    """Why the Redis ``url`` (at ``key``) cannot be parsed unambiguously, or None: an ``@`` after the
+    end a parser sees to its authority (an unescaped ``/ ? #`` in a password: the host would be taken
+    from the password, and a connection error would quote it), a host or port that does not parse.
+    The message names the URL redacted and never quotes the parser (whose errors may hold a password)."""
+    shown = f"{PREFIX}: '{key}' {redact_url(url)!r}"
+    rest = url.partition("//")[2]
+    end = re.search(r"[/?#]", rest)  # where a parser ends the authority
+    if end is not None and end.start() > 0 and "@" in rest[end.start():]:
+        return (f"{shown} has an '@' after its host: a user or password holding '/', '?', '#' or '@' must be "
+                "percent-encoded (%2F, %3F, %23, %40), or the password given through password_env.")
+    if _split(url) is None:
+        return (f"{shown} is not a valid URL: its host or port does not parse (a port is a number up to 65535; a "
+                "password holding '/', '?', '#' or '@' must be percent-encoded).")
+    return None
 
 
 _NODE_KEYS = frozenset({"type", "socket", "cap_bytes", "timeout_s", "retry_interval_s", "max_pending_writes",
@@ -330,19 +361,17 @@ def _redis_tier(raw: Mapping[str, Any], where: str) -> RedisTierConfig:
     if url is None:
         raise ConfigError(f"{PREFIX}: '{where}.url' is required, e.g. redis://host:6379/0, rediss://host:6380 "
                           "(TLS) or unix:///run/redis.sock.")
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} is not a URL ({exc}).") from None
-    if parts.scheme not in REDIS_SCHEMES:
+    problem = _url_error(url, f"{where}.url")
+    if problem is not None:
+        raise ConfigError(problem)
+    parts = urlsplit(url)
+    if url.partition("://")[0] not in REDIS_SCHEMES:
         raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} must start with redis://, rediss:// (TLS) "
                           "or unix:// (a socket path).")
     if parts.scheme == "unix" and not parts.path:
         raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} names no socket path (unix:///path/redis.sock).")
     if parts.scheme != "unix" and not parts.hostname:
         raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} names no host (redis://host:6379/0).")
-    del port
     prefix = text_value(raw, "key_prefix", where=where) or "kvtier"
     if not _KEY_PREFIX.match(prefix):
         raise ConfigError(f"{PREFIX}: '{where}.key_prefix' {prefix!r} must be 1-64 characters of [A-Za-z0-9._:-].")
@@ -391,10 +420,11 @@ def _s3_tier(raw: Mapping[str, Any], where: str) -> S3TierConfig:
     if url is None:
         raise ConfigError(f"{PREFIX}: '{where}.url' is required: s3://BUCKET/PREFIX, the bucket and the key "
                           "prefix under which kvtier keeps its objects.")
-    parts = urlsplit(url)
-    if parts.scheme not in S3_URL_SCHEMES or not parts.netloc or parts.query or parts.fragment:
-        raise ConfigError(f"{PREFIX}: '{where}.url' {url!r} must be s3://BUCKET/PREFIX (the endpoint, if not AWS "
-                          "itself, goes in 'endpoint').")
+    parts = _split(url)
+    if (parts is None or parts.scheme not in S3_URL_SCHEMES or not parts.netloc or parts.query or parts.fragment
+            or "@" in url):
+        raise ConfigError(f"{PREFIX}: '{where}.url' {redact_url(url)!r} must be s3://BUCKET/PREFIX (the endpoint, if "
+                          "not AWS itself, goes in 'endpoint'; credentials never go in the URL).")
     bucket = parts.netloc
     if not _BUCKET.match(bucket) or ".." in bucket:
         raise ConfigError(f"{PREFIX}: '{where}.url' names the bucket {bucket!r}: a bucket name is 3-63 characters "
@@ -405,10 +435,11 @@ def _s3_tier(raw: Mapping[str, Any], where: str) -> S3TierConfig:
                           "[A-Za-z0-9._-] (e.g. s3://bucket/kvcache/prod).")
     endpoint = text_value(raw, "endpoint", where=where)
     if endpoint is not None:
-        ends = urlsplit(endpoint)
-        if ends.scheme not in ("http", "https") or not ends.hostname or ends.query or ends.fragment:
-            raise ConfigError(f"{PREFIX}: '{where}.endpoint' {endpoint!r} must be http(s)://HOST[:PORT], the "
-                              "S3 API of the store (e.g. https://minio.internal:9000).")
+        ends = _split(endpoint)
+        if (ends is None or ends.scheme not in ("http", "https") or not ends.hostname or ends.query or ends.fragment
+                or "@" in endpoint):
+            raise ConfigError(f"{PREFIX}: '{where}.endpoint' {redact_url(endpoint)!r} must be http(s)://HOST[:PORT], "
+                              "the S3 API of the store (e.g. https://minio.internal:9000), without credentials.")
         endpoint = endpoint.rstrip("/")
     ca_bundle = text_value(raw, "ca_bundle", where=where)
     if ca_bundle is not None:
