@@ -8,6 +8,7 @@ import logging
 import os
 import random
 import sys
+import threading
 import time
 
 import pytest
@@ -301,6 +302,7 @@ def test_client_runs_one_pipeline_per_batch_with_error_replies_in_place(server, 
         conn = pool.get_connection()
         try:
             assert conn._command_packer is COMMAND_PACKER
+            assert type(conn).__name__ == "GuardedConnection"  # exchanges have deadlines (deadline.py)
             assert any(chunk is value for chunk in conn.pack_commands([(b"SET", b"kvtier:a", value)]))
         finally:
             pool.release(conn)
@@ -399,9 +401,9 @@ def test_one_round_trip_per_batch_bounded_by_bytes(server, tiers, monkeypatch):
     monkeypatch.setattr(
         redis_client_module,
         "_pipeline",
-        lambda node, commands, indexes, on_reply=None: (
+        lambda node, commands, indexes, on_reply=None, **kw: (
             executes.append(len(indexes)),
-            exchange(node, commands, indexes, on_reply),
+            exchange(node, commands, indexes, on_reply, **kw),
         )[1],
     )
     keys = [key_of(n) for n in range(8)]
@@ -869,6 +871,188 @@ def test_queue_bound_and_close(server, tiers):
     )
 
 
+# ---------------------------------------------------------------- deadlines
+# A server that answers one byte at a time, faster than redis-py's socket_timeout (an idle
+# timeout): only the deadline of a whole exchange (kvtier/tiers/redis/deadline.py) ends a read.
+# Before it, each of these hung: the read stayed pending, close() and start-up never returned.
+
+QUICK = {"timeout_s": 0.3, "connect_timeout_s": 0.2}  # an exchange's deadline: 0.5 s (+ bytes at 4 MiB/s)
+
+
+@pytest.fixture
+def trickling():
+    """``start(mode)``: a :class:`support.fake_redis.TricklingRedis` (one byte every 0.1 s), stopped
+    at teardown before the tiers are closed (request it after ``tiers``), so a test of code that
+    hangs fails instead of hanging its teardown."""
+    from support.fake_redis import TricklingRedis
+
+    servers = []
+
+    def start(mode: str) -> TricklingRedis:
+        servers.append(TricklingRedis(mode, drip_s=0.1))
+        return servers[-1]
+
+    yield start
+    for fake in servers:
+        fake.stop()
+
+
+def _in_thread(call) -> tuple[threading.Event, list]:
+    """Run ``call()`` on a daemon thread: (done, [its result or exception])."""
+    done, out = threading.Event(), []
+
+    def run():
+        try:
+            out.append(call())
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            out.append(exc)
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return done, out
+
+
+@pytest.mark.timeout(30)
+def test_a_trickled_reply_fails_the_read_by_its_deadline_and_counts_for_the_breaker(tiers, trickling):
+    fake = trickling("getrange")
+    tier = tiers(RedisTierConfig(url=fake.url(), **QUICK))
+    assert tier.breaker.closed
+    for n in range(3):  # three failed batches in a row open the breaker
+        start = time.monotonic()
+        result, _ = read_one(tier, key_of(n))
+        took = time.monotonic() - start
+        assert result.error is IoError.IO and took < 2.0, f"read {n}: {result.error} after {took:.2f} s"
+        assert tier.stats.unreachable == n + 1  # a connection failure, as an unanswered read
+    wait_for(tier, lambda: not tier.breaker.closed, timeout=1.0, what="breaker open")
+    assert tier.stats.breaker_opens == 1 and fake.seen[b"GETRANGE"] == 3
+
+
+@pytest.mark.timeout(30)
+def test_close_returns_while_a_read_is_stuck_in_a_trickle(tiers, trickling):
+    fake = trickling("getrange")
+    tier = tiers(RedisTierConfig(url=fake.url(), **QUICK))
+    tier.submit_read(1, key_of(1), [memoryview(bytearray(PAYLOAD))])
+    wait_for(tier, lambda: fake.seen.get(b"GETRANGE"), timeout=2.0, what="the read sent")
+    start = time.monotonic()
+    done, _ = _in_thread(tier.close)
+    assert done.wait(3.0), "close() did not return within 3 s"
+    assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.timeout(30)
+def test_close_is_bounded_even_when_a_worker_never_finishes(tiers, trickling, monkeypatch, caplog):
+    from kvtier.tiers.redis.jobs import DataPath
+
+    release = threading.Event()
+    monkeypatch.setattr(DataPath, "read_batch", lambda self, jobs: release.wait())  # stuck, not in I/O
+    fake = trickling("none")
+    tier = tiers(RedisTierConfig(url=fake.url(), **QUICK), batch_bytes=1 << 20)
+    try:
+        tier.submit_read(1, key_of(1), [memoryview(bytearray(PAYLOAD))])
+        time.sleep(0.1)
+        # It waits a pool wait plus a full batch's deadline (0.3 + 0.5 + 1 MiB at 4 MiB/s), then goes on.
+        with caplog.at_level(logging.WARNING):
+            start = time.monotonic()
+            done, _ = _in_thread(tier.close)
+            assert done.wait(3.0), "close() waited for a stuck worker"
+        assert 0.9 < time.monotonic() - start < 2.0
+        assert "threads of kvtier-redis-read still busy" in caplog.text  # only the stuck pool
+    finally:
+        release.set()
+
+
+@pytest.mark.timeout(30)
+def test_start_up_against_a_ping_that_never_ends_returns_by_the_deadline(tiers, trickling, caplog):
+    from kvtier.tiers.factory import check_tier
+
+    fake = trickling("ping")
+    config = RedisTierConfig(url=fake.url(), **QUICK)
+    with caplog.at_level(logging.WARNING):
+        start = time.monotonic()
+        done, out = _in_thread(lambda: check_tier(config, where="secondary_tiers[redis]"))
+        assert done.wait(3.0), "check_tier did not return within 3 s"
+        assert out == [None] and time.monotonic() - start < 1.5  # unreachable: only logged
+        assert "not reachable at start-up" in caplog.text and "deadline" in caplog.text
+        start = time.monotonic()
+        done, out = _in_thread(lambda: tiers(config))
+        assert done.wait(3.0), "the tier's constructor did not return within 3 s"
+    (tier,) = out
+    assert isinstance(tier, RedisTier) and not tier.breaker.closed and time.monotonic() - start < 1.5
+
+
+def test_rediss_to_a_plaintext_server_is_a_config_error_at_start_up(server, tiers):
+    from kvtier.tiers.factory import check_tier
+
+    config = config_for(server, url=f"rediss://127.0.0.1:{server.port}/0")
+    with pytest.raises(ConfigError, match="speaks plain RESP, not TLS.*Fix: use 'redis://'"):
+        check_tier(config, where="secondary_tiers[redis]")
+    with pytest.raises(ConfigError, match="speaks plain RESP"):
+        tiers(config)
+
+
+def test_an_exchange_past_its_deadline_wakes_a_blocked_send_and_a_trickled_recv():
+    """The watchdog itself: ``shutdown`` of the armed connection's socket ends a ``sendall`` that
+    no timeout bounds (the peer never reads) and a ``recv`` of a peer that trickles."""
+    import socket
+
+    from kvtier.tiers.redis.deadline import ExchangeTimeout, exchange, guarded
+
+    class Plain:  # a connection: ``connect()`` is what a pool calls at check-out
+        _sock = None
+
+        def connect(self):
+            pass
+
+    conn = guarded(Plain)()
+    ours, peer = socket.socketpair()
+    try:
+        conn._sock = ours
+        start = time.monotonic()
+        with pytest.raises(ExchangeTimeout), exchange(0.3):
+            conn.connect()  # armed: 0.3 s from here
+            ours.sendall(bytes(16 << 20))  # blocks: the peer never reads, and there is no timeout
+        assert 0.25 < time.monotonic() - start < 1.5
+    finally:
+        ours.close()
+        peer.close()
+    ours, peer = socket.socketpair()
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(0.05):
+            try:
+                peer.send(b"x")
+            except OSError:
+                return
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        conn._sock = ours
+        ours.settimeout(0.2)  # an idle timeout, as redis-py's: never fires on this trickle
+        start = time.monotonic()
+        with pytest.raises(ExchangeTimeout), exchange(0.3):
+            conn.connect()
+            while ours.recv(1):
+                pass
+            raise ConnectionError("closed")  # what redis-py raises on an empty recv
+        assert time.monotonic() - start < 1.5
+    finally:
+        stop.set()
+        ours.close()
+        peer.close()
+    ours, peer = socket.socketpair()
+    try:
+        conn._sock = ours
+        with exchange(0.2):  # an exchange that ends in time: its connection is left alone
+            conn.connect()
+        time.sleep(0.4)
+        ours.sendall(b"y")
+        assert peer.recv(1) == b"y"
+    finally:
+        ours.close()
+        peer.close()
+
+
 # ---------------------------------------------------------------- cluster
 
 
@@ -892,6 +1076,7 @@ def test_cluster_round_trip_across_slots_and_nodes(redis_factory, tiers):  # noq
             value = bytes(7000)
             assert any(chunk is value for chunk in conn.pack_commands([(b"SET", b"k", value)]))
             assert conn._parser._reader.getmaxbuf() == tier.value_bytes + READER_SLACK
+            assert type(conn).__name__ == "GuardedConnection"  # exchanges have deadlines (deadline.py)
         finally:
             node.connection_pool.release(conn)
     per_node = [node.client().dbsize() for node in cluster.nodes]

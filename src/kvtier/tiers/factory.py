@@ -64,8 +64,11 @@ logger = logging.getLogger(__name__)
 def check_tier(config: SecondaryTierConfig, *, where: str) -> None:
     """Raise ConfigError naming the key to fix when ``config`` can never open: a disk root this
     process cannot create or write, a Redis server that refuses the credentials or the ACL, an S3
-    store that refuses the credentials or has no such bucket. Blocks for at most the Redis
-    ``connect_timeout_s`` / the S3 ``timeout_s``; an unreachable server is only logged."""
+    store that refuses the credentials or has no such bucket; a ``rediss://`` server that speaks
+    plain RESP. Blocks for at most about: Redis, ``connect_timeout_s + timeout_s`` per server
+    (one PING exchange each, its deadline; a cluster's slot map first), plus as much again for a
+    ``rediss://`` one that failed (a plaintext PING); S3, ``timeout_s``. An unreachable server is
+    only logged."""
     if isinstance(config, DiskTierConfig):
         _check_root(Path(config.root_dir), where)
     elif isinstance(config, RedisTierConfig):

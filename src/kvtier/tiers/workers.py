@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
@@ -46,21 +47,25 @@ class WorkerPool:
             raise RuntimeError("the pool is shut down")
         self._queue.put((task, args))
 
-    def shutdown(self) -> None:
-        """Drop the tasks not started yet, let the running ones finish, join the threads. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-        for _ in self._threads:
-            self._queue.put(None)
+    def shutdown(self, timeout: float | None = None) -> bool:
+        """Drop the tasks not started yet, let the running ones finish, join the threads, waiting
+        at most ``timeout`` seconds in all (None: for as long as they run). Returns whether every
+        thread ended (a thread still running ends after its task; the threads are daemons).
+        Idempotent (a second call waits again)."""
+        if not self._closed:
+            self._closed = True
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            for _ in self._threads:
+                self._queue.put(None)
+        deadline = None if timeout is None else time.monotonic() + timeout
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join()
+                thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads if t is not threading.current_thread())
 
     def _run(self) -> None:
         if self._initializer is not None:

@@ -21,9 +21,20 @@ redis-py 8.1 + hiredis 3.5, see the tier's notes):
   arguments, neither of these).
 - ``socket_connect_timeout`` / ``socket_timeout`` from the config, and ``Retry(NoBackoff(), 0)``:
   redis-py's defaults (5 s timeout, 10 retries with back-off) block ~60 s on a paused server. A
-  failed batch costs at most about ``timeout_s``; the tier's circuit breaker decides what next.
-  redis-py still reconnects by itself: a pooled connection whose server died is replaced when it
-  is checked out, so a restarted server is used again without restarting anything.
+  server that stops answering costs a batch about ``timeout_s``; the tier's circuit breaker
+  decides what next. redis-py still reconnects by itself: a pooled connection whose server died
+  is replaced when it is checked out, so a restarted server is used again without restarting
+  anything.
+- Deadlines (:mod:`~kvtier.tiers.redis.deadline`): ``socket_timeout`` is an idle timeout (it
+  starts again with every byte), so every exchange also has a deadline: one server's pipeline of
+  a batch (check-out, send, every reply), each PING, ``INFO``, ``SCAN`` page and cluster slot-map
+  load ends within ``connect_timeout_s + timeout_s + bytes / 4 MiB/s`` of its check-out (bytes:
+  ``SET`` values sent and ``GETRANGE`` ranges asked for, plus 256 per command), else it fails as
+  a connection failure (``ExchangeTimeout``) and its connection is disconnected. Both pools'
+  connections are :func:`~kvtier.tiers.redis.deadline.guarded` classes.
+- ``rediss://`` to a server that speaks plain RESP: the TLS handshake can only time out; a failed
+  :meth:`RedisClient.connect` then asks the server a plaintext PING and, if it answers, raises a
+  ConfigError saying so.
 - ``protocol=2`` (RESP2) and ``health_check_interval=0`` (no PING before a batch).
 - Standalone: one ``BlockingConnectionPool`` of ``max_connections`` (a thread waits up to
   ``timeout_s`` for a connection instead of failing). Cluster (``cluster`` or ``nodes``):
@@ -54,6 +65,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -61,7 +73,7 @@ from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.connection import BlockingConnectionPool, ConnectionPool, parse_url
+from redis.connection import BlockingConnectionPool, Connection, ConnectionPool, parse_url
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -73,6 +85,7 @@ from redis.retry import Retry
 
 from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import PREFIX, ConfigError
+from kvtier.tiers.redis.deadline import budget, exchange, guarded
 from kvtier.tiers.redis.heap import READER_SLACK
 from kvtier.tiers.redis.wire import COMMAND_PACKER, reply_parser
 
@@ -89,12 +102,14 @@ an exception: the command's error reply, or the failure of its node's pipeline."
 class WirePool(ConnectionPool):
     """A cluster node's ``ConnectionPool`` with the tier's wire hooks (:mod:`~kvtier.tiers.redis.wire`):
     :data:`COMMAND_PACKER` and, given as ``wire_parser``, the reply parser. RedisCluster forwards
-    neither ``command_packer`` nor ``parser_class`` to the pools it builds."""
+    neither ``command_packer`` nor ``parser_class`` to the pools it builds. Its connections are
+    :func:`~kvtier.tiers.redis.deadline.guarded` (exchanges have deadlines)."""
 
     def __init__(self, *, wire_parser: type | None = None, **kwargs) -> None:
         kwargs.setdefault("command_packer", COMMAND_PACKER)
         if wire_parser is not None:
             kwargs.setdefault("parser_class", wire_parser)
+        kwargs["connection_class"] = guarded(kwargs.get("connection_class", Connection))
         super().__init__(**kwargs)
 
 
@@ -198,6 +213,7 @@ class RedisClient:
             options["max_connections"] = config.max_connections
         else:
             options["timeout"] = config.timeout_s  # BlockingConnectionPool: wait for a free connection
+            options["connection_class"] = guarded(options.get("connection_class", Connection))
             options["command_packer"] = COMMAND_PACKER
             if self._parser is not None:
                 options["parser_class"] = self._parser
@@ -228,25 +244,55 @@ class RedisClient:
         )
 
     def connect(self) -> None:
-        """Build the client if needed (a cluster: discover its topology) and PING every node.
+        """Build the client if needed (a cluster: discover its topology) and PING every node, each
+        one exchange (:meth:`budget`).
 
         Raises :class:`ConfigError` if the server refuses the credentials or the ACL user may
-        not run PING; any other failure (unreachable, timed out) propagates as redis-py raised it.
+        not run PING, or if a ``rediss://`` server speaks plain RESP; any other failure
+        (unreachable, timed out) propagates as redis-py (or the deadline) raised it.
         """
         try:
             with self._lock:
                 if self._client is None:
-                    self._client = self._build()
+                    with exchange(self.budget()):  # a cluster: its slot map
+                        self._client = self._build()
                 elif self.cluster:
-                    self._client.nodes_manager.initialize()
-            for node in self.node_clients():
-                node.ping()
+                    with exchange(self.budget()):
+                        self._client.nodes_manager.initialize()
+            self.ping()
         except (AuthenticationError, NoPermissionError) as exc:
             raise self.config_error(exc) from None
         except redis.exceptions.RedisClusterException as exc:
             if "invalid username-password" in str(exc) or "NOAUTH" in str(exc):
                 raise self.config_error(exc) from None
+            self._check_tls(exc)
             raise
+        except Exception as exc:
+            self._check_tls(exc)
+            raise
+
+    def budget(self, nbytes: int = 0) -> float:
+        """Seconds one exchange of ``nbytes`` (sent and asked for) may take from its check-out:
+        :func:`~kvtier.tiers.redis.deadline.budget` of this tier's timeouts."""
+        return budget(self.config.connect_timeout_s, self.config.timeout_s, nbytes)
+
+    def _check_tls(self, exc: BaseException) -> None:
+        """A ``rediss://`` URL whose connect failed: raise ConfigError if the server speaks plain
+        RESP (it answers a plaintext PING), whose TLS handshake can only time out."""
+        if urlsplit(self.config.url).scheme != "rediss" or not is_connection_failure(exc):
+            return
+        if self.config.nodes:
+            host, port = self.config.nodes[0].rsplit(":", 1)
+        else:
+            parts = urlsplit(self.config.url)
+            host, port = parts.hostname or "127.0.0.1", parts.port or 6379
+        if _speaks_plain_resp(host, int(port), self.config.connect_timeout_s, self.config.timeout_s):
+            raise ConfigError(
+                f"{PREFIX}: Redis tier {self.config.redacted_url()}: the server at {host}:{port} "
+                "speaks plain RESP, not TLS (it answered a plaintext PING; the TLS handshake of "
+                "'rediss://' cannot complete). Fix: use 'redis://' in the URL, or enable TLS on the "
+                "server (tls-port)."
+            )
 
     def config_error(self, exc: BaseException, what: str = "") -> ConfigError:
         """The start-up error for a refused login or ACL check: URL (redacted), user, fix."""
@@ -303,17 +349,19 @@ class RedisClient:
             replies[:] = [exc] * len(commands)
             return replies
         replies.round_trips = len(groups)
+        limits = (self.config.connect_timeout_s, self.config.timeout_s)
         if len(groups) == 1:
             node, indexes = groups[0]
-            outcomes = [_pipeline(node, commands, indexes, on_reply)]
+            outcomes = [_pipeline(node, commands, indexes, on_reply, limits=limits)]
         else:
             executor = self._executor()
             futures = [
-                executor.submit(_pipeline, node, commands, indexes, on_reply) for node, indexes in groups[1:]
+                executor.submit(_pipeline, node, commands, indexes, on_reply, limits=limits)
+                for node, indexes in groups[1:]
             ]
             node, indexes = groups[0]
-            outcomes = [_pipeline(node, commands, indexes, on_reply)]
-            outcomes += [future.result() for future in futures]
+            outcomes = [_pipeline(node, commands, indexes, on_reply, limits=limits)]
+            outcomes += [_outcome(future) for future in futures]
         redirected = False
         for (_node, indexes), outcome in zip(groups, outcomes):
             if isinstance(outcome, BaseException):
@@ -351,7 +399,7 @@ class RedisClient:
     def _refresh_topology(self) -> None:
         """A key moved (resharding, failover): reload the slot map (the batch's moved keys failed)."""
         try:
-            with self._lock:
+            with self._lock, exchange(self.budget()):
                 self._client.nodes_manager.initialize()
         except Exception as exc:
             logger.warning("kvtier redis: reloading the cluster topology failed: %s", describe(exc))
@@ -359,16 +407,18 @@ class RedisClient:
     # ------------------------------------------------------------------ other commands
 
     def ping(self) -> None:
-        """PING every server (raises on failure)."""
+        """PING every server (raises on failure), one exchange each."""
         for node in self.node_clients():
-            node.ping()
+            with exchange(self.budget()):
+                node.ping()
 
     def info_memory(self) -> tuple[int, int]:
         """``(used_memory, maxmemory)`` summed over the servers (maxmemory 0: unlimited)."""
         used = limit = 0
         unlimited = False
         for node in self.node_clients():
-            info = node.info("memory")
+            with exchange(self.budget()):
+                info = node.info("memory")
             used += int(info.get("used_memory", 0))
             node_limit = int(info.get("maxmemory", 0))
             unlimited |= node_limit == 0
@@ -376,18 +426,24 @@ class RedisClient:
         return used, 0 if unlimited else limit
 
     def scan(self, pattern: bytes, count: int = 1000) -> Iterator[bytes]:
-        """Every key matching ``pattern`` on every server (SCAN: never blocks the server)."""
+        """Every key matching ``pattern`` on every server (SCAN: never blocks the server), each
+        page one exchange (the consumer's work between pages is not part of it)."""
         for node in self.node_clients():
-            yield from node.scan_iter(match=pattern, count=count)
+            cursor = None
+            while cursor != 0:
+                with exchange(self.budget()):
+                    cursor, names = node.scan(cursor or 0, match=pattern, count=count)
+                yield from names
 
     def close(self) -> None:
-        """Disconnect every connection. Idempotent."""
+        """Disconnect every connection (in use ones too: their exchanges fail). Idempotent; never
+        waits for the network (a cluster's node threads end with their exchanges)."""
         with self._lock:
             client, self._client = self._client, None
         with self._nodes_lock:
             executor, self._nodes_pool = self._nodes_pool, None
         if executor is not None:
-            executor.shutdown(wait=True)
+            executor.shutdown(wait=False)
         if client is None:
             return
         try:
@@ -398,42 +454,91 @@ class RedisClient:
             logger.debug("kvtier redis: closing: %s", describe(exc))
 
 
+def _outcome(future) -> list[Reply] | BaseException:
+    """A node thread's :func:`_pipeline` outcome (its failure if the executor dropped it at close)."""
+    try:
+        return future.result()
+    except BaseException as exc:  # CancelledError, RuntimeError: the client closed meanwhile
+        return exc
+
+
+COMMAND_BYTES = 256
+"""What an exchange's deadline allows each command for its name, key and framing, each way."""
+
+
+def _exchange_bytes(commands: Sequence[Sequence[object]]) -> int:
+    """About the bytes a pipeline of ``commands`` moves: :data:`COMMAND_BYTES` each, plus every
+    ``SET``'s value and every ``GETRANGE``'s range (the tier's only big arguments and replies)."""
+    nbytes = COMMAND_BYTES * len(commands)
+    for args in commands:
+        name = args[0]
+        if name == b"GETRANGE":
+            nbytes += max(0, int(args[3]) - int(args[2]) + 1)
+        elif name == b"SET":
+            value = args[2]
+            nbytes += value.nbytes if isinstance(value, memoryview) else len(value)
+    return nbytes
+
+
 def _pipeline(
     node: redis.Redis,
     commands: Sequence[Sequence[object]],
     indexes: Sequence[int],
     on_reply: Callable[[int, Reply], Reply] | None = None,
+    *,
+    limits: tuple[float, float] = (1.0, 2.0),
 ) -> list[Reply] | Exception:
     """``commands[i]`` for ``i`` in ``indexes`` pipelined on one of ``node``'s pooled connections:
     all sent in one write, then every reply read in order (each passed through ``on_reply(i,
     reply)`` as soon as it is read, see :meth:`RedisClient.run`). Returns the raw replies (no
     response callbacks: ``SET`` gives ``b"OK"``), an error reply as its exception in its command's
-    place, or the exception that failed the exchange (refused, reset, timed out: the connection
-    is then disconnected, so the pool reconnects it on its next use, and no reply of a failed
-    exchange is ever used).
+    place, or the exception that failed the exchange (refused, reset, timed out, or past its
+    deadline: the connection is then disconnected, so the pool reconnects it on its next use, and
+    no reply of a failed exchange is ever used).
+
+    The whole exchange (check-out, send, every reply) is one
+    :func:`~kvtier.tiers.redis.deadline.exchange` of
+    :func:`~kvtier.tiers.redis.deadline.budget` ``(*limits,`` :func:`_exchange_bytes` ``)``;
+    ``limits``: the tier's ``(connect_timeout_s, timeout_s)``.
 
     This is what ``Pipeline.execute(raise_on_error=False)`` does on the wire, through the same
     redis-py ``Connection`` methods (``pack_commands``, ``send_packed_command``, ``read_response``)
     without the pipeline object's per-batch bookkeeping: ~0.05 ms less per batch, 10-15% of a
     1 MiB request (docs/benchmarks.md)."""
     pool = node.connection_pool
+    selected = [commands[i] for i in indexes]
+    connection = None
     try:
-        connection = pool.get_connection()
-    except Exception as exc:  # no free connection within timeout_s, or the (re)connect failed
-        return exc
-    try:
-        connection.send_packed_command(connection.pack_commands([commands[i] for i in indexes]))
-        replies: list[Reply] = []
-        for index in indexes:
-            try:
-                reply = connection.read_response()
-            except ResponseError as exc:  # the command's error reply; the connection is fine
-                reply = exc
-            replies.append(reply if on_reply is None else on_reply(index, reply))
-            del reply  # not alive while the next reply is read
+        with exchange(budget(*limits, _exchange_bytes(selected))):
+            connection = pool.get_connection()  # a free one within timeout_s, (re)connected
+            connection.send_packed_command(connection.pack_commands(selected))
+            replies: list[Reply] = []
+            for index in indexes:
+                try:
+                    reply = connection.read_response()
+                except ResponseError as exc:  # the command's error reply; the connection is fine
+                    reply = exc
+                replies.append(reply if on_reply is None else on_reply(index, reply))
+                del reply  # not alive while the next reply is read
         return replies
-    except Exception as exc:
-        connection.disconnect()
+    except Exception as exc:  # the check-out failed (no free connection, no connect), or the exchange
+        if connection is not None:
+            connection.disconnect()
         return exc
     finally:
-        pool.release(connection)
+        if connection is not None:
+            pool.release(connection)
+
+
+def _speaks_plain_resp(host: str, port: int, connect_timeout_s: float, timeout_s: float) -> bool:
+    """Whether ``host:port`` answers a plaintext ``PING`` with a RESP reply (``+PONG``, or an error
+    such as ``-NOAUTH``): a plain Redis, not a TLS one. At most ``connect_timeout_s`` to connect
+    and one ``recv`` of ``timeout_s``."""
+    try:
+        with socket.create_connection((host, port), timeout=connect_timeout_s) as sock:
+            sock.settimeout(timeout_s)
+            sock.sendall(b"PING\r\n")
+            answer = sock.recv(64)
+    except OSError:
+        return False
+    return answer[:1] in (b"+", b"-") and answer.endswith(b"\r\n")

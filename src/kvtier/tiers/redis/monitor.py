@@ -62,12 +62,13 @@ class Monitor:
         """Re-check now (the breaker just opened)."""
         self._wake.set()
 
-    def stop(self) -> None:
-        """Stop and wait for the thread (at most one trial or INFO, i.e. about ``timeout_s``)."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop and wait for the thread (at most one trial or INFO: their exchanges' deadlines),
+        at most ``timeout`` seconds (None: as long as it runs; the thread is a daemon)."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         become_background_thread()

@@ -9,8 +9,10 @@ and batch), :mod:`~kvtier.tiers.breaker` (the circuit breaker),
 (recovery and usage) and this one (the contract, submission, :meth:`RedisTier.poll`).
 
 Threading. Every public method runs on the caller's (orchestrator's) thread and never does
-network I/O, except the constructor (connects, PINGs and writes the namespace's config key) and
-:meth:`close` (waits for the batches in flight, each bounded by ``timeout_s``). The I/O runs on
+network I/O, except the constructor (connects, PINGs and writes the namespace's config key: each
+an exchange with a deadline, :mod:`~kvtier.tiers.redis.deadline`) and :meth:`close` (waits for the
+batches in flight, each bounded by its exchanges' deadlines, and in all at most ``timeout_s`` plus
+a full batch's deadline). The I/O runs on
 the tier's own threads: ``kvtier-redis-read`` (reads), ``kvtier-redis-write`` (writes, UNLINKs,
 EXPIREs, clear sweeps; background priority), ``kvtier-redis-probe`` (EXISTS probes) and
 ``kvtier-redis-monitor`` (recovery, ``INFO memory``). Workers never touch the caller-side state
@@ -44,7 +46,7 @@ breaker is open.
 Failures never raise into the caller and never stall it: see :mod:`~kvtier.tiers.breaker`
 (3 consecutive failed batches open it; presence is then ABSENT, reads and probes fail at once,
 writes are dropped; back-off 1 s doubling to 30 s, then one PING from the monitor thread) and
-:mod:`~kvtier.tiers.redis.client` (timeouts, no retries, reconnects). A server unreachable at
+:mod:`~kvtier.tiers.redis.client` (timeouts, deadlines, no retries, reconnects). A server unreachable at
 start-up is not an error: the tier starts with the breaker open and connects when it can. A
 server that is full (``maxmemory`` with ``noeviction``: OOM) drops writes (``writes_oom``); reads
 still work and the breaker stays closed. Logs never contain value bytes or passwords.
@@ -72,6 +74,7 @@ from kvtier.core.values import ConfigError
 from kvtier.tiers.base import IoResult, Medium, Presence, TierUsage
 from kvtier.tiers.redis.batcher import Batcher, WorkerPool
 from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
+from kvtier.tiers.redis.deadline import FLOOR_BYTES_PER_S
 from kvtier.tiers.redis.codec import KeySpace
 from kvtier.tiers.redis.heap import raise_mmap_threshold
 from kvtier.tiers.redis.jobs import (
@@ -136,6 +139,10 @@ class RedisTier(RemoteTier):
         self._touched: set[BlockKey] = set()  # keys touched since _touch_epoch_ends - TOUCH_INTERVAL_S
         self._touch_epoch_ends = 0.0
         self._usage = (0, 0)
+        # close() waits this long for the worker threads: a pool wait and the deadline of the
+        # longest exchange (a full batch); every exchange ends by its deadline, so they are done by then.
+        self._close_wait_s = config.timeout_s + (
+            config.connect_timeout_s + config.timeout_s + batch_bytes / FLOOR_BYTES_PER_S)
         # Each connection's reader keeps a buffer for the largest reply reads expect (a value, or a piece).
         reply_bytes = read_reply_bytes(self._world, payload_bytes, piece_bytes)
         self._client = RedisClient(config, reply_bytes=reply_bytes)  # ConfigError: password_env unset
@@ -275,18 +282,35 @@ class RedisTier(RemoteTier):
         """Nothing: a remote tier learns about other engines' blocks by probing."""
 
     def close(self) -> None:
-        """Stop the threads (batches in flight finish, each within about ``timeout_s``; queued
-        jobs complete as failed), then disconnect. Idempotent. Results can still be polled."""
+        """Stop the threads (batches in flight finish, each by its exchanges' deadlines; queued
+        jobs complete as failed), then disconnect. Idempotent. Results can still be polled.
+
+        Bounded even if a thread were stuck: it waits for the threads at most ``timeout_s`` plus
+        the deadline of a full batch's exchange (``connect_timeout_s + timeout_s + batch_bytes /
+        4 MiB/s``, about 21 s by default) in all, then logs the threads still running and goes on
+        (they are daemons; their batches fail on the closed client and post as usual). A clear()
+        whose sweep the shutdown dropped is swept here (each SCAN page and UNLINK batch one
+        exchange)."""
         if self._closed:
             return
         self._closed = True
         self._presence.present_keys.clear()
+        deadline = time.monotonic() + self._close_wait_s
         if self._monitor is not None:
-            self._monitor.stop()
-        for pool in (self._probe_pool, self._read_pool, self._write_pool):
-            pool.shutdown()
-        if self._sweeps_done < self._sweeps_asked:  # a clear() whose sweep the shutdown dropped
-            self._sweep()
+            self._monitor.stop(timeout=self._close_wait_s)
+        pools = (self._probe_pool, self._read_pool, self._write_pool)
+        for pool in pools:
+            pool.shutdown(timeout=0)  # every pool told to stop before any is waited for
+        busy = [
+            pool.name for pool in pools if not pool.shutdown(timeout=max(0.1, deadline - time.monotonic()))
+        ]
+        if busy:
+            logger.warning(
+                "kvtier redis: closing with threads of %s still busy after %.1f s; not waiting for them",
+                ", ".join(busy), self._close_wait_s,
+            )
+        if self._write_pool.name not in busy and self._sweeps_done < self._sweeps_asked:
+            self._sweep()  # a clear() whose sweep the shutdown dropped
         self._cancelled_posts(self._reads.cancel(), self._writes.cancel(), self._probes.cancel())
         self._client.close()
 
