@@ -314,13 +314,17 @@ class KVTierScheduler:
             self.orchestrator.wait_for_tiers(IDLE_WAIT_S)
         self.orchestrator.poll()
         self._engine_blocks.begin_step(scheduler_output)
+        scheduled_new = {data.req_id for data in scheduler_output.scheduled_new_reqs}
         for req_id, new_block_ids, is_full_table in yield_req_data(scheduler_output):
             # vLLM 0.32 names the third value "preempted" (resumed requests only), 0.33
-            # "is_full_table" (new requests too): either way new_block_ids is then the whole table
+            # "is_full_table" (new requests too): either way new_block_ids is then the whole table.
+            # A new request's is always its whole table, and under the V2 model runner a resumed
+            # (preempted) request comes as a new one (0.32 scheduler.py:1418-1420) with 0.32's
+            # third value False: its table replaces the stale one of before the preemption.
             state = self._requests.get(req_id)
             if state is None:
                 continue
-            if is_full_table:
+            if is_full_table or req_id in scheduled_new:
                 for group_ids in state.block_ids:
                     group_ids.clear()
             if new_block_ids:
