@@ -107,6 +107,29 @@ def test_the_longest_stored_tail_that_continues_the_prompt_is_loaded(model):
     assert {rid: f.tokens for rid, f in results.items()} == reference_outputs(model, asked, 3)
 
 
+@pytest.mark.parametrize("window", [None, 48])
+def test_a_tail_shorter_than_what_vllm_holds_of_its_block_is_a_miss(model, window):
+    """kvtier blocks of 32 tokens over engine blocks of 16: vLLM's own cache holds the first half of
+    a kvtier block (16 tokens) and kvtier a tail of 11 tokens of it. The tail adds nothing: a miss.
+    It was a hit of -5 tokens, counted so, and with a sliding-window group (asynchronous loads)
+    vLLM's scheduler asserted (the engine core died)."""
+    rng = random.Random(9)
+    base, more = [rng.randrange(3, 500) for _ in range(64)], [rng.randrange(3, 500) for _ in range(16)]
+    engine = {} if window is None else {"sliding_window": window}
+    config = {**HOST, "block_size": 32}
+    asked = {"asked": base + more + [rng.randrange(3, 500) for _ in range(4)]}
+    with SimEngine(model, kvtier=config, **engine) as sim:
+        sim.generate({"tail": base + more[:11]}, 2)  # kvtier: 2 blocks + an 11-token tail of the third
+        sim.generate({"local": base + more + [7, 8, 9]}, 2)  # vLLM: the third block's first 16 tokens
+        answers = []
+        ask = sim.kvtier_scheduler.get_num_new_matched_tokens
+        sim.kvtier_scheduler.get_num_new_matched_tokens = lambda r, n: answers.append(ask(r, n)) or answers[-1]
+        results = sim.generate(asked, 3)
+        assert sim.model.kv_mismatches == []
+    assert {rid: f.tokens for rid, f in results.items()} == reference_outputs(model, asked, 3, **engine)
+    assert all(answer is None or answer[0] >= 0 for answer in answers), answers
+
+
 def test_tails_come_back_from_disk_in_a_fresh_engine(model, tmp_path):
     root = tmp_path / "kv"
     config = {**HOST, "offload_prompt_only": False,

@@ -179,6 +179,9 @@ def find_hit(orchestrator: HostSide, owner: str, chain: RequestKeys, num_tokens:
     if tail is not None and num_blocks == len(keys):
         hit_tokens -= block - tail[1]  # the run ends with the tail
         tail_source = orchestrator.promoted_source(owner, tail[0])
+        if hit_tokens <= 0:  # a tail no longer than what vLLM holds of its block already: nothing to load
+            orchestrator.release(owner)
+            return Hit(0, tail_probe=probe)
     else:
         tail = None
     short = (tail_source, block - tail[1]) if tail is not None and tail_source is not None else None
