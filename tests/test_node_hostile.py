@@ -530,38 +530,20 @@ def test_a_planted_lock_file_is_refused_and_its_target_untouched(tmp_path, plant
 
 
 # --- the node audit's findings: each a test that failed before its fix -----------------------------
-class Served:
-    """A real :class:`NodeServer` (any :class:`NodeOptions`) with its loop on a thread."""
-
-    def __init__(self, folder: Path, **options) -> None:
-        self.sock = folder / "n.sock"
-        self.server = NodeServer(NodeOptions(self.sock, **{"pool_bytes": 64 * SLOT, "slot_bytes": SLOT,
-                                                           "prefault": False, **options}))
-        self.server.start()
-        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)
-        self.thread.start()
-
-    def stats(self) -> dict:
-        with self.server.lock:
-            return self.server.snapshot()
-
-    def close(self) -> None:
-        self.server.stop()
-        self.thread.join(timeout=10)
-        self.server.close()
-
-
 @pytest.fixture
 def served(tmp_path):
-    made: list[Served] = []
+    """``served(**options)``: a real :class:`NodeServer` (any :class:`NodeOptions`, a pool of 64
+    slots unless given) with its loop on a thread (:class:`NodeThread`), stopped after the test."""
+    made: list[NodeThread] = []
 
-    def make(**options) -> Served:
-        made.append(Served(tmp_path, **options))
+    def make(**options) -> NodeThread:
+        options = {"pool_bytes": 64 * SLOT, "slot_bytes": SLOT, **options}
+        made.append(NodeThread(tmp_path / "n.sock", **options))
         return made[-1]
 
     yield make
     for s in made:
-        s.close()
+        s.stop()
 
 
 def _namespace_with(field: str, raw_number: str) -> str:

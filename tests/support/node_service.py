@@ -11,10 +11,11 @@ from kvtier.node.server import NodeOptions, NodeServer
 
 
 class NodeThread:
-    def __init__(self, sock: Path, pool_bytes: int, slot_bytes: int | None = None, tiers: tuple = ()):
+    def __init__(self, sock: Path, pool_bytes: int, slot_bytes: int | None = None, tiers: tuple = (), **options):
+        """``options``: any other :class:`NodeOptions` field (``max_connections``...)."""
         self.sock = sock
         self.server = NodeServer(NodeOptions(sock, pool_bytes=pool_bytes, slot_bytes=slot_bytes, prefault=False,
-                                             tiers=tiers))
+                                             tiers=tiers, **options))
         self.server.start()
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_s": 0.02}, daemon=True)
         self.thread.start()
