@@ -8,7 +8,7 @@ folder with its ``config.json`` and its blocks. Everything comes from one pagina
 prefix (keys, sizes, LastModified): ages are by last write (an object store keeps no access time).
 Verify reads every block object of the selected namespaces with GETs bounded by the object's listed
 size and by the namespace's block size from its config.json (as
-:func:`~kvtier.cachetools.verify.payload_bound` bounds a disk record: an object larger than that is
+:func:`~kvtier.cachetools.verify.config_payload_bound` bounds a record: an object larger than that is
 bad without being read) and deletes the bad ones unless told not to. A config.json is judged as a
 disk root's (:func:`~kvtier.cachetools.scan.parse_config`): one that does not parse or that names
 another namespace than its folder's digest is reported and the folder's objects are left in place

@@ -10,7 +10,7 @@ value and deletes (``UNLINK``) the bad ones unless told not to; purge unlinks wh
 Nothing is read whole before its size is known: a config key at most :data:`CONFIG_MAX_BYTES`
 (``GETRANGE``), a block value only when its length (``STRLEN``) is what its first header
 (``GETRANGE``) announces for the namespace's ranks and that header's payload is no longer than the
-namespace's records can be (its config's block size, as :func:`~kvtier.cachetools.verify.payload_bound`
+namespace's records can be (its config's block size, :func:`~kvtier.cachetools.verify.config_payload_bound`,
 says for a disk root); any other value is a problem, never read. A config key is judged as a disk
 root's ``config.json`` (:func:`~kvtier.cachetools.scan.parse_config`): one that does not parse (a
 JSON bomb included) or that names another namespace than its key's digest is reported, and the
@@ -34,7 +34,7 @@ from kvtier.cachetools.inventory import AGE_BUCKETS, Inventory, NamespaceInvento
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
 from kvtier.cachetools.scan import parse_config
 from kvtier.cachetools.selection import SelectionError
-from kvtier.cachetools.verify import Problem, VerifyReport, payload_bound
+from kvtier.cachetools.verify import Problem, VerifyReport, config_payload_bound
 from kvtier.core.fleet_key import AuthConfig
 from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, describe_config, stored_ranks_of
 from kvtier.core.tier_config import REDIS_SCHEMES, redact_url
@@ -125,13 +125,14 @@ class _RemoteNamespace:
 
     def value_bound(self) -> int:
         """The most bytes a block value of this namespace can have: ``world`` records of at most
-        the payload its config allows a rank (:func:`~kvtier.cachetools.verify.payload_bound`, which
-        reads only ``namespace`` and ``config_problem``: call it only when :attr:`unchecked` is None)."""
+        the payload its config allows a rank (:func:`~kvtier.cachetools.verify.config_payload_bound`:
+        call it only when :attr:`unchecked` is None, so that its config is a valid namespace)."""
         return self.world * (HEADER_LEN + self.payload_bound())
 
     def payload_bound(self) -> int:
         """The longest payload a record of any of its ranks can have (see :meth:`value_bound`)."""
-        return max(payload_bound(self, 0, rank)[0] for rank in range(self.world))  # type: ignore[arg-type]
+        assert self.namespace is not None
+        return max(config_payload_bound(self.namespace, rank) for rank in range(self.world))
 
     @property
     def older_spec(self) -> bool:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.cachetools.scan import CacheFile, CacheNamespace, Kind, Unreadable, discover, iter_files
+from kvtier.core.keys import Namespace
 from kvtier.cachetools.selection import select
 from kvtier.core.fleet_key import AuthConfig
 from kvtier.core.rootfs import READ
@@ -156,10 +157,7 @@ def payload_bound(ns: CacheNamespace, group: int, rank: int) -> tuple[int, str |
     bound on what every kvtier engine stores per rank), else from the group's usage ledger (the
     size of the files the engines write), else :data:`UNKNOWN_PAYLOAD_MAX` (source None)."""
     if ns.namespace is not None and ns.config_problem is None:
-        pages = ns.namespace.ranks
-        page = pages[min(rank, len(pages) - 1)]
-        per_block = -(-ns.namespace.block_tokens // page.engine_block_tokens)
-        return page.num_layers * per_block * page.page_bytes, "config.json"
+        return config_payload_bound(ns.namespace, rank), "config.json"
     try:
         unit_bytes = decode(ns.fs.read_bytes(ledger_path(ns.layout(group)), RECORD_BYTES))[0]
     except (OSError, ValueError):
@@ -167,6 +165,16 @@ def payload_bound(ns: CacheNamespace, group: int, rank: int) -> tuple[int, str |
     if unit_bytes > HEADER_LEN:
         return unit_bytes - HEADER_LEN, "usage ledger"
     return UNKNOWN_PAYLOAD_MAX, None
+
+
+def config_payload_bound(namespace: Namespace, rank: int) -> int:
+    """The most payload bytes a record of ``rank`` of ``namespace`` can hold: ``layers x
+    ceil(block_tokens / engine_block_tokens) x page_bytes`` of the rank's page format (a bound on
+    what every kvtier engine stores per rank; disk, Redis and S3 records alike)."""
+    pages = namespace.ranks
+    page = pages[min(rank, len(pages) - 1)]
+    per_block = -(-namespace.block_tokens // page.engine_block_tokens)
+    return page.num_layers * per_block * page.page_bytes
 
 
 class _Opened:
