@@ -15,6 +15,7 @@ import pytest
 from support.engine_sim import (
     SimEngine,
     by_prompt,
+    counting,
     external,
     prompts_of,
     reference_outputs,
@@ -23,6 +24,8 @@ from support.engine_sim import (
     tokens_of,
     write_model,
 )
+
+from vllm.v1.request import RequestStatus
 
 from kvtier.copy import Direction, page_list
 from kvtier.tiers.blockfile import HEADER_LEN
@@ -56,6 +59,28 @@ def test_round_two_is_served_from_the_host_tier_bit_exact(model):
         assert by_prompt(second, "-2") == ref
         assert sum(external(second)) >= 4 * 64  # full blocks of every prompt came from kvtier
         assert sim.model.kv_mismatches == []
+
+
+def test_a_hit_is_loaded_asynchronously_its_request_in_no_batch_until_the_copy_is_reported(model):
+    """One KV cache group too: vLLM holds the request in WAITING_FOR_REMOTE_KVS while the workers
+    copy (no compute-stream wait on CUDA), then computes the rest of its prompt from the hit."""
+    prompt = prompts_of(32, 1, 100)["r32-0"]
+    ref = reference_outputs(model, {"x": prompt}, 2)["x"]
+    with SimEngine(model, kvtier=HOST) as sim:
+        sim.generate({"warm": prompt}, 2)
+        assert sim.reset_prefix_cache()
+        copies = store_copies(sim)
+        real, seen = copies.start_load, []
+        copies.start_load = lambda job_id, pages, **kwargs: seen.append(kwargs) or real(job_id, pages, **kwargs)
+        request = sim.add("again", prompt, 2)
+        first = sim.step()
+        assert "again" not in first.num_scheduled_tokens and seen == [{"synchronous": False}]
+        assert request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        second = sim.step()
+        sim.run()
+        local, loaded = sim.prefill["again"]
+        assert local == 0 and loaded >= 96 and second.num_scheduled_tokens["again"] == 100 - loaded
+        assert sim.outputs["again"] == ref
 
 
 def test_negative_control_a_load_that_copies_nothing_is_caught(model):
@@ -228,7 +253,9 @@ def test_abort_while_stores_are_in_flight(model):
         assert by_prompt(results, "-2") == ref and all(n >= 80 for n in external(results))
 
 
-def test_a_partial_load_failure_recomputes_exactly_the_failed_blocks_and_after(model):
+def test_a_load_failing_part_way_is_recomputed_bit_exact(model):
+    """The copy fails after some of the load's pages: vLLM recomputes the request (its request is
+    reported in ``failed_recving``) and kvtier offers it no load again."""
     prompts = prompts_of(11, 1, 130)
     ref = reference_outputs(model, prompts, 3)
     with SimEngine(model, kvtier=HOST) as sim:
@@ -246,9 +273,10 @@ def test_a_partial_load_failure_recomputes_exactly_the_failed_blocks_and_after(m
             return real(direction, pages)
 
         copies.copier.copy = broken
+        counted = counting(sim.kvtier_scheduler.orchestrator)
         results = sim.generate(renamed(prompts, "-2"), 3)
         assert by_prompt(results, "-2") == ref
-        assert failed
+        assert failed and counted.add(sim.kvtier_scheduler.orchestrator.stats).load_errors == 1
 
 
 def test_reset_prefix_cache_while_a_promotion_is_in_flight(model, tmp_path, monkeypatch):
@@ -396,13 +424,12 @@ def test_an_engine_without_prefix_caching_gets_an_inactive_connector(model, tmp_
     assert "prefix caching is off" in caplog.text
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (docs/architecture.md): vLLM 0.32 keeps a failed synchronous "
-                   "load's never-written blocks in its prefix cache under recompute")
 def test_a_request_aborted_after_its_load_failed_leaves_no_unwritten_blocks_to_hit(model):
-    """A synchronous load fails; the request is aborted before it recomputes its blocks; a request
-    with the same prompt must not get a prefix-cache hit on those never-written blocks. Strict
-    xfail: it fails today (the second request's output is wrong) and passes once the gap is closed
-    (asynchronous loads, or vLLM dropping the blocks), which makes this xfail fail: remove it then."""
+    """A load fails; the request is aborted before it recomputes its blocks; a request with the
+    same prompt must not get a prefix-cache hit on those never-written blocks. With synchronous
+    loads it did (vLLM 0.32 caches their blocks at allocation and keeps them after a failed load
+    under "recompute"): the second output was wrong. Loads are asynchronous, whose blocks vLLM
+    caches only once the load succeeded."""
     prompt = prompts_of(31, 1, 100)["r31-0"]
     ref = reference_outputs(model, {"x": prompt}, 4)["x"]
     with SimEngine(model, kvtier=HOST) as sim:

@@ -15,6 +15,7 @@ import pytest
 from support.engine_sim import (
     SimEngine,
     by_prompt,
+    counting,
     external,
     prompts_of,
     reference_outputs,
@@ -62,7 +63,7 @@ def test_round_two_loads_every_full_page_and_only_the_window_of_sliding_pages(mo
     assert ref != reference_outputs(model, prompts, 4), "the sliding layer must change the outputs"
     with SimEngine(model, kvtier=HOST, sliding_window=WINDOW) as sim:
         geometry = sim.kvtier_scheduler.geometry
-        assert geometry.num_groups == 2 and geometry.asynchronous_loads
+        assert geometry.num_groups == 2
         assert geometry.attention == "full_attention+sliding_window"
         assert tokens_of(sim.generate(prompts, 4)) == ref
         assert sim.reset_prefix_cache()
@@ -77,19 +78,6 @@ def test_round_two_loads_every_full_page_and_only_the_window_of_sliding_pages(mo
         # vLLM allocates the sliding group's blocks of the last W-1 tokens before token 96 only
         assert len(sliding) == 4 * 2
         assert all(p.block_id != 0 for p in loaded)
-
-
-def test_with_one_group_loads_are_synchronous(model):
-    """One group: the load is synchronous (the CUDA engine makes the compute stream wait for it)."""
-    prompts = prompts_of(2, 2, 60)
-    with SimEngine(model, kvtier=HOST) as sim:
-        sim.generate(prompts, 2)
-        assert sim.reset_prefix_cache()
-        copies = worker_copies(sim)
-        real, seen = copies.start_load, []
-        copies.start_load = lambda job_id, pages, **kwargs: seen.append(kwargs) or real(job_id, pages, **kwargs)
-        sim.generate(renamed(prompts, "-2"), 2)
-        assert seen and all(kwargs == {"synchronous": True} for kwargs in seen)
 
 
 def test_negative_control_skipping_the_sliding_pages_is_caught(model):
@@ -139,14 +127,12 @@ def test_a_failed_load_with_several_groups_is_recomputed_per_request(model):
             return real(direction, pages)
 
         copier.copy = failing
-        load_errors = []
-        take_stats = sim.kvtier_scheduler.orchestrator.take_stats
-        sim.kvtier_scheduler.orchestrator.take_stats = lambda: load_errors.append(take_stats()) or load_errors[-1]
+        counted = counting(sim.kvtier_scheduler.orchestrator)
         second = sim.generate(renamed(prompts, "-2"), 4)
         assert by_prompt(second, "-2") == ref
         assert sim.model.kv_mismatches == []
         assert len(failed) == 3  # one load per request, not retried (its blocks are computed instead)
-        assert sum(stats.load_errors for stats in load_errors) == 3
+        assert counted.add(sim.kvtier_scheduler.orchestrator.stats).load_errors == 3
 
 
 def test_a_fresh_hybrid_engine_is_served_from_disk(model, tmp_path):

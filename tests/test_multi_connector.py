@@ -25,8 +25,7 @@ RELIED_ON = (
     "handle_preemptions",
     "update_connector_output",  # each child's own worker metadata
     "build_connector_worker_meta",
-    "get_transfer_results",  # finished_sending counted per child (extra_async_saves)
-    "get_block_ids_with_load_errors",  # the union of the children's
+    "get_transfer_results",  # finished_sending counted per child (extra_async_saves); failed_recving unioned
     "_aggregate_request_finished",  # delayed frees counted per child; kv_transfer_params merged
     "request_finished_all_groups",
     "take_events",  # every child's KV events, in child order

@@ -5,17 +5,15 @@ from the wrong slot or pool fails here."""
 
 from __future__ import annotations
 
-import copy
 import time
 from pathlib import Path
 
 import pytest
-from support.engine_sim import SimEngine, by_prompt, external, prompts_of, reference_outputs, renamed, tokens_of, \
-    write_model
+from support.engine_sim import SimEngine, by_prompt, counting, external, prompts_of, reference_outputs, renamed, \
+    tokens_of, write_model
 from support.node_service import NodeThread
 
 from kvtier.core.config import ConfigError
-from kvtier.core.stats import KVTierStats
 from kvtier.node import NodeClient, Role
 
 SLOT = 4096  # 2 layers x one 32-token page of 1 head x 2 x 8 floats (a multiple of 4 KiB, as the pool needs)
@@ -36,19 +34,6 @@ def ref(model) -> dict[str, list[int]]:
 def attached(model: Path, sock: Path, engine_id: str) -> SimEngine:
     return SimEngine(model, kvtier={"cpu_bytes_to_use": 2 * 2**20, "node": str(sock)}, engine_id=engine_id,
                      **GEOMETRY)
-
-
-def counting(host) -> KVTierStats:
-    """Every interval of counters vLLM collects from ``host``, also summed into the stats returned."""
-    counted, take = KVTierStats(), host.take_stats
-
-    def collect() -> KVTierStats:
-        stats = take()
-        counted.add(copy.deepcopy(stats))
-        return stats
-
-    host.take_stats = collect
-    return counted
 
 
 def test_a_second_engine_is_served_from_the_pool_the_first_filled_and_blocks_are_held_once(model, ref, tmp_path):
@@ -181,8 +166,6 @@ def test_a_load_whose_pin_went_with_a_lost_connection_fails_and_is_recomputed(mo
             assert a.reset_prefix_cache()
             again = a.generate(renamed(PROMPTS, "-again"), 4)
             assert lost and by_prompt(again, "-again") == ref
-            # (the fake model saw the failed load's blocks before vLLM rolled that step back: a
-            # synchronous load fails after the forward it fed, whose output vLLM then discards)
             assert counted.add(host.stats).load_errors == 1
     finally:
         node.stop()

@@ -38,6 +38,7 @@ samples from its last W positions only, as sliding attention does.
 
 from __future__ import annotations
 
+import copy as copy_module
 import itertools
 import logging
 import os
@@ -81,6 +82,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from support.fake_model import LAYER_NAMES, VOCAB, FakeModel, read_seed, write_model  # noqa: E402, F401
+from kvtier.core.stats import KVTierStats  # noqa: E402
 from kvtier.vllm.connector import KVTierConnector  # noqa: E402
 
 _ids = itertools.count()
@@ -409,6 +411,21 @@ def by_prompt(results: dict[str, Finished], suffix: str) -> dict[str, list[int]]
 def external(results: dict[str, Finished]) -> list[int]:
     """Prompt tokens each request loaded through the connector."""
     return [f.external_cached for f in results.values()]
+
+
+def counting(host) -> KVTierStats:
+    """Every interval of counters vLLM collects from ``host`` (the scheduler's orchestrator or node
+    host), also summed into the stats returned (read it after adding the interval not yet taken:
+    ``counted.add(host.stats)``)."""
+    counted, take = KVTierStats(), host.take_stats
+
+    def collect() -> KVTierStats:
+        stats = take()
+        counted.add(copy_module.deepcopy(stats))
+        return stats
+
+    host.take_stats = collect
+    return counted
 
 
 def settle(sim: SimEngine, timeout: float = 15.0) -> None:

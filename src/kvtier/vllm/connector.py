@@ -141,9 +141,6 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)  # vLLM calls the method above; this for others
         return results.finished_sending or None, results.finished_recving or None
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.take_load_errors() if self._worker is not None else set()
-
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         return self._worker.take_worker_meta() if self._worker is not None else None
 

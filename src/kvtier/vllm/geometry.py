@@ -90,14 +90,6 @@ class EngineGeometry:
         return len(self.layer_groups)
 
     @property
-    def asynchronous_loads(self) -> bool:
-        """Whether loads are asynchronous (the request waits one engine step for its KV): with
-        several KV cache groups. vLLM can recompute after a failed load only per request then
-        (``failed_recving``), which it accepts from asynchronous loads alone; block ids are not
-        unique across groups, so the per-block report of synchronous loads is refused."""
-        return self.num_groups > 1
-
-    @property
     def world_size(self) -> int:
         return self.tp_size * self.pp_size
 

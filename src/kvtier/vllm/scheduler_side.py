@@ -16,9 +16,9 @@ got, and its in-flight jobs. Invariants:
 
 - a request has at most one load job, and none while it has store jobs in flight;
 - only host-resident blocks are ever offered, disk blocks are promoted into host slots first
-  while vLLM is told to ask again. With one KV cache group loads are synchronous (the workers
-  copy before the forward of the step that computes the rest of the prompt); with several they
-  are asynchronous (``EngineGeometry.asynchronous_loads``: the request waits one step);
+  while vLLM is told to ask again. Loads are asynchronous (the request waits in no batch until
+  the workers report its load; vLLM caches its blocks only after a load that succeeded, and
+  recomputes the whole request after one that failed);
 - host slots a load job reads stay pinned until every worker reported the job;
 - a finished request with store jobs in flight is freed by vLLM only after the workers report
   it in ``finished_sending`` (``request_finished`` returns True for it);
@@ -249,10 +249,12 @@ class KVTierScheduler:
             return 0, False
         state.load_first_token = num_computed_tokens
         state.hit_tokens_from = hit.by_source
-        # The blocks are in host memory now (disk blocks were promoted first): synchronous, the
-        # copy runs in the step that computes the rest of the prompt (no extra engine step), unless
-        # several groups make vLLM's per-request failure report (asynchronous loads) the only one.
-        return hit.tokens, self.geometry.asynchronous_loads
+        # The blocks are in host memory now (disk blocks were promoted first). Asynchronous: vLLM
+        # puts a synchronous load's blocks into its prefix cache at allocation and, under
+        # "recompute", keeps them there after a failed load for the request to rewrite in place;
+        # another request could hit them unwritten first (an abort, a preemption, a chunked
+        # recompute). An asynchronous load's blocks are cached only once it succeeded.
+        return hit.tokens, True
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
@@ -307,9 +309,9 @@ class KVTierScheduler:
 
     # --- per step ------------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
-        if not scheduler_output.total_num_scheduled_tokens:
-            # Nothing to compute this step: if a request waits for blocks a tier is reading or
-            # probing, let the tiers' threads run until one posts (bounded) instead of spinning.
+        if not scheduler_output.total_num_scheduled_tokens and not self._step_loads:
+            # Nothing to compute or load this step: if a request waits for blocks a tier is reading
+            # or probing, let the tiers' threads run until one posts (bounded) instead of spinning.
             # vLLM's one-process engine steps again at once and would hold the GIL all along.
             self.orchestrator.wait_for_tiers(IDLE_WAIT_S)
         self.orchestrator.poll()

@@ -2,19 +2,20 @@
 
 Runs in each vLLM worker process; vLLM calls every hook on the worker's main thread.
 
-- Loads (host slots -> engine blocks) start in ``start_load_kv``, before the forward of the step
-  that computes the rest of the request, so a hit costs no extra engine step; the copy engine
-  orders them before the forward (:mod:`kvtier.copy.base`). Slow tiers never reach this path: the
-  scheduler promotes disk blocks into host slots asynchronously first.
+- Loads (host slots -> engine blocks) are asynchronous for vLLM: the request waits in
+  WAITING_FOR_REMOTE_KVS, in no batch, until its load is reported. They start in
+  ``start_load_kv`` (vLLM 0.32 calls it after the step's forward is launched, in both runners),
+  ordered after the engine work issued before (:mod:`kvtier.copy.base`); the request is reported in
+  ``finished_recving`` once copied, also in ``failed_recving`` if the copy failed: vLLM then
+  recomputes the whole request, and it puts the blocks into its prefix cache only after a load
+  that succeeded. (A synchronous load's blocks are cached when allocated, and vLLM 0.32 keeps
+  them cached after a failed one, unwritten, for the request to recompute in place: an abort,
+  a preemption or a chunked recompute first would let another request hit them.) Slow tiers
+  never reach this path: the scheduler promotes disk blocks into host slots first.
 - Stores (engine blocks -> host slots) start in ``wait_for_save``, after the forward queued its KV
   writes, and complete in the background; when vLLM is about to reuse blocks a pending store
   reads (preemption), this side waits for it.
 - Every job is reported to the scheduler (worker metadata) only once its copies completed.
-- Several KV cache groups (``EngineGeometry.asynchronous_loads``): a load is asynchronous for
-  vLLM (its request waits in WAITING_FOR_REMOTE_KVS); it is started after the forward as vLLM
-  orders asynchronous loads, and its request is reported in ``finished_recving`` once copied,
-  also in ``failed_recving`` if the copy failed, so vLLM recomputes the whole request. With one
-  group a load is synchronous and a failed one is reported by its engine blocks.
 
 Owns rank ``r``'s host region: creates it in ``register_kv_caches`` and unlinks its name at
 shutdown (the scheduler normally unlinks it first, right after attaching).
@@ -83,10 +84,8 @@ class KVTierWorker:
         self._pinning = HostPinning(None, [])
         self._store_jobs_of: dict[str, set[int]] = {}  # request -> its stores not yet finished here
         self._store_req: dict[int, str] = {}
-        self._load_blocks: dict[int, list[int]] = {}  # load job -> engine block ids it writes
         self._load_req: dict[int, str] = {}  # load job -> its request
         self._delayed: set[str] = set()
-        self._load_errors: set[int] = set()
         self._meta = KVTierWorkerMetadata()
         # False only on ranks > 0 with replicated KV: rank 0's copy is everyone's
         self._stores_pages = not geometry.replicated or self.rank == 0
@@ -192,15 +191,15 @@ class KVTierWorker:
             self.copies.wait(meta.flush_job_ids)
 
     def start_loads(self, meta: KVTierConnectorMetadata) -> None:
-        """Start this step's hits into the engine blocks, ordered before the forward."""
+        """Start this step's loads into the engine blocks (asynchronous: their requests are in no
+        batch until :meth:`take_transfer_results` reports them)."""
         for job in meta.loads:
-            self._load_blocks[job.job_id] = page_table(job.pages)[:, 2].tolist()
             self._load_req[job.job_id] = job.req_id
             runnable = self._runnable(job, Direction.LOAD)
             if runnable is None:
                 continue
             assert self.copies is not None
-            self.copies.start_load(job.job_id, runnable.pages, synchronous=not self.geometry.asynchronous_loads)
+            self.copies.start_load(job.job_id, runnable.pages, synchronous=False)
 
     def start_stores(self, meta: KVTierConnectorMetadata) -> None:
         self._delayed.update(meta.delayed_free_req_ids)
@@ -218,9 +217,8 @@ class KVTierWorker:
 
     def take_transfer_results(self) -> KVConnectorTransferResults:
         """Collect completed copies. ``finished_sending``: the requests whose delayed block frees
-        may happen now (their stores finished here). A failed synchronous load reports its engine
-        blocks as load errors (vLLM recomputes from the first); an asynchronous load reports its
-        request in ``finished_recving``, and also in ``failed_recving`` if it failed."""
+        may happen now (their stores finished here); ``finished_recving``: the requests whose load
+        is done, also in ``failed_recving`` if it failed (vLLM recomputes the whole request)."""
         results = KVConnectorTransferResults()
         if self.copies is None and not self._carried:
             return results
@@ -232,16 +230,12 @@ class KVTierWorker:
             if not done.ok:
                 self._meta.failed[done.job_id] = 1
             if done.direction is Direction.LOAD:
-                blocks = self._load_blocks.pop(done.job_id, [])
-                req_id = self._load_req.pop(done.job_id, None)
-                if self.geometry.asynchronous_loads and req_id is not None:
-                    results.finished_recving.add(req_id)
-                    if not done.ok:
-                        results.failed_recving.add(req_id)
-                elif not done.ok:
-                    self._load_errors.update(blocks)
+                req_id = self._load_req.pop(done.job_id)
+                results.finished_recving.add(req_id)
                 if done.ok:
                     self._meta.host_to_engine.record(done.num_bytes, done.seconds)
+                else:
+                    results.failed_recving.add(req_id)
                 continue
             self._meta.engine_to_host.record(done.num_bytes, done.seconds)
             req_id = self._store_req.pop(done.job_id)
@@ -253,10 +247,6 @@ class KVTierWorker:
         results.finished_sending = {r for r in self._delayed if r not in self._store_jobs_of}
         self._delayed -= results.finished_sending
         return results
-
-    def take_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
 
     def take_worker_meta(self) -> KVTierWorkerMetadata | None:
         meta = self._meta
