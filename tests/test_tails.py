@@ -17,7 +17,8 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-from support.engine_sim import SimEngine, reference_outputs, settle, write_model
+from support.engine_sim import SimEngine, counting, reference_outputs, settle, write_model
+from vllm.v1.request import RequestStatus
 
 from kvtier.core.keys import BlockExtras, block_key, tail_key, tail_keys
 from kvtier.tiers.blockfile import HEADER_LEN, decode_header
@@ -217,3 +218,58 @@ def test_disk_index_evicts_tails_before_blocks():
     assert index.give_way() is None and removed[-1] == [keys[0]]
     index.evict(20)  # room for two more blocks: one must go
     assert removed[-1] == [keys[1]], "no tails left: the least recently used block"
+
+
+@pytest.mark.parametrize("runner, tail_kept", [("v1", True), ("v2", False)])
+def test_a_tail_sent_in_the_step_that_reuses_its_block_is_copied_before_that_step_writes(model, runner, tail_kept):
+    """The finished request's tail is stored in the next step, from a block vLLM freed at finish
+    (kvtier delays no free); when that same step hands the block to a new request (here every free
+    block), the workers start the tail's store before the forward writes it. A resend of the prompt
+    then loads the tail (its prompt but the last token) and gets vLLM alone's output. Under the V2
+    runner, which zeroes new blocks before any connector hook (as for Mamba or mixed-precision
+    caches), that store would copy the zeros: it is voided, and the resend loads full blocks only."""
+    prompt, other = sessions(33, 2, 100).values()
+    engine = {"num_blocks": 8, "max_num_seqs": 2, "runner": runner, "zeroing": True}  # 7 blocks: 102 tokens take all
+    ref = reference_outputs(model, {"x": prompt}, 2, num_blocks=8)["x"]
+    with SimEngine(model, kvtier=HOST, **engine) as sim:
+        counted = counting(sim.kvtier_scheduler.orchestrator)
+        sim.add("first", prompt, 2)
+        while "first" not in sim.finished:
+            sim.step()
+        sim.add("other", other, 2)
+        reused = sim.step()
+        assert reused.kv_connector_metadata.flush_job_ids, "the tail's store is flushed in the step reusing its block"
+        sim.run()
+        voided = counted.add(sim.kvtier_scheduler.orchestrator.stats).stores_voided
+        assert sim.reset_prefix_cache()
+        sim.add("again", prompt, 2)
+        sim.run()
+    assert sim.outputs["again"] == ref and sim.prefill["again"] == (0, 99 if tail_kept else 96)
+    assert sim.model.kv_mismatches == [] and (voided == 0) == tail_kept
+
+
+def test_a_pause_that_clears_the_cache_succeeds_right_after_requests_finish_or_are_aborted(model):
+    """vLLM's pause_generation(clear_cache=True) (RL weight updates, sleep) aborts what runs and at
+    once resets the prefix cache with every running request preempted, which fails while any
+    block is held. kvtier holds none: its stores in flight are fenced, and tails not sent yet are
+    dropped by the reset (their blocks' bytes are not promised after it). The engine then serves
+    bit-exact again."""
+    prompts = sessions(35, 3, 100)
+    ref = reference_outputs(model, prompts, 6)
+    with SimEngine(model, kvtier=HOST) as sim:
+        for req_id, tokens in prompts.items():
+            sim.add(req_id, tokens, 6 if req_id == "s0" else 2)
+        while not {"s1", "s2"} <= sim.finished.keys():  # s1, s2 finished; their tails not sent yet
+            sim.step()
+        assert "s0" not in sim.finished and sim.kvtier_scheduler._tail_stores  # noqa: SLF001
+        sim.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)  # pause(mode="abort")
+        assert sim.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        assert not sim.kvtier_scheduler._tail_stores  # noqa: SLF001
+        sim.run()
+        assert not sim.kvtier_scheduler.has_pending_jobs()
+        again = {f"{req_id}-again": tokens for req_id, tokens in prompts.items()}
+        for req_id, tokens in again.items():
+            sim.add(req_id, tokens, 6)
+        sim.run()
+    assert {req_id: sim.outputs[f"{req_id}-again"] for req_id in prompts} == ref
+    assert sim.model.kv_mismatches == []

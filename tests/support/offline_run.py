@@ -414,20 +414,15 @@ def finish_connector_work(llm, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
-def reset_prefix_cache(llm, attempts: int = 1000, *, reset_connector: bool = False) -> None:
-    """Reset vLLM's own prefix cache (and, ``reset_connector``, the connector's cache: vLLM's
-    OffloadingConnector empties its CPU tier, its secondary tiers keep their blocks). vLLM refuses
-    while blocks are still held, which is the case
-    for a few milliseconds after a request finished with kvtier stores in flight (its blocks are
-    freed once the stores are done; a finished request's tail store is only issued in the next
-    step), so step the engine and retry, giving the copy threads time between steps."""
-    for _ in range(attempts):
-        if llm.reset_prefix_cache(reset_connector=reset_connector):
-            return
-        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-            llm.llm_engine.step()  # one process: the engine only advances when we step it
-        time.sleep(0.01)  # multiprocess: the engine core process keeps stepping by itself
-    raise RuntimeError("vLLM refused to reset its prefix cache: blocks are still held")
+def reset_prefix_cache(llm, *, reset_connector: bool = False) -> None:
+    """Reset vLLM's own prefix cache; with ``reset_connector`` as vLLM's
+    ``pause_generation(clear_cache=True)`` does before a weight update or a sleep (running requests
+    preempted, then the connector's cache reset too: vLLM's OffloadingConnector empties its CPU
+    tier, its secondary tiers keep their blocks). vLLM refuses while any block is still held.
+    kvtier delays no free, so once ``LLM.generate`` returned the first attempt must succeed: a
+    refusal fails the run (it once held a finished request's blocks until its stores were done)."""
+    if not llm.reset_prefix_cache(reset_running_requests=reset_connector, reset_connector=reset_connector):
+        raise RuntimeError("vLLM refused to reset its prefix cache: a block is still held")
 
 
 if __name__ == "__main__":

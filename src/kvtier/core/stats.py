@@ -56,7 +56,7 @@ class KVTierStats:
     hit_tokens_s3: int = 0
     stores_submitted: int = 0
     stores_dropped: int = 0
-    stores_voided: int = 0  # in flight on blocks the runner rewrote first (V2): never published
+    stores_voided: int = 0  # in flight on blocks the runner rewrote first (V2), or tails unsent at a reset: never published
     stores_skipped_threshold: int = 0
     stores_skipped_loaded_elsewhere: int = 0  # blocks another connector of vLLM's MultiConnector loaded
     disk_writes_dropped: int = 0

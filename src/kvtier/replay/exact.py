@@ -10,9 +10,8 @@ leaves), in the order the connector's scheduler side calls them:
   any tier has is touched, else admitted or not, and given a host slot), its hold is released (its
   load is done) and the stores finish (READY, cascaded to disk and Redis);
 - it finishes: the full blocks of its answer are offered one at a time (vLLM completes one every
-  block of decode steps; only with ``offload_prompt_only`` off), then its tails, except for a
-  request that had a hit and generated one token: vLLM reports its finish in the step of its load,
-  before the load's completion, and the connector stores no tails for a request still loading.
+  block of decode steps; only with ``offload_prompt_only`` off), then its tails (its load, which
+  is asynchronous, was done a step before it computed anything).
 
 Every job of the simulated tiers completes at the next poll. Nothing here knows vLLM.
 """
@@ -97,7 +96,6 @@ class PointReplay:
         self.orchestrator = build_orchestrator(sizes, settings)
         self.served = Served()
         self._stored: dict[int, int] = {}  # running request -> full blocks offered so far
-        self._loaded: set[int] = set()  # running requests kvtier served a hit
 
     def feed(self, kind: str, request: ReplayRequest) -> None:
         if kind == START:
@@ -123,8 +121,6 @@ class PointReplay:
         served.requests += 1
         served.prompt_tokens += prompt
         served.engine += request.engine_hit
-        if hit is not None and hit.tokens:
-            self._loaded.add(request.index)
         if hit is not None:
             served.host += hit.by_source.get(Medium.HOST, 0)
             served.disk += hit.by_source.get(Medium.DISK, 0)
@@ -156,11 +152,7 @@ class PointReplay:
         limit = self._limit(request, computed, computed + 1)
         first = self._stored.pop(request.index)
         self._store(chain, first, min(limit // block, len(chain.keys)), one_by_one=True)
-        loaded = request.index in self._loaded
-        self._loaded.discard(request.index)
-        if not self.settings.tails or (loaded and computed <= request.prompt_tokens):
-            # vLLM reports a request that ends in the step of its load (one token generated) before
-            # the load's completion: the connector stores no tails for it (scheduler_side.request_finished)
+        if not self.settings.tails:
             return
         orch = self.orchestrator
         begun = []  # the connector begins both tails in request_finished; they commit together a step later

@@ -39,8 +39,9 @@ class CopyJob:
 class KVTierConnectorMetadata(KVConnectorMetadata):
     loads: list[CopyJob] = field(default_factory=list)  # host -> engine, run after the forward
     stores: list[CopyJob] = field(default_factory=list)  # engine -> host, run after the forward
-    flush_job_ids: set[int] = field(default_factory=set)  # stores to finish BEFORE the forward (blocks reused)
-    delayed_free_req_ids: list[str] = field(default_factory=list)  # report in finished_sending when stored
+    # stores to finish BEFORE the step writes anything (their blocks are handed out again); one of
+    # this step's own stores among them (a finished request's tail) is started first
+    flush_job_ids: set[int] = field(default_factory=set)
 
 
 @dataclass

@@ -37,7 +37,8 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "stores_submitted": ("kvtier_stores", "Blocks stored into the host tier", None, None),
     "stores_dropped": ("kvtier_stores_dropped", "Blocks not stored because every host slot was pinned", None, None),
     "stores_voided": ("kvtier_stores_voided", "Blocks not published because vLLM's V2 runner rewrote their engine "
-                      "blocks (zeroing, copy-on-write) while the store was in flight", None, None),
+                      "blocks (zeroing, copy-on-write) while the store was in flight, or a connector reset "
+                      "came before a finished request's tail was sent", None, None),
     "stores_skipped_threshold": ("kvtier_stores_skipped_threshold", "Stores skipped by store_threshold", None, None),
     "stores_skipped_loaded_elsewhere": ("kvtier_stores_skipped_loaded_elsewhere",
                                         "Blocks not stored because another connector of vLLM's MultiConnector "

@@ -20,13 +20,14 @@ got, and its in-flight jobs. Invariants:
   the workers report its load; vLLM caches its blocks only after a load that succeeded, and
   recomputes the whole request after one that failed);
 - host slots a load job reads stay pinned until every worker reported the job;
-- a finished request with store jobs in flight is freed by vLLM only after the workers report
-  it in ``finished_sending`` (``request_finished`` returns True for it);
+- no block free is ever delayed (``request_finished`` returns False): vLLM frees a finished
+  request's blocks at once, as it frees a preempted request's or a running request's below its
+  sliding window, so a reset or a sleep right after finds every block free;
 - no engine block is written while a store reads it: every block a store job reads is fenced
   until the job is done, and a step that hands a fenced block to a request (new blocks, load
-  destinations), which vLLM does after freeing a preempted request's blocks or a running
-  request's blocks below its sliding window, first flushes that job (the workers wait for it
-  before the step's loads and forward);
+  destinations, copy-on-write targets) first flushes that job (the workers start it if it is
+  this step's own, and wait for it before the step writes anything); under the V2 runner, whose
+  rewrites come before that, such stores are voided instead;
 - several KV cache groups: a kvtier block holds every group's pages for its tokens and is stored
   only in the step that completes it, when every group still holds it (the geometry refuses
   windows for which that is not so); a page vLLM holds no block for (a null block: below a
@@ -41,8 +42,8 @@ got, and its in-flight jobs. Invariants:
   inside a hit but not end one. A hit ends at a block stored with its state: vLLM allocates one
   state block, at the hit's last block, and the load fills it. No tails for such models;
 - a finished request's tail (its tokens after the last full block, see
-  :func:`kvtier.core.keys.tail_key`) is stored from the engine block that holds it, which vLLM
-  frees only once that store is done; a lookup that ends its run of full blocks where a stored
+  :func:`kvtier.core.keys.tail_key`) is stored in the next step from the engine block that held
+  it at finish (freed, fenced like any store's); a reset before that step drops it unsent; a lookup that ends its run of full blocks where a stored
   tail continues the prompt loads the longest such tail, and vLLM computes from the middle of
   the block (its scheduler takes an external token count that is not block-aligned).
 """
@@ -168,7 +169,6 @@ class KVTierScheduler:
         self._engine_blocks = EngineBlocks(geometry)  # where pages are; the reuse fence
         self._tails = config.offload_partial_blocks and not geometry.state_groups
         self._tail_stores: list[CopyJob] = []  # stores of finished requests' tails, sent next step
-        self._delayed_free: list[str] = []
         self._worker_stats = KVTierStats()
         self._reported_gauges: dict[str, int | None] = {}
         self._said_uncacheable: set[Uncacheable] = set()
@@ -344,18 +344,16 @@ class KVTierScheduler:
             loads=self._step_loads,
             stores=self._tail_stores + self._build_stores(scheduler_output),
             flush_job_ids=flush,
-            delayed_free_req_ids=self._delayed_free,
         )
-        self._step_loads, self._delayed_free, self._tail_stores = [], [], []
+        self._step_loads, self._tail_stores = [], []
         return meta
 
     def _void_stores_rewritten(self, scheduler_output: SchedulerOutput) -> None:
         """V2 runner: stores in flight on blocks this step rewrites before ``handle_preemptions``
-        may have copied the rewritten bytes; they are never published (:mod:`kvtier.vllm.runner`).
-        Tail stores created since the last step start after those rewrites and are safe."""
+        may have copied the rewritten bytes, and tail stores sent in this step (their blocks were
+        freed at finish) would: they are never published (:mod:`kvtier.vllm.runner`)."""
         rewritten = rewritten_before_hooks(scheduler_output, self.geometry.state_groups)
-        unsent = {job.job_id for job in self._tail_stores}
-        for job_id in self._engine_blocks.jobs_reading(rewritten) - unsent:
+        for job_id in self._engine_blocks.jobs_reading(rewritten):
             job = self._jobs[job_id]
             if not job.failed:
                 job.failed = True
@@ -544,11 +542,10 @@ class KVTierScheduler:
             self._store_tails(state, block_ids)  # (not while a load still fills its blocks: aborted)
         if not loading:
             self.orchestrator.release(request.request_id)
-        if any(self._jobs[j].kind is JobKind.STORE for j in state.jobs):
-            self._delayed_free.append(request.request_id)
-            return True, None
         if not state.jobs:
             del self._requests[request.request_id]
+        # Never a delayed free: vLLM frees the blocks now, and the reuse fence finishes (or, under
+        # the V2 runner's rewrites, voids) any store still reading one before it is written again.
         return False, None
 
     def has_pending_jobs(self) -> bool:
@@ -567,6 +564,16 @@ class KVTierScheduler:
         return self._events.take_events() if self._events is not None else []
 
     def reset_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (also before a sleep, whose KV memory
+        comes back undefined, and around weight updates): tail stores not sent yet would read
+        blocks vLLM freed at finish after that, so they are dropped unsent (counted voided); then
+        the host tier and local tiers are emptied."""
+        for unsent in self._tail_stores:
+            job = self._jobs[unsent.job_id]
+            job.failed = True
+            self.orchestrator.stats.stores_voided += len(job.keys)
+            self._finish_job(unsent.job_id, job)
+        self._tail_stores = []
         self.orchestrator.clear()
         return True
 

@@ -82,10 +82,7 @@ class KVTierWorker:
         self.copies: CopyEngine | None = None
         self._buffer: torch.Tensor | None = None
         self._pinning = HostPinning(None, [])
-        self._store_jobs_of: dict[str, set[int]] = {}  # request -> its stores not yet finished here
-        self._store_req: dict[int, str] = {}
         self._load_req: dict[int, str] = {}  # load job -> its request
-        self._delayed: set[str] = set()
         self._meta = KVTierWorkerMetadata()
         # False only on ranks > 0 with replicated KV: rank 0's copy is everyone's
         self._stores_pages = not geometry.replicated or self.rank == 0
@@ -187,7 +184,13 @@ class KVTierWorker:
         return job
 
     def handle_preemptions(self, meta: KVTierConnectorMetadata) -> None:
-        if meta.flush_job_ids and self.copies is not None:
+        """Before the step writes any block: finish the stores whose blocks vLLM hands out again
+        in this step. A store sent in this same step (a finished request's tail, read from blocks
+        vLLM freed at finish) starts here first, before the wait; :meth:`start_stores` then skips it."""
+        if not meta.flush_job_ids:
+            return
+        self._start_stores([job for job in meta.stores if job.job_id in meta.flush_job_ids])
+        if self.copies is not None:
             self.copies.wait(meta.flush_job_ids)
 
     def start_loads(self, meta: KVTierConnectorMetadata) -> None:
@@ -202,13 +205,15 @@ class KVTierWorker:
             self.copies.start_load(job.job_id, runnable.pages, synchronous=False)
 
     def start_stores(self, meta: KVTierConnectorMetadata) -> None:
-        self._delayed.update(meta.delayed_free_req_ids)
-        for job in meta.stores:
+        """Start this step's stores (after the forward queued its KV writes), but those
+        :meth:`handle_preemptions` started already."""
+        self._start_stores([job for job in meta.stores if job.job_id not in meta.flush_job_ids])
+
+    def _start_stores(self, jobs: list[CopyJob]) -> None:
+        for job in jobs:
             if not self._stores_pages:
                 self._meta.completed[job.job_id] = 1  # nothing to copy here: rank 0 stores the one copy
                 continue
-            self._store_req[job.job_id] = job.req_id
-            self._store_jobs_of.setdefault(job.req_id, set()).add(job.job_id)
             runnable = self._runnable(job, Direction.STORE)
             if runnable is None:
                 continue
@@ -216,9 +221,10 @@ class KVTierWorker:
             self.copies.start_store(job.job_id, runnable.pages)
 
     def take_transfer_results(self) -> KVConnectorTransferResults:
-        """Collect completed copies. ``finished_sending``: the requests whose delayed block frees
-        may happen now (their stores finished here); ``finished_recving``: the requests whose load
-        is done, also in ``failed_recving`` if it failed (vLLM recomputes the whole request)."""
+        """Collect completed copies. ``finished_recving``: the requests whose load is done, also
+        in ``failed_recving`` if it failed (vLLM recomputes the whole request). Never
+        ``finished_sending``: kvtier delays no block frees (the scheduler's reuse fence keeps a
+        store's blocks intact instead)."""
         results = KVConnectorTransferResults()
         if self.copies is None and not self._carried:
             return results
@@ -238,14 +244,6 @@ class KVTierWorker:
                     results.failed_recving.add(req_id)
                 continue
             self._meta.engine_to_host.record(done.num_bytes, done.seconds)
-            req_id = self._store_req.pop(done.job_id)
-            remaining = self._store_jobs_of.get(req_id)
-            if remaining is not None:
-                remaining.discard(done.job_id)
-                if not remaining:
-                    del self._store_jobs_of[req_id]
-        results.finished_sending = {r for r in self._delayed if r not in self._store_jobs_of}
-        self._delayed -= results.finished_sending
         return results
 
     def take_worker_meta(self) -> KVTierWorkerMetadata | None:
