@@ -273,3 +273,21 @@ def test_a_pause_that_clears_the_cache_succeeds_right_after_requests_finish_or_a
         sim.run()
     assert {req_id: sim.outputs[f"{req_id}-again"] for req_id in prompts} == ref
     assert sim.model.kv_mismatches == []
+
+
+def test_a_resend_right_after_a_finish_waits_for_the_tail_being_stored(model):
+    """The step after a request finished, its tail's store is only being sent; a resend of the
+    prompt looked up then would miss the tail and compute it. kvtier asks vLLM to ask again while
+    the run would continue into one of its own stores in flight (vLLM's OffloadingConnector does the
+    same for blocks being stored): the resend loads the tail."""
+    prompt = sessions(36, 1, 100)["s0"]
+    ref = reference_outputs(model, {"x": prompt}, 2)["x"]
+    with SimEngine(model, kvtier=HOST) as sim:
+        sim.add("first", prompt, 2)
+        while "first" not in sim.finished:
+            sim.step()
+        assert sim.reset_prefix_cache()  # vLLM's own blocks gone: only kvtier serves the resend
+        sim.add("again", prompt, 2)
+        sim.run()
+    assert sim.outputs["again"] == ref and sim.prefill["again"] == (0, 99)
+    assert sim.model.kv_mismatches == []

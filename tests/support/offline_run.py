@@ -418,9 +418,14 @@ def reset_prefix_cache(llm, *, reset_connector: bool = False) -> None:
     """Reset vLLM's own prefix cache; with ``reset_connector`` as vLLM's
     ``pause_generation(clear_cache=True)`` does before a weight update or a sleep (running requests
     preempted, then the connector's cache reset too: vLLM's OffloadingConnector empties its CPU
-    tier, its secondary tiers keep their blocks). vLLM refuses while any block is still held.
-    kvtier delays no free, so once ``LLM.generate`` returned the first attempt must succeed: a
-    refusal fails the run (it once held a finished request's blocks until its stores were done)."""
+    tier, its secondary tiers keep their blocks). A one-process engine is first stepped while the
+    connector has work (:func:`finish_connector_work`: the last requests' stores reported, their
+    tails sent), as the engine-core process steps by itself between rounds; so the next round finds
+    what the last one stored, as it does in a server. vLLM refuses a reset while any block is held;
+    kvtier delays no free, so the first attempt must succeed: a refusal fails the run (it once held
+    a finished request's blocks until its stores were done)."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        finish_connector_work(llm)  # what the engine-core process does by itself meanwhile
     if not llm.reset_prefix_cache(reset_running_requests=reset_connector, reset_connector=reset_connector):
         raise RuntimeError("vLLM refused to reset its prefix cache: a block is still held")
 

@@ -14,7 +14,7 @@ a token a block was keyed by).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 
 from kvtier.core.keys import BlockExtras, BlockKey, chain_block_keys, stateless_key, tail_key, tail_keys
@@ -132,13 +132,16 @@ def find_tail(orchestrator: HostSide, chain: RequestKeys, block_index: int,
 
 
 def find_hit(orchestrator: HostSide, owner: str, chain: RequestKeys, num_tokens: int, num_computed_tokens: int, *,
-             tails: bool, state_groups: bool = False) -> Hit | None:
+             tails: bool, state_groups: bool = False, storing: Container[BlockKey] = ()) -> Hit | None:
     """Look the request's tokens up beyond the ``num_computed_tokens`` the engine holds itself and
     pin the hit's blocks for ``owner`` (the orchestrator's hold, released by the caller once the
-    load is done); None: ask again (blocks are being promoted or probed). At most
-    ``num_tokens - 1`` tokens are offered (vLLM computes at least the last one); with ``tails`` the
-    run of full blocks may end in a stored tail; with ``state_groups`` (Mamba / linear attention)
-    it ends at a block stored with its state. Counts the lookup in the orchestrator's stats."""
+    load is done); None: ask again (blocks are being promoted or probed, or, with ``tails``, the
+    run would continue into a block or a longer tail in ``storing``: the engine's own stores in
+    flight, which land within a step or two, as vLLM's OffloadingConnector waits for a block
+    being stored). At most ``num_tokens - 1`` tokens are offered (vLLM computes at least the last
+    one); with ``tails`` the run of full blocks may end in a stored tail; with ``state_groups``
+    (Mamba / linear attention) it ends at a block stored with its state. Counts the lookup in the
+    orchestrator's stats."""
     block = chain.block_tokens
     max_blocks = (num_tokens - 1) // block  # vLLM must compute at least one token
     first_block = num_computed_tokens // block
@@ -155,6 +158,13 @@ def find_hit(orchestrator: HostSide, owner: str, chain: RequestKeys, num_tokens:
         run_end = max_blocks
     tail, tried = (find_tail(orchestrator, chain, run_end, num_tokens - 1 - run_end * block)
                    if tails and not state_groups else (None, []))
+    if tried and storing:
+        beyond = tried[tail[1]:] if tail is not None else tried  # longer tails than the one found
+        if run_end < max_blocks:
+            beyond = [*beyond, chain.keys[run_end]]  # the next full block
+        if any(key in storing for key in beyond):
+            orchestrator.stats.lookups_retried += 1
+            return None
     if tail is not None:
         keys = keys[: run_end - first_block] + [tail[0]]
     acquired = orchestrator.acquire(owner, keys, chain.parent_of(first_block), block,

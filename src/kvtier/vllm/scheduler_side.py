@@ -51,6 +51,7 @@ got, and its in-flight jobs. Invariants:
 from __future__ import annotations
 
 import enum
+from collections import Counter
 import itertools
 import logging
 import time
@@ -169,6 +170,7 @@ class KVTierScheduler:
         self._engine_blocks = EngineBlocks(geometry)  # where pages are; the reuse fence
         self._tails = config.offload_partial_blocks and not geometry.state_groups
         self._tail_stores: list[CopyJob] = []  # stores of finished requests' tails, sent next step
+        self._storing: Counter[BlockKey] = Counter()  # keys this engine's store jobs in flight write
         self._worker_stats = KVTierStats()
         self._reported_gauges: dict[str, int | None] = {}
         self._said_uncacheable: set[Uncacheable] = set()
@@ -241,7 +243,7 @@ class KVTierScheduler:
         if state.load_failed:
             return 0, False  # its load failed once: vLLM computes it
         hit = find_hit(self.orchestrator, request.request_id, state, request.num_tokens, num_computed_tokens,
-                       tails=self._tails, state_groups=bool(self.geometry.state_groups))
+                       tails=self._tails, state_groups=bool(self.geometry.state_groups), storing=self._storing)
         if hit is None:
             return None, False
         state.tail_probe = hit.tail_probe
@@ -444,6 +446,7 @@ class KVTierScheduler:
         self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size, blocks=blocks or [],
                                   sources={p.block_id for p in pages})
         self._engine_blocks.fence(job_id, self._jobs[job_id].sources)
+        self._storing.update(keys)
         state.jobs.add(job_id)
         return self._copy_job(job_id, req_id, pages, rank_slots or [])
 
@@ -471,6 +474,12 @@ class KVTierScheduler:
         self._engine_blocks.unfence(job_id, job.sources)
         state = self._requests.get(job.req_id)
         if job.kind is JobKind.STORE:
+            for key in job.keys:
+                left = self._storing[key] - 1
+                if left > 0:
+                    self._storing[key] = left
+                else:
+                    del self._storing[key]
             self.orchestrator.finish_store(job.keys, ok=not job.failed)
             if self._events is not None and state is not None and not job.failed:
                 self._events.learn(state.request, [(b, k) for b, k in zip(job.blocks, job.keys) if b >= 0])
