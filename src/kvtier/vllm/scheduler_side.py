@@ -43,18 +43,19 @@ got, and its in-flight jobs. Invariants:
   state block, at the hit's last block, and the load fills it. No tails for such models;
 - a finished request's tail (its tokens after the last full block, see
   :func:`kvtier.core.keys.tail_key`) is stored in the next step from the engine block that held
-  it at finish (freed, fenced like any store's); a reset before that step drops it unsent; a lookup that ends its run of full blocks where a stored
-  tail continues the prompt loads the longest such tail, and vLLM computes from the middle of
-  the block (its scheduler takes an external token count that is not block-aligned).
+  it at finish (freed, fenced like any store's); a reset before that step drops it unsent. A
+  lookup that ends its run of full blocks where a stored tail continues the prompt loads the
+  longest such tail, and vLLM computes from the middle of the block (its scheduler takes an
+  external token count that is not block-aligned).
 """
 
 from __future__ import annotations
 
 import enum
-from collections import Counter
 import itertools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
