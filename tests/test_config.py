@@ -14,7 +14,7 @@ def test_minimal_config_has_documented_defaults():
     assert config.eviction_policy is PolicyName.LRU
     assert config.store_threshold == 0 and config.max_tracker_size == 64_000
     assert config.offload_prompt_only is True and config.spec_name is SpecName.CPU
-    assert config.store_loaded_elsewhere is False
+    assert config.store_loaded_elsewhere is False and config.keep_tiers_on_reset is False
     assert config.disk is None and config.block_size is None
 
 
@@ -61,6 +61,7 @@ def test_fs_tier_without_spec_name_implies_tiering_and_default_capacity(tmp_path
         ({"cpu_bytes_to_use": 1, "store_threshold": -1}, "store_threshold"),
         ({"cpu_bytes_to_use": 1, "offload_prompt_only": "yes"}, "offload_prompt_only"),
         ({"cpu_bytes_to_use": 1, "store_loaded_elsewhere": 1}, "store_loaded_elsewhere"),
+        ({"cpu_bytes_to_use": 1, "keep_tiers_on_reset": "no"}, "keep_tiers_on_reset"),
         ({"cpu_bytes_to_use": 1, "spec_name": "Nope"}, "spec_name"),
         ({"cpu_bytes_to_use": 1, "secondary_tiers": {"type": "fs"}}, "secondary_tiers"),
         ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "gcs"}]}, "secondary_tiers[0].type"),

@@ -20,6 +20,7 @@ from kvtier.core.keys import (
     SpecVersionError,
     block_key,
     chain_block_keys,
+    epoch_root,
     stateless_key,
     stored_ranks_of,
     tail_key,
@@ -199,3 +200,18 @@ def test_extras_encoding_is_injective_enough(tokens, lora, salt, mm):
     if lora is not None and lora != salt:
         swapped = BlockExtras(lora=salt, cache_salt=lora, mm_hashes=tuple(mm))
         assert chain_block_keys(NS.digest, tokens, 8, swapped)[0] != keyed
+
+
+def test_a_reset_epoch_roots_every_key_elsewhere_and_start_up_keeps_the_spec():
+    digest = bytes(range(32))
+    assert epoch_root(digest) == digest  # epoch b"": the keys of the spec, unchanged
+    epoch = bytes(range(16))
+    root = epoch_root(digest, epoch)
+    assert root.hex() == "ebebea6411a567498245ebdb84ea585b5203c43c4e20d1b0e9925e0ffaf714c1"  # pinned
+    assert root == blake3.blake3(b"kvtier/reset-epoch\0" + digest + epoch).digest()
+    assert epoch_root(digest, bytes(16)) not in (root, digest)
+    assert epoch_root(bytes(32), epoch) != root
+    tokens = list(range(256))
+    assert not set(chain_block_keys(root, tokens, 128)) & set(chain_block_keys(digest, tokens, 128))
+    with pytest.raises(ValueError, match="16 bytes"):
+        epoch_root(digest, b"short")

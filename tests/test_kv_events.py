@@ -159,3 +159,28 @@ def test_a_failed_store_is_never_announced(ok):
     orch.finish_store(keys, ok=ok)
     events.learn(request, [(0, keys[0])])
     assert len(events.take_events()) == (1 if ok else 0)
+
+
+def test_a_new_key_epoch_announces_every_known_block_removed_from_every_medium(tmp_path):
+    """After a reset of the cache no block of before can be loaded by the engine, from any tier:
+    each is announced removed where it was announced stored, once, and then forgotten."""
+    orch = make_orchestrator(tmp_path, num_slots=8)
+    events = translator(orch, self_describing=False)
+    tokens = list(range(300, 300 + 2 * BLOCK))
+    request = make_request("a", tokens)
+    keys = chain_block_keys(NS.digest, tokens, BLOCK)
+    store_blocks(orch, keys)
+    events.learn(request, enumerate(keys))
+    settle(orch)
+    stored = events.take_events()
+    assert sorted(e.medium for e in stored) == ["CPU", "CPU", "STORAGE", "STORAGE"]
+    orch.clear()  # the reset: the host tier emptied, the disk keeps its blocks
+    events.forget_all()
+    removed = events.take_events()
+    assert all(isinstance(e, BlockRemoved) for e in removed)
+    assert sorted((e.medium, tuple(e.block_hashes)) for e in removed) == sorted(
+        (e.medium, tuple(e.block_hashes)) for e in stored)
+    assert events.num_known == 0 and all(orch.disk.contains(key) for key in keys)
+    orch.disk.delete(keys)  # the old epoch's blocks leaving later: nothing more to announce
+    assert events.take_events() == []
+    orch.close()

@@ -161,10 +161,10 @@ def test_tier_filters_select_redis_by_its_medium_and_locality(native_env, redis_
     rig = NativeRig(native_env, [{"type": "kvtier_redis", "url": server.url()}])
     keys, _ = rig.store_prompt(7, 2)
     for matcher in (TierMatcher(medium=Medium.CPU), TierMatcher(locality=Locality.LOCAL)):
-        rig.reset()
+        rig.forget_cpu_tier()
         results, _ = lookup(rig, keys, TierFilter(matchers=(matcher,)))
         assert results == [LookupResult.MISS] * 2, matcher
-    rig.reset()
+    rig.forget_cpu_tier()
     results, sources = lookup(rig, keys, TierFilter(matchers=(TierMatcher(medium=Medium.STORAGE,
                                                                           locality=Locality.REMOTE),)))
     assert results == [LookupResult.HIT] * 2 and sources == [CacheHitSource.EXTERNAL_UNSPECIFIED] * 2

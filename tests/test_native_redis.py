@@ -46,12 +46,12 @@ def test_a_stopped_server_costs_only_misses(model, redis_factory):  # noqa: F811
     rig = NativeRig(model, [redis_tier(server)])
     keys, rows = rig.store_prompt(2, 2)
     server.kill()
-    rig.reset()
+    rig.forget_cpu_tier()
     assert rig.fetch(keys) == [None, None]
     later, _ = rig.store_prompt(3, 2)  # stores fail or are dropped: no exception, no stall
     store = rig.tiers[0]._store
     assert store.counts["stores_dropped"] + store.counts["store_errors"] == 2
-    rig.reset()
+    rig.forget_cpu_tier()
     assert rig.fetch(later) == [None, None]
     rig.close()
 

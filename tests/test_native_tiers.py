@@ -107,7 +107,7 @@ def test_bad_records_are_counted_misses_never_bytes(tmp_path, model):
     tier = store.tier
     for index, how in zip((0, 2, 4), ("flip", "truncate", "empty")):
         corrupt(tier.block_path(store.key_of(requests[index][0]), 0), how)
-    rig.reset()  # vLLM's CPU tier forgets: every chunk must come from disk
+    rig.forget_cpu_tier()  # vLLM's CPU tier forgets: every chunk must come from disk
     for index, keys in enumerate(requests):
         found = rig.fetch(keys)
         if index in (0, 2, 4):
@@ -167,7 +167,7 @@ def test_a_record_of_another_namespace_copied_in_is_rejected(tmp_path, model):
     # a valid record of the other namespace, under this namespace's file name
     mine.tier.block_path(mine.key_of(keys[0]), 0).write_bytes(
         theirs.tier.block_path(theirs.key_of(keys[0]), 0).read_bytes())
-    rig.reset()
+    rig.forget_cpu_tier()
     assert rig.fetch(keys) == [None]
     assert mine.counts["rejected"] == 1
     rig.close()
@@ -199,7 +199,7 @@ def test_a_random_hash_seed_is_said_at_start_up_and_leaves_nothing_behind(tmp_pa
     assert "cannot outlive this process or be shared" in caplog.text
     assert "PYTHONHASHSEED" in caplog.text
     keys, rows = rig.store_prompt(5, 2)
-    rig.reset()
+    rig.forget_cpu_tier()
     assert rig.fetch(keys) == rig.stored_part(rows)  # serves this process
     (config,) = [json.loads(p.read_text()) for p in root.glob("*/config.json")]
     assert config["vllm_offloading"]["seed"] == "random"
@@ -228,7 +228,7 @@ def test_events_and_metrics_go_through_vllms_definitions(tmp_path, model):
     stored = [e for e in rig.manager.take_events() if e.ownership == "kvtier_disk"]
     assert [(e.medium, e.removed, sorted(e.keys)) for e in stored] == [(Medium.STORAGE, False, sorted(keys))]
     corrupt(tier._store.tier.block_path(tier._store.key_of(keys[1]), 0), "flip")
-    rig.reset()
+    rig.forget_cpu_tier()
     assert rig.fetch(keys)[1:] == [None, None]
     stats = tier.get_stats().reduce()
     assert stats[f"{metrics.FAILED_READS}:('kvtier_disk', 'rejected')"] == 1
@@ -252,3 +252,30 @@ def test_tier_types_resolve_by_plugin_and_by_module_path():
     assert SecondaryTierFactory.get_tier_class({"type": "KVTierRedisTier",
                                                 "module_path": "kvtier.vllm.native"}) is KVTierRedisTier
     assert native.kvtier_disk is KVTierDiskTier and native.kvtier_redis is KVTierRedisTier
+
+
+def test_a_reset_of_vllms_cache_moves_the_tier_to_a_new_key_epoch(tmp_path, model):
+    """vLLM's reset_cache (``pause_generation`` before a weight update or a sleep; it drains every
+    secondary tier): nothing the tier held before is offered to the engine again (the weights may
+    have changed in place) and nothing is deleted; what it stores after is served; an engine of the
+    old weights still reads the old records; ``keep_on_reset`` keeps offering them."""
+    root = tmp_path / "root"
+    rig = NativeRig(model, [disk(root)])
+    keys, rows = rig.store_prompt(1, 2)
+    rig.reset()
+    assert rig.fetch(keys) == [None, None]
+    assert len(record_files(root)) == 2
+    new_rows = [payload_of(rig, 5), payload_of(rig, 6)]
+    rig.store(keys, new_rows)  # what the engine computes after the reset, under the same vLLM keys
+    assert len(record_files(root)) == 4
+    rig.forget_cpu_tier()
+    assert rig.fetch(keys) == rig.stored_part(new_rows)
+    old_weights = NativeRig(model, [disk(root)])  # another engine, in the epoch of start-up
+    assert old_weights.fetch(keys) == old_weights.stored_part(rows)
+    kept = NativeRig(model, [disk(root, keep_on_reset=True)])
+    kept.reset()
+    assert kept.fetch(keys) == kept.stored_part(rows)
+    for each in (rig, old_weights, kept):
+        each.close()
+    with pytest.raises(ConfigError, match="keep_on_reset"):
+        NativeRig(model, [disk(root, keep_on_reset="yes")])

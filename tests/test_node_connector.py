@@ -169,3 +169,30 @@ def test_a_load_whose_pin_went_with_a_lost_connection_fails_and_is_recomputed(mo
             assert counted.add(host.stats).load_errors == 1
     finally:
         node.stop()
+
+
+def test_a_reset_of_an_engines_cache_deletes_nothing_from_the_pool_and_offers_it_nothing_of_before(
+        model, ref, tmp_path):
+    """``pause_generation`` before an in-place weight update resets the connector's cache: the pool
+    is every engine's, so nothing is deleted, and the engine moves to a new key epoch: the pool's
+    blocks are not offered to it again (the fake model's weights change in place: loading one would
+    be a KV mismatch and a wrong output); another engine still reads them."""
+    updated = reference_outputs(write_model(tmp_path / "updated", seed=12), PROMPTS, 4, **GEOMETRY)
+    assert updated != ref
+    node = NodeThread(tmp_path / "node.sock", pool_bytes=256 * SLOT)
+    try:
+        with attached(model, node.sock, "reset-a") as a, attached(model, node.sock, "reset-b") as b:
+            assert tokens_of(a.generate(PROMPTS, 4)) == ref
+            blocks = node.stats()["blocks"]
+            assert a.reset_prefix_cache(reset_connector=True)
+            assert node.stats()["blocks"] == blocks
+            a.model.seed = 12  # the weights, updated in place
+            results = a.generate(renamed(PROMPTS, "-u"), 4)
+            assert by_prompt(results, "-u") == updated and sum(external(results)) == 0
+            assert a.model.kv_mismatches == []
+            assert node.stats()["blocks"] == 2 * blocks  # stored again, under the new epoch's keys
+            results = b.generate(renamed(PROMPTS, "-b"), 4)
+            assert by_prompt(results, "-b") == ref and sum(external(results)) >= 6 * 32 + 3 * 3 * 32
+            assert b.model.kv_mismatches == []
+    finally:
+        node.stop()

@@ -127,8 +127,9 @@ def test_a_damaged_value_is_a_counted_miss_and_is_deleted(model, server, damage)
 
 def test_redis_killed_then_paused_mid_workload_requests_finish_and_hits_resume(model, server):
     """Every request finishes with the right tokens while Redis is down, then hung (SIGSTOP); once it
-    answers again the same engine gets hits from it without a restart."""
-    config = remote_config(server.url())
+    answers again the same engine gets hits from it without a restart (its cache resets keep what
+    Redis holds: ``keep_tiers_on_reset``)."""
+    config = {**remote_config(server.url()), "keep_tiers_on_reset": True}
     waves = [prompts_of(10 + i, 2, 90) for i in range(4)]
     refs = [reference_outputs(model, wave, 3) for wave in waves]
     with SimEngine(model, kvtier=config) as sim:
@@ -163,6 +164,36 @@ def test_redis_killed_then_paused_mid_workload_requests_finish_and_hits_resume(m
         results = sim.generate(renamed(waves[3], "-r"), 3)
         assert by_prompt(results, "-r") == refs[3] and all(n >= 80 for n in external(results))
         assert sim.model.kv_mismatches == []
+
+
+def test_weights_updated_in_place_after_a_reset_are_never_served_the_old_weights_kv(model, server, tmp_path):
+    """Reinforcement learning: ``pause_generation`` resets the connector's cache, the weights are
+    updated in place (the files, so kvtier's fingerprint, unchanged), generation resumes. Nothing
+    Redis holds from before is loaded (it would be the old weights' KV); what the engine computes
+    after is stored and served under the new key epoch; an engine started afresh (its files' weights,
+    the old ones) still reads the old blocks."""
+    prompts = prompts_of(21, 2, 90)
+    ref_old = reference_outputs(model, prompts, 3)
+    ref_new = reference_outputs(write_model(tmp_path / "updated", seed=8), prompts, 3)
+    assert ref_new != ref_old
+    config = remote_config(server.url())
+    with SimEngine(model, kvtier=config) as sim:
+        assert tokens_of(sim.generate(prompts, 3)) == ref_old
+        settle(sim)
+        assert sim.reset_prefix_cache(reset_connector=True)
+        sim.model.seed = 8  # the weights, updated in place
+        results = sim.generate(renamed(prompts, "-u"), 3)
+        assert by_prompt(results, "-u") == ref_new and external(results) == [0, 0]
+        settle(sim)
+        assert sim.reset_prefix_cache()  # vLLM's own cache only (the key epoch stays)
+        sim.kvtier_scheduler.orchestrator.clear()  # and kvtier's host tier: Redis serves what follows
+        results = sim.generate(renamed(prompts, "-v"), 3)
+        assert by_prompt(results, "-v") == ref_new and all(n >= 80 for n in external(results))
+        assert sim.model.kv_mismatches == []
+    with SimEngine(model, kvtier=config) as restarted:
+        results = restarted.generate(renamed(prompts, "-o"), 3)
+        assert by_prompt(results, "-o") == ref_old and all(n >= 80 for n in external(results))
+        assert restarted.model.kv_mismatches == []
 
 
 def test_wrong_password_is_a_clear_error_at_start_up(model, redis_factory, monkeypatch):  # noqa: F811

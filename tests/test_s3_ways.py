@@ -83,9 +83,10 @@ def test_embedded_s3_below_disk_serves_a_fresh_engine_and_keeps_its_hits_on_disk
     second.close()
 
 
-def test_tails_stay_off_s3_and_a_reset_leaves_it_alone(s3, tmp_path):
+def test_tails_stay_off_s3_and_a_reset_deletes_nothing(s3, tmp_path):
     """A tail (partial block) goes to the local disk, never to the shared store (a lookup there would
-    probe every tail length); one engine's reset clears its local tiers, never the fleet's S3 prefix."""
+    probe every tail length); one engine's reset empties its host tier and deletes nothing from the
+    secondary tiers (the engine moves to a new key epoch instead), the fleet's S3 prefix least of all."""
     prefix = f"tails-{os.urandom(4).hex()}"
     orch, buffers = embedded(tmp_path, s3_config(s3, prefix))
     block, tail = keys(2, seed=8)
@@ -99,8 +100,8 @@ def test_tails_stay_off_s3_and_a_reset_leaves_it_alone(s3, tmp_path):
     assert len(stored) == 1
     orch.clear()  # vLLM's reset_prefix_cache(reset_connector=True)
     settle(orch)
-    assert not orch.disk.contains(block)
-    orch.close()  # (a tier's clear still running when it closes finishes first)
+    assert orch.host.used_slots == 0 and orch.disk.contains(block) and orch.disk.contains(tail)
+    orch.close()
     assert {p for p in s3.objects(prefix + "/") if p.endswith(".bin")} == stored
 
 

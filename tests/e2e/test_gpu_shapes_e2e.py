@@ -113,6 +113,7 @@ def warm(model, prompts, redis, s3_tier, expected, tmp_path_factory) -> Path:
     root = tmp / "root"
     tiers = [{"type": "kvtier_disk", "root_dir": str(root), "capacity_bytes": 2**30},
              {"type": "kvtier_redis", "url": redis.url()}, s3_tier]
+    tiers = [{**tier, "keep_on_reset": True} for tier in tiers]  # round 1 is served by them
     result = launch(spec(model, prompts, native(tiers), native=True,
                          rounds=({}, {"reset_prefix_cache": True, "reset_connector": True})), tmp)
     assert tokens(result, 0) == expected and tokens(result, 1) == expected
@@ -143,7 +144,7 @@ def test_fresh_engines_are_served_whole_prompts_from_disk_and_from_redis(warm, m
         bad[2].write_bytes(bad[2].read_bytes()[:100])
 
     from_disk = launch(spec(model, prompts, native([{"type": "kvtier_disk", "root_dir": str(root),
-                                                     "capacity_bytes": 2**30}]), native=True,
+                                                     "capacity_bytes": 2**30, "keep_on_reset": True}]), native=True,
                             rounds=({}, {"pause": True, "reset_prefix_cache": True, "reset_connector": True})),
                        tmp_path, before_round={1: plant_faults})
     assert tokens(from_disk, 0) == expected

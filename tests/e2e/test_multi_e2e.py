@@ -40,7 +40,7 @@ BLOCK = 32
 ROUNDS = (
     {},  # computed; stored by every child
     {"reset_prefix_cache": True},  # kvtier's host tier
-    {"reset_prefix_cache": True, "reset_connector": True},  # kvtier's tiers emptied (BlockRemoved): a miss
+    {"reset_prefix_cache": True, "reset_connector": True},  # a new key epoch (BlockRemoved everywhere): a miss
 )
 KVTIER_MEDIA = ("CPU", "STORAGE")
 

@@ -87,7 +87,8 @@ def warm(model, redis, expected, tmp_path_factory):
     round 1 (vLLM's prefix cache and CPU tier reset) is served by kvtier_disk in the same process."""
     tmp = tmp_path_factory.mktemp("warm")
     root = tmp / "root"
-    result = launch(run_spec(model, [disk(root), {"type": "kvtier_redis", "url": redis.url()}],
+    result = launch(run_spec(model, [disk(root, keep_on_reset=True),
+                                     {"type": "kvtier_redis", "url": redis.url(), "keep_on_reset": True}],
                              rounds=({}, {"reset_prefix_cache": True, "reset_connector": True})), tmp)
     assert tokens(result, 0) == expected["prompts"] and cached(result, 0) == [0] * 9
     assert tokens(result, 1) == expected["prompts"]
@@ -112,7 +113,7 @@ def test_a_fresh_engine_is_served_from_disk_and_bad_records_are_counted_misses(w
             else:
                 path.write_bytes(b"")
 
-    fresh = launch(run_spec(model, [disk(root)], rounds=(
+    fresh = launch(run_spec(model, [disk(root, keep_on_reset=True)], rounds=(
         {}, {"pause": True, "reset_prefix_cache": True, "reset_connector": True})), tmp_path,
         before_round={1: corrupt})
     assert tokens(fresh, 0) == expected["prompts"]
@@ -196,7 +197,8 @@ def test_another_block_size_misses_and_capacity_holds_while_two_engines_write_on
 
 def test_redis_serves_a_second_engine_process_and_a_stopped_server_costs_misses(warm, model, redis, expected,
                                                                                 tmp_path):
-    redis_tier = {"type": "kvtier_redis", "url": redis.url(), "timeout_s": 0.5, "connect_timeout_s": 0.5}
+    redis_tier = {"type": "kvtier_redis", "url": redis.url(), "timeout_s": 0.5, "connect_timeout_s": 0.5,
+                  "keep_on_reset": True}
     second = launch(run_spec(model, [redis_tier], rounds=(
         {}, {"pause": True, "reset_prefix_cache": True, "reset_connector": True})), tmp_path, multiprocess=True,
         before_round={1: redis.kill})
@@ -210,7 +212,7 @@ def test_a_random_hash_seed_is_said_and_leaves_nothing_a_later_process_could_rea
                                                                                  monkeypatch):
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)  # the engine inherits this environment
     root = tmp_path / "root"
-    result = launch(run_spec(model, [disk(root)], engine={"prefix_caching_hash_algo": "xxhash"},
+    result = launch(run_spec(model, [disk(root, keep_on_reset=True)], engine={"prefix_caching_hash_algo": "xxhash"},
                              rounds=({}, {"reset_prefix_cache": True, "reset_connector": True})), tmp_path)
     assert tokens(result, 0) == expected["prompts"] and tokens(result, 1) == expected["prompts"]
     assert cached(result, 1) == [CHUNK] * 9  # within the process the tier works

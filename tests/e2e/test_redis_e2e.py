@@ -30,12 +30,13 @@ def model_path() -> str:
     return str(ensure_default_model("float32"))
 
 
-def engine_spec(model: str, prompts: list[str], tiers: list[dict] | None, rounds=({},)) -> dict:
+def engine_spec(model: str, prompts: list[str], tiers: list[dict] | None, rounds=({},), **more) -> dict:
+    """``more``: further keys of kvtier's configuration."""
     return {
         "model": model, "prompts": prompts, "rounds": list(rounds), "max_tokens": MAX_TOKENS,
         "kv_cache_memory_bytes": 128 * 2**20, "max_model_len": 2048, "block_size": 128,
         "kv_connector_extra_config": None if tiers is None else {
-            "cpu_bytes_to_use": 500_000_000, "block_size": OFFLOAD_BLOCK, "secondary_tiers": tiers,
+            "cpu_bytes_to_use": 500_000_000, "block_size": OFFLOAD_BLOCK, "secondary_tiers": tiers, **more,
         },
     }
 

@@ -104,7 +104,8 @@ def test_kvtier_connector_s3_down_back_fresh_engine_and_forgeries(tmp_path, mode
     seaweed.ensure_running()
     seaweed.stop()
     try:
-        engine_c = launch(engine_spec(model_path, prompts, [tier], rounds=rounds), tmp_path, env=ENV,
+        engine_c = launch(engine_spec(model_path, prompts, [tier], rounds=rounds, keep_tiers_on_reset=True), tmp_path,
+                          env=ENV,
                           before_round={1: store_back, 3: fresh_engine_then_forgeries})
     finally:
         seaweed.ensure_running()

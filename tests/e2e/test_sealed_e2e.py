@@ -58,8 +58,12 @@ def model(tmp_path_factory) -> Path:
 
 
 def spec(model: Path, tiers: list[dict] | None, rounds=({},), *, native: bool = False) -> dict:
+    """Rounds after a reset of the connector's cache are served by the tiers (they keep offering what
+    they hold: ``keep_on_reset`` / ``keep_tiers_on_reset``)."""
+    if native and tiers is not None:
+        tiers = [{**tier, "keep_on_reset": True} for tier in tiers]
     extra = None if tiers is None else {"cpu_bytes_to_use": 64 * 2**20, "block_size": BLOCK,
-                                        "secondary_tiers": tiers, **(NATIVE if native else {})}
+                                        "secondary_tiers": tiers, **(NATIVE if native else {"keep_tiers_on_reset": True})}
     return {"model": str(model), "prompts": PROMPTS, "rounds": list(rounds), "max_tokens": 8,
             "kv_cache_memory_bytes": 32 * 2**20, "max_model_len": 512, "block_size": BLOCK,
             "connector": "native" if native else "kvtier", "kv_connector_extra_config": extra}
@@ -274,8 +278,8 @@ def test_a_tampered_root_and_redis_cost_only_misses(model, expected, tmp_path):
     a dead writer's temp file and a stray ``.bin`` there. A second engine starts (no hang: the FIFOs
     are ignored or quarantined, never opened for reading), serves the FIFO's and the moved leaf's
     prompts from Redis, recomputes the prompt whose record is a symlink and whose Redis value is
-    huge, and serves the other six from disk; then its cache reset (the disk tier's ``clear()``) and
-    a round served from Redis alone. Outputs equal vLLM alone's; nothing outside the root is touched."""
+    huge, and serves the other six from disk; then its cache reset (``keep_tiers_on_reset``: the
+    host tier emptied) and a round served from the tiers. Outputs equal vLLM alone's; nothing outside the root is touched."""
     root, outside = tmp_path / "root", tmp_path / "outside"
     outside.mkdir()
     server = RedisServer(tmp_path / "redis")

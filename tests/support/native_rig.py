@@ -194,8 +194,21 @@ class NativeRig:
         return found
 
     def reset(self) -> None:
-        """vLLM's reset_cache: the CPU tier forgets everything, secondary tiers drain and keep theirs."""
+        """vLLM's reset_cache: the CPU tier forgets everything; secondary tiers drain and move to a new
+        key epoch (unless their entry says ``keep_on_reset``)."""
         self.manager.reset_cache()
+
+    def forget_cpu_tier(self) -> None:
+        """vLLM's CPU tier forgets everything, as after a restart, and the secondary tiers keep
+        offering what they hold: vLLM's reset_cache, with every tier's ``keep_on_reset`` on for it."""
+        kept = [tier.keep_on_reset for tier in self.tiers]
+        for tier in self.tiers:
+            tier.keep_on_reset = True
+        try:
+            self.manager.reset_cache()
+        finally:
+            for tier, keep in zip(self.tiers, kept, strict=True):
+                tier.keep_on_reset = keep
 
     def close(self) -> None:
         """vLLM's shutdown of the manager: tiers, then the CPU tier's region. Idempotent."""

@@ -14,9 +14,9 @@ one lock region per step, as 0.33's connector does (offloading/scheduler.py ``_a
 The harness: 0.33's manager (:class:`~support.native_rig.NativeRig`) with kvtier's disk tier, then
 :class:`PeerTier` (a P2P server in miniature: inbound asks for stored keys, served from the poll
 thread; each HIT is pinned with ``create_store_job`` and its bytes read from the primary row). Each
-round the scheduler thread stores prompts, resets the primary tier (kvtier keeps them), and fetches
-the previous round's prompts while the peer is asked for this round's: both threads reach kvtier's
-tier for stored keys. A mode fails (``problems`` not empty) when:
+round the scheduler thread stores prompts, resets the primary tier (kvtier keeps them: its entry
+says ``keep_on_reset``), and fetches the previous round's prompts while the peer is asked for this
+round's: both threads reach kvtier's tier for stored keys. A mode fails (``problems`` not empty) when:
 
 - kvtier's tier was never called from the poll thread (the harness would not test what it claims);
 - kvtier's tier answers anything but HIT for a stored key, on either thread (every key the
@@ -262,9 +262,10 @@ def run_mode(mode: str, folder: Path, *, rounds: int = 3, prompts_per_round: int
         from support.redis_server import RedisServer
 
         server = RedisServer(folder / "redis")
-        entry = {"type": "kvtier_redis", "url": server.url()}
+        entry = {"type": "kvtier_redis", "url": server.url(), "keep_on_reset": True}
     else:
-        entry = {"type": TIER_TYPES[mode], "root_dir": str(folder / mode), "capacity_bytes": 10**8}
+        entry = {"type": TIER_TYPES[mode], "root_dir": str(folder / mode), "capacity_bytes": 10**8,
+                 "keep_on_reset": True}
     if TIER_TYPES[mode] not in ("kvtier_disk", "kvtier_redis"):
         entry["module_path"] = MODULE
     peer = {"type": "PeerTier", "module_path": MODULE}

@@ -69,6 +69,9 @@ class KVTierConfig:
     offload_partial_blocks: bool = False
     # Inside vLLM's MultiConnector: also store blocks another connector loaded (docs/multiconnector.md)
     store_loaded_elsewhere: bool = False
+    # A reset of the connector's cache keeps offering what the disk, Redis, S3 tiers and a node's pool
+    # hold (default: a new key epoch, see kvtier.core.keys.epoch_root; docs/configuration.md)
+    keep_tiers_on_reset: bool = False
     spec_name: SpecName = SpecName.CPU
     secondary_tiers: tuple[SecondaryTierConfig, ...] = field(default_factory=tuple)
     self_describing_kv_events: bool = False
@@ -135,6 +138,7 @@ class KVTierConfig:
             offload_prompt_only=bool_value(extra, "offload_prompt_only", default=True),
             offload_partial_blocks=bool_value(extra, "offload_partial_blocks", default=False),
             store_loaded_elsewhere=bool_value(extra, "store_loaded_elsewhere", default=False),
+            keep_tiers_on_reset=bool_value(extra, "keep_tiers_on_reset", default=False),
             spec_name=spec_name,
             secondary_tiers=tiers,
             self_describing_kv_events=bool_value(extra, "self_describing_kv_events", default=False),
@@ -168,6 +172,7 @@ _TOP_LEVEL_KEYS = frozenset(
         "offload_prompt_only",
         "offload_partial_blocks",
         "store_loaded_elsewhere",
+        "keep_tiers_on_reset",
         "spec_name",
         "secondary_tiers",
         "self_describing_kv_events",

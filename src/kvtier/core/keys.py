@@ -3,7 +3,7 @@
 A *block* is ``block_tokens`` consecutive tokens. Its key chains the key of the block before it,
 so a key names the whole prefix up to and including that block::
 
-    k_{-1} = namespace digest
+    k_{-1} = namespace digest            (after a reset of the cache: epoch_root(digest, epoch))
     k_i    = H(k_{i-1} || tokens_i as little-endian u32 || extras_i)
 
 A *tail* is the partial block a finished request leaves after its last full block (``1 ..
@@ -335,6 +335,29 @@ def tail_keys(parent: bytes, tokens: Sequence[int], extras: BlockExtras = NO_EXT
         hasher.update(packed[offset : offset + 4])
         keys.append(hasher.copy().digest())
     return keys
+
+
+EPOCH_MARK = b"kvtier/reset-epoch\0"
+EPOCH_BYTES = 16
+
+
+def epoch_root(digest: bytes, epoch: bytes = b"") -> BlockKey:
+    """The root of an engine's key chains (``k_{-1}``) in a cache *epoch*.
+
+    Epoch ``b""`` (an engine from start-up on) is ``digest`` itself, so the keys above are those of
+    the spec. A reset of the connector's cache (vLLM's ``reset_prefix_cache(reset_connector=True)``,
+    which ``pause_generation`` does before a weight update or a sleep) draws a fresh random epoch of
+    :data:`EPOCH_BYTES` bytes, and every key the engine derives after it hangs under
+    ``H(EPOCH_MARK || digest || epoch)`` instead: nothing any engine stored before the reset (with
+    weights that may since have changed in place) can be offered to it again, and nothing it
+    stores after can be offered to an engine of the old weights. The namespace (record headers,
+    directories, Redis key names) does not change. Domain-separated from every key (those hash a
+    32-byte parent first)."""
+    if not epoch:
+        return digest
+    if len(epoch) != EPOCH_BYTES:
+        raise ValueError(f"an epoch is {EPOCH_BYTES} bytes, got {len(epoch)}")
+    return blake3.blake3(EPOCH_MARK + bytes(digest) + bytes(epoch)).digest()
 
 
 STATELESS_MARK = b"kvtier/attention-only"

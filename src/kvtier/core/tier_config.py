@@ -49,6 +49,10 @@ class TierType(str, enum.Enum):
     NODE = "node"  # only behind vLLM's own offloading (``kvtier_node``); kvtier's connector uses ``"node"``
 
 
+NATIVE_TIER_KEYS = ("type", "module_path", "backpressure", "locality", "model_identity", "keep_on_reset")
+"""Keys of a kvtier tier's entry behind vLLM's offloading besides those of kvtier's own tier of its
+kind: vLLM's (its type, module, back-pressure) and the native adapter's (``kvtier.vllm.native.tiers``)."""
+
 DEFAULT_DISK_FRACTION = 0.5
 """Without ``capacity_bytes``, a disk tier may use this fraction of the free space at start-up."""
 

@@ -28,7 +28,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.core.tier_config import TierType, parse_tier
+from kvtier.core.tier_config import NATIVE_TIER_KEYS, TierType, parse_tier
 from kvtier.core.values import ConfigError
 from kvtier.doctor.probes import validate_extra_config
 from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
@@ -40,7 +40,6 @@ KVTIER_TYPES = {"kvtier_disk": "fs", "kvtier_redis": "redis", "kvtier_s3": "s3",
 """kvtier's secondary tier types (short names from its plugin; class names for module_path) -> kvtier's kind."""
 KVTIER_MODULE = "kvtier.vllm.native"
 KVTIER_SPEC = "KVTierOffloadingSpec"
-NATIVE_ONLY_KEYS = ("type", "module_path", "locality", "model_identity", "backpressure")
 PERSISTENT_TYPES = ("fs", "obj", "p2p", "kvcr", *KVTIER_TYPES)
 """vLLM tiers that outlive the process or are shared with other engines (all but ``example``)."""
 RANDOM_SEED_HASHES = ("xxhash", "xxhash_cbor")
@@ -111,7 +110,7 @@ def check_native_resolution(s: Setup) -> list[Finding]:
 def _tier_keys_error(tier: Mapping[str, Any], kind: str, index: int) -> str | None:
     """The error kvtier would raise at start-up for this tier's keys (checked as kvtier's own tier of
     ``kind``, without creating its directory), or None."""
-    entry = {k: v for k, v in tier.items() if k not in NATIVE_ONLY_KEYS}
+    entry = {k: v for k, v in tier.items() if k not in NATIVE_TIER_KEYS}
     if kind == TierType.NODE.value:  # not a tier of kvtier's connector: its own parser (contacts nothing)
         try:
             parse_tier(entry, TierType.NODE, f"secondary_tiers[{index}]")

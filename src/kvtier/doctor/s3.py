@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.core.tier_config import S3TierConfig, TierType, parse_tier
+from kvtier.core.tier_config import NATIVE_TIER_KEYS, S3TierConfig, TierType, parse_tier
 from kvtier.core.values import ConfigError
 from kvtier.doctor.probes import validate_extra_config
 from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
@@ -102,8 +102,7 @@ def _configs(s: Setup) -> list[tuple[str, S3TierConfig]]:
         tiers = s.extra.get("secondary_tiers")
         for index, tier in enumerate(tiers if isinstance(tiers, list) else []):
             if isinstance(tier, dict) and tier.get("type") in ("kvtier_s3", "KVTierS3Tier"):
-                entry = {k: v for k, v in tier.items() if k not in ("type", "module_path", "locality", "model_identity",
-                                                                      "backpressure")}
+                entry = {k: v for k, v in tier.items() if k not in NATIVE_TIER_KEYS}
                 try:
                     config = parse_tier(entry, TierType.S3, f"secondary_tiers[{index}]")
                 except ConfigError:

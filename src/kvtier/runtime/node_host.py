@@ -288,11 +288,14 @@ class NodeHost:
         return False
 
     def clear(self) -> None:
-        """``reset_prefix_cache``: the node's pool is every engine's; one engine's reset leaves it
-        alone (as a shared remote tier is left alone)."""
+        """``reset_prefix_cache(reset_connector=True)``: the node's pool is every engine's, so one
+        engine's reset deletes nothing from it (as from the secondary tiers); the engine's new key
+        epoch keeps what the pool held from being offered to it again, unless ``keep_tiers_on_reset``
+        (:meth:`kvtier.vllm.scheduler_side.KVTierScheduler.reset_cache`)."""
         if "clear" not in self._said:
             self._said.add("clear")
-            logger.info("kvtier: reset_prefix_cache leaves the kvtier node's pool alone (other engines share it)")
+            logger.info("kvtier: a reset of the connector's cache deletes nothing from the kvtier node's pool "
+                        "(other engines share it)")
 
     def take_stats(self) -> KVTierStats:
         """The counters since the last call, with this engine's share of the pool (sampled at most

@@ -244,10 +244,11 @@ class Orchestrator:
 
     # --- management -------------------------------------------------------------------------
     def clear(self) -> None:
-        """Drop every block from the host tier and the local secondary tiers (blocks in flight are
-        freed when they complete); a shared remote tier is left alone."""
+        """Drop every block from the host tier (blocks in flight are freed when they complete): the
+        engine's own memory. The secondary tiers keep theirs (a disk root may be shared by other
+        engines, Redis and S3 are): a reset of the connector's cache moves the engine to a new key
+        epoch instead (:func:`~kvtier.core.keys.epoch_root`), or keeps offering them."""
         self.host.clear()
-        self.stack.clear_local()
 
     def take_stats(self) -> KVTierStats:
         """The counters since the last call, with a fresh sample of every tier's usage."""

@@ -9,7 +9,8 @@ side (:mod:`kvtier.vllm.scheduler_side`, which feeds it vLLM's requests) and ``k
 
 Threading: the scheduler's thread only (no locks). A request's keys are derived lazily from its
 token ids, extended as its computed tokens grow; they never change once made (vLLM never rewrites
-a token a block was keyed by).
+a token a block was keyed by), except that a reset of the cache hangs them under a new root
+(:meth:`RequestKeys.restart`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from kvtier.tiers.base import Medium
 @dataclass(kw_only=True)
 class RequestKeys:
     """The key chain of one request's tokens. ``tokens`` is a live view of its token ids (prompt,
-    then the tokens it generates); ``root`` the engine digest (the first block's parent)."""
+    then the tokens it generates); ``root`` the first block's parent: the engine digest, or its
+    epoch's root after a reset (:func:`~kvtier.core.keys.epoch_root`)."""
 
     tokens: Sequence[int]
     root: BlockKey
@@ -44,6 +46,12 @@ class RequestKeys:
         if isinstance(extras, list):
             extras = [self.extras_of(index) for index in range(num_blocks)]
         self.keys.extend(chain_block_keys(self.parent_of(have), tokens, block, extras, start_block=have))
+
+    def restart(self, root: BlockKey) -> None:
+        """Hang the request's keys under ``root`` from now on (a new key epoch after a reset of the
+        cache, :func:`~kvtier.core.keys.epoch_root`): the keys made so far are dropped."""
+        self.root = root
+        self.keys = []
 
     def parent_of(self, block_index: int) -> BlockKey:
         """The key block ``block_index`` chains from (``keys`` must cover the block before it)."""

@@ -358,13 +358,6 @@ class TierStack:
         return len(self._reads), len(self._writes)
 
     # --- management ---------------------------------------------------------------------
-    def clear_local(self) -> None:
-        """Drop every block of the local tiers. A shared tier (Redis, S3) is left alone: one engine's
-        reset must not wipe the fleet's cache (``kvtier purge`` clears it)."""
-        for tier in self.tiers:
-            if not tier.medium.shared:
-                tier.clear()
-
     def close(self, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
         """Give the jobs in flight (and the writes waiting for room) up to ``drain_timeout_s`` to
         land, so that a graceful stop keeps what was stored; then close every tier (what still

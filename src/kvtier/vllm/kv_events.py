@@ -121,6 +121,16 @@ class KVEventTranslator:
         events, self._events = self._events, []
         return events
 
+    def forget_all(self) -> None:
+        """The engine moved to a new key epoch (a reset of its cache): no block announced so far can
+        be loaded by it any more, from any tier. Each is announced removed from every medium it
+        was announced in, and forgotten (what it stores from now on is announced afresh)."""
+        self._drain()
+        for key, block in list(self._known.items()):
+            for medium in list(block.media):
+                self._remove(block, medium)
+            del self._known[key]
+
     @property
     def num_known(self) -> int:
         return len(self._known)
@@ -135,18 +145,21 @@ class KVEventTranslator:
                 if change.medium not in block.media:
                     self._announce(block, change.medium)
             elif change.medium in block.media:
-                block.media.discard(change.medium)
-                self._events.extend(
-                    BlockRemoved(
-                        block_hashes=self._published_hashes(block),
-                        medium=EVENT_MEDIUM[change.medium],
-                        group_idx=group,
-                        locality=EVENT_LOCALITY.get(change.medium, LOCALITY),
-                    )
-                    for group in range(len(self._group_kinds))
-                )
+                self._remove(block, change.medium)
                 if not block.media:
                     del self._known[change.key]
+
+    def _remove(self, block: _Announced, medium: Medium) -> None:
+        block.media.discard(medium)
+        self._events.extend(
+            BlockRemoved(
+                block_hashes=self._published_hashes(block),
+                medium=EVENT_MEDIUM[medium],
+                group_idx=group,
+                locality=EVENT_LOCALITY.get(medium, LOCALITY),
+            )
+            for group in range(len(self._group_kinds))
+        )
 
     def _announce(self, block: _Announced, medium: Medium) -> None:
         block.media.add(medium)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from vllm.v1.request import Request
 
-from kvtier.core.keys import BlockExtras
+from kvtier.core.keys import BlockExtras, BlockKey
 from kvtier.runtime.requests import RequestKeys
 from kvtier.tiers.base import Medium
 
@@ -48,6 +48,14 @@ class RequestState(RequestKeys):
     cacheable: bool = True  # False: never loaded nor stored (see KVTierScheduler._request_identity)
     arrival: float = 0.0  # wall time of its first lookup (the access log's "t")
     tail_probe: tuple[int, list] = (0, [])  # its last lookup's tail candidates (for the access log)
+
+    def restart(self, root: BlockKey) -> None:
+        """A new key epoch (see :meth:`RequestKeys.restart`): the request's blocks are stored again
+        from its first, under the new keys, as vLLM computes them again (a reset of the cache
+        finds no request running: vLLM recomputes every request it kept)."""
+        super().restart(root)
+        self.next_store_block = 0
+        self.tail_probe = (0, [])
 
     def note_loaded_elsewhere(self, computed: int, min_tokens: int, *, record: bool = True) -> None:
         """At the request's first scheduling after a lookup (``computed``: the tokens vLLM counts as

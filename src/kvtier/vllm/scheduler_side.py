@@ -54,6 +54,7 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -68,7 +69,7 @@ from vllm.v1.request import Request
 
 from kvtier.copy import PageCopy, page_table
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
-from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, stateless_key
+from kvtier.core.keys import EPOCH_BYTES, BlockKey, ModelIdentity, Namespace, epoch_root, stateless_key
 from kvtier.core.stats import KVTierStats
 from kvtier.core.values import ConfigError
 from kvtier.runtime.fingerprint import AdapterFingerprints
@@ -111,6 +112,7 @@ class _Job:
     failed: bool = False
     blocks: list[int] = field(default_factory=list)  # store jobs: each key's block index (-1: not announced)
     sources: set[int] = field(default_factory=set)  # store jobs: the engine blocks read (fenced)
+    epoch: int = 0  # the key epoch its keys belong to (KVTierScheduler.reset_cache)
 
 
 class KVTierScheduler:
@@ -148,6 +150,8 @@ class KVTierScheduler:
             replicated=geometry.replicated,
         )
         self._digest = self.namespace.engine_digest
+        self._root = self._digest  # every request's first parent: the digest, or its epoch's root after a reset
+        self._epoch = 0
         self._adapters = AdapterFingerprints()
         self.orchestrator: HostSide = open_host_side(config, self.namespace, engine_id=geometry.engine_id,
                                                      model_name=geometry.model_name, layout=layout,
@@ -203,7 +207,7 @@ class KVTierScheduler:
                 request=request,
                 tokens=request.all_token_ids,
                 arrival=time.time(),
-                root=self._digest,
+                root=self._root,
                 block_tokens=self.geometry.block_tokens,
                 extras=block_extras(request, self.geometry.block_tokens, lora),
                 max_offload_tokens=parse_max_offload_tokens(request.kv_transfer_params, request.request_id),
@@ -445,7 +449,7 @@ class KVTierScheduler:
         job_id = next(self._job_ids)
         req_id = state.request.request_id
         self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size, blocks=blocks or [],
-                                  sources={p.block_id for p in pages})
+                                  sources={p.block_id for p in pages}, epoch=self._epoch)
         self._engine_blocks.fence(job_id, self._jobs[job_id].sources)
         self._storing.update(keys)
         state.jobs.add(job_id)
@@ -482,7 +486,7 @@ class KVTierScheduler:
                 else:
                     del self._storing[key]
             self.orchestrator.finish_store(job.keys, ok=not job.failed)
-            if self._events is not None and state is not None and not job.failed:
+            if self._events is not None and state is not None and not job.failed and job.epoch == self._epoch:
                 self._events.learn(state.request, [(b, k) for b, k in zip(job.blocks, job.keys) if b >= 0])
         else:
             self.orchestrator.release(job.req_id)
@@ -574,10 +578,15 @@ class KVTierScheduler:
         return self._events.take_events() if self._events is not None else []
 
     def reset_cache(self) -> bool:
-        """vLLM's ``reset_prefix_cache(reset_connector=True)`` (also before a sleep, whose KV memory
-        comes back undefined, and around weight updates): tail stores not sent yet would read
-        blocks vLLM freed at finish after that, so they are dropped unsent (counted voided); then
-        the host tier and local tiers are emptied."""
+        """vLLM's ``reset_prefix_cache(reset_connector=True)``: ``pause_generation`` does it before a
+        weight update or a sleep (whose KV memory comes back undefined), with every request aborted
+        or preempted. Tail stores not sent yet would read blocks vLLM freed at finish, so they are
+        dropped unsent (counted voided); the host tier (this engine's memory) is emptied. Then,
+        unless ``keep_tiers_on_reset``, the engine moves to a new key epoch: weights may have
+        changed in place, so nothing stored before (on disk, in Redis, S3 or a node's pool, by this
+        engine or any other) is offered to it again, and what it stores from now on is offered to no
+        engine of the old weights (:func:`~kvtier.core.keys.epoch_root`). Nothing is deleted: the
+        old epoch's blocks serve engines that still have those weights, and age out otherwise."""
         for unsent in self._tail_stores:
             job = self._jobs[unsent.job_id]
             job.failed = True
@@ -585,7 +594,21 @@ class KVTierScheduler:
             self._finish_job(unsent.job_id, job)
         self._tail_stores = []
         self.orchestrator.clear()
+        if not self.config.keep_tiers_on_reset:
+            self._new_epoch()
         return True
+
+    def _new_epoch(self) -> None:
+        """Hang every key from now on under a fresh random root (requests alive included: vLLM
+        computes their KV again); stores in flight finish under the old keys, unannounced."""
+        self._epoch += 1
+        self._root = epoch_root(self._digest, os.urandom(EPOCH_BYTES))
+        for state in self._requests.values():
+            state.restart(self._root)
+        if self._events is not None:
+            self._events.forget_all()
+        logger.info("kvtier: the connector's cache was reset: new key epoch %d; what the tiers hold from before "
+                    "is not offered to this engine again (keep_tiers_on_reset: false)", self._epoch)
 
     def shutdown(self) -> None:
         self._adapters.close()

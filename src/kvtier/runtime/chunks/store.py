@@ -23,7 +23,9 @@ Keys. An engine key (vLLM: block hash + group index) becomes a 32-byte kvtier ke
 namespace (:func:`chunk_key`), so a record is found only in the namespace that wrote it, and its
 header (namespace digest, key, checksum) is checked on every read by the tier itself: a record of
 another namespace, or one that fails its checksum, is a failed read (``rejected``, counted), never
-data. The tier forgets such a record, so it is not offered again.
+data. The tier forgets such a record, so it is not offered again. After a reset of the engine's
+cache the keys hang under a new epoch's root (:meth:`ChunkStore.new_epoch`): nothing stored before
+is found again (the weights may have changed in place); the namespace in the headers stays.
 
 Threading: every method runs on the caller's thread (vLLM: the scheduler's, under its offloading
 manager's lock); never blocks on I/O except :meth:`ChunkStore.drain` and :meth:`ChunkStore.close`.
@@ -41,7 +43,7 @@ from dataclasses import dataclass, field
 
 import blake3
 
-from kvtier.core.keys import BlockKey
+from kvtier.core.keys import BlockKey, epoch_root
 from kvtier.core.residency import ChangeKind
 from kvtier.runtime.chunks.rows import Rows
 from kvtier.tiers.base import (IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage, read_failure,
@@ -108,7 +110,8 @@ class ChunkStore:
         self._refresh_interval_s = refresh_interval_s
         self._next_refresh = time.monotonic() + refresh_interval_s
         self._rows = rows
-        self._digest = bytes(namespace_digest)
+        self._digest = bytes(namespace_digest)  # the records' namespace (their headers)
+        self._root = self._digest  # what keys hang under: the digest, or a reset epoch's root (new_epoch)
         self._chunk_tokens = chunk_tokens
         self._ids = itertools.count(1)
         self._keys: dict[bytes, BlockKey] = {}  # engine key -> kvtier key (see key_of)
@@ -133,8 +136,19 @@ class ChunkStore:
         if key is None:
             if len(self._keys) >= MAX_REMEMBERED_KEYS:
                 self._keys.clear()
-            key = self._keys[engine_key] = chunk_key(self._digest, engine_key)
+            key = self._keys[engine_key] = chunk_key(self._root, engine_key)
         return key
+
+    def new_epoch(self, epoch: bytes) -> None:
+        """From now on derive every key under ``epoch``'s root (:func:`~kvtier.core.keys.epoch_root`):
+        what the tier holds from before is never found again by this store. Call with no job in
+        flight (after :meth:`drain`). Deletes nothing. The blocks this store named are forgotten
+        without residency events: the engine announces its reset itself (vLLM: ``AllBlocksCleared``)."""
+        self._root = epoch_root(self._digest, epoch)
+        self._keys.clear()
+        if self._names is not None:
+            self.tier.residency.take()  # changes of the old epoch's blocks: not this engine's any more
+            self._names.clear()
 
     # ------------------------------------------------------------------ lookups
 

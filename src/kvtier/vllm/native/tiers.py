@@ -9,7 +9,8 @@ Configured in the ``secondary_tiers`` of vLLM's ``TieringOffloadingSpec`` (or kv
 
 (the type names come from kvtier's ``vllm.general_plugins`` entry point; without plugins, add
 ``"module_path": "kvtier.vllm.native"``). Two keys more than kvtier's own tiers: ``model_identity``
-(names the weights where they cannot be fingerprinted) and vLLM's ``locality``.
+(names the weights where they cannot be fingerprinted), ``keep_on_reset`` (see ``drain_jobs``) and
+vLLM's ``locality``.
 
 What vLLM does with a tier, and what this one does in turn (vLLM's tiering/base.py and manager.py):
 
@@ -26,9 +27,15 @@ What vLLM does with a tier, and what this one does in turn (vLLM's tiering/base.
   against the rows vLLM pinned; ``get_finished_jobs`` reports each vLLM job once, with the chunks
   that failed left out (a failed chunk is a miss; its record is quarantined or forgotten, so it is
   not offered again);
-- ``drain_jobs`` waits for every job (never cuts a copy); ``take_events`` reports what this process
-  stored and what left the tier (vLLM turns them into KV events, medium STORAGE); ``get_stats``
-  adds kvtier's counters (:mod:`kvtier.vllm.native.metrics`);
+- ``drain_jobs`` waits for every job (never cuts a copy). vLLM calls it only from its manager's
+  ``reset_cache`` (0.32 and 0.33: ``reset_prefix_cache(reset_connector=True)``, which
+  ``pause_generation`` does before a weight update or a sleep), so the tier then moves to a new key
+  epoch: nothing stored before is offered to this engine again, as with kvtier's own connector
+  (:func:`~kvtier.core.keys.epoch_root`; nothing is deleted). ``"keep_on_reset": true`` keeps
+  offering it (vLLM's own choice for its secondary tiers: right only if the weights never change
+  in place);
+- ``take_events`` reports what this process stored and what left the tier (vLLM turns them into KV
+  events, medium STORAGE); ``get_stats`` adds kvtier's counters (:mod:`kvtier.vllm.native.metrics`);
 - ``shutdown`` finishes the jobs and closes the tier; a namespace of a per-process hash seed (no
   other process could ever read it) is removed then, or at exit if vLLM exits without a shutdown
   (kvtier_disk: its directories; kvtier_redis, kvtier_s3: its values / objects, at shutdown only).
@@ -39,6 +46,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Collection, Iterable
@@ -58,7 +66,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.core.keys import Namespace
+from kvtier.core.keys import EPOCH_BYTES, Namespace
+from kvtier.core.values import bool_value
 from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig, S3TierConfig, TierType, parse_tier
 from kvtier.runtime.chunks.identity import HashSeed, model_identity, private_seed_warning
 from kvtier.runtime.chunks.rows import Rows
@@ -86,8 +95,6 @@ SHUTDOWN_DRAIN_S = 30.0
 """How long a shutdown waits for the chunks still being written (or waiting for room) to land."""
 PRIVATE_TTL_S = 3600
 """The longest a Redis value of a per-process namespace lives (its process may die without a shutdown)."""
-NATIVE_KEYS = ("locality", "model_identity")
-"""Keys a native kvtier tier takes besides those of kvtier's own tier of its kind."""
 _ANSWERS = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY)
 
 
@@ -111,6 +118,8 @@ class VllmTierAdapter(SecondaryTierManager):
         share_vllm_log_handlers()
         locality = tier_keys.pop("locality", None)
         operator_identity = tier_keys.pop("model_identity", None)
+        self.keep_on_reset = bool_value(tier_keys, "keep_on_reset", default=False, where=f"secondary_tiers[{tier_type}]")
+        tier_keys.pop("keep_on_reset", None)
         self.locality = Locality(locality) if locality is not None else self.default_locality
         self.config = parse_tier(tier_keys, self.kind, where=f"secondary_tiers[{tier_type}]")
         check_tier(self.config, where=f"secondary_tiers[{tier_type}]")  # ConfigError stops start-up
@@ -124,6 +133,8 @@ class VllmTierAdapter(SecondaryTierManager):
         self._store: ChunkStore | None = None
         self._lookup = self._lookup_while_opening  # then _miss (OPEN_WAIT_S), or the store's once open
         self.seed: HashSeed | None = None
+        self._epoch = b""  # the key epoch (drain_jobs); guarded by _epoch_lock with the store's creation
+        self._epoch_lock = threading.Lock()
         self._opening = threading.Event()
         self._opening.set()
         self._opening_since = time.monotonic()
@@ -147,8 +158,12 @@ class VllmTierAdapter(SecondaryTierManager):
         tier = self._make_tier(config, ns, seed)
         self._opened(tier, seed)
         self.seed = seed
-        self._store = ChunkStore(tier, self._rows, namespace_digest=ns.engine_digest,
-                                 chunk_tokens=self.run.chunk_tokens, record_residency=self._events, answers=_ANSWERS)
+        with self._epoch_lock:  # a reset before the storage opened counts too
+            self._store = ChunkStore(tier, self._rows, namespace_digest=ns.engine_digest,
+                                     chunk_tokens=self.run.chunk_tokens, record_residency=self._events,
+                                     answers=_ANSWERS)
+            if self._epoch:
+                self._store.new_epoch(self._epoch)
         if not seed.shared:
             logger.warning(private_seed_warning(self.tier_type, seed))
             # also when vLLM exits without shutting its connector down (one-process mode, a crash)
@@ -253,8 +268,18 @@ class VllmTierAdapter(SecondaryTierManager):
                 for removed, keys in self._store.take_residency()]
 
     def drain_jobs(self) -> None:
-        if self._store is not None:
-            self._store.drain()
+        """Wait for every job; then (vLLM resets its cache: see the module doc) a new key epoch."""
+        store = self._store
+        if store is not None:
+            store.drain()
+        if self.keep_on_reset:
+            return
+        with self._epoch_lock:
+            self._epoch = os.urandom(EPOCH_BYTES)
+            if self._store is not None:
+                self._store.new_epoch(self._epoch)
+        logger.info("kvtier %s: vLLM reset its offloading cache: new key epoch; what the tier holds from before is "
+                    "not offered to this engine again (keep_on_reset: false)", self.tier_type)
 
     def shutdown(self) -> None:
         self._watcher.stop()
