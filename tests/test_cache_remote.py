@@ -368,3 +368,23 @@ def test_s3_config_of_another_namespace_or_unparsable_leaves_the_objects(s3) -> 
 def test_a_url_the_tools_cannot_use_is_a_usage_error_that_never_shows_the_password(url) -> None:
     code, out = run("inspect", url)  # before: a traceback quoting the password (or a bare ValueError)
     assert code == 2 and "S3cr3tPW" not in out and "***@" in out, out
+
+
+@pytest.mark.parametrize("mode", ["scan", "ping"])
+def test_the_tools_and_doctor_end_by_their_deadlines_against_a_trickling_server(mode) -> None:
+    """A server that answers one byte every 50 ms never lets an idle timeout fire: ``kvtier inspect``
+    (its first SCAN, or the PING before it) and ``kvtier doctor``'s probe fail by the exchange's
+    deadline, as a connection failure the commands report, instead of holding the operator forever."""
+    import redis
+
+    from support.fake_redis import TricklingRedis
+
+    with TricklingRedis(mode, drip_s=0.05) as fake:
+        start = time.monotonic()
+        if mode == "scan":
+            with pytest.raises(redis.TimeoutError, match="deadline"):
+                inspect_remote(RemoteTarget(fake.url(), connect_timeout_s=0.2, timeout_s=0.3))
+        else:
+            probe = probe_remote(RedisTierConfig(url=fake.url()), timeout_s=0.3)
+            assert probe.reach is Reach.UNREACHABLE and "deadline" in probe.detail
+        assert time.monotonic() - start < 5  # 0.2 + 0.3 s and a 1 MiB reply's share (0.25 s) per call

@@ -4,9 +4,10 @@
 (``CLIENT SETINFO``, ``SELECT``, ``SET``: ``+OK``; ``PING``: ``+PONG``; ``INFO``; ``EXISTS``: 1)
 except, by :attr:`TricklingRedis.mode`, one kind of reply that it trickles, one byte every
 ``drip_s`` and never finishing: ``"ping"`` (a PING's reply), ``"getrange"`` (a GETRANGE's bulk
-string, ``$<len>`` then zero bytes). ``"none"``: no trickle. Each connection counts the commands
-it got in :attr:`TricklingRedis.seen`. An idle timeout (redis-py's ``socket_timeout``) never
-fires on a trickle faster than it: only a deadline of the whole exchange ends it.
+string, ``$<len>`` then zero bytes), ``"scan"`` (a SCAN's reply). ``"none"``: no trickle. Each
+connection counts the commands it got in :attr:`TricklingRedis.seen`. An idle timeout (redis-py's
+``socket_timeout``) never fires on a trickle faster than it: only a deadline of the whole exchange
+ends it.
 
 Threading: one accept thread and one thread per connection (daemons); :meth:`stop` closes the
 listener and every connection (a trickle then ends with a reset), so a test leaves nothing running.
@@ -93,6 +94,9 @@ class TricklingRedis:
                         self._trickle(conn, b"$%d\r\n" % want)
                         return
                     conn.sendall(b"$0\r\n\r\n")
+                elif name == b"SCAN" and self.mode == "scan":
+                    self._trickle(conn, b"*")
+                    return
                 elif name == b"INFO":
                     body = b"used_memory:0\r\nmaxmemory:0\r\n"
                     conn.sendall(b"$%d\r\n%s\r\n" % (len(body), body))

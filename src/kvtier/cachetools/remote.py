@@ -41,6 +41,7 @@ from kvtier.core.tier_config import REDIS_SCHEMES, redact_url
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES
 from kvtier.tiers.redis.codec import KeySpace, decode_value
+from kvtier.tiers.redis.deadline import bounded_client
 from kvtier.tiers.sealing import PLAIN, KeyState, Sealer
 
 BATCH = 256
@@ -65,22 +66,18 @@ class RemoteTarget:
     username: str | None = None
     password: str | None = None
     key_prefix: str = "kvtier"
+    connect_timeout_s: float = 5.0
+    timeout_s: float = 30.0
 
     def client(self):
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
-        kwargs: dict[str, Any] = {
-            "socket_connect_timeout": 5,
-            "socket_timeout": 30,
-            "retry": Retry(NoBackoff(), 0),
-        }
+        """A client whose every call has a deadline (a hung or trickling server fails the command:
+        :func:`~kvtier.tiers.redis.deadline.bounded_client`)."""
+        kwargs: dict[str, Any] = {}
         if self.username:
             kwargs["username"] = self.username
         if self.password is not None:
             kwargs["password"] = self.password
-        return redis.Redis.from_url(self.url, **kwargs)
+        return bounded_client(self.url, connect_timeout_s=self.connect_timeout_s, timeout_s=self.timeout_s, **kwargs)
 
     @property
     def shown(self) -> str:

@@ -173,11 +173,11 @@ def _redis_headers(entry: Mapping[str, Any]) -> Iterator[bytes]:
     if not isinstance(url, str):
         return
     try:
-        import redis
+        from kvtier.tiers.redis.deadline import bounded_client
 
         password = os.environ.get(entry["password_env"]) if entry.get("password_env") else None
-        client = redis.Redis.from_url(url, username=entry.get("username"), password=password,
-                                      socket_timeout=1.0, socket_connect_timeout=1.0)
+        client = bounded_client(url, connect_timeout_s=1.0, timeout_s=1.0, reply_bytes=1 << 20,
+                                username=entry.get("username"), password=password)
         prefix = str(entry.get("key_prefix") or "kvtier")
         names = []
         for name in client.scan_iter(match=f"{prefix}:*".encode(), count=1000):

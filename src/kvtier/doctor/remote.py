@@ -34,26 +34,27 @@ class RemoteProbe:
     foreign_keys: list[str] = field(default_factory=list)  # a sample of keys outside key_prefix
 
 
+PROBE_REPLY_BYTES = 1 << 20
+"""The most one of the probe's calls asks for (PING, INFO, one SCAN page): its share of a deadline."""
+
+
 def probe_remote(config: RedisTierConfig, timeout_s: float = 2.0) -> RemoteProbe:
     import redis
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
+
+    from kvtier.tiers.redis.deadline import bounded_client
 
     try:
         password = config.password()
     except ConfigError as exc:
         return RemoteProbe(Reach.REFUSED, str(exc))
-    kwargs = {
-        "socket_connect_timeout": timeout_s,
-        "socket_timeout": timeout_s,
-        "retry": Retry(NoBackoff(), 0),
-    }
+    kwargs: dict = {}
     if config.username:
         kwargs["username"] = config.username
     if password is not None:
         kwargs["password"] = password
-    try:
-        client = redis.Redis.from_url(config.url, **kwargs)
+    try:  # every call bounded: a hung or trickling server is UNREACHABLE, not a doctor that never ends
+        client = bounded_client(config.url, connect_timeout_s=timeout_s, timeout_s=timeout_s,
+                                reply_bytes=PROBE_REPLY_BYTES, **kwargs)
         client.ping()
         info = client.info()
         _, sample = client.scan(cursor=0, count=200)

@@ -11,6 +11,9 @@ server: connecting if needed, every command sent, every reply read; a PING; an `
     with exchange(seconds):
         ...  # redis-py calls on this thread, on connections of guarded() classes
 
+(the tier's clients), or :func:`bounded_client`, a plain client whose every call is an exchange
+(the operator tools, ``kvtier doctor``).
+
 Every connection the thread checks out of a pool inside the block (the pool calls its
 ``connect()``) is *armed*: the exchange's deadline becomes ``seconds`` after that check-out (the
 wait for a free connection before it is the pool's own, bounded by its ``timeout``; checking the
@@ -62,8 +65,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import redis
+import redis.client
+from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
 
 FLOOR_BYTES_PER_S = 4 << 20
 """The slowest transfer an exchange is allowed, in bytes per second of what it sends and asks
@@ -231,3 +238,56 @@ def guarded(connection_class: type) -> type:
     if issubclass(connection_class, _Guarded):
         return connection_class
     return type(f"Guarded{connection_class.__name__}", (_Guarded, connection_class), {})
+
+
+TOOL_REPLY_BYTES = 64 << 20
+"""What one pipeline of :func:`bounded_client` may ask for by default (the operator tools read at
+most 64 MiB of values per round trip): its share of the pipeline's :func:`budget`."""
+COMMAND_REPLY_BYTES = 1 << 20
+"""A single command's share (PING, INFO, one SCAN page, a GETRANGE of a config key)."""
+
+
+def bounded_client(url: str, *, connect_timeout_s: float, timeout_s: float, reply_bytes: int = TOOL_REPLY_BYTES,
+                   **kwargs) -> redis.Redis:
+    """A redis-py client for one-off callers (``kvtier inspect / verify / purge`` on a URL, ``kvtier
+    doctor``) in which every command (each ``SCAN`` page too) and every pipeline's ``execute`` is one
+    exchange on a guarded connection, bounded by ``budget(connect_timeout_s, timeout_s, n)``, ``n``
+    :data:`COMMAND_REPLY_BYTES` for a command and ``reply_bytes`` (the most a pipeline asks for) for
+    a pipeline: a hung or trickling server fails the call with :class:`ExchangeTimeout` (a redis-py
+    ``TimeoutError``) instead of holding the operator's command forever. No retries (a failure is
+    the caller's answer). ``kwargs``: redis-py's (username, password...); the URL's scheme picks the
+    connection (``rediss://``: TLS, ``unix://``). Not for clusters."""
+    client = _BoundedRedis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
+                                    retry=Retry(NoBackoff(), 0), protocol=2, **kwargs)  # RESP2, as the tier
+    pool = client.connection_pool
+    pool.connection_class = guarded(pool.connection_class)
+    client.command_s = budget(connect_timeout_s, timeout_s, COMMAND_REPLY_BYTES)
+    client.pipeline_s = budget(connect_timeout_s, timeout_s, reply_bytes)
+    return client
+
+
+class _BoundedRedis(redis.Redis):
+    """:func:`bounded_client`'s client: each command is an exchange of ``command_s`` seconds, each
+    pipeline's execute one of ``pipeline_s``."""
+
+    command_s: float = 0.0
+    pipeline_s: float = 0.0
+
+    def execute_command(self, *args, **options):
+        with exchange(self.command_s):
+            return super().execute_command(*args, **options)
+
+    def pipeline(self, transaction=True, shard_hint=None) -> redis.client.Pipeline:
+        pipe = _BoundedPipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+        pipe.exchange_s = self.pipeline_s
+        return pipe
+
+
+class _BoundedPipeline(redis.client.Pipeline):
+    """A pipeline of :class:`_BoundedRedis`: its ``execute`` is one exchange."""
+
+    exchange_s: float = 0.0
+
+    def execute(self, raise_on_error: bool = True):
+        with exchange(self.exchange_s):
+            return super().execute(raise_on_error)
