@@ -73,3 +73,28 @@ def test_two_engines_share_one_redis_bit_exact_and_tenants_stay_apart(tmp_path, 
     assert tokens(engine_b, 1) == expected
     assert cached(engine_b, 1) == [0, 0, 0], "a tenant with another cache_salt was served shared blocks"
     assert list((tmp_path / "b-disk").rglob("*.bin")), "remote hits were not cascaded to B's disk tier"
+
+
+def test_an_in_place_weight_update_after_a_reset_is_never_served_the_old_weights_kv(tmp_path, model_path,
+                                                                                   redis_factory):  # noqa: F811
+    """RL between rollouts: the connector's cache reset (``pause_generation(clear_cache=True)``),
+    then the weights updated in place (layer 0's input norm scaled: every layer's KV changes; the
+    files, so kvtier's fingerprint, do not). The same prompts then are misses, bit-exact with vLLM
+    alone after the same update, though Redis still holds their blocks of the old weights; what the
+    engine stores after is served under its new key epoch; nothing was deleted from Redis."""
+    server = redis_factory()
+    redis = {"type": "redis", "url": server.url()}
+    prompts = long_prompts(2, 300, seed=17)
+    update = {"name": "model.layers.0.input_layernorm.weight", "factor": 1.5}
+    rounds = ({}, {"reset_prefix_cache": True, "reset_connector": True, "scale_weights": update},
+              {"reset_prefix_cache": True})
+    alone = launch(engine_spec(model_path, prompts, None, rounds=rounds), tmp_path)
+    assert tokens(alone, 1) != tokens(alone, 0), "the update does not change the outputs"
+    result = launch(engine_spec(model_path, prompts, [redis], rounds=rounds), tmp_path)
+    stored = [n for n in server.client().scan_iter(match=b"kvtier:*") if not n.endswith(b":config")]
+    for index in range(3):
+        assert tokens(result, index) == tokens(alone, index), f"round {index} differs from vLLM alone"
+    assert cached(result, 1) == [0, 0], "blocks of before the update were offered after it"
+    assert all(n >= OFFLOAD_BLOCK for n in cached(result, 2)), cached(result, 2)
+    blocks = sum(r["prompt_tokens"] // OFFLOAD_BLOCK for r in result["rounds"][0])
+    assert len(stored) == 2 * blocks  # each full block under both epochs: nothing deleted

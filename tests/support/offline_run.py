@@ -17,7 +17,9 @@ into the running engine's tiers meanwhile, see :func:`launch`'s ``before_round``
 (after the round, the result's ``kv_pages[i]`` holds digests of the engine's own KV pages of each
 prompt's full blocks that vLLM's prefix cache holds, see :func:`kv_page_digests`), "settle": bool (after
 the round, a one-process engine is stepped until no request waits on its connector, as at the end
-of the run: its last stores have reached the tiers before a later round's pause)}),
+of the run: its last stores have reached the tiers before a later round's pause), "scale_weights":
+{"name": str, "factor": float} (after the round's reset, that parameter of the model is multiplied
+in place, as an RL weight update: one-process engines only)}),
 max_tokens, kv_cache_memory_bytes, max_model_len, kv_connector_extra_config (absent = no connector);
 optional: cpus (list of CPU ids: the engine process, every thread it starts and torch's compute
 threads stay on those CPUs, one compute thread per CPU; vLLM-CPU's own binding does not confine
@@ -211,6 +213,8 @@ def main() -> None:
             limit_file_size(round_spec["file_size_limit"])
         if round_spec.get("reset_prefix_cache"):
             reset_prefix_cache(llm, reset_connector=bool(round_spec.get("reset_connector")))
+        if round_spec.get("scale_weights"):
+            scale_weights(llm, **round_spec["scale_weights"])
         results = []
         batch = round_spec.get("batch", False)
         prompts = spec["prompts"] if not spec.get("chat") else chat_turn(llm, spec["chat"], rounds, index)
@@ -414,11 +418,30 @@ def finish_connector_work(llm, timeout_s: float = 30.0) -> None:
         time.sleep(0.005)
 
 
+def scale_weights(llm, *, name: str, factor: float) -> None:
+    """Weights updated in place, as an RL trainer does between rollouts: the parameter called
+    ``name`` is multiplied by ``factor`` in the engine's model (one process: ``apply_model`` runs
+    the function in this process). The weight files, and so kvtier's fingerprint, do not change."""
+
+    def scale(model) -> int:
+        import torch
+
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            params[name].mul_(factor)
+        return 1
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+        raise RuntimeError("scale_weights needs a one-process engine (apply_model's function runs in it)")
+    assert llm.apply_model(scale) == [1]
+
+
 def reset_prefix_cache(llm, *, reset_connector: bool = False) -> None:
     """Reset vLLM's own prefix cache; with ``reset_connector`` as vLLM's
     ``pause_generation(clear_cache=True)`` does before a weight update or a sleep (running requests
-    preempted, then the connector's cache reset too: vLLM's OffloadingConnector empties its CPU
-    tier, its secondary tiers keep their blocks). A one-process engine is first stepped while the
+    preempted, then the connector's cache reset too: kvtier's connector empties its host tier and
+    moves to a new key epoch; vLLM's OffloadingConnector empties its CPU tier, and kvtier's tiers
+    behind it move to a new key epoch unless their entry says ``keep_on_reset``). A one-process engine is first stepped while the
     connector has work (:func:`finish_connector_work`: the last requests' stores reported, their
     tails sent), as the engine-core process steps by itself between rounds; so the next round finds
     what the last one stored, as it does in a server. vLLM refuses a reset while any block is held;
