@@ -13,6 +13,8 @@ secondary tiers; every output compared with vLLM alone's.
   CPU region in separate processes) is served from a real redis-server; the server stopped mid-run
   costs only misses;
 - xxhash without PYTHONHASHSEED: the start-up message, and nothing left that a later process could read;
+- weights updated in place after vLLM's reset (an RL step): kvtier_disk's records of the old weights
+  are never served (a new key epoch), bit-exact with vLLM alone after the same update;
 - vLLM's MultiConnector with vLLM's ExampleConnector first (empty) and the OffloadingConnector with
   kvtier_disk second: a fresh engine is served from kvtier_disk; then ExampleConnector, which stored
   the prompts meanwhile, serves them and the OffloadingConnector loads nothing.
@@ -239,3 +241,22 @@ def test_offloading_with_kvtier_disk_as_a_multiconnector_child_serves_a_fresh_en
     assert metric(result, 1, "chunk_hits", "tier=0:primary") == 9
     for what in (("prompt_tokens_cached_by_source", "source=disk"), ("kv_offload_total_bytes", "CPU_to_GPU")):
         assert metric(result, 1, *what) == metric(result, 0, *what) > 0, what  # (round 0's only)
+
+
+def test_an_in_place_weight_update_after_vllms_reset_is_never_served_the_old_weights_records(model, tmp_path):
+    """As tests/e2e/test_redis_e2e.py's, behind vLLM's offloading: vLLM keeps its secondary tiers'
+    data across its reset_cache, and kvtier_disk, drained there, moves to a new key epoch. After
+    layer 0's input norm is scaled in place (the weight files unchanged), no prompt is served the
+    old weights' records still on disk; every output equals vLLM alone's after the same update."""
+    update = {"name": "model.layers.0.input_layernorm.weight", "factor": 1.5}
+    rounds = ({}, {"reset_prefix_cache": True, "reset_connector": True, "scale_weights": update},
+              {"reset_prefix_cache": True})
+    alone = launch(run_spec(model, None, rounds), tmp_path)
+    assert tokens(alone, 1) != tokens(alone, 0), "the update does not change the outputs"
+    root = tmp_path / "root"
+    result = launch(run_spec(model, [disk(root)], rounds), tmp_path)
+    for index in range(3):
+        assert tokens(result, index) == tokens(alone, index), f"round {index} differs from vLLM alone"
+    assert cached(result, 1) == [0] * 9, "records of before the update were served after it"
+    assert cached(result, 2) == [CHUNK] * 9  # vLLM's CPU tier: the new weights' chunks
+    assert len(record_files(root)) == 2 * 9  # both epochs' records: nothing deleted
