@@ -86,3 +86,15 @@ def test_vllms_own_specs_on_vllm_cpu_are_refused(tmp_path, monkeypatch):
     assert "native-offloading-on-cpu" not in codes(line([disk(tmp_path)]))
     monkeypatch.setattr("kvtier.launch.command.vllm_runs_on_cpu", lambda environ=None: False)
     assert "native-offloading-on-cpu" not in codes(line([disk(tmp_path)], spec={"spec_name": "TieringOffloadingSpec"}))
+
+
+def test_tiers_kept_across_a_reset_are_said_with_what_an_in_place_weight_update_then_gets(tmp_path):
+    found = codes(line([disk(tmp_path, keep_on_reset=True)]))
+    assert found["kept-on-reset"] == "info" and "kvtier-tier-config" not in found
+    (finding,) = [f for f in audit(line([disk(tmp_path, keep_on_reset=True)])) if f.code == "kept-on-reset"]
+    assert "secondary_tiers[0].keep_on_reset" in finding.title and "old weights" in finding.why
+    assert "kept-on-reset" not in codes(line([disk(tmp_path)]))
+    connector = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.vllm", "kv_role": "kv_both",
+                 "kv_connector_extra_config": {"cpu_bytes_to_use": 2**30, "keep_tiers_on_reset": True}}
+    argv = ["vllm", "serve", "some/model", "--kv-transfer-config", json.dumps(connector)]
+    assert codes(argv)["kept-on-reset"] == "info"

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from kvtier.doctor.fleet_checks import check_fleet_keys
 from kvtier.doctor.model_checks import check_fp8_scales, check_max_model_len, check_model_support, check_tp
 from kvtier.doctor.native_checks import (
+    check_kept_on_reset,
     check_native_fs_tier,
     check_native_hash_seed,
     check_native_lora,
@@ -374,4 +375,5 @@ CHECKS: tuple[Callable[[Setup], list[Finding]], ...] = (
     check_prefix_caching, check_model_support, check_tp, check_fp8_scales, check_max_model_len, check_disk,
     check_remote, check_remote_value_size, check_s3, check_kv_events, check_fleet_keys,
     check_native_resolution, check_native_hash_seed, check_native_fs_tier, check_native_sizes, check_native_lora,
+    check_kept_on_reset,
 )

