@@ -291,3 +291,34 @@ def test_a_resend_right_after_a_finish_waits_for_the_tail_being_stored(model):
         sim.run()
     assert sim.outputs["again"] == ref and sim.prefill["again"] == (0, 99)
     assert sim.model.kv_mismatches == []
+
+
+def test_at_user_shapes_turns_tails_resends_and_a_reset_for_new_weights_stay_bit_exact(model):
+    """The tail and wait logic at the shapes users run here: 32-token blocks, two ~4,000-token chat
+    sessions, each prompt's prefill one step (a store job of ~125 blocks per request). A returning
+    turn loads everything computed before; a resend right after a finish waits for its tail; after
+    a reset of the connector's cache and weights changed in place, nothing of before is loaded and
+    the outputs are the new weights'. (~15 s: the fake model checks every KV position it reads.)"""
+    engine = {"block_size": 32, "num_blocks": 1024, "max_num_batched_tokens": 8192, "max_num_seqs": 4}
+    config = {"cpu_bytes_to_use": 64 * 2**20, "offload_partial_blocks": True, "offload_prompt_only": False}
+    first = sessions(40, 2, 4003)
+    with SimEngine(model, kvtier=config, **engine) as sim:
+        turn1 = sim.generate(first, 12)
+        answers = {sid: f.tokens for sid, f in turn1.items()}
+        assert sim.reset_prefix_cache()
+        second = next_turn(first, answers, seed=41)
+        turn2 = sim.generate(second, 12)
+        assert {rid: f.tokens for rid, f in turn2.items()} == reference_outputs(model, second, 12, **engine)
+        for sid, prompt in first.items():
+            assert turn2[f"{sid}-t2"].external_cached == len(prompt) + len(answers[sid]) - 1
+        sim.add("resend", second["s0-t2"], 2)  # right after s0-t2 finished: its tails are being stored
+        sim.run()
+        assert sum(sim.prefill["resend"]) == len(second["s0-t2"]) - 1 and sim.prefill["resend"][1] > 0
+        assert sim.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
+        sim.model.seed = 12  # the weights, updated in place
+        third = {f"{rid}-u": tokens for rid, tokens in second.items()}
+        turn3 = sim.generate(third, 12)
+        updated = write_model(model.parent / "updated", seed=12)
+        assert {rid: f.tokens for rid, f in turn3.items()} == reference_outputs(updated, third, 12, **engine)
+        assert all(f.external_cached == 0 for f in turn3.values())
+        assert sim.model.kv_mismatches == []
