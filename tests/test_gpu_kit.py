@@ -139,7 +139,8 @@ def write_results(directory, outcomes=None, fraction=0.96, issue_ms=0.1, refusal
                                                                                ("staged", auto, staged_moved_as),
                                                                                ("auto", auto, ["staged"]))})
                 size[direction]["auto"]["forward"] = {"step_ms": 6.0, "step_with_job_ms": 6.0 + forward_added_ms,
-                                                      "added_ms": forward_added_ms}
+                                                      "added_ms": forward_added_ms,
+                                                      "call_after_host_work_ms": 0.04}
             if kib == 16:
                 size["contention"] = {"gemm_ms": 5.8, "slowdown_store": store_slowdown, "slowdown_single_store": 1.0,
                                       "slowdown_load": load_slowdown, "slowdown_single_load": 1.1}
@@ -167,7 +168,8 @@ def test_the_kit_verdict_passes_when_every_check_passed_and_every_goal_was_met(t
     assert set(summary["checks"].values()) == {"passed"}
     assert summary["bandwidth"]["LBNHC"]["load 16KiB"]["auto"] == 0.97
     assert set(summary["issue_ms"]["BLNHC"]) == {f"{d} {k}KiB" for d in ("store", "load") for k in (8, 16, 64)}
-    assert summary["issue_ms"]["BLNHC"]["load 8KiB"] == {"call": 0.1, "forward_added": 0.05}
+    assert summary["issue_ms"]["BLNHC"]["load 8KiB"] == {"call": 0.1, "forward_added": 0.05,
+                                                          "call_after_host_work": 0.04}
     assert summary["contention"]["LBNHC"]["16KiB"]["slowdown_store"] == 1.01
     sweep = summary["kernel_blocks_sweep"]["BLNHC"]["16KiB"]  # reported, not judged
     assert sweep["page"]["slowdown_load"] == 1.2

@@ -170,7 +170,10 @@ def forward_cost(engine, direction, pages, job_ids, rounds: int = 15) -> dict:
     the GIL with this one). The forward's host work is stood in for by a loop of small numpy ops and kernel launches (as
     vLLM's input preparation and an eager forward are), long enough to outlast the issue; it is
     timed alone and right after the start call (call included), in pairs; ``added_ms`` is the
-    median of the pairs' differences (drift of the host between pairs cancels out)."""
+    median of the pairs' differences (drift of the host between pairs cancels out).
+    ``call_after_host_work_ms`` (reported, not judged): the start call alone when the stand-in
+    step's host work, not a wait for the device, came right before it (the kit's ``issue_ms`` is
+    timed right after such a wait: the thread's caches cold, as after a sampler's sync)."""
     x = torch.zeros(1024, device=torch.cuda.current_device())
 
     def step() -> float:
@@ -186,7 +189,7 @@ def forward_cost(engine, direction, pages, job_ids, rounds: int = 15) -> dict:
         else:
             engine.start_load(next(job_ids), pages, synchronous=False)
 
-    alone, beside = [], []
+    alone, beside, after_work = [], [], []
     for r in range(rounds + WARMUPS):
         torch.cuda.synchronize()
         seconds = step()
@@ -196,16 +199,28 @@ def forward_cost(engine, direction, pages, job_ids, rounds: int = 15) -> dict:
         with_job = time.perf_counter() - began + step()
         engine.wait()
         engine.poll()
+        torch.cuda.synchronize()
+        step()  # host work right before the call, as an engine prepares a step's inputs before it
+        began = time.perf_counter()
+        start()
+        call_after_work = time.perf_counter() - began
+        engine.wait()
+        engine.poll()
         if r >= WARMUPS:
             alone.append(seconds)
             beside.append(with_job)
+            after_work.append(call_after_work)
     a, b = statistics.median(alone), statistics.median(beside)
     added = statistics.median(w - s for s, w in zip(alone, beside))
-    return {"step_ms": round(a * 1000, 3), "step_with_job_ms": round(b * 1000, 3), "added_ms": round(added * 1000, 3)}
+    return {"step_ms": round(a * 1000, 3), "step_with_job_ms": round(b * 1000, 3), "added_ms": round(added * 1000, 3),
+            "call_after_host_work_ms": round(statistics.median(after_work) * 1000, 3)}
 
 
-def contention(engine, pages, single, job_ids, rounds: int = 9) -> dict:
-    """GEMM slowdown beside an ``auto`` store / load and a plain copy each way (interleaved rounds)."""
+def contention(engine, pages, single, job_ids, rounds: int = 21) -> dict:
+    """GEMM slowdown beside an ``auto`` store / load and a plain copy each way, in interleaved
+    rounds: each case's GEMM time over the GEMM alone of the same round (the device's clocks drift
+    between rounds; a ratio of medians taken over all rounds moved by +-0.02 between two runs of
+    one configuration on an H200), the median of those ratios, and their quartiles for loads."""
     device = torch.cuda.current_device()
     a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
     b = torch.randn_like(a)
@@ -230,15 +245,20 @@ def contention(engine, pages, single, job_ids, rounds: int = 9) -> dict:
         "load": lambda: engine.start_load(next(job_ids), pages, synchronous=False),
         "single_load": lambda: single[Direction.LOAD](False),
     }
-    times: dict[str, list[float]] = {name: [] for name in cases}
+    alone: list[float] = []
+    ratios: dict[str, list[float]] = {name: [] for name in cases if name != "alone"}
     for r in range(rounds + WARMUPS):
-        for name, copy in cases.items():
-            seconds = beside(copy)
-            if r >= WARMUPS:
-                times[name].append(seconds)
-    alone = statistics.median(times["alone"])
-    return {"gemm_ms": round(alone * 1000, 3),
-            **{f"slowdown_{name}": round(statistics.median(t) / alone, 3) for name, t in times.items() if name != "alone"}}
+        times = {name: beside(copy) for name, copy in cases.items()}
+        if r >= WARMUPS:
+            alone.append(times["alone"])
+            for name in ratios:
+                ratios[name].append(times[name] / times["alone"])
+    out = {"gemm_ms": round(statistics.median(alone) * 1000, 3), "rounds": rounds,
+           **{f"slowdown_{name}": round(statistics.median(r), 3) for name, r in ratios.items()}}
+    for name in ("load", "single_load"):
+        q1, _, q3 = statistics.quantiles(ratios[name], n=4)
+        out[f"quartiles_{name}"] = [round(q1, 3), round(q3, 3)]
+    return out
 
 
 def bench_page_size(args, device, heads: int, job_ids) -> dict:
