@@ -244,6 +244,33 @@ def test_small_runs_are_always_staged_and_fixed_methods_are_kept():
     assert MethodChooser(staged=False).pick(Direction.LOAD, BIG, BIG) == (CopyMethod.RUNS, None)
 
 
+def test_bounds_on_a_jobs_run_count_decide_its_class_only_when_every_count_between_gives_one():
+    """The copy engine skips the exact run count when ``decided_by`` says the bounds decide: then
+    every count between them must put the job in the class of the bounds (or staging)."""
+    def class_of(num_bytes: int, runs: int):
+        chooser = MethodChooser()
+        method, _ = chooser.pick(Direction.STORE, num_bytes, runs)
+        return method, tuple(chooser._classes)  # noqa: SLF001 - () when staged below the threshold
+
+    rng = np.random.default_rng(7)
+    decided = undecided = 0
+    for _ in range(3000):
+        num_bytes = int(rng.integers(1, 2**31))
+        most = int(rng.integers(1, 2**15))
+        fewest = int(rng.integers(1, most + 1))
+        if MethodChooser().decided_by(num_bytes, fewest, most):
+            decided += 1
+            for runs in {most, int(rng.integers(fewest, most + 1))}:
+                assert class_of(num_bytes, runs) == class_of(num_bytes, fewest), (num_bytes, fewest, most, runs)
+        else:
+            undecided += 1
+    assert decided > 100 and undecided > 100
+    job = 512 * 32  # the kit's jobs: 512 blocks x 32 layers
+    assert MethodChooser().decided_by(job * 16384, job - 511, job)  # LBNHC 16 KiB pages: staged either way
+    assert MethodChooser().decided_by(job * 65536, job - 511, job)  # LBNHC 64 KiB: one class (~64 KiB runs)
+    assert not MethodChooser().decided_by(job * 16384, 1, 512)  # BLNHC: 512 KiB to 256 MiB runs
+
+
 @pytest.mark.parametrize("faster", [CopyMethod.RUNS, CopyMethod.STAGED])
 def test_large_runs_alternate_as_timed_trials_then_the_faster_is_kept(faster, caplog):
     chooser = MethodChooser()
@@ -343,6 +370,36 @@ def test_runs_planner_and_staged_planner_share_the_entries():
 
 # ---- planning per block (SlotJob) equals planning per (block, layer) ---------------------------
 
+def _own_storage(view: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``view``'s shape and strides in a storage of its own (whole pages: a padded
+    last page's padding too)."""
+    extent = max(1 + sum((n - 1) * stride for n, stride in zip(view.shape, view.stride())),
+                 view.shape[0] * view.stride(0))
+    return torch.empty(extent, dtype=view.dtype).as_strided(view.shape, view.stride())
+
+
+@pytest.mark.parametrize("case_name", [n for n in STAGED_CASES if "mamba" not in n])
+@pytest.mark.parametrize("storages", ["one", "per layer"])
+def test_the_run_count_of_a_one_run_job_equals_the_general_count(case_name, storages):
+    """Jobs of consecutive slots (one host run) count their runs from engine block steps: equal to
+    the count of the general per-(block, layer) merge, for blocks consecutive, in steps, repeated
+    and scattered, with the layers in one storage (as the kit builds them) or one each (as vLLM
+    allocates them on GPUs: no block then continues another)."""
+    case = CASES[case_name]
+    kv = build(case, NUM_BLOCKS, "cpu")
+    views = kv.views if storages == "one" else [_own_storage(view) for view in kv.views]
+    paged = PagedKV(views, NUM_BLOCKS, kv.layer_groups, kv.page_bytes)
+    layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, 16)
+    runs = RunPlanner(paged, HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout))
+    rng = np.random.default_rng(3)
+    for blocks in (np.arange(8) + 2, np.arange(0, NUM_BLOCKS, 2), np.arange(8)[::-1] + 4, np.array([5, 5, 6, 7, 9, 10, 3, 4]),
+                   rng.permutation(NUM_BLOCKS)[:8], np.arange(1) + 3):
+        table = runs.table([PageCopy(4 + i, 0, int(b)) for i, b in enumerate(blocks)])
+        job = runs.slot_job(table)
+        assert job is not None and job.first_slot == 4
+        assert runs.count_slot_runs(job) == runs.count_runs(runs.entries(table)), blocks
+
+
 @pytest.mark.parametrize("case_name", [n for n in STAGED_CASES if "mamba" not in n])
 @pytest.mark.parametrize("seed", range(4))
 def test_planning_whole_blocks_per_block_gives_the_plans_of_planning_per_page(case_name, seed):
@@ -367,7 +424,8 @@ def test_planning_whole_blocks_per_block_gives_the_plans_of_planning_per_page(ca
         job = runs.slot_job(table)
         assert job is not None
         entries = runs.entries(table)
-        assert runs.fewest_slot_runs(job) <= runs.count_slot_runs(job) == runs.count_runs(entries)
+        assert runs.fewest_slot_runs(job) <= runs.count_slot_runs(job) == runs.count_runs(entries) \
+            <= runs.most_slot_runs(job)
         fast, general = staged.plan_slots(Direction.STORE, job), staged.plan(Direction.STORE, entries)
         assert np.array_equal(fast.row_index(), general.index)
         assert fast.num_pages == general.num_pages and fast.num_bytes == general.num_bytes

@@ -79,7 +79,9 @@ class MethodChooser:
         if mean < STAGE_BELOW_BYTES:
             return CopyMethod.STAGED, None
         key = TrialKey(direction, int(math.log2(mean)))
-        state = self._classes.setdefault(key, _Class())
+        state = self._classes.get(key)
+        if state is None:
+            state = self._classes[key] = _Class()
         if state.chosen is not None:
             return state.chosen, None
         if num_bytes < TIMED_BYTES:
@@ -87,6 +89,15 @@ class MethodChooser:
         timed = state.timings
         method = CopyMethod.RUNS if len(timed[CopyMethod.RUNS]) <= len(timed[CopyMethod.STAGED]) else CopyMethod.STAGED
         return method, key
+
+    def decided_by(self, num_bytes: int, fewest_runs: int, most_runs: int) -> bool:
+        """Whether a job of ``num_bytes`` in ``fewest_runs`` to ``most_runs`` runs falls in one
+        class whatever its exact count (or is staged whatever it is): then the count need not be made."""
+        if fewest_runs <= 0:
+            return False
+        largest, smallest = num_bytes / fewest_runs, num_bytes / most_runs
+        return largest < STAGE_BELOW_BYTES or (
+            smallest >= STAGE_BELOW_BYTES and int(math.log2(largest)) == int(math.log2(smallest)))
 
     def observe(self, key: TrialKey, method: CopyMethod, num_bytes: int, seconds: float, ok: bool,
                 issue_seconds: float = 0.0) -> None:

@@ -69,7 +69,7 @@ from kvtier.copy.base import CopyDone, CopyEngine, Direction, Pages
 from kvtier.copy.choice import MethodChooser, TrialKey
 from kvtier.copy.pages import BlockCopier, CopyPlan
 from kvtier.copy.runs import ByteRuns, RunPlanner
-from kvtier.copy.staging import STAGE_BELOW_BYTES, CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
+from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
 from kvtier.copy.streams import DeviceStreams
 
 logger = logging.getLogger(__name__)
@@ -211,9 +211,10 @@ class CudaCopyEngine(CopyEngine):
             runs = 1
             if self.method is CopyMethod.AUTO:
                 runs = self.runs.fewest_slot_runs(slots)
-                if num_bytes / runs >= STAGE_BELOW_BYTES:  # the count decides: make it exact
-                    breaks = self.runs.block_breaks(slots)
-                    runs = self.runs.count_slot_runs(slots, breaks)
+                if not self.chooser.decided_by(num_bytes, runs, self.runs.most_slot_runs(slots)):
+                    if slots.first_slot is None:  # (the staged plan of a one-run job needs none)
+                        breaks = self.runs.block_breaks(slots)
+                    runs = self.runs.count_slot_runs(slots, breaks)  # the count decides: make it exact
         else:
             assert entries is not None
             num_bytes = int(entries.sizes.sum())

@@ -145,6 +145,19 @@ class RunPlanner:
         self.num_layers = kv.num_layers
         self._layout = layout
         self.segment_bytes = register_chunk_bytes(layout.slot_bytes)
+        self._block_step = self._block_join_step(page)
+
+    def _block_join_step(self, page: int) -> int | object | None:
+        """Under uniform positive block strides, the engine block step ``d`` such that block
+        ``b + d``'s first layer continues block ``b``'s last in memory (:meth:`_block_joins`), or
+        :data:`_NEVER` where no step does; None otherwise (joins are then computed per pair)."""
+        stride, last = int(self._layer_stride[0]), len(self._layer_base) - 1
+        if self._strides_vary or stride <= 0:
+            return None
+        gap = int(self._layer_base[last]) + page - int(self._layer_base[0])
+        if self._layer_storage[0] != self._layer_storage[last] or gap % stride:
+            return _NEVER
+        return gap // stride
 
     def entries(self, pages: Pages) -> PageEntries:
         """The job's (layer, page) copies in host order, not merged. IndexError naming the first
@@ -240,13 +253,23 @@ class RunPlanner:
     def fewest_slot_runs(self, job: SlotJob) -> int:
         """A lower bound of :meth:`count_slot_runs` computed without looking at the job's blocks
         (at most every block continues the one before it)."""
-        return max(len(job) * (len(self._layer_base) - self._layer_joins) - (len(job) - 1), 1)
+        return max(self.most_slot_runs(job) - (len(job) - 1), 1)
+
+    def most_slot_runs(self, job: SlotJob) -> int:
+        """An upper bound of :meth:`count_slot_runs` computed without looking at the job's blocks
+        (no block continues the one before it; exact for scattered engine blocks)."""
+        return len(job) * (len(self._layer_base) - self._layer_joins)
 
     def count_slot_runs(self, job: SlotJob, breaks: np.ndarray | None = None) -> int:
         """How many runs :meth:`merge` would make of the job's entries (computed per block;
-        ``breaks``: :meth:`block_breaks` of ``job``, if computed already)."""
-        layers = len(self._layer_base)
-        return len(job) * (layers - self._layer_joins) - int(self._block_joins(job, breaks).sum())
+        ``breaks``: :meth:`block_breaks` of ``job``, if computed already). A job of one host run
+        under uniform block strides counts its joins as engine block steps, in a few array ops."""
+        if job.first_slot is not None and self._block_step is not None:
+            block = job.block
+            joins = 0 if self._block_step is _NEVER or len(block) < 2 else \
+                int(np.count_nonzero(block[1:] - block[:-1] == self._block_step))
+            return self.most_slot_runs(job) - joins
+        return self.most_slot_runs(job) - int(self._block_joins(job, breaks).sum())
 
     def merge_slots(self, direction: Direction, job: SlotJob) -> ByteRuns | None:
         """:meth:`merge` of the job's entries computed per block, where every block is one run in
@@ -351,6 +374,9 @@ class RunPlanner:
             f"page {page} out of range ({layout.num_slots} slots x {layout.pages_per_block} pages per block, "
             f"engine blocks [0, {self.num_blocks}), {len(self._groups)} KV cache groups)"
         )
+
+
+_NEVER = object()  # RunPlanner._block_step: no engine block continues another
 
 
 def _flat(grid: np.ndarray) -> np.ndarray:
