@@ -11,7 +11,12 @@ Prints one JSON: per page size and direction, the median and the minimum microse
 start call (this machine is shared: the minimum is the steadier figure), and the device calls
 one job makes. ``mixed``: jobs of 1 to 512 blocks (seeded, uniform), as serving hands them (a
 load is as long as its prompt's hit, a prefill's last chunk varies): the share of jobs that
-went as a graph launch and the start call's median, at 16 KiB pages.
+went as a graph launch and the start call's median, at 16 KiB pages. ``cold_median_us``: the
+graph path's start call right after a write to every cache line of 64 MiB (caches and TLB cold, as
+when the forward's thread comes to the call from other work). On the H200 loans' hosts the start
+call cost 2-4x its back-to-back time (0.26-0.7 ms against 0.13-0.17 ms); this machine shows the
+same effect without a GPU: the first call of each kind (numpy ufunc, reduction, ctypes, torch)
+brings its code and data back, ~8-15 us each.
 
     python benchmarks/bench_issue_host.py [--jobs 1000]
 """
@@ -44,7 +49,17 @@ from kvtier.core.slots import HostSlotLayout  # noqa: E402
 BLOCKS, LAYERS = 512, 32
 
 
-def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int, mixed: bool = False) -> dict:
+COLD_BYTES = 64 * 2**20
+_evicted = np.ones(COLD_BYTES, dtype=np.uint8)
+
+
+def evict_caches() -> None:
+    """Write one byte of every 64-byte line of :data:`COLD_BYTES` (more than this machine's caches)."""
+    _evicted[::64] += 1
+
+
+def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int, mixed: bool = False,
+                cold: bool = False) -> dict:
     case = Case("LBNHC", layers=LAYERS, heads=heads, tokens=16, content=256, dtype=torch.bfloat16)
     kv = build(case, BLOCKS + 8, "cpu")
     paged = PagedKV(kv.views, BLOCKS + 8)
@@ -61,6 +76,8 @@ def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int, mixed
         job = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(int(sizes[i]))]) \
             if mixed else job
         before = Counter(device.calls)
+        if cold:
+            evict_caches()
         began = time.perf_counter()
         if direction is Direction.STORE:
             engine.start_store(next(ids), job)
@@ -88,6 +105,7 @@ def main() -> None:
             row = {"page_kib": heads * 8, "direction": direction.value}
             for name, graphs in (("graph", True), ("op_by_op", False)):
                 row[name] = issue_times(heads, direction, graphs, args.jobs)
+            row["graph"]["cold_median_us"] = issue_times(heads, direction, True, args.jobs, cold=True)["median_us"]
             rows.append(row)
     mixed = {direction.value: issue_times(2, direction, True, args.jobs, mixed=True) for direction in Direction}
     print(json.dumps({"mixed_16KiB": mixed, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
