@@ -19,9 +19,10 @@
 #       issue, GEMM slowdown <= 1.05x beside a store and no more than a plain copy's beside a load;
 #       a fraction above 1.05 is a measurement error), 0 otherwise. Reported, not judged: at 16 KiB pages
 #       the GEMM's slowdown and the bandwidth of staged jobs whose kernels run on fewer thread blocks
-#       (kernel_blocks_sweep, with the cap that slowed the GEMM least: least_load_slowdown). About 1.5
-#       minutes on an H100 before that sweep (each step is bounded; the whole run stays under 10). Details in gpu-check-results/ (and $OUT when the
-#       device tool sets it). On a machine without a CUDA device it prints that it skipped and exits 0.
+#       (kernel_blocks_sweep, with the cap that slowed the GEMM least: least_load_slowdown), and the
+#       start call issued after host work instead of a device wait (call_after_host_work). About 1.5-2
+#       minutes on an H200 (each step is bounded; the whole run stays under 10). Details in
+#       gpu-check-results/ (and $OUT when the device tool sets it). On a machine without a CUDA device it prints that it skipped and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -32,7 +32,12 @@ from kvtier.copy.staging import StagedRuns
 logger = logging.getLogger(__name__)
 
 # the most thread blocks a gather or scatter launch of a staged job runs on (None: one per page);
-# the GPU kit measures a GEMM's slowdown beside staged jobs at several (tests/gpu/bench_copies.py)
+# the GPU kit measures a GEMM's slowdown beside staged jobs at several (tests/gpu/bench_copies.py).
+# Kept at one per page by measurement: three runs of the kit's sweep on an H200 (2026-11-28) put
+# a staged load's GEMM slowdown at 1.007-1.021x for every cap from a block per page to 8 blocks,
+# the cap with the least differing from run to run (page, 528, 132, 33) by less than each
+# figure's own quartile spread, while 33 blocks lost bandwidth (0.96-0.97 of one
+# cudaMemcpyAsync) and 8 lost more (0.92); docs/benchmarks.md.
 KERNEL_BLOCKS: int | None = None
 
 
