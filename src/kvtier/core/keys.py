@@ -33,6 +33,7 @@ the operator tools (``kvtier inspect/verify`` read namespaces back from ``config
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from array import array
@@ -358,6 +359,11 @@ def epoch_root(digest: bytes, epoch: bytes = b"") -> BlockKey:
     if len(epoch) != EPOCH_BYTES:
         raise ValueError(f"an epoch is {EPOCH_BYTES} bytes, got {len(epoch)}")
     return blake3.blake3(EPOCH_MARK + bytes(digest) + bytes(epoch)).digest()
+
+
+def draw_epoch() -> bytes:
+    """A fresh random epoch for :func:`epoch_root` (what a reset of the connector's cache draws)."""
+    return os.urandom(EPOCH_BYTES)
 
 
 STATELESS_MARK = b"kvtier/attention-only"

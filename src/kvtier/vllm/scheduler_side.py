@@ -54,7 +54,6 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -69,7 +68,7 @@ from vllm.v1.request import Request
 
 from kvtier.copy import PageCopy, page_table
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
-from kvtier.core.keys import EPOCH_BYTES, BlockKey, ModelIdentity, Namespace, epoch_root, stateless_key
+from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, draw_epoch, epoch_root, stateless_key
 from kvtier.core.stats import KVTierStats
 from kvtier.core.values import ConfigError
 from kvtier.runtime.fingerprint import AdapterFingerprints
@@ -602,7 +601,7 @@ class KVTierScheduler:
         """Hang every key from now on under a fresh random root (requests alive included: vLLM
         computes their KV again); stores in flight finish under the old keys, unannounced."""
         self._epoch += 1
-        self._root = epoch_root(self._digest, os.urandom(EPOCH_BYTES))
+        self._root = epoch_root(self._digest, draw_epoch())
         for state in self._requests.values():
             state.restart(self._root)
         if self._events is not None:

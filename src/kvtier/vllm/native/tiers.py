@@ -46,7 +46,6 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import Collection, Iterable
@@ -66,7 +65,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtier.core.keys import EPOCH_BYTES, Namespace
+from kvtier.core.keys import Namespace, draw_epoch
 from kvtier.core.values import bool_value
 from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig, S3TierConfig, TierType, parse_tier
 from kvtier.runtime.chunks.identity import HashSeed, model_identity, private_seed_warning
@@ -275,7 +274,7 @@ class VllmTierAdapter(SecondaryTierManager):
         if self.keep_on_reset:
             return
         with self._epoch_lock:
-            self._epoch = os.urandom(EPOCH_BYTES)
+            self._epoch = draw_epoch()
             if self._store is not None:
                 self._store.new_epoch(self._epoch)
         logger.info("kvtier %s: vLLM reset its offloading cache: new key epoch; what the tier holds from before is "
