@@ -13,7 +13,8 @@ CUDA runtime call the engine makes; the rest of ``total`` is kvtier's Python), a
 call's median given a page table (as the scheduler sends it: ``issue_ms_median``), given 512
 ``PageCopy`` tuples, and issued back to back without waiting for the device between calls (a
 warm host: each job of the others is issued right after the host waited for the device, as the
-kit issues them).
+kit issues them). ``cold_calls``: the runtime calls of a 16 KiB-page graph job and a whole start
+call, each right after the host's caches were evicted and warm (:func:`cold_calls`).
 
 Usage (GPU machine, as scripts/gpu-check.sh sets PYTHONPATH): python tests/gpu/profile_issue.py
 """
@@ -124,6 +125,99 @@ def device_calls(streams: TorchCudaStreams) -> dict:
             found["RowKernels.gather 512 x 16 KiB"] = micro(lambda: kernels.launch(
                 "gather", handle, rows.data_ptr(), out.data_ptr(), numbers.data_ptr(), 0, 512, 16384))
     return found
+
+
+COLD_BYTES = 64 * 2**20
+_evicted = np.ones(COLD_BYTES, dtype=np.uint8)
+
+
+def evict_caches() -> None:
+    """Write one byte of every 64-byte line of :data:`COLD_BYTES`: the host's caches and TLB cold
+    (``benchmarks/bench_issue_host.py``'s ``cold_median_us`` does the same on a CPU alone)."""
+    _evicted[::64] += 1
+
+
+def cold_and_warm(work, n: int = 60) -> dict:
+    """Median microseconds of ``work()`` right after :func:`evict_caches` and back to back, the
+    compute stream held busy meanwhile (nothing waits for the device)."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(400 * kit.CYCLES_PER_MS))
+    cold, warm = [], []
+    for _ in range(n):
+        evict_caches()
+        began = time.perf_counter()
+        work()
+        cold.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        work()
+        warm.append(time.perf_counter() - began)
+    torch.cuda.synchronize()
+    return {"cold_us": round(statistics.median(cold) * 1e6, 1), "warm_us": round(statistics.median(warm) * 1e6, 1)}
+
+
+def cold_calls(streams: TorchCudaStreams, job_ids) -> dict:
+    """What caches cost the issue: the runtime calls a 16 KiB-page graph job makes (3 event
+    records, a wait, 5 copy-node updates, a launch), a trivial runtime call, and a whole
+    ``start_store`` of that job, each cold (caches evicted just before) and warm. The runtime's
+    part is what a compiled host path would still pay; the rest is kvtier's Python."""
+    runtime = streams.runtime
+    out: dict = {}
+    if runtime is None or not runtime.graphs:
+        return out
+    side = streams.new_stream()
+    handle = side.cuda_stream
+    compute = torch.cuda.current_stream().cuda_stream
+    host = torch.empty(2**20, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(2**20, dtype=torch.uint8, device=streams.device)
+    events = [runtime.event_create(timing=True) for _ in range(3)]
+    graph = runtime.graph_create()
+    nodes = [runtime.graph_add_memcpy(graph, [], host.data_ptr() + 4096 * i, dev.data_ptr(), 4096) for i in range(5)]
+    instance = runtime.graph_instantiate(graph)
+
+    def job_calls() -> None:
+        runtime.event_record(events[0], compute)
+        runtime.stream_wait_event(handle, events[0])
+        runtime.event_record(events[1], handle)
+        for i, node in enumerate(nodes):
+            runtime.graph_set_memcpy(instance, node, host.data_ptr() + 4096 * (i + 5), dev.data_ptr(), 4096)
+        runtime.graph_launch(instance, handle)
+        runtime.event_record(events[2], handle)
+
+    out["runtime calls of a 16 KiB graph job (10)"] = cold_and_warm(job_calls)
+    out["runtime.get_last_error"] = cold_and_warm(runtime.get_last_error)
+    torch.cuda.synchronize()
+    runtime.graph_destroy(graph, instance)
+    for event in events:
+        runtime.event_destroy(event)
+    case = Case("LBNHC", layers=LAYERS, heads=2, tokens=kit.TOKENS, content=kit.CONTENT, dtype=torch.bfloat16)
+    kv = build(case, BLOCKS + 8, streams.device)
+    paged = PagedKV(kv.views, BLOCKS + 8)
+    slots = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, BLOCKS)
+    buffer, pinning, _ = kit.host_region(slots.region_bytes, slots.slot_bytes)
+    engine = CudaCopyEngine(BlockCopier(paged, HostSlots(buffer, slots)), streams, CopyMethod.STAGED)
+    pages = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)])
+    for _ in range(3):
+        kit.run_job(engine, Direction.STORE, pages, next(job_ids))
+    cold, warm = [], []
+    for _ in range(15):  # a job each, waited for between (not timed): the start call after an eviction, then again
+        for sink in (cold, warm):
+            torch.cuda.synchronize()
+            kit.gate()
+            if sink is cold:
+                evict_caches()
+            began = time.perf_counter()
+            engine.start_store(next(job_ids), pages)
+            sink.append(time.perf_counter() - began)
+            engine.wait()
+            engine.poll()
+    out["start_store, LBNHC 16 KiB staged"] = {"cold_us": round(statistics.median(cold) * 1e6, 1),
+                                               "after_a_device_wait_us": round(statistics.median(warm) * 1e6, 1)}
+    engine.close()
+    pinning.release()
+    side = None
+    del kv
+    torch.cuda.empty_cache()
+    return out
 
 
 def start(engine: CudaCopyEngine, direction: Direction, job_id: int, pages) -> None:
@@ -297,6 +391,10 @@ def main() -> None:
     kit.CYCLES_PER_MS = kit.cycles_per_ms()
     streams = TorchCudaStreams(device)
     out: dict = {"card": torch.cuda.get_device_name(), "calls_us": device_calls(streams), "jobs": {}}
+    try:  # reported: the rest of the profile stands if this part fails
+        out["cold_calls"] = cold_calls(streams, itertools.count(10**6))
+    except Exception as exc:  # noqa: BLE001
+        out["cold_calls"] = {"error": f"{type(exc).__name__}: {exc}"}
     kernels = RowKernels.load(torch.cuda.get_device_capability(device), int(torch.version.cuda.split(".")[0]), 16384)
     out["row_kernels"] = kernels.how if kernels is not None else "unavailable: torch's ops"
     job_ids = itertools.count()
