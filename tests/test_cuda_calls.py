@@ -261,6 +261,7 @@ def test_side_streams_are_kvtiers_own_and_destroyed_at_close():
     own = {s.cuda_stream for s in engine._streams.values()}  # noqa: SLF001
     created = {c[1] for c in recorder.calls if c[0] == "stream_create"}
     assert own == created and len(own) == 2 and cuda.handed == 0  # no pool stream taken
+    assert engine.device.owns_side_streams and not cuda_rig(runtime=False)[0].device.owns_side_streams
     engine.start_store(1, [PageCopy(0, 0, 3)])
     engine.close()
     assert {c[1] for c in recorder.calls if c[0] == "stream_destroy"} == own

@@ -28,7 +28,7 @@ Side streams are kvtier's own (:meth:`~kvtier.copy.streams.DeviceStreams.new_str
 other work of the process queues on them. Where the device can only hand out torch's pool streams
 (no runtime library found: round robin, vLLM's compute stream among them, vLLM
 ``utils/torch_utils.py:802-857``), a side stream found equal to the compute stream (or to the
-other side stream) is replaced before use.
+other side stream) is replaced before use; kvtier's own streams are never compared.
 
 No call synchronizes a stream per job; only ``wait`` and ``close`` block the calling thread.
 
@@ -77,7 +77,7 @@ logger = logging.getLogger(__name__)
 _STREAM_TRIES = 64  # more than torch's pool of streams per priority (32): every pool stream is tried
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _InFlight:
     """A job issued to the device, not yet reported (``reported``: its failure already was).
     ``start`` is None when the job failed; ``plan`` keeps the copy arrays alive while in flight."""
@@ -114,6 +114,7 @@ class CudaCopyEngine(CopyEngine):
             else:
                 logger.info("kvtier: KV pages are not rows of one storage: copies go as runs, never staged")
         self._streams: dict[Direction, Any] = {}
+        self._own_side_streams = bool(getattr(device, "owns_side_streams", False))  # else compared per job
         compute = device.current_stream()
         for direction in Direction:
             self._streams[direction] = self._distinct_stream(compute, direction)
@@ -190,7 +191,7 @@ class CudaCopyEngine(CopyEngine):
 
     def _side_stream(self, direction: Direction, compute: Any) -> Any:
         stream = self._streams[direction]
-        if stream == compute:
+        if not self._own_side_streams and stream == compute:
             logger.info("kvtier: the %s side stream is the compute stream now; taking another", direction.value)
             stream = self._streams[direction] = self._distinct_stream(compute, direction)
         return stream

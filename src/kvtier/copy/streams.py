@@ -42,7 +42,9 @@ KERNEL_BLOCKS: int | None = None
 
 
 class DeviceStreams(Protocol):
-    """Streams, events and copies of one device. ``Any`` handles are the implementation's own."""
+    """Streams, events and copies of one device. ``Any`` handles are the implementation's own.
+    A device whose :meth:`new_stream` always makes a stream of its own, which no compute stream
+    can be, says so with ``owns_side_streams = True`` (the engine then never compares them)."""
 
     def current_stream(self) -> Any:
         """The stream the engine's compute work is being issued on, now."""
@@ -153,6 +155,11 @@ class TorchCudaStreams:
         if self.runtime is not None:
             return self._raw_current(self._index)
         return self._cuda.current_stream(self.device)
+
+    @property
+    def owns_side_streams(self) -> bool:
+        """Whether :meth:`new_stream` makes streams of kvtier's own (a runtime library was found)."""
+        return self.runtime is not None
 
     def new_stream(self) -> Any:
         """A stream of kvtier's own (``cudaStreamCreateWithFlags``, wrapped as torch's
