@@ -302,11 +302,13 @@ def test_host_time_to_issue_counts_in_a_trial():
     assert chooser.pick(Direction.LOAD, BIG, runs) == (CopyMethod.STAGED, None)
 
 
-@pytest.mark.parametrize("staged_slower_by, chosen", [(0.02, CopyMethod.STAGED), (0.05, CopyMethod.RUNS)])
+@pytest.mark.parametrize("staged_slower_by, chosen", [(0.02, CopyMethod.STAGED), (0.04, CopyMethod.STAGED),
+                                                      (0.08, CopyMethod.RUNS)])
 def test_between_near_equal_device_bandwidths_the_least_host_time_wins(staged_slower_by, chosen):
     """Block-outermost pages: both methods reach the link, RUNS costs the forward's thread a
-    descriptor per block. Staged within DEVICE_TIE (3%) of RUNS' bandwidth and cheaper to issue:
-    staged; clearly slower on the device: RUNS, however cheap staged is to issue."""
+    descriptor per block. Staged within DEVICE_TIE (5%, the kit's bandwidth goal) of RUNS'
+    bandwidth and cheaper to issue: staged (at 4% slower, what an H200's staged trials showed);
+    clearly slower on the device: RUNS, however cheap staged is to issue."""
     chooser = MethodChooser()
     runs = BIG // (512 * 1024)
     for _ in range(2 * TRIALS):
