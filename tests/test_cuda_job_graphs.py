@@ -9,7 +9,9 @@ the GPU path computes is checked by the bytes it lands; the ordering between lan
 - jobs whose chunks are several host runs never become graphs;
 - a graph that fails to build or launch turns graphs off (logged) and the job still lands;
 - graphs built on an index buffer that was grown are retired and rebuilt; closing destroys
-  every graph.
+  every graph;
+- page tables (what the scheduler sends) of a size that went as a graph go as repeats of it,
+  unplanned, and fall back to a planned job where the graph is gone.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from host_device import HostDevice, host_streams
 
-from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.lanes import CudaLanes
 from kvtier.copy.staging import CopyMethod
@@ -237,3 +240,92 @@ def test_graphs_read_a_grown_index_buffer_only_after_being_built_again():
     assert len(device.destroyed) == 1  # the old graph, once the launches before its retirement ran
     engine.close()
     assert len(device.destroyed) == 2
+
+
+# ---- jobs as the scheduler sends them: page tables, repeated unplanned ---------------------------
+
+def _lands(paged, host, table, direction) -> bool:
+    """Whether every page of ``table`` holds the same bytes on both sides."""
+    return all(torch.equal(paged.page(layer, int(block)).reshape(-1).view(torch.uint8),
+                           host.page(int(slot), layer, 0).reshape(-1).view(torch.uint8))
+               for slot, _, block, _ in table.tolist() for layer in range(LAYERS))
+
+
+def _run(engine, paged, host, job_id, direction, table) -> bool:
+    if direction is Direction.LOAD:
+        for block in table[:, 2].tolist():
+            for layer in range(LAYERS):
+                paged.page(layer, block).zero_()
+        engine.start_load(job_id, table, synchronous=False)
+    else:
+        engine.start_store(job_id, table)
+    [done] = engine.poll()
+    return done.ok and _lands(paged, host, table, direction)
+
+
+def test_page_tables_of_a_size_seen_as_a_graph_repeat_it_unplanned_and_land_exactly():
+    """A page table of consecutive slots whose size went as a graph launch twice before is issued
+    as a repeat of that graph (CudaLanes.repeat): no plan, one update per chunk and the upload's,
+    one launch; other slots and blocks each time, every byte where it belongs, store and load."""
+    device = HostDevice()
+    engine, streams, paged, host = rig(device)
+    jobs = [page_table(pages_of(range(first, first + 6), blocks)) for first, blocks in
+            ((0, [3, 11, 1, 8, 9, 2]), (6, [13, 5, 0, 7, 4, 12]), (12, [22, 20, 21, 6, 10, 14]),
+             (18, [15, 16, 17, 18, 19, 23]), (3, [1, 2, 3, 4, 5, 6]))]
+    chunks = -(-6 * LAYERS // CHUNK_PAGES)
+    for direction in (Direction.STORE, Direction.LOAD):
+        for job_id, table in enumerate(jobs):
+            if direction is Direction.LOAD:  # into other engine blocks
+                table = table.copy()
+                table[:, 2] = (table[:, 2] + 5) % BLOCKS
+            before, repeated = Counter(device.calls), engine.repeated
+            assert _run(engine, paged, host, job_id + 10 * (direction is Direction.LOAD), direction, table), job_id
+            spent = device.calls - before
+            # the 2nd builds the graph, the 3rd launches it (its size kept), later ones repeat it
+            assert engine.repeated - repeated == (job_id >= 3)
+            if job_id >= 1:
+                assert (spent["memcpy"], spent["launch"], spent["graph_set_memcpy"], spent["graph_launch"]) == \
+                    (0, 0, chunks + 1, 1)
+    assert engine.repeated == 4
+    assert sorted(lanes.graph_launches for lanes in streams._lanes.values()) == [4, 4]  # noqa: SLF001
+    engine.close()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_repeats_of_mixed_sizes_land_exactly_and_fall_back_when_their_graph_is_gone(seed):
+    """Page tables of 1-8 blocks at random slots and blocks, stores and loads interleaved, with
+    room for two graphs per side stream (shapes retire and are built again, a repeat of a
+    retired shape goes planned), a few jobs of scattered slots (never repeats) between: every
+    job lands exactly; many went as repeats."""
+    rng = np.random.default_rng(seed)
+    device = HostDevice()
+    engine, streams, paged, host = rig(device, chunk_pages=8)
+    for lanes in streams._lanes.values():  # noqa: SLF001
+        lanes._graphs.capacity = 2  # noqa: SLF001
+    for job_id in range(160):
+        n = int(rng.integers(1, 9))
+        first = int(rng.integers(0, SLOTS - n + 1))
+        slots = np.arange(first, first + n) if rng.random() < 0.9 else np.sort(rng.choice(SLOTS, n, replace=False))
+        table = page_table(pages_of(slots.tolist(), rng.choice(BLOCKS, n, replace=False).tolist()))
+        direction = Direction.STORE if rng.random() < 0.5 else Direction.LOAD
+        assert _run(engine, paged, host, job_id, direction, table), (job_id, direction, table.tolist())
+    assert engine.repeated > 20 and device.calls["graph_create"] > 2 * 4, (engine.repeated, device.calls)
+    engine.close()
+
+
+def test_a_repeat_never_launches_a_graph_built_on_an_index_buffer_since_grown():
+    """The graph's upload node and kernels hold the index buffer's address: once it was grown
+    (and the old one retired), a job of the repeated size goes planned and builds the graph again."""
+    device = HostDevice()
+    engine, streams, paged, host = rig(device)
+    blocks = [3, 11, 1, 8, 9, 2]
+    for job_id, first in enumerate((0, 6, 12, 18)):
+        assert _run(engine, paged, host, job_id, Direction.STORE, page_table(pages_of(range(first, first + 6), blocks)))
+    assert engine.repeated == 1 and device.calls["graph_create"] == 1
+    [store_lanes] = [lanes for lanes in streams._lanes.values() if lanes.graph_launches]  # noqa: SLF001
+    store_lanes._reserve(len(store_lanes._index) + 1)  # noqa: SLF001 - a job whose numbers did not fit
+    assert _run(engine, paged, host, 4, Direction.STORE, page_table(pages_of(range(18, 24), [13, 5, 0, 7, 4, 12])))
+    assert engine.repeated == 1 and device.calls["graph_create"] == 2  # planned, the graph built again
+    assert _run(engine, paged, host, 5, Direction.STORE, page_table(pages_of(range(6, 12), blocks)))
+    assert engine.repeated == 2  # a repeat of the new graph
+    engine.close()

@@ -31,7 +31,7 @@ import torch
 from gpu_layouts import CASES, Case, build
 from kit_checks import CudaRig, check_a_synchronous_load_lands_before_compute_reads, check_batches_were_not_refused
 
-from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.cudart import LoadedCudart
 from kvtier.copy.jobgraph import graph_key
@@ -360,4 +360,39 @@ def test_jobs_of_other_sizes_replay_one_graph_bit_exact(name, kernel_blocks, dev
         assert all(not page_bytes(paged, layer, b).any() for b in untouched for layer in range(len(kv.views))), job_id
     launches = sorted(lanes.graph_launches for lanes in engine.device._lanes.values())  # noqa: SLF001
     assert launches == [3, 3], f"graph launches per direction: {launches} (see the log)"
+    engine.close()
+
+
+@pytest.mark.parametrize("name", ["LBNHC-attention", "BLNHC-attention", "LBNHC-kernel-blocks", "LBNHC-padded-attention"])
+@pytest.mark.parametrize("kernel_blocks", [None, 3], ids=["block-per-page", "3-blocks"])
+def test_page_tables_repeat_a_graph_unplanned_bit_exact(name, kernel_blocks, device, shm_region):
+    """Five stores, then five loads, of 4 whole blocks to 4 consecutive slots, each a page table as
+    kvtier's scheduler sends it: from the fourth on each goes as a repeat of the graph
+    (CudaLanes.repeat: not planned, its numbers and host addresses written by the repeat itself).
+    Every byte as the CPU engine moves it; no block outside a load's targets is written."""
+    kv, groups, engine, paged, host, expected, cpu_copier = staged_rig(name, 12, 5, 2, device, shm_region,
+                                                                       kernel_blocks)
+    sources = [[3, 11, 1, 8], [9, 2, 10, 5], [0, 4, 6, 7], [5, 3, 11, 2], [8, 10, 9, 1]]
+    firsts = [0, 4, 8, 2, 6]
+    for job_id, (first, blocks) in enumerate(zip(firsts, sources)):
+        store = [PageCopy(first + s, 0, b, g) for s, b in enumerate(blocks) for g in range(groups)]
+        engine.start_store(job_id, page_table(store))
+        cpu_copier.copy(Direction.STORE, store)
+        assert wait_done(engine, [job_id])[job_id].ok
+        assert torch.equal(host.buffer, expected), (name, job_id)
+    stored_repeats = engine.repeated
+    for job_id, (first, blocks) in enumerate(zip(firsts, sources), start=10):
+        targets = [(b + 5) % NUM_BLOCKS for b in blocks]
+        kv.raw.zero_()
+        engine.start_load(job_id, page_table([PageCopy(first + s, 0, b, g) for s, b in enumerate(targets)
+                                              for g in range(groups)]), synchronous=False)
+        assert wait_done(engine, [job_id])[job_id].ok
+        for layers in kv.layer_groups:
+            for s, target in enumerate(targets):
+                for layer in layers:
+                    slot_page = host.page(first + s, layer, 0).contiguous().reshape(-1).view(torch.uint8)
+                    assert torch.equal(page_bytes(paged, layer, target), slot_page), (name, job_id, layer)
+        untouched = set(range(NUM_BLOCKS)) - set(targets)
+        assert all(not page_bytes(paged, layer, b).any() for b in untouched for layer in range(len(kv.views))), job_id
+    assert stored_repeats == 2 and engine.repeated == 4, f"repeats: {stored_repeats} stores, {engine.repeated} in all"
     engine.close()

@@ -65,8 +65,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvtier.copy.base import CopyDone, CopyEngine, Direction, Pages
 from kvtier.copy.choice import MethodChooser, TrialKey
+from kvtier.copy.lanes import GraphRepeat
 from kvtier.copy.pages import BlockCopier, CopyPlan
 from kvtier.copy.runs import ByteRuns, RunPlanner
 from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
@@ -75,6 +78,7 @@ from kvtier.copy.streams import DeviceStreams
 logger = logging.getLogger(__name__)
 
 _STREAM_TRIES = 64  # more than torch's pool of streams per priority (32): every pool stream is tried
+_REPEATS = 2048  # job sizes (per direction) kept as graph repeats: every size of a 1,024-block job both ways
 
 
 @dataclass(slots=True)
@@ -121,6 +125,12 @@ class CudaCopyEngine(CopyEngine):
         self._prepare_staging()
         self.chooser = MethodChooser(method, staged=self.staged is not None)
         self._in_flight: dict[Direction, deque[_InFlight]] = {direction: deque() for direction in Direction}
+        # (direction, blocks) -> how a one-run job of that size went as a graph launch: later ones
+        # go so unplanned (_repeat_of); _planned_run: the first slot of the last plan that may be one
+        self._repeats: dict[tuple[Direction, int], GraphRepeat] = {}
+        self._planned_run: int | None = None
+        self._launched_sizes: set[tuple[Direction, int]] = set()  # sizes that went as a graph launch once
+        self.repeated = 0  # jobs issued as repeats
         self._unordered: list[CopyDone] = []  # failures reported at once (see the module docstring)
         self._closed = False
 
@@ -203,16 +213,19 @@ class CudaCopyEngine(CopyEngine):
         (block, layer)."""
         if self.runs is None:
             return self.copier.plan(direction, pages), None
+        self._planned_run = None
         table = self.runs.table(pages)
         slots = self.runs.slot_job(table)
         entries = self.runs.entries(table) if slots is None else None
         breaks = None
+        decided = True  # whether the method does not depend on the job's engine blocks
         if slots is not None:
             num_bytes = len(slots) * self.runs.num_layers * self.runs.page_bytes
             runs = 1
             if self.method is CopyMethod.AUTO:
                 runs = self.runs.fewest_slot_runs(slots)
-                if not self.chooser.decided_by(num_bytes, runs, self.runs.most_slot_runs(slots)):
+                decided = self.chooser.decided_by(num_bytes, runs, self.runs.most_slot_runs(slots))
+                if not decided:
                     if slots.first_slot is None:  # (the staged plan of a one-run job needs none)
                         breaks = self.runs.block_breaks(slots)
                     runs = self.runs.count_slot_runs(slots, breaks)  # the count decides: make it exact
@@ -225,10 +238,13 @@ class CudaCopyEngine(CopyEngine):
             try:
                 plan = self.staged.plan_slots(direction, slots, breaks) if slots is not None else \
                     self.staged.plan(direction, entries)
+                if slots is not None and slots.first_slot is not None and decided and trial is None:
+                    self._planned_run = slots.first_slot  # every job of its size plans so: a repeat may follow
                 return plan, trial
             except StagingUnavailable as exc:
                 logger.warning("kvtier: %s; copies go as runs from now on", exc)
                 self.staged = None
+                self._repeats.clear()
                 self.chooser = MethodChooser(self.method, staged=False)
                 trial = None
         merged = self.runs.merge_slots(direction, slots) if slots is not None else None
@@ -246,7 +262,9 @@ class CudaCopyEngine(CopyEngine):
         try:
             compute = device.current_stream()
             stream = self._side_stream(direction, compute)
-            plan, trial = self._plan(direction, pages)  # views and arrays only: a bad page fails before any device call
+            # views and arrays only: a bad page fails before any device call
+            repeat, first, table = self._repeat_of(direction, pages)
+            plan, trial = (repeat.plan, None) if repeat is not None else self._plan(direction, pages)
             ready = device.new_event()
             device.record(ready, compute)
             device.wait(stream, ready)
@@ -257,7 +275,13 @@ class CudaCopyEngine(CopyEngine):
             planned = plan.num_bytes
             if planned:
                 copying = True
-                device.copy(stream, plan)
+                if repeat is not None and device.repeat(stream, repeat, first, table[:, 2]):
+                    self.repeated += 1
+                else:
+                    if repeat is not None:  # it could not go unplanned (see CudaLanes.repeat): planned
+                        del self._repeats[(direction, len(table))]
+                        plan, trial = self._plan(direction, pages)
+                    self._issue(direction, stream, plan)
             num_bytes = planned
         except Exception:  # reported as a failed job (a load's blocks are recomputed), never raised
             logger.exception("kvtier: %s copy of job %d failed", direction.value, job_id)
@@ -280,6 +304,42 @@ class CudaCopyEngine(CopyEngine):
             _InFlight(job_id, direction, ok, num_bytes, start, end, issued_at, plan, reported=at_once, trial=trial,
                       issue_seconds=time.perf_counter() - issued_at))
 
+
+    def _repeat_of(self, direction: Direction, pages: Pages) -> tuple[GraphRepeat | None, int, np.ndarray | None]:
+        """(the repeat, its first slot, the checked page table) when ``pages`` is a job that can
+        go as a repeat of an earlier job's graph (:meth:`TorchCudaStreams.repeat`: a page table
+        of a size seen before as such, one host run); else (None, 0, None). IndexError naming a
+        page out of range."""
+        if not self._repeats or type(pages) is not np.ndarray:
+            return None, 0, None
+        repeat = self._repeats.get((direction, len(pages)))
+        if repeat is None:
+            return None, 0, None
+        table = self.runs.table(pages)
+        first = self.runs.one_run_first(table)
+        return (repeat, first, table) if first is not None else (None, 0, None)
+
+    def _issue(self, direction: Direction, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
+        """``device.copy`` of a planned job; a one-run staged job of whole blocks that went as a
+        graph launch, of a size that did so before, is kept as the repeat of its size (a size
+        seen once is only noted: sizes that never come back cost no repeat; at most
+        :data:`_REPEATS` sizes of each)."""
+        key = self.device.copy(stream, plan)
+        first = self._planned_run
+        if key is None or first is None or not isinstance(plan, StagedRuns) or plan.blocks is None \
+                or self.staged is None:
+            return
+        size = (direction, len(plan.blocks))
+        if size not in self._launched_sizes:
+            if len(self._launched_sizes) >= _REPEATS:
+                self._launched_sizes.clear()
+            self._launched_sizes.add(size)
+            return
+        if len(self._repeats) >= _REPEATS:
+            self._repeats.clear()
+        staged = self.staged
+        self._repeats[size] = GraphRepeat.of(plan, key, staged.host_address(first), staged.host_address(0),
+                                             staged.slot_stride)
 
     def _release(self, *events: Any) -> None:
         """Hand the events that exist of ``events`` back to the device."""

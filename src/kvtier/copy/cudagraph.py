@@ -95,14 +95,19 @@ class CudaJobGraph:
         """Issue ``plan`` (of this graph's shape) on ``stream``, its ``numbers`` int64 numbers
         uploaded from page-locked ``numbers_at`` (left untouched until the launch ran). Raises
         :class:`~kvtier.copy.cudart.CudaError` (then nothing of the job was launched)."""
+        self.launch_at(plan.direction, plan.host_addr.tolist(), plan.sizes.tolist(), stream, numbers_at, numbers)
+
+    def launch_at(self, direction: Direction, host_addrs: list[int], sizes: list[int], stream: int,
+                  numbers_at: int, numbers: int) -> None:
+        """:meth:`launch` of a job given as its chunks' host addresses and copy sizes (a job of
+        this graph's shape and ``direction``)."""
         runtime, instance = self.runtime, self.instance
         set_memcpy = runtime.graph_set_memcpy
         set_memcpy(instance, self.upload, self.uploaded, numbers_at, 8 * numbers)
-        sizes = plan.sizes.tolist()
-        if plan.direction is Direction.STORE:
-            dsts, srcs = plan.host_addr.tolist(), self.staging
+        if direction is Direction.STORE:
+            dsts, srcs = host_addrs, self.staging
         else:
-            dsts, srcs = self.staging, plan.host_addr.tolist()
+            dsts, srcs = self.staging, host_addrs
         for node, dst, src, size in zip(self.copies, dsts, srcs, sizes):
             set_memcpy(instance, node, dst, src, size)
         runtime.graph_launch(instance, stream)

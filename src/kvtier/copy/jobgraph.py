@@ -169,6 +169,13 @@ class GraphCache(Generic[G]):
             self._retire(self._graphs.popitem(last=False)[1])
         return graph
 
+    def kept(self, key: Hashable) -> G | None:
+        """``key``'s graph if one is kept (marked recently used), else None; builds nothing."""
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+        return graph
+
     def clear(self) -> None:
         """Retire every graph (what they were built on changed); each key's next job builds its
         graph again."""

@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+from kvtier.copy.base import Direction
 from kvtier.copy.cudagraph import CudaJobGraph
 from kvtier.copy.jobgraph import GraphCache, graph_key
 from kvtier.copy.kernels import RowKernels
@@ -59,6 +62,38 @@ class EventPool:
         made, self._made, self._free = self._made, [], []
         for event in made:
             self._streams.runtime.event_destroy(event)
+
+
+@dataclass(frozen=True, eq=False)
+class GraphRepeat:
+    """What a job of one staged graph shape needs besides its first slot and engine blocks, for
+    :meth:`CudaLanes.repeat`: a job of whole blocks, one host run of consecutive slots (in one
+    pinning chunk), issued before as a launch of the graph ``key``. Taken from that job's plan
+    (``plan``, kept to report the method): the uploaded numbers but the blocks (``count_word``,
+    the page count; ``layer_rows``), each chunk's host offset from the run's start (``starts``)
+    and copy size, the host region's address and a slot's bytes."""
+
+    direction: Direction
+    key: Hashable
+    count: int  # numbers uploaded: 1 + layers + blocks
+    count_word: np.ndarray
+    layer_rows: np.ndarray
+    starts: list[int]  # each chunk's host copy, bytes from the run's first slot
+    sizes: list[int]
+    host_base: int  # slot 0's address
+    slot_bytes: int
+    num_bytes: int
+    plan: StagedRuns
+
+    @classmethod
+    def of(cls, plan: StagedRuns, key: Hashable, run_address: int, host_base: int, slot_bytes: int) -> GraphRepeat:
+        """The repeat of ``plan``, one host run from ``run_address`` (its first slot's address;
+        slot 0's: ``host_base``), launched as graph ``key``."""
+        assert plan.blocks is not None and plan.layer_rows is not None
+        parts = plan.kernel_numbers()
+        return cls(plan.direction, key, sum(len(part) for part in parts), parts[0], plan.layer_rows,
+                   [address - run_address for address in plan.host_addr.tolist()], plan.sizes.tolist(), host_base,
+                   slot_bytes, plan.num_bytes, plan)
 
 
 class CudaLanes:
@@ -149,12 +184,13 @@ class CudaLanes:
             return None
         return kernels
 
-    def issue(self, plan: StagedRuns) -> None:
+    def issue(self, plan: StagedRuns) -> Hashable | None:
         """Issue a staged job (``raw`` lanes): as its shape's CUDA graph where it has one (one
         launch on the TRANSFER lane, whose first node uploads the job's numbers from the ring:
         :mod:`kvtier.copy.cudagraph`), else op by op (:meth:`~kvtier.copy.staging.StagedRuns.issue`;
         also a job the ring has no room for now). A graph that cannot be built or launched turns
-        graphs off for these lanes (logged); that job goes op by op."""
+        graphs off for these lanes (logged); that job goes op by op. Returns the graph's key
+        when the job went as a graph launch, else None."""
         if self._retired:
             self._destroy_retired()
         key = graph_key(plan) if self._graphs is not None else None
@@ -163,7 +199,7 @@ class CudaLanes:
             count = sum(len(part) for part in parts)
             if count > self._ring_size:  # its upload node could not read them from the ring: op by op
                 plan.issue(self)
-                return
+                return None
             self._reserve(count)
             graph = self._graph(plan, key, count)
             first = self._stage(parts, count, Lane.TRANSFER) if graph is not None else None
@@ -171,12 +207,45 @@ class CudaLanes:
                 try:
                     graph.launch(plan, self._transfer, self._ring_address + 8 * first, count)  # its first node uploads
                     self.graph_launches += 1
-                    return
+                    return key
                 except Exception as exc:  # noqa: BLE001 - nothing of the job was launched: op by op instead
                     self._graphs_off(f"a launch failed ({exc})")
                 finally:
                     self._fence_if_due()
         plan.issue(self)
+        return None
+
+    def repeat(self, job: GraphRepeat, first_slot: int, blocks: np.ndarray) -> bool:
+        """Issue a job of ``job``'s shape whose host run starts at slot ``first_slot`` and whose
+        engine blocks are ``blocks`` as a launch of the shape's kept graph, without planning it
+        (what :meth:`issue` does for such a job, less the plan: the numbers are ``job``'s page
+        count and layer rows and ``blocks``, the host addresses ``job``'s chunk starts past the
+        slot's). False, with nothing issued, where it cannot go so (no graph kept for the shape,
+        the index buffer grown since, no room in the ring, a failed launch: graphs off as in
+        :meth:`issue`): the caller issues the job planned."""
+        if self._retired:
+            self._destroy_retired()
+        graphs = self._graphs
+        if graphs is None or self._index_address != self._graphs_built_on or job.count > self._index_size:
+            return False
+        graph = graphs.kept(job.key)
+        if graph is None:
+            return False
+        count = job.count
+        first = self._stage((job.count_word, job.layer_rows, blocks), count, Lane.TRANSFER)
+        if first is None:
+            return False
+        host = job.host_base + first_slot * job.slot_bytes
+        try:
+            graph.launch_at(job.direction, [host + start for start in job.starts], job.sizes, self._transfer,
+                            self._ring_address + 8 * first, count)
+        except Exception as exc:  # noqa: BLE001 - nothing of the job was launched: planned instead
+            self._graphs_off(f"a launch failed ({exc})")
+            return False
+        finally:
+            self._fence_if_due()
+        self.graph_launches += 1
+        return True
 
     def _graph(self, plan: StagedRuns, key: Any, count: int) -> CudaJobGraph | None:
         """``key``'s graph (``plan`` of that shape, ``count`` numbers to upload; the index buffer

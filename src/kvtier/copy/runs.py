@@ -185,18 +185,30 @@ class RunPlanner:
         if not self._slot_jobs or not len(table):
             return None
         slot, block = table[:, 0], table[:, 2]
-        first, last = int(slot[0]), int(slot[-1])
-        if last - first == len(slot) - 1 and (len(slot) < 3 or np.count_nonzero(slot[1:] - slot[:-1] != 1) == 0):
-            # consecutive slots (the usual store): one host run unless a pinning chunk splits it
-            slot_bytes, segment = self._layout.slot_bytes, self.segment_bytes
-            one_chunk = first * slot_bytes // segment == ((last + 1) * slot_bytes - 1) // segment
-            return SlotJob(slot, block, first if one_chunk else None)
+        first = self._run_first(slot)
+        if first is not None:  # consecutive slots in one pinning chunk (the usual store): one host run
+            return SlotJob(slot, block, first)
         if len(slot) > 1 and not np.all(slot[1:] > slot[:-1]):
             order = np.argsort(slot, kind="stable")
             slot, block = slot[order], block[order]
             if np.any(slot[1:] == slot[:-1]):
                 return None
         return SlotJob(slot, block)
+
+    def one_run_first(self, table: np.ndarray) -> int | None:
+        """For ``table`` (checked): the first slot of a job that :meth:`slot_job` makes one host
+        run of (:attr:`SlotJob.first_slot`), without making the job; else None."""
+        if not self._slot_jobs or not len(table):
+            return None
+        return self._run_first(table[:, 0])
+
+    def _run_first(self, slot: np.ndarray) -> int | None:
+        """``slot[0]`` when the slots are consecutive and in one pinning chunk, else None."""
+        first, last, count = int(slot[0]), int(slot[-1]), len(slot)
+        if last - first != count - 1 or (count > 2 and np.count_nonzero(slot[1:] - slot[:-1] != 1)):
+            return None
+        slot_bytes, segment = self._layout.slot_bytes, self.segment_bytes
+        return first if first * slot_bytes // segment == ((last + 1) * slot_bytes - 1) // segment else None
 
     def engine_rows(self, job: SlotJob, unit: int = 1) -> np.ndarray:
         """Offsets of the job's pages in their engine storage, host order ([block, layer]

@@ -360,6 +360,7 @@ class StagedPlanner:
         self.buffer_count = max(buffers, 1)
         self._buffers: dict[Direction, StagingBuffers] = {}
         self._host_address = host.data_ptr()
+        self.slot_stride = runs.num_layers * page  # host bytes from a slot to the next, for jobs of whole blocks
         self._chunked: dict[tuple[Direction, int], tuple[np.ndarray, ...]] = {}  # see _one_run_chunks
         self._chunk_tables: dict[Direction, tuple[np.ndarray, ...]] = {}
         self._block_rows = runs.block_rows(page)  # (rows a block, each layer's row of block 0), or None
@@ -407,7 +408,7 @@ class StagedPlanner:
         if job.first_slot is not None:  # one host run: page position p is at (first_slot * layers + p) pages
             buffers = self.buffers(direction)
             starts, run_bounds, staging_offset, sizes, staging_addr = self._one_run_chunks(direction, count)
-            hosts = starts + job.first_slot * layers * page
+            hosts = starts + job.first_slot * self.slot_stride
             return StagedRuns(direction, self.rows, self.host, index, self.chunk_pages, run_bounds, staging_offset,
                               hosts, sizes, staging_addr, self._host_address + hosts, buffers, self._rows_address,
                               **blocks)
@@ -480,6 +481,10 @@ class StagedPlanner:
         for array in table:
             array.flags.writeable = False
         return table
+
+    def host_address(self, slot: int) -> int:
+        """The address of host slot ``slot`` of a job of whole blocks."""
+        return self._host_address + slot * self.slot_stride
 
     def buffers(self, direction: Direction) -> StagingBuffers:
         """The direction's staging buffers (allocated at the first call). Raises

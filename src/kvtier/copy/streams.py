@@ -16,14 +16,15 @@ only :meth:`~DeviceStreams.synchronize` blocks.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from kvtier.copy.cudart import CudaRuntime, LoadedCudart, SourceOrder
 from kvtier.copy.base import Direction
-from kvtier.copy.lanes import CudaLanes, EventPool
+from kvtier.copy.lanes import CudaLanes, EventPool, GraphRepeat
 from kvtier.copy.pages import CopyPlan
 from kvtier.copy.runs import ByteRuns
 from kvtier.copy.kernels import RowKernels
@@ -68,8 +69,10 @@ class DeviceStreams(Protocol):
     def wait(self, stream: Any, event: Any) -> None:
         """Work issued on ``stream`` after this call starts only once ``event`` (as recorded) completed."""
 
-    def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
-        """Issue a job's copies on ``stream``, asynchronously to the calling thread."""
+    def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> Hashable | None:
+        """Issue a job's copies on ``stream``, asynchronously to the calling thread. A device
+        with a ``repeat`` method (:meth:`TorchCudaStreams.repeat`) returns the key of the graph
+        a staged job went as, for later jobs of its shape; others return None."""
 
     def query(self, event: Any) -> bool:
         """Whether ``event`` completed. Never blocks."""
@@ -213,15 +216,16 @@ class TorchCudaStreams:
                 lanes = self._lanes[stream.cuda_stream] = CudaLanes(self, stream, self._kernel_stream(stream), rows)
         return lanes
 
-    def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
+    def copy(self, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> Hashable | None:
+        """(See :class:`DeviceStreams`.) A staged job that went as a launch of its shape's CUDA
+        graph returns the graph's key (:meth:`repeat` can issue later jobs of the shape)."""
         if isinstance(plan, StagedRuns):  # kernels on the pair's KERNEL stream, host copies on ``stream``
             lanes = self._lanes_of(stream, plan.buffers.rows[0])
             if lanes.raw and self._current_device() == self._index:
-                lanes.issue(plan)  # every call names its stream: no current stream to set
-                return
+                return lanes.issue(plan)  # every call names its stream: no current stream to set
             with self._cuda.device(self.device), self._cuda.stream(lanes.kernel_stream):
                 plan.issue(lanes)
-            return
+            return None
         if isinstance(plan, ByteRuns) and self.runtime is not None:
             order = SourceOrder.STREAM if plan.direction is Direction.STORE else SourceOrder.ANY
             with self._cuda.device(self.device):
@@ -230,6 +234,16 @@ class TorchCudaStreams:
         dsts, srcs = plan.views()
         with self._cuda.stream(stream):
             self._foreach_copy(dsts, srcs, non_blocking=True)
+        return None
+
+    def repeat(self, stream: Any, job: GraphRepeat, first_slot: int, blocks: np.ndarray) -> bool:
+        """Issue on ``stream`` a job of ``job``'s graph shape from host slot ``first_slot`` with
+        engine ``blocks``, unplanned (:meth:`~kvtier.copy.lanes.CudaLanes.repeat`); False with
+        nothing issued where it cannot go so."""
+        lanes = self._lanes.get(stream.cuda_stream)
+        if lanes is None or not lanes.raw or self._current_device() != self._index:
+            return False
+        return lanes.repeat(job, first_slot, blocks)
 
     def _kernel_stream(self, transfer: Any) -> Any:
         """A stream for ``transfer``'s KERNEL lane: neither it nor the compute stream (a pool
