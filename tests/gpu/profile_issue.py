@@ -261,13 +261,14 @@ class PhaseClock:
 
 
 def phases(engine: CudaCopyEngine, streams: TorchCudaStreams, direction: Direction, pages, job_ids) -> dict:
-    """Median microseconds per job of each phase of a start call (no profiler running): planning,
-    the device's copy call and, inside it for a staged job, the index upload, the kernels, the host
+    """Median microseconds per job of each phase of a start call (no profiler running): planning
+    (absent for repeats), the device's copy call (or repeat) and, inside it for a staged job, the index upload, the kernels, the host
     copies and the marks and waits between lanes; ``total`` is the whole start call."""
     clock = PhaseClock()
     clock.wrap(engine, "_plan", "plan")
     clock.wrap(engine.runs, "table", "plan.table")
     clock.wrap(streams, "copy", "copy")
+    clock.wrap(streams, "repeat", "copy")  # a job of a size kept as a repeat (CudaLanes.repeat): not planned
     if streams.runtime is not None:  # every runtime call the job makes: the rest of ``total`` is kvtier's Python
         for method in ("event_record", "stream_wait_event", "event_query", "memcpy", "memcpy_batch",
                        "graph_set_memcpy", "graph_launch"):
