@@ -21,6 +21,7 @@ Usage (GPU machine, as scripts/gpu-check.sh sets PYTHONPATH): python tests/gpu/p
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import io
 import itertools
@@ -189,35 +190,56 @@ def cold_calls(streams: TorchCudaStreams, job_ids) -> dict:
     runtime.graph_destroy(graph, instance)
     for event in events:
         runtime.event_destroy(event)
-    case = Case("LBNHC", layers=LAYERS, heads=2, tokens=kit.TOKENS, content=kit.CONTENT, dtype=torch.bfloat16)
+    pages = kit_pages(BLOCKS)
+    cold, warm = [], []
+    with kit_engine(streams) as (engine, _):
+        for _ in range(3):
+            kit.run_job(engine, Direction.STORE, pages, next(job_ids))
+        for _ in range(15):  # a job each, waited for between (not timed): the start call after an eviction, then again
+            for sink in (cold, warm):
+                torch.cuda.synchronize()
+                kit.gate()
+                if sink is cold:
+                    evict_caches()
+                began = time.perf_counter()
+                engine.start_store(next(job_ids), pages)
+                sink.append(time.perf_counter() - began)
+                engine.wait()
+                engine.poll()
+    out["start_store, LBNHC 16 KiB staged"] = {"cold_us": round(statistics.median(cold) * 1e6, 1),
+                                               "after_a_device_wait_us": round(statistics.median(warm) * 1e6, 1)}
+    return out
+
+
+@contextlib.contextmanager
+def kit_engine(streams: TorchCudaStreams, layout: str = "LBNHC", heads: int = 2,
+               method: CopyMethod = CopyMethod.STAGED):
+    """(a copy engine, its paged KV) at the kit's shape (``BLOCKS`` + 8 engine blocks x ``LAYERS``
+    layers of ``heads`` x 8 KiB pages, ``BLOCKS`` slots of a pinned host region) on ``streams``;
+    the engine closed, the region unpinned and the KV freed after."""
+    case = Case(layout, layers=LAYERS, heads=heads, tokens=kit.TOKENS, content=kit.CONTENT, dtype=torch.bfloat16)
     kv = build(case, BLOCKS + 8, streams.device)
     paged = PagedKV(kv.views, BLOCKS + 8)
     slots = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, BLOCKS)
     buffer, pinning, _ = kit.host_region(slots.region_bytes, slots.slot_bytes)
-    engine = CudaCopyEngine(BlockCopier(paged, HostSlots(buffer, slots)), streams, CopyMethod.STAGED)
-    pages = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)])
-    for _ in range(3):
-        kit.run_job(engine, Direction.STORE, pages, next(job_ids))
-    cold, warm = [], []
-    for _ in range(15):  # a job each, waited for between (not timed): the start call after an eviction, then again
-        for sink in (cold, warm):
-            torch.cuda.synchronize()
-            kit.gate()
-            if sink is cold:
-                evict_caches()
-            began = time.perf_counter()
-            engine.start_store(next(job_ids), pages)
-            sink.append(time.perf_counter() - began)
-            engine.wait()
-            engine.poll()
-    out["start_store, LBNHC 16 KiB staged"] = {"cold_us": round(statistics.median(cold) * 1e6, 1),
-                                               "after_a_device_wait_us": round(statistics.median(warm) * 1e6, 1)}
-    engine.close()
-    pinning.release()
-    side = None
-    del kv
-    torch.cuda.empty_cache()
-    return out
+    engine = CudaCopyEngine(BlockCopier(paged, HostSlots(buffer, slots)), streams, method)
+    try:
+        yield engine, paged
+    finally:
+        engine.close()
+        pinning.release()
+        del kv
+        torch.cuda.empty_cache()
+
+
+def kit_tuples(count: int) -> list[PageCopy]:
+    """The kit's job of ``count`` blocks: consecutive slots from 0, scattered engine blocks."""
+    return [PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(count)]
+
+
+def kit_pages(count: int):
+    """:func:`kit_tuples` as the page table kvtier's scheduler sends the workers."""
+    return page_table(kit_tuples(count))
 
 
 def start(engine: CudaCopyEngine, direction: Direction, job_id: int, pages) -> None:
@@ -297,13 +319,12 @@ def phases(engine: CudaCopyEngine, streams: TorchCudaStreams, direction: Directi
 
 
 def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction: Direction, job_ids) -> dict:
-    case = Case(layout, layers=LAYERS, heads=heads, tokens=kit.TOKENS, content=kit.CONTENT, dtype=torch.bfloat16)
-    kv = build(case, BLOCKS + 8, streams.device)
-    paged = PagedKV(kv.views, BLOCKS + 8)
-    slots = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, BLOCKS)
-    buffer, pinning, _ = kit.host_region(slots.region_bytes, slots.slot_bytes)
-    engine = CudaCopyEngine(BlockCopier(paged, HostSlots(buffer, slots)), streams, method)
-    tuples = [PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)]
+    with kit_engine(streams, layout, heads, method) as (engine, paged):
+        return _profile_jobs(engine, paged, streams, direction, job_ids)
+
+
+def _profile_jobs(engine: CudaCopyEngine, paged: PagedKV, streams, direction: Direction, job_ids) -> dict:
+    tuples = kit_tuples(BLOCKS)
     pages = page_table(tuples)  # what kvtier's scheduler sends the workers
     for _ in range(3):
         kit.run_job(engine, direction, pages, next(job_ids))
@@ -343,10 +364,6 @@ def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
     graph_launches = sum(lanes.graph_launches for lanes in streams._lanes.values())  # noqa: SLF001
-    engine.close()
-    pinning.release()
-    del kv
-    torch.cuda.empty_cache()
     return {"page_bytes": paged.page_bytes, "graph_launches": graph_launches, "phases_us": phase_us,
             "issue_ms_median": round(statistics.median(issue) * 1e3, 3),
             "issue_ms_min": round(min(issue) * 1e3, 3),
@@ -358,29 +375,20 @@ def mixed_jobs(streams, direction: Direction, job_ids, count: int = 40) -> dict:
     """Staged jobs of 1 to 512 blocks (seeded, uniform; 16 KiB LBNHC pages), each issued behind a
     gate of compute as the kit issues them, as serving hands them (a load as long as its prompt's
     hit): the share that went as graph launches and the start call's median and 90th percentile."""
-    case = Case("LBNHC", layers=LAYERS, heads=2, tokens=kit.TOKENS, content=kit.CONTENT, dtype=torch.bfloat16)
-    kv = build(case, BLOCKS + 8, streams.device)
-    paged = PagedKV(kv.views, BLOCKS + 8)
-    slots = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, BLOCKS)
-    buffer, pinning, _ = kit.host_region(slots.region_bytes, slots.slot_bytes)
-    engine = CudaCopyEngine(BlockCopier(paged, HostSlots(buffer, slots)), streams, CopyMethod.STAGED)
     sizes = random.Random(0).choices(range(1, BLOCKS + 1), k=count)
     before = sum(lanes.graph_launches for lanes in streams._lanes.values())  # noqa: SLF001
     seconds = []
-    for size in sizes:
-        pages = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(size)])
-        torch.cuda.synchronize()
-        kit.gate()
-        began = time.perf_counter()
-        start(engine, direction, next(job_ids), pages)
-        seconds.append(time.perf_counter() - began)
-        engine.wait()
-        assert all(done.ok for done in engine.poll())
-    launches = sum(lanes.graph_launches for lanes in streams._lanes.values()) - before  # noqa: SLF001
-    engine.close()
-    pinning.release()
-    del kv
-    torch.cuda.empty_cache()
+    with kit_engine(streams) as (engine, _):
+        for size in sizes:
+            pages = kit_pages(size)
+            torch.cuda.synchronize()
+            kit.gate()
+            began = time.perf_counter()
+            start(engine, direction, next(job_ids), pages)
+            seconds.append(time.perf_counter() - began)
+            engine.wait()
+            assert all(done.ok for done in engine.poll())
+        launches = sum(lanes.graph_launches for lanes in streams._lanes.values()) - before  # noqa: SLF001
     seconds.sort()
     return {"jobs": count, "graph_share": round(launches / count, 3),
             "issue_ms_median": round(statistics.median(seconds) * 1e3, 3),

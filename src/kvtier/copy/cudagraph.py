@@ -26,8 +26,7 @@ copy engine's events order it against the compute stream as they order a job iss
 A launch does not wait for the previous launch of the same graph to finish on the host: an
 update applies to later launches only (CUDA's contract for executable graph updates).
 
-Buffers: the plan's arrays are read by :meth:`CudaJobGraph.launch` only (the addresses are
-copied into the graph); the ring words a launch uploads from stay untouched until it ran (the
+Buffers: a launch takes the job's host addresses and sizes as lists (copied into the graph); the ring words a launch uploads from stay untouched until it ran (the
 lanes fence them, :meth:`~kvtier.copy.lanes.CudaLanes._take`). Calling thread only (the one that issues the forward); :meth:`destroy`
 once no launch of the graph is in flight.
 """
@@ -91,16 +90,12 @@ class CudaJobGraph:
             raise
         return cls(runtime, graph, instance, copies, plan.staging_addr.tolist(), upload, uploaded)
 
-    def launch(self, plan: StagedRuns, stream: int, numbers_at: int, numbers: int) -> None:
-        """Issue ``plan`` (of this graph's shape) on ``stream``, its ``numbers`` int64 numbers
-        uploaded from page-locked ``numbers_at`` (left untouched until the launch ran). Raises
+    def launch(self, direction: Direction, host_addrs: list[int], sizes: list[int], stream: int,
+               numbers_at: int, numbers: int) -> None:
+        """Issue a job of this graph's shape and ``direction`` on ``stream``: its chunks' host
+        addresses and copy sizes, its ``numbers`` int64 numbers uploaded from page-locked
+        ``numbers_at`` (left untouched until the launch ran). Raises
         :class:`~kvtier.copy.cudart.CudaError` (then nothing of the job was launched)."""
-        self.launch_at(plan.direction, plan.host_addr.tolist(), plan.sizes.tolist(), stream, numbers_at, numbers)
-
-    def launch_at(self, direction: Direction, host_addrs: list[int], sizes: list[int], stream: int,
-                  numbers_at: int, numbers: int) -> None:
-        """:meth:`launch` of a job given as its chunks' host addresses and copy sizes (a job of
-        this graph's shape and ``direction``)."""
         runtime, instance = self.runtime, self.instance
         set_memcpy = runtime.graph_set_memcpy
         set_memcpy(instance, self.upload, self.uploaded, numbers_at, 8 * numbers)

@@ -153,9 +153,8 @@ class GraphCache(Generic[G]):
     def find(self, key: Hashable, build: Callable[[], G]) -> G | None:
         """``key``'s graph: kept, or built now by ``build()`` (which may raise: nothing is kept
         then), or None before the key's ``build_at``-th job."""
-        graph = self._graphs.get(key)
+        graph = self.kept(key)
         if graph is not None:
-            self._graphs.move_to_end(key)
             return graph
         seen = self._seen.pop(key, 0) + 1
         if seen < self.build_at:

@@ -203,15 +203,9 @@ class CudaLanes:
             self._reserve(count)
             graph = self._graph(plan, key, count)
             first = self._stage(parts, count, Lane.TRANSFER) if graph is not None else None
-            if graph is not None and first is not None:  # (no room in the ring: op by op)
-                try:
-                    graph.launch(plan, self._transfer, self._ring_address + 8 * first, count)  # its first node uploads
-                    self.graph_launches += 1
-                    return key
-                except Exception as exc:  # noqa: BLE001 - nothing of the job was launched: op by op instead
-                    self._graphs_off(f"a launch failed ({exc})")
-                finally:
-                    self._fence_if_due()
+            if graph is not None and first is not None and self._launch_graph(  # (no room in the ring: op by op)
+                    graph, plan.direction, plan.host_addr.tolist(), plan.sizes.tolist(), first, count):
+                return key
         plan.issue(self)
         return None
 
@@ -226,20 +220,25 @@ class CudaLanes:
         if self._retired:
             self._destroy_retired()
         graphs = self._graphs
-        if graphs is None or self._index_address != self._graphs_built_on or job.count > self._index_size:
+        if graphs is None or self._index_address != self._graphs_built_on:
             return False
         graph = graphs.kept(job.key)
         if graph is None:
             return False
-        count = job.count
-        first = self._stage((job.count_word, job.layer_rows, blocks), count, Lane.TRANSFER)
+        first = self._stage((job.count_word, job.layer_rows, blocks), job.count, Lane.TRANSFER)
         if first is None:
             return False
         host = job.host_base + first_slot * job.slot_bytes
+        return self._launch_graph(graph, job.direction, [host + start for start in job.starts], job.sizes, first, job.count)
+
+    def _launch_graph(self, graph: CudaJobGraph, direction: Direction, host_addrs: list[int], sizes: list[int],
+                first: int, count: int) -> bool:
+        """Launch ``graph`` on the TRANSFER lane for a job of these host addresses and sizes, its
+        ``count`` numbers staged in the ring from word ``first`` (its first node uploads them);
+        False if the launch failed (graphs off, logged; nothing of the job was launched)."""
         try:
-            graph.launch_at(job.direction, [host + start for start in job.starts], job.sizes, self._transfer,
-                            self._ring_address + 8 * first, count)
-        except Exception as exc:  # noqa: BLE001 - nothing of the job was launched: planned instead
+            graph.launch(direction, host_addrs, sizes, self._transfer, self._ring_address + 8 * first, count)
+        except Exception as exc:  # noqa: BLE001 - the caller issues the job otherwise
             self._graphs_off(f"a launch failed ({exc})")
             return False
         finally:
