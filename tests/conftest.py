@@ -7,10 +7,16 @@ on its own code: the model-class inspection it otherwise runs in a fresh subproc
 (``modelinfos/``: ~8 s of one core per engine start on 2 cores). Nothing an engine computes from
 a prompt is cached there, so engines stay independent.
 
-Time budget: at the end of a run, the time spent per test file is printed (slowest first), with the
-total of the real-engine tests (marked ``e2e``); past :data:`E2E_BUDGET_S` (or
-``KVTIER_E2E_BUDGET_S``) a warning says so: the suite must stay within 30 minutes on 2 cores, so a
-feature's new end-to-end cases pay for themselves (share engines, short prompts, one-process mode).
+Workers: the README's command runs the suite with pytest-xdist (``-n auto --dist loadfile``: a
+file's tests and its module fixtures stay on one worker), one worker per CPU (at most
+:data:`MAX_WORKERS`), each pinned to its CPU and leasing it per test; tests marked ``all_cores``
+lease every CPU (:mod:`support.cpu_lease`).
+
+Time budget: at the end of a run, the time spent per test file is printed (slowest first; under
+xdist these add up over the workers), with the total of the real-engine tests (marked ``e2e``) and
+the run's wall time; past :data:`WALL_BUDGET_S` (or ``KVTIER_TEST_BUDGET_S``) a warning says so:
+the suite must stay within 30 minutes on 2 cores with its install, so a feature's new end-to-end
+cases pay for themselves (share engines, short prompts, one-process mode).
 """
 
 from __future__ import annotations
@@ -18,16 +24,78 @@ from __future__ import annotations
 import collections
 import json
 import os
+import time
 
 import pytest
 
-E2E_BUDGET_S = 22 * 60.0
-"""The real-engine tests' share of the 30-minute budget on 2 cores: the install takes ~2 min on a
-clean clone and the other tests ~2 min, which leaves ~4 min of margin for a slow day. (2026-11-27,
-clean clone: real-engine tests 23.4 min, other tests 3.9 min, whole `.ci/run` 31.0 min: over.)"""
+WALL_BUDGET_S = 26 * 60.0
+"""The test run's share of the 30-minute budget on 2 cores: the install takes ~2-3 min on a clean
+clone, which leaves a minute or two of margin for a slow day. (2026-11-28, one process: real-engine
+tests 26.2 min, other tests 5.3 min, whole `.ci/run` 34.2 min; over.)"""
+
+MAX_WORKERS = 4
+"""``-n auto``'s ceiling: each worker's engines take 1-3 GiB of memory."""
 
 _FILE_SECONDS: collections.Counter[str] = collections.Counter()
 _E2E_FILES: set[str] = set()
+_LEASE_WAITS: collections.Counter[str] = collections.Counter()  # seconds tests waited for their CPUs
+_STARTED = time.monotonic()
+_LEASE = None  # this worker's support.cpu_lease.CpuLease (None: not an xdist worker)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _LEASE
+    from support import cpu_lease
+
+    if hasattr(config, "workerinput"):
+        _LEASE = cpu_lease.pin_worker(config.workerinput["workerid"])
+    elif config.getoption("numprocesses", None):
+        cpu_lease.prepare_controller()
+        config.option.loadscopereorder = False  # (pytest_collection_modifyitems orders the files)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from support import cpu_lease
+
+    if not hasattr(config, "workerinput"):
+        cpu_lease.finish_controller()
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files whose tests all take every CPU first, then real-engine files, then the rest (stable;
+    the workers' collections stay identical): the ``all_cores`` files then run back to back while
+    the other workers have nothing of their own to wait out, and the short files fill the end.
+    (xdist's own reordering, by number of tests per file, is turned off in the controller.)"""
+    files: dict[str, list[pytest.Item]] = collections.defaultdict(list)
+    for item in items:
+        files[item.nodeid.split("::", 1)[0]].append(item)
+
+    def rank(path: str) -> int:
+        tests = files[path]
+        if all(t.get_closest_marker("all_cores") for t in tests):
+            return 0
+        return 1 if any(t.get_closest_marker("e2e") for t in tests) else 2
+
+    items[:] = [item for path in sorted(files, key=rank) for item in files[path]]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem):
+    """Each test (its fixtures' set-up and teardown included) holds its CPU lease, or all of them."""
+    if _LEASE is None:
+        return (yield)
+    all_cores = item.get_closest_marker("all_cores") is not None
+    asked = time.monotonic()
+    _LEASE.begin(all_cores=all_cores)
+    item.user_properties.append(("cpu_lease_wait_s", time.monotonic() - asked))
+    try:
+        return (yield)
+    finally:
+        _LEASE.end(keep_all=all_cores and nextitem is not None and nextitem.get_closest_marker("all_cores") is not None)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,6 +129,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _FILE_SECONDS[path] += report.duration  # setup, call and teardown (module fixtures included)
     if "e2e" in report.keywords:
         _E2E_FILES.add(path)
+    if report.when == "setup":
+        _LEASE_WAITS[path] += dict(report.user_properties).get("cpu_lease_wait_s", 0.0)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
@@ -73,8 +143,14 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
             write(f"{seconds:8.1f}  {path}{'  (real engines)' if path in _E2E_FILES else ''}")
     e2e = sum(_FILE_SECONDS[p] for p in _E2E_FILES)
     other = sum(_FILE_SECONDS.values()) - e2e
-    budget = float(os.environ.get("KVTIER_E2E_BUDGET_S", E2E_BUDGET_S))
-    write(f"real-engine tests {e2e / 60:.1f} min (budget {budget / 60:.0f} min), other tests {other / 60:.1f} min")
-    if e2e > budget:
-        write(f"WARNING: the real-engine tests took {e2e / 60:.1f} min, over their budget of {budget / 60:.0f} "
-              "min: share engines, shorten prompts or merge cases (tests/conftest.py)", yellow=True, bold=True)
+    wall = time.monotonic() - _STARTED
+    workers = getattr(config.option, "numprocesses", None) or 1
+    budget = float(os.environ.get("KVTIER_TEST_BUDGET_S", WALL_BUDGET_S))
+    write(f"real-engine tests {e2e / 60:.1f} min, other tests {other / 60:.1f} min, over {workers} worker(s); "
+          f"wall {wall / 60:.1f} min (budget {budget / 60:.0f} min)")
+    if sum(_LEASE_WAITS.values()) >= 1.0:
+        waits = ", ".join(f"{path} {seconds:.0f} s" for path, seconds in _LEASE_WAITS.most_common(4) if seconds >= 1.0)
+        write(f"waited for CPUs (support/cpu_lease.py): {sum(_LEASE_WAITS.values()) / 60:.1f} min ({waits})")
+    if wall > budget:
+        write(f"WARNING: the run took {wall / 60:.1f} min, over its budget of {budget / 60:.0f} min: share "
+              "engines, shorten prompts or merge cases (tests/conftest.py)", yellow=True, bold=True)

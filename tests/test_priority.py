@@ -20,7 +20,10 @@ from kvtier.core.priority import (
 )
 from kvtier.tiers.disk import DiskTier
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux-only")
+pytestmark = [
+    pytest.mark.skipif(not hasattr(os, "setpriority"), reason="per-thread nice values are Linux-only"),
+    pytest.mark.all_cores,  # thread placement across the run's CPUs, unpinned (support.cpu_lease)
+]
 
 
 def nice_of(native_id: int) -> int:
@@ -92,13 +95,12 @@ print(json.dumps(seen))
 """
 
 
-@pytest.mark.skipif(
-    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs Linux and 2+ CPUs"
-)
 def test_background_thread_leaves_the_compute_core_of_a_pinned_worker():
     """A worker process pinned to its compute core (vLLM's CPU backend) starts a background thread:
     the thread moves to the cores the parent may use and the worker may not; the worker's own
     thread stays where it was."""
+    if len(os.sched_getaffinity(0)) < 2:  # (at run time: an all_cores test's affinity is widened then)
+        pytest.skip("needs 2+ CPUs")
     import json
     import subprocess
     import sys

@@ -417,6 +417,7 @@ class UsageWatcher(threading.Thread):
             time.sleep(0.05)
 
 
+@pytest.mark.all_cores  # two engines at once, a CPU each
 def test_two_engines_write_the_same_blocks_into_one_small_root(tmp_path, model_path, alone):
     """Two engines at once, one disk root whose capacity (8 blocks) is below the 12 blocks each
     engine stores (3 of the prompts), host tiers holding those 12: both engines cascade all 12 to

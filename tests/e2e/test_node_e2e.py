@@ -42,7 +42,7 @@ from support.tiny_models import write_tiny_model
 
 from kvtier.bench.text import long_prompts, synthetic_text
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.all_cores]  # engines on CPUs 0 and 1 at once
 
 BLOCK = 64
 MAX_TOKENS = 8

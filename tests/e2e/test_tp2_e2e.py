@@ -17,20 +17,20 @@ gone is a miss for the whole block (and the prompt's later blocks), never half a
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
+from support.cpu_lease import all_cpus
 from support.offline_run import cached, launch, tokens
 from support.tiny_models import write_tiny_model
 
 from kvtier.bench.text import long_prompts
 from kvtier.tiers.blockfile import HEADER_LEN
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.all_cores]  # a rank per CPU (support.cpu_lease)
 
 PROMPTS = long_prompts(3, 220, seed=11)
-CPUS = sorted(os.sched_getaffinity(0))
+CPUS = all_cpus()
 
 
 def spec(folder: Path, rounds: list[dict], root: Path | None) -> dict:

@@ -50,6 +50,29 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+_SHORT_RPC_FOLDER: str | None = None
+
+
+def rpc_sockets_env(run_dir: Path) -> dict[str, str]:
+    """``VLLM_RPC_BASE_PATH`` where ``run_dir`` (the engine's TMPDIR, where vLLM puts its ZeroMQ
+    IPC sockets otherwise) would make their paths too long for ``sockaddr_un`` (pytest-xdist's
+    worker folders add 10 characters): one short folder in ``/tmp`` for this test process's
+    engines, removed when it exits. Socket names are fresh UUIDs, so engines never share one."""
+    global _SHORT_RPC_FOLDER
+    from kvtier.bench.servers import MAX_SOCKET_PATH_CHARS, socket_path_chars
+
+    if socket_path_chars(str(run_dir)) <= MAX_SOCKET_PATH_CHARS:
+        return {}
+    if _SHORT_RPC_FOLDER is None:
+        import atexit
+        import shutil
+        import tempfile
+
+        _SHORT_RPC_FOLDER = tempfile.mkdtemp(prefix="kvtier-rpc-", dir="/tmp")
+        atexit.register(shutil.rmtree, _SHORT_RPC_FOLDER, ignore_errors=True)
+    return {"VLLM_RPC_BASE_PATH": _SHORT_RPC_FOLDER}
+
+
 def start(spec: dict, tmp: Path, *, multiprocess: bool = False, env: dict[str, str] | None = None):
     """Start this harness on ``spec`` in a subprocess (a fresh engine, its own process group) with
     its own folder ``tmp/runN`` (vLLM cache, TMPDIR, ``engine.log``: stdout and stderr).
@@ -66,6 +89,7 @@ def start(spec: dict, tmp: Path, *, multiprocess: bool = False, env: dict[str, s
         "VLLM_CACHE_ROOT": os.environ.get("KVTIER_TEST_VLLM_CACHE_ROOT") or str(run_dir / "vllm-cache"),
         "TMPDIR": str(run_dir),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0",
+        **rpc_sockets_env(run_dir),
         **(env or {}),
     }
     if zygote.enabled():

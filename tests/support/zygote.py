@@ -8,8 +8,10 @@ spec. A child is a new process (its own pid, session, environment, ``TMPDIR``, f
 as :func:`support.offline_run.start` gives a ``Popen`` child), so every engine still starts clean;
 only the imports are shared, copy-on-write.
 
-Protocol (one JSON line each way, on the zygote's stdin/stdout): ``{"spec", "run_dir", "env"}``
--> ``{"pid"}``. The zygote reaps its children and writes each one's exit code to
+Protocol (one JSON line each way, on the zygote's stdin/stdout): ``{"spec", "run_dir", "env",
+"cpus"}`` -> ``{"pid"}`` (``cpus``: the caller's affinity at the request, which the child takes, as
+a ``Popen`` child inherits it: a test that leases every CPU, see :mod:`support.cpu_lease`, gets
+engines that may use them all). The zygote reaps its children and writes each one's exit code to
 ``<run_dir>/exit_status`` (negative: the signal that killed it), which :class:`ForkedEngine`
 polls: the test process cannot ``waitpid`` a grandchild.
 
@@ -79,7 +81,8 @@ def fork_engine(spec: dict, run_dir: Path, env: dict[str, str]) -> ForkedEngine:
                                        text=True, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
             ready = _ZYGOTE.stdout.readline()
             assert ready.strip() == "ready", f"the engine zygote failed to start: {ready!r}"
-        _ZYGOTE.stdin.write(json.dumps({"spec": spec, "run_dir": str(run_dir), "env": env}) + "\n")
+        request = {"spec": spec, "run_dir": str(run_dir), "env": env, "cpus": sorted(os.sched_getaffinity(0))}
+        _ZYGOTE.stdin.write(json.dumps(request) + "\n")
         _ZYGOTE.stdin.flush()
         answer = _ZYGOTE.stdout.readline()
         assert answer, "the engine zygote died"
@@ -127,6 +130,7 @@ def _child(request: dict, channels: list[int]) -> None:
         os.close(devnull)
         os.environ.clear()
         os.environ.update(request["env"])
+        os.sched_setaffinity(0, request["cpus"])  # the caller's, as a Popen child inherits them
         import tempfile
 
         tempfile.tempdir = None  # (cached by the imports: the engine's TMPDIR is its own)
