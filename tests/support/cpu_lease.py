@@ -28,6 +28,7 @@ from pathlib import Path
 
 LOCKS_ENV = "KVTIER_TEST_CPU_LOCKS"  # the lock folder, set by the controller for its workers
 CPUS_ENV = "KVTIER_TEST_ALL_CPUS"  # the CPUs the whole run may use ("0,1"), before any pinning
+HOME_ENV = "KVTIER_TEST_HOME_CPU"  # a worker's own CPU, set by pin_worker
 
 
 def all_cpus() -> list[int]:
@@ -37,6 +38,15 @@ def all_cpus() -> list[int]:
     if text:
         return [int(cpu) for cpu in text.split(",")]
     return sorted(os.sched_getaffinity(0))
+
+
+def home_cpus() -> set[int]:
+    """The CPUs this test process computes on between all_cores tests: a worker's own CPU, else
+    this process's affinity. A helper process that outlives one test (the engine zygote) starts
+    on these, whichever test starts it: what it sets up at import (OpenMP's thread pool is sized
+    by the affinity it starts with) must not depend on that."""
+    home = os.environ.get(HOME_ENV)
+    return {int(home)} if home else set(os.sched_getaffinity(0))
 
 
 def prepare_controller() -> None:
@@ -113,4 +123,5 @@ def pin_worker(worker_id: str) -> CpuLease | None:
         return None
     lease = CpuLease(int(worker_id.removeprefix("gw")), all_cpus(), Path(folder))
     lease.pin()
+    os.environ[HOME_ENV] = str(lease.own)
     return lease

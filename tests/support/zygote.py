@@ -77,7 +77,10 @@ def fork_engine(spec: dict, run_dir: Path, env: dict[str, str]) -> ForkedEngine:
     global _ZYGOTE
     with _LOCK:
         if _ZYGOTE is None or _ZYGOTE.poll() is not None:
-            _ZYGOTE = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            from support.cpu_lease import home_cpus
+
+            home = ",".join(map(str, sorted(home_cpus())))
+            _ZYGOTE = subprocess.Popen([sys.executable, __file__, home], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        text=True, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
             ready = _ZYGOTE.stdout.readline()
             assert ready.strip() == "ready", f"the engine zygote failed to start: {ready!r}"
@@ -156,7 +159,11 @@ def _child(request: dict, channels: list[int]) -> None:
             os._exit(code)
 
 
-def _serve() -> None:
+def _serve(home: set[int]) -> None:
+    # Import on the test process's home CPUs, not on the CPUs of whichever test started this: the
+    # OpenMP pool that torch's import sizes by the affinity stays that size in every child (two
+    # compute threads on a child's one CPU ran its engine ~20x slower).
+    os.sched_setaffinity(0, home)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: `support` importable
     _preload()
     # The imports' objects (millions) live as long as any engine: out of the collector's sight,
@@ -221,4 +228,4 @@ def _reap(children: dict[int, Path], block: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    _serve()
+    _serve({int(cpu) for cpu in sys.argv[1].split(",")})
