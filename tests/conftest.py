@@ -30,8 +30,9 @@ import pytest
 
 WALL_BUDGET_S = 26 * 60.0
 """The test run's share of the 30-minute budget on 2 cores: the install takes ~2-3 min on a clean
-clone, which leaves a minute or two of margin for a slow day. (2026-11-28, one process: real-engine
-tests 26.2 min, other tests 5.3 min, whole `.ci/run` 34.2 min; over.)"""
+clone, which leaves a few minutes of margin for a slow day. (One process, 2026-11-28: real-engine
+tests 26.2 min, other tests 5.3 min, whole `.ci/run` 34.2 min, over. Two pinned workers,
+2026-11-29: 19.0 min of tests, whole `.ci/run` 21.2 min.)"""
 
 MAX_WORKERS = 4
 """``-n auto``'s ceiling: each worker's engines take 1-3 GiB of memory."""
