@@ -26,9 +26,10 @@ copy engine's events order it against the compute stream as they order a job iss
 A launch does not wait for the previous launch of the same graph to finish on the host: an
 update applies to later launches only (CUDA's contract for executable graph updates).
 
-Buffers: a launch takes the job's host addresses and sizes as lists (copied into the graph); the ring words a launch uploads from stay untouched until it ran (the
-lanes fence them, :meth:`~kvtier.copy.lanes.CudaLanes._take`). Calling thread only (the one that issues the forward); :meth:`destroy`
-once no launch of the graph is in flight.
+Buffers: a launch takes the job's host addresses and sizes as lists (copied into the graph); the
+ring words a launch uploads from stay untouched until it ran (the lanes fence them,
+:meth:`~kvtier.copy.lanes.CudaLanes._take`). Calling thread only (the one that issues the forward);
+:meth:`destroy` once no launch of the graph is in flight.
 """
 
 from __future__ import annotations

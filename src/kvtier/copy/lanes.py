@@ -203,8 +203,9 @@ class CudaLanes:
             self._reserve(count)
             graph = self._graph(plan, key, count)
             first = self._stage(parts, count, Lane.TRANSFER) if graph is not None else None
-            if graph is not None and first is not None and self._launch_graph(  # (no room in the ring: op by op)
-                    graph, plan.direction, plan.host_addr.tolist(), plan.sizes.tolist(), first, count):
+            # no graph, no room in the ring or a failed launch: op by op
+            if first is not None and self._launch_graph(graph, plan.direction, plan.host_addr.tolist(),
+                                                        plan.sizes.tolist(), first, count):
                 return key
         plan.issue(self)
         return None
@@ -231,8 +232,8 @@ class CudaLanes:
         host = job.host_base + first_slot * job.slot_bytes
         return self._launch_graph(graph, job.direction, [host + start for start in job.starts], job.sizes, first, job.count)
 
-    def _launch_graph(self, graph: CudaJobGraph, direction: Direction, host_addrs: list[int], sizes: list[int],
-                first: int, count: int) -> bool:
+    def _launch_graph(self, graph: CudaJobGraph, direction: Direction, host_addrs: list[int],
+                      sizes: list[int], first: int, count: int) -> bool:
         """Launch ``graph`` on the TRANSFER lane for a job of these host addresses and sizes, its
         ``count`` numbers staged in the ring from word ``first`` (its first node uploads them);
         False if the launch failed (graphs off, logged; nothing of the job was launched)."""
