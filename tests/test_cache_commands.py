@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 from support import unreadable
 from support.namespaces import toy_namespace
+from support.store_files import settle_scan
 
 from kvtier.cachetools import PurgeSelection, inspect_cache, parse_duration, purge_cache, verify_cache
 from kvtier.cli.main import main
@@ -321,6 +322,7 @@ def test_purge_refuses_without_or_with_bad_selectors(cache: Cache) -> None:
 def test_purge_while_a_tier_is_open(cache: Cache) -> None:
     tier = open_tier(cache.root, NAMESPACES["smol"], MODEL_NAMES["smol"])
     try:
+        settle_scan(tier)  # the start-up rescan: the rescan below must not be a no-op beside it
         key = key_of("smol", 2)
         assert tier.contains(key) and tier.usage().num_blocks == 6
         writer_tmp = cache.path("smol", 2).with_name(f"{key.hex()}.bin.{os.getpid()}.feed.tmp")

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from support.store_files import settle_scan
 
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium
 from kvtier.tiers.blockfile import (
@@ -328,15 +329,6 @@ def drop_snapshot(root: Path) -> None:
     """Remove the index snapshot close() wrote: the next start-up scans the files (as after a
     crash before the first snapshot)."""
     (root / PREFIX / "index_g0.snapshot").unlink()
-
-
-def settle_scan(tier: DiskTier, timeout: float = 10.0) -> None:
-    """Wait for the tier's running rescan (the one a snapshot start-up begins) to be merged."""
-    deadline = time.monotonic() + timeout
-    while tier._state.scan_running:  # noqa: SLF001
-        assert time.monotonic() < deadline, "rescan did not finish"
-        tier.poll()
-        time.sleep(0.005)
 
 
 def test_restart_rebuilds_index_in_mtime_order(tmp_path, tiers):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from pathlib import Path
 
 
@@ -63,3 +64,13 @@ def namespace_bytes(root: Path, namespace: str, group: int = 0) -> int:
             return present_bytes(files)
         finally:
             fcntl.flock(ledger, fcntl.LOCK_UN)
+
+
+def settle_scan(tier, timeout: float = 10.0) -> None:
+    """Wait for a DiskTier's running rescan (the one its start-up begins) to be merged: a later
+    ``rescan()`` does nothing while one runs."""
+    deadline = time.monotonic() + timeout
+    while tier._state.scan_running:  # noqa: SLF001
+        assert time.monotonic() < deadline, "rescan did not finish"
+        tier.poll()
+        time.sleep(0.005)
