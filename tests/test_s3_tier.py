@@ -30,7 +30,8 @@ from kvtier.tiers.presence import PresenceCache
 from kvtier.tiers.s3 import ObjectKeys, S3Tier
 from kvtier.tiers.s3.keys import namespace_folder, parse_block
 from kvtier.tiers.s3.jobs import MSG_LISTED
-from kvtier.tiers.s3.monitor import Listing, choose_victims
+from kvtier.tiers.s3 import monitor
+from kvtier.tiers.s3.monitor import Listing, OldestEntries, choose_victims
 from kvtier.tiers.value import encode_value
 
 PAYLOAD = 4096
@@ -183,6 +184,28 @@ def test_capacity_sweep_takes_the_least_recently_written_first():
     victims = choose_victims(entries, 450, 300)  # down to 270: oldest first, ties by key (a, a2), then b
     assert [path.split("/")[-1] for path, _ in victims] == ["a.bin", "a2.bin", "b.bin"]
     assert 450 - sum(size for _, size in victims) <= 270
+
+
+def test_a_listing_keeps_only_the_oldest_entries_a_sweep_can_take():
+    """The sweep's entries are bounded by the sweep, not the bucket: the kept ones are exactly the
+    oldest (ties by key) of everything listed, and held at most twice the limit at a time."""
+    rng = random.Random(5)
+    t0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    listed = [(t0 + timedelta(seconds=rng.randrange(50)), f"p/n/{rng.getrandbits(32):08x}.bin", rng.randrange(1, 9))
+              for _ in range(1_000)]
+    kept = OldestEntries(64)
+    most = 0
+    for entry in listed:
+        kept.add(entry)
+        most = max(most, len(kept._entries))
+    assert kept.oldest() == sorted(listed)[:64] and kept.seen == 1_000 and kept.cut
+    assert most < 128
+    few = OldestEntries(64)
+    for entry in listed[:64]:
+        few.add(entry)
+    assert few.oldest() == sorted(listed[:64]) and not few.cut
+    with pytest.raises(ValueError):
+        OldestEntries(0)
 
 
 def test_presence_reconcile_forgets_what_a_later_listing_lacks():
@@ -372,6 +395,29 @@ def test_capacity_is_held_across_every_writer_of_the_prefix(s3, tiers):
     assert all(second.keys.block(key_of(100 + i)) in left for i in range(6)), "newer objects were swept"
     wait_for(first, lambda: (second.poll(), first.evictions + second.evictions >= 4)[1], what="evictions counted")
     assert first.usage().capacity_bytes == capacity
+
+
+def test_a_sweep_cut_short_by_its_bound_sweeps_again_until_within(s3, tiers, monkeypatch):
+    """A prefix over its bound by more objects than one sweep may delete (SWEEP_MAX, 3 here) comes
+    within it over the next listings, the oldest first, with no write to prompt them."""
+    monkeypatch.setattr(monitor, "SWEEP_MAX", 3)
+    monkeypatch.setattr(monitor, "MIN_GAP_S", 0.2)
+    value = 136 + PAYLOAD
+    writer = tiers(entry(s3, "cut"))
+    write_all(writer, [key_of(i) for i in range(4)])
+    time.sleep(1.1)  # LastModified has a resolution of one second
+    write_all(writer, [key_of(100 + i) for i in range(8)])
+    writer.close()
+
+    def blocks() -> set[str]:
+        return {path for path, size in s3.objects("cut/").items() if path.endswith(".bin")}
+
+    bounded = tiers(replace(entry(s3, "cut"), capacity_bytes=4 * value, list_interval_s=60.0),
+                    engine=os.urandom(32))  # its listing comes at start-up, then only when it asks
+    wait_for(bounded, lambda: len(blocks()) * value <= 4 * value, timeout=20, what="prefix within capacity")
+    assert len(blocks()) == 3  # down to 90% of the bound: 3 values
+    assert not any(writer.keys.block(key_of(i)) in blocks() for i in range(4)), "the oldest were not swept first"
+    wait_for(bounded, lambda: bounded.evictions == 9, what="the sweeper's evictions counted")
 
 
 def test_clear_removes_the_namespace_and_delete_its_keys(s3, tiers):

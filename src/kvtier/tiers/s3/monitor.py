@@ -13,7 +13,10 @@ One daemon thread per tier, ``kvtier-s3-monitor`` (background priority):
   least recently written ones (LastModified, then key) are deleted until they hold at most
   :data:`SWEEP_TO` of it. Every engine of the prefix sweeps by the same order, so they agree on what
   goes; between two sweeps the prefix may exceed the bound by what the fleet writes meanwhile.
-  A bucket lifecycle rule can replace the sweep (docs/object-store.md).
+  The listing keeps only the oldest :data:`SWEEP_MAX` objects' entries (:class:`OldestEntries`:
+  its memory is bounded by the sweep, not by the bucket); a sweep that this cuts short lists and
+  sweeps again :data:`MIN_GAP_S` later. A bucket lifecycle rule can replace the sweep
+  (docs/object-store.md).
 - Recovery: while the circuit breaker is open, once its back-off has passed, ONE trial (a LIST of
   one page); success stores the namespace's config.json again and closes the breaker, then lists.
 - The namespace's ``config.json`` is stored at start-up and after each recovery.
@@ -25,6 +28,7 @@ runs itself, here). A LIST stops between pages when the tier closes.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -46,6 +50,10 @@ SWEEP_TO = 0.9
 MIN_GAP_S = 5.0
 """The least time between two listings the caller asks for (capped by ``list_interval_s``)."""
 PAGE = 1000
+SWEEP_MAX = 50_000
+"""The most objects one sweep deletes: a listing keeps the entries of the oldest this many block
+objects of the prefix, whatever the bucket holds (at most twice as many between trims: 28 MiB at
+the peak, measured with 71-character keys)."""
 
 
 @dataclass
@@ -61,11 +69,42 @@ class Listing:
     victims: list[str] = field(default_factory=list, repr=False)
 
 
+class OldestEntries:
+    """The ``limit`` least recently written of the ``(last_modified, path, size)`` entries given
+    to :meth:`add`, in memory for at most ``2 * limit`` of them (cut back to the oldest ``limit``
+    each time that many are held). One thread (the monitor's listing)."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"kvtier s3: keep at least one entry, not {limit}")
+        self._limit = limit
+        self._entries: list[tuple[datetime, str, int]] = []
+        self.seen = 0  # entries given
+        self.cut = False  # some entry was dropped: a sweep of these may not reach its target
+
+    def add(self, entry: tuple[datetime, str, int]) -> None:
+        self._entries.append(entry)
+        self.seen += 1
+        if len(self._entries) >= 2 * self._limit:
+            self._trim()
+
+    def oldest(self) -> list[tuple[datetime, str, int]]:
+        """The kept entries, oldest (then least key) first."""
+        self._trim()
+        return self._entries
+
+    def _trim(self) -> None:
+        if len(self._entries) > self._limit:
+            self.cut = True
+        self._entries = heapq.nsmallest(self._limit, self._entries)
+
+
 def choose_victims(entries: Iterable[tuple[datetime, str, int]], used_bytes: int, capacity_bytes: int,
                    sweep_to: float = SWEEP_TO) -> list[tuple[str, int]]:
     """``(path, size)`` of the objects to delete, least recently written first (then by key), so
     that ``used_bytes`` comes down to ``sweep_to * capacity_bytes``; none while it is within
-    ``capacity_bytes``. ``entries``: ``(last_modified, path, size)`` of every block object."""
+    ``capacity_bytes``. ``entries``: ``(last_modified, path, size)`` of every block object, or of
+    the oldest of them (:class:`OldestEntries`): then the victims are all of those at most."""
     if used_bytes <= capacity_bytes:
         return []
     target = int(capacity_bytes * sweep_to)
@@ -187,7 +226,7 @@ class Monitor:
         scope = self._prefix + "/" if self._capacity is not None else keys.base
         started = time.monotonic()
         mine: set[BlockKey] = set()
-        entries: list[tuple[datetime, str, int]] = []
+        entries = OldestEntries(SWEEP_MAX) if self._capacity is not None else None
         used = blocks = 0
         try:
             for chunk in obstore.list(self._path.store, scope, chunk_size=PAGE):
@@ -199,8 +238,8 @@ class Monitor:
                     if block is None:
                         continue
                     used += size
-                    if self._capacity is not None:
-                        entries.append((meta["last_modified"], path, size))
+                    if entries is not None:
+                        entries.add((meta["last_modified"], path, size))
                     if block.folder == keys.folder:
                         blocks += 1
                         if size == self._value_bytes:
@@ -218,9 +257,9 @@ class Monitor:
                 logger.warning("kvtier s3: listing %s failed: %s", scope, describe(exc))
             return
         self._breaker.success()
-        listing = Listing(mine, started, used, blocks, len(entries) if self._capacity is not None else blocks)
-        if self._capacity is not None:
-            victims = choose_victims(entries, used, self._capacity)
+        listing = Listing(mine, started, used, blocks, entries.seen if entries is not None else blocks)
+        if entries is not None:
+            victims = choose_victims(entries.oldest(), used, self._capacity)
             for path, size in victims:
                 listing.used_bytes -= size
                 listing.victims.append(path)
@@ -229,6 +268,8 @@ class Monitor:
                     mine.discard(key)
                     listing.blocks -= 1
             listing.swept = len(victims)
+            if entries.cut and listing.used_bytes > self._capacity:  # cut short: the rest at the next sweep
+                self._asked = True
         self._post([(MSG_LISTED, listing)])
         if listing.victims:
             logger.info("kvtier s3: %s holds %.1f MiB of blocks, over capacity_bytes %.1f MiB: deleting the %d "
