@@ -27,9 +27,10 @@ import torch
 from host_device import HostDevice, host_streams
 
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table
+from kvtier.copy.choice import TRIALS, TrialKey
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.lanes import CudaLanes
-from kvtier.copy.staging import CopyMethod
+from kvtier.copy.staging import STAGE_BELOW_BYTES, CopyMethod
 from kvtier.core.slots import HostSlotLayout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
@@ -48,9 +49,9 @@ def rig(device: HostDevice, chunk_pages: int = CHUNK_PAGES):
 
 
 def layout_rig(device: HostDevice, case: Case | str, chunk_pages: int, buffers: int, num_blocks: int = 12,
-               num_slots: int = 12):
+               num_slots: int = 12, method: CopyMethod = CopyMethod.STAGED):
     """``case`` (or ``CASES[case]``) on CPU with random bytes, a host region, and a CUDA engine
-    that always stages, on ``device``."""
+    that moves jobs by ``method`` (always staged by default), on ``device``."""
     case = CASES[case] if isinstance(case, str) else case
     kv = build(case, num_blocks, "cpu")
     kv.raw.copy_(torch.randint(-128, 128, kv.raw.shape, dtype=torch.int8))
@@ -58,7 +59,7 @@ def layout_rig(device: HostDevice, case: Case | str, chunk_pages: int, buffers: 
     layout = HostSlotLayout(paged.num_layers, 1, paged.page_bytes, 1, num_slots)
     host = HostSlots(torch.zeros(layout.region_bytes, dtype=torch.uint8), layout)
     streams = host_streams(device)
-    engine = CudaCopyEngine(BlockCopier(paged, host), streams, CopyMethod.STAGED,
+    engine = CudaCopyEngine(BlockCopier(paged, host), streams, method,
                             chunk_bytes=chunk_pages * paged.page_bytes, buffers=buffers)
     return engine, streams, kv, paged, host
 
@@ -252,6 +253,12 @@ def _lands(paged, host, table, direction) -> bool:
 
 
 def _run(engine, paged, host, job_id, direction, table) -> bool:
+    done = _done(engine, paged, job_id, direction, table)
+    return done.ok and _lands(paged, host, table, direction)
+
+
+def _done(engine, paged, job_id, direction, table):
+    """Issue the job (a load into zeroed pages) and return its CopyDone."""
     if direction is Direction.LOAD:
         for block in table[:, 2].tolist():
             for layer in range(LAYERS):
@@ -260,7 +267,7 @@ def _run(engine, paged, host, job_id, direction, table) -> bool:
     else:
         engine.start_store(job_id, table)
     [done] = engine.poll()
-    return done.ok and _lands(paged, host, table, direction)
+    return done
 
 
 def test_page_tables_of_a_size_seen_as_a_graph_repeat_it_unplanned_and_land_exactly():
@@ -310,6 +317,45 @@ def test_repeats_of_mixed_sizes_land_exactly_and_fall_back_when_their_graph_is_g
         direction = Direction.STORE if rng.random() < 0.5 else Direction.LOAD
         assert _run(engine, paged, host, job_id, direction, table), (job_id, direction, table.tolist())
     assert engine.repeated > 20 and device.calls["graph_create"] > 2 * 4, (engine.repeated, device.calls)
+    engine.close()
+
+
+def test_block_outermost_jobs_repeat_only_where_their_own_run_count_is_staged():
+    """AUTO on a block-outermost layout: a run is as many blocks as the engine holds in a row, so
+    the method of a job (by its class: mean bytes per run) depends on its blocks, not its size
+    alone. Jobs of scattered blocks, a class chosen STAGED, repeat their graph; a job of the same
+    size whose blocks pair up (a class chosen RUNS) goes as runs, one of blocks in a row (a class
+    not chosen yet: RUNS) too; every job lands exactly."""
+    device = HostDevice()
+    case = Case("BLNHC", layers=LAYERS, heads=1, tokens=16, content=256, dtype=torch.float16)
+    engine, streams, _, paged, host = layout_rig(device, case, 8, 2, BLOCKS, SLOTS, CopyMethod.AUTO)
+    run, n = LAYERS * paged.page_bytes, 6  # a block is one run of its every layer's page
+    assert run == STAGE_BELOW_BYTES
+    chooser = engine.chooser
+    for direction in Direction:  # trials as the engine's would report them: ms on the device
+        for runs, device_ms in ((n, {CopyMethod.STAGED: 1.0, CopyMethod.RUNS: 1.1}),  # scattered: staged
+                                (n // 2, {CopyMethod.STAGED: 1.2, CopyMethod.RUNS: 1.0})):  # pairs: runs
+            chooser.pick(direction, n * run, runs)
+            key = TrialKey(direction, (n * run // runs).bit_length() - 1)
+            for method, ms in device_ms.items():
+                for _ in range(TRIALS):
+                    chooser.observe(key, method, n * run, ms / 1e3, True, 1e-4)
+    assert sorted(chooser.choices().values()) == ["runs", "runs", "staged", "staged"]
+    scattered = [[3, 11, 1, 8, 14, 20], [13, 5, 0, 7, 22, 17], [22, 20, 2, 6, 10, 14], [15, 23, 17, 19, 1, 9]]
+    jobs = [(first, blocks, "staged") for first, blocks in zip((0, 6, 12, 18), scattered)]
+    jobs += [(3, [4, 5, 12, 13, 20, 21], "runs"), (9, [6, 7, 8, 9, 10, 11], "runs"), (0, scattered[1], "staged")]
+    for direction in Direction:
+        repeated = engine.repeated
+        for job_id, (first, blocks, method) in enumerate(jobs):
+            table = page_table(pages_of(range(first, first + n), blocks))
+            if direction is Direction.LOAD:  # into other engine blocks, as many in a row
+                table[:, 2] = (table[:, 2] + 1) % BLOCKS
+            before = engine.repeated
+            done = _done(engine, paged, 100 * (direction is Direction.LOAD) + job_id, direction, table)
+            assert done.ok and done.method == method and _lands(paged, host, table, direction), (job_id, done)
+            # the 2nd builds the graph, the 3rd launches it (its size kept), later staged ones repeat it
+            assert engine.repeated - before == (job_id == 3 or job_id == 6), job_id
+        assert engine.repeated - repeated == 2
     engine.close()
 
 

@@ -71,7 +71,7 @@ from kvtier.copy.base import CopyDone, CopyEngine, Direction, Pages
 from kvtier.copy.choice import MethodChooser, TrialKey
 from kvtier.copy.lanes import GraphRepeat
 from kvtier.copy.pages import BlockCopier, CopyPlan
-from kvtier.copy.runs import ByteRuns, RunPlanner
+from kvtier.copy.runs import ByteRuns, RunPlanner, SlotJob
 from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
 from kvtier.copy.streams import DeviceStreams
 
@@ -125,10 +125,12 @@ class CudaCopyEngine(CopyEngine):
         self._prepare_staging()
         self.chooser = MethodChooser(method, staged=self.staged is not None)
         self._in_flight: dict[Direction, deque[_InFlight]] = {direction: deque() for direction in Direction}
-        # (direction, blocks) -> how a one-run job of that size went as a graph launch: later ones
-        # go so unplanned (_repeat_of); _planned_run: the first slot of the last plan that may be one
-        self._repeats: dict[tuple[Direction, int], GraphRepeat] = {}
+        # (direction, blocks) -> how a one-run job of that size went as a graph launch, and whether
+        # its method depended on its run count: later ones go so unplanned (_repeat_of);
+        # _planned_run: the first slot of the last plan that may be one, and that dependence
+        self._repeats: dict[tuple[Direction, int], tuple[GraphRepeat, bool]] = {}
         self._planned_run: int | None = None
+        self._planned_by_count = False
         self._launched_sizes: set[tuple[Direction, int]] = set()  # sizes that went as a graph launch once
         self.repeated = 0  # jobs issued as repeats
         self._unordered: list[CopyDone] = []  # failures reported at once (see the module docstring)
@@ -238,8 +240,9 @@ class CudaCopyEngine(CopyEngine):
             try:
                 plan = self.staged.plan_slots(direction, slots, breaks) if slots is not None else \
                     self.staged.plan(direction, entries)
-                if slots is not None and slots.first_slot is not None and decided and trial is None:
-                    self._planned_run = slots.first_slot  # every job of its size plans so: a repeat may follow
+                if slots is not None and slots.first_slot is not None and trial is None:
+                    self._planned_run = slots.first_slot  # a later job of its size may repeat it
+                    self._planned_by_count = not decided  # ... if its own count is staged too
                 return plan, trial
             except StagingUnavailable as exc:
                 logger.warning("kvtier: %s; copies go as runs from now on", exc)
@@ -308,16 +311,30 @@ class CudaCopyEngine(CopyEngine):
     def _repeat_of(self, direction: Direction, pages: Pages) -> tuple[GraphRepeat | None, int, np.ndarray | None]:
         """(the repeat, its first slot, the checked page table) when ``pages`` is a job that can
         go as a repeat of an earlier job's graph (:meth:`TorchCudaStreams.repeat`: a page table
-        of a size seen before as such, one host run); else (None, 0, None). IndexError naming a
+        of a size seen before as such, one host run, and where the method of that size depends on
+        the run count, one whose own count is staged); else (None, 0, None). IndexError naming a
         page out of range."""
         if not self._repeats or type(pages) is not np.ndarray:
             return None, 0, None
-        repeat = self._repeats.get((direction, len(pages)))
-        if repeat is None:
+        kept = self._repeats.get((direction, len(pages)))
+        if kept is None:
             return None, 0, None
+        repeat, by_count = kept
         table = self.runs.table(pages)
         first = self.runs.one_run_first(table)
-        return (repeat, first, table) if first is not None else (None, 0, None)
+        if first is None or (by_count and not self._count_stages(direction, table, first)):
+            return None, 0, None
+        return repeat, first, table
+
+    def _count_stages(self, direction: Direction, table: np.ndarray, first: int) -> bool:
+        """Whether the chooser stages the one-run job of ``table`` (checked) by its exact run
+        count, with no trial: a job whose class depends on its engine blocks (block-outermost
+        layouts, where a run is as many consecutive blocks as the engine holds in a row) repeats
+        only where its own class was chosen STAGED."""
+        job = SlotJob(table[:, 0], table[:, 2], first)
+        num_bytes = len(job) * self.runs.num_layers * self.runs.page_bytes
+        method, trial = self.chooser.pick(direction, num_bytes, self.runs.count_slot_runs(job))
+        return method is CopyMethod.STAGED and trial is None
 
     def _issue(self, direction: Direction, stream: Any, plan: ByteRuns | StagedRuns | CopyPlan) -> None:
         """``device.copy`` of a planned job; a one-run staged job of whole blocks that went as a
@@ -338,8 +355,8 @@ class CudaCopyEngine(CopyEngine):
         if len(self._repeats) >= _REPEATS:
             self._repeats.clear()
         staged = self.staged
-        self._repeats[size] = GraphRepeat.of(plan, key, staged.host_address(first), staged.host_address(0),
-                                             staged.slot_stride)
+        self._repeats[size] = (GraphRepeat.of(plan, key, staged.host_address(first), staged.host_address(0),
+                                              staged.slot_stride), self._planned_by_count)
 
     def _release(self, *events: Any) -> None:
         """Hand the events that exist of ``events`` back to the device."""
