@@ -133,7 +133,7 @@ def write_results(directory, outcomes=None, fraction=0.96, issue_ms=0.1, refusal
             size: dict = {"batch_refusals": refusals}
             for direction in ("store", "load"):
                 auto = 1.0 / (fraction if (layout, direction, f"{kib}KiB") == slow else 0.97)
-                timing = {"single_s": 1.0, "issue_ms": issue_ms, "issue_ms_max": issue_ms}
+                timing = {"single_s": 1.0, "issue_ms": issue_ms, "issue_ms_max": issue_ms, "repeated": 6, "jobs": 7}
                 size[direction] = direction_report(2**30, {m: {"device_s": s, **timing, "methods": list(moved)}
                                                            for m, s, moved in (("runs", 2.0, ["runs"]),
                                                                                ("staged", auto, staged_moved_as),
@@ -169,7 +169,7 @@ def test_the_kit_verdict_passes_when_every_check_passed_and_every_goal_was_met(t
     assert summary["bandwidth"]["LBNHC"]["load 16KiB"]["auto"] == 0.97
     assert set(summary["issue_ms"]["BLNHC"]) == {f"{d} {k}KiB" for d in ("store", "load") for k in (8, 16, 64)}
     assert summary["issue_ms"]["BLNHC"]["load 8KiB"] == {"call": 0.1, "forward_added": 0.05,
-                                                          "call_after_host_work": 0.04}
+                                                          "call_after_host_work": 0.04, "repeated": "6 of 7"}
     assert summary["contention"]["LBNHC"]["16KiB"]["slowdown_store"] == 1.01
     sweep = summary["kernel_blocks_sweep"]["BLNHC"]["16KiB"]  # reported, not judged
     assert sweep["page"]["slowdown_load"] == 1.2

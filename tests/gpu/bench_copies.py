@@ -23,7 +23,8 @@ reported apart). ``idle_fraction`` is ``auto`` again from an idle device, host i
 
 Host time: ``issue_ms``, the start call (``start_store`` / an asynchronous ``start_load``, call
 to return, median after the warm-ups: the thread that runs the forward issues the job; staged
-jobs of a repeated shape go as CUDA graphs from the second on, ``graph_launches``), and
+jobs of a repeated shape go as CUDA graphs from the second on, ``graph_launches``, and a page
+table of a size launched twice goes as a repeat of its graph, unplanned: ``repeated``), and
 ``forward``: what a job costs that thread all told (:func:`forward_cost`, a stand-in step timed
 alone and with a job started; it also shows the cost of any issue moved to another thread, which
 shares the GIL: measured once and dropped, docs/benchmarks.md). And what kvtier's copies cost
@@ -147,18 +148,22 @@ def run_job(engine: CudaCopyEngine, direction: Direction, pages, job_id: int, ga
 
 
 def measure(engine, direction, pages, single, repeats: int, job_ids, gated: bool = True) -> dict:
-    """Interleaved single copies and jobs, warm-ups first: medians of each."""
-    singles, device_s, issue_ms, methods = [], [], [], set()
+    """Interleaved single copies and jobs, warm-ups first: medians of each, and how many of the
+    measured jobs went as repeats of a graph, unplanned (``CudaCopyEngine.repeated``)."""
+    singles, device_s, issue_ms, methods, repeated = [], [], [], set(), 0
     for i in range(WARMUPS + repeats):
         single_s = single(gated)
+        before = engine.repeated
         seconds, issued, method = run_job(engine, direction, pages, next(job_ids), gated)
         if i >= WARMUPS:
             singles.append(single_s)
             device_s.append(seconds)
             issue_ms.append(issued)
             methods.add(method)
+            repeated += engine.repeated - before
     return {"single_s": statistics.median(singles), "device_s": statistics.median(device_s),
-            "issue_ms": statistics.median(issue_ms), "issue_ms_max": max(issue_ms), "methods": sorted(methods)}
+            "issue_ms": statistics.median(issue_ms), "issue_ms_max": max(issue_ms), "methods": sorted(methods),
+            "repeated": repeated, "jobs": repeats}
 
 
 FORWARD_ITERATIONS = 300  # the stand-in step: 300 launches and as many numpy ops, ~3 ms (a 9 ms one varied by 0.5 ms)
@@ -410,7 +415,8 @@ def direction_report(job_bytes: int, measured: dict[str, dict]) -> dict:
         result[method] = {"device_ms": round(m["device_s"] * 1000, 3), "GBps": round(job_bytes / m["device_s"] / 1e9, 2),
                           "single_copy_GBps": round(job_bytes / m["single_s"] / 1e9, 2),
                           "fraction_of_single_copy": round(fraction, 3), "issue_ms": round(m["issue_ms"], 3),
-                          "issue_ms_max": round(m["issue_ms_max"], 3), "moved_as": m.get("methods", [method])}
+                          "issue_ms_max": round(m["issue_ms_max"], 3), "moved_as": m.get("methods", [method]),
+                          "repeated": f"{m.get('repeated', 0)} of {m.get('jobs', 0)}"}
     result["fastest"] = max(("runs", "staged"), key=lambda k: result[k]["fraction_of_single_copy"])
     auto = result["auto"]["fraction_of_single_copy"]
     result["measurement_error"] = auto > MEASUREMENT_ERROR

@@ -95,7 +95,8 @@ def summarize(results: Path, goal_layouts: tuple[str, ...] = ("LBNHC", "BLNHC"))
                 issue[f"{direction} {size}"] = {"call": measured["auto"]["issue_ms"],
                                                  "forward_added": measured["auto"].get("forward", {}).get("added_ms"),
                                                  "call_after_host_work": measured["auto"].get("forward", {}).get(
-                                                     "call_after_host_work_ms")}  # reported, not judged
+                                                     "call_after_host_work_ms"),
+                                                 "repeated": measured["auto"].get("repeated")}  # reported, not judged
                 fastest[f"{direction} {size}"] = (f"{measured['fastest']} (auto moved it as "
                                                   f"{'/'.join(measured['auto'].get('moved_as', ['?']))})")
                 if measured["staged"].get("moved_as", ["staged"]) != ["staged"]:
