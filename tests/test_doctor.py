@@ -298,6 +298,36 @@ def test_invalid_kvtier_config(tmp_path):
     assert "kvtier-serve-flag" not in codes(["kvtier", "serve", "--kv-config", '{"store_threshold": 2}'])
 
 
+def test_kvtier_serve_lines_are_read_with_serve_s_own_rules(tmp_path):
+    """Every flag of kvtier serve counts as kvtier serve counts it: --s3-* make an S3 tier (audited;
+    a refused port answers at once), --node attaches to a node (no tier of the engine's own), and
+    a line serve refuses (--node with a tier of its own, --s3-size without --s3-url, ...) is the
+    same refusal here."""
+    from kvtier.doctor.setup import resolve_setup
+
+    def extra(*flags: str):
+        setup = resolve_setup(["kvtier", "serve", *flags, "--max-model-len", "4096"])
+        return setup.extra, setup.extra_error
+
+    s3 = ["--s3-url", "s3://kv-bucket/prod", "--s3-endpoint", "http://127.0.0.1:1", "--s3-size", "2"]
+    config, error = extra("--no-disk", *s3)
+    assert error is None and config["secondary_tiers"] == [
+        {"type": "s3", "url": "s3://kv-bucket/prod", "endpoint": "http://127.0.0.1:1", "capacity_bytes": 2 * 2**30}]
+    assert "s3-refused" in codes(["kvtier", "serve", "--no-disk", *s3])
+    config, error = extra("--node", str(tmp_path / "node.sock"), "--node-uid", "1234")
+    assert error is None and config["node"] == str(tmp_path / "node.sock") and config["node_uid"] == 1234
+    assert "secondary_tiers" not in config
+    for flags, refusal in ((["--node", "n.sock", "--redis-url", "redis://h"], "--node conflicts with --redis-url"),
+                           (["--node", "n.sock", *s3], "--node conflicts with --s3-url"),
+                           (["--s3-size", "2"], "describe --s3-url"),
+                           (["--node-pool-size", "8"], "give --node"),
+                           (["--node-uid", "7"], "give --node"),
+                           (["--redis-password-env", "PW"], "needs --redis-url"),
+                           (["--no-disk", "--disk-size", "3"], "--no-disk conflicts with --disk-size")):
+        assert refusal in (extra(*flags)[1] or ""), flags
+        assert codes(["kvtier", "serve", *flags])["kvtier-serve-flag"] == "error", flags
+
+
 def test_small_redis_values_advise_a_bigger_block_size():
     """Llama-3.1-8B in bf16 on a GPU: 128 KiB of KV per token, so a 16-token block is a 2 MiB Redis
     value; doctor advises 32-token blocks (4 MiB). A refused port: the server is not needed."""

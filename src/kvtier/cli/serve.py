@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from kvtier.launch.command import ServeOptions, build_serve_command, launch
 from kvtier.launch.serve_args import ServeConfigError, config_file_model, split_model
+from kvtier.launch.serve_flags import check_flags
 
 
 def run(
@@ -32,19 +33,10 @@ def run(
 
     import click
 
-    if options.node is not None and (disk_flags_given or options.no_disk or options.redis_url or options.s3):
-        given = " and ".join([*disk_flags_given, *(["--no-disk"] if options.no_disk else []),
-                              *(["--redis-url"] if options.redis_url else []), *(["--s3-url"] if options.s3 else [])])
-        raise click.UsageError(f"--node conflicts with {given}: an engine attached to a kvtier node has no disk, "
-                               "Redis or S3 tier of its own (the node's pool is its host tier): give them to the "
-                               "service (kvtier node ... --disk-dir DIR --disk-size GIB --redis-url URL --s3-url "
-                               "s3://BUCKET/PREFIX), or drop --node.")
-    if node_pool_gib is not None and (options.node is None or node_pool_gib <= 0):
-        raise click.UsageError("--node-pool-size sizes the kvtier node service started for --node PATH when none "
-                               f"runs there: give --node, and a positive size (got {node_pool_gib}).")
-    if options.no_disk and disk_flags_given:
-        given = " and ".join(disk_flags_given)
-        raise click.UsageError(f"--no-disk conflicts with {given}: drop one of them.")
+    try:
+        check_flags(options, disk_flags_given=disk_flags_given, node_pool_gib=node_pool_gib)
+    except ServeConfigError as exc:
+        raise click.UsageError(str(exc)) from None
     if kv_config_text is not None:
         try:
             kv_config = json.loads(kv_config_text)

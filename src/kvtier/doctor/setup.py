@@ -104,27 +104,38 @@ class Setup:
 
 
 def _kvtier_serve_extra(setup: Setup) -> None:
-    """kvtier serve's own flags -> kv_connector_extra_config, as kvtier serve builds it."""
+    """kvtier serve's own flags -> kv_connector_extra_config, as kvtier serve builds it, or the
+    error kvtier serve would refuse the line with (the same rules: :mod:`kvtier.launch.serve_flags`)."""
     import json
 
     from kvtier.launch.command import ServeConfigError, ServeOptions, build_extra_config
+    from kvtier.launch.serve_flags import check_flags, node_uid, s3_entry
 
     flags = setup.line.kvtier_flags
+
+    def number(flag: str) -> float | None:
+        return float(flags[flag] or "") if flag in flags else None
+
     try:
         kv_config = json.loads(flags["--kv-config"] or "") if "--kv-config" in flags else None
         options = ServeOptions(
-            kv_offloading_size_gib=float(
-                flags.get("--kv-offloading-size") or ServeOptions.kv_offloading_size_gib),
+            kv_offloading_size_gib=number("--kv-offloading-size") or ServeOptions.kv_offloading_size_gib,
             disk_dir=flags.get("--disk-dir"),
-            disk_size_gib=float(flags.get("--disk-size") or ServeOptions.disk_size_gib),
+            disk_size_gib=number("--disk-size") or ServeOptions.disk_size_gib,
             no_disk="--no-disk" in flags,
             redis_url=flags.get("--redis-url"),
             redis_password_env=flags.get("--redis-password-env"),
+            s3=s3_entry(flags.get("--s3-url"), flags.get("--s3-endpoint"), flags.get("--s3-region"),
+                        number("--s3-size"), flags.get("--s3-ca-bundle")),
             fleet_key_env=flags.get("--fleet-key-env"),
             encrypt="--encrypt" in flags,
             eviction_policy=flags.get("--eviction-policy") or ServeOptions.eviction_policy,
             kv_config=kv_config,
+            node=flags.get("--node"),
+            node_uid=node_uid(flags.get("--node-uid")),
         )
+        check_flags(options, disk_flags_given=[f for f in ("--disk-dir", "--disk-size") if f in flags],
+                    node_pool_gib=number("--node-pool-size"))
         setup.extra = build_extra_config(options)
     except (ValueError, ServeConfigError) as exc:  # JSONDecodeError and bad floats are ValueErrors
         setup.extra_error = str(exc)

@@ -32,8 +32,9 @@ READ_FLAGS = (
 )
 """The vLLM flags doctor reads; unique prefixes of these are expanded like vLLM's parser does."""
 KVTIER_FLAGS = ("--kv-offloading-size", "--disk-dir", "--disk-size", "--no-disk", "--eviction-policy",
-                "--kv-config", "--redis-url", "--redis-password-env", "--fleet-key-env", "--encrypt", "--node",
-                "--node-pool-size", "--node-uid")
+                "--kv-config", "--redis-url", "--redis-password-env", "--s3-url", "--s3-endpoint", "--s3-region",
+                "--s3-size", "--s3-ca-bundle", "--fleet-key-env", "--encrypt", "--node", "--node-pool-size",
+                "--node-uid")
 """``kvtier serve``'s own flags (before any ``--``; after it everything is vLLM's)."""
 _VLLM_CLI_MODULES = (
     "vllm.entrypoints.cli.main",
