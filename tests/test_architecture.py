@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "models": {"core"},
     "planning": {"models"},
     "launch": {"core", "models"},
-    "doctor": {"core", "planning", "launch", "models", "tiers"},  # tiers: the S3 probe uses the tier's client
+    "doctor": {"core", "planning", "launch", "models", "tiers", "node"},  # the S3 and node probes use their clients
     "cachetools": {"core", "tiers"},
     "bench": {"launch", "models"},
     "replay": {"core", "policy", "tiers", "runtime", "planning"},  # kvtier plan --trace runs the engine's own code

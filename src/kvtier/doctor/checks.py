@@ -28,6 +28,7 @@ from kvtier.doctor.probes import (
     world_writable,
 )
 from kvtier.doctor.remote import Reach, probe_remote
+from kvtier.doctor.node import check_node
 from kvtier.doctor.s3 import check_s3
 from kvtier.doctor.setup import KVTIER_CONNECTOR, NATIVE_CONNECTOR, Finding, Setup
 from kvtier.planning.sizing import GIB
@@ -373,7 +374,7 @@ def check_kv_events(s: Setup) -> list[Finding]:
 CHECKS: tuple[Callable[[Setup], list[Finding]], ...] = (
     check_model, check_connector, check_kvtier_config, check_host_size, check_cpu_offload,
     check_prefix_caching, check_model_support, check_tp, check_fp8_scales, check_max_model_len, check_disk,
-    check_remote, check_remote_value_size, check_s3, check_kv_events, check_fleet_keys,
+    check_remote, check_remote_value_size, check_s3, check_node, check_kv_events, check_fleet_keys,
     check_native_resolution, check_native_hash_seed, check_native_fs_tier, check_native_sizes, check_native_lora,
     check_kept_on_reset,
 )
