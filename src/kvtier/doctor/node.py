@@ -15,10 +15,10 @@ import enum
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.core.tier_config import NATIVE_TIER_KEYS, NodeTierConfig, TierType, parse_tier
+from kvtier.core.tier_config import TierType
 from kvtier.core.values import ConfigError
 from kvtier.doctor.probes import validate_extra_config
-from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
+from kvtier.doctor.setup import Finding, Setup, native_entries
 from kvtier.planning.sizing import GIB
 
 PROBE_TIMEOUT_S = 2.0
@@ -138,16 +138,6 @@ def _attachments(s: Setup) -> list[_Attach]:
         if not error and config is not None and config.node is not None:
             out.append(_Attach("node", Path(config.node), config.node_uid, config.cpu_bytes_to_use,
                                s.line.program == "kvtier"))
-    if s.connector == NATIVE_CONNECTOR and s.extra is not None:
-        tiers = s.extra.get("secondary_tiers")
-        for index, tier in enumerate(tiers if isinstance(tiers, list) else []):
-            if isinstance(tier, dict) and tier.get("type") in ("kvtier_node", "KVTierNodeTier"):
-                entry = {k: v for k, v in tier.items() if k not in NATIVE_TIER_KEYS}
-                try:
-                    config = parse_tier(entry, TierType.NODE, f"secondary_tiers[{index}]")
-                except ConfigError:
-                    continue  # reported by check_native_resolution
-                assert isinstance(config, NodeTierConfig)
-                out.append(_Attach(f"secondary_tiers[{index}].socket", config.socket, config.node_uid,
-                                   config.cap_bytes, False))
+    for where, config in native_entries(s, TierType.NODE, ("kvtier_node", "KVTierNodeTier")):
+        out.append(_Attach(f"{where}.socket", config.socket, config.node_uid, config.cap_bytes, False))
     return out

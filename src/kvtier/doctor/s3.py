@@ -17,10 +17,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.core.tier_config import NATIVE_TIER_KEYS, S3TierConfig, TierType, parse_tier
+from kvtier.core.tier_config import S3TierConfig, TierType
 from kvtier.core.values import ConfigError
 from kvtier.doctor.probes import validate_extra_config
-from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
+from kvtier.doctor.setup import Finding, Setup, native_entries
 
 SLOW_GET_MS = 50.0
 """Above this a small GET is slow enough that small blocks lose most of the tier's throughput to it."""
@@ -98,17 +98,7 @@ def _configs(s: Setup) -> list[tuple[str, S3TierConfig]]:
         if not error and config is not None and config.s3 is not None:
             index = next(i for i, t in enumerate(config.secondary_tiers) if t is config.s3)
             out.append((f"secondary_tiers[{index}]", config.s3))
-    if s.connector == NATIVE_CONNECTOR and s.extra is not None:
-        tiers = s.extra.get("secondary_tiers")
-        for index, tier in enumerate(tiers if isinstance(tiers, list) else []):
-            if isinstance(tier, dict) and tier.get("type") in ("kvtier_s3", "KVTierS3Tier"):
-                entry = {k: v for k, v in tier.items() if k not in NATIVE_TIER_KEYS}
-                try:
-                    config = parse_tier(entry, TierType.S3, f"secondary_tiers[{index}]")
-                except ConfigError:
-                    continue  # reported by check_native_resolution
-                assert isinstance(config, S3TierConfig)
-                out.append((f"secondary_tiers[{index}]", config))
+    out += native_entries(s, TierType.S3, ("kvtier_s3", "KVTierS3Tier"))
     return out
 
 

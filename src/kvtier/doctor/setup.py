@@ -141,6 +141,29 @@ def _kvtier_serve_extra(setup: Setup) -> None:
         setup.extra_error = str(exc)
 
 
+def native_entries(setup: Setup, tier_type: Any, names: tuple[str, ...]) -> list[tuple[str, Any]]:
+    """``(secondary_tiers[i], parsed config)`` of each entry behind vLLM's offloading whose type is
+    one of ``names``, parsed as a kvtier tier of ``tier_type`` (a
+    :class:`~kvtier.core.tier_config.TierType`); entries that do not parse are left out
+    (``check_native_resolution`` reports them)."""
+    from kvtier.core.tier_config import NATIVE_TIER_KEYS, parse_tier
+    from kvtier.core.values import ConfigError
+
+    out: list[tuple[str, Any]] = []
+    if setup.connector != NATIVE_CONNECTOR or setup.extra is None:
+        return out
+    tiers = setup.extra.get("secondary_tiers")
+    for index, tier in enumerate(tiers if isinstance(tiers, list) else []):
+        if isinstance(tier, dict) and tier.get("type") in names:
+            where = f"secondary_tiers[{index}]"
+            try:
+                out.append((where, parse_tier({k: v for k, v in tier.items() if k not in NATIVE_TIER_KEYS},
+                                              tier_type, where)))
+            except ConfigError:
+                continue
+    return out
+
+
 def _connector(setup: Setup) -> None:
     line = setup.line
     if line.program == "kvtier":
