@@ -51,12 +51,8 @@ got, and its in-flight jobs. Invariants:
 
 from __future__ import annotations
 
-import enum
-import itertools
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_events import KVCacheEvent
@@ -83,6 +79,7 @@ from kvtier.tiers.stack import BlockInfo
 from kvtier.vllm.engine_blocks import NULL_BLOCK_ID, EngineBlocks
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.hit_sources import clip_sources, vllm_sources
+from kvtier.vllm.job_book import Job, JobBook, JobKind
 from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
 from kvtier.vllm.page_format import page_format
@@ -95,23 +92,6 @@ logger = logging.getLogger(__name__)
 IDLE_WAIT_S = 0.01
 """The longest an engine step that computes nothing waits for a tier's outcome while a request
 waits for its blocks (a new request arriving meanwhile waits at most this long)."""
-
-
-class JobKind(enum.Enum):
-    LOAD = "load"
-    STORE = "store"
-
-
-@dataclass
-class _Job:
-    kind: JobKind
-    req_id: str
-    keys: list[BlockKey]
-    waiting_workers: int
-    failed: bool = False
-    blocks: list[int] = field(default_factory=list)  # store jobs: each key's block index (-1: not announced)
-    sources: set[int] = field(default_factory=set)  # store jobs: the engine blocks read (fenced)
-    epoch: int = 0  # the key epoch its keys belong to (KVTierScheduler.reset_cache)
 
 
 class KVTierScheduler:
@@ -168,13 +148,11 @@ class KVTierScheduler:
                 group_kinds=geometry.group_kinds,
             )
         self._requests: dict[str, RequestState] = {}
-        self._jobs: dict[int, _Job] = {}
-        self._job_ids = itertools.count(1)
         self._step_loads: list[CopyJob] = []
         self._engine_blocks = EngineBlocks(geometry)  # where pages are; the reuse fence
+        self._jobs = JobBook(self._engine_blocks, geometry.world_size)
         self._tails = config.offload_partial_blocks and not geometry.state_groups
         self._tail_stores: list[CopyJob] = []  # stores of finished requests' tails, sent next step
-        self._storing: Counter[BlockKey] = Counter()  # keys this engine's store jobs in flight write
         self._worker_stats = KVTierStats()
         self._reported_gauges: dict[str, int | None] = {}
         self._said_uncacheable: set[Uncacheable] = set()
@@ -247,7 +225,7 @@ class KVTierScheduler:
         if state.load_failed:
             return 0, False  # its load failed once: vLLM computes it
         hit = find_hit(self.orchestrator, request.request_id, state, request.num_tokens, num_computed_tokens,
-                       tails=self._tails, state_groups=bool(self.geometry.state_groups), storing=self._storing)
+                       tails=self._tails, state_groups=bool(self.geometry.state_groups), storing=self._jobs.storing)
         if hit is None:
             return None, False
         state.tail_probe = hit.tail_probe
@@ -293,10 +271,9 @@ class KVTierScheduler:
             if engine_index < len(group_ids) and group_ids[engine_index] != NULL_BLOCK_ID
         ]
         self._engine_blocks.note_load_destinations(p.block_id for p in pages)
-        job_id = next(self._job_ids)
+        job_id = self._jobs.add_load(request.request_id, keys)
         self._step_loads.append(self._copy_job(job_id, request.request_id, pages, rank_slots,
                                                pool_of=request.request_id))
-        self._jobs[job_id] = _Job(JobKind.LOAD, request.request_id, keys, self.geometry.world_size)
         state.jobs.add(job_id)
         if self._events is not None:  # full blocks only (a tail is no block of vLLM's), with their state
             self._events.learn(request, [(index, key) for index, key in zip(range(first_block, end_token // block), keys)
@@ -342,7 +319,7 @@ class KVTierScheduler:
         for req_id in scheduler_output.preempted_req_ids or ():
             state = self._requests.get(req_id)
             if state is not None:
-                flush |= {j for j in state.jobs if self._jobs[j].kind is JobKind.STORE}
+                flush.update(self._jobs.stores(state.jobs))
         flush |= self._engine_blocks.jobs_to_flush(scheduler_output)
         if self.hook_order is HookOrder.REWRITES_FIRST:
             self._void_stores_rewritten(scheduler_output)
@@ -445,12 +422,8 @@ class KVTierScheduler:
     def _new_store(self, state: RequestState, keys: list[BlockKey], pages: list[PageCopy],
                    blocks: list[int] | None = None, rank_slots: list[tuple[int, ...]] | None = None) -> CopyJob:
         """Register a store job of ``state``'s request (its engine blocks fenced until it is done)."""
-        job_id = next(self._job_ids)
         req_id = state.request.request_id
-        self._jobs[job_id] = _Job(JobKind.STORE, req_id, keys, self.geometry.world_size, blocks=blocks or [],
-                                  sources={p.block_id for p in pages}, epoch=self._epoch)
-        self._engine_blocks.fence(job_id, self._jobs[job_id].sources)
-        self._storing.update(keys)
+        job_id = self._jobs.add_store(req_id, keys, {p.block_id for p in pages}, blocks, self._epoch)
         state.jobs.add(job_id)
         return self._copy_job(job_id, req_id, pages, rank_slots or [])
 
@@ -461,29 +434,14 @@ class KVTierScheduler:
             self._worker_stats.host_to_engine.add(meta.host_to_engine)
             for method, jobs in meta.copy_methods.items():
                 self._worker_stats.count_copy_job(method, jobs)
-            for job_id, count in meta.failed.items():
-                if job_id in self._jobs:
-                    self._jobs[job_id].failed = True
-            for job_id, count in meta.completed.items():
-                job = self._jobs.get(job_id)
-                if job is None:
-                    continue
-                job.waiting_workers -= count
-                if job.waiting_workers <= 0:
-                    self._finish_job(job_id, job)
+            for job_id, job in self._jobs.report(meta.failed, meta.completed):
+                self._job_done(job_id, job)
         self.orchestrator.poll()
 
-    def _finish_job(self, job_id: int, job: _Job) -> None:
-        del self._jobs[job_id]
-        self._engine_blocks.unfence(job_id, job.sources)
+    def _job_done(self, job_id: int, job: Job) -> None:
+        """What a job's end (out of the book) means for its request and the tiers."""
         state = self._requests.get(job.req_id)
         if job.kind is JobKind.STORE:
-            for key in job.keys:
-                left = self._storing[key] - 1
-                if left > 0:
-                    self._storing[key] = left
-                else:
-                    del self._storing[key]
             self.orchestrator.finish_store(job.keys, ok=not job.failed)
             if self._events is not None and state is not None and not job.failed and job.epoch == self._epoch:
                 self._events.learn(state.request, [(b, k) for b, k in zip(job.blocks, job.keys) if b >= 0])
@@ -550,7 +508,7 @@ class KVTierScheduler:
                 num_computed_tokens=request.num_computed_tokens - request.num_in_flight_tokens,
                 salt=getattr(request, "cache_salt", None), max_offload_tokens=state.max_offload_tokens,
                 probe=state.tail_probe))
-        loading = any(self._jobs[j].kind is JobKind.LOAD for j in state.jobs)
+        loading = self._jobs.loading(state.jobs)
         if state.cacheable and self._tails and not loading:
             self._store_tails(state, block_ids)  # (not while a load still fills its blocks: aborted)
         if not loading:
@@ -587,10 +545,10 @@ class KVTierScheduler:
         engine of the old weights (:func:`~kvtier.core.keys.epoch_root`). Nothing is deleted: the
         old epoch's blocks serve engines that still have those weights, and age out otherwise."""
         for unsent in self._tail_stores:
-            job = self._jobs[unsent.job_id]
+            job = self._jobs.remove(unsent.job_id)
             job.failed = True
             self.orchestrator.stats.stores_voided += len(job.keys)
-            self._finish_job(unsent.job_id, job)
+            self._job_done(unsent.job_id, job)
         self._tail_stores = []
         self.orchestrator.clear()
         if not self.config.keep_tiers_on_reset:
