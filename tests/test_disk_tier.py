@@ -177,6 +177,14 @@ def test_sanitize_model_name():
     assert sanitize_model_name("a\\b") == "a_b"
     assert sanitize_model_name("..") == "__"
     assert sanitize_model_name("") == "model"
+    long = sanitize_model_name("org/" + "m" * 300)  # every file name built on it fits 255 bytes
+    assert long == ("org_" + "m" * 300)[:128] and sanitize_model_name("m" * 128) == "m" * 128
+
+
+def test_a_model_name_longer_than_a_directory_name_may_be_is_stored_and_read_back(tmp_path, tiers):
+    tier = tiers(tmp_path, model_name="org/" + "m" * 300)
+    assert write(tier, key_of(1)).ok
+    assert_reads_back(tier, key_of(1))
 
 
 # ---------------------------------------------------------------- basics

@@ -97,6 +97,52 @@ def test_release_session_aborts_reservations_and_drops_pins():
     assert index.entry(key(1)).readers == 0
 
 
+@pytest.mark.parametrize("policy", [PolicyName.LRU, PolicyName.ARC])
+@pytest.mark.parametrize("cap", [None, 1024], ids=["full", "capped"])
+def test_a_reserve_past_many_pinned_blocks_scans_them_once_not_per_key(policy, cap):
+    """A peer pins 1,024 blocks (its cap, or the whole pool), then reserves 4,096 new keys in one
+    request: every one is refused (FULL, CAPPED) and the pinned blocks are looked at about once,
+    not once per key (which held the service's loop for seconds, minutes at larger pools)."""
+    index = NodeIndex(1024 if cap is None else 4096, policy)
+    a = Session(1, "A", cap_slots=cap)
+    store(index, a, *range(1024))
+    assert index.lookup(a, [key(i) for i in range(1024)], pin=True)[0] == 1024
+    asked = Counter()
+    evictable = index._evictable  # noqa: SLF001 - counted, not changed
+
+    def counted(k):
+        asked[k] += 1
+        return evictable(k)
+
+    index._evictable = counted  # noqa: SLF001
+    status, _ = index.reserve(a, [key(10_000 + i) for i in range(4096)], 1)
+    assert set(status) == {Reservation.FULL if cap is None else Reservation.CAPPED}
+    assert sum(asked.values()) <= 2 * 1024, f"{sum(asked.values())} looks at pinned blocks for 4,096 keys"
+
+
+@pytest.mark.parametrize("policy", [PolicyName.LRU, PolicyName.ARC])
+def test_evictions_past_pinned_blocks_pass_each_once(policy):
+    """Half the pool pinned at the cold end: storing 512 new blocks (2 slots each: no run of
+    consecutive slots continued past the policy) evicts the 512 unpinned ones, and the pinned
+    blocks are looked at about once in all, not once per eviction."""
+    index = NodeIndex(2048, policy)
+    a = Session(1, "A")
+    store(index, a, *range(1024), width=2)
+    index.lookup(a, [key(i) for i in range(512)], pin=True, width=2)  # pins (and touches) the 512 oldest
+    index.lookup(a, [key(i) for i in range(512, 1024)], pin=False, width=2)  # the unpinned ones more recent still
+    asked = Counter()
+    evictable = index._evictable  # noqa: SLF001
+
+    def counted(k):
+        asked[k] += 1
+        return evictable(k)
+
+    index._evictable = counted  # noqa: SLF001
+    assert store(index, a, *range(2000, 2512), width=2) == [Reservation.RESERVED] * 512
+    assert all(index.entry(key(i)) is not None for i in range(512)) and index.evictions == 512
+    assert sum(asked.values()) <= 2 * 1024, sum(asked.values())
+
+
 class NodeIndexMachine(RuleBasedStateMachine):
     """Random operations from three sessions (one capped); the invariants hold after each."""
 

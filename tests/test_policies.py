@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from itertools import takewhile
 
 import pytest
 from hypothesis import settings
@@ -82,13 +83,33 @@ def test_lru_touch_orders_as_key_by_key_whatever_the_input() -> None:
         assert drain(lru) == expected
 
 
-def test_lru_skips_pinned_without_reordering() -> None:
+def test_lru_passes_pinned_keys_to_the_recent_end() -> None:
     lru = LRUPolicy()
     for k in (A, B, C):
         lru.insert(k)
-    assert lru.evict(refuse(A)) == B
-    assert lru.evict(refuse(A, C)) is None
-    assert drain(lru) == [A, C]
+    assert lru.evict(refuse(A)) == B  # A, in use, counts as used: now after C
+    assert lru.evict(refuse(A, C)) is None  # a pass that finds none leaves the order as it was
+    assert drain(lru) == [C, A]
+
+
+@pytest.mark.parametrize("make", [LRUPolicy, lambda: ARCPolicy(4096)], ids=["lru", "arc"])
+def test_evictions_past_many_pinned_keys_ask_about_each_once(make) -> None:
+    """1,000 pinned keys at the cold end (a peer of the node service holding its pins), then 1,000
+    evictions: the pinned keys are passed once, not once per eviction."""
+    policy = make()
+    keys = [key(f"k{i}") for i in range(2000)]
+    for k in keys:
+        policy.insert(k)
+    pinned = set(keys[:1000])
+    asked = []
+
+    def can_evict(k):
+        asked.append(k)
+        return k not in pinned
+
+    assert [policy.evict(can_evict) for _ in range(1000)] == keys[1000:]
+    assert policy.evict(can_evict) is None
+    assert len(asked) == 1000 + 1000 + 1000  # once each on the way, then one failed pass
 
 
 def test_lru_remove_and_duplicate_insert() -> None:
@@ -255,14 +276,14 @@ def test_arc_tie_goes_to_t1_after_a_b2_hit() -> None:
     assert arc.evict(allow_all) == X
 
 
-def test_arc_skips_pinned_without_reordering() -> None:
+def test_arc_passes_pinned_keys_to_the_recent_end_of_their_list() -> None:
     arc = ARCPolicy(4)
     for k in (A, B, C):
         arc.insert(k)
     assert arc.evict(refuse(A)) == B
-    assert arc.where(A) == "T1"
+    assert arc.where(A) == "T1"  # still seen once: moved within T1, after C
     assert arc.evict(refuse(A, C)) is None and arc.sizes() == (2, 0, 1, 0)
-    assert arc.evict(allow_all) == A
+    assert arc.evict(allow_all) == C
 
 
 def test_arc_remove_resident_and_ghost_leaves_no_trace() -> None:
@@ -354,7 +375,10 @@ class LRUMachine(PolicyMachine):
     @rule(pinned=st.sets(pool_keys))
     def evict(self, pinned: set[BlockKey]) -> None:
         expected = next((k for k in self.resident if k not in pinned), None)
+        passed = list(takewhile(lambda k: k in pinned, self.resident))  # in use: they become the most recent
         assert self.do_evict(pinned) == expected
+        if expected is not None:
+            self.resident = [k for k in self.resident if k not in passed] + passed
 
 
 class ARCMachine(PolicyMachine):
@@ -430,6 +454,11 @@ class ARCMachine(PolicyMachine):
             assert victim is None
             return None
         lst, k, ghost = expected
+        for scanned, _ in lists:  # the lists scanned up to the victim's: their pinned keys passed to the end
+            passed = list(takewhile(lambda key: key in pinned, scanned))
+            scanned[:] = [key for key in scanned if key not in passed] + passed
+            if scanned is lst:
+                break
         assert victim == k
         lst.remove(k)
         assert self.arc.where(k) in (ghost, None)

@@ -180,6 +180,10 @@ class NodeIndex(SlotTable):
         stats = self.stats_of(session.engine)
         status: list[Reservation] = []
         slots: list[tuple[int, ...] | None] = []
+        # The first key refused for want of room (FULL: nothing evictable; CAPPED: nothing of its
+        # own): every later absent key of the request is too, as nothing is unpinned or freed
+        # meanwhile, so it is answered without another scan of the pool's pinned blocks.
+        refused: Reservation | None = None
         for position, key in enumerate(keys):
             entry = self._entries.get(key)
             got = None
@@ -188,12 +192,12 @@ class NodeIndex(SlotTable):
                 stats.duplicate_blocks += 1
                 outcome = Reservation.PRESENT
             else:
-                outcome = self._within_cap(session, width)
+                outcome = self._within_cap(session, width) if refused is None else refused
                 if outcome is Reservation.RESERVED:
                     got = self._reserve(key, width, position in tails, session.engine, session.id)
                 if got is None:
                     stats.refused_blocks += 1
-                    outcome = Reservation.FULL if outcome is Reservation.RESERVED else outcome
+                    outcome = refused = Reservation.FULL if outcome is Reservation.RESERVED else outcome
                 else:
                     self.charged[session.engine] += width
                     self._pinned += 1

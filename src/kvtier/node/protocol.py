@@ -183,6 +183,19 @@ request has, but which get as far as :func:`parse_request`, so the error names t
 _MAX_SMALL_CONTAINER = 16
 
 
+def _container_counter(seen: list[int]) -> Any:
+    """msgpack's object and list hook for requests: counts into ``seen[0]`` (reset per frame by
+    the reader) and refuses more than :data:`MAX_CONTAINERS`."""
+
+    def count(container: Any) -> Any:
+        seen[0] += 1
+        if seen[0] > MAX_CONTAINERS:
+            raise ProtocolError(f"more than {MAX_CONTAINERS} maps or arrays in one request")
+        return container
+
+    return count
+
+
 class FrameReader:
     """Splits a byte stream into messages. Feed it what ``recv`` returned; get the maps.
 
@@ -198,29 +211,33 @@ class FrameReader:
     messages came before it in the same data, they are returned and the error is kept in
     :attr:`error` (raised by the next :meth:`feed`). Not thread-safe: one reader per connection,
     one thread.
+
+    A reader is in no reference cycle (its unpacker's hooks hold a counter, not the reader): the
+    buffered frame, up to :data:`MAX_FRAME_BYTES`, goes with the last reference, not at a later
+    collection; :meth:`close` lets it go at once.
     """
 
     def __init__(self, *, requests: bool = False) -> None:
         self._fed = 0
-        self._containers = 0
+        self._containers = [0]  # this frame's maps and arrays so far (the hooks' only state)
         self.error: ProtocolError | None = None
         if requests:
             self.max_frame = MAX_FRAME_BYTES
+            count = _container_counter(self._containers)
             self._unpacker = msgpack.Unpacker(
                 raw=False, strict_map_key=True, max_buffer_size=MAX_FRAME_BYTES + RECV_BYTES,
                 max_bin_len=_MAX_BIN_BYTES, max_str_len=_MAX_STR_BYTES, max_ext_len=0,
                 max_array_len=_MAX_SMALL_CONTAINER, max_map_len=_MAX_SMALL_CONTAINER,
-                object_hook=self._count, list_hook=self._count)
+                object_hook=count, list_hook=count)
         else:
             self.max_frame = MAX_REPLY_BYTES
-            self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_REPLY_BYTES + RECV_BYTES,
+            self._unpacker: msgpack.Unpacker | None = msgpack.Unpacker(raw=False, max_buffer_size=MAX_REPLY_BYTES + RECV_BYTES,
                                               strict_map_key=False)
 
-    def _count(self, container: Any) -> Any:
-        self._containers += 1
-        if self._containers > MAX_CONTAINERS:
-            raise ProtocolError(f"more than {MAX_CONTAINERS} maps or arrays in one request")
-        return container
+    def close(self) -> None:
+        """Drop what is buffered (the connection is gone): every later call raises :attr:`error`."""
+        self._unpacker = None
+        self.error = ProtocolError("the connection is closed")
 
     def feed(self, data: bytes | memoryview) -> list[dict[str, Any]]:
         """Buffer ``data`` and return every message it completes (the client's end, and tests)."""
@@ -241,6 +258,8 @@ class FrameReader:
         """Buffer ``data`` without decoding it (the service's end: it then takes its frames one at
         a time with :meth:`next_message`, a few per turn, and pushes more only once none is left,
         so what waits here is at most one read beside one unfinished frame)."""
+        if self._unpacker is None:
+            raise self.error or ProtocolError("the connection is closed")
         try:
             self._unpacker.feed(data)
         except Exception as exc:  # noqa: BLE001 (BufferFull: more than a frame and a read)
@@ -251,8 +270,10 @@ class FrameReader:
         """The next complete message buffered, or None when none is (what is left, if anything,
         is one unfinished frame, checked against :attr:`max_frame`). Raises :class:`ProtocolError`."""
         unpacker = self._unpacker
+        if unpacker is None:
+            raise self.error or ProtocolError("the connection is closed")
         try:
-            self._containers = 0
+            self._containers[0] = 0
             try:
                 message = next(unpacker)
             except StopIteration:

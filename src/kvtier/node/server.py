@@ -506,6 +506,7 @@ class NodeServer:
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(conn.sock)
             conn.sock.close()
+            conn.reader.close()  # its unfinished frame (up to MAX_FRAME_BYTES) goes now
 
     # --- requests ------------------------------------------------------------------------
     def _handle(self, conn: Conn, request: Request, fds: list[int]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from typing import Literal, NamedTuple
 
 from kvtier.core.keys import BlockKey
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, first_evictable
 
 _List = OrderedDict[BlockKey, None]
 ListName = Literal["T1", "T2", "B1", "B2"]
@@ -27,10 +27,6 @@ class ARCSizes(NamedTuple):
     t2: int
     b1: int
     b2: int
-
-
-def _first_evictable(lst: _List, can_evict: Callable[[BlockKey], bool]) -> BlockKey | None:
-    return next((key for key in lst if can_evict(key)), None)
 
 
 class ARCPolicy(EvictionPolicy):
@@ -49,7 +45,8 @@ class ARCPolicy(EvictionPolicy):
       ``|T1| + |B1| <= max(c, |T1|)`` and ``total <= max(2c, |T1| + |T2|)``.
 
     ``can_evict`` must not call back into the policy. ``evict`` is O(1 + s) where s is the
-    number of refused (pinned) keys skipped; every other operation is O(1) per key.
+    number of refused (pinned) keys skipped, each moved to the recent end of its list (T1 or
+    T2: p and the ghosts unchanged), so s is O(1) amortized; every other operation is O(1) per key.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -127,15 +124,15 @@ class ARCPolicy(EvictionPolicy):
     def evict(self, can_evict: Callable[[BlockKey], bool]) -> BlockKey | None:
         """REPLACE: take T1's least recent evictable key if ``|T1| > p`` (or ``|T1| == p`` and the
         last miss hit B2), else T2's; fall back to the other list if the chosen one has no
-        evictable key. The victim becomes the most recent entry of B1 resp. B2 (at once trimmed
+        evictable key (refused keys move to the recent end of their list). The victim becomes the
+        most recent entry of B1 resp. B2 (at once trimmed
         away again only if the tier holds more than c keys).
         """
         t1_first = len(self._t1) > self._p or (self._last_miss_in_b2 and len(self._t1) == self._p)
         order = ((self._t1, self._b1), (self._t2, self._b2))
         for resident, ghosts in order if t1_first else order[::-1]:
-            victim = _first_evictable(resident, can_evict)
+            victim = first_evictable(resident, can_evict)
             if victim is not None:
-                del resident[victim]
                 ghosts[victim] = None
                 self._trim_ghosts()
                 return victim

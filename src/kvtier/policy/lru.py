@@ -9,7 +9,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 
 from kvtier.core.keys import BlockKey
-from kvtier.policy.base import EvictionPolicy
+from kvtier.policy.base import EvictionPolicy, first_evictable
 
 
 class LRUPolicy(EvictionPolicy):
@@ -19,8 +19,8 @@ class LRUPolicy(EvictionPolicy):
 
     * ``_order`` holds exactly the resident keys, least recent first, most recent last.
     * ``insert``, ``touch`` (per key) and ``remove`` are O(1). ``evict`` is O(1 + s), where s is
-      the number of keys the predicate refuses (pinned) before the victim; refused keys keep
-      their place in the order.
+      the number of keys the predicate refuses (pinned) before the victim; refused keys move to
+      the most recent end (:func:`~kvtier.policy.base.first_evictable`), so s is O(1) amortized.
 
     ``can_evict`` must not call back into the policy.
     """
@@ -55,11 +55,9 @@ class LRUPolicy(EvictionPolicy):
         self._order.pop(key, None)
 
     def evict(self, can_evict: Callable[[BlockKey], bool]) -> BlockKey | None:
-        """Forget and return the least recent key with ``can_evict(key)`` True, or None."""
-        victim = next((key for key in self._order if can_evict(key)), None)
-        if victim is not None:
-            del self._order[victim]
-        return victim
+        """Forget and return the least recent key with ``can_evict(key)`` True, or None; the keys
+        refused before it become the most recent."""
+        return first_evictable(self._order, can_evict)
 
     def __len__(self) -> int:
         return len(self._order)

@@ -7,7 +7,7 @@ Layout (the one vLLM's fs tier documents, so operators know it)::
     <root>/<model>_<digest16>_r<rank>/<hhh>/<hh>_g<group>/<hash_hex>.bin
     <root>/quarantine/<model>_<digest16>_r<rank>__<hash_hex>.bin
 
-``<model>`` is the model name reduced to ``[A-Za-z0-9._-]`` (:func:`sanitize_model_name`),
+``<model>`` is the model name reduced to ``[A-Za-z0-9._-]``, at most 128 characters (:func:`sanitize_model_name`),
 ``<digest16>`` the first 16 hex digits of the rank-independent namespace digest, ``<hash_hex>``
 the block key in hex, ``<hhh>``/``<hh>`` its first 3 and next 2 hex digits. Each ``.bin`` is a
 "kvtier block file v1" (:mod:`kvtier.tiers.blockfile`). A block is present only when the file
@@ -75,6 +75,10 @@ class PlantedEntryError(OSError):
 
 
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
+MODEL_NAME_CHARS = 128
+"""The longest ``<model>`` part: every name built on it (the longest, a quarantined record's
+``<model>_<digest16>_r<rank>__<hash_hex>.bin``, adds 93 characters at 4-digit ranks) stays within
+the 255 bytes a file name may have (the digest, not the name, tells namespaces apart)."""
 _HEX = frozenset("0123456789abcdef")
 _BIN_NAME_LEN = 2 * KEY_BYTES + 4  # "<64 hex>.bin"
 
@@ -85,7 +89,8 @@ def sanitize_model_name(model_name: str) -> str:
     A filesystem path (absolute, or starting with ``.`` or ``~``) contributes its last
     component (``/models/llama-3/`` -> ``llama-3``); in anything else, such as a Hugging Face
     repo id, separators become ``_`` like every other character outside the set
-    (``HuggingFaceTB/SmolLM2-135M`` -> ``HuggingFaceTB_SmolLM2-135M``).
+    (``HuggingFaceTB/SmolLM2-135M`` -> ``HuggingFaceTB_SmolLM2-135M``). At most
+    :data:`MODEL_NAME_CHARS` characters (a longer name keeps its first ones).
     """
     name = model_name.strip()
     if name.startswith(("/", ".", "~")) or os.path.isabs(name):
@@ -93,7 +98,7 @@ def sanitize_model_name(model_name: str) -> str:
     name = _UNSAFE_CHARS.sub("_", name)
     if name.strip(".") == "":
         name = "model" if not name else name.replace(".", "_")
-    return name
+    return name[:MODEL_NAME_CHARS]
 
 
 def per_group_files(fs: RootFS, ns_dir: str, prefix: str, suffix: str = "") -> list[str]:
