@@ -236,6 +236,7 @@ def test_a_tail_sent_in_the_step_that_reuses_its_block_is_copied_before_that_ste
         sim.add("first", prompt, 2)
         while "first" not in sim.finished:
             sim.step()
+            sim.wait_for_copies()  # its full blocks' stores land before it finishes (else V2 voids them too)
         sim.add("other", other, 2)
         reused = sim.step()
         assert reused.kv_connector_metadata.flush_job_ids, "the tail's store is flushed in the step reusing its block"

@@ -356,6 +356,15 @@ class SimEngine:
         connector = self.connector
         return connector is not None and connector.has_pending_push_work()
 
+    def wait_for_copies(self) -> None:
+        """Wait until every worker's copies issued so far are done (the next step reports them):
+        for a test whose scenario needs a store landed before a later step, whatever the load of
+        the machine (a copy thread may otherwise not have run by then)."""
+        for worker in self.workers:
+            copies = worker._worker.copies if worker._worker is not None else None  # noqa: SLF001
+            if copies is not None:
+                copies.wait()
+
     def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
         return self.scheduler.reset_prefix_cache(reset_connector=reset_connector)
 
