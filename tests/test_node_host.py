@@ -131,6 +131,31 @@ def test_a_store_reserved_in_a_dead_pool_is_never_committed_in_the_new_one(tmp_p
         assert a.leading_run([key(7)]) == 0  # reattaches
         a.finish_store([key(7)], ok=True)  # copied into the old pool: must not become a hit here
         assert second.stats()["blocks"] == 0
+        assert a.take_stats().stores_dropped == 1  # and it is a dropped store
+        a.close()
+    finally:
+        second.stop()
+
+
+def test_stores_lost_with_the_service_are_counted_dropped_as_refused_ones_are(tmp_path):
+    """A block copied into its slots whose commit cannot reach the service (gone before or during
+    it) never became a hit: a dropped store, as one the pool refused at reserve (and as kvtier_node
+    counts it behind vLLM's offloading); a copy that failed is aborted, not dropped (as an embedded
+    engine's)."""
+    sock = tmp_path / "node.sock"
+    first = Service(sock)
+    a = host(sock, "A")
+    assert None not in a.begin_stores([(key(1), INFO), (key(2), INFO)])
+    first.stop()
+    a.finish_store([key(1)], ok=True)  # the commit finds the service gone
+    a.finish_store([key(2)], ok=True)  # the client knows it is gone by now
+    second = Service(sock)
+    try:
+        assert None not in a.begin_stores([(key(4), INFO)])  # attached again: a new pool
+        a.finish_store([key(4)], ok=False)  # the workers' copy failed: aborted
+        stats = a.take_stats()
+        assert (stats.stores_submitted, stats.stores_dropped) == (3, 2)
+        assert second.stats()["blocks"] == 0
         a.close()
     finally:
         second.stop()

@@ -186,6 +186,29 @@ def test_corrupt_disk_block_cuts_the_run_and_is_counted(tmp_path):
     assert not victim.exists() and any((tmp_path / "quarantine").iterdir())
 
 
+def test_a_block_gone_before_its_read_is_a_counted_miss_logged_by_no_one(tmp_path, caplog):
+    """Another engine's eviction or a purge removed a block the index still lists: a miss, counted
+    (promotion_failures), without a warning (routine on a shared root; behind vLLM's offloading,
+    kvtier_disk logs none either: reason 'vanished'); a corrupt one is warned of once, by the tier."""
+    import logging
+
+    orch, buffers = make(tmp_path)
+    ks = keys(3)
+    store(orch, buffers, ks)
+    settle(orch)
+    orch.host.clear()
+    next(p for p in tmp_path.rglob("*.bin") if p.stem == ks[1].hex()).unlink()
+    corrupt = next(p for p in tmp_path.rglob("*.bin") if p.stem == ks[2].hex())
+    corrupt.write_bytes(corrupt.read_bytes()[:-1] + b"\x00")
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        assert acquire_until_ready(orch, "r1", ks).num_blocks == 1
+        orch.release("r1")
+        assert acquire_until_ready(orch, "r2", ks[2:]).num_blocks == 0
+    assert orch.stats.promotion_failures == 2 and orch.stats.checksum_failures == 1
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warned) == 1 and "quarantined" in warned[0], warned
+
+
 def test_store_threshold_admits_on_the_nth_offer():
     orch, buffers = make(None, threshold=2)
     ks = keys(1)

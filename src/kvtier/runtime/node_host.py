@@ -254,15 +254,25 @@ class NodeHost:
     def finish_store(self, keys: Sequence[BlockKey], ok: bool) -> None:
         """The workers copied ``keys`` into their slots (or failed): commit them, making them hits
         for every engine of the node, or abort them (one round trip). Reservations of an older
-        attachment are forgotten: the service that made them is gone."""
+        attachment are forgotten: the service that made them is gone. A copied block that does not
+        reach the pool that way (reserved by a service since gone, the service gone before or
+        during the commit) is a dropped store, counted as one the pool refused at reserve
+        (``stores_dropped``; behind vLLM's offloading, ``kvtier_node`` counts it so too)."""
         generation = self.client.generation
-        mine, infos = [], []
+        mine, infos, lost = [], [], 0
         for key in keys:
             writing = self._writing.pop(key, None)
             if writing is not None and writing[0] == generation:
                 mine.append(key)
                 infos.append((writing[1].parent, writing[1].num_tokens, writing[1].tail))
-        if not mine or not self.client.connected:
+            elif writing is not None:
+                lost += 1
+        if ok:
+            self.stats.stores_dropped += lost
+        if not mine:
+            return
+        if not self.client.connected:
+            self.stats.stores_dropped += len(mine) if ok else 0
             return
         try:
             if ok:
@@ -271,6 +281,7 @@ class NodeHost:
                 self.client.abort(mine)
         except (NodeUnavailable, NodeError) as exc:
             self._failed(exc)
+            self.stats.stores_dropped += len(mine) if ok else 0
 
     # --- the rest of the orchestrator's surface ---------------------------------------------
     def poll(self) -> None:

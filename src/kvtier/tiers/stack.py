@@ -324,8 +324,11 @@ class TierStack:
         if not result.ok:
             self.index.abort(key)
             self.stats.count_failed_read(read_failure(result.error).counter)
-            logger.warning("kvtier: %s block %s unreadable (%s): it is a miss", medium.value.lower(), key.hex()[:16],
-                           result.error)
+            # counted; the tier itself warned of what needs an operator (a corrupt record, an I/O
+            # error), and a block gone meanwhile (evicted or purged elsewhere) is routine: as behind
+            # vLLM's offloading (kvtier.vllm.native), which logs none of them again
+            logger.debug("kvtier: %s block %s unreadable (%s): it is a miss", medium.value.lower(), key.hex()[:16],
+                         result.error.value if result.error is not None else "?")
             return
         self.index.commit(key)
         self.stats.promotions += 1

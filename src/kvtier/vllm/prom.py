@@ -35,7 +35,10 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "lookups_retried": ("kvtier_lookups_retried",
                         "Lookups answered 'ask again' (promotions or remote presence probes under way)", None, None),
     "stores_submitted": ("kvtier_stores", "Blocks stored into the host tier", None, None),
-    "stores_dropped": ("kvtier_stores_dropped", "Blocks not stored because every host slot was pinned", None, None),
+    "stores_dropped": ("kvtier_stores_dropped",
+                       "Blocks not stored in the host tier: no slot (every slot pinned; attached to a kvtier node: the pool "
+                       "full of pinned blocks, this engine at its cap, or the service gone before the block was "
+                       "committed)", None, None),
     "stores_voided": ("kvtier_stores_voided", "Blocks not published because vLLM's V2 runner rewrote their engine "
                       "blocks (zeroing, copy-on-write) while the store was in flight, or a connector reset "
                       "came before a finished request's tail was sent", None, None),
