@@ -175,6 +175,28 @@ def test_a_block_evicted_from_the_pool_is_promoted_back_from_redis(tmp_path, red
         svc.stop()
 
 
+def test_a_redis_server_gone_is_counted_unavailable_by_the_node_as_by_an_embedded_engine(tmp_path, redis_factory):  # noqa: F811
+    """Writes that find the service's Redis gone are counted in kvtier_node_tier_unavailable, as
+    an embedded engine's kvtier_tier_unavailable and kvtier_redis's kvtier_offload_unavailable
+    count them (RemoteTier.unavailable), besides the writes dropped."""
+    redis = redis_factory()
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=8 * SLOT, slot_bytes=SLOT,
+                     tiers=(RedisTierConfig(url=redis.url(), timeout_s=0.5, connect_timeout_s=0.5),))
+    try:
+        a = engine(svc.sock)
+        wait_for(lambda: tiers_open(a), what="the namespace's tiers to open")
+        redis.kill()
+        store(a, [1, 2])
+        wait_for(lambda: tier_counts(a)["unavailable_remote"] >= 1, what="an unreachable call counted")
+        counts = tier_counts(a)
+        assert counts["unavailable_disk"] == 0 and counts["writes_dropped_remote"] >= 1
+        metrics = generate_latest(registry_for(svc.server)).decode()
+        assert f'kvtier_node_tier_unavailable_total{{tier="remote"}} {float(counts["unavailable_remote"])}' in metrics
+        a.close()
+    finally:
+        svc.stop()
+
+
 def test_a_redis_hit_is_kept_on_the_nodes_disk_and_serves_once_redis_is_gone(tmp_path, redis_factory):  # noqa: F811
     """As an embedded engine keeps a remote hit on its local disk: the service restarted with an
     emptied disk root serves from Redis, and writes what it promoted to its disk; restarted again

@@ -714,6 +714,30 @@ def _submit_everything(tier: RedisTier, keys) -> float:
     return slowest
 
 
+def test_an_embedded_engine_counts_a_server_gone_as_unavailable_since_the_last_take(server, tiers):
+    """The orchestrator reports RemoteTier.unavailable as kvtier_tier_unavailable{tier="remote"}
+    (what kvtier_redis reports as kvtier_offload_unavailable): a block cascaded to a killed server."""
+    from kvtier.policy.admission import StoreAdmission
+    from kvtier.runtime.orchestrator import BlockInfo, HostBytes, Orchestrator
+    from kvtier.tiers.host import HostIndex
+
+    tier = tiers(config_for(server))
+    buffer = bytearray(PAYLOAD * 4)
+    orch = Orchestrator(HostIndex(4), HostBytes([memoryview(buffer)], PAYLOAD), [tier], StoreAdmission(0, 100))
+    server.kill()
+    slot = orch.begin_store(key_of(1), BlockInfo(PARENT, 16))
+    assert slot is not None
+    orch.finish_store([key_of(1)], ok=True)  # cascaded to the tier: the write finds the server gone
+    deadline = time.monotonic() + 10
+    while tier.unavailable == 0:
+        orch.poll()
+        assert time.monotonic() < deadline, "the write was not counted unavailable"
+        time.sleep(0.01)
+    stats = orch.take_stats()
+    assert stats.remote_unavailable == tier.unavailable >= 1 and stats.s3_unavailable == 0
+    assert orch.take_stats().remote_unavailable == 0  # since the last take
+
+
 def test_server_killed_fails_fast_opens_breaker_and_recovers_after_restart(server, tiers):
     tier = tiers(config_for(server))
     keys = [key_of(n) for n in range(4)]

@@ -84,6 +84,10 @@ class KVTierStats:
     s3_to_host: TransferCounters = field(default_factory=TransferCounters)
     disk_evictions: int = 0
     s3_evictions: int = 0  # by this engine's capacity sweeps (a Redis server evicts without telling)
+    # calls to the tier's server that found it unreachable, and reads refused at once while its
+    # circuit breaker was open (RemoteTier.unavailable): each a miss or a store lost
+    remote_unavailable: int = 0
+    s3_unavailable: int = 0
     host_used_bytes: int | None = field(default=None, metadata=GAUGE)
     host_capacity_bytes: int | None = field(default=None, metadata=GAUGE)
     host_blocks: int | None = field(default=None, metadata=GAUGE)

@@ -82,7 +82,9 @@ def _tier_metrics(t: dict) -> Iterator[Metric]:
              "writes_dropped_"),
             ("kvtier_node_promoted_blocks", "Blocks promoted from the service's tiers into the pool.", "promoted_"),
             ("kvtier_node_tier_evicted_blocks", "Blocks the service's tiers evicted to stay within their capacity "
-             "(s3: its capacity sweeps; remote: 0, the server evicts).", "evicted_")):
+             "(s3: its capacity sweeps; remote: 0, the server evicts).", "evicted_"),
+            ("kvtier_node_tier_unavailable", "Calls to a tier's server that found it unreachable, and reads refused "
+             "at once while its circuit breaker was open (each a miss or a write lost; disk: 0).", "unavailable_")):
         family = CounterMetricFamily(name, doc, labels=["tier"])
         for tier in ("disk", "remote", "s3"):
             family.add_metric([tier], t.get(prefix + tier, 0))

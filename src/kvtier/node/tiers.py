@@ -268,7 +268,8 @@ class NodeTiers:
                 ns.stack.poll()
 
     def snapshot(self) -> dict[str, Any]:
-        total, reads, writes, namespaces, evicted = KVTierStats(), 0, 0, {}, Counter[Medium]()
+        total, reads, writes, namespaces = KVTierStats(), 0, 0, {}
+        evicted, unavailable = Counter[Medium](), Counter[Medium]()
         for (digest, payload), ns in self._namespaces.items():
             usage = {}
             if ns.stack is not None:
@@ -277,6 +278,7 @@ class NodeTiers:
                 reads, writes = reads + in_flight[0], writes + in_flight[1]
                 for tier in ns.stack.tiers:
                     evicted[tier.medium] += tier.evictions
+                    unavailable[tier.medium] += tier.unavailable
                     u = tier.usage()
                     usage[tier.medium.value.lower()] = {"used_bytes": u.used_bytes, "capacity_bytes": u.capacity_bytes,
                                                         "blocks": u.num_blocks}
@@ -291,6 +293,7 @@ class NodeTiers:
             counts[f"writes_dropped_{name}"] = getattr(total, f"{name}_writes_dropped")
             counts[f"promoted_{name}"] = total.read_from(medium).jobs
             counts[f"evicted_{name}"] = evicted[medium]
+            counts[f"unavailable_{name}"] = unavailable[medium]
         return {**counts, "promotions_in_flight": reads, "writes_in_flight": writes, "namespaces": namespaces}
 
     @property

@@ -266,15 +266,19 @@ class Orchestrator:
             usage = tier.usage()
             stats.set_usage(tier.medium, usage.used_bytes, usage.capacity_bytes, usage.num_blocks)
             evictions = self._since_reported(tier.medium, tier.evictions)
+            unavailable = self._since_reported(f"{tier.medium.value} unavailable", tier.unavailable)
             if tier.medium is Medium.DISK:
                 stats.disk_evictions = evictions
             elif tier.medium is Medium.S3:
-                stats.s3_evictions = evictions
+                stats.s3_evictions, stats.s3_unavailable = evictions, unavailable
+            elif tier.medium is Medium.REMOTE:
+                stats.remote_unavailable = unavailable
         return stats
 
     def _since_reported(self, medium: Medium | str | None, total: int) -> int:
-        """``total`` (a running count of ``medium``, None: the host tier, "host runs": its run
-        evictions) less what was reported."""
+        """``total`` (a running count of ``medium``'s evictions, None: the host tier's, "host
+        runs": its run evictions, "<medium> unavailable": its calls that found the server gone)
+        less what was reported."""
         since = total - self._evictions_reported.get(medium, 0)
         self._evictions_reported[medium] = total
         return since

@@ -24,6 +24,8 @@ from kvtier.core.stats import KVTierStats
 
 _WRITES_DROPPED_HELP = ("Writes to a secondary tier that did not store their block, by tier: dropped (queue full, "
                         "no room, disk full, server down or full) or failed (I/O error, error reply)")
+_UNAVAILABLE_HELP = ("Calls to a tier's server that found it unreachable, and reads refused at once while its "
+                     "circuit breaker was open, by tier: each a miss or a write lost")
 # stats field -> (metric name, help, extra label name, label value)
 _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
     "lookups": ("kvtier_lookups", "Prefix lookups answered by kvtier", None, None),
@@ -70,6 +72,8 @@ _EVENT_COUNTERS: dict[str, tuple[str, str, str | None, str | None]] = {
                            "run of consecutive slots (a copy job then moves as few large runs)", "tier", "host"),
     "disk_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "disk"),
     "s3_evictions": ("kvtier_evictions", "Blocks evicted, by tier", "tier", "s3"),
+    "remote_unavailable": ("kvtier_tier_unavailable", _UNAVAILABLE_HELP, "tier", "remote"),
+    "s3_unavailable": ("kvtier_tier_unavailable", _UNAVAILABLE_HELP, "tier", "s3"),
 }
 # stats gauge field -> (metric name, help, tier label value)
 _USAGE_GAUGES: dict[str, tuple[str, str, str]] = {
