@@ -115,7 +115,7 @@ def test_host_then_disk_then_corruption_all_bit_exact(tmp_path, model_path, prom
     assert token_ids(third["rounds"][0]) == expected
     quarantined = {p.name.split("__")[-1].removesuffix(".bin") for p in (root / "quarantine").glob("*.bin")}
     assert set(victims) <= quarantined  # (recomputed blocks are stored again under the same name)
-    assert third["log"].count("unreadable") >= 1, "corrupt blocks were not reported"
+    assert third["log"].count("; quarantined") >= len(victims), "corrupt blocks were not reported (the disk tier warns of each)"
     cached = [r["num_cached_tokens"] for r in third["rounds"][0]]
     assert sum(cached) < sum(r["num_cached_tokens"] for r in second["rounds"][0]), "corrupt blocks were served"
 
