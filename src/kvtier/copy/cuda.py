@@ -208,15 +208,15 @@ class CudaCopyEngine(CopyEngine):
             stream = self._streams[direction] = self._distinct_stream(compute, direction)
         return stream
 
-    def _plan(self, direction: Direction, pages: Pages
+    def _plan(self, direction: Direction, pages: Pages, table: np.ndarray | None = None
               ) -> tuple[ByteRuns | StagedRuns | CopyPlan, TrialKey | None]:
         """The job's copies and, if it is one, the chooser's trial it is. Jobs of whole one-page
         blocks (most) are planned per block (:class:`~kvtier.copy.runs.SlotJob`), others per
-        (block, layer)."""
+        (block, layer). ``table``: ``pages`` checked already (``runs.table``), if it was."""
         if self.runs is None:
             return self.copier.plan(direction, pages), None
         self._planned_run = None
-        table = self.runs.table(pages)
+        table = self.runs.table(pages) if table is None else table
         slots = self.runs.slot_job(table)
         entries = self.runs.entries(table) if slots is None else None
         breaks = None
@@ -267,7 +267,7 @@ class CudaCopyEngine(CopyEngine):
             stream = self._side_stream(direction, compute)
             # views and arrays only: a bad page fails before any device call
             repeat, first, table = self._repeat_of(direction, pages)
-            plan, trial = (repeat.plan, None) if repeat is not None else self._plan(direction, pages)
+            plan, trial = (repeat.plan, None) if repeat is not None else self._plan(direction, pages, table)
             ready = device.new_event()
             device.record(ready, compute)
             device.wait(stream, ready)
@@ -283,7 +283,7 @@ class CudaCopyEngine(CopyEngine):
                 else:
                     if repeat is not None:  # it could not go unplanned (see CudaLanes.repeat): planned
                         del self._repeats[(direction, len(table))]
-                        plan, trial = self._plan(direction, pages)
+                        plan, trial = self._plan(direction, pages, table)
                     self._issue(direction, stream, plan)
             num_bytes = planned
         except Exception:  # reported as a failed job (a load's blocks are recomputed), never raised
@@ -312,8 +312,8 @@ class CudaCopyEngine(CopyEngine):
         """(the repeat, its first slot, the checked page table) when ``pages`` is a job that can
         go as a repeat of an earlier job's graph (:meth:`TorchCudaStreams.repeat`: a page table
         of a size seen before as such, one host run, and where the method of that size depends on
-        the run count, one whose own count is staged); else (None, 0, None). IndexError naming a
-        page out of range."""
+        the run count, one whose own count is staged); else (None, 0, the table if it was checked
+        on the way, or None). IndexError naming a page out of range."""
         if not self._repeats or type(pages) is not np.ndarray:
             return None, 0, None
         kept = self._repeats.get((direction, len(pages)))
@@ -323,7 +323,7 @@ class CudaCopyEngine(CopyEngine):
         table = self.runs.table(pages)
         first = self.runs.one_run_first(table)
         if first is None or (by_count and not self._count_stages(direction, table, first)):
-            return None, 0, None
+            return None, 0, table  # (checked already: the plan takes it)
         return repeat, first, table
 
     def _count_stages(self, direction: Direction, table: np.ndarray, first: int) -> bool:

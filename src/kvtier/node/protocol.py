@@ -221,6 +221,7 @@ class FrameReader:
         self._fed = 0
         self._containers = [0]  # this frame's maps and arrays so far (the hooks' only state)
         self.error: ProtocolError | None = None
+        self._unpacker: msgpack.Unpacker | None  # None once closed
         if requests:
             self.max_frame = MAX_FRAME_BYTES
             count = _container_counter(self._containers)
@@ -231,7 +232,7 @@ class FrameReader:
                 object_hook=count, list_hook=count)
         else:
             self.max_frame = MAX_REPLY_BYTES
-            self._unpacker: msgpack.Unpacker | None = msgpack.Unpacker(raw=False, max_buffer_size=MAX_REPLY_BYTES + RECV_BYTES,
+            self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=MAX_REPLY_BYTES + RECV_BYTES,
                                               strict_map_key=False)
 
     def close(self) -> None:

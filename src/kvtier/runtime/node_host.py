@@ -267,21 +267,17 @@ class NodeHost:
                 infos.append((writing[1].parent, writing[1].num_tokens, writing[1].tail))
             elif writing is not None:
                 lost += 1
-        if ok:
-            self.stats.stores_dropped += lost
-        if not mine:
-            return
-        if not self.client.connected:
-            self.stats.stores_dropped += len(mine) if ok else 0
-            return
-        try:
-            if ok:
-                self.client.commit(mine, infos)  # the service cascades them to its tiers
-            else:
-                self.client.abort(mine)
-        except (NodeUnavailable, NodeError) as exc:
-            self._failed(exc)
-            self.stats.stores_dropped += len(mine) if ok else 0
+        if mine and self.client.connected:
+            try:
+                if ok:
+                    self.client.commit(mine, infos)  # the service cascades them to its tiers
+                else:
+                    self.client.abort(mine)
+                mine = []
+            except (NodeUnavailable, NodeError) as exc:
+                self._failed(exc)
+        if ok:  # (a failed copy is aborted, not dropped: as an embedded engine's)
+            self.stats.stores_dropped += lost + len(mine)
 
     # --- the rest of the orchestrator's surface ---------------------------------------------
     def poll(self) -> None:

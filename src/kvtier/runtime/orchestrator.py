@@ -78,7 +78,7 @@ class Orchestrator:
         self.tiers = self.stack.tiers
         self._holds: dict[str, _Hold] = {}
         self._info: dict[BlockKey, BlockInfo] = {}  # for blocks stored but not yet cascaded
-        self._evictions_reported: dict[Medium | str | None, int] = {}
+        self._reported: dict[Medium | str | None, int] = {}  # running counts, as last taken
 
     @property
     def disk(self) -> SecondaryTier | None:
@@ -279,8 +279,8 @@ class Orchestrator:
         """``total`` (a running count of ``medium``'s evictions, None: the host tier's, "host
         runs": its run evictions, "<medium> unavailable": its calls that found the server gone)
         less what was reported."""
-        since = total - self._evictions_reported.get(medium, 0)
-        self._evictions_reported[medium] = total
+        since = total - self._reported.get(medium, 0)
+        self._reported[medium] = total
         return since
 
     def close(self, drain_timeout_s: float = DRAIN_TIMEOUT_S) -> None:
