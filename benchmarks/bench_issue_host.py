@@ -13,7 +13,10 @@ one job makes. ``mixed``: jobs of 1 to 512 blocks (seeded, uniform), as serving 
 load is as long as its prompt's hit, a prefill's last chunk varies): the share of jobs that
 went as a graph launch and the start call's median, at 16 KiB pages. ``cold_median_us``: the
 graph path's start call right after a write to every cache line of 64 MiB (caches and TLB cold, as
-when the forward's thread comes to the call from other work). On the H200 loans' hosts the start
+when the forward's thread comes to the call from other work). ``blnhc_auto``: the same jobs under
+BLNHC with ``auto``, the class of 512 scattered blocks chosen STAGED as on a GPU (a block-outermost
+job repeats its graph only where its own run count's class is staged): the start call's median,
+warm and cold, and how many jobs went as repeats. On the H200 loans' hosts the start
 call cost 2-4x its back-to-back time (0.26-0.7 ms against 0.13-0.17 ms); this machine shows the
 same effect without a GPU: the first call of each kind (numpy ufunc, reduction, ctypes, torch)
 brings its code and data back, ~8-15 us each.
@@ -43,6 +46,7 @@ from host_device import HostDevice, host_streams  # noqa: E402
 
 from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table  # noqa: E402
 from kvtier.copy.cuda import CudaCopyEngine  # noqa: E402
+from kvtier.copy.choice import TRIALS, TrialKey  # noqa: E402
 from kvtier.copy.staging import CopyMethod  # noqa: E402
 from kvtier.core.slots import HostSlotLayout  # noqa: E402
 
@@ -58,16 +62,29 @@ def evict_caches() -> None:
     _evicted[::64] += 1
 
 
+def choose_staged(engine: CudaCopyEngine, direction: Direction, num_bytes: int, runs: int) -> None:
+    """The chooser's class of jobs of ``num_bytes`` in ``runs`` runs decided STAGED, as its trials
+    decide it on a GPU where both methods reach the link and staged costs less host time."""
+    engine.chooser.pick(direction, num_bytes, runs)
+    key = TrialKey(direction, (num_bytes // runs).bit_length() - 1)
+    for method, issue_s in ((CopyMethod.STAGED, 1e-4), (CopyMethod.RUNS, 5e-4)):
+        for _ in range(TRIALS):
+            engine.chooser.observe(key, method, num_bytes, 1e-3, True, issue_s)
+
+
 def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int, mixed: bool = False,
-                cold: bool = False) -> dict:
-    case = Case("LBNHC", layers=LAYERS, heads=heads, tokens=16, content=256, dtype=torch.bfloat16)
+                cold: bool = False, layout: str = "LBNHC") -> dict:
+    case = Case(layout, layers=LAYERS, heads=heads, tokens=16, content=256, dtype=torch.bfloat16)
     kv = build(case, BLOCKS + 8, "cpu")
     paged = PagedKV(kv.views, BLOCKS + 8)
     slots = HostSlotLayout(LAYERS, 1, paged.page_bytes, 1, BLOCKS)
     host = HostSlots(torch.empty(slots.region_bytes, dtype=torch.uint8), slots)
     device = HostDevice(execute=False)
     streams = host_streams(device, job_graphs=graphs)
-    engine = CudaCopyEngine(BlockCopier(paged, host), streams, CopyMethod.STAGED)
+    method = CopyMethod.STAGED if layout == "LBNHC" else CopyMethod.AUTO
+    engine = CudaCopyEngine(BlockCopier(paged, host), streams, method)
+    if method is CopyMethod.AUTO:
+        choose_staged(engine, direction, BLOCKS * LAYERS * paged.page_bytes, BLOCKS)
     job = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)])  # as the scheduler sends it
     sizes = np.random.default_rng(0).integers(1, BLOCKS + 1, jobs) if mixed else np.full(jobs, BLOCKS)
     ids = itertools.count()
@@ -88,7 +105,10 @@ def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int, mixed
             calls = device.calls - before
         engine.poll()
     launches = sum(lanes.graph_launches for lanes in streams._lanes.values())  # noqa: SLF001
+    repeated = engine.repeated
     engine.close()
+    if layout != "LBNHC":
+        return {"median_us": round(statistics.median(seconds) * 1e6, 1), "repeated": repeated, "jobs": jobs}
     if mixed:
         return {"median_us": round(statistics.median(seconds) * 1e6, 1), "graph_share": round(launches / jobs, 3)}
     return {"median_us": round(statistics.median(seconds) * 1e6, 1), "min_us": round(min(seconds) * 1e6, 1),
@@ -108,7 +128,11 @@ def main() -> None:
             row["graph"]["cold_median_us"] = issue_times(heads, direction, True, args.jobs, cold=True)["median_us"]
             rows.append(row)
     mixed = {direction.value: issue_times(2, direction, True, args.jobs, mixed=True) for direction in Direction}
-    print(json.dumps({"mixed_16KiB": mixed, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+    blnhc = {f"{heads * 8}KiB {direction.value}": {
+        "warm": issue_times(heads, direction, True, args.jobs, layout="BLNHC"),
+        "cold_median_us": issue_times(heads, direction, True, args.jobs, cold=True, layout="BLNHC")["median_us"]}
+        for heads in (1, 2, 8) for direction in Direction}
+    print(json.dumps({"mixed_16KiB": mixed, "blnhc_auto": blnhc, "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                       "blocks": BLOCKS, "layers": LAYERS, "jobs": args.jobs, "rows": rows}, indent=1))
 
 
