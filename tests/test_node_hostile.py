@@ -43,8 +43,9 @@ from kvtier.core.config import ConfigError
 from kvtier.core.tier_config import DiskTierConfig
 from kvtier.node import NodeClient, NodeError, Role
 from kvtier.node import tiers as tiers_module
-from kvtier.node.protocol import (MAX_FRAME_BYTES, MAX_KEYS, PROTOCOL_VERSION, FrameReader, ProtocolError, pack,
-                                  pack_keys, pack_u32, pack_u64)
+from kvtier.node.frames import FrameReader, ProtocolError
+from kvtier.node.messages import MAX_FRAME_BYTES
+from kvtier.node.protocol import MAX_KEYS, PROTOCOL_VERSION, pack, pack_keys, pack_u32, pack_u64
 from kvtier.node.server import NodeConfigError, NodeOptions, NodeServer
 from kvtier.runtime.node_host import connect_node
 from kvtier.tiers.disk import DiskTier

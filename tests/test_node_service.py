@@ -286,7 +286,7 @@ def test_a_malformed_peer_is_dropped_alone_and_versions_must_match(node):
     with socket.socket(socket.AF_UNIX) as bad:
         bad.connect(str(node))
         bad.sendall(b"\x93\x01\x02\x03")  # a msgpack array, not a map
-        from kvtier.node.protocol import FrameReader
+        from kvtier.node.frames import FrameReader
 
         refusal = FrameReader().feed(bad.recv(4096))[0]
         assert not refusal["ok"] and "must be a map" in refusal["error"]
@@ -296,7 +296,7 @@ def test_a_malformed_peer_is_dropped_alone_and_versions_must_match(node):
     with socket.socket(socket.AF_UNIX) as old:
         old.connect(str(node))
         old.sendall(pack({"op": "hello", "version": 0, "engine": "old", "role": "scheduler"}))
-        from kvtier.node.protocol import FrameReader
+        from kvtier.node.frames import FrameReader
 
         reply = FrameReader().feed(old.recv(4096))[0]
     assert not reply["ok"] and "protocol version 0" in reply["error"] and "same kvtier version" in reply["error"]

@@ -36,9 +36,10 @@ from typing import Any, NamedTuple
 from kvtier.core.keys import BlockKey
 from kvtier.core.residency import Medium
 from kvtier.node.credentials import UntrustedService, check_service
+from kvtier.node.frames import FrameReader, ProtocolError
 from kvtier.node.pool import PoolMapping, PoolSealError
-from kvtier.node.protocol import (MAX_KEYS, PROTOCOL_VERSION, RECV_BYTES, FrameReader, Op, ProtocolError, Reservation,
-                                  Role, decode_sources, pack, pack_keys, pack_u32, pack_u64)
+from kvtier.node.protocol import (MAX_KEYS, PROTOCOL_VERSION, RECV_BYTES, Op, Reservation, Role, decode_sources, pack,
+                                  pack_keys, pack_u32, pack_u64)
 
 
 class NodeUnavailable(ConnectionError):

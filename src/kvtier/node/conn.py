@@ -13,8 +13,9 @@ import statistics
 import time
 from collections import deque
 
+from kvtier.node.frames import FrameReader
 from kvtier.node.index import Session
-from kvtier.node.protocol import FrameReader, Role
+from kvtier.node.protocol import Role
 
 
 class Conn:

@@ -1,6 +1,6 @@
 """Who is at the other end of the node service's socket (``SO_PEERCRED``), checked at both ends.
 
-The service admits a client by its credentials (:meth:`kvtier.node.server.NodeServer._allowed`);
+The service admits a client by its credentials (:func:`kvtier.node.admission.allowed`);
 a client trusts a service only if it runs as root, as the client's own user, or as the one user
 its configuration names (``node_uid``, :func:`check_service`): a service of anyone else could hand
 the engine memory that user reads and writes, and would receive the engine's KV. Memory only.

@@ -1,5 +1,10 @@
 """The ``kvtier node`` service: one process per node that owns the pool and its index.
 
+This module is the process and its loop: start-up and shut-down, the sockets, each connection's
+turns and reply queue. What each request does (to the index, the sessions and the tiers), and
+what a dropped connection's session releases, is :mod:`kvtier.node.handlers`; who is admitted,
+:mod:`kvtier.node.admission`: both called by the loop.
+
 Threads: one loop thread (the caller of :meth:`NodeServer.serve_forever`) accepts connections,
 reads requests and answers them from memory (:class:`kvtier.node.index.NodeIndex`); it never
 waits on any one client: sockets are non-blocking, replies (the hello's, with the pool's memfd,
@@ -12,25 +17,28 @@ a request.
 
 The loop is fair: each turn answers at most :data:`FRAMES_PER_TURN` frames of a connection (fewer
 once they carried :data:`KEYS_PER_TURN` keys); the rest stay buffered, undecoded, in its
-:class:`~kvtier.node.protocol.FrameReader` and are answered in the next turns (the loop does not
+:class:`~kvtier.node.frames.FrameReader` and are answered in the next turns (the loop does not
 wait in ``select`` while any are buffered, and reads no more from that socket until they are
 answered). So a client that pipelines thousands of requests delays the others by one turn, not by
 all of its requests, and what the service buffers per connection stays one read beside one
 unfinished frame.
 
-A client's frames may be hostile: each is decoded within bounds and checked field by field
-before use (:func:`kvtier.node.protocol.parse_request`); a frame that is not a valid request is
-answered with an error naming the field and its connection is closed (``protocol_errors``), and
-a request whose handling raises anyway is answered, logged and closed (``internal_errors``).
+A client's frames may be hostile: each is decoded within bounds
+(:class:`~kvtier.node.frames.FrameReader`) and checked field by field before use
+(:func:`kvtier.node.messages.parse_request`, from :func:`kvtier.node.handlers.answer`); a frame
+that is not a valid request is answered with an error naming the field and its connection is
+closed (``protocol_errors``), and a request whose handling raises anyway is answered, logged and
+closed (``internal_errors``).
 Whatever else raises while one connection is served (a bug) closes that connection, logged and
 counted in ``internal_errors``: the service never dies of a client's frame. Nothing a failed
 request took stays held.
 
 Bounds: at most ``--max-connections`` connections (:attr:`NodeOptions.max_connections`); a
-connection beyond them gets an error frame and is closed at once (``refused_connections``). An
-``accept`` that fails for want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM) pauses
-accepting briefly and is logged (:class:`~kvtier.node.conn.AcceptBackoff`, ``accept_errors``); the
-service goes on serving the connections it has. Per session: pins bounded
+connection beyond them gets an error frame and is closed at once (``refused_connections``,
+:mod:`kvtier.node.admission`). An ``accept`` that fails for want of descriptors or memory
+(EMFILE, ENFILE, ENOBUFS, ENOMEM) pauses accepting briefly and is logged
+(:class:`~kvtier.node.conn.AcceptBackoff`, ``accept_errors``); the service goes on serving the
+connections it has. Per session: pins bounded
 (:data:`kvtier.node.index.MAX_SESSION_PINS`, :data:`~kvtier.node.index.MAX_SESSION_PINNED`).
 Per-engine stats: bounded (:mod:`kvtier.node.roster`).
 
@@ -43,18 +51,16 @@ Start-up refuses, with an error naming what to change:
   socket and its lock: :mod:`kvtier.node.listener`);
 - a pool larger than the node's memory (:class:`kvtier.node.pool.PoolTooLargeError`).
 
-With ``--slot-bytes`` the pool's slot size is the operator's: a hello that names another is
-refused (without it the first engine to attach sets it, and the pool is cut again for another
-size only while it holds nothing and no engine maps it).
+The pool's slot size: ``--slot-bytes`` (cut at start-up), or set by the hellos
+(:mod:`kvtier.node.handlers`, which calls :meth:`NodeServer.cut_pool`).
 
-Access: the socket is created owner-only (0600), or 0660 and owned by ``group`` when one is
-given; each peer's credentials (``SO_PEERCRED``) are checked at accept: root, the service's own
-uid, or (with a group) a member of it. Any other peer gets an error frame naming its uid and is
-disconnected.
+Access: the socket is owner-only, or its group's with ``--group``, and each peer's credentials
+are checked at accept (:mod:`kvtier.node.admission`).
 
 When a connection drops (close, crash, SIGKILL: the kernel closes the socket), everything its
-session held is released (reservations aborted, pins dropped). The pool lives as long as this
-process: a restarted service starts with an empty pool and engines reattach by themselves.
+session held is released (reservations aborted, pins dropped: :func:`kvtier.node.handlers.release`).
+The pool lives as long as this process: a restarted service starts with an empty pool and engines
+reattach by themselves.
 
 Tiers below the pool (``--disk-dir``, ``--redis-url``: :attr:`NodeOptions.tiers`) are the
 service's (:mod:`kvtier.node.tiers`, the same promotion and cascade as an embedded engine's):
@@ -82,15 +88,15 @@ from typing import Any
 
 from kvtier.core.config import PolicyName
 from kvtier.core.tier_config import SecondaryTierConfig
+from kvtier.node.admission import admit
 from kvtier.node.conn import RESOURCE_ERRNOS, AcceptBackoff, Conn
-from kvtier.node.credentials import groups_of, peer_credentials
-from kvtier.node.index import NodeIndex, PinLimit, Session
+from kvtier.node.frames import ProtocolError
+from kvtier.node.handlers import answer, release
+from kvtier.node.index import NodeIndex
 from kvtier.node.listener import (NodeConfigError, clear_dead_socket, hold_socket_lock, listen,
                                   resolve_group)
 from kvtier.node.pool import check_pool_size, create_pool_fd, slot_stride
-from kvtier.node.protocol import (MAX_KEYS, PROTOCOL_VERSION, RECV_BYTES, Abort, BadRequest, Commit, Hello, Lookup,
-                                  ProtocolError, Request, Reserve, Role, Stats, Unpin, encode_sources, pack,
-                                  parse_request)
+from kvtier.node.protocol import MAX_KEYS, RECV_BYTES, pack
 from kvtier.node.roster import Roster
 from kvtier.node.snapshot import snapshot
 from kvtier.node.tiers import NodeTiers
@@ -129,7 +135,12 @@ class NodeOptions:
 
 class NodeServer:
     """The service. :meth:`start` binds (or raises); :meth:`serve_forever` runs the loop until
-    :meth:`stop`; :meth:`close` releases the socket, its lock and the pool."""
+    :meth:`stop`; :meth:`close` releases the socket, its lock and the pool.
+
+    Its state is the loop thread's: the request handlers (:mod:`kvtier.node.handlers`) read and
+    change it on that thread under :attr:`lock` (the index, the tiers below, the roster, the slot
+    size through :meth:`cut_pool`, :attr:`next_session`, the counters), and the metrics thread
+    reads it under :attr:`lock` (:meth:`snapshot`)."""
 
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
@@ -138,11 +149,11 @@ class NodeServer:
         self._sel = selectors.DefaultSelector()
         self._listener: socket.socket | None = None
         self._lock_fd: int | None = None
-        self._pool_fd: int | None = None
+        self.pool_fd: int | None = None
         self.conns: dict[int, Conn] = {}  # open connections by descriptor (the metrics thread reads it under lock)
         self._recv_view = memoryview(bytearray(RECV_BYTES))  # the loop thread's one read buffer
-        self._next_session = 1
-        self._gid = resolve_group(options.group)
+        self.next_session = 1
+        self.gid = resolve_group(options.group)  # --group's gid, admitted too (None: none)
         self.slot_bytes: int | None = None
         self.stride = 0
         self.index: NodeIndex | None = None
@@ -163,10 +174,10 @@ class NodeServer:
         self.below: NodeTiers | None = None  # the tiers below the pool (made at start: they map it)
         self._pool_map: mmap.mmap | None = None
         if options.slot_bytes is not None:
-            self._cut(options.slot_bytes)
+            self.cut_pool(options.slot_bytes)
 
     # --- start-up ------------------------------------------------------------------------
-    def _cut(self, slot_bytes: int) -> None:
+    def cut_pool(self, slot_bytes: int) -> None:
         """Cut the pool into slots of ``slot_bytes`` (only while it holds nothing)."""
         if slot_bytes <= 0:
             raise NodeConfigError(f"slot size must be positive, got {slot_bytes}")
@@ -192,15 +203,15 @@ class NodeServer:
         self._lock_fd = hold_socket_lock(path)
         try:
             clear_dead_socket(path)
-            self._pool_fd = create_pool_fd(self.options.pool_bytes, prefault=self.options.prefault)
+            self.pool_fd = create_pool_fd(self.options.pool_bytes, prefault=self.options.prefault)
             if self.options.tiers:
-                self._pool_map = mmap.mmap(self._pool_fd, self.options.pool_bytes, mmap.MAP_SHARED,
+                self._pool_map = mmap.mmap(self.pool_fd, self.options.pool_bytes, mmap.MAP_SHARED,
                                            mmap.PROT_READ | mmap.PROT_WRITE)
                 self.below = NodeTiers(self.options.tiers, memoryview(self._pool_map))
                 if self.index is not None:
                     self.below.bind(self.index, self.stride, self.slot_bytes or 0)
                 self._sel.register(self.below.bell.fd, selectors.EVENT_READ, _BELL)
-            self._listener = listen(path, self._gid)
+            self._listener = listen(path, self.gid)
             self._sel.register(self._listener, selectors.EVENT_READ, None)
         except BaseException:
             self.close()
@@ -290,24 +301,19 @@ class NodeServer:
                 self.options.socket_path.unlink()
             except FileNotFoundError:
                 pass
-        if self._pool_fd is not None:
-            os.close(self._pool_fd)
-            self._pool_fd = None
+        if self.pool_fd is not None:
+            os.close(self.pool_fd)
+            self.pool_fd = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock; the lock file stays (harmless, reused)
             self._lock_fd = None
         self._sel.close()
 
-    def _allowed(self, uid: int, gid: int, pid: int) -> bool:
-        if uid in (0, os.getuid()):
-            return True
-        return self._gid is not None and (gid == self._gid or self._gid in groups_of(pid))
-
     def _accept(self) -> None:
         """Take one connection off the listener: refused (an error frame, then closed) if its
-        peer is not admitted or ``max_connections`` are open. An accept that fails for want of
-        resources pauses the listener (:class:`AcceptBackoff`); any other failure costs only
-        that connection."""
+        peer is not admitted or ``max_connections`` are open (:func:`kvtier.node.admission.admit`).
+        An accept that fails for want of resources pauses the listener (:class:`AcceptBackoff`);
+        any other failure costs only that connection."""
         assert self._listener is not None
         try:
             sock, _ = self._listener.accept()
@@ -322,40 +328,14 @@ class NodeServer:
             return
         self.accepting.succeeded()
         try:
-            self._admit(sock)
+            conn = admit(self, sock)
+            if conn is not None:
+                self._sel.register(sock, selectors.EVENT_READ, conn)
+                with self.lock:  # the metrics thread iterates the connections
+                    self.conns[sock.fileno()] = conn
         except Exception:  # noqa: BLE001 (its peer went away during the checks, or a bug: that one only)
             log.exception("kvtier node: admitting a connection failed; it is closed")
             sock.close()
-
-    def _admit(self, sock: socket.socket) -> None:
-        sock.setblocking(False)
-        pid, uid, gid = peer_credentials(sock)
-        if not self._allowed(uid, gid, pid):
-            self.rejected_peers += 1
-            who = f"uid {os.getuid()}" + (f" and group {self.options.group}" if self._gid is not None else "")
-            self._refuse(sock, f"kvtier node at {self.options.socket_path} admits only {who}; this client runs as "
-                               f"uid {uid} gid {gid} (start the service with --group GROUP to admit a group)")
-            log.warning("refused pid %d: uid %d gid %d not admitted", pid, uid, gid)
-            return
-        if len(self.conns) >= self.options.max_connections:
-            with self.lock:
-                self.refused_connections += 1
-            self._refuse(sock, f"kvtier node at {self.options.socket_path} serves at most "
-                               f"{self.options.max_connections} connections (--max-connections), all open")
-            if self.refused_connections & (self.refused_connections - 1) == 0:  # 1, 2, 4, ...: not a log flood
-                log.warning("refused pid %d: %d connections open (--max-connections); %d refused so far",
-                            pid, len(self.conns), self.refused_connections)
-            return
-        conn = Conn(sock, uid, pid)
-        self._sel.register(sock, selectors.EVENT_READ, conn)
-        with self.lock:  # the metrics thread iterates the connections
-            self.conns[sock.fileno()] = conn
-
-    @staticmethod
-    def _refuse(sock: socket.socket, message: str) -> None:
-        with contextlib.suppress(OSError):
-            sock.send(pack({"ok": False, "error": message}))  # a fresh socket's buffer takes it
-        sock.close()
 
     def _ready(self, conn: Conn, events: int) -> None:
         """What ``select`` reported for ``conn``: readable, its turn (after a read, unless frames
@@ -410,7 +390,7 @@ class NodeServer:
                 break
             fds: list[int] = []
             with self.lock:
-                reply, carried = self._answer(conn, message, fds)
+                reply, carried = answer(self, conn, message, fds)
             if fds:
                 conn.fds, conn.fd_at = fds, len(conn.out)
             conn.out += pack(reply)
@@ -425,33 +405,6 @@ class NodeServer:
         self._flush(conn)
         if conn.hang_up and not conn.closing:
             self._drop(conn, "bad request")
-
-    def _answer(self, conn: Conn, message: dict[str, Any], fds: list[int]) -> tuple[dict[str, Any], int]:
-        """The reply to one message, and the keys (or pin handles) it carried. Never raises: a
-        message that is not a valid request, or whose checks or handling raised, is answered
-        with an error and its connection marked to close (:attr:`Conn.hang_up`)."""
-        try:
-            request = parse_request(message)
-        except BadRequest as exc:
-            self.protocol_errors += 1
-            conn.hang_up = True
-            return {"ok": False, "error": f"bad request: {exc}", "field": exc.field}, 0
-        except Exception:  # noqa: BLE001 (a check that raised: a bug, that connection only)
-            self.internal_errors += 1
-            conn.hang_up = True
-            log.exception("kvtier node: checking a request of pid %d failed; its connection is closed", conn.pid)
-            return {"ok": False, "error": "the service failed to check this request (a bug: see its log)"}, 0
-        carried = len(request.pins) if type(request) is Unpin else len(getattr(request, "keys", ()))
-        try:
-            return self._handle(conn, request, fds), carried
-        except Exception:  # noqa: BLE001 (a bug must cost one connection, never the service)
-            self.internal_errors += 1
-            conn.hang_up = True
-            fds.clear()
-            log.exception("kvtier node: a %s request of pid %d failed; its connection is closed",
-                          type(request).__name__.lower(), conn.pid)
-            return {"ok": False, "error": f"the service failed on this {type(request).__name__.lower()} request "
-                                          "(a bug: see the service's log)"}, carried
 
     def _flush(self, conn: Conn) -> None:
         """Write what the peer's socket takes now (never waits); drop a peer with too much unread."""
@@ -491,117 +444,12 @@ class NodeServer:
         try:
             with self.lock:
                 self.conns.pop(conn.sock.fileno(), None)
-                session = conn.session
-                if session is not None and self.below is not None:
-                    self.below.release(session)
-                if session is not None and self.index is not None:
-                    aborted, unpinned = self.index.release_session(session)
-                    self.sessions_released += 1
-                    log.info("engine %s (pid %d) detached (%s): %d reservations aborted, %d pins released",
-                             session.engine, conn.pid, why, aborted, unpinned)
-                if session is not None and not any(c.session is not None and c.session.engine == session.engine
-                                                   for c in self.conns.values()):
-                    self.roster.left(session.engine, self.index)
+                release(self, conn, why)
         finally:
             with contextlib.suppress(KeyError, ValueError):
                 self._sel.unregister(conn.sock)
             conn.sock.close()
             conn.reader.close()  # its unfinished frame (up to MAX_FRAME_BYTES) goes now
-
-    # --- requests ------------------------------------------------------------------------
-    def _handle(self, conn: Conn, request: Request, fds: list[int]) -> dict[str, Any]:
-        """The reply to a checked request (a refusal is an error reply, the connection kept)."""
-        if type(request) is Hello:
-            return self._hello(conn, request, fds)
-        if type(request) is Stats:
-            return {"ok": True, **self.snapshot()}  # O(engines): bounded (kvtier.node.roster)
-        session = conn.session
-        if session is None or conn.role is not Role.SCHEDULER or self.index is None:
-            return {"ok": False, "error": f"{type(request).__name__.lower()!r} needs a hello as role 'scheduler' first"}
-        if type(request) is Lookup:
-            start = time.perf_counter()
-            keys, width, pin = request.keys, request.width, request.pin
-            try:
-                hits, slots, handle = self.index.lookup(session, keys, pin, width)
-            except PinLimit as exc:
-                return {"ok": False, "error": f"lookup refused: {exc}"}
-            pending, below, promoted = (self.below.after_lookup(session, keys, hits, width, pin, request.chain)
-                                        if self.below else (False, 0, {}))
-            self.lookup_seconds.append(time.perf_counter() - start)
-            reply = {"ok": True, "hits": hits, "slots": slots, "pin": handle, "pending": pending, "below": below}
-            sources = encode_sources(keys[:hits], promoted)
-            if sources:
-                reply["sources"] = sources
-            return reply
-        if type(request) is Unpin:
-            return {"ok": True, "unknown": self.index.unpin(session, request.pins)}
-        if type(request) is Reserve:
-            if request.width > self.index.num_slots:
-                return {"ok": False, "error": f"width {request.width} is more than this pool's "
-                                              f"{self.index.num_slots} slots"}
-            status, slots = self.index.reserve(session, request.keys, request.width, request.tails)
-            return {"ok": True, "status": [s.value for s in status], "slots": slots}
-        if type(request) is Commit:  # only keys this session committed now go to the tiers, each once
-            committed: list[int] = []
-            unknown = self.index.commit(session, request.keys, committed)
-            infos = request.records(committed) if self.below is not None and committed else None
-            if infos:
-                self.below.committed(session, [request.keys[p] for p in committed], infos)
-            return {"ok": True, "unknown": unknown}
-        assert type(request) is Abort
-        return {"ok": True, "unknown": self.index.abort(session, request.keys)}
-
-    def _hello(self, conn: Conn, hello: Hello, fds: list[int]) -> dict[str, Any]:
-        engine = hello.engine or f"pid-{conn.pid}"
-        if conn.role is not None:
-            return {"ok": False, "error": "hello sent twice on one connection"}
-        if hello.version != PROTOCOL_VERSION:
-            return {"ok": False, "error": f"protocol version {hello.version} is not this service's "
-                                          f"({PROTOCOL_VERSION}): run the same kvtier version in engines and node"}
-        role, slot_bytes = hello.role, hello.slot_bytes
-        fixed = self.options.slot_bytes
-        if fixed is not None and slot_bytes is not None and slot_bytes != fixed:
-            return {"ok": False, "error":
-                    f"this node's pool is cut into slots of {fixed} bytes; this engine's blocks are {slot_bytes} "
-                    f"bytes, and the service was started with --slot-bytes {fixed}. One service serves one block "
-                    "size: run another kvtier node (another --socket) for this model, or give the engines the same "
-                    "block size"}
-        if role.maps_pool:
-            if slot_bytes is None and self.slot_bytes is None:
-                return {"ok": False, "error": "this service's slot size is not set yet: the first engine to "
-                                              "attach must give slot_bytes (or start it with --slot-bytes)"}
-            if slot_bytes is not None and slot_bytes != self.slot_bytes:
-                if self.index is not None and (self.index.blocks or self._engines_attached()):
-                    return {"ok": False, "error":
-                            f"this node's pool is cut into slots of {self.slot_bytes} bytes; this engine's "
-                            f"blocks are {slot_bytes} bytes. One service serves one block size: run another "
-                            "kvtier node (another --socket) for this model, or give the engines the same "
-                            "block size"}
-                try:
-                    self._cut(slot_bytes)
-                except NodeConfigError as exc:
-                    return {"ok": False, "error": str(exc)}
-        if role is Role.SCHEDULER:
-            cap = None if hello.cap_bytes is None else hello.cap_bytes // self.stride
-            if cap is not None and cap < 1:
-                return {"ok": False, "error": f"cpu_bytes_to_use {hello.cap_bytes} is less than one slot of this "
-                                              f"node's pool ({self.stride} bytes)"}
-            conn.session = Session(self._next_session, engine, cap)
-            self._next_session += 1
-            self.roster.attached(engine)  # (re)attached: not among the departed
-            if hello.namespace is not None and self.below is not None:
-                self.below.attach(conn.session, *hello.namespace)
-        conn.role = role
-        if role.maps_pool:
-            assert self._pool_fd is not None
-            fds.append(self._pool_fd)
-        return {"ok": True, "pool_bytes": self.options.pool_bytes, "slot_bytes": self.slot_bytes,
-                "slot_stride": self.stride, "num_slots": self.index.num_slots if self.index else 0,
-                "session": conn.session.id if conn.session else 0, "service_pid": os.getpid(),
-                "pool_id": self.pool_id}
-
-    def _engines_attached(self) -> bool:
-        return any(c.role is not None and c.role.maps_pool for c in self.conns.values())
 
     # --- observability -------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
