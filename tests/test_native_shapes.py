@@ -174,16 +174,17 @@ def test_an_unreachable_server_starts_with_misses(tmp_path, model, redis_factory
 def test_start_up_waits_on_a_tier_that_is_not_open_for_a_few_seconds_at_most(tmp_path, model, monkeypatch):
     """vLLM builds its tiers before it sets the block-hash seed, and a tier opens only then (a disk
     root without a snapshot is scanned, a server connected). Meanwhile lookups answer "ask again"
-    (a fresh engine's first requests can still be served from the tier), for OPEN_WAIT_S at most:
-    then misses, so a hung mount or server never keeps requests waiting."""
+    (a fresh engine's first requests can still be served from the tier), for OPEN_WAIT_S at most
+    (kvtier.tiers.factory's, the node service's too): then misses, so a hung mount or server never
+    keeps requests waiting."""
     from support.native_rig import chunk_keys, offloading_config
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    from kvtier.vllm.native import tiers
+    from kvtier.tiers import factory
 
     (key,) = chunk_keys(prompt(5, 1))
     for wait_s, answer in ((30.0, LookupResult.RETRY), (0.0, LookupResult.MISS)):
-        monkeypatch.setattr(tiers, "OPEN_WAIT_S", wait_s)
+        monkeypatch.setattr(factory, "OPEN_WAIT_S", wait_s)
         spec = TieringOffloadingSpec(offloading_config(model, [disk(tmp_path / "root")], engine_id=f"e{wait_s}"))
         manager = spec.get_manager()
         (tier,) = manager.secondary_tiers

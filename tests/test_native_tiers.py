@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -57,6 +58,25 @@ def test_a_fresh_engine_reads_what_another_stored_and_the_records_are_kvtiers(tm
     assert "vllm-none-hash" not in (ns_dir / "config.json").read_text()  # never the seed itself
     key = chunk_key(ns.engine_digest, keys[0])
     assert (ns_dir.parent / f"{ns_dir.name}_r0" / key.hex()[:3] / f"{key.hex()[3:5]}_g0" / f"{key.hex()}.bin").exists()
+
+
+def test_a_running_engine_finds_what_another_stored_since_at_the_cores_refresh(tmp_path, model, monkeypatch):
+    """Two engines on one root at once: what the second stores after the first opened is found by
+    the first at its next refresh, every REFRESH_INTERVAL_S: the core's one period
+    (kvtier.tiers.stack.RefreshClock), which kvtier's connector and the node service follow too."""
+    from kvtier.tiers import stack
+
+    monkeypatch.setattr(stack, "REFRESH_INTERVAL_S", 0.2)
+    root = tmp_path / "root"
+    first, second = NativeRig(model, [disk(root)]), NativeRig(model, [disk(root)])
+    keys, rows = second.store_prompt(7, 2)
+    deadline = time.monotonic() + 10
+    while (found := first.fetch(keys)) == [None, None]:  # each fetch ends with steps (polls: refreshes)
+        assert time.monotonic() < deadline, "the first engine never found the second's records"
+        time.sleep(0.05)
+    assert found == first.stored_part(rows)
+    first.close()
+    second.close()
 
 
 def test_operator_tools_work_on_a_root_the_native_tier_wrote(tmp_path, model):

@@ -36,6 +36,7 @@ from kvtier.node import NodeUnavailable, Role
 from kvtier.node import tiers as tiers_module
 from kvtier.node.metrics import registry_for
 from kvtier.core.residency import Medium
+from kvtier.tiers import factory
 from kvtier.tiers import stack as stack_module
 from kvtier.policy.admission import StoreAdmission
 from kvtier.runtime.node_host import NodeHost, connect_node
@@ -451,6 +452,32 @@ def test_a_tier_that_cannot_open_leaves_the_others_serving(tmp_path, monkeypatch
         wait_for(lambda: tier_counts(a).get("written_disk", 0) == 2, what="the 2 commits written to disk")
         a.close()
     finally:
+        svc.stop()
+
+
+@pytest.mark.parametrize(("wait_s", "answer"), [(30.0, AcquireStatus.RETRY), (0.0, AcquireStatus.READY)])
+def test_lookups_ask_again_while_the_tiers_open_for_open_wait_s_at_most(tmp_path, redis_factory, monkeypatch,  # noqa: F811
+                                                                       wait_s, answer):
+    """While a namespace's tiers open (here: a Redis server that does not answer, asked by the tier's
+    constructor), a lookup that misses in the pool is told to ask again for OPEN_WAIT_S at most: the
+    one rule of kvtier.tiers.factory, which vLLM's offloading follows too
+    (tests/test_native_shapes.py); then it is a miss (READY, nothing held)."""
+    monkeypatch.setattr(factory, "OPEN_WAIT_S", wait_s)
+    server = redis_factory()
+    redis = RedisTierConfig(url=server.url(), connect_timeout_s=3.0, timeout_s=3.0)
+    server.pause()
+    svc = NodeThread(tmp_path / "n.sock", pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(redis,))
+    try:
+        a = engine(svc.sock)
+        got = a.acquire("r", [key(1)], key(0), 16)
+        assert not tiers_open(a)  # still opening when it answered
+        assert got.status is answer and got.num_blocks == 0
+        a.release("r")
+        server.resume()
+        wait_for(lambda: tiers_open(a), what="the namespace's tiers to open")
+        a.close()
+    finally:
+        server.resume()
         svc.stop()
 
 

@@ -10,9 +10,11 @@ for the session that asked; a pinning lookup that needs no more promotions lets 
 Namespaces: the disk format keeps the namespace per root directory and every record's header names
 its digests, so tiers are opened per namespace and slot size (a record's payload is one slot), by
 the first scheduler that says hello with them (:class:`kvtier.node.protocol.Hello`), on a helper
-thread (a disk scan or a Redis connect never runs on the loop); at most :data:`MAX_NAMESPACES`
+thread (a disk scan or a Redis connect never runs on the loop; the first namespace's Redis and S3
+tiers start from what ``kvtier node``'s start-up check found of their servers, not asking again:
+:mod:`kvtier.tiers.factory`); at most :data:`MAX_NAMESPACES`
 (beyond, a namespace's blocks are pool-only, counted). While they open, a pinning lookup that misses in the pool answers
-``pending`` for at most :data:`OPEN_WAIT_S` (the first lookups after a restart are disk hits, not
+``pending`` for at most :data:`~kvtier.tiers.factory.OPEN_WAIT_S` (the first lookups after a restart are disk hits, not
 recomputes) and commits are remembered (unpinned, at most the pool's slot count) and cascaded once
 they are open; if they fail to open, the namespace's blocks are pool-only.
 
@@ -41,14 +43,10 @@ from kvtier.core.tier_config import SecondaryTierConfig, tier_type
 from kvtier.node.index import EntryState, NodeIndex, Session
 from kvtier.node.protocol import Reservation
 from kvtier.tiers.base import Medium, SecondaryTier
-from kvtier.tiers.factory import open_tier
+from kvtier.tiers.factory import open_tier, open_wait_ends
 from kvtier.tiers.stack import BlockInfo, Chain, TierStack
 
 log = logging.getLogger("kvtier.node")
-
-OPEN_WAIT_S = 5.0
-"""How long pinning lookups that miss in the pool are told to ask again while their namespace's
-tiers are still opening."""
 
 MAX_NAMESPACES = 64
 """Namespaces (with slot sizes) whose tiers the service opens; each costs tier threads and
@@ -173,7 +171,7 @@ class NodeTiers:
                 return
             future = self._opener.submit(self._open, namespace, model_name, namespace_json, self.slot_bytes)
             future.add_done_callback(lambda _f: self.bell.set())
-            self._namespaces[key] = _Namespace(namespace, self.slot_bytes, future, time.monotonic() + OPEN_WAIT_S)
+            self._namespaces[key] = _Namespace(namespace, self.slot_bytes, future, open_wait_ends(time.monotonic()))
         session.namespace = key
 
     def _open(self, namespace: Namespace, model_name: str, namespace_json: str, payload_bytes: int

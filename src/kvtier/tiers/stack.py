@@ -107,6 +107,28 @@ SlotViews = Callable[[tuple[int, ...]], list[memoryview]]
 T = TypeVar("T")
 
 
+class RefreshClock:
+    """When the tiers below a poller next look for blocks other processes stored
+    (:meth:`~kvtier.tiers.base.SecondaryTier.refresh`): every :data:`REFRESH_INTERVAL_S` (as it
+    was when the clock was made), the first one interval after that. The one periodic refresh of
+    :class:`TierStack` and of the tier behind vLLM's offloading
+    (:class:`kvtier.runtime.chunks.store.ChunkStore`). The poller's thread only; memory only."""
+
+    __slots__ = ("interval_s", "_next")
+
+    def __init__(self) -> None:
+        self.interval_s = REFRESH_INTERVAL_S
+        self._next = time.monotonic() + self.interval_s
+
+    def due(self) -> bool:
+        """True once an interval has passed since the last True (then the poller refreshes its tiers)."""
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self.interval_s
+        return True
+
+
 class WriteBacklog(Generic[T]):
     """Writes waiting, in order, for room in one tier's write queue
     (:meth:`~kvtier.tiers.base.SecondaryTier.write_room`). The caller's thread only."""
@@ -174,7 +196,7 @@ class TierStack:
         self._backlogs: dict[SecondaryTier, WriteBacklog[tuple[BlockKey, BlockInfo]]] = {
             tier: WriteBacklog(tier) for tier in self.tiers}
         self._parked: dict[Hashable, dict[BlockKey, Medium]] = {}  # asker told to ask again -> its promotions
-        self._next_refresh = time.monotonic() + REFRESH_INTERVAL_S
+        self._refresh = RefreshClock()
 
     # --- lookups (memory only) ----------------------------------------------------------
     def locate(self, key: BlockKey) -> Medium | None:
@@ -288,10 +310,7 @@ class TierStack:
         """Apply the tiers' outcomes and feed their backlogs. Cheap when idle; never waits."""
         if not self.tiers:
             return
-        now = time.monotonic()
-        refresh = now >= self._next_refresh
-        if refresh:
-            self._next_refresh = now + REFRESH_INTERVAL_S
+        refresh = self._refresh.due()
         for tier in self.tiers:
             if refresh:
                 tier.refresh()

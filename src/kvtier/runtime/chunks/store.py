@@ -49,7 +49,7 @@ from kvtier.runtime.chunks.rows import Rows
 from kvtier.tiers.base import (IoError, IoKind, IoResult, Presence, SecondaryTier, TierUsage, read_failure,
                                write_failure)
 from kvtier.tiers.outbox import wait_for_any
-from kvtier.tiers.stack import REFRESH_INTERVAL_S, WriteBacklog
+from kvtier.tiers.stack import RefreshClock, WriteBacklog
 
 _KEY_DOMAIN = b"kvtier/vllm-offload-key\0"
 MAX_REMEMBERED_KEYS = 1 << 20
@@ -101,14 +101,13 @@ class ChunkStore:
     """``tier`` holding the chunks of one namespace (``namespace_digest``); ``rows`` the engine's region."""
 
     def __init__(self, tier: SecondaryTier, rows: Rows, *, namespace_digest: bytes, chunk_tokens: int,
-                 record_residency: bool = False, refresh_interval_s: float = REFRESH_INTERVAL_S,
+                 record_residency: bool = False,
                  answers: tuple[object, object, object] = (Answer.HIT, Answer.MISS, Answer.RETRY)):
         """``answers``: what :meth:`lookup` returns for a hit, a miss and "ask again" (an engine's own
         values, so that its hot path needs no translation)."""
         self.tier = tier
         self._hit, self._miss, self._retry = answers
-        self._refresh_interval_s = refresh_interval_s
-        self._next_refresh = time.monotonic() + refresh_interval_s
+        self._refresh = RefreshClock()  # the core's period (TierStack's too)
         self._rows = rows
         self._digest = bytes(namespace_digest)  # the records' namespace (their headers)
         self._root = self._digest  # what keys hang under: the digest, or a reset epoch's root (new_epoch)
@@ -220,12 +219,11 @@ class ChunkStore:
         self.tier.flush()
 
     def poll(self) -> list[JobOutcome]:
-        """Engine jobs finished since the last call. Never blocks. Every ``refresh_interval_s`` it
-        also has the tier look for records other engines stored (a shared disk root: a background
-        scan, merged by a later poll)."""
-        now = time.monotonic()
-        if now >= self._next_refresh:
-            self._next_refresh = now + self._refresh_interval_s
+        """Engine jobs finished since the last call. Never blocks. Every
+        :data:`~kvtier.tiers.stack.REFRESH_INTERVAL_S` (:class:`~kvtier.tiers.stack.RefreshClock`, as
+        :class:`~kvtier.tiers.stack.TierStack`) it also has the tier look for records other engines
+        stored (a shared disk root: a background scan, merged by a later poll)."""
+        if self._refresh.due():
             self.tier.refresh()
         self._collect()
         ready, self._ready = self._ready, []

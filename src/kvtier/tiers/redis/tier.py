@@ -10,7 +10,8 @@ and batch), :mod:`~kvtier.tiers.breaker` (the circuit breaker),
 
 Threading. Every public method runs on the caller's (orchestrator's) thread and never does
 network I/O, except the constructor (connects, PINGs and writes the namespace's config key: each
-an exchange with a deadline, :mod:`~kvtier.tiers.redis.deadline`) and :meth:`close` (waits for the
+an exchange with a deadline, :mod:`~kvtier.tiers.redis.deadline`; none when told the server was
+found unreachable, ``reachable=False``) and :meth:`close` (waits for the
 batches in flight, each bounded by its exchanges' deadlines, and in all at most ``timeout_s`` plus
 a full batch's deadline). The I/O runs on
 the tier's own threads: ``kvtier-redis-read`` (reads), ``kvtier-redis-write`` (writes, UNLINKs,
@@ -124,7 +125,11 @@ class RedisTier(RemoteTier):
         batch_bytes: int = BATCH_BYTES,
         usage_interval: float = USAGE_INTERVAL,
         piece_bytes: int = PIECE_BYTES,
+        reachable: bool | None = None,
     ) -> None:
+        """``reachable``: what the start-up check (:func:`kvtier.tiers.factory.check_tier`)
+        found of the server: False, the tier starts off without asking it again (its monitor
+        connects in the background); True or None (not checked): it connects now."""
         self.config = config
         # Caller-thread state (presence, counters, writes in flight): RemoteTier's, changed only in
         # the submit methods and poll().
@@ -157,20 +162,23 @@ class RedisTier(RemoteTier):
             piece_bytes=piece_bytes,
             sealer=Sealer(config.auth),
         )
-        try:
-            self._client.connect()
-            self._write_config()
-        except ConfigError:
-            self._client.close()
-            raise
-        except Exception as exc:
-            logger.warning(
-                "kvtier redis: %s is not reachable at start-up (%s); starting with the Redis tier off "
-                "(misses), reconnecting in the background",
-                config.redacted_url(),
-                describe(exc),
-            )
+        if reachable is False:  # the start-up check waited for it (and said so): not asked again
             self._breaker.trip()
+        else:
+            try:
+                self._client.connect()
+                self._write_config()
+            except ConfigError:
+                self._client.close()
+                raise
+            except Exception as exc:
+                logger.warning(
+                    "kvtier redis: %s is not reachable at start-up (%s); starting with the Redis tier off "
+                    "(misses), reconnecting in the background",
+                    config.redacted_url(),
+                    describe(exc),
+                )
+                self._breaker.trip()
 
         n_threads = max(1, min(4, (config.max_connections - 2) // 2))
         self._read_pool = WorkerPool(n_threads, "kvtier-redis-read")

@@ -10,7 +10,8 @@ this one (the contract, submission, :meth:`S3Tier.poll`). Values are the Redis t
 when the entry has one.
 
 Threading. Every public method runs on the caller's (orchestrator's) thread and never does
-network I/O, except the constructor (one LIST page: the credentials are checked at start-up) and
+network I/O, except the constructor (one LIST page: the credentials are checked at start-up; none
+when told what the start-up check found, ``reachable``) and
 :meth:`close` (waits for the requests in flight, each bounded by ``timeout_s``). The I/O runs on
 the tier's own threads: ``kvtier-s3-read`` and ``kvtier-s3-write`` (``max_concurrency`` each: at
 most that many GETs and that many PUTs in flight), ``kvtier-s3-probe`` (HEADs), ``kvtier-s3-remove``
@@ -86,7 +87,10 @@ class S3Tier(RemoteTier):
     def __init__(self, config: S3TierConfig, *, model_name: str, engine_digest: bytes,
                  rank_digests: Sequence[bytes], namespace_json: str, payload_bytes: int, where: str = "s3 tier",
                  presence_ttl: float = PRESENT_TTL, absent_ttl: float = ABSENT_TTL,
-                 presence_entries: int = MAX_ENTRIES) -> None:
+                 presence_entries: int = MAX_ENTRIES, reachable: bool | None = None) -> None:
+        """``reachable``: what the start-up check (:func:`kvtier.tiers.factory.check_tier`: the same
+        LIST) found of the store, not asked again: False, the tier starts off (its monitor tries
+        in the background); True, it starts on. None (not checked): the constructor LISTs."""
         self.config = config
         # Caller-thread state (presence, counters, writes in flight): RemoteTier's, changed only in
         # the submit methods and poll(); and what the listings found, below.
@@ -108,9 +112,12 @@ class S3Tier(RemoteTier):
 
         source = credentials(config, where)  # ConfigError: a named profile missing or unusable
         self._store = make_store(config, where, source)  # ConfigError: an unreadable ca_bundle
-        if check_access(config, where, self._store, source) is Access.UNREACHABLE:  # ConfigError: refused
-            logger.warning("kvtier s3: %s does not answer at start-up; starting with the S3 tier off (misses), "
-                           "trying again in the background", config.location)
+        if reachable is None:
+            reachable = check_access(config, where, self._store, source) is not Access.UNREACHABLE  # ConfigError
+            if not reachable:
+                logger.warning("kvtier s3: %s does not answer at start-up; starting with the S3 tier off "
+                               "(misses), trying again in the background", config.location)
+        if not reachable:
             self._breaker.trip()
         self._stop = threading.Event()
         self._throttle = Throttle()

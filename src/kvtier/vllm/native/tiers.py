@@ -16,8 +16,10 @@ What vLLM does with a tier, and what this one does in turn (vLLM's tiering/base.
 
 - construction, in the scheduler process: the keys are checked (a bad one stops vLLM with the key's
   name) and the model's weights fingerprinted; the storage opens once vLLM has set its block-hash
-  seed (:mod:`kvtier.vllm.native.seed`), a few milliseconds later, on a thread of its own. Until then
-  lookups answer RETRY (vLLM asks again next step) and stores fail (each only a future miss);
+  seed (:mod:`kvtier.vllm.native.seed`), a few milliseconds later, on a thread of its own, from what
+  the construction's check found of its server (one that did not answer is not asked again: the tier
+  starts off, :mod:`kvtier.tiers.factory`). Until then lookups answer RETRY (vLLM asks again next
+  step) and stores fail (each only a future miss);
 - every call below comes from the scheduler thread (0.33: possibly its tier-poll thread, never
   concurrently: vLLM holds its manager lock), and answers from memory;
 - ``lookup``: HIT / MISS from the tier's index; kvtier_redis answers RETRY while an EXISTS probe is
@@ -75,7 +77,7 @@ from kvtier.runtime.chunks.store import ChunkStore
 from kvtier.tiers.base import SecondaryTier
 from kvtier.tiers.disk import DiskTier
 from kvtier.tiers.disk.owners import mark_owned, reclaim_orphans
-from kvtier.tiers.factory import check_tier, open_tier
+from kvtier.tiers.factory import check_tier, open_tier, open_wait_ends
 from kvtier.vllm.logs import share_vllm_log_handlers
 from kvtier.vllm.native import metrics
 from kvtier.vllm.native.run_facts import engine_run
@@ -83,9 +85,6 @@ from kvtier.vllm.native.seed import SeedWatcher
 
 logger = logging.getLogger(__name__)
 
-OPEN_WAIT_S = 5.0
-"""While the storage opens, lookups answer "ask again" (a fresh engine's first requests can be served
-from it) for at most this long after the tier was made; then misses until it is open."""
 OPEN_REPORT_S = 60.0
 """A tier not open this long after vLLM set its seed says so in the log (a hung mount, a slow scan)."""
 ONE_PROCESS_WAIT_S = 0.002
@@ -130,14 +129,14 @@ class VllmTierAdapter(SecondaryTierManager):
         self._metrics = metrics.TierMetrics(tier_type)
         self._failed: list[JobResult] = []  # jobs refused before the storage opened
         self._store: ChunkStore | None = None
-        self._lookup = self._lookup_while_opening  # then _miss (OPEN_WAIT_S), or the store's once open
+        self._lookup = self._lookup_while_opening  # then _miss (open_wait_ends), or the store's once open
         self.seed: HashSeed | None = None
         self._epoch = b""  # the key epoch (drain_jobs); guarded by _epoch_lock with the store's creation
         self._epoch_lock = threading.Lock()
         self._opening = threading.Event()
         self._opening.set()
         self._opening_since = time.monotonic()
-        self._retry_until = self._opening_since + OPEN_WAIT_S
+        self._retry_until = open_wait_ends(self._opening_since)  # "ask again" until then (factory.OPEN_WAIT_S)
         self._watcher = SeedWatcher(self._open, self._open_failed, name=f"kvtier-{tier_type}-open")
         logger.info("kvtier %s: %s; %d-token chunks of %d rank record(s) x %.2f MiB; opens once vLLM "
                     "has set its block-hash seed", tier_type, self.describe(), self.run.chunk_tokens,
@@ -204,7 +203,7 @@ class VllmTierAdapter(SecondaryTierManager):
 
     def lookup(self, key: bytes, req_context: ReqContext) -> LookupResult:
         # The scheduler's hot path, once per chunk per lookup pass: the store's lookup answers in
-        # vLLM's own values. Until the storage is open: "ask again" for OPEN_WAIT_S, then misses.
+        # vLLM's own values. Until the storage is open: "ask again" for factory.OPEN_WAIT_S, then misses.
         return self._lookup(key, req_context)
 
     def _lookup_while_opening(self, key: bytes, req_context: ReqContext | None = None) -> LookupResult:
