@@ -9,7 +9,7 @@ for the session that asked; a pinning lookup that needs no more promotions lets 
 
 Namespaces: the disk format keeps the namespace per root directory and every record's header names
 its digests, so tiers are opened per namespace and slot size (a record's payload is one slot), by
-the first scheduler that says hello with them (:class:`kvtier.node.protocol.Hello`), on a helper
+the first scheduler that says hello with them (:class:`kvtier.node.messages.Hello`), on a helper
 thread (a disk scan or a Redis connect never runs on the loop; the first namespace's Redis and S3
 tiers start from what ``kvtier node``'s start-up check found of their servers, not asking again:
 :mod:`kvtier.tiers.factory`); at most :data:`MAX_NAMESPACES`
