@@ -275,7 +275,7 @@ class CudaCopyEngine(CopyEngine):
             ready = None
             start = device.new_event()
             device.record(start, stream)
-            planned = plan.num_bytes
+            planned = repeat.num_bytes if repeat is not None else plan.num_bytes  # a repeat's is kept: no torch call
             if planned:
                 copying = True
                 if repeat is not None and device.repeat(stream, repeat, first, table[:, 2]):
