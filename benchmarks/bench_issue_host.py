@@ -7,8 +7,9 @@ and op by op. What it leaves out is the device calls' own cost (ctypes, the runt
 driver), measured on a GPU by ``tests/gpu/profile_issue.py``; the goal for the whole start call,
 < 0.2 ms, is judged there (``scripts/gpu-check.sh``).
 
-Prints one JSON: per page size and direction, the median and the minimum microseconds of the
-start call (this machine is shared: the minimum is the steadier figure), and the device calls
+Jobs go as kvtier's scheduler sends them: one host run of consecutive slots, so a ``SlotRun``
+(``graph_table``: the same jobs as page tables). Prints one JSON: per page size and direction,
+the median and the minimum microseconds of the start call (this machine is shared: the minimum is the steadier figure), and the device calls
 one job makes. ``mixed``: jobs of 1 to 512 blocks (seeded, uniform), as serving hands them (a
 load is as long as its prompt's hit, a prefill's last chunk varies): the share of jobs that
 went as a graph launch and the start call's median, at 16 KiB pages. ``cold_median_us``: the
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from gpu_layouts import Case, build  # noqa: E402
 from host_device import HostDevice, host_streams  # noqa: E402
 
-from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table  # noqa: E402
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table, slot_run_of  # noqa: E402
 from kvtier.copy.cuda import CudaCopyEngine  # noqa: E402
 from kvtier.copy.choice import TRIALS, TrialKey  # noqa: E402
 from kvtier.copy.staging import CopyMethod  # noqa: E402
@@ -72,8 +73,15 @@ def choose_staged(engine: CudaCopyEngine, direction: Direction, num_bytes: int, 
             engine.chooser.observe(key, method, num_bytes, 1e-3, True, issue_s)
 
 
+def sent(pages: list[PageCopy], form: str):
+    """``pages`` as the scheduler sends them (``form`` "scheduler": a SlotRun for a job of one host
+    run, else the page table), or as a page table (``form`` "table")."""
+    table = page_table(pages)
+    return (slot_run_of(table) or table) if form == "scheduler" else table
+
+
 def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int, mixed: bool = False,
-                cold: bool = False, layout: str = "LBNHC") -> dict:
+                cold: bool = False, layout: str = "LBNHC", form: str = "scheduler") -> dict:
     case = Case(layout, layers=LAYERS, heads=heads, tokens=16, content=256, dtype=torch.bfloat16)
     kv = build(case, BLOCKS + 8, "cpu")
     paged = PagedKV(kv.views, BLOCKS + 8)
@@ -85,12 +93,12 @@ def issue_times(heads: int, direction: Direction, graphs: bool, jobs: int, mixed
     engine = CudaCopyEngine(BlockCopier(paged, host), streams, method)
     if method is CopyMethod.AUTO:
         choose_staged(engine, direction, BLOCKS * LAYERS * paged.page_bytes, BLOCKS)
-    job = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)])  # as the scheduler sends it
+    job = sent([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(BLOCKS)], form)
     sizes = np.random.default_rng(0).integers(1, BLOCKS + 1, jobs) if mixed else np.full(jobs, BLOCKS)
     ids = itertools.count()
     seconds, calls = [], Counter()
     for i in range(jobs):
-        job = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(int(sizes[i]))]) \
+        job = sent([PageCopy(slot, 0, 1 + (slot * 7919) % BLOCKS) for slot in range(int(sizes[i]))], form) \
             if mixed else job
         before = Counter(device.calls)
         if cold:
@@ -126,6 +134,9 @@ def main() -> None:
             for name, graphs in (("graph", True), ("op_by_op", False)):
                 row[name] = issue_times(heads, direction, graphs, args.jobs)
             row["graph"]["cold_median_us"] = issue_times(heads, direction, True, args.jobs, cold=True)["median_us"]
+            row["graph_table"] = {  # the same jobs sent as page tables (before SlotRun, what the scheduler sent)
+                "median_us": issue_times(heads, direction, True, args.jobs, form="table")["median_us"],
+                "cold_median_us": issue_times(heads, direction, True, args.jobs, cold=True, form="table")["median_us"]}
             rows.append(row)
     mixed = {direction.value: issue_times(2, direction, True, args.jobs, mixed=True) for direction in Direction}
     blnhc = {f"{heads * 8}KiB {direction.value}": {

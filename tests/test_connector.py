@@ -27,7 +27,7 @@ from support.engine_sim import (
 
 from vllm.v1.request import RequestStatus
 
-from kvtier.copy import Direction, page_list
+from kvtier.copy import Direction, SlotRun, page_list
 from kvtier.tiers.blockfile import HEADER_LEN
 
 HOST = {"cpu_bytes_to_use": 2 * 2**20}  # 64 slots of 2 layers x 16 tokens x 8 floats x 4 B
@@ -81,6 +81,26 @@ def test_a_hit_is_loaded_asynchronously_its_request_in_no_batch_until_the_copy_i
         local, loaded = sim.prefill["again"]
         assert local == 0 and loaded >= 96 and second.num_scheduled_tokens["again"] == 100 - loaded
         assert sim.outputs["again"] == ref
+
+
+def test_jobs_of_one_host_run_reach_the_workers_as_slot_runs_and_stay_bit_exact(model):
+    """kvtier's scheduler sends a job of consecutive slots (most stores, and loads of blocks
+    stored together) as a SlotRun; the workers copy it as the table it stands for."""
+    prompts = prompts_of(40, 3, 100)
+    ref = reference_outputs(model, prompts, 3)
+    with SimEngine(model, kvtier=HOST) as sim:
+        copies = store_copies(sim)
+        sent = []
+        real_store, real_load = copies.start_store, copies.start_load
+        copies.start_store = lambda job_id, pages: sent.append(("store", type(pages))) or real_store(job_id, pages)
+        copies.start_load = lambda job_id, pages, **kwargs: sent.append(("load", type(pages))) or \
+            real_load(job_id, pages, **kwargs)
+        sim.generate(prompts, 3)
+        assert sim.reset_prefix_cache()
+        second = sim.generate(renamed(prompts, "-2"), 3)
+        assert by_prompt(second, "-2") == ref and sum(external(second)) >= 3 * 96
+    assert ("store", SlotRun) in sent and ("load", SlotRun) in sent, sent
+    assert sim.model.kv_mismatches == []
 
 
 def test_negative_control_a_load_that_copies_nothing_is_caught(model):

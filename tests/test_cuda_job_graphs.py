@@ -10,8 +10,9 @@ the GPU path computes is checked by the bytes it lands; the ordering between lan
 - a graph that fails to build or launch turns graphs off (logged) and the job still lands;
 - graphs built on an index buffer that was grown are retired and rebuilt; closing destroys
   every graph;
-- page tables (what the scheduler sends) of a size that went as a graph go as repeats of it,
-  unplanned, and fall back to a planned job where the graph is gone.
+- jobs as the scheduler sends them (page tables, or a SlotRun for a job of one host run) of a
+  size that went as a graph go as repeats of it, unplanned, and fall back to a planned job where
+  the graph is gone; a SlotRun out of range fails its job before anything is copied.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 import torch
 from host_device import HostDevice, host_streams
 
-from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, SlotRun, page_table, slot_run_of
 from kvtier.copy.choice import TRIALS, TrialKey
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.lanes import CudaLanes
@@ -252,28 +253,39 @@ def _lands(paged, host, table, direction) -> bool:
                for slot, _, block, _ in table.tolist() for layer in range(LAYERS))
 
 
-def _run(engine, paged, host, job_id, direction, table) -> bool:
-    done = _done(engine, paged, job_id, direction, table)
+FORMS = ["table", "scheduler"]
+"""How a test sends its jobs: page tables, or as kvtier's scheduler sends them (a job of one
+host run as a :class:`SlotRun`, :func:`slot_run_of`)."""
+
+
+def _sent(table, form: str):
+    return (slot_run_of(table) or table) if form == "scheduler" else table
+
+
+def _run(engine, paged, host, job_id, direction, table, form: str = "table") -> bool:
+    done = _done(engine, paged, job_id, direction, table, form)
     return done.ok and _lands(paged, host, table, direction)
 
 
-def _done(engine, paged, job_id, direction, table):
-    """Issue the job (a load into zeroed pages) and return its CopyDone."""
+def _done(engine, paged, job_id, direction, table, form: str = "table"):
+    """Issue the job (a load into zeroed pages), sent as ``form`` says, and return its CopyDone."""
     if direction is Direction.LOAD:
         for block in table[:, 2].tolist():
             for layer in range(LAYERS):
                 paged.page(layer, block).zero_()
-        engine.start_load(job_id, table, synchronous=False)
+        engine.start_load(job_id, _sent(table, form), synchronous=False)
     else:
-        engine.start_store(job_id, table)
+        engine.start_store(job_id, _sent(table, form))
     [done] = engine.poll()
     return done
 
 
-def test_page_tables_of_a_size_seen_as_a_graph_repeat_it_unplanned_and_land_exactly():
-    """A page table of consecutive slots whose size went as a graph launch twice before is issued
-    as a repeat of that graph (CudaLanes.repeat): no plan, one update per chunk and the upload's,
-    one launch; other slots and blocks each time, every byte where it belongs, store and load."""
+@pytest.mark.parametrize("form", FORMS)
+def test_page_tables_of_a_size_seen_as_a_graph_repeat_it_unplanned_and_land_exactly(form):
+    """A job of consecutive slots (a page table, or the scheduler's SlotRun) whose size went as a
+    graph launch twice before is issued as a repeat of that graph (CudaLanes.repeat): no plan, one
+    update per chunk and the upload's, one launch; other slots and blocks each time, every byte
+    where it belongs, store and load."""
     device = HostDevice()
     engine, streams, paged, host = rig(device)
     jobs = [page_table(pages_of(range(first, first + 6), blocks)) for first, blocks in
@@ -286,7 +298,7 @@ def test_page_tables_of_a_size_seen_as_a_graph_repeat_it_unplanned_and_land_exac
                 table = table.copy()
                 table[:, 2] = (table[:, 2] + 5) % BLOCKS
             before, repeated = Counter(device.calls), engine.repeated
-            assert _run(engine, paged, host, job_id + 10 * (direction is Direction.LOAD), direction, table), job_id
+            assert _run(engine, paged, host, job_id + 10 * (direction is Direction.LOAD), direction, table, form), job_id
             spent = device.calls - before
             # the 2nd builds the graph, the 3rd launches it (its size kept), later ones repeat it
             assert engine.repeated - repeated == (job_id >= 3)
@@ -298,8 +310,9 @@ def test_page_tables_of_a_size_seen_as_a_graph_repeat_it_unplanned_and_land_exac
     engine.close()
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("seed", range(3))
-def test_repeats_of_mixed_sizes_land_exactly_and_fall_back_when_their_graph_is_gone(seed):
+def test_repeats_of_mixed_sizes_land_exactly_and_fall_back_when_their_graph_is_gone(seed, form):
     """Page tables of 1-8 blocks at random slots and blocks, stores and loads interleaved, with
     room for two graphs per side stream (shapes retire and are built again, a repeat of a
     retired shape goes planned), a few jobs of scattered slots (never repeats) between: every
@@ -315,12 +328,13 @@ def test_repeats_of_mixed_sizes_land_exactly_and_fall_back_when_their_graph_is_g
         slots = np.arange(first, first + n) if rng.random() < 0.9 else np.sort(rng.choice(SLOTS, n, replace=False))
         table = page_table(pages_of(slots.tolist(), rng.choice(BLOCKS, n, replace=False).tolist()))
         direction = Direction.STORE if rng.random() < 0.5 else Direction.LOAD
-        assert _run(engine, paged, host, job_id, direction, table), (job_id, direction, table.tolist())
+        assert _run(engine, paged, host, job_id, direction, table, form), (job_id, direction, table.tolist())
     assert engine.repeated > 20 and device.calls["graph_create"] > 2 * 4, (engine.repeated, device.calls)
     engine.close()
 
 
-def test_block_outermost_jobs_repeat_only_where_their_own_run_count_is_staged():
+@pytest.mark.parametrize("form", FORMS)
+def test_block_outermost_jobs_repeat_only_where_their_own_run_count_is_staged(form):
     """AUTO on a block-outermost layout: a run is as many blocks as the engine holds in a row, so
     the method of a job (by its class: mean bytes per run) depends on its blocks, not its size
     alone. Jobs of scattered blocks, a class chosen STAGED, repeat their graph; a job of the same
@@ -351,11 +365,58 @@ def test_block_outermost_jobs_repeat_only_where_their_own_run_count_is_staged():
             if direction is Direction.LOAD:  # into other engine blocks, as many in a row
                 table[:, 2] = (table[:, 2] + 1) % BLOCKS
             before = engine.repeated
-            done = _done(engine, paged, 100 * (direction is Direction.LOAD) + job_id, direction, table)
+            done = _done(engine, paged, 100 * (direction is Direction.LOAD) + job_id, direction, table, form)
             assert done.ok and done.method == method and _lands(paged, host, table, direction), (job_id, done)
             # the 2nd builds the graph, the 3rd launches it (its size kept), later staged ones repeat it
             assert engine.repeated - before == (job_id == 3 or job_id == 6), job_id
         assert engine.repeated - repeated == 2
+    engine.close()
+
+
+@pytest.mark.parametrize("kept", [False, True], ids=["no-graph-yet", "size-repeating"])
+def test_a_slot_run_out_of_range_fails_its_job_and_copies_nothing(kept):
+    """A SlotRun naming an engine block past the KV cache, a negative one, or slots past the host
+    region fails its job (reported, never raised) before any byte moves, whether its size repeats
+    a graph already (the check on its blocks column) or it is planned (the table's check); the
+    engine goes on: a good job after it lands."""
+    device = HostDevice()
+    engine, _, paged, host = rig(device)
+    good = page_table(pages_of(range(0, 6), [3, 11, 1, 8, 9, 2]))
+    if kept:
+        for job_id in range(3):
+            assert _run(engine, paged, host, job_id, Direction.STORE, good, "scheduler")
+    bad = [SlotRun(6, np.array([3, 11, BLOCKS, 8, 9, 2], dtype=np.int64)),
+           SlotRun(6, np.array([3, 11, -1, 8, 9, 2], dtype=np.int64)),
+           SlotRun(SLOTS - 5, np.array([3, 11, 1, 8, 9, 2], dtype=np.int64))]
+    for job_id, job in enumerate(bad, start=10):
+        before = Counter(device.calls)
+        host_before = host.buffer.clone()
+        engine.start_store(job_id, job)
+        [done] = engine.poll()
+        spent = device.calls - before
+        assert not done.ok and done.num_bytes == 0, job_id
+        assert not (spent["memcpy"] or spent["launch"] or spent["graph_launch"]), (job_id, spent)
+        assert torch.equal(host.buffer, host_before), job_id
+    repeated = engine.repeated
+    assert _run(engine, paged, host, 20, Direction.STORE, page_table(pages_of(range(12, 18), [13, 5, 0, 7, 4, 12])),
+                "scheduler")
+    assert engine.repeated == repeated + kept
+    engine.close()
+
+
+def test_a_slot_run_across_a_pinning_chunk_goes_planned_and_lands_exactly():
+    """A SlotRun whose slots straddle two pinning chunks (two host runs) is no repeat: it goes
+    planned, from its table, and lands exactly; one inside a chunk repeats."""
+    device = HostDevice()
+    engine, _, paged, host = rig(device)
+    engine.runs.segment_bytes = engine.staged.segment_bytes = 8 * host.layout.slot_bytes  # chunks of 8 slots
+    blocks = [[3, 11, 1, 8], [13, 5, 0, 7], [22, 20, 21, 6], [15, 16, 17, 18], [2, 4, 9, 10]]
+    for job_id, (first, chosen) in enumerate(zip((0, 8, 16, 0, 6), blocks)):  # the last straddles slots 7 | 8
+        repeated = engine.repeated
+        assert _run(engine, paged, host, job_id, Direction.STORE, page_table(pages_of(range(first, first + 4), chosen)),
+                    "scheduler"), job_id
+        # the 2nd builds the graph, the 3rd launches it (its size kept), the 4th repeats it
+        assert engine.repeated - repeated == (job_id == 3), job_id
     engine.close()
 
 

@@ -65,7 +65,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_layouts import Case, build  # noqa: E402
 
-from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table  # noqa: E402
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table, slot_run_of  # noqa: E402
 from kvtier.copy.choice import TRIALS  # noqa: E402
 from kvtier.copy.cuda import CudaCopyEngine  # noqa: E402
 from kvtier.copy.pinning import pin_host_memory  # noqa: E402
@@ -277,8 +277,10 @@ def bench_page_size(args, device, heads: int, job_ids) -> dict:
     host = HostSlots(buffer, layout)
     # engine blocks in a scattered order, as a serving engine's are (consecutive ids would let
     # block-outermost layouts merge a whole job into one run)
-    # as kvtier's scheduler sends a job to the workers: one int64 page table (kvtier.copy.page_table)
-    pages = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % args.blocks) for slot in range(args.blocks)])
+    # as kvtier's scheduler sends a job to the workers: one host run of consecutive slots, so a
+    # SlotRun (first slot, engine blocks; kvtier.copy.slot_run_of of its page table)
+    table = page_table([PageCopy(slot, 0, 1 + (slot * 7919) % args.blocks) for slot in range(args.blocks)])
+    pages = slot_run_of(table) or table
     job_bytes = args.blocks * args.layers * paged.page_bytes
     streams = TorchCudaStreams(device, kernel_blocks=args.kernel_blocks)
     out: dict = {"page_bytes": paged.page_bytes, "job_bytes": job_bytes, "host_region": where,

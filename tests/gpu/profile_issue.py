@@ -10,8 +10,9 @@ of kvtier's kernels, in the same run (a lent GPU's host differs in call costs fr
 
 Per job shape: ``phases_us``, medians of the host time inside chosen methods (``runtime.*``: each
 CUDA runtime call the engine makes; the rest of ``total`` is kvtier's Python), and the start
-call's median given a page table (as the scheduler sends it: ``issue_ms_median``), given 512
-``PageCopy`` tuples, and issued back to back without waiting for the device between calls (a
+call's median given the job as the scheduler sends it (a ``SlotRun``: one host run;
+``issue_ms_median``), given its page table (``issue_ms_median_table``), given 512 ``PageCopy``
+tuples, and issued back to back without waiting for the device between calls (a
 warm host: each job of the others is issued right after the host waited for the device, as the
 kit issues them). ``cold_calls``: the runtime calls of a 16 KiB-page graph job and a whole start
 call, each right after the host's caches were evicted and warm (:func:`cold_calls`).
@@ -40,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_copies as kit  # noqa: E402
 from gpu_layouts import Case, build  # noqa: E402
 
-from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table  # noqa: E402
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table, slot_run_of  # noqa: E402
 from kvtier.copy.cudart import SourceOrder  # noqa: E402
 from kvtier.copy.cuda import CudaCopyEngine  # noqa: E402
 from kvtier.copy.kernels import RowKernels  # noqa: E402
@@ -238,8 +239,10 @@ def kit_tuples(count: int) -> list[PageCopy]:
 
 
 def kit_pages(count: int):
-    """:func:`kit_tuples` as the page table kvtier's scheduler sends the workers."""
-    return page_table(kit_tuples(count))
+    """:func:`kit_tuples` as kvtier's scheduler sends them to the workers: one host run, so a
+    :class:`~kvtier.copy.base.SlotRun` (:func:`~kvtier.copy.base.slot_run_of` of its page table)."""
+    table = page_table(kit_tuples(count))
+    return slot_run_of(table) or table
 
 
 def start(engine: CudaCopyEngine, direction: Direction, job_id: int, pages) -> None:
@@ -325,7 +328,8 @@ def profile_jobs(streams, layout: str, heads: int, method: CopyMethod, direction
 
 def _profile_jobs(engine: CudaCopyEngine, paged: PagedKV, streams, direction: Direction, job_ids) -> dict:
     tuples = kit_tuples(BLOCKS)
-    pages = page_table(tuples)  # what kvtier's scheduler sends the workers
+    table = page_table(tuples)
+    pages = kit_pages(BLOCKS)  # what kvtier's scheduler sends the workers: a SlotRun
     for _ in range(3):
         kit.run_job(engine, direction, pages, next(job_ids))
     phase_us = phases(engine, streams, direction, pages, job_ids)
@@ -350,6 +354,7 @@ def _profile_jobs(engine: CudaCopyEngine, paged: PagedKV, streams, direction: Di
 
     issue = timed_starts(pages)
     as_tuples = timed_starts(tuples, 10)
+    as_table = timed_starts(table, 10)
     profiler = cProfile.Profile()
     timed_starts(pages, 15, profiler)
     hot = []  # back to back, the device kept busy: no wait between the calls (a warm host)
@@ -368,6 +373,7 @@ def _profile_jobs(engine: CudaCopyEngine, paged: PagedKV, streams, direction: Di
             "issue_ms_median": round(statistics.median(issue) * 1e3, 3),
             "issue_ms_min": round(min(issue) * 1e3, 3),
             "issue_ms_median_tuples": round(statistics.median(as_tuples) * 1e3, 3),
+            "issue_ms_median_table": round(statistics.median(as_table) * 1e3, 3),
             "issue_ms_median_back_to_back": round(statistics.median(hot) * 1e3, 3), "profile": text.getvalue().splitlines()[:60]}
 
 

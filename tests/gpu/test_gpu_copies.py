@@ -31,7 +31,7 @@ import torch
 from gpu_layouts import CASES, Case, build
 from kit_checks import CudaRig, check_a_synchronous_load_lands_before_compute_reads, check_batches_were_not_refused
 
-from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table
+from kvtier.copy import BlockCopier, Direction, HostSlots, PageCopy, PagedKV, page_table, slot_run_of
 from kvtier.copy.cuda import CudaCopyEngine
 from kvtier.copy.cudart import LoadedCudart
 from kvtier.copy.jobgraph import graph_key
@@ -363,20 +363,28 @@ def test_jobs_of_other_sizes_replay_one_graph_bit_exact(name, kernel_blocks, dev
     engine.close()
 
 
+def sent(table, form: str):
+    """``table`` as a test sends it: as is, or as kvtier's scheduler sends it (a SlotRun where
+    the job is one host run)."""
+    return (slot_run_of(table) or table) if form == "scheduler" else table
+
+
 @pytest.mark.parametrize("name", ["LBNHC-attention", "BLNHC-attention", "LBNHC-kernel-blocks", "LBNHC-padded-attention"])
 @pytest.mark.parametrize("kernel_blocks", [None, 3], ids=["block-per-page", "3-blocks"])
-def test_page_tables_repeat_a_graph_unplanned_bit_exact(name, kernel_blocks, device, shm_region):
-    """Five stores, then five loads, of 4 whole blocks to 4 consecutive slots, each a page table as
-    kvtier's scheduler sends it: from the fourth on each goes as a repeat of the graph
-    (CudaLanes.repeat: not planned, its numbers and host addresses written by the repeat itself).
-    Every byte as the CPU engine moves it; no block outside a load's targets is written."""
+@pytest.mark.parametrize("form", ["table", "scheduler"])
+def test_page_tables_repeat_a_graph_unplanned_bit_exact(name, kernel_blocks, form, device, shm_region):
+    """Five stores, then five loads, of 4 whole blocks to 4 consecutive slots, each a page table,
+    or as kvtier's scheduler sends it (``form``: a SlotRun where the job is one, slot_run_of): from
+    the fourth on each goes as a repeat of the graph (CudaLanes.repeat: not planned, its numbers
+    and host addresses written by the repeat itself). Every byte as the CPU engine moves it; no
+    block outside a load's targets is written."""
     kv, groups, engine, paged, host, expected, cpu_copier = staged_rig(name, 12, 5, 2, device, shm_region,
                                                                        kernel_blocks)
     sources = [[3, 11, 1, 8], [9, 2, 10, 5], [0, 4, 6, 7], [5, 3, 11, 2], [8, 10, 9, 1]]
     firsts = [0, 4, 8, 2, 6]
     for job_id, (first, blocks) in enumerate(zip(firsts, sources)):
         store = [PageCopy(first + s, 0, b, g) for s, b in enumerate(blocks) for g in range(groups)]
-        engine.start_store(job_id, page_table(store))
+        engine.start_store(job_id, sent(page_table(store), form))
         cpu_copier.copy(Direction.STORE, store)
         assert wait_done(engine, [job_id])[job_id].ok
         assert torch.equal(host.buffer, expected), (name, job_id)
@@ -384,8 +392,8 @@ def test_page_tables_repeat_a_graph_unplanned_bit_exact(name, kernel_blocks, dev
     for job_id, (first, blocks) in enumerate(zip(firsts, sources), start=10):
         targets = [(b + 5) % NUM_BLOCKS for b in blocks]
         kv.raw.zero_()
-        engine.start_load(job_id, page_table([PageCopy(first + s, 0, b, g) for s, b in enumerate(targets)
-                                              for g in range(groups)]), synchronous=False)
+        engine.start_load(job_id, sent(page_table([PageCopy(first + s, 0, b, g) for s, b in enumerate(targets)
+                                                   for g in range(groups)]), form), synchronous=False)
         assert wait_done(engine, [job_id])[job_id].ok
         for layers in kv.layer_groups:
             for s, target in enumerate(targets):

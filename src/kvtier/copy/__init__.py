@@ -11,14 +11,15 @@ through :mod:`~kvtier.copy.cudart`), :mod:`~kvtier.copy.pinning` page-locks the 
 
 from __future__ import annotations
 
-from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy, Pages, page_list, page_table
+from kvtier.copy.base import CopyDone, CopyEngine, Direction, PageCopy, Pages, SlotRun, page_list, page_table, slot_run_of
 from kvtier.copy.pages import BlockCopier, CopyPlan, HostSlots, PagedKV
 from kvtier.copy.pinning import HostPinning, pin_host_memory
 from kvtier.copy.streams import DeviceStreams
 
 __all__ = [
     "BlockCopier", "CopyDone", "CopyEngine", "CopyPlan", "DeviceStreams", "Direction", "HostPinning", "HostSlots",
-    "PageCopy", "PagedKV", "Pages", "make_copy_engine", "page_list", "page_table", "pin_host_memory",
+    "PageCopy", "PagedKV", "Pages", "SlotRun", "make_copy_engine", "page_list", "page_table", "pin_host_memory",
+    "slot_run_of",
 ]
 
 

@@ -59,26 +59,62 @@ class PageCopy(NamedTuple):
     group: int = 0
 
 
-Pages = Sequence[PageCopy] | np.ndarray
-"""A job's pages: :class:`PageCopy` tuples, or their :func:`page_table`, what kvtier's scheduler
-sends the workers (vLLM's multiprocess executor pickles it each step: ~10 us for 512 pages, where
-512 tuples take ~0.5 ms; the CUDA engine plans from it without converting;
-``benchmarks/bench_copy_plan.py``)."""
+@dataclass(frozen=True, slots=True, eq=False)
+class SlotRun:
+    """The pages of a job of one host run: kvtier block ``i`` is host slot ``first_slot + i`` <->
+    engine block ``blocks[i]`` (page 0 of group 0: one page per kvtier block, one KV cache group),
+    as :func:`page_table` makes it. What kvtier's scheduler sends for such a job (most stores, and
+    loads of blocks stored together): a worker checks its bounds on one contiguous column and its
+    host run from two integers, instead of reading an ``[n, 4]`` table on the thread that issues
+    the forward (:meth:`kvtier.copy.runs.RunPlanner.slot_run_first`). ``blocks``: 1-D int64, owned
+    by the job (not changed once sent)."""
+
+    first_slot: int
+    blocks: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+Pages = Sequence[PageCopy] | np.ndarray | SlotRun
+"""A job's pages: :class:`PageCopy` tuples, their :func:`page_table`, or a :class:`SlotRun`: what
+kvtier's scheduler sends the workers (vLLM's multiprocess executor pickles it each step: ~10 us for
+512 pages as a table, where 512 tuples take ~0.5 ms; the CUDA engine plans from either array form
+without converting; ``benchmarks/bench_copy_plan.py``)."""
+
+
+def slot_run_of(table: np.ndarray) -> SlotRun | None:
+    """``table`` (an ``[n, 4]`` :func:`page_table`, n >= 1) as a :class:`SlotRun` when it is one:
+    consecutive slots from its first, every page 0 of group 0; else None. For the scheduler, which
+    builds the tables (bounds are the worker's to check)."""
+    if not len(table):
+        return None
+    first, count = int(table[0, 0]), len(table)
+    if int(table[-1, 0]) - first != count - 1 or np.count_nonzero(table[:, 1]) or np.count_nonzero(table[:, 3]):
+        return None
+    if count > 2 and np.count_nonzero(np.diff(table[:, 0]) != 1):
+        return None
+    return SlotRun(first, np.ascontiguousarray(table[:, 2]))
 
 
 def page_table(pages: Pages) -> np.ndarray:
     """A job's pages as an ``[n, 4]`` int64 array of (slot, sub, block_id, group); an array
-    already so is returned as is."""
+    already so is returned as is (a :class:`SlotRun` is made one)."""
     if isinstance(pages, np.ndarray):
         if pages.dtype == np.int64 and pages.ndim == 2 and pages.shape[1] == 4:
             return pages
         return pages.reshape(-1, 4).astype(np.int64, copy=False)
+    if isinstance(pages, SlotRun):
+        table = np.zeros((len(pages.blocks), 4), dtype=np.int64)
+        table[:, 0] = np.arange(pages.first_slot, pages.first_slot + len(pages.blocks))
+        table[:, 2] = pages.blocks
+        return table
     return np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int64, count=4 * len(pages)).reshape(-1, 4)
 
 
 def page_list(pages: Pages) -> list[PageCopy]:
     """A job's pages as :class:`PageCopy` tuples (the inverse of :func:`page_table`)."""
-    if isinstance(pages, np.ndarray):
+    if isinstance(pages, (np.ndarray, SlotRun)):
         return [PageCopy(*row) for row in page_table(pages).tolist()]
     return list(pages)
 

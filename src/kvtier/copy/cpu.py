@@ -26,7 +26,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from kvtier.copy.base import CopyDone, CopyEngine, Direction, Pages
+from kvtier.copy.base import CopyDone, CopyEngine, Direction, Pages, SlotRun
 from kvtier.copy.pages import BlockCopier
 from kvtier.core.priority import become_background_thread
 
@@ -58,7 +58,7 @@ class CpuCopyEngine(CopyEngine):
     def start_store(self, job_id: int, pages: Pages) -> None:
         with self._cond:
             self._pending.add(job_id)
-        self._jobs.put((job_id, Direction.STORE, pages if isinstance(pages, np.ndarray) else list(pages)))
+        self._jobs.put((job_id, Direction.STORE, pages if isinstance(pages, (np.ndarray, SlotRun)) else list(pages)))
 
     def poll(self) -> list[CopyDone]:
         done: list[CopyDone] = []

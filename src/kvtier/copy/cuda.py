@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.copy.base import CopyDone, CopyEngine, Direction, Pages
+from kvtier.copy.base import CopyDone, CopyEngine, Direction, Pages, SlotRun
 from kvtier.copy.choice import MethodChooser, TrialKey
 from kvtier.copy.lanes import GraphRepeat
 from kvtier.copy.pages import BlockCopier, CopyPlan
@@ -266,7 +266,7 @@ class CudaCopyEngine(CopyEngine):
             compute = device.current_stream()
             stream = self._side_stream(direction, compute)
             # views and arrays only: a bad page fails before any device call
-            repeat, first, table = self._repeat_of(direction, pages)
+            repeat, first, blocks, table = self._repeat_of(direction, pages)
             plan, trial = (repeat.plan, None) if repeat is not None else self._plan(direction, pages, table)
             ready = device.new_event()
             device.record(ready, compute)
@@ -278,11 +278,11 @@ class CudaCopyEngine(CopyEngine):
             planned = repeat.num_bytes if repeat is not None else plan.num_bytes  # a repeat's is kept: no torch call
             if planned:
                 copying = True
-                if repeat is not None and device.repeat(stream, repeat, first, table[:, 2]):
+                if repeat is not None and device.repeat(stream, repeat, first, blocks):
                     self.repeated += 1
                 else:
                     if repeat is not None:  # it could not go unplanned (see CudaLanes.repeat): planned
-                        del self._repeats[(direction, len(table))]
+                        del self._repeats[(direction, len(blocks))]
                         plan, trial = self._plan(direction, pages, table)
                     self._issue(direction, stream, plan)
             num_bytes = planned
@@ -308,30 +308,43 @@ class CudaCopyEngine(CopyEngine):
                       issue_seconds=time.perf_counter() - issued_at))
 
 
-    def _repeat_of(self, direction: Direction, pages: Pages) -> tuple[GraphRepeat | None, int, np.ndarray | None]:
-        """(the repeat, its first slot, the checked page table) when ``pages`` is a job that can
-        go as a repeat of an earlier job's graph (:meth:`TorchCudaStreams.repeat`: a page table
-        of a size seen before as such, one host run, and where the method of that size depends on
-        the run count, one whose own count is staged); else (None, 0, the table if it was checked
-        on the way, or None). IndexError naming a page out of range."""
-        if not self._repeats or type(pages) is not np.ndarray:
-            return None, 0, None
-        kept = self._repeats.get((direction, len(pages)))
-        if kept is None:
-            return None, 0, None
+    def _repeat_of(self, direction: Direction, pages: Pages
+                   ) -> tuple[GraphRepeat | None, int, np.ndarray | None, np.ndarray | None]:
+        """(the repeat, its first slot, its engine blocks, the checked page table or None) when
+        ``pages`` is a job that can go as a repeat of an earlier job's graph
+        (:meth:`TorchCudaStreams.repeat`: a page table or :class:`~kvtier.copy.base.SlotRun` of a
+        size seen before as such, one host run, and where the method of that size depends on the
+        run count, one whose own count is staged); else (None, 0, None, the table if it was checked
+        on the way, or None). A :class:`~kvtier.copy.base.SlotRun` is checked without a table
+        (:meth:`~kvtier.copy.runs.RunPlanner.slot_run_first`). IndexError naming a page out of range."""
+        if not self._repeats:
+            return None, 0, None, None
+        kind = type(pages)
+        if kind is SlotRun:
+            kept = self._repeats.get((direction, len(pages.blocks)))
+            if kept is None:
+                return None, 0, None, None
+            table, first, blocks = None, self.runs.slot_run_first(pages), pages.blocks
+        elif kind is np.ndarray:
+            kept = self._repeats.get((direction, len(pages)))
+            if kept is None:
+                return None, 0, None, None
+            table = self.runs.table(pages)
+            first = self.runs.one_run_first(table)
+            blocks = table[:, 2]
+        else:
+            return None, 0, None, None
         repeat, by_count = kept
-        table = self.runs.table(pages)
-        first = self.runs.one_run_first(table)
-        if first is None or (by_count and not self._count_stages(direction, table, first)):
-            return None, 0, table  # (checked already: the plan takes it)
-        return repeat, first, table
+        if first is None or (by_count and not self._count_stages(direction, blocks, first)):
+            return None, 0, None, table  # (a table checked already: the plan takes it)
+        return repeat, first, blocks, table
 
-    def _count_stages(self, direction: Direction, table: np.ndarray, first: int) -> bool:
-        """Whether the chooser stages the one-run job of ``table`` (checked) by its exact run
-        count, with no trial: a job whose class depends on its engine blocks (block-outermost
-        layouts, where a run is as many consecutive blocks as the engine holds in a row) repeats
-        only where its own class was chosen STAGED."""
-        job = SlotJob(table[:, 0], table[:, 2], first)
+    def _count_stages(self, direction: Direction, blocks: np.ndarray, first: int) -> bool:
+        """Whether the chooser stages the one-run job of engine ``blocks`` from slot ``first``
+        (checked) by its exact run count, with no trial: a job whose class depends on its engine
+        blocks (block-outermost layouts, where a run is as many consecutive blocks as the engine
+        holds in a row) repeats only where its own class was chosen STAGED."""
+        job = SlotJob(np.arange(first, first + len(blocks)), blocks, first)
         num_bytes = len(job) * self.runs.num_layers * self.runs.page_bytes
         method, trial = self.chooser.pick(direction, num_bytes, self.runs.count_slot_runs(job))
         return method is CopyMethod.STAGED and trial is None

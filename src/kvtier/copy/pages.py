@@ -35,7 +35,7 @@ from math import prod
 import numpy as np
 import torch
 
-from kvtier.copy.base import Direction, Pages, page_table
+from kvtier.copy.base import Direction, Pages, SlotRun, page_table
 from kvtier.core.slots import HostSlotLayout
 
 
@@ -273,7 +273,7 @@ class BlockCopier:
         host: list[torch.Tensor] = []
         num_blocks = self.kv.num_blocks
         groups = self.kv.layer_groups
-        rows: Iterable[tuple[int, int, int, int]] = page_table(pages).tolist() if isinstance(pages, np.ndarray) else pages
+        rows: Iterable[tuple[int, int, int, int]] = page_table(pages).tolist() if isinstance(pages, (np.ndarray, SlotRun)) else pages
         for slot, sub, block_id, group in rows:
             host_pages = self._host_pages(slot, sub)
             if not 0 <= block_id < num_blocks:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.copy.base import Direction, PageCopy, Pages, page_table
+from kvtier.copy.base import Direction, PageCopy, Pages, SlotRun, page_table
 from kvtier.copy.pages import HostSlots, PagedKV, storage_bytes
 from kvtier.copy.pinning import register_chunk_bytes
 
@@ -201,6 +201,22 @@ class RunPlanner:
         if not self._slot_jobs or not len(table):
             return None
         return self._run_first(table[:, 0])
+
+    def slot_run_first(self, run: SlotRun) -> int | None:
+        """``run.first_slot`` when ``run`` is a job :meth:`slot_job` makes one host run of (its
+        slots in one pinning chunk; one KV cache group and one page per kvtier block here), checked
+        from two integers and one comparison over its blocks; else None (the caller plans it from
+        its table). IndexError naming the first page out of range, as :meth:`table` does."""
+        blocks, first = run.blocks, run.first_slot
+        count = len(blocks)
+        if not self._slot_jobs or not count or type(blocks) is not np.ndarray or blocks.dtype != np.int64 \
+                or blocks.ndim != 1:
+            return None
+        if first < 0 or first + count > self._layout.num_slots \
+                or np.count_nonzero(blocks.view(np.uint64) < self.num_blocks) != count:
+            self._check(page_table(run))  # raises, naming the page
+        slot_bytes, segment = self._layout.slot_bytes, self.segment_bytes
+        return first if first * slot_bytes // segment == ((first + count) * slot_bytes - 1) // segment else None
 
     def _run_first(self, slot: np.ndarray) -> int | None:
         """``slot[0]`` when the slots are consecutive and in one pinning chunk, else None."""

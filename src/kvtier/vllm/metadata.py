@@ -15,6 +15,7 @@ import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvtier.copy.base import SlotRun
 from kvtier.core.stats import KVTierStats, TransferCounters
 
 
@@ -22,9 +23,10 @@ from kvtier.core.stats import KVTierStats, TransferCounters
 class CopyJob:
     job_id: int
     req_id: str
-    pages: np.ndarray  # [n, 4] int64 (slot, sub, block_id, group) rows (kvtier.copy.page_table); slots: rank 0's
-    # (every rank's, unless rank_slots says otherwise). An array, not PageCopy tuples: vLLM's multiprocess
-    # executor pickles the metadata to the workers each step (512 tuples: ~0.5 ms; the array: ~10 us)
+    pages: np.ndarray | SlotRun  # [n, 4] int64 (slot, sub, block_id, group) rows (kvtier.copy.page_table), or
+    # a job of one host run as a SlotRun (first slot, engine blocks); slots: rank 0's (every rank's, unless
+    # rank_slots says otherwise). Arrays, not PageCopy tuples: vLLM's multiprocess executor pickles the
+    # metadata to the workers each step (512 tuples: ~0.5 ms; the array: ~10 us)
     # Attached to a kvtier node: the pool the slots belong to (a worker mapping another pool
     # reattaches, else fails the job), and rank 0's slot -> every stored rank's slot, when a
     # block's slots differ between ranks (tensor parallelism). None: embedded host tier.

@@ -62,7 +62,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvtier.copy import PageCopy, page_table
+from kvtier.copy import PageCopy, page_table, slot_run_of
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
 from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, draw_epoch, epoch_root, stateless_key
 from kvtier.core.stats import KVTierStats
@@ -412,10 +412,11 @@ class KVTierScheduler:
         (``rank_slots``: every block's slots, rank order)."""
         pool_id = self.orchestrator.held_pool(pool_of) if pool_of is not None else self.orchestrator.pool_id
         table = page_table(pages)
+        sent = slot_run_of(table) or table  # one host run: checked by the workers without a table
         if pool_id is None:  # the engine's own regions
-            return CopyJob(job_id, req_id, table)
+            return CopyJob(job_id, req_id, sent)
         differ = any(len(set(slots)) > 1 for slots in rank_slots)
-        return CopyJob(job_id, req_id, table, pool_id=pool_id,
+        return CopyJob(job_id, req_id, sent, pool_id=pool_id,
                        rank_slots={slots[0]: slots for slots in rank_slots} if differ else None,
                        lost=pool_of is not None and self.orchestrator.hold_lost(pool_of))
 
