@@ -31,7 +31,7 @@ from kvtier.launch.command import (
     build_extra_config,
     build_serve_command,
 )
-from kvtier.launch.serve_args import ServeConfigError, split_model
+from kvtier.launch.serve_args import ServeConfigError, check_model, split_model
 
 
 @pytest.fixture(autouse=True)
@@ -101,7 +101,7 @@ def test_sizes_policy_and_dir(tmp_path):
     assert extra["secondary_tiers"] == [
         {"type": "fs", "root_dir": str(tmp_path / "kv"), "capacity_bytes": int(1.5 * GIB)}
     ]
-    assert (tmp_path / "kv").is_dir()  # validation creates it, as the connector would
+    assert not (tmp_path / "kv").exists()  # checked creatable; the connector creates it when vLLM starts
 
 
 def test_relative_disk_dir_becomes_absolute(tmp_path, monkeypatch):
@@ -415,6 +415,37 @@ def test_no_disk_conflicts_with_disk_flags(tmp_path):
 
 def test_model_twice():
     fails(["M", "--model", "X"], "--model", "given twice")
+
+
+@pytest.mark.parametrize("model", ["/nonexistent/model", "./no-such-model", "~/no-such-kvtier-model", "a/b/c"])
+def test_a_model_path_where_nothing_is_is_refused_before_vllm_starts(model, cache_dir):
+    """A path vLLM would take for a repo id (and stop on with Hugging Face's validation traceback):
+    refused like any bad flag, before the banner, and nothing created."""
+    out = fails([model], f"MODEL {model}: no such file or directory")
+    assert "kvtier: model" not in out and not cache_dir.exists()
+
+
+def test_repo_ids_and_existing_paths_pass_the_model_check(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "model.gguf").write_text("x")
+    for model in ("Qwen/Qwen3-0.6B", "gpt2", "models/llama", str(tmp_path / "folder"), "./folder",
+                  "model.gguf", "./model.gguf"):
+        check_model(model)  # no network: a repo id's shape is enough
+
+
+@pytest.mark.parametrize("args", [["--redis-url", "http://x"], ["--s3-url", "s3://"],
+                                  ["--kv-config", '{"store_threshold": -1}']])
+def test_a_refused_serve_creates_nothing(tmp_path, args):
+    """The disk tier's directory (default or --disk-dir, and its parents) is created by the connector
+    when vLLM starts, never while the command is checked: a refused command leaves no trace."""
+    cache, new_parent = tmp_path / "cache", tmp_path / "newparent"
+    for extra in ([], ["--disk-dir", str(new_parent / "kv")]):
+        done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "serve", *args, *extra],
+                              env={**os.environ, "KVTIER_CACHE_DIR": str(cache)}, capture_output=True, text=True,
+                              timeout=60)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+        assert not cache.exists() and not new_parent.exists(), sorted(tmp_path.rglob("*"))
 
 
 # -- end to end -------------------------------------------------------------------------------------

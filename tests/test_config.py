@@ -1,6 +1,8 @@
 """Config: OffloadingConnector keys accepted with their meaning; every error names the key."""
 
 import logging
+import os
+import stat
 
 import pytest
 
@@ -90,6 +92,37 @@ def test_unwritable_root_dir_is_rejected(tmp_path):
         KVTierConfig.from_extra_config(
             {"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs", "root_dir": str(blocker / "sub")}]}
         )
+
+
+@pytest.mark.parametrize("group_access, mode", [(False, 0o700), (True, 0o2770)])
+def test_a_missing_root_and_its_parents_are_created_owner_only_whatever_the_umask(tmp_path, group_access, mode):
+    """docs/security.md: directories kvtier creates are 0700 (2770 with group_access); the root the
+    connector creates at start-up was the umask's 0755 before."""
+    root = tmp_path / "new" / "parent" / "kv"
+    old = os.umask(0o022)
+    try:
+        config = KVTierConfig.from_extra_config({"cpu_bytes_to_use": 1, "secondary_tiers": [
+            {"type": "fs", "root_dir": str(root), "capacity_bytes": 1, "group_access": group_access}]})
+    finally:
+        os.umask(old)
+    assert config.disk.root_dir == root
+    for made in (tmp_path / "new", tmp_path / "new" / "parent", root):
+        assert stat.S_IMODE(made.stat().st_mode) == mode, (made, oct(made.stat().st_mode))
+
+
+def test_checking_a_config_creates_nothing(tmp_path):
+    """create_dirs=False (kvtier serve before vLLM starts, kvtier doctor): a missing root must be
+    creatable, and nothing is made; one that cannot be created is refused, naming what is in the way."""
+    root = tmp_path / "new" / "kv"
+    config = KVTierConfig.from_extra_config(
+        {"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs", "root_dir": str(root)}]}, create_dirs=False)
+    assert config.disk.root_dir == root and config.disk.capacity_bytes > 0  # the free space where it will be
+    assert not (tmp_path / "new").exists()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match=f"cannot be created: {blocker} is not a directory"):
+        KVTierConfig.from_extra_config({"cpu_bytes_to_use": 1, "secondary_tiers": [
+            {"type": "fs", "root_dir": str(blocker / "a" / "kv")}]}, create_dirs=False)
 
 
 def test_block_size_must_be_a_multiple_of_the_engine_block():

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import stat
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -249,6 +252,27 @@ def test_disk_tier_on_tmpfs():
     assert not os.path.exists(shm_dir)  # doctor creates nothing
 
 
+def test_a_missing_disk_dir_below_a_world_writable_folder_is_to_be_made_first(tmp_path):
+    """A chmod cannot run on a path that does not exist: the finding says another user could create
+    it first, and the fix is the mkdir that makes it the operator's (nothing is created by doctor)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp
+    root = shared / "newparent" / "kv"
+    line = ["kvtier", "serve", "--disk-dir", str(root), "--max-model-len", "4096"]
+    finding = next(f for f in audit(line) if f.code == "disk-world-writable")
+    assert finding.title == f"Disk tier {root} does not exist yet, and {shared} is writable by every user"
+    assert f"create {shared / 'newparent'} before kvtier does" in finding.why
+    assert finding.fix.startswith(f"Create it yourself before starting, owner-only: mkdir -p -m 700 {root}")
+    assert "chmod" not in finding.fix and not (shared / "newparent").exists()
+    root.mkdir(parents=True)
+    root.chmod(0o777)
+    finding = next(f for f in audit(line) if f.code == "disk-world-writable")
+    assert finding.title == f"Disk tier {root} is writable by every user" and finding.fix.startswith(f"chmod 700 {root}")
+    root.chmod(0o700)
+    assert "disk-world-writable" not in codes(line)
+
+
 def test_disk_tier_on_a_real_disk(tmp_path):
     here = Path(__file__).parent
     if (filesystem_type(here) or ("tmpfs",))[0] in ("tmpfs", "ramfs"):
@@ -406,6 +430,47 @@ def test_cli_measure_compares_with_the_model(tmp_path):
                                      "--disk-mib", "4", "--", "kvtier", "serve", "-tp", "1"])
     assert text.exit_code == 0, text.output
     assert "DRAM copy" in text.output and "SmolLM2-135M-Instruct" in text.output
+
+
+def doctor_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``kvtier doctor ARGS`` in a process of its own (what an operator runs)."""
+    return subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", *args], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_every_bad_measure_dir_is_a_usage_error_naming_the_path_and_why(tmp_path):
+    """A file on the way, a missing path under /proc or /sys (which refuse mkdir), a folder that
+    cannot hold a file: rc 2 and one line, never a traceback, and nothing measured or printed first."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cases = {str(blocker / "sub"): f"{blocker / 'sub'} cannot be created: {blocker} is not a directory",
+             str(blocker): "is a file", "/proc/kvtier-walk": "/proc/kvtier-walk cannot be created: ",
+             "/sys/kvtier-walk": "/sys/kvtier-walk cannot be created: ",
+             "/proc": "/proc cannot hold a file: " if os.geteuid() == 0 else "/proc is not a writable directory"}
+    for directory, why in cases.items():
+        done = doctor_process("--measure", "--dir", directory, "--dram-mib", "1", "--disk-mib", "1",
+                              "--", "kvtier", "serve", "-tp", "1")
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (directory, done.stderr)
+        assert "Invalid value for '--dir'" in done.stderr and why in done.stderr, done.stderr
+        assert done.stdout == ""  # checked before the audit and the measurements
+    assert not os.path.exists("/proc/kvtier-walk") and not os.path.exists("/sys/kvtier-walk")
+
+
+def test_a_missing_measure_dir_is_created_owner_only(tmp_path):
+    target = tmp_path / "new" / "m"
+    done = doctor_process("--measure", "--dir", str(target), "--dram-mib", "1", "--disk-mib", "1",
+                          env={"KVTIER_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    for made in (tmp_path / "new", target):
+        assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert list(target.iterdir()) == []  # the measurement's file is removed
+
+
+def test_a_measure_model_that_names_nothing_is_a_usage_error(tmp_path):
+    done = doctor_process("--measure", "--dir", str(tmp_path), "--model", "/nonexistent", "--dram-mib", "1",
+                          "--disk-mib", "1")
+    assert done.returncode == 2 and "Invalid value for '--model'" in done.stderr, done.stderr
+    assert "model '/nonexistent': not a folder with config.json" in done.stderr and done.stdout == ""
 
 
 def test_measure_says_when_recomputing_beats_even_the_host():

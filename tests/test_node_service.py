@@ -181,6 +181,32 @@ def test_a_pool_larger_than_the_node_is_refused(tmp_path):
     assert not (tmp_path / "n.sock").exists()
 
 
+@pytest.mark.parametrize("flag, value", [("--pool-bytes", "0"), ("--pool-bytes", "0.4"), ("--slot-bytes", "0")])
+def test_a_size_of_no_bytes_is_a_usage_error(tmp_path, flag, value):
+    """Like every other bad value of these flags (rc 2, the flag named), not a failure of the service (rc 1)."""
+    args = {"--pool-bytes": "1MiB", "--slot-bytes": "10000", flag: value}
+    proc = start_node(tmp_path / "n.sock", *[a for pair in args.items() for a in pair], wait=False)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and f"Invalid value for '{flag}'" in err and "at least one byte" in err, err
+    assert not (tmp_path / "n.sock").exists()
+
+
+def test_the_disk_dir_the_service_creates_is_owner_only(tmp_path):
+    """docs/security.md: directories kvtier creates are 0700 (and their missing parents)."""
+    root = tmp_path / "new" / "kv"
+    old = os.umask(0o022)
+    try:
+        proc = start_node(tmp_path / "n.sock", "--pool-bytes", "1MiB", "--no-prefault", "--disk-dir", str(root),
+                          "--disk-size", "0.01")
+    finally:
+        os.umask(old)
+    try:
+        for made in (tmp_path / "new", root):
+            assert stat.S_IMODE(made.stat().st_mode) == 0o700, (made, oct(made.stat().st_mode))
+    finally:
+        stop(proc)
+
+
 def test_socket_is_owner_only_and_other_users_are_refused_by_credentials(tmp_path_factory):
     if os.getuid() != 0:
         pytest.skip("needs root to run a client as another user")

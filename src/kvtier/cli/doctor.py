@@ -83,6 +83,10 @@ def run(command: Sequence[str], *, do_measure: bool, directory: str | None, gpu_
 
     if gpu_memory is not None and not (math.isfinite(gpu_memory) and gpu_memory <= MAX_INPUT):
         raise click.UsageError(f"--gpu-memory {gpu_memory}: give a finite number of at most {MAX_INPUT:.0e}")
+    target = None
+    if do_measure:  # every argument checked before anything is printed or measured
+        target = _measure_target(command, directory)
+        _check_model(model)
 
     if console is None:
         console = Console()
@@ -97,9 +101,11 @@ def run(command: Sequence[str], *, do_measure: bool, directory: str | None, gpu_
         if not as_json:
             console.print(f"kvtier doctor: {shlex.join(command)}", highlight=False, markup=False)
             render_findings(findings, console)
-    if do_measure:
-        target = Path(directory).expanduser() if directory else default_measure_dir(command)
-        results = measure(target, dram_mib * MIB, disk_mib * MIB)
+    if target is not None:
+        try:
+            results = measure(target, dram_mib * MIB, disk_mib * MIB)
+        except OSError as exc:  # the disk filled up or went away while measuring
+            raise click.ClickException(f"measuring the disk at {target}: {exc.strerror or exc}") from None
         tp, chosen = 1, model
         if command and not any(f.code == "command-line" for f in findings):
             setup = resolve_setup(command)
@@ -120,3 +126,39 @@ def run(command: Sequence[str], *, do_measure: bool, directory: str | None, gpu_
     if as_json:
         console.print(json.dumps(out, indent=2), markup=False, highlight=False, soft_wrap=True)
     return 1 if any(f.severity == "error" for f in findings) else 0
+
+
+def _measure_target(command: Sequence[str], directory: str | None) -> Path:
+    """The directory ``--measure`` writes its file in (``--dir``, else the command's disk tier,
+    else ``<kvtier cache>/kv``), made ready (:func:`kvtier.doctor.measure.measure_dir_problem`); a
+    usage error naming the path and why when it cannot be."""
+    import click
+
+    from kvtier.doctor.measure import measure_dir_problem
+
+    target = Path(directory).expanduser() if directory else default_measure_dir(command)
+    problem = measure_dir_problem(target)
+    if problem is not None:
+        if directory:
+            raise click.BadParameter(f"{target} {problem}", param_hint="'--dir'")
+        raise click.UsageError(f"the directory to measure, {target} (the default of --dir), {problem}: "
+                               "give --dir DIR")
+    return target
+
+
+def _check_model(model: str | None) -> None:
+    """``--model`` that names nothing (no folder, config.json, cached repo id or 'default') is a
+    usage error, as ``kvtier plan`` refuses it; one that is there but unreadable is said in the output
+    (``comparison skipped``), like a command line's model."""
+    import click
+
+    from kvtier.planning.model_source import ModelNotFound, load_model_config
+
+    if model is None:
+        return
+    try:
+        load_model_config(model)
+    except ModelNotFound as exc:
+        raise click.BadParameter(str(exc), param_hint="'--model'") from None
+    except ValueError:  # ModelConfigError: there, but not readable; compare() says so
+        pass

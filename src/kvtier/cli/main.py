@@ -94,7 +94,8 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
 
     \b
     MODEL is a Hugging Face model id or folder and must come first
-    (default: the embedded SmolLM2-135M-Instruct, see `kvtier model`).
+    (default: the embedded SmolLM2-135M-Instruct, see `kvtier model`);
+    a path (/..., ./..., ~/...) where nothing exists is refused.
     Every other argument that is not an option below goes to `vllm serve`
     unchanged and in order, e.g. --port 8000 -tp 2 --max-model-len 4096
     (see `vllm serve --help=all`).
@@ -253,11 +254,13 @@ def plan(model_ref: str, as_json: bool, trace: str | None, host_sizes: str | Non
 @click.option("--measure", "do_measure", is_flag=True,
               help="Measure DRAM copy, disk write/read (and CUDA copy) bandwidth.")
 @click.option("--dir", "directory", type=click.Path(file_okay=False), default=None,
-              help="Directory to measure [default: the command's disk tier, else <kvtier cache>/kv].")
+              help="Directory to measure; created if missing (owner-only, with its parents) [default: the "
+                   "command's disk tier, else <kvtier cache>/kv].")
 @click.option("--gpu-memory", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GiB",
               help="Memory per device for the size checks [default: 80, stated as assumed].")
 @click.option("--model", "model", default=None,
-              help="Model to compare measurements with [default: the command's].")
+              help="Model to compare measurements with: a folder, a config.json, a repo id in the local "
+                   "Hugging Face cache or default [default: the command's].")
 @click.option("--context", type=click.IntRange(min=1), default=None, metavar="TOKENS",
               help="Context to load in the comparison [default: min(32768, max_position_embeddings)].")
 @click.option("--dram-mib", type=click.IntRange(min=1), default=1024, show_default=True,

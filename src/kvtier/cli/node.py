@@ -16,18 +16,23 @@ _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
 
 
 class ByteSize(click.ParamType):
-    """A byte count: 8000000000, 8G (10^9), 8GiB (2^30); K, M, T likewise."""
+    """A byte count of at least one byte: 8000000000, 8G (10^9), 8GiB (2^30); K, M, T likewise.
+    Anything else, 0 (or a fraction below one byte) included, is a usage error naming the flag."""
 
     name = "BYTES"
 
     def convert(self, value, param, ctx):  # noqa: ANN001 (click's signature)
         if isinstance(value, int):
-            return value
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt](?:ib)?)?b?\s*", str(value), re.IGNORECASE)
-        if not match:
-            self.fail(f"{value!r} is not a byte count (examples: 8000000000, 8G, 8GiB)", param, ctx)
-        number, unit = match.groups()
-        return int(float(number) * _UNITS[(unit or "").lower()])
+            size = value
+        else:
+            match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt](?:ib)?)?b?\s*", str(value), re.IGNORECASE)
+            if not match:
+                self.fail(f"{value!r} is not a byte count (examples: 8000000000, 8G, 8GiB)", param, ctx)
+            number, unit = match.groups()
+            size = int(float(number) * _UNITS[(unit or "").lower()])
+        if size < 1:
+            self.fail(f"{value!r} is {size} bytes: give at least one byte (examples: 8000000000, 8G, 8GiB)", param, ctx)
+        return size
 
 
 @click.command("node", short_help="Run the node service: one KV cache pool shared by every engine on this machine.",
@@ -173,6 +178,7 @@ def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str 
     from dataclasses import replace
     from pathlib import Path
 
+    from kvtier.core.dirs import OWNER_DIR_MODE, ready_dir
     from kvtier.core.tier_config import DiskTierConfig, TierType, parse_tier
     from kvtier.core.values import ConfigError
     from kvtier.tiers.factory import check_tier
@@ -187,8 +193,11 @@ def _tier_configs(disk_dir: str | None, disk_size: float | None, redis_url: str 
         if disk_dir is not None:
             if disk_size is None or disk_size <= 0:
                 raise click.BadParameter(f"{disk_size}: a positive number of GiB", param_hint="--disk-size")
-            tiers.append(DiskTierConfig(root_dir=Path(disk_dir).expanduser(), capacity_bytes=int(disk_size * 2**30),
-                                        auth=auth))
+            root = Path(disk_dir).expanduser()
+            problem = ready_dir(root, OWNER_DIR_MODE)  # owner-only, as every directory kvtier creates
+            if problem is not None:
+                raise click.BadParameter(f"{root} {problem}", param_hint="--disk-dir")
+            tiers.append(DiskTierConfig(root_dir=root, capacity_bytes=int(disk_size * 2**30), auth=auth))
             check_tier(tiers[-1], where="--disk-dir")
         if redis_url is not None:
             tiers.append(replace(parse_tier({"url": redis_url}, TierType.REDIS, "--redis-url"), auth=auth))

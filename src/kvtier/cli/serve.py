@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 
 from kvtier.launch.command import ServeOptions, build_serve_command, launch
-from kvtier.launch.serve_args import ServeConfigError, config_file_model, split_model
+from kvtier.launch.serve_args import ServeConfigError, check_model, config_file_model, split_model
 from kvtier.launch.serve_flags import check_flags
 
 
@@ -51,6 +51,8 @@ def run(
     try:
         model, vllm_args = split_model(args)
         model = model or config_file_model(vllm_args)
+        if model is not None:
+            check_model(model)
         # Validate before anything slow (default model conversion) or irreversible (exec).
         build_serve_command(model or "<default model>", options, vllm_args)
     except ServeConfigError as exc:

@@ -93,8 +93,11 @@ class KVTierConfig:
         return next((t for t in self.secondary_tiers if isinstance(t, S3TierConfig)), None)
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "KVTierConfig":
-        """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` on any problem."""
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, create_dirs: bool = True) -> "KVTierConfig":
+        """Validate ``kv_connector_extra_config``; raise :class:`ConfigError` on any problem.
+        ``create_dirs``: a missing disk root is created, owner-only (the connector at start-up), or
+        only checked to be creatable, nothing made (False: ``kvtier serve`` and ``kvtier doctor``
+        checking a configuration before anything runs)."""
         extra = dict(extra or {})
         unknown = sorted(set(extra) - _TOP_LEVEL_KEYS)
         if unknown:
@@ -108,7 +111,7 @@ class KVTierConfig:
                 "bytes, total across all tensor-parallel ranks (e.g. 8000000000 for 8 GB)."
             )
         spec_name = enum_value(extra, "spec_name", SpecName, SpecName.CPU)
-        tiers = parse_secondary_tiers(extra.get("secondary_tiers", []))
+        tiers = parse_secondary_tiers(extra.get("secondary_tiers", []), create_dirs=create_dirs)
         if tiers and spec_name is SpecName.CPU and "spec_name" in extra:
             raise ConfigError(
                 "kv_connector_extra_config: 'secondary_tiers' is set but 'spec_name' is "

@@ -43,6 +43,7 @@ import threading
 import weakref
 from collections.abc import Iterator
 
+from kvtier.core.dirs import make_dirs
 from kvtier.core.openat2 import OPENAT2 as _OPENAT2
 from kvtier.core.openat2 import openat2_available  # noqa: F401 (re-exported: rootfs is where callers look)
 
@@ -430,18 +431,9 @@ def read_bounded(fd: int, path: str, limit: int) -> bytes:
 
 
 def _make_trusted_dirs(path: str, mode: int) -> None:
-    """Create ``path`` and its missing parents with ``mode`` (the root: the operator's path)."""
-    missing = []
-    current = path
-    while current not in ("", "/") and not os.path.isdir(current):
-        missing.append(current)
-        current = os.path.dirname(current)
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, mode)
-            os.chmod(directory, mode)  # the umask must not narrow (or widen) it
-        except FileExistsError:
-            pass
+    """Create ``path`` and its missing parents with ``mode`` (the root: the operator's path), as
+    :func:`kvtier.core.dirs.make_dirs` does for the root when the configuration is read."""
+    make_dirs(path, mode)
 
 
 def _close_all(fds: list[int]) -> None:

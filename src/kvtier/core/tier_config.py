@@ -5,7 +5,9 @@ service), behind vLLM's own offloading only.
 Validated at start-up (:func:`parse_secondary_tiers`), in every vLLM process that builds the
 connector: unknown keys, wrong types and impossible values raise
 :class:`~kvtier.core.values.ConfigError` naming the key. A disk tier's directory is created
-here; a Redis server is not contacted here (the tier connects when it starts, in the scheduler
+here if missing (with its missing parents, owner-only: :func:`kvtier.core.dirs.make_dirs`), unless
+the caller only checks (``create_dirs=False``: ``kvtier serve`` before vLLM starts, ``kvtier
+doctor``), when a missing one must only be creatable and nothing is made; a Redis server is not contacted here (the tier connects when it starts, in the scheduler
 process). Fleet keys (``auth_key_env`` / ``auth_key_file``, retired ``auth_read_key_*``, ``encrypt``)
 are loaded and checked here too (:mod:`kvtier.core.fleet_key`); a key is never printed. Secrets: a Redis password may come from the URL or from an environment variable named
 by ``password_env``; it is never printed (:meth:`RedisTierConfig.redacted_url`, the config's
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvtier.core.dirs import GROUP_DIR_MODE, OWNER_DIR_MODE, dir_problem, existing_ancestor, ready_dir
 from kvtier.core.fleet_key import AUTH_KEYS, AuthConfig, parse_auth
 from kvtier.core.values import (
     PREFIX,
@@ -240,9 +243,10 @@ _ORDER = {DiskTierConfig: 0, RedisTierConfig: 1, S3TierConfig: 2}
 """Cascade order of the tier types: the local disk, then the fleet's Redis, then the object store."""
 
 
-def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
+def parse_secondary_tiers(raw: Any, *, create_dirs: bool = True) -> tuple[SecondaryTierConfig, ...]:
     """The validated ``secondary_tiers`` list: at most one tier of each type, in the order disk,
-    Redis, S3 (fastest first: blocks are looked up and promoted in that order)."""
+    Redis, S3 (fastest first: blocks are looked up and promoted in that order). ``create_dirs``:
+    a missing disk root is created (True) or only checked to be creatable (False, nothing made)."""
     if not isinstance(raw, list | tuple):
         raise ConfigError(
             f"{PREFIX}: 'secondary_tiers' must be a list of tier objects, e.g. "
@@ -255,7 +259,7 @@ def parse_secondary_tiers(raw: Any) -> tuple[SecondaryTierConfig, ...]:
             raise ConfigError(f"{PREFIX}: '{where}' must be an object like " '{"type": "fs", ...}')
         tier_type = entry.get("type")
         if tier_type == TierType.FS.value:
-            tiers.append(_disk_tier(entry, where))
+            tiers.append(_disk_tier(entry, where, create_dirs=create_dirs))
         elif tier_type == TierType.REDIS.value:
             tiers.append(_redis_tier(entry, where))
         elif tier_type == TierType.S3.value:
@@ -324,17 +328,19 @@ def _node_tier(raw: Mapping[str, Any], where: str) -> NodeTierConfig:
     )
 
 
-def _disk_tier(raw: Mapping[str, Any], where: str) -> DiskTierConfig:
+def _disk_tier(raw: Mapping[str, Any], where: str, *, create_dirs: bool = True) -> DiskTierConfig:
     check_keys(raw, _FS_KEYS, where, '{"type": "fs", "root_dir": "/var/cache/kvtier"}')
     root = text_value(raw, "root_dir", where=where)
     if root is None:
         raise ConfigError(f"{PREFIX}: '{where}.root_dir' is required: a directory path string.")
     root_dir = Path(root).expanduser()
-    _check_writable_dir(root_dir, f"{where}.root_dir")
+    group_access = bool_value(raw, "group_access", default=False, where=where)
+    _check_writable_dir(root_dir, f"{where}.root_dir", GROUP_DIR_MODE if group_access else OWNER_DIR_MODE,
+                        create=create_dirs)
     if "capacity_bytes" in raw:
         capacity = int_value(raw, "capacity_bytes", minimum=1, where=where)
-    else:
-        capacity = int(shutil.disk_usage(root_dir).free * DEFAULT_DISK_FRACTION)
+    else:  # the free space where the root is, or (not created yet) where it will be
+        capacity = int(shutil.disk_usage(existing_ancestor(root_dir)).free * DEFAULT_DISK_FRACTION)
         logger.info("kvtier: %s.capacity_bytes not set; using %.1f GiB (%.0f%% of the free space of %s)",
                     where, capacity / 2**30, DEFAULT_DISK_FRACTION * 100, root_dir)
     return DiskTierConfig(
@@ -343,20 +349,19 @@ def _disk_tier(raw: Mapping[str, Any], where: str) -> DiskTierConfig:
         n_read_threads=int_value(raw, "n_read_threads", minimum=1, default=16, where=where),
         n_write_threads=int_value(raw, "n_write_threads", minimum=1, default=16, where=where),
         max_pending_writes=int_value(raw, "max_pending_writes", minimum=1, default=256, where=where),
-        group_access=bool_value(raw, "group_access", default=False, where=where),
+        group_access=group_access,
         auth=parse_auth(raw, where),
     )
 
 
-def _check_writable_dir(path: Path, key: str) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(f"{PREFIX}: '{key}' = {str(path)!r} cannot be created: {exc}") from exc
-    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
-        raise ConfigError(
-            f"{PREFIX}: '{key}' = {str(path)!r} is not a writable directory. Point it at a directory this user can write."
-        )
+def _check_writable_dir(path: Path, key: str, mode: int, *, create: bool) -> None:
+    """Raise ConfigError naming ``key`` unless ``path`` is a directory this user can write, or is
+    missing and can be created (:func:`kvtier.core.dirs.dir_problem`). With ``create``, a missing
+    one is then created with its missing parents, each with exactly ``mode``; without, nothing is."""
+    problem = ready_dir(path, mode) if create else dir_problem(path)
+    if problem is not None:
+        raise ConfigError(f"{PREFIX}: '{key}' = {str(path)!r} {problem}. Point it at a directory this user can "
+                          "write, or one it can create.")
 
 
 def _redis_tier(raw: Mapping[str, Any], where: str) -> RedisTierConfig:

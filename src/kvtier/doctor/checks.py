@@ -8,7 +8,9 @@ command line and the tiers; :mod:`kvtier.doctor.model_checks` checks the model a
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
+from pathlib import Path
 
 from kvtier.doctor.fleet_checks import check_fleet_keys
 from kvtier.doctor.model_checks import check_fp8_scales, check_max_model_len, check_model_support, check_tp
@@ -234,14 +236,7 @@ def check_disk(s: Setup) -> list[Finding]:
                 "Point the disk tier (--disk-dir / root_dir) at a local NVMe filesystem, or drop it "
                 "(--no-disk) and give that memory to the host tier."))
         if world_writable(root):
-            out.append(Finding(
-                "disk-world-writable", "warning", f"Disk tier {root} is writable by every user",
-                "Any local user can then plant or replace block files or symlinks there. kvtier checks "
-                "every block's checksum and namespace and never writes through a symlink out of the root, "
-                "but another user can still fill the disk or delete the cache; and the cached KV (which "
-                "reveals what prompts were served) is open to them.",
-                f"chmod 700 {root} (or 2770 and a group for engines of several users, with "
-                "group_access: true in the fs tier config)."))
+            out.append(_world_writable(root))
         spaces = namespaces_under(root)
         if spaces:
             names = "; ".join(
@@ -254,6 +249,31 @@ def check_disk(s: Setup) -> list[Finding]:
                 "bounds only its own namespace, so together they can fill the disk.",
                 "None needed; give each engine a capacity so that they add up below the disk's size."))
     return out
+
+
+def _world_writable(root: Path) -> Finding:
+    """``disk-world-writable`` for a root (:func:`world_writable`): one that exists gets a chmod;
+    one that does not exist yet, below a directory every user may write, gets the mkdir that makes
+    it the operator's before another user can (a chmod cannot run on a missing path)."""
+    harm = ("kvtier checks every block's checksum and namespace and never writes through a symlink out of "
+            "the root, but another user can still fill the disk or delete the cache; and the cached KV (which "
+            "reveals what prompts were served) is open to them.")
+    if os.path.lexists(root):
+        return Finding(
+            "disk-world-writable", "warning", f"Disk tier {root} is writable by every user",
+            f"Any local user can then plant or replace block files or symlinks there. {harm}",
+            f"chmod 700 {root} (or 2770 and a group for engines of several users, with "
+            "group_access: true in the fs tier config).")
+    first = Path(os.path.abspath(root))  # the outermost missing directory: what another user could create
+    while not os.path.lexists(first.parent):
+        first = first.parent
+    return Finding(
+        "disk-world-writable", "warning",
+        f"Disk tier {root} does not exist yet, and {first.parent} is writable by every user",
+        f"Another local user can create {first} before kvtier does and own it: then they can plant or "
+        f"replace block files or symlinks in the disk tier. {harm}",
+        f"Create it yourself before starting, owner-only: mkdir -p -m 700 {root}, and check that "
+        f"ls -ld {first} shows it yours (or put the disk tier below a directory only you can write).")
 
 
 def check_remote(s: Setup) -> list[Finding]:

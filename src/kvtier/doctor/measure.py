@@ -59,12 +59,39 @@ def dram_copy(size_bytes: int = 1024 * MIB, repeats: int = 3) -> Bandwidth:
     return Bandwidth("DRAM copy (memcpy)", size, best, "one thread")
 
 
+def measure_dir_problem(directory: Path) -> str | None:
+    """Make ``directory`` ready for :func:`disk_write_read`: None when it is a directory this process
+    can create a file in (made first, with its missing parents, owner-only, where missing: as the
+    disk tier makes its root), else why not, in words that follow the path (``cannot be created:
+    /etc/hostname is not a directory``; ``cannot hold a file: No such file or directory`` under
+    ``/proc``). Creates nothing when a reason shows before creating; a probe file is removed."""
+    from kvtier.core.dirs import OWNER_DIR_MODE, ready_dir
+
+    problem = ready_dir(directory, OWNER_DIR_MODE)
+    if problem is not None:
+        return problem
+    probe = _temp_file(Path(directory).expanduser())
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    except OSError as exc:
+        return f"cannot hold a file: {exc.strerror or exc}"
+    probe.unlink()
+    return None
+
+
+def _temp_file(directory: Path) -> Path:
+    return directory / f".kvtier-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+
+
 def disk_write_read(directory: Path, size_bytes: int = 512 * MIB) -> tuple[Bandwidth, Bandwidth]:
-    """Write ``size_bytes`` to a temporary file in ``directory`` (created if missing) in 8 MiB
-    chunks and ``fsync``; drop it from the page cache; read it back. The file is always removed."""
+    """Write ``size_bytes`` to a temporary file in ``directory`` (created if missing, owner-only) in
+    8 MiB chunks and ``fsync``; drop it from the page cache; read it back. The file is always removed.
+    Raises ``OSError`` where the directory cannot hold it (:func:`measure_dir_problem` says why first)."""
+    from kvtier.core.dirs import OWNER_DIR_MODE, make_dirs
+
     directory = Path(directory).expanduser()
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f".kvtier-measure-{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    make_dirs(directory, OWNER_DIR_MODE)
+    path = _temp_file(directory)
     chunk = os.urandom(min(CHUNK, size_bytes))  # incompressible, like KV bytes
     count = max(1, size_bytes // len(chunk))
     total = count * len(chunk)

@@ -5,16 +5,14 @@ validation of kvtier's ``kv_connector_extra_config`` that creates nothing.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.dirs import existing_ancestor
 from kvtier.core.keys import describe_config
 from kvtier.core.rootfs import RootFS
 
@@ -22,14 +20,6 @@ RAM_FILESYSTEMS = ("tmpfs", "ramfs")
 _NS_DIR = re.compile(r"^(?P<model>[A-Za-z0-9._-]+)_(?P<digest>[0-9a-f]{16})$")
 _CONFIG_MAX_BYTES = 1 << 20  # the disk tier's own bound (kvtier.tiers.disk.layout.CONFIG_MAX_BYTES)
 _SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale", "k_proj.output_scale", "v_proj.output_scale")
-
-
-def existing_ancestor(path: Path) -> Path:
-    """``path`` itself if it exists, else its nearest existing parent (absolute, symlinks resolved)."""
-    path = Path(os.path.abspath(Path(path).expanduser()))
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path.resolve()
 
 
 def _unescape(field: str) -> str:
@@ -141,41 +131,22 @@ def kv_scales_present(config: Mapping[str, Any], folder: Path | None) -> bool:
 
 def validate_extra_config(extra: Mapping[str, Any]) -> tuple[Any, str | None, list[str]]:
     """Validate kvtier's ``kv_connector_extra_config`` with
-    :meth:`kvtier.core.config.KVTierConfig.from_extra_config`, without creating directories.
+    :meth:`kvtier.core.config.KVTierConfig.from_extra_config`, without creating directories
+    (``create_dirs=False``: a ``root_dir`` that does not exist yet must only be creatable).
 
-    Returns ``(config or None, error message or None, notes)``. A ``root_dir`` that does not exist
-    yet is checked for being creatable (its nearest existing parent writable) and validated in a
-    temporary stand-in, with a note; so doctor never creates the disk tier's directory.
+    Returns ``(config or None, error message or None, notes)``; a note for each ``root_dir`` that
+    does not exist yet. Doctor never creates the disk tier's directory.
     """
-    from kvtier.core.config import DEFAULT_DISK_FRACTION, ConfigError, KVTierConfig
+    from kvtier.core.config import ConfigError, KVTierConfig
 
-    extra = json.loads(json.dumps(dict(extra)))  # a deep copy, as JSON
     notes: list[str] = []
-    real: dict[int, tuple[Path, int | None]] = {}  # tier index -> (root_dir, default capacity)
-    with tempfile.TemporaryDirectory(prefix="kvtier-doctor-") as stand_in:
-        tiers = extra.get("secondary_tiers")
-        for index, tier in enumerate(tiers if isinstance(tiers, list) else []):
-            root = tier.get("root_dir") if isinstance(tier, dict) else None
-            if not isinstance(root, str) or not root or Path(root).expanduser().exists():
-                continue
-            parent = existing_ancestor(Path(root))
-            if not os.access(parent, os.W_OK | os.X_OK):
-                return None, (f"kv_connector_extra_config: 'secondary_tiers[{index}].root_dir' = {root!r} "
-                              f"does not exist and cannot be created: {parent} is not writable."), notes
-            notes.append(f"secondary_tiers[{index}].root_dir {root} does not exist yet; kvtier creates it "
-                         "at start-up.")
-            default = None
-            if "capacity_bytes" not in tier:  # kvtier's default reads the free space of the real directory
-                default = int(shutil.disk_usage(parent).free * DEFAULT_DISK_FRACTION)
-                tier["capacity_bytes"] = max(1, default)
-            real[index] = (Path(root).expanduser(), default)
-            tier["root_dir"] = str(Path(stand_in, f"tier{index}"))
-        try:
-            config = KVTierConfig.from_extra_config(extra)
-        except ConfigError as exc:
-            return None, str(exc), notes
-    tiers_out = list(config.secondary_tiers)
-    for index, (root_dir, default) in real.items():
-        capacity = tiers_out[index].capacity_bytes if default is None else default
-        tiers_out[index] = dataclasses.replace(tiers_out[index], root_dir=root_dir, capacity_bytes=capacity)
-    return dataclasses.replace(config, secondary_tiers=tuple(tiers_out)), None, notes
+    tiers = extra.get("secondary_tiers")
+    for index, tier in enumerate(tiers if isinstance(tiers, list) else []):
+        root = tier.get("root_dir") if isinstance(tier, dict) else None
+        if isinstance(root, str) and root and not Path(root).expanduser().exists():
+            notes.append(f"secondary_tiers[{index}].root_dir {root} does not exist yet; kvtier creates it, "
+                         "with any missing parents, at start-up (mode 0700; 2770 with group_access).")
+    try:
+        return KVTierConfig.from_extra_config(extra, create_dirs=False), None, notes
+    except ConfigError as exc:
+        return None, str(exc), notes

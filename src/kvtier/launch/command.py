@@ -174,13 +174,14 @@ def build_extra_config(options: ServeOptions) -> dict:
 
 
 def validate_extra_config(extra: Mapping[str, Any], options: ServeOptions):
-    """Validate ``extra`` with :meth:`kvtier.core.config.KVTierConfig.from_extra_config` (which creates
-    the disk directory if missing) and return the config; a :class:`~kvtier.core.config.ConfigError` is
-    re-raised as :class:`ServeConfigError` naming the flag the bad key came from."""
+    """Validate ``extra`` with :meth:`kvtier.core.config.KVTierConfig.from_extra_config` and return the
+    config; a :class:`~kvtier.core.config.ConfigError` is re-raised as :class:`ServeConfigError` naming
+    the flag the bad key came from. Creates nothing: a missing disk directory must be creatable, and
+    the connector creates it (owner-only) when vLLM starts, so a refused command leaves no trace."""
     from kvtier.core.config import ConfigError, KVTierConfig
 
     try:
-        return KVTierConfig.from_extra_config(extra)
+        return KVTierConfig.from_extra_config(extra, create_dirs=False)
     except ConfigError as exc:
         raise _flag_error(str(exc), extra, options) from None
 

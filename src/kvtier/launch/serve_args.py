@@ -73,6 +73,20 @@ def split_model(args: Sequence[str]) -> tuple[str | None, list[str]]:
     return model, args
 
 
+def check_model(model: str) -> None:
+    """Raise :class:`ServeConfigError` (flag ``MODEL``) when ``model`` is written as a local path
+    (absolute, ``./``, ``../``, ``~``, or two ``/`` or more: never a Hugging Face repo id) and
+    nothing is there: vLLM would take it for a repo id and stop with Hugging Face's validation
+    traceback. Anything else passes untouched: a path that exists, and ``org/name`` or ``name``,
+    which vLLM finds in its cache or downloads (a repo id, or a relative folder: only vLLM can tell,
+    and nothing here touches the network)."""
+    looks_like_path = (model.startswith(("/", "./", "../", "~")) or model in (".", "..")
+                       or model.rstrip("/").count("/") >= 2)
+    if looks_like_path and not Path(model).expanduser().exists():
+        raise ServeConfigError("MODEL", f"MODEL {model}: no such file or directory (give a model folder that "
+                                        "exists, or a Hugging Face repo id such as Qwen/Qwen3-0.6B).")
+
+
 def config_file_model(vllm_args: Sequence[str]) -> str | None:
     """The ``model`` key of a ``--config FILE`` among ``vllm_args`` (vLLM reads it too), else None."""
     path = flag_value(vllm_args, "--config")
