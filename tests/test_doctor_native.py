@@ -80,12 +80,31 @@ def test_tier_types_and_specs_that_will_not_resolve(tmp_path, monkeypatch):
 
 
 def test_vllms_own_specs_on_vllm_cpu_are_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("kvtier.launch.command.vllm_runs_on_cpu", lambda environ=None: True)
-    found = codes(line([disk(tmp_path)], spec={"spec_name": "TieringOffloadingSpec"}))
-    assert found["native-offloading-on-cpu"] == "error"
-    assert "native-offloading-on-cpu" not in codes(line([disk(tmp_path)]))
-    monkeypatch.setattr("kvtier.launch.command.vllm_runs_on_cpu", lambda environ=None: False)
-    assert "native-offloading-on-cpu" not in codes(line([disk(tmp_path)], spec={"spec_name": "TieringOffloadingSpec"}))
+    """A vllm serve line runs on vLLM-CPU when its own environment says so (docs/operators.md,
+    Limits): the vLLM installed where doctor runs does not decide it, whatever it is."""
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    tiering = {"spec_name": "TieringOffloadingSpec"}
+    for installed in (True, False):
+        monkeypatch.setattr("kvtier.launch.command.vllm_runs_on_cpu", lambda environ=None, cpu=installed: cpu)
+        for env in (("VLLM_TARGET_DEVICE=cpu",), ("VLLM_CPU_KVCACHE_SPACE=8",)):
+            assert codes(line([disk(tmp_path)], env=env, spec=tiering))["native-offloading-on-cpu"] == "error"
+            assert "native-offloading-on-cpu" not in codes(line([disk(tmp_path)], env=env))  # kvtier's spec
+        for env in ((), ("VLLM_TARGET_DEVICE=cuda",), ("VLLM_TARGET_DEVICE=cuda", "VLLM_CPU_KVCACHE_SPACE=8")):
+            assert "native-offloading-on-cpu" not in codes(line([disk(tmp_path)], env=env, spec=tiering))
+
+
+def test_the_fix_for_vllms_spec_on_vllm_cpu_clears_it(tmp_path, monkeypatch):
+    """From --kv-offloading-size there is no kv-transfer config to add kvtier's spec to, and the flag
+    beside one would replace it: the fix is the whole --kv-transfer-config, and the fixed line is clean."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    base = ["VLLM_TARGET_DEVICE=cpu", "vllm", "serve", "some/model", "--max-model-len", "4096"]
+    (finding,) = [f for f in audit([*base, "--kv-offloading-size", "8"]) if f.code == "native-offloading-on-cpu"]
+    assert finding.fix.startswith("Drop --kv-offloading-size and give --kv-transfer-config '")
+    fixed_config = finding.fix.split("'")[1]
+    assert json.loads(fixed_config)["kv_connector_extra_config"]["cpu_bytes_to_use"] == 8 * 2**30
+    errors = [f.code for f in audit([*base, "--kv-transfer-config", fixed_config]) if f.severity == "error"]
+    assert errors == []
 
 
 def test_tiers_kept_across_a_reset_are_said_with_what_an_in_place_weight_update_then_gets(tmp_path):

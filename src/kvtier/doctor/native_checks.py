@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from kvtier.core.tier_config import NATIVE_TIER_KEYS, TierType, parse_tier
 from kvtier.core.values import ConfigError
 from kvtier.doctor.probes import validate_extra_config
-from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup
-from kvtier.launch import command
+from kvtier.doctor.setup import NATIVE_CONNECTOR, Finding, Setup, runs_on_cpu
 from kvtier.planning.sizing import GIB
 
 KVTIER_TYPES = {"kvtier_disk": "fs", "kvtier_redis": "redis", "kvtier_s3": "s3", "kvtier_node": "node",
@@ -66,6 +64,31 @@ def kvtier_plugin_loads(getenv) -> bool:
     return "kvtier" in names and (allowed is None or "kvtier" in allowed.split(","))
 
 
+def _cpu_because(line) -> str:  # noqa: ANN001 (a ServeLine)
+    """What says the line runs on vLLM-CPU (:func:`kvtier.doctor.setup.runs_on_cpu`'s rule)."""
+    if line.program == "kvtier":
+        return "kvtier serve runs vLLM's CPU backend here: a CPU build of vLLM, or VLLM_TARGET_DEVICE=cpu"
+    if line.getenv("VLLM_TARGET_DEVICE"):
+        return "the line's environment has VLLM_TARGET_DEVICE=cpu"
+    return ("the line's environment sets VLLM_CPU_KVCACHE_SPACE and no VLLM_TARGET_DEVICE; a GPU server's line "
+            "says VLLM_TARGET_DEVICE=cuda")
+
+
+def _kvtier_spec_fix(s: Setup) -> str:
+    """The fix for vLLM's own spec on vLLM-CPU: kvtier's spec in the line's kv-transfer config. A line
+    that got vLLM's spec from ``--kv-offloading-size`` has no config to add it to, and that flag
+    would replace one given beside it (``offloading-size-replaces-connector``): the fix is then the
+    whole ``--kv-transfer-config`` that takes the flag's place."""
+    kvtier_keys = f'"spec_name": "{KVTIER_SPEC}", "spec_module_path": "{KVTIER_MODULE}"'
+    if s.line.transfer_config is None and s.line.has("--kv-offloading-size"):
+        config = json.dumps({"kv_connector": NATIVE_CONNECTOR, "kv_role": "kv_both", "kv_connector_extra_config": {
+            "spec_name": KVTIER_SPEC, "spec_module_path": KVTIER_MODULE, "cpu_bytes_to_use": s.host_bytes or 0}})
+        return (f"Drop --kv-offloading-size and give --kv-transfer-config '{config}' (vLLM's offloading with "
+                "kvtier's spec, which has a CPU worker), or use kvtier's own connector (kvtier serve).")
+    return (f"Use {kvtier_keys} in kv_connector_extra_config (vLLM's tiering spec with a CPU worker), or "
+            "kvtier's own connector (kvtier serve).")
+
+
 def check_native_resolution(s: Setup) -> list[Finding]:
     if s.connector != NATIVE_CONNECTOR:
         return []
@@ -78,13 +101,12 @@ def check_native_resolution(s: Setup) -> list[Finding]:
             "vLLM finds an out-of-tree spec only by spec_module_path, or by a plugin that registers it; "
             "kvtier's plugin is not installed here or VLLM_PLUGINS leaves it out.",
             f"Add \"spec_module_path\": \"{KVTIER_MODULE}\" to kv_connector_extra_config."))
-    if spec in ("CPUOffloadingSpec", "TieringOffloadingSpec") and command.vllm_runs_on_cpu({**os.environ, **s.line.env}):
+    if spec in ("CPUOffloadingSpec", "TieringOffloadingSpec") and runs_on_cpu(s.line):
         out.append(Finding(
             "native-offloading-on-cpu", "error", f"vLLM's {spec} refuses vLLM's CPU backend",
             "Its worker is CUDA/XPU only: the engine stops at start-up with 'CPU Offloading is currently "
-            "only supported on CUDA-alike and XPU GPUs'.",
-            f"Use \"spec_name\": \"{KVTIER_SPEC}\", \"spec_module_path\": \"{KVTIER_MODULE}\" (vLLM's tiering "
-            "spec with a CPU worker), or kvtier's own connector (kvtier serve)."))
+            f"only supported on CUDA-alike and XPU GPUs'. ({_cpu_because(s.line)})",
+            _kvtier_spec_fix(s)))
     for index, tier in enumerate(_native_tiers(s)):
         tier_type = str(tier.get("type"))
         if tier_type not in KVTIER_TYPES:

@@ -213,6 +213,28 @@ def _children(setup: Setup) -> None:
         setup.children.append(child)
 
 
+def runs_on_cpu(line: ServeLine) -> bool:
+    """Whether the line's vLLM runs on its CPU backend, by the rule docs/operators.md (Limits) states.
+
+    A ``kvtier serve`` line: as ``kvtier serve`` decides it when it starts
+    (:func:`kvtier.launch.command.vllm_runs_on_cpu`: a CPU build of vLLM installed, or
+    ``VLLM_TARGET_DEVICE=cpu``), since it sets vLLM-CPU's variables itself. A ``vllm serve`` line:
+    its own environment only (the line's ``NAME=value`` assignments, else this process's):
+    ``VLLM_TARGET_DEVICE=cpu``, or ``VLLM_CPU_KVCACHE_SPACE`` without another ``VLLM_TARGET_DEVICE``.
+    The vLLM build and devices of the machine doctor runs on never decide a ``vllm serve`` line: a
+    GPU server's line is audited on a laptop or in CI, where vllm-cpu may be what is installed."""
+    if line.program == "kvtier":
+        import os
+
+        from kvtier.launch.command import vllm_runs_on_cpu
+
+        return vllm_runs_on_cpu({**os.environ, **line.env})
+    target = line.getenv("VLLM_TARGET_DEVICE")
+    if target:
+        return target == "cpu"
+    return bool(line.getenv("VLLM_CPU_KVCACHE_SPACE"))
+
+
 def plan_inputs(setup: Setup) -> PlanInputs:
     """The deployment the line describes, in :class:`~kvtier.planning.sizing.PlanInputs` terms."""
     line = setup.line
@@ -226,17 +248,13 @@ def plan_inputs(setup: Setup) -> PlanInputs:
             dtype = "bfloat16"  # vLLM's auto dtype downcasts float32 checkpoints
     kv_dtype = line.value("--kv-cache-dtype") or "auto"
     kv_dtype = "fp8" if kv_dtype.startswith("fp8") else kv_dtype if kv_dtype in KV_DTYPES else "auto"
-    cpu_space = line.getenv("VLLM_CPU_KVCACHE_SPACE")
     kv_bytes = line.number("--kv-cache-memory-bytes")
-    cpu = bool(cpu_space) or line.getenv("VLLM_TARGET_DEVICE") == "cpu"
-    if line.program == "kvtier" and not cpu_space and not kv_bytes:
-        import os
+    cpu = runs_on_cpu(line)
+    cpu_space = line.getenv("VLLM_CPU_KVCACHE_SPACE") if cpu else None  # read by vLLM-CPU only
+    if cpu and line.program == "kvtier" and not cpu_space and not kv_bytes:
+        from kvtier.launch.command import DEFAULT_VLLM_CPU_KVCACHE_SPACE
 
-        from kvtier.launch.command import DEFAULT_VLLM_CPU_KVCACHE_SPACE, vllm_runs_on_cpu
-
-        # on vLLM-CPU, kvtier serve sets VLLM_CPU_KVCACHE_SPACE itself
-        if vllm_runs_on_cpu({**os.environ, **line.env}):
-            cpu, cpu_space = True, DEFAULT_VLLM_CPU_KVCACHE_SPACE
+        cpu_space = DEFAULT_VLLM_CPU_KVCACHE_SPACE  # on vLLM-CPU, kvtier serve sets it itself
     kv_cache_gib = kv_bytes / GIB if kv_bytes else float(cpu_space) if cpu_space else None
     max_len = line.number("--max-model-len")
     return PlanInputs(
