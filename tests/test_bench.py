@@ -688,3 +688,34 @@ def test_node_mode_starts_a_real_service_and_reads_its_counters(tmp_path):
     finally:
         service.terminate()
         service.wait(timeout=30)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("flag, value, why", [
+    ("--out", "{file}/results", "{file}/results cannot be created: {file} is not a directory"),
+    ("--save-trace", "{tmp}/no/such/folder/t.jsonl", "cannot be written: {tmp}/no/such/folder does not exist"),
+    ("--save-trace", "{file}/t.jsonl", "cannot be written: {file} is not a directory"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_any_server(tmp_path, flag, value, why):
+    """Checked first (rc 2, the path and why), not a traceback at the start or an error after a run of
+    minutes; --save-trace's folder is never created. (A closed port as --base-url: nothing is started
+    even where the check is missing.)"""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    fill = {"{file}": str(blocker), "{tmp}": str(tmp_path)}
+    for key, text in fill.items():
+        value, why = value.replace(key, text), why.replace(key, text)
+    args = {"--out": str(tmp_path / "out"), flag: value}
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "bench", "--base-url",
+                           f"http://127.0.0.1:{_free_port()}", "--workload", "unique", "--prompts", "1",
+                           "--request-timeout", "5", *[a for pair in args.items() for a in pair]],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"Invalid value for '{flag}'" in done.stderr and why in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and not (tmp_path / "no").exists()

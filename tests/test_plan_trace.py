@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -307,6 +309,24 @@ def test_plan_trace_table_and_png_with_the_one_pass_lru(tmp_path):
     assert result.exit_code == 0, result.output
     assert "hit rate" in result.output and "knee:" in result.output and "lru, stack" in result.output
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("png, why", [
+    ("{file}/x.png", "{file}/x.png cannot be written: {file} is not a directory"),
+    ("{tmp}/nonexistent/dir/x.png", "cannot be written: {tmp}/nonexistent/dir does not exist (create it first)"),
+])
+def test_a_png_that_cannot_be_written_is_refused_before_the_replay(tmp_path, png, why):
+    """Once: the table, then a FileExistsError traceback (rc 1), or the missing folders made (at / for
+    /nonexistent/dir). Now a usage error naming --png before anything is replayed, nothing created."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    png, why = (text.replace("{file}", str(blocker)).replace("{tmp}", str(tmp_path)) for text in (png, why))
+    trace = loop_trace(tmp_path, 3)
+    done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "plan", "default", "--trace", str(trace),
+                           "--block-size", "64", "--kv-cache-gib", "0.06", "--png", png],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Invalid value for '--png'" in done.stderr and why in done.stderr, done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr and not (tmp_path / "nonexistent").exists()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -108,7 +108,10 @@ def run_command(opts: dict[str, Any]) -> int:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     out_dir = Path(opts["out_dir"] or Path("bench-results") / time.strftime("%Y%m%d-%H%M%S")).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)  # --out was checked; a refusal only creating shows (/proc)
+    except OSError as exc:
+        raise click.BadParameter(f"{out_dir} cannot be created: {exc.strerror or exc}", param_hint="'--out'") from None
 
     settings = None
     if not base_url:

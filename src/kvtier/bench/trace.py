@@ -28,7 +28,8 @@ def trace_mode(runs: list[ModeRun]) -> ModeRun | None:
 
 
 def write_trace(path: Path, mode: ModeRun) -> int:
-    """Write ``mode``'s requests (the failed ones left out) to ``path``; returns how many."""
+    """Write ``mode``'s requests (the failed ones left out) to ``path``; returns how many. Its folder
+    must exist (``kvtier bench`` checks ``--save-trace`` before any server starts): none is created."""
     assert mode.run is not None
     lines = []
     for result in sorted(mode.run.results, key=lambda r: r.start_s):
@@ -38,6 +39,5 @@ def write_trace(path: Path, mode: ModeRun) -> int:
             "timestamp": round(result.start_s, 6), "id": result.id, "prompt_token_ids": result.prompt_token_ids,
             "output_token_ids": result.output_token_ids, "max_tokens": len(result.output_token_ids),
         }, separators=(",", ":")))
-    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(line + "\n" for line in lines))
     return len(lines)

@@ -81,11 +81,12 @@ of one block (the native modes set no offload block size), 4,096-token documents
                    "--prefix-tokens 4096 --max-model-len 8192 --prefixes 4 --prompts 8 --kv-cache-memory-bytes "
                    "512 MiB --kv-offloading-size 2 --disk-size 4, each unless given.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False),
-              help="Output folder [default: ./bench-results/<timestamp>/].")
+              help="Output folder, created with its missing parents if need be; checked before any server "
+                   "starts [default: ./bench-results/<timestamp>/].")
 @click.option("--save-trace", default=None, type=click.Path(dir_okay=False), metavar="FILE",
               help="Also write the workload as a trace for kvtier plan --trace: one request per line, its prompt "
                    "and output token ids as the server saw them, in the order sent (the kvtier mode's requests, "
-                   "else the first mode that finished).")
+                   "else the first mode that finished). Its folder must exist (checked before any server starts).")
 @click.option("--startup-timeout", default=600.0, show_default=True, help="Seconds to wait for /health.")
 @click.option("--request-timeout", default=600.0, show_default=True, help="Seconds per request.")
 @click.pass_context
@@ -100,8 +101,26 @@ def bench(ctx: click.Context, **opts) -> None:
     """
     from kvtier.bench.command import run_command
 
+    check_outputs(opts["out_dir"], opts["save_trace"])
     given = {name for name in opts if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE}
     raise SystemExit(run_command(shaped(opts, given)))
+
+
+def check_outputs(out_dir: str | None, save_trace: str | None) -> None:
+    """Usage errors, before any server starts, for outputs the run could not write at its end:
+    ``--out`` must be a directory this user writes in or one it can create (with its missing
+    parents, as --help says); ``--save-trace`` a file in a folder that already exists (none is created
+    for it). :mod:`kvtier.core.dirs` says why, naming the path."""
+    from kvtier.core.dirs import dir_problem, output_file_problem
+
+    if out_dir is not None:
+        problem = dir_problem(out_dir)
+        if problem is not None:
+            raise click.BadParameter(f"{out_dir} {problem}", param_hint="'--out'")
+    if save_trace is not None:
+        problem = output_file_problem(save_trace)
+        if problem is not None:
+            raise click.BadParameter(f"{save_trace} {problem}", param_hint="'--save-trace'")
 
 
 def shaped(opts: dict, given: set[str]) -> dict:

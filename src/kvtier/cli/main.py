@@ -199,7 +199,8 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
               help="With --trace: stack = one pass for every host size (LRU, host tier only, no tails, no "
                    "store_threshold); exact = every point through kvtier's code; auto = stack where it applies.")
 @click.option("--png", default=None, type=click.Path(dir_okay=False), metavar="FILE",
-              help="With --trace and no --json: the figure [default: ./kvtier-plan-<trace name>.png].")
+              help="With --trace and no --json: the figure, in a folder that exists (checked before the "
+                   "replay) [default: ./kvtier-plan-<trace name>.png].")
 @click.option("--remote-bw", type=click.FloatRange(min=0, min_open=True), default=None, metavar="GB/s",
               help="With --trace: Redis -> host bandwidth for the time saved [default: 1.25, 10 GbE].")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")

@@ -73,6 +73,7 @@ def run(model: str, inputs: PlanInputs, options: TraceOptions, as_json: bool) ->
     from kvtier.replay.workload import ReplaySettings
 
     err = Console(stderr=True, highlight=False)
+    png = figure_path(options) if not as_json else None  # checked before the replay, which can take minutes
     config = replay_config(options.kv_config, options.eviction_policy)
     try:
         sizes = {name: parse_sizes(text, f"--{name}-sizes") if text else None
@@ -136,9 +137,22 @@ def run(model: str, inputs: PlanInputs, options: TraceOptions, as_json: bool) ->
     render(report, console)
     from kvtier.replay.plot import write_figure
 
-    png = Path(options.png) if options.png else Path(f"kvtier-plan-{Path(options.trace).stem}.png")
+    assert png is not None
     stack = runner.stack() if runner.method == "stack" else None
     console.print(f"figure: {write_figure(png, report, stack)}")
+
+
+def figure_path(options: TraceOptions) -> Path:
+    """Where the figure goes (``--png``, else ``./kvtier-plan-<trace name>.png``), checked: a usage
+    error naming ``--png`` unless its folder is already a directory this user writes in (none is
+    created: :func:`kvtier.core.dirs.output_file_problem`)."""
+    from kvtier.core.dirs import output_file_problem
+
+    png = Path(options.png).expanduser() if options.png else Path(f"kvtier-plan-{Path(options.trace).stem}.png")
+    problem = output_file_problem(png)
+    if problem is not None:
+        raise click.BadParameter(f"{png} {problem}", param_hint="'--png'")
+    return png
 
 
 def render(report: dict[str, Any], console: Console) -> None:

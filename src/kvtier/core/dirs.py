@@ -1,11 +1,15 @@
-"""Directories an operator names (a disk tier's ``root_dir``, ``kvtier doctor --measure --dir``): can
-this process use one, or create it, told without creating anything; and creating one owner-only.
+"""Directories an operator names (a disk tier's ``root_dir``, ``kvtier doctor --measure --dir``, the
+folder of an output file such as ``kvtier plan --png``): can this process use one, create it, or
+write a file in it, told without creating anything; and creating one owner-only.
 
 - :func:`dir_problem` only stats: the path and, where it is missing, its nearest existing ancestor.
   It never creates, opens or changes anything, so a command can check every setting before it
   makes its first directory. A refusal that permissions do not show (a ``/proc`` or ``/sys``
   path, a full or read-only filesystem that ``os.access`` does not report) shows only when the
   directory is created: callers of :func:`make_dirs` still handle ``OSError``.
+- :func:`output_file_problem` is the check for a file an operator names for output: its folder must
+  already be a directory this process writes in (nothing is created for it, as ``cp`` or a shell
+  redirection would not), checked before the work whose result it holds.
 - :func:`make_dirs` creates the missing directories of a path, each with exactly the mode asked
   (the umask neither narrows nor widens it): a directory kvtier creates is :data:`OWNER_DIR_MODE`
   (``0700``), or :data:`GROUP_DIR_MODE` (``2770``) for a root shared by a group, never the
@@ -57,6 +61,27 @@ def dir_problem(path: str | Path) -> str | None:
         return f"cannot be created: {ancestor} is not a directory"
     if not os.access(ancestor, os.W_OK | os.X_OK):
         return f"cannot be created: {ancestor} is not writable by this user"
+    return None
+
+
+def output_file_problem(path: str | Path) -> str | None:
+    """Why a file cannot be written at ``path`` into a folder that exists, as words that follow the
+    path (``cannot be written: /nonexistent/dir does not exist``, ``cannot be written:
+    /etc/hostname is not a directory``, ``is a directory``), or None: its folder is a directory this
+    process may write in, and ``path`` is not a directory (nor a file it may not replace). Creates
+    nothing, and never a missing folder: the caller writes the file there or refuses."""
+    target = Path(os.path.abspath(Path(path).expanduser()))
+    if target.is_dir():
+        return "is a directory"
+    folder = target.parent
+    if not folder.exists():
+        return f"cannot be written: {folder} does not exist (create it first)"
+    if not folder.is_dir():
+        return f"cannot be written: {folder} is not a directory"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"cannot be written: {folder} is not writable by this user"
+    if target.exists() and not os.access(target, os.W_OK):
+        return "is not writable by this user"
     return None
 
 

@@ -20,6 +20,8 @@ def axis_tier(curve: list[dict[str, Any]]) -> str:
 
 
 def write_figure(path: Path, report: dict[str, Any], stack: StackCurve | None = None) -> Path:
+    """Draw ``report`` (:meth:`kvtier.replay.curve.CurveRun.result`) into the PNG ``path`` and return
+    it. Its folder must exist: no directory is created for it."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -59,7 +61,6 @@ def write_figure(path: Path, report: dict[str, Any], stack: StackCurve | None = 
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110)  # into a folder that exists: kvtier plan checked it before replaying
     plt.close(fig)
     return path
