@@ -311,6 +311,37 @@ def test_plan_trace_table_and_png_with_the_one_pass_lru(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_default_host_sizes_reach_the_knee(tmp_path):
+    """Two 300-token prompts in turn (A B A B A B), 128-token blocks: 4 distinct full blocks, but with
+    their tails the host tier needs 8 slots (45 MiB) to serve anything. The default sweep stopped at
+    32 MiB, the power of two above the distinct blocks: 4 points, all 0.0%, the knee printed above them."""
+    rng = random.Random(2)
+    a, b = ([rng.randrange(50_000) for _ in range(300)] for _ in range(2))
+    trace = write_jsonl(tmp_path / "ab.jsonl", [{"prompt_token_ids": p} for p in (a, b) * 3])
+    args = ["plan", "default", "--trace", str(trace), "--block-size", "128", "--kv-cache-gib", "0.04"]
+    result = CliRunner().invoke(main, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    sizes = [p["host_bytes"] for p in report["curve"]]
+    knee, block = report["knee"]["host_bytes"], report["settings"]["host_block_bytes"]
+    assert knee > 1 << (report["trace"]["distinct_blocks"] * block - 1).bit_length()  # the case at hand
+    assert knee in sizes and max(sizes) >= knee and sizes == sorted(sizes)
+    unlimited = report["unlimited_host"]["hit_rate"]
+    assert unlimited > 0 and report["curve"][sizes.index(knee)]["hit_rate"] >= 0.95 * unlimited
+    assert all(s & (s - 1) == 0 for s in sizes if s not in (knee, block))  # the rest: powers of two
+    table = CliRunner().invoke(main, [*args, "--png", str(tmp_path / "ab.png")])
+    assert table.exit_code == 0 and "-0.0 ms" not in table.output, table.output
+
+
+def test_a_time_that_rounds_to_zero_prints_without_a_sign():
+    """A small trace's saving (-0.43 ms) was rounded to the millisecond (-0.0 s) and printed '-0.0 ms';
+    the report keeps microseconds now, and no time prints as a negative zero."""
+    from kvtier.cli.plan import fmt_seconds
+
+    assert [fmt_seconds(s) for s in (-0.00001, -0.0, 0.0, -0.00043, 0.25, -2.5)] == \
+        ["0.0 ms", "0.0 ms", "0.0 ms", "-0.4 ms", "250.0 ms", "-2.50 s"]
+
+
 @pytest.mark.parametrize("png, why", [
     ("{file}/x.png", "{file}/x.png cannot be written: {file} is not a directory"),
     ("{tmp}/nonexistent/dir/x.png", "cannot be written: {tmp}/nonexistent/dir does not exist (create it first)"),

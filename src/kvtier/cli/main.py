@@ -183,7 +183,8 @@ def serve(ctx: click.Context, args: tuple[str, ...], kv_offloading_size: float, 
                    "the hit rate per tier size (docs/plan-trace.md).")
 @click.option("--host-sizes", default=None, metavar="SIZES",
               help="With --trace: host tier sizes, comma-separated GiB or with a unit (0.5,1,4 or 512MiB,2GiB) "
-                   "[default: 8 powers of two up to the trace's distinct blocks].")
+                   "[default: the knee, and 8 powers of two up to the smallest holding both the trace's distinct "
+                   "blocks and the knee (fewer when some would be below one block)].")
 @click.option("--disk-sizes", default=None, metavar="SIZES", help="With --trace: disk tier sizes [default: no disk tier].")
 @click.option("--remote-sizes", default=None, metavar="SIZES",
               help="With --trace: Redis / Valkey maxmemory (allkeys-lru) sizes [default: no remote tier].")

@@ -25,7 +25,10 @@ def fmt_bytes(n: float) -> str:
 
 
 def fmt_seconds(s: float) -> str:
-    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+    """``12.3 ms`` below a second (either sign), ``1.50 s`` from one; a time that rounds to zero is
+    ``0.0 ms``, never ``-0.0 ms`` (a tiny negative time saved is none)."""
+    text = f"{s * 1000:.1f} ms" if abs(s) < 1 else f"{s:.2f} s"
+    return "0.0 ms" if text == "-0.0 ms" else text
 
 
 def _per_token_formula(plan: Plan) -> str:

@@ -97,11 +97,17 @@ class Point:
     remote_bytes: int
 
 
-def default_host_sizes(unique_blocks: int, block_bytes: int, points: int = DEFAULT_POINTS) -> list[int]:
-    """Powers of two (bytes) from about 1/2**(points-1) of the trace's distinct blocks up to all of them."""
-    footprint = max(block_bytes, unique_blocks * block_bytes)
-    top = 1 << (footprint - 1).bit_length()  # the smallest power of two that holds every block
-    return sorted({max(block_bytes, top >> shift) for shift in range(points)})
+def default_host_sizes(unique_blocks: int, block_bytes: int, knee_bytes: int | None = None,
+                       points: int = DEFAULT_POINTS) -> list[int]:
+    """The host sizes ``kvtier plan --trace`` sweeps when not given (bytes, ascending): ``points``
+    powers of two, the largest the smallest one that holds both the trace's distinct blocks and the
+    knee's host tier (``knee_bytes``: what the trace needs to be served, tails included, which can
+    be more than its distinct full blocks), each half the next; a size below one block is one block
+    (the host tier's least), so a trace of few blocks gets fewer. The knee itself is one of them too."""
+    need = max(block_bytes, unique_blocks * block_bytes, knee_bytes or 0)
+    top = 1 << (need - 1).bit_length()
+    sizes = {max(block_bytes, top >> shift) for shift in range(points)}
+    return sorted(sizes | ({knee_bytes} if knee_bytes else set()))
 
 
 class CurveRun:
@@ -169,8 +175,9 @@ class CurveRun:
             self.progress("replaying with an unlimited host tier")
             unlimited = self.replay(self.unlimited_slots())
             unique = len({key for kind, request in self.events() if kind == START for key in request.chain.keys})
+        knee = self._knee(unlimited)  # first: the default sizes reach it
         if self.host_sizes is None:
-            self.host_sizes = default_host_sizes(unique, block_bytes)
+            self.host_sizes = default_host_sizes(unique, block_bytes, knee["host_bytes"])
         points: list[dict[str, Any]] = []
         grid = list(product(self.host_sizes, self.disk_sizes, self.remote_sizes))
         for number, (host, disk, remote) in enumerate(grid, 1):
@@ -181,7 +188,6 @@ class CurveRun:
                 self.progress(f"point {number}/{len(grid)}: host {_gib(host)}, disk {_gib(disk)}, remote {_gib(remote)}")
                 served = self.replay(slots, disk, remote)
             points.append(self._point(Point(host, disk, remote), slots, served))
-        knee = self._knee(unlimited)
         self._seconds = time.perf_counter() - started
         prompt = unlimited.prompt_tokens
         return {
@@ -216,7 +222,7 @@ class CurveRun:
             "host_bytes": point.host_bytes, "disk_bytes": point.disk_bytes, "remote_bytes": point.remote_bytes,
             "host_slots": slots, "hit_rate": _ratio(served.kvtier, served.prompt_tokens),
             "tokens_by_tier": served.by_tier(), "prefill_tokens_saved": served.kvtier,
-            "time_saved_s": round(saved, 3),
+            "time_saved_s": round(saved, 6) + 0.0,  # microseconds: a small trace's saving shows; no -0.0
         }
         if served.counters:
             data["counters"] = served.counters
