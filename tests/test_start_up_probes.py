@@ -15,7 +15,9 @@ its server answers.
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
 import threading
 
 import pytest
@@ -164,3 +166,23 @@ def test_a_redis_tier_started_off_by_the_check_comes_back_when_its_server_answer
     assert tier.submit_write(1, block, (6).to_bytes(32, "little"), 16, [memoryview(bytes(SLOT))])
     wait_for(lambda: any(r.ok for r in tier.poll()), what="the write")
     tier.close()
+
+
+@pytest.mark.parametrize("group_access, mode", [(False, 0o700), (True, 0o2770)])
+def test_a_checked_disk_root_is_created_owner_only_or_group_shared_whatever_the_umask(tmp_path, group_access, mode):
+    """check_tier of a disk entry whose root is missing (behind vLLM's offloading, the node
+    service) creates it and its missing parents with the tier's mode, as the connector does
+    (docs/security.md), not the umask's 0755."""
+    from kvtier.core.tier_config import parse_secondary_tiers
+
+    root = tmp_path / "new" / "kv"
+    [config] = parse_secondary_tiers([{"type": "fs", "root_dir": str(root), "group_access": group_access}],
+                                     create_dirs=False)
+    assert not (tmp_path / "new").exists()
+    old = os.umask(0o022)
+    try:
+        assert check_tier(config, where="secondary_tiers[0]") is True
+    finally:
+        os.umask(old)
+    for made in (tmp_path / "new", root):
+        assert stat.S_IMODE(made.stat().st_mode) == mode, (made, oct(made.stat().st_mode))

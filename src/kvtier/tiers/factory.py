@@ -32,6 +32,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from kvtier.core.dirs import GROUP_DIR_MODE, OWNER_DIR_MODE, make_dirs
 from kvtier.core.keys import Namespace
 from kvtier.core.tier_config import DiskTierConfig, RedisTierConfig, S3TierConfig, SecondaryTierConfig
 from kvtier.core.values import ConfigError
@@ -124,7 +125,7 @@ def check_tier(config: SecondaryTierConfig, *, where: str) -> bool:
     only logged. Returns whether the server answered (a disk root: True), and keeps that for the
     :func:`open_tier` of this entry that follows, which then does not ask the server again."""
     if isinstance(config, DiskTierConfig):
-        _check_root(Path(config.root_dir), where)
+        _check_root(Path(config.root_dir), where, GROUP_DIR_MODE if config.group_access else OWNER_DIR_MODE)
         return True
     if isinstance(config, RedisTierConfig):
         reachable = _check_redis(config)
@@ -136,9 +137,12 @@ def check_tier(config: SecondaryTierConfig, *, where: str) -> bool:
     return reachable
 
 
-def _check_root(root: Path, where: str) -> None:
+def _check_root(root: Path, where: str, mode: int) -> None:
+    """ConfigError unless ``root`` is a directory this process can write; a missing root and its
+    missing parents are created with exactly ``mode`` (owner-only, or group-shared), as the
+    connector creates them (:mod:`kvtier.core.dirs`)."""
     try:
-        root.mkdir(parents=True, exist_ok=True)
+        make_dirs(root, mode)
         with tempfile.NamedTemporaryFile(dir=root, prefix=".kvtier-check-"):
             pass
     except OSError as exc:
