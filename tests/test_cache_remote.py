@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from support.namespaces import toy_namespace
-from support.redis_server import redis_factory  # noqa: F401  (pytest fixture)
+from support.redis_server import redis_factory, valkey_server  # noqa: F401  (pytest fixtures)
 from support.seaweed import REGION, s3, seaweed  # noqa: F401  (pytest fixtures)
 
 from kvtier.cachetools.objects import ObjectTarget, inspect_objects, verify_objects
 from kvtier.cachetools.purge import PurgeSelection
-from kvtier.cachetools.remote import RemoteTarget, inspect_remote, purge_remote, verify_remote
+from kvtier.cachetools.remote import MEMORY_NOTE, RemoteTarget, inspect_remote, purge_remote, verify_remote
 from kvtier.cachetools.scan import discover
 from kvtier.cli.main import main
 from kvtier.core.keys import Namespace
@@ -26,6 +26,7 @@ from kvtier.doctor.audit import audit
 from kvtier.doctor.remote import Reach, probe_remote
 from kvtier.tiers.blockfile import HEADER_LEN, encode_header
 from kvtier.tiers.disk.layout import DiskLayout
+from kvtier.tiers.base import Presence
 from kvtier.tiers.redis import RedisTier
 from kvtier.tiers.redis.codec import KeySpace
 from kvtier.tiers.s3.keys import ObjectKeys
@@ -104,10 +105,13 @@ def test_inspect_lists_each_namespace_with_its_model_blocks_and_bytes(server) ->
     inventory = inspect_remote(RemoteTarget(server.url()))
     by_model = {ns.model_name: ns for ns in inventory.namespaces}
     assert set(by_model) == set(MODEL_NAMES.values())
+    assert inventory.notes == [MEMORY_NOTE]  # redis-server 7.0: no CLIENT NO-TOUCH, so MEMORY USAGE, said so
     for name, count in BLOCKS.items():
         ns = by_model[MODEL_NAMES[name]]
         assert ns.complete_blocks == count and not ns.older_spec
-        assert ns.block_bytes == count * len(server.client().get(block_names(server, name)[0]))
+        names = block_names(server, name)
+        assert ns.block_bytes == sum(server.client().memory_usage(n) for n in names)
+        assert ns.block_bytes > count * len(server.client().get(names[0]))  # the values, and the keys' and allocator's share
         assert ns.digest16 == NAMESPACES[name].digest.hex()[:16]
     code, out = run("inspect", server.url(), "--json")
     assert code == 0 and {ns["model_name"] for ns in json.loads(out)["namespaces"]} == set(
@@ -263,7 +267,7 @@ def test_a_config_key_of_another_namespace_is_reported_and_its_values_left_in_pl
     report = verify_remote(RemoteTarget(server.url()), delete=True)
     assert all(raw.exists(n) for n in names)  # before: all 6 deleted as "namespace ... is not this rank's"
     (problem,) = report.problems
-    assert "does not match its key name" in problem.reason and problem.action == "reported"
+    assert "does not match its key name" in problem.reason and problem.action == "left in place"
     assert report.files_ok == BLOCKS["qwen"]
     by_digest = {ns.digest16: ns for ns in inspect_remote(RemoteTarget(server.url())).namespaces}
     assert "does not match" in by_digest[NAMESPACES["smol"].digest.hex()[:16]].config_problem
@@ -353,7 +357,7 @@ def test_s3_config_of_another_namespace_or_unparsable_leaves_the_objects(s3) -> 
         _, valid = s3_fill(s3, prefix, 3, config)
         report = verify_objects(s3_target(s3, prefix), delete=True)  # before: deleted / RecursionError
         (problem,) = report.problems
-        assert why in problem.reason and problem.action == "reported"
+        assert why in problem.reason and problem.action == "left in place"
         assert all(path in s3.objects(prefix + "/") for path in valid)
         (space,) = inspect_objects(s3_target(s3, prefix)).namespaces
         assert why in space.config_problem
@@ -388,3 +392,241 @@ def test_the_tools_and_doctor_end_by_their_deadlines_against_a_trickling_server(
             probe = probe_remote(RedisTierConfig(url=fake.url()), timeout_s=0.3)
             assert probe.reach is Reach.UNREACHABLE and "deadline" in probe.detail
         assert time.monotonic() - start < 5  # 0.2 + 0.3 s and a 1 MiB reply's share (0.25 s) per call
+
+
+# ---------------------------------------------------------------------- looking is not using (LRU / LFU)
+
+
+def idle_times(client, names: list[bytes]) -> list[int]:
+    """``OBJECT IDLETIME`` of each key (which never counts as a use of it)."""
+    return [client.object("idletime", name) for name in names]
+
+
+def all_blocks(client) -> list[bytes]:
+    return sorted(n for n in client.scan_iter(match=b"kvtier:*") if not n.endswith(b":config"))
+
+
+def test_inspect_and_dry_runs_leave_the_ages_purge_goes_by_on_a_server_without_no_touch(server) -> None:
+    """redis-server 7.0 refuses CLIENT NO-TOUCH and counts STRLEN and GETRANGE as uses of a key:
+    inspect and purge --dry-run read no value there (ages first, sizes by MEMORY USAGE), so two dry
+    runs find the same old blocks and the purge then removes them, with the values' exact lengths
+    (STRLEN in the pipeline that unlinks them). The tier's own presence probes (EXISTS) and
+    memory monitor (INFO) are no uses either."""
+    raw = server.client()
+    names = all_blocks(raw)
+    lengths = sum(len(raw.get(name)) for name in names)  # a plain client's GET: a use, before the clock starts
+    time.sleep(2.2)  # OBJECT IDLETIME counts whole seconds
+    ns = NAMESPACES["smol"]
+    tier = RedisTier(RedisTierConfig(url=server.url()), engine_digest=ns.digest, rank_digests=ns.rank_digests(),
+                     namespace_json=ns.config_json(MODEL_NAMES["smol"]), payload_bytes=PAYLOAD, usage_interval=0.05)
+    try:
+        keys = [key_of("smol", i) for i in range(BLOCKS["smol"])]
+        tier.probe(keys)
+        deadline = time.monotonic() + 5
+        while not all(tier.presence(k) is Presence.PRESENT for k in keys):
+            tier.poll()
+            assert time.monotonic() < deadline, "the tier's probes did not answer"
+            time.sleep(0.01)
+        time.sleep(0.2)  # a few INFO rounds of its monitor
+    finally:
+        tier.close()
+    for _ in range(2):
+        code, inspected = run("inspect", server.url())
+        assert code == 0
+        code, out = run("purge", server.url(), "--older-than", "1s", "--dry-run", "--json")
+        assert code == 0 and json.loads(out)["files"] == len(names), out  # before: 0 the second time
+    assert min(idle_times(raw, names)) >= 2  # before: 0 (inspect's STRLEN)
+    assert "MEMORY USAGE" in inspected and "refuses CLIENT NO-TOUCH" in inspected  # how it measured, said
+    code, out = run("purge", server.url(), "--older-than", "1s", "--json")
+    data = json.loads(out)
+    assert code == 0 and (data["files"], data["bytes"]) == (len(names), lengths) and all_blocks(raw) == []
+
+
+def test_on_a_server_with_client_no_touch_nothing_the_tools_read_is_a_use(valkey_server) -> None:  # noqa: F811
+    """Valkey 9 accepts CLIENT NO-TOUCH: inspect (STRLEN: exact sizes), verify (every value read)
+    and purge --dry-run leave every block's idle time as it was."""
+    fill(valkey_server.url)
+    raw = valkey_server.client()
+    names = all_blocks(raw)
+    lengths = sum(len(raw.get(name)) for name in names)
+    time.sleep(2.2)
+    code, inspected = run("inspect", valkey_server.url, "--json")
+    assert code == 0
+    code, verified = run("verify", valkey_server.url, "--json")
+    assert code == 0 and json.loads(verified)["files_ok"] == len(names)
+    code, out = run("purge", valkey_server.url, "--older-than", "1s", "--dry-run", "--json")
+    assert code == 0 and (json.loads(out)["files"], json.loads(out)["bytes"]) == (len(names), lengths)
+    assert min(idle_times(raw, names)) >= 2  # before: 0 (verify's GETRANGE and STRLEN)
+    inventory = json.loads(inspected)  # exact sizes (STRLEN), nothing to note
+    assert sum(ns["block_bytes"] for ns in inventory["namespaces"]) == lengths and inventory["notes"] == []
+    assert json.loads(verified)["notes"] == [] and not RemoteTarget(valkey_server.url).client().reads_touch()
+    code, out = run("purge", valkey_server.url, "--older-than", "1s", "--json")
+    assert code == 0 and json.loads(out)["files"] == len(names) and all_blocks(raw) == []
+
+
+# ---------------------------------------------------------------------- what the operator typed, in the store's words
+
+
+@pytest.mark.parametrize("prefix", ["a b*", "", "*", "x" * 65])
+def test_a_key_prefix_the_tier_would_refuse_is_a_usage_error(server, prefix) -> None:
+    for command in (["inspect"], ["verify"], ["purge", "--all"]):
+        code, out = run(*command, server.url(), "--key-prefix", prefix)
+        assert code == 2 and "--key-prefix" in out, out  # before: an empty report, exit 0
+        assert "1-64 characters of [A-Za-z0-9._:-]" in out or "must be a non-empty string" in out
+    assert len(all_blocks(server.client())) == sum(BLOCKS.values())
+
+
+def test_redis_reports_speak_of_values_keys_and_config_keys(server) -> None:
+    raw = server.client()
+    smol = block_names(server, "smol")
+    value = bytearray(raw.get(smol[0]))
+    value[HEADER_LEN + 3] ^= 0xFF
+    raw.set(smol[0], bytes(value))  # a payload byte flipped: read, and deleted
+    qwen_stray = config_key("qwen").removesuffix("config") + "notes"
+    raw.set(qwen_stray, b"someone's")  # in qwen's namespace: keeps its config key
+    raw.set("kvtier:junk", b"x")
+    code, out = run("inspect", server.url())
+    assert code == 0 and out.startswith(f"kvtier Redis tier {server.url()}")  # before: "kvtier disk cache"
+    assert not any(word in out for word in ("quarantine", "temp", "files", "disk"))
+    assert "2 unexpected keys" in out and "kvtier:junk" in out and qwen_stray in out
+    code, out = run("verify", server.url())
+    assert code == 1 and f"checked {sum(BLOCKS.values())} block values" in out and "(deleted)" in out
+    assert "1 problem(s), 1 deleted" in out and "quarantine" not in out  # before: "block files", "0 quarantined"
+    raw.delete(config_key("smol"))
+    code, out = run("verify", server.url(), "--namespace", MODEL_NAMES["qwen"], "--namespace", smol[0].decode()[7:23])
+    assert code == 1 and "config key missing: its 5 values cannot be checked (left in place)" in out
+    assert "(reported)" not in out
+    raw.set(config_key("smol"), NAMESPACES["smol"].config_json(MODEL_NAMES["smol"]))
+    for args in (["--quarantine"], ["--model", MODEL_NAMES["qwen"], "--quarantine"]):
+        code, out = run("purge", server.url(), *args)
+        assert code == 2 and "Redis tier has no quarantine" in out  # before: "quarantine: removed 0 files"
+    code, out = run("purge", server.url(), "--model", MODEL_NAMES["smol"])
+    assert code == 0 and "removed 5 blocks" in out and "config key removed" in out and "files" not in out
+    assert "removed 5 values" in out and not raw.exists(config_key("smol"))
+    code, out = run("purge", server.url(), "--model", MODEL_NAMES["qwen"])
+    assert code == 0 and "removed 4 blocks" in out and "config key" not in out
+    assert raw.exists(config_key("qwen")) and raw.exists(qwen_stray)  # something of the namespace is left
+    raw.delete(qwen_stray)
+    code, out = run("purge", server.url(), "--model", MODEL_NAMES["qwen"])
+    assert code == 0 and "config key removed" in out and not raw.exists(config_key("qwen"))
+    assert [n for n in raw.scan_iter()] == [b"kvtier:junk"]
+
+
+def test_a_digest_prefix_under_four_digits_says_the_minimum(server) -> None:
+    digest = NAMESPACES["smol"].digest.hex()
+    for command in (["purge", "--namespace", digest[:3]], ["verify", "--namespace", digest[:3]]):
+        code, out = run(command[0], server.url(), *command[1:])
+        assert code == 2 and "a digest prefix needs at least 4 hex digits" in out, out
+    code, out = run("purge", server.url(), "--namespace", digest[:4], "--dry-run")
+    assert code == 0 and "would remove 6 blocks" in out
+
+
+def test_a_redis_url_to_another_server_or_a_redis_socket_given_as_a_path(redis_factory, tmp_path) -> None:  # noqa: F811
+    """A Redis URL at an HTTP server names the URL and says it is not a Redis server; a Redis
+    server's socket given as a path (inspect takes node sockets) is named as one at once, with the
+    unix:// URL to give."""
+    import socket
+    import threading
+
+    def answer_as_http(listener: socket.socket) -> None:
+        """Answer each connection's first bytes as an HTTP server does a request it cannot parse, and
+        keep it open until the client closes it (no reset that could swallow the answer)."""
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+                while conn.recv(65536):
+                    pass
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=answer_as_http, args=(listener,), daemon=True).start()
+    try:
+        url = f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+        code, out = run("inspect", url)
+        assert code == 1 and f"{url} is not a Redis server" in out and "Traceback" not in out, out
+    finally:
+        listener.close()
+    made = redis_factory(unixsocket=True)
+    run("inspect", made.socket_path)  # the command's modules imported: the second call is timed alone
+    start = time.monotonic()
+    code, out = run("inspect", made.socket_path)
+    assert code == 2 and "is the socket of a Redis server (redis-server" in out and f"unix://{made.socket_path}" in out
+    assert time.monotonic() - start < 4  # before: the node client's 5 s timeout, then "timed out"
+
+
+# ---------------------------------------------------------------------- S3: one line per failure, the operator's words
+
+FAKE_KEYS = {"AWS_ACCESS_KEY_ID": "kvtier-nobody", "AWS_SECRET_ACCESS_KEY": "kvtier-nothing-secret"}
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["verify"], ["purge", "--all"]])
+def test_an_s3_store_that_does_not_answer_is_one_line(command) -> None:
+    code, out = run(command[0], "s3://kvtier-test/p", *command[1:], "--endpoint", "http://127.0.0.1:1", env=FAKE_KEYS)
+    assert code == 1 and len(out.strip().splitlines()) == 1, out  # before: the client's 38-line Debug dump
+    assert "s3://kvtier-test/p at http://127.0.0.1:1 does not answer: Connection refused" in out
+    assert "check --endpoint" in out and "Debug" not in out and "GenericError" not in out
+
+
+def test_s3_messages_name_what_the_operator_typed(s3, tmp_path) -> None:  # noqa: F811
+    code, out = run("inspect", "s3://my_bucket/x")
+    assert code == 2 and "DIR_OR_URL names the bucket 'my_bucket'" in out, out  # before: "'--url' ... 'my-bucket'"
+    code, out = run("inspect", "s3://kvtier-test/a//b")
+    assert code == 2 and "'/'-separated names of [A-Za-z0-9._-]" in out  # before: "[A-Za-z0-9.--]"
+    not_pem = tmp_path / "hostname"
+    not_pem.write_text("myhost\n")
+    code, out = run("inspect", f"s3://{s3.bucket}/p", "--endpoint", s3.endpoint, "--ca-bundle", not_pem)
+    assert code == 1 and f"--ca-bundle '{not_pem}' holds no PEM certificate" in out, out
+    assert "AWS_ACCESS_KEY_ID" not in out and "credentials" not in out  # before: "Fix: set AWS_ACCESS_KEY_ID ..."
+    nowhere = {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    code, out = run("inspect", f"s3://{s3.bucket}/p", "--endpoint", s3.endpoint, "--profile", "nope", env=nowhere)
+    assert code == 1 and "--profile names the AWS profile 'nope'" in out and "or remove --profile" in out, out
+    code, out = run("inspect", "s3://no-such-bucket-kvtier/p", "--endpoint", s3.endpoint, "--region", REGION)
+    assert code == 1 and "fix the bucket in DIR_OR_URL (and --endpoint, --region)" in out, out
+    assert not any(quoted in out for quoted in ("'target", "'options", "kv_connector_extra_config"))
+
+
+def test_s3_reports_speak_of_objects_list_strays_and_keep_a_config_while_anything_is_left(s3) -> None:  # noqa: F811
+    import obstore
+
+    prefix = f"words-{os.urandom(4).hex()}"
+    keys, valid = s3_fill(s3, prefix, 3)
+    store = s3.store()
+    notes, elsewhere = f"{prefix}/{keys.folder}/notes.txt", f"{prefix}/elsewhere.txt"
+    obstore.put(store, notes, b"someone's", use_multipart=False)
+    obstore.put(store, elsewhere, b"someone else's", use_multipart=False)
+    value = bytearray(obstore.get(store, valid[0]).bytes().to_bytes())
+    value[HEADER_LEN + 3] ^= 0xFF  # a payload byte flipped: read, and deleted
+    obstore.put(store, valid[0], bytes(value), use_multipart=False)
+    url, where = f"s3://{s3.bucket}/{prefix}", ("--endpoint", s3.endpoint, "--region", REGION)
+    code, out = run("inspect", url, *where)
+    assert code == 0 and out.startswith(f"kvtier S3 tier {url} at {s3.endpoint}"), out  # before: "kvtier disk cache"
+    assert not any(word in out for word in ("quarantine", "temp", "files"))
+    assert "2 unexpected objects" in out and notes in out and elsewhere in out  # before: not listed
+    data = json.loads(run("inspect", url, *where, "--json")[1])
+    assert data["store"] == "s3" and {s["path"] for s in data["strays"]} == {notes, elsewhere}
+    code, out = run("verify", url, *where)
+    assert code == 1 and "checked 3 block objects" in out and "1 problem(s), 1 deleted" in out, out
+    code, out = run("purge", url, *where, "--quarantine")
+    assert code == 2 and "S3 tier has no quarantine" in out
+
+
+def test_s3_purge_keeps_a_namespace_config_while_anything_of_it_is_left(s3) -> None:  # noqa: F811
+    """As on disk: a whole-namespace purge leaves config.json while an object of the folder that
+    is no block remains (it goes once nothing else is left)."""
+    import obstore
+
+    prefix = f"keep-{os.urandom(4).hex()}"
+    keys, valid = s3_fill(s3, prefix, 3)
+    notes = f"{prefix}/{keys.folder}/notes.txt"
+    obstore.put(s3.store(), notes, b"someone's", use_multipart=False)
+    url, where = f"s3://{s3.bucket}/{prefix}", ("--endpoint", s3.endpoint, "--region", REGION)
+    code, out = run("purge", url, *where, "--namespace", keys.folder, "--json")
+    assert code == 0 and json.loads(out)["files"] == 3 and not json.loads(out)["namespaces"][0]["config_removed"]
+    assert set(s3.objects(prefix + "/")) == {keys.config, notes}  # before: config.json deleted beside notes.txt
+    obstore.delete(s3.store(), notes)
+    code, out = run("purge", url, *where, "--namespace", keys.folder)
+    assert code == 0 and "config.json removed" in out and s3.objects(prefix + "/") == {}

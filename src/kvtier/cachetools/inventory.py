@@ -74,27 +74,49 @@ class NamespaceInventory:
     unreadable: int = 0  # its directories that could not be listed (its figures are partial)
 
 
+MAX_STRAYS = 1000
+"""The most unexpected entries an inventory lists (the rest are only counted, in ``strays_unlisted``):
+a prefix or directory full of foreign things costs a bounded report."""
+
+
 @dataclass(slots=True)
 class Inventory:
-    """What :func:`inspect_cache` found under ``root``."""
+    """What :func:`inspect_cache` (or the Redis and S3 tools) found at ``root``, a store of kind
+    ``store`` (:mod:`kvtier.cachetools.stores`). ``strays``: entries (files, keys, objects) there that
+    are not kvtier's, at most :data:`MAX_STRAYS` of them listed (:meth:`add_stray`), the others
+    counted in ``strays_unlisted``; ``notes``: how a figure was measured where that is not the
+    obvious way (said under the table and in the JSON)."""
 
     root: str
     scanned_at: float
     namespaces: list[NamespaceInventory]
-    quarantine_files: int = 0  # all of them, including files of no known namespace
+    quarantine_files: int = 0  # kvtier's quarantined records, including those of no known namespace
     quarantine_bytes: int = 0
     strays: list[tuple[str, str]] = field(default_factory=list)  # (path, reason), top level and rank dirs
     unreadable: list[Unreadable] = field(default_factory=list)  # directories skipped: not counted
+    store: str = "disk"
+    strays_unlisted: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def add_stray(self, path: str, reason: str) -> None:
+        """Note an unexpected entry (listed while fewer than :data:`MAX_STRAYS` are, else counted)."""
+        if len(self.strays) < MAX_STRAYS:
+            self.strays.append((path, reason))
+        else:
+            self.strays_unlisted += 1
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (``kvtier inspect --json``); times are seconds since the epoch."""
         return {
             "root": self.root,
+            "store": self.store,
             "scanned_at": self.scanned_at,
             "namespaces": [asdict(ns) for ns in self.namespaces],
             "quarantine": {"files": self.quarantine_files, "bytes": self.quarantine_bytes},
             "strays": [{"path": path, "reason": reason} for path, reason in self.strays],
+            "strays_unlisted": self.strays_unlisted,
             "unreadable": [asdict(u) for u in self.unreadable],
+            "notes": self.notes,
         }
 
 
@@ -103,13 +125,18 @@ def inspect_cache(root_dir: str | Path, *, now: float | None = None, count_tails
     ``count_tails``, read each block's header (rank 0) to count the tails among them."""
     now = time.time() if now is None else now
     cache = discover(root_dir)
-    inventory = Inventory(cache.root, now, [], strays=[(f.path, f.reason) for f in cache.strays])
+    inventory = Inventory(cache.root, now, [])
+    for f in cache.strays:
+        inventory.add_stray(f.path, f.reason)
     by_prefix: dict[str, NamespaceInventory] = {}
     for ns in cache.namespaces:
-        summary = _summarize(ns, now, inventory.strays, count_tails, inventory.unreadable)
+        summary = _summarize(ns, now, inventory, count_tails)
         by_prefix[ns.prefix] = summary
         inventory.namespaces.append(summary)
     for qfile in iter_quarantine(cache, inventory.unreadable):
+        if not qfile.ours:
+            inventory.add_stray(qfile.path, qfile.why_not_ours or "")
+            continue
         inventory.quarantine_files += 1
         inventory.quarantine_bytes += qfile.size
         owner = by_prefix.get(qfile.prefix or "")
@@ -119,8 +146,8 @@ def inspect_cache(root_dir: str | Path, *, now: float | None = None, count_tails
     return inventory
 
 
-def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]], count_tails: bool,
-               unreadable: list[Unreadable]) -> NamespaceInventory:
+def _summarize(ns: CacheNamespace, now: float, inventory: Inventory, count_tails: bool) -> NamespaceInventory:
+    unreadable = inventory.unreadable
     config = ns.config or {}
     summary = NamespaceInventory(
         prefix=ns.prefix,
@@ -141,7 +168,7 @@ def _summarize(ns: CacheNamespace, now: float, strays: list[tuple[str, str]], co
             summary.temp_bytes += f.size
         elif f.kind is Kind.STRAY:
             summary.stray_files += 1
-            strays.append((f.path, f.reason))
+            inventory.add_stray(f.path, f.reason)
         else:
             summary.block_files += 1
             summary.block_bytes += f.size

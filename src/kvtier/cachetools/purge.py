@@ -1,9 +1,12 @@
 """``kvtier purge``: delete blocks by namespace, model or age, and empty the quarantine.
 
 Safe while engines use the root: only block files (and quarantined files) are unlinked, never
-renamed or truncated, and writers' temp files are never touched. An engine whose index still
-holds a purged block sees a ``NOT_FOUND`` read, which the disk tier treats as a miss, and forgets
-it. Emptied directories are removed with ``rmdir`` only (it refuses a directory that a writer
+renamed or truncated, and writers' temp files are never touched. A quarantined file is one the
+tier quarantined: named as it names them, in a directory that is a kvtier root
+(:func:`~kvtier.cachetools.scan.iter_quarantine`); anything else in ``quarantine/`` is left in
+place and counted (``quarantine_left``), so a folder that is not a kvtier root loses nothing. An
+engine whose index still holds a purged block sees a ``NOT_FOUND`` read, which the disk tier
+treats as a miss, and forgets it. Emptied directories are removed with ``rmdir`` only (it refuses a directory that a writer
 has just filled again; a writer finding its directory gone recreates it). ``config.json`` goes
 only with whole namespaces and only if no block or temp file is left in them (the index snapshots
 and usage ledgers go with it, and the namespace directory when nothing else is left in it).
@@ -35,6 +38,7 @@ from typing import Any
 from kvtier.cachetools.scan import (CONFIG_NAME, CacheFile, CacheNamespace, Kind, Unreadable, discover, iter_files,
                                     iter_quarantine, unreadable_of)
 from kvtier.cachetools.selection import select
+from kvtier.cachetools.stores import DISK, StoreWords
 from kvtier.core.rootfs import RootFS
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
 from kvtier.tiers.disk.layout import Removal, remove_file, unlink_quiet
@@ -83,8 +87,12 @@ class PurgeSelection:
         """Whether namespace selectors narrow the namespaces (else: all of them)."""
         return bool(self.namespaces or self.models or self.older_spec)
 
-    def validate(self) -> None:
-        """Raise ValueError for an empty selection, or ``all`` with another selector."""
+    def validate(self, store: StoreWords = DISK) -> None:
+        """Raise ValueError for an empty selection, ``all`` with another selector, or ``quarantine``
+        on a ``store`` that has none (Redis, S3: bad records are deleted where they are found)."""
+        if self.quarantine and not store.quarantine:
+            raise ValueError(f"--quarantine: a {store.title.removeprefix('kvtier ')} has no quarantine (kvtier verify "
+                             "deletes a bad record where it finds it), so there is nothing to empty")
         narrowing = self.narrowed or self.older_than is not None or self.quarantine or self.retired_except is not None
         if self.all and narrowing:
             raise ValueError("--all selects everything: do not combine it with other selectors")
@@ -123,7 +131,11 @@ class NamespacePurge:
 
 @dataclass(slots=True)
 class PurgeReport:
-    """What :func:`purge_cache` removed (``dry_run``: would remove; nothing was touched)."""
+    """What :func:`purge_cache` (or the Redis and S3 tools) removed from ``root``, a store of kind
+    ``store`` (``dry_run``: would remove; nothing was touched). ``quarantine_left``: entries of the
+    quarantine directory left in place because they are not kvtier's, counted by why
+    (:class:`~kvtier.cachetools.scan.QuarantineFile`); ``notes``: how a figure was measured where
+    that is not the obvious way."""
 
     root: str
     dry_run: bool
@@ -132,6 +144,9 @@ class PurgeReport:
     quarantine_bytes: int = 0
     errors: int = 0  # quarantine unlinks that failed
     unreadable: list[Unreadable] = field(default_factory=list)  # directories skipped (disk roots)
+    store: str = "disk"
+    quarantine_left: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def files(self) -> int:
@@ -142,11 +157,12 @@ class PurgeReport:
         return sum(ns.bytes for ns in self.namespaces) + self.quarantine_bytes
 
     def to_json(self) -> dict[str, Any]:
-        return {"root": self.root, "dry_run": self.dry_run, "files": self.files, "bytes": self.bytes,
-                "namespaces": [asdict(ns) for ns in self.namespaces],
-                "quarantine": {"files": self.quarantine_files, "bytes": self.quarantine_bytes},
+        return {"root": self.root, "store": self.store, "dry_run": self.dry_run, "files": self.files,
+                "bytes": self.bytes, "namespaces": [asdict(ns) for ns in self.namespaces],
+                "quarantine": {"files": self.quarantine_files, "bytes": self.quarantine_bytes,
+                               "left_in_place": self.quarantine_left},
                 "errors": self.errors + sum(ns.errors for ns in self.namespaces),
-                "unreadable": [asdict(u) for u in self.unreadable]}
+                "unreadable": [asdict(u) for u in self.unreadable], "notes": self.notes}
 
 
 def purge_cache(
@@ -160,7 +176,7 @@ def purge_cache(
     selection.validate()
     now = time.time() if now is None else now
     cache = discover(root_dir)
-    chosen = select(cache, namespaces=selection.namespaces, models=selection.models)
+    chosen = select(cache.namespaces, cache.root, namespaces=selection.namespaces, models=selection.models)
     if selection.older_spec:
         chosen = [ns for ns in chosen if ns.older_spec]
     report = PurgeReport(cache.root, dry_run)
@@ -175,6 +191,11 @@ def purge_cache(
         narrowed = selection.narrowed
         prefixes = {ns.prefix for ns in chosen}
         for qfile in iter_quarantine(cache, report.unreadable):
+            if not qfile.ours:  # never removed: not kvtier's to remove
+                if not narrowed:
+                    reason = qfile.why_not_ours or ""
+                    report.quarantine_left[reason] = report.quarantine_left.get(reason, 0) + 1
+                continue
             if narrowed and qfile.prefix not in prefixes:
                 continue
             if not dry_run and not unlink_quiet(cache.fs, qfile.path):

@@ -3,9 +3,10 @@
 The same reports as for a disk root (:class:`~kvtier.cachetools.inventory.Inventory`,
 :class:`~kvtier.cachetools.verify.VerifyReport`, :class:`~kvtier.cachetools.purge.PurgeReport`), from
 the tier's own key names and value format (:mod:`kvtier.tiers.redis.codec`): a namespace is the
-``<key_prefix>:<digest16>:config`` key and the block keys beside it. Keys are listed with ``SCAN``
-(never ``KEYS``), sizes with ``STRLEN``, ages with ``OBJECT IDLETIME`` (not available under an
-LFU eviction policy: then ages are not reported), all pipelined in batches. Verify reads every
+``<key_prefix>:<digest16>:config`` key and the block keys beside it; any other key under the prefix
+is a stray (listed by inspect, bounded; one in a namespace keeps its config key from being purged).
+Keys are listed with ``SCAN`` (never ``KEYS``), ages with ``OBJECT IDLETIME`` (not available under
+an LFU eviction policy: then ages are not reported), all pipelined in batches. Verify reads every
 value and deletes (``UNLINK``) the bad ones unless told not to; purge unlinks what it selects.
 Nothing is read whole before its size is known: a config key at most :data:`CONFIG_MAX_BYTES`
 (``GETRANGE``), a block value only when its length (``STRLEN``) is what its first header
@@ -18,6 +19,19 @@ namespace's values are left in place unread (nothing is judged, let alone delete
 judged wrong; without a valid config a value's rank count and block size are unknown).
 Safe while engines use the server: an engine that loses a block to verify or purge sees a miss.
 
+Looking is not using. The tools' connections ask for ``CLIENT NO-TOUCH`` (Redis / Valkey 7.2 and
+later: :func:`~kvtier.tiers.redis.deadline.bounded_client`), so that nothing they read changes a
+key's LRU clock or LFU counter: the server's eviction order and the idle times ``purge
+--older-than`` goes by stay the engines' own. A server that refuses it (older than 7.2) counts every
+``STRLEN`` and ``GETRANGE`` as a use of the key, so there the tools read what they need in an order
+and with commands that touch as little as they can: ``OBJECT IDLETIME`` (which never touches) is
+read before anything else of a block, sizes that are only reported are the server's memory for the
+key (``MEMORY USAGE``, which never touches) instead of ``STRLEN`` (said in the report's notes), a
+real purge reads a key's ``STRLEN`` only in the pipeline that unlinks it, and ``purge --older-than
+--retired`` reads headers only of the blocks old enough. What still touches on such a server, said
+in the report's notes: the config keys (read by every command), every value ``verify`` reads, and
+the headers ``purge --retired`` reads of the blocks it keeps.
+
 Called by :mod:`kvtier.cli.cache` in the ``kvtier`` command's process, one thread. Passwords come
 from an environment variable or the URL and are never printed.
 """
@@ -26,14 +40,15 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.cachetools.inventory import AGE_BUCKETS, Inventory, NamespaceInventory, age_bucket
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
 from kvtier.cachetools.scan import parse_config
-from kvtier.cachetools.selection import SelectionError
+from kvtier.cachetools.selection import matches_digest, matches_model, select
+from kvtier.cachetools.stores import REDIS
 from kvtier.cachetools.verify import Problem, VerifyReport, config_payload_bound
 from kvtier.core.fleet_key import AuthConfig
 from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, describe_config, stored_ranks_of
@@ -45,9 +60,19 @@ from kvtier.tiers.redis.deadline import bounded_client
 from kvtier.tiers.sealing import PLAIN, KeyState, Sealer
 
 BATCH = 256
-"""Keys per pipelined batch of STRLEN / OBJECT IDLETIME / UNLINK."""
+"""Keys per pipelined batch of STRLEN / MEMORY USAGE / OBJECT IDLETIME / UNLINK."""
 READ_BATCH_BYTES = 64 * 2**20
 """Verify reads at most this many bytes of values per round trip."""
+_HEX = frozenset(b"0123456789abcdef")
+
+MEMORY_NOTE = ("sizes are the server's memory for each key (MEMORY USAGE: the value and the key, as allocated), "
+               "not the values' lengths: this server refuses CLIENT NO-TOUCH (Redis / Valkey older than 7.2), on "
+               "which STRLEN would count as a use of every block")
+VERIFY_TOUCH_NOTE = ("this server refuses CLIENT NO-TOUCH (Redis / Valkey older than 7.2): every value verify read "
+                     "now counts as just used (its idle time starts again; run purge --older-than before verify)")
+RETIRED_TOUCH_NOTE = ("this server refuses CLIENT NO-TOUCH (Redis / Valkey older than 7.2): the blocks whose header "
+                      "--retired read and kept now count as just used")
+LFU_NOTE = "no ages: the server refuses OBJECT IDLETIME (an LFU maxmemory-policy keeps no idle time)"
 
 
 def is_remote(target: str) -> bool:
@@ -71,13 +96,15 @@ class RemoteTarget:
 
     def client(self):
         """A client whose every call has a deadline (a hung or trickling server fails the command:
-        :func:`~kvtier.tiers.redis.deadline.bounded_client`)."""
+        :func:`~kvtier.tiers.redis.deadline.bounded_client`) and whose reads do not count as uses of
+        the keys where the server accepts ``CLIENT NO-TOUCH`` (``reads_touch()`` says whether it did)."""
         kwargs: dict[str, Any] = {}
         if self.username:
             kwargs["username"] = self.username
         if self.password is not None:
             kwargs["password"] = self.password
-        return bounded_client(self.url, connect_timeout_s=self.connect_timeout_s, timeout_s=self.timeout_s, **kwargs)
+        return bounded_client(self.url, connect_timeout_s=self.connect_timeout_s, timeout_s=self.timeout_s,
+                              no_touch=True, **kwargs)
 
     @property
     def shown(self) -> str:
@@ -91,12 +118,19 @@ class _RemoteNamespace:
     config: dict[str, Any] | None  # the config as stored (None: missing or unreadable)
     namespace: Namespace | None  # the config as a Namespace of this key spec (see config_problem)
     spec_version: str | None
-    blocks: list[bytes]  # Redis key names of the blocks
+    blocks: list[Any]  # the blocks' key names (bytes; S3: object paths)
     config_problem: str | None = None  # why the config is unusable or not this namespace's (None: usable)
+    config_key: Any = None  # the config's key name (S3: object path); None: there is none
+    others: int = 0  # keys (objects) of the namespace that are neither its config nor a block: strays
 
     @property
     def prefix(self) -> str:
         return self.space.base.decode().rstrip(":")
+
+    @property
+    def model(self) -> str | None:
+        """The model part of the namespace's name, where its name holds one (S3 folders; not Redis keys)."""
+        return None
 
     @property
     def model_name(self) -> str | None:
@@ -135,32 +169,47 @@ class _RemoteNamespace:
     def older_spec(self) -> bool:
         return self.spec_version is not None and self.spec_version != KEY_SPEC_VERSION
 
-    def matches(self, selector: str, by_model: bool) -> bool:
-        sel = selector.strip().lower()
-        if by_model:
-            base = selector.strip().rstrip("/").rsplit("/", 1)[-1]
-            return self.model_name in (selector.strip(), base)
-        return sel == self.prefix.lower() or (len(sel) >= 4 and self.digest16.startswith(sel))
+    def matches_digest(self, selector: str) -> bool:
+        return matches_digest(selector, self.prefix, self.digest16)
+
+    def matches_model(self, selector: str) -> bool:
+        return matches_model(selector, self.model_name, self.model)
+
+    def matches(self, selector: str) -> bool:
+        return self.matches_digest(selector) or self.matches_model(selector)
+
+
+Stray = Callable[[str, str], None]
+"""Where discovery reports a key (or object) under the prefix that is not kvtier's: ``(name, why)``."""
 
 
 def _scan(client, pattern: bytes) -> Iterator[bytes]:
     yield from client.scan_iter(match=pattern, count=1000)
 
 
-def _discover(client, key_prefix: str) -> list[_RemoteNamespace]:
-    """Every namespace under ``key_prefix`` (by its config key, or by its blocks alone)."""
+def _discover(client, key_prefix: str, stray: Stray | None = None) -> list[_RemoteNamespace]:
+    """Every namespace under ``key_prefix`` (by its config key, or by its blocks alone); keys under
+    the prefix that are neither a namespace's config nor its blocks go to ``stray``."""
     by_digest: dict[str, list[bytes]] = defaultdict(list)
     configs: dict[str, bytes] = {}
+    others: dict[str, int] = defaultdict(int)
+    spaces: dict[bytes, KeySpace] = {}
     head = (key_prefix + ":").encode()
     for name in _scan(client, head + b"*"):
         parts = name[len(head) :].split(b":", 1)
-        if len(parts) != 2 or len(parts[0]) != 16:
+        if len(parts) != 2 or len(parts[0]) != 16 or not set(parts[0]) <= _HEX:
+            if stray is not None:
+                stray(name.decode(errors="replace"), "not a kvtier key: no namespace digest after the key prefix")
             continue
-        digest16 = parts[0].decode("ascii", errors="replace")
+        digest16 = parts[0].decode("ascii")
         if parts[1] == b"config":
             configs[digest16] = name
-        else:
+        elif spaces.setdefault(parts[0], KeySpace(head + parts[0] + b":")).block_key_of(name) is not None:
             by_digest[digest16].append(name)
+        else:
+            others[digest16] += 1
+            if stray is not None:
+                stray(name.decode(errors="replace"), "not a block key of its namespace")
     found = []
     for digest16 in sorted(set(by_digest) | set(configs)):
         space = KeySpace(head + digest16.encode() + b":")
@@ -173,32 +222,28 @@ def _discover(client, key_prefix: str) -> list[_RemoteNamespace]:
             else:
                 parsed = parse_config(raw, digest16, "config key", "its key name")
                 config, namespace, version, problem = parsed.config, parsed.namespace, parsed.spec_version, parsed.problem
-        blocks = [n for n in by_digest.get(digest16, []) if space.block_key_of(n) is not None]
-        found.append(_RemoteNamespace(space, digest16, config, namespace, version, sorted(blocks), problem))
+        blocks = sorted(by_digest.get(digest16, []))
+        found.append(_RemoteNamespace(space, digest16, config, namespace, version, blocks, problem,
+                                      configs.get(digest16), others.get(digest16, 0)))
     return found
 
 
-def _select(
-    spaces: list[_RemoteNamespace], namespaces: Sequence[str], models: Sequence[str], where: str
-) -> list[_RemoteNamespace]:
-    chosen = list(spaces)
-    for selectors, by_model in ((namespaces, False), (models, True)):
-        for sel in selectors:
-            if not any(ns.matches(sel, by_model) for ns in spaces):
-                known = ", ".join(ns.prefix for ns in spaces) or "none"
-                raise SelectionError(f"no namespace at {where} matches {sel!r} (namespaces: {known})")
-        if selectors:
-            chosen = [ns for ns in chosen if any(ns.matches(sel, by_model) for sel in selectors)]
-    return chosen
-
-
-def purged_namespaces(spaces: list[_RemoteNamespace], selection: PurgeSelection, where: str) -> list[_RemoteNamespace]:
+def purged_namespaces(spaces: Sequence[_RemoteNamespace], selection: PurgeSelection,
+                      where: str) -> list[_RemoteNamespace]:
     """The namespaces of ``spaces`` whose blocks ``selection`` purges (none when it selects no
-    blocks); SelectionError when a selector matches none. Shared with the S3 tools."""
-    chosen = _select(spaces, selection.namespaces, selection.models, where)
+    blocks); SelectionError when a selector matches none or a digest several
+    (:func:`~kvtier.cachetools.selection.select`). Shared with the S3 tools."""
+    chosen = select(spaces, where, namespaces=selection.namespaces, models=selection.models)
     if selection.older_spec:
         chosen = [ns for ns in chosen if ns.older_spec]
     return chosen if selection.blocks else []
+
+
+def verified_namespaces(spaces: Sequence[_RemoteNamespace], selectors: Sequence[str],
+                        where: str) -> list[_RemoteNamespace]:
+    """The namespaces ``selectors`` (digests or models) name, all without one (as a disk root's).
+    Shared with the S3 tools."""
+    return select(spaces, where, either=selectors)
 
 
 def _batches(items: Sequence[bytes], size: int = BATCH) -> Iterator[Sequence[bytes]]:
@@ -207,7 +252,8 @@ def _batches(items: Sequence[bytes], size: int = BATCH) -> Iterator[Sequence[byt
 
 
 def _idle_seconds(client, names: Sequence[bytes]) -> list[int | None]:
-    """``OBJECT IDLETIME`` of each key (None where the server refuses it, e.g. under LFU)."""
+    """``OBJECT IDLETIME`` of each key (None where the server refuses it, e.g. under LFU). It never
+    counts as a use of the key, on any server."""
     out: list[int | None] = []
     for batch in _batches(names):
         pipe = client.pipeline(transaction=False)
@@ -217,11 +263,34 @@ def _idle_seconds(client, names: Sequence[bytes]) -> list[int | None]:
     return out
 
 
+def _sizes(client, names: Sequence[bytes], exact: bool) -> list[int]:
+    """The size of each key's value (0 where it is gone or the server refuses): ``STRLEN`` when
+    ``exact``, else the server's memory for the key (``MEMORY USAGE``), which never counts as a use
+    of it (for a server whose reads touch: see the module docstring)."""
+    out: list[int] = []
+    for batch in _batches(names):
+        pipe = client.pipeline(transaction=False)
+        for name in batch:
+            if exact:
+                pipe.strlen(name)
+            else:
+                pipe.memory_usage(name)
+        out += [n if isinstance(n, int) else 0 for n in pipe.execute(raise_on_error=False)]
+    return out
+
+
 def inspect_remote(target: RemoteTarget, *, now: float | None = None) -> Inventory:
+    """Every namespace under the target's key prefix, with its blocks' ages (``OBJECT IDLETIME``,
+    read first) and bytes, and the keys there that are not kvtier's; nothing it does counts as a
+    use of a block (see the module docstring)."""
     now = time.time() if now is None else now
     client = target.client()
-    inventory = Inventory(root=target.shown, scanned_at=now, namespaces=[])
-    for ns in _discover(client, target.key_prefix):
+    inventory = Inventory(root=target.shown, scanned_at=now, namespaces=[], store=REDIS.name)
+    spaces = _discover(client, target.key_prefix, inventory.add_stray)
+    exact = not client.reads_touch()
+    if not exact and any(ns.blocks for ns in spaces):
+        inventory.notes.append(MEMORY_NOTE)
+    for ns in spaces:
         summary = NamespaceInventory(
             prefix=ns.prefix,
             model=ns.model_name or "?",
@@ -232,18 +301,16 @@ def inspect_remote(target: RemoteTarget, *, now: float | None = None) -> Invento
             world=ns.world,
             older_spec=ns.older_spec,
         )
-        summary.complete_blocks = len(ns.blocks)
-        summary.block_files = len(ns.blocks)
-        for batch in _batches(ns.blocks):
-            pipe = client.pipeline(transaction=False)
-            for name in batch:
-                pipe.strlen(name)
-            summary.block_bytes += sum(n for n in pipe.execute(raise_on_error=False) if isinstance(n, int))
-        idle = [s for s in _idle_seconds(client, ns.blocks) if s is not None]
+        summary.complete_blocks = summary.block_files = len(ns.blocks)
+        summary.stray_files = ns.others
+        idle = [s for s in _idle_seconds(client, ns.blocks) if s is not None]  # before anything else of the blocks
+        summary.block_bytes = sum(_sizes(client, ns.blocks, exact))
         for seconds in idle:
             summary.ages[age_bucket(seconds)] += 1
         if idle:
             summary.last_use = now - min(idle)
+        elif ns.blocks and LFU_NOTE not in inventory.notes:
+            inventory.notes.append(LFU_NOTE)
         inventory.namespaces.append(summary)
     return inventory
 
@@ -258,25 +325,21 @@ def verify_remote(
     announces and that is within the namespace's block size (:meth:`_RemoteNamespace.value_bound`).
     Fleet keys (``auth``) as
     :func:`~kvtier.cachetools.verify.verify_cache` uses them: without, sealed values are counted
-    ``sealed_unchecked`` and left alone."""
+    ``sealed_unchecked`` and left alone. Raises SelectionError as
+    :func:`~kvtier.cachetools.selection.select`."""
     sealer = Sealer(auth) if auth is not None else None
     client = target.client()
-    spaces = _discover(client, target.key_prefix)
-    chosen = (
-        spaces
-        if not selectors
-        else [ns for ns in spaces if any(ns.matches(s, False) or ns.matches(s, True) for s in selectors)]
-    )
-    if selectors and not chosen:
-        raise SelectionError(f"no namespace at {target.shown} matches {list(selectors)}")
-    report = VerifyReport(root=target.shown, namespaces=[ns.prefix for ns in chosen])
+    chosen = verified_namespaces(_discover(client, target.key_prefix), selectors, target.shown)
+    report = VerifyReport(root=target.shown, namespaces=[ns.prefix for ns in chosen], store=REDIS.name)
+    bad_action = REDIS.bad_action if delete else "left in place"
     for ns in chosen:
         why = ns.unchecked
         if why is not None or ns.namespace is None:
-            report.problems.append(
-                Problem(ns.prefix, f"{why}: its {len(ns.blocks)} values cannot be checked (left in place)", "reported")
-            )
+            report.problems.append(Problem(ns.prefix, f"{why}: its {REDIS.units(len(ns.blocks))} cannot be checked",
+                                           "left in place"))
             continue
+        if ns.blocks and client.reads_touch() and VERIFY_TOUCH_NOTE not in report.notes:
+            report.notes.append(VERIFY_TOUCH_NOTE)
         rank_digests = ns.namespace.rank_digests()
         bad: list[bytes] = []
         for batch in _read_batches(client, ns.blocks, ns.world, ns.payload_bound()):
@@ -287,7 +350,7 @@ def verify_remote(
                 if isinstance(value, str):  # not read: its size is not what its header says
                     report.files_checked += 1
                     bad.append(name)
-                    report.problems.append(Problem(name.decode(), value, "deleted" if delete else "reported"))
+                    report.problems.append(Problem(name.decode(), value, bad_action))
                     continue
                 report.files_checked += 1
                 report.bytes_checked += len(value)
@@ -296,7 +359,7 @@ def verify_remote(
                     report.files_ok += 1
                     continue
                 bad.append(name)
-                report.problems.append(Problem(name.decode(), reason, "deleted" if delete else "reported"))
+                report.problems.append(Problem(name.decode(), reason, bad_action))
         if delete and bad:
             for chunk in _batches(bad):
                 client.unlink(*chunk)
@@ -418,40 +481,70 @@ def _not_sealed_under(client, names: Sequence[bytes], key_id: bytes) -> list[byt
 def purge_remote(
     target: RemoteTarget, selection: PurgeSelection, *, dry_run: bool = False, now: float | None = None
 ) -> PurgeReport:
-    """Unlink what ``selection`` selects (the quarantine does not exist remotely: bad values are
-    deleted where they are found)."""
-    selection.validate()
+    """Unlink what ``selection`` selects. There is no quarantine on a Redis server (bad values are
+    deleted where they are found): ``--quarantine`` is a ValueError. Ages (``OBJECT IDLETIME``) are
+    read before anything else of a block, and ``--retired`` reads headers only of the blocks old
+    enough; what is counted as removed is what ``UNLINK`` removed, with the ``STRLEN`` read in the
+    same pipeline (a dry run reads no value: sizes as :func:`inspect_remote` measures them). A
+    namespace's config key goes only with the whole namespace (``--all``, ``--namespace``,
+    ``--model``), and only if nothing else of it is left (no block, no stray key, scanned again
+    after the unlinks: an engine that wrote meanwhile keeps it)."""
+    selection.validate(REDIS)
     client = target.client()
-    report = PurgeReport(target.shown, dry_run)
+    report = PurgeReport(target.shown, dry_run, store=REDIS.name)
+    exact = not dry_run or not client.reads_touch()
     for ns in purged_namespaces(_discover(client, target.key_prefix), selection, target.shown):
         result = NamespacePurge(ns.prefix)
         victims = list(ns.blocks)
-        if selection.retired_except is not None:
-            victims = _not_sealed_under(client, victims, selection.retired_except)
-        if selection.older_than is not None:
+        if selection.older_than is not None:  # first: nothing of these blocks read yet
             idle = _idle_seconds(client, victims)
-            victims = [
-                name
-                for name, seconds in zip(victims, idle)
-                if seconds is not None and seconds > selection.older_than
-            ]
-        sizes: list[int] = []
-        for batch in _batches(victims):
-            pipe = client.pipeline(transaction=False)
-            for name in batch:
-                pipe.strlen(name)
-            sizes += [n if isinstance(n, int) else 0 for n in pipe.execute(raise_on_error=False)]
-        if not dry_run:
-            for batch in _batches(victims):
-                client.unlink(*batch)
-        result.blocks = result.files = len(victims)
-        result.bytes = sum(sizes)
-        if selection.whole_namespaces and len(victims) == len(ns.blocks):
-            result.config_removed = ns.config is not None
-            if not dry_run and ns.config is not None:
-                client.unlink(ns.space.config)
+            victims = [name for name, seconds in zip(victims, idle)
+                       if seconds is not None and seconds > selection.older_than]
+        if selection.retired_except is not None:
+            if victims and client.reads_touch() and RETIRED_TOUCH_NOTE not in report.notes:
+                report.notes.append(RETIRED_TOUCH_NOTE)
+            victims = _not_sealed_under(client, victims, selection.retired_except)
+        if dry_run:
+            if victims and not exact and MEMORY_NOTE not in report.notes:
+                report.notes.append(MEMORY_NOTE)
+            result.blocks = result.files = len(victims)
+            result.bytes = sum(_sizes(client, victims, exact))
+        else:
+            _unlink_counted(client, victims, result)
+        whole = selection.whole_namespaces and len(victims) == len(ns.blocks) and not ns.others
+        if whole and ns.config_key is not None and not result.errors:
+            result.config_removed = True if dry_run else _drop_config(client, ns)
         report.namespaces.append(result)
     return report
+
+
+def _unlink_counted(client, names: Sequence[bytes], result: NamespacePurge) -> None:
+    """UNLINK ``names``, each after its ``STRLEN`` in the same pipeline (the value's length just
+    before it goes: reading it then is no use that could matter). Counts in ``result`` the keys
+    UNLINK removed and their bytes, and as errors (``failed``) those it refused; a key gone
+    meanwhile is neither."""
+    for batch in _batches(names):
+        pipe = client.pipeline(transaction=False)
+        for name in batch:
+            pipe.strlen(name)
+            pipe.unlink(name)
+        replies = pipe.execute(raise_on_error=False)
+        for name, size, gone in zip(batch, replies[0::2], replies[1::2]):
+            if isinstance(gone, Exception):
+                result.errors += 1
+                result.failed.append(name.decode(errors="replace"))
+            elif gone:
+                result.blocks += 1
+                result.files += 1
+                result.bytes += size if isinstance(size, int) else 0
+
+
+def _drop_config(client, ns: _RemoteNamespace) -> bool:
+    """Unlink the namespace's config key if nothing else of the namespace is left (scanned now);
+    True if it was removed."""
+    if any(name != ns.config_key for name in _scan(client, ns.space.base + b"*")):
+        return False
+    return bool(client.unlink(ns.config_key))
 
 
 __all__ = ["AGE_BUCKETS", "RemoteTarget", "inspect_remote", "is_remote", "purge_remote", "verify_remote"]

@@ -27,9 +27,10 @@ from enum import Enum
 from pathlib import Path
 from typing import Any
 
+from kvtier.cachetools.selection import matches_digest, matches_model
 from kvtier.core.keys import KEY_BYTES, KEY_SPEC_VERSION, Namespace, SpecVersionError, stored_ranks_of
 from kvtier.core.rootfs import NOT_THERE, RootFS
-from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES, QUARANTINE_DIR, DiskLayout, sanitize_model_name
+from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES, QUARANTINE_DIR, DiskLayout
 
 CONFIG_NAME = "config.json"
 _HEX = frozenset("0123456789abcdef")
@@ -135,21 +136,15 @@ class CacheNamespace:
         return self.spec_version is not None and self.spec_version != KEY_SPEC_VERSION
 
     def matches_digest(self, selector: str) -> bool:
-        """True if ``selector`` is this namespace's directory name or digest (at least 4 of the 16
-        hex digits, or the full digest)."""
-        sel = selector.strip().rstrip("/").lower()
-        if sel == self.prefix.lower():
-            return True
-        return len(sel) >= 4 and _is_hex(sel) and (self.digest16.startswith(sel) or sel.startswith(self.digest16))
+        """True if ``selector`` is this namespace's directory name or digest
+        (:func:`~kvtier.cachetools.selection.matches_digest`)."""
+        return matches_digest(selector, self.prefix, self.digest16)
 
     def matches_model(self, selector: str) -> bool:
         """True if ``selector`` is this namespace's model: as in config.json, the ``<model>`` part
-        of the name, or as given to vLLM (a repo id or path: its last part, or reduced whole)."""
-        sel = selector.strip().rstrip("/")
-        base = sel.rsplit("/", 1)[-1]  # a repo id or path names the model by its last part (geometry.model_name)
-        if self.config is not None and self.config.get("model_name") in (sel, base):
-            return True
-        return bool(sel) and self.model in (sel, sanitize_model_name(sel), sanitize_model_name(base))
+        of the name, or as given to vLLM (:func:`~kvtier.cachetools.selection.matches_model`)."""
+        name = (self.config or {}).get("model_name")
+        return matches_model(selector, name if isinstance(name, str) else None, self.model)
 
     def matches(self, selector: str) -> bool:
         """True if ``selector`` names this namespace by digest or by model."""
@@ -158,7 +153,8 @@ class CacheNamespace:
 
 @dataclass(slots=True)
 class CacheRoot:
-    """A disk tier root: its namespaces (sorted by name) and top-level entries that are not kvtier's."""
+    """A directory as a disk tier root: its namespaces (sorted by name) and top-level entries that
+    are not kvtier's."""
 
     root: str
     namespaces: list[CacheNamespace]
@@ -168,6 +164,14 @@ class CacheRoot:
     @property
     def quarantine_dir(self) -> str:
         return os.path.join(self.root, QUARANTINE_DIR)
+
+    @property
+    def is_kvtier_root(self) -> bool:
+        """Whether the directory is a kvtier root: it holds a namespace (a ``<model>_<digest16>``
+        directory or one of its ``_r<rank>`` directories, named exactly as the tier names them, see
+        :func:`split_prefix`). Only then is its ``quarantine/`` taken for the tier's: a folder that
+        merely has a ``quarantine`` subfolder is not a kvtier root, and nothing in it is kvtier's."""
+        return bool(self.namespaces)
 
 
 def split_prefix(name: str, root: str) -> tuple[str, str] | None:
@@ -389,19 +393,46 @@ def _stray(
 
 @dataclass(frozen=True, slots=True)
 class QuarantineFile:
-    """A file in ``<root>/quarantine``; ``prefix`` is its namespace when its name says so."""
+    """An entry of ``<root>/quarantine``. ``prefix``: the namespace its name gives, when that name is
+    one the tier gives a quarantined record (:func:`quarantined_prefix`); ``why_not_ours``: why the
+    tools do not take it for kvtier's (another name, or a directory that is no kvtier root), None
+    when they do. Only entries taken for kvtier's are counted as quarantined or ever removed."""
 
     path: str
     prefix: str | None
     size: int
     mtime_ns: int
+    why_not_ours: str | None = None
+
+    @property
+    def ours(self) -> bool:
+        return self.why_not_ours is None
+
+
+NOT_QUARANTINED = "in quarantine/ but not named as kvtier names a quarantined record (<prefix>_r<rank>__<hash>.bin)"
+NOT_A_ROOT = "in quarantine/ of a directory that holds no kvtier namespace (not a kvtier root)"
+
+
+def quarantined_prefix(name: str, root: str) -> str | None:
+    """The namespace directory name in ``name`` if it is exactly how the tier names a quarantined
+    record (``<prefix>_r<rank>__<64 hex digits>.bin``, :meth:`DiskLayout.quarantine_path`, with
+    ``<prefix>`` a namespace name :func:`split_prefix` accepts), else None."""
+    stem, dot, ext = name.rpartition(".")
+    head, sep, hex_key = stem.rpartition("__")  # the hash has no "__"; a model name may
+    prefix, rsep, rank = head.rpartition("_r")
+    if not (dot and ext == "bin" and sep and rsep and len(hex_key) == 2 * KEY_BYTES and _is_hex(hex_key)):
+        return None
+    if not rank.isdigit() or str(int(rank)) != rank:
+        return None
+    return prefix if split_prefix(prefix, root) is not None else None
 
 
 def iter_quarantine(cache: CacheRoot, unreadable: list[Unreadable] | None = None) -> Iterator[QuarantineFile]:
-    """The files in the quarantine directory (named ``<prefix>_r<rank>__<hash>.bin`` by the tier:
-    :meth:`DiskLayout.quarantine_path`); nothing if ``quarantine`` is a symlink or not a directory
-    (never followed). ``unreadable``: where a quarantine that cannot be listed is recorded (else
-    the ``OSError`` is raised)."""
+    """The entries of the quarantine directory other than directories, each marked kvtier's or not
+    (:class:`QuarantineFile`: kvtier's when the directory is a kvtier root, :attr:`CacheRoot.is_kvtier_root`,
+    and the entry is named as the tier names a quarantined record, :func:`quarantined_prefix`);
+    nothing if ``quarantine`` is a symlink or not a directory (never followed). ``unreadable``:
+    where a quarantine that cannot be listed is recorded (else the ``OSError`` is raised)."""
     try:
         listing = cache.fs.listing(cache.quarantine_dir)
     except OSError as exc:
@@ -409,10 +440,15 @@ def iter_quarantine(cache: CacheRoot, unreadable: list[Unreadable] | None = None
             raise
         unreadable.append(unreadable_of(cache.quarantine_dir, exc))
         return
+    root_ok = cache.is_kvtier_root
     for name, st in listing or ():
         if st is None or S_ISDIR(st.st_mode):
             continue
-        head, sep, _ = name.rpartition("__")  # the hash has no "__"; a model name may
-        prefix, rsep, rank = head.rpartition("_r")
-        owner = prefix if sep and rsep and rank.isdigit() and split_prefix(prefix, cache.root) else None
-        yield QuarantineFile(os.path.join(cache.quarantine_dir, name), owner, st.st_size, st.st_mtime_ns)
+        owner = quarantined_prefix(name, cache.root)
+        if not root_ok:
+            why: str | None = NOT_A_ROOT
+        elif owner is None:
+            why = NOT_QUARANTINED
+        else:
+            why = None
+        yield QuarantineFile(os.path.join(cache.quarantine_dir, name), owner, st.st_size, st.st_mtime_ns, why)

@@ -58,9 +58,10 @@ ProgressCallback = Callable[[int, int], None]
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """One bad or unexpected file. ``action``: ``quarantined``, ``left in place`` (not a block
-    file, or ``--no-quarantine``) or ``gone`` (removed meanwhile, or could not be moved and was
-    removed, as the tier does)."""
+    """One bad or unexpected file (Redis: value, S3: object). ``action``: ``quarantined`` (disk),
+    ``deleted`` (Redis, S3: no quarantine there), ``left in place`` (not a block file, a namespace
+    whose config cannot judge its records, or ``--no-quarantine``) or ``gone`` (removed meanwhile,
+    or could not be moved and was removed, as the tier does)."""
 
     path: str
     reason: str
@@ -70,7 +71,9 @@ class Problem:
 
 @dataclass(slots=True)
 class VerifyReport:
-    """What :func:`verify_cache` checked and found."""
+    """What :func:`verify_cache` (or the Redis and S3 tools) checked and found at ``root``, a store
+    of kind ``store`` (:mod:`kvtier.cachetools.stores`: it names what a block is held in, files,
+    values or objects); ``notes``: what the check did besides, where that is not the obvious way."""
 
     root: str
     namespaces: list[str]
@@ -82,6 +85,8 @@ class VerifyReport:
     retired: dict[str, int] = field(default_factory=dict)  # key id (hex) -> valid records sealed under it
     sealed_unchecked: int = 0  # sealed records whose MAC was not checked (no keys given)
     unreadable: list[Unreadable] = field(default_factory=list)  # directories skipped: not verified
+    store: str = "disk"
+    notes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -91,13 +96,18 @@ class VerifyReport:
     def quarantined(self) -> int:
         return sum(p.action == "quarantined" for p in self.problems)
 
+    @property
+    def deleted(self) -> int:
+        """Bad records deleted where they were (Redis, S3: there is no quarantine there)."""
+        return sum(p.action == "deleted" for p in self.problems)
+
     def to_json(self) -> dict[str, Any]:
-        data = {name: getattr(self, name) for name in ("root", "namespaces", "files_checked", "files_ok",
+        data = {name: getattr(self, name) for name in ("root", "store", "namespaces", "files_checked", "files_ok",
                                                         "bytes_checked", "vanished", "retired",
                                                         "sealed_unchecked")}
-        return {**data, "ok": self.ok, "quarantined": self.quarantined,
+        return {**data, "ok": self.ok, "quarantined": self.quarantined, "deleted": self.deleted,
                 "problems": [asdict(p) for p in self.problems],
-                "unreadable": [asdict(u) for u in self.unreadable]}
+                "unreadable": [asdict(u) for u in self.unreadable], "notes": self.notes}
 
 
 def verify_cache(
@@ -123,7 +133,7 @@ def verify_cache(
     """
     sealer = Sealer(auth) if auth is not None else None
     cache = discover(root_dir)
-    chosen = select(cache, either=selectors)
+    chosen = select(cache.namespaces, cache.root, either=selectors)
     report = VerifyReport(cache.root, [ns.prefix for ns in chosen])
     if not selectors:
         report.problems += [Problem(f.path, f.reason, "left in place") for f in cache.strays]

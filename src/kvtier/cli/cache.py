@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvtier.cli.cache_target import (auth_config, is_objects, is_socket, key_options, open_target, s3_options,
-                                     target_errors, target_options)
+from kvtier.cli.cache_target import (auth_config, failure, is_objects, is_socket, key_options, open_target,
+                                     s3_options, target_errors, target_options)
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from kvtier.cachetools import Inventory, NamespaceInventory, PurgeReport, VerifyReport
+    from kvtier.cachetools.stores import StoreWords
 
 _PROGRESS_MIN_FILES = 200  # show a progress bar from this many files on (on a terminal)
 
@@ -75,23 +76,27 @@ def _emit_json(data: dict[str, Any]) -> None:
 def inspect_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
                     endpoint: str | None, region: str | None, ca_bundle: str | None, profile: str | None,
                     as_json: bool, count_tails: bool) -> None:
-    """Show the namespaces of a disk tier directory or a Redis remote tier: model, layout, blocks,
-    bytes, ages, last use; or the pool of a running `kvtier node` (its socket's path).
+    """Show the namespaces of a disk tier directory, a Redis remote tier or an S3 tier: model,
+    layout, blocks, bytes, ages, last use, and what is there that is not kvtier's; or the pool of a
+    running `kvtier node` (its socket's path).
 
     A directory: reads directory entries, file sizes and mtimes and each namespace's config.json
     only (never a block's payload), so it is fast and safe while engines use it. A block is
     complete when every tensor-parallel rank's file is present; ages are by last use (mtime).
     Directories that cannot be read are skipped and listed (exit status 1: the figures are partial).
-    A Redis URL (redis://, rediss://, unix://): SCAN, STRLEN and OBJECT IDLETIME, never KEYS.
-    An S3 URL (s3://BUCKET/PREFIX): one LIST of the prefix (ages by last write).
-    A node socket: the pool's usage, pins, attached engines and each engine's hits and stores.
+    A Redis URL (redis://, rediss://, unix://): SCAN, OBJECT IDLETIME and STRLEN, never KEYS, and
+    nothing that counts as a use of a block (CLIENT NO-TOUCH; a server older than 7.2 refuses it:
+    sizes are then its MEMORY USAGE, said so). An S3 URL (s3://BUCKET/PREFIX): one LIST of the
+    prefix (ages by last write). A node socket: the pool's usage, pins, attached engines and each
+    engine's hits and stores.
     """
     if is_socket(target):
         _inspect_node(target, as_json)
         return
     from kvtier.cachetools import inspect_cache
 
-    remote = open_target(target, username, password_env, key_prefix, s3_options(endpoint, region, ca_bundle, profile))
+    remote = open_target(target, username, password_env, key_prefix, s3_options(endpoint, region, ca_bundle, profile),
+                         node_socket=True)
     failures = target_errors() if remote is not None else (OSError,)
     try:
         if remote is None:
@@ -105,7 +110,7 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
 
             inventory = inspect_remote(remote)
     except failures as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
+        raise failure(exc, remote) from None
     if as_json:
         _emit_json(inventory.to_json())
     else:
@@ -114,14 +119,47 @@ def inspect_command(target: str, username: str | None, password_env: str | None,
         sys.exit(1)
 
 
+REDIS_PROGRAMS = frozenset({"redis-server", "valkey-server", "keydb-server", "dragonfly"})
+"""Servers of the Redis protocol, as the kernel names their processes (``/proc/PID/comm``)."""
+
+
+def _socket_server(path: str) -> tuple[int, str] | None:
+    """The pid and program name (``/proc/PID/comm``) of the process serving the Unix socket at
+    ``path`` (``SO_PEERCRED`` of a connection opened and closed at once, nothing sent), or None
+    where that cannot be told (another PID namespace, a process gone)."""
+    import socket
+
+    from kvtier.node.credentials import peer_credentials
+
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(1.0)
+            sock.connect(path)
+            pid, _, _ = peer_credentials(sock)
+        with open(f"/proc/{pid}/comm") as comm:
+            return pid, comm.read().strip()
+    except OSError:
+        return None
+
+
 def _inspect_node(target: str, as_json: bool) -> None:
-    """``kvtier inspect SOCKET``: the stats of a running node service (one request, as an observer)."""
+    """``kvtier inspect SOCKET``: the stats of a running node service (one request, as an observer).
+    A socket served by a Redis server is said to be one at once (it would never answer the node's
+    hello), with the URL to give instead."""
     from kvtier.node import NodeClient, NodeError, NodeUnavailable, Role
 
+    as_redis = f"a Redis server's socket is given as unix://{os.path.abspath(target)}"
+    server = _socket_server(target)
+    if server is not None and server[1] in REDIS_PROGRAMS:
+        raise click.UsageError(f"{target} is the socket of a Redis server ({server[1]}, pid {server[0]}), not of a "
+                               f"kvtier node: {as_redis}.")
     try:
         with NodeClient(target, engine="kvtier-inspect", role=Role.OBSERVER) as client:
             stats = client.stats()
-    except (NodeError, NodeUnavailable) as exc:
+    except NodeUnavailable as exc:
+        program = f" ({server[1]}, pid {server[0]})" if server is not None and server[1] else ""
+        raise click.ClickException(f"{exc}: no kvtier node answered on this socket{program}; {as_redis}") from None
+    except NodeError as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         _emit_json(stats)
@@ -132,11 +170,14 @@ def _inspect_node(target: str, as_json: bool) -> None:
     stride = stats["slot_stride"] or 0
     console.print(f"kvtier node at {stats['socket']} (pid {stats['service_pid']}, up {stats['uptime_s']:.0f} s, "
                   f"{stats['policy']})")
-    console.print(f"pool {fmt_bytes(stats['pool_bytes'])}: {stats['used_slots']} of {stats['num_slots']} slots used "
-                  f"({fmt_bytes(stats['used_slots'] * stride)}), {stats['blocks']} blocks, "
-                  f"{stats['pinned_blocks']} pinned, {stats['evictions']} evicted "
-                  f"({stats.get('run_evictions', 0)} to continue runs); slots of "
-                  f"{stats['slot_bytes']} bytes")
+    if stats["slot_bytes"] is None:  # the first engine's hello sizes the slots
+        console.print(f"pool {fmt_bytes(stats['pool_bytes'])}: no engine attached yet (the first engine's block "
+                      "size sets its slots)")
+    else:
+        console.print(f"pool {fmt_bytes(stats['pool_bytes'])}: {stats['used_slots']} of {stats['num_slots']} slots "
+                      f"used ({fmt_bytes(stats['used_slots'] * stride)}), {stats['blocks']} blocks, "
+                      f"{stats['pinned_blocks']} pinned, {stats['evictions']} evicted "
+                      f"({stats.get('run_evictions', 0)} to continue runs); slots of {stats['slot_bytes']} bytes")
     console.print(f"{stats['attached_engines']} engines attached, {stats['connections']} connections, "
                   f"{stats['rejected_peers']} peers refused")
     if stats.get("tiers") is not None:  # --disk-dir / --redis-url: cascades, promotions, failures
@@ -163,7 +204,7 @@ def _layout_text(layout: dict[str, Any] | None, sep: str = "\n") -> str:
                      f"{get('block_tokens', '?')} tok/block · tp {get('tp_size', '?')}"))
 
 
-def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
+def _cells(ns: NamespaceInventory, now: float, store: StoreWords) -> dict[str, str]:
     """One namespace's figures as rich markup, keyed by column."""
     from rich.markup import escape
 
@@ -180,10 +221,11 @@ def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
     if ns.tail_blocks is not None:
         incomplete += f"\n[dim]of which tails {ns.tail_blocks:,}[/dim]"
     ledger = f"\n[dim]ledger {fmt_bytes(ns.ledger_bytes)}[/dim]" if ns.ledger_bytes is not None else ""
+    units = f"\n[dim]{store.units(ns.block_files)}[/dim]" if store.quarantine else ""  # one a block elsewhere
     return {
         "namespace": name,
         "blocks": f"{ns.complete_blocks:,}{incomplete}",
-        "size": f"{fmt_bytes(ns.block_bytes)}\n[dim]{ns.block_files:,} files[/dim]{ledger}",
+        "size": f"{fmt_bytes(ns.block_bytes)}{units}{ledger}",
         **{label: str(count or "-") for label, count in ns.ages.items()},
         "last use": fmt_ago(now - ns.last_use) if ns.last_use is not None else "-",
         "quarantine": f"{ns.quarantine_files} · {fmt_bytes(ns.quarantine_bytes)}" if ns.quarantine_files else "-",
@@ -193,32 +235,37 @@ def _cells(ns: NamespaceInventory, now: float) -> dict[str, str]:
 
 def render_inventory(inventory: Inventory, console: Console) -> None:
     """The human-readable ``kvtier inspect`` output: a table (or, on a narrow console, one block
-    of lines per namespace), totals, and the first unexpected entries."""
+    of lines per namespace), totals, the first unexpected entries and the notes; in the words of
+    the store (:mod:`kvtier.cachetools.stores`: no quarantine or temp files but on disk)."""
     from rich.markup import escape
     from rich.table import Table
 
     from kvtier.cachetools import AGE_BUCKETS
+    from kvtier.cachetools.stores import words
 
-    rows = [(ns, _cells(ns, inventory.scanned_at)) for ns in inventory.namespaces]
+    store = words(inventory.store)
+    rows = [(ns, _cells(ns, inventory.scanned_at, store)) for ns in inventory.namespaces]
+    last = ("last use", "quarantine", "temp") if store.quarantine else ("last use",)
     if console.width >= _TABLE_MIN_WIDTH:
-        columns = ("namespace", "layout", "blocks", "size", *(label for label, _ in AGE_BUCKETS),
-                   "last use", "quarantine", "temp")
-        table = Table(title=f"kvtier disk cache {escape(inventory.root)}", title_justify="left", show_lines=True)
+        columns = ("namespace", "layout", "blocks", "size", *(label for label, _ in AGE_BUCKETS), *last)
+        table = Table(title=f"{store.title} {escape(inventory.root)}", title_justify="left", show_lines=True)
         for column in columns:
             table.add_column(column, justify="left" if column in ("namespace", "layout") else "right")
         for ns, cells in rows:
             table.add_row(*(_layout_text(ns.layout) if c == "layout" else cells[c] for c in columns))
         console.print(table)
     else:
-        console.print(f"[bold]kvtier disk cache {escape(inventory.root)}[/bold]")
+        console.print(f"[bold]{store.title} {escape(inventory.root)}[/bold]")
         for ns, cells in rows:
             incomplete = f" (+{ns.incomplete_blocks:,} incomplete)" if ns.incomplete_blocks else ""
             console.print(cells["namespace"].replace("\n", "  "))
             console.print(f"  layout      {_layout_text(ns.layout, ' · ')}")
-            console.print(f"  blocks      {ns.complete_blocks:,} complete{incomplete} · {ns.block_files:,} files · "
+            units = f" · {store.units(ns.block_files)}" if store.quarantine else ""
+            console.print(f"  blocks      {ns.complete_blocks:,} complete{incomplete}{units} · "
                           f"{fmt_bytes(ns.block_bytes)}")
             console.print("  ages        " + " · ".join(f"{label} {count}" for label, count in ns.ages.items()))
-            console.print(f"  last use    {cells['last use']} · quarantine {cells['quarantine']} · temp {cells['temp']}")
+            console.print("  last use    " + " · ".join(cells[c] if c == "last use" else f"{c} {cells[c]}"
+                                                      for c in last))
             if ns.tail_blocks is not None:
                 console.print(f"  tails       {ns.tail_blocks:,} of the complete blocks are tails (partial blocks)")
             if ns.snapshot_blocks is not None:
@@ -227,16 +274,21 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
                 console.print(f"  ledger      {fmt_bytes(ns.ledger_bytes)} charged (bounded by capacity_bytes)")
     total_blocks = sum(ns.complete_blocks for ns in inventory.namespaces)
     total_bytes = sum(ns.block_bytes for ns in inventory.namespaces)
+    quarantine = (f"; quarantine: {inventory.quarantine_files} file(s), {fmt_bytes(inventory.quarantine_bytes)}"
+                  if store.quarantine else "")
     console.print(f"{len(inventory.namespaces)} namespace(s), {total_blocks:,} complete blocks, "
-                  f"{fmt_bytes(total_bytes)}; quarantine: {inventory.quarantine_files} file(s), "
-                  f"{fmt_bytes(inventory.quarantine_bytes)}")
-    if inventory.strays:
-        console.print(f"[yellow]{len(inventory.strays)} unexpected entr{'y' if len(inventory.strays) == 1 else 'ies'}"
-                      " (see `kvtier verify`):[/yellow]")
+                  f"{fmt_bytes(total_bytes)}{quarantine}")
+    strays = len(inventory.strays) + inventory.strays_unlisted
+    if strays:
+        see = " (see `kvtier verify`)" if store.quarantine else ", not kvtier's (left alone)"
+        console.print(f"[yellow]{strays:,} unexpected {store.entries[strays != 1]}{see}:[/yellow]")
         for path, reason in inventory.strays[:10]:
             console.print(f"  {escape(_relative(path, inventory.root))}: {escape(reason)}")
-        if len(inventory.strays) > 10:
-            console.print(f"  ... and {len(inventory.strays) - 10} more (--json lists all)")
+        if strays > 10:
+            listed = "--json lists all" if not inventory.strays_unlisted else f"--json lists {len(inventory.strays)}"
+            console.print(f"  ... and {strays - 10} more ({listed})")
+    for note in inventory.notes:
+        console.print(f"[dim]note: {escape(note)}[/dim]")
     _render_unreadable(inventory.unreadable, inventory.root, console, "not counted")
 
 
@@ -263,7 +315,8 @@ def _render_unreadable(unreadable: list[Any], root: str, console: Console, conse
               help="Only this namespace (digest, at least 4 hex digits, or model name); repeatable. A digest "
                    "that matches several namespaces is refused.")
 @click.option("--no-quarantine", is_flag=True,
-              help="Only report bad files (values); do not move them to quarantine/ (delete them, on Redis).")
+              help="Only report bad records; do not move them to quarantine/ (on Redis and S3, where there is "
+                   "no quarantine: do not delete them).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @key_options
 def verify_command(target: str, username: str | None, password_env: str | None, key_prefix: str,
@@ -283,10 +336,13 @@ def verify_command(target: str, username: str | None, password_env: str | None, 
     them) unless --no-quarantine; files that are not kvtier's are reported and left in place, and
     so are namespaces whose config.json is missing or does not match the directory name (their
     files are checked without it); payloads are streamed (bounded memory) and never read beyond
-    the namespace's block size; directories that cannot be read are skipped and listed. A Redis URL: every value is read (in batches of at
-    most 64 MiB) and bad ones are deleted unless --no-quarantine. An S3 URL: every block object is
-    read (GETs bounded by the namespace's block size) and bad ones are deleted unless
-    --no-quarantine. Safe while engines run. Exit status 1 if anything was bad or skipped.
+    the namespace's block size; directories that cannot be read are skipped and listed. A Redis
+    URL: every value is read (in batches of at most 64 MiB) and bad ones are deleted unless
+    --no-quarantine; reading a value is no use of it where the server accepts CLIENT NO-TOUCH
+    (Redis / Valkey 7.2 and later; an older server counts every value read as just used, said in a
+    note: run purge --older-than before verify there). An S3 URL: every block object is read (GETs
+    bounded by the namespace's block size) and bad ones are deleted unless --no-quarantine. Safe
+    while engines run. Exit status 1 if anything was bad or skipped.
     """
     from kvtier.cachetools import SelectionError, verify_cache
 
@@ -300,10 +356,10 @@ def verify_command(target: str, username: str | None, password_env: str | None, 
         try:
             report = (verify_objects if is_objects(remote) else verify_remote)(
                 remote, selectors, delete=not no_quarantine, auth=auth)
+        except target_errors() as exc:
+            raise failure(exc, remote) from None
         except SelectionError as exc:
             raise click.UsageError(str(exc)) from None
-        except target_errors() as exc:
-            raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
         if as_json:
             _emit_json({**report.to_json(), "seconds": round(time.perf_counter() - start, 3)})
         else:
@@ -345,19 +401,26 @@ def verify_command(target: str, username: str | None, password_env: str | None, 
 
 
 def render_verify(report: VerifyReport, console: Console, seconds: float) -> None:
-    """The human-readable ``kvtier verify`` output."""
+    """The human-readable ``kvtier verify`` output, in the words of the store (block files
+    quarantined on disk, values or objects deleted on Redis and S3)."""
     from rich.markup import escape
 
+    from kvtier.cachetools.stores import words
+
+    store = words(report.store)
     for problem in report.problems:
         path = escape(_relative(problem.path, report.root))
         console.print(f"[red]BAD[/red] {path}: {escape(problem.reason)} [dim]({problem.action})[/dim]")
     bad = len(report.problems)
+    removed = f"{report.quarantined} quarantined" if store.quarantine else f"{report.deleted} deleted"
     console.print(
-        f"checked {report.files_checked:,} block files ({fmt_bytes(report.bytes_checked)}) in "
+        f"checked {report.files_checked:,} block {store.unit}s ({fmt_bytes(report.bytes_checked)}) in "
         f"{len(report.namespaces)} namespace(s) in {seconds:.1f}s: {report.files_ok:,} ok, "
-        + (f"[red]{bad} problem(s)[/red], {report.quarantined} quarantined" if bad else "no problems")
+        + (f"[red]{bad} problem(s)[/red], {removed}" if bad else "no problems")
         + (f"; {report.vanished} removed meanwhile by an engine" if report.vanished else "")
     )
+    for note in report.notes:
+        console.print(f"[dim]note: {escape(note)}[/dim]")
     _render_unreadable(report.unreadable, report.root, console, "not verified")
     for key_id, count in report.retired.items():
         console.print(f"[yellow]{count:,} records under retired key {key_id}[/yellow] (still accepted while "
@@ -384,8 +447,8 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.command("purge")
 @target_options
 @click.option("--namespace", "namespaces", multiple=True, metavar="DIGEST",
-              help="Blocks of this namespace (its digest, at least 4 hex digits, or directory name); repeatable. "
-                   "A digest that matches several namespaces is refused.")
+              help="Blocks of this namespace (its digest, at least 4 hex digits, or its name: directory, key or "
+                   "folder); repeatable. A digest that matches several namespaces is refused.")
 @click.option("--model", "models", multiple=True, metavar="NAME", help="Blocks of this model's namespaces; repeatable.")
 @click.option("--older-spec", is_flag=True,
               help="Namespaces written under an older key spec (kvtier inspect marks them): never read again.")
@@ -395,8 +458,11 @@ def _duration(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option("--retired", is_flag=True,
               help="Blocks not sealed under the current fleet key (--auth-key-env / --auth-key-file): under "
                    "a retired or unknown key, or unauthenticated.")
-@click.option("--quarantine", is_flag=True, help="Empty the quarantine (of the selected namespaces, if narrowed).")
-@click.option("--all", "all_", is_flag=True, help="Everything: all namespaces' blocks and the quarantine.")
+@click.option("--quarantine", is_flag=True,
+              help="Empty the quarantine (of the selected namespaces, if narrowed): the files the tier quarantined, "
+                   "by its names, in a kvtier root; nothing else there. Disk only: Redis and S3 have none.")
+@click.option("--all", "all_", is_flag=True,
+              help="Everything: all namespaces' blocks (and, on disk, the quarantine).")
 @click.option("--dry-run", is_flag=True, help="Only list what would be deleted.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
 @key_options
@@ -416,11 +482,17 @@ def purge_command(target: str, username: str | None, password_env: str | None, k
     required. Safe while engines use DIR: only block files are unlinked (a running engine sees a
     miss), writers' temp files are never touched, emptied directories are removed only if still
     empty, and a namespace's config.json goes only with the whole namespace (--all, --namespace,
-    --model) when no block or temp file is left in it. A namespace with a directory that cannot be
-    read is skipped whole (nothing removed from it) and listed; exit status 1 then, and when a
-    file could not be removed. On a Redis URL the selected keys are
-    UNLINKed (SCAN, never KEYS); there is no quarantine there. On an S3 URL the selected objects
-    are deleted (bulk DELETE), --older-than going by last write; no quarantine either.
+    --model) when nothing else is left in it (no block, temp or stray file). Only what the tier
+    quarantined goes from DIR/quarantine/ (named as it names quarantined records, in a directory
+    holding a kvtier namespace); anything else there is left in place and counted. A namespace
+    with a directory that cannot be read is skipped whole (nothing removed from it) and listed;
+    exit status 1 then, and when a file could not be removed. On a Redis URL the selected keys are
+    UNLINKed (SCAN, never KEYS; ages by OBJECT IDLETIME, read before anything else and never
+    reset by the command: CLIENT NO-TOUCH, or on a server older than 7.2 no read of a value it
+    keeps but --retired's headers); there is no quarantine there (--quarantine is refused). On an S3 URL the
+    selected objects are deleted (bulk DELETE), --older-than going by last write; no quarantine
+    either. There too a namespace's config key (config.json) goes only when nothing else of the
+    namespace is left.
     """
     from kvtier.cachetools import PurgeSelection, purge_cache
 
@@ -442,10 +514,10 @@ def purge_command(target: str, username: str | None, password_env: str | None, k
             from kvtier.cachetools.remote import purge_remote
 
             report = purge_remote(remote, selection, dry_run=dry_run)
+    except failures as exc:  # before ValueError: an S3 tier's ConfigError (refused, no bucket) is one
+        raise failure(exc, remote) from None
     except ValueError as exc:  # a bad selection, or a selector matching no namespace (SelectionError)
         raise click.UsageError(str(exc)) from None
-    except failures as exc:
-        raise click.ClickException(f"{type(exc).__name__}: {exc}") from None
     if as_json:
         _emit_json(report.to_json())
     else:
@@ -453,15 +525,21 @@ def purge_command(target: str, username: str | None, password_env: str | None, k
     errors = report.errors + sum(ns.errors for ns in report.namespaces)
     skipped = len(report.unreadable)
     if errors or skipped:
-        why = [f"{errors} file(s) could not be removed"] if errors else []
+        from kvtier.cachetools.stores import words
+
+        why = [f"{words(report.store).units(errors)} could not be removed"] if errors else []
         why += [f"{skipped} director(ies) could not be read: skipped"] if skipped else []
         raise click.ClickException("; ".join(why) + " (listed " + ("in the JSON)" if as_json else "above)"))
 
 
 def render_purge(report: PurgeReport, console: Console) -> None:
-    """The human-readable ``kvtier purge`` output."""
+    """The human-readable ``kvtier purge`` output, in the words of the store (files, a quarantine
+    and directories on disk; values and config keys on Redis; objects and config.json on S3)."""
     from rich.markup import escape
 
+    from kvtier.cachetools.stores import words
+
+    store = words(report.store)
     verb = "would remove" if report.dry_run else "removed"
     for ns in report.namespaces:
         if ns.unreadable:
@@ -470,13 +548,14 @@ def render_purge(report: PurgeReport, console: Console) -> None:
             continue
         if not (ns.files or ns.skipped or ns.config_removed or ns.errors or ns.namespace_removed):
             continue
-        line = f"{escape(ns.prefix)}: {verb} {ns.blocks:,} blocks, {ns.files:,} files, {fmt_bytes(ns.bytes)}"
+        units = f", {store.units(ns.files)}" if store.quarantine else ""  # elsewhere one unit a block
+        line = f"{escape(ns.prefix)}: {verb} {ns.blocks:,} blocks{units}, {fmt_bytes(ns.bytes)}"
         if ns.skipped:
             line += f" (kept {ns.skipped} used meanwhile)"
         if ns.errors:
             line += f" [red]({ns.errors} could not be removed)[/red]"
         if ns.config_removed:
-            line += "; config.json " + ("would go too" if report.dry_run else "removed")
+            line += f"; {store.config} " + ("would go too" if report.dry_run else "removed")
         if ns.namespace_removed:
             line += "; its directories " + ("would go" if report.dry_run else "removed")
         console.print(line)
@@ -484,9 +563,14 @@ def render_purge(report: PurgeReport, console: Console) -> None:
             console.print(f"  [red]NOT REMOVED[/red] {escape(_relative(path, report.root))}")
         if len(ns.failed) > 10:
             console.print(f"  ... and {len(ns.failed) - 10} more (--json lists all)")
-    if report.quarantine_files or not report.namespaces:  # --quarantine given, or no namespace at all
+    if store.quarantine and (report.quarantine_files or report.quarantine_left or not report.namespaces):
         console.print(f"quarantine: {verb} {report.quarantine_files:,} files, {fmt_bytes(report.quarantine_bytes)}")
-    total = f"{report.files:,} files, {fmt_bytes(report.bytes)}"
+    for reason, count in report.quarantine_left.items():
+        console.print(f"[yellow]quarantine: left in place {store.units(count)}[/yellow], not kvtier's: "
+                      f"{escape(reason)}")
+    total = f"{store.units(report.files)}, {fmt_bytes(report.bytes)}"
     console.print(f"[bold]dry run: would remove {total}; nothing was deleted[/bold]" if report.dry_run
                   else f"[bold]removed {total}[/bold]")
+    for note in report.notes:
+        console.print(f"[dim]note: {escape(note)}[/dim]")
     _render_unreadable(report.unreadable, report.root, console, "nothing removed there")

@@ -62,8 +62,6 @@ def s3_entry(url: str | None, endpoint: str | None, region: str | None, size: fl
 
 def flag_names(message: str) -> str:
     """A tier ConfigError's message with the S3 entry's keys named as the flags that set them."""
-    from kvtier.core.values import PREFIX
+    from kvtier.core.values import named_as_given
 
-    for key, flag in S3_FLAG_OF_KEY.items():
-        message = message.replace(f"'s3.{key}'", flag)
-    return message.replace("'s3'", "--s3-url").removeprefix(f"{PREFIX}: ")
+    return named_as_given(message, "s3", S3_FLAG_OF_KEY, "--s3-url")

@@ -26,6 +26,17 @@ def key_name(key: str, where: str = "") -> str:
     return f"{where}.{key}" if where else key
 
 
+def named_as_given(message: str, where: str, names: Mapping[str, str], entry: str) -> str:
+    """A ConfigError's ``message`` about the entry parsed at ``where``, with its keys (quoted as
+    ``'WHERE.KEY'``) named as the user gave them, ``names[KEY]`` (a command-line flag, an argument),
+    the entry itself (``'WHERE'``) as ``entry``, and without the ``kv_connector_extra_config``
+    prefix: for a command whose options were turned into a tier entry. Only whole quoted names
+    are replaced; values quoted in the message are left as they are."""
+    for key, name in names.items():
+        message = message.replace(f"'{where}.{key}'", name)
+    return message.replace(f"'{where}'", entry).removeprefix(f"{PREFIX}: ")
+
+
 def int_value(raw: Mapping[str, Any], key: str, minimum: int, default: Any = _NO_DEFAULT, where: str = "") -> Any:
     """An integer >= ``minimum`` (a float that is a whole number is accepted); ``default`` if absent."""
     name = key_name(key, where)

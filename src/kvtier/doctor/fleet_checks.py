@@ -7,7 +7,10 @@ records).
 Reads: the line's ``secondary_tiers`` (kvtier's ``fs`` / ``redis``, and ``kvtier_disk`` /
 ``kvtier_redis`` behind vLLM's offloading); the headers (136 bytes) of at most
 :data:`SAMPLE` records per store (regular block files under the root, reached without following a
-symlink, :class:`~kvtier.core.rootfs.RootFS`; Redis values by ``SCAN`` and ``GETRANGE``). Never a payload, never a key's secret (only its public id), never a write. Caller's
+symlink, :class:`~kvtier.core.rootfs.RootFS`; Redis values by ``SCAN`` and ``GETRANGE``, on a
+connection with ``CLIENT NO-TOUCH`` where the server has it, 7.2 on: the sample is then no use of
+those blocks for the server's eviction; an older server counts each header read as one). Never a
+payload, never a key's secret (only its public id), never a write. Caller's
 thread; a Redis that does not answer within a second is skipped (``check_remote`` reports it).
 """
 
@@ -176,7 +179,7 @@ def _redis_headers(entry: Mapping[str, Any]) -> Iterator[bytes]:
         from kvtier.tiers.redis.deadline import bounded_client
 
         password = os.environ.get(entry["password_env"]) if entry.get("password_env") else None
-        client = bounded_client(url, connect_timeout_s=1.0, timeout_s=1.0, reply_bytes=1 << 20,
+        client = bounded_client(url, connect_timeout_s=1.0, timeout_s=1.0, reply_bytes=1 << 20, no_touch=True,
                                 username=entry.get("username"), password=password)
         prefix = str(entry.get("key_prefix") or "kvtier")
         names = []

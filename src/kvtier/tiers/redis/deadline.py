@@ -248,7 +248,7 @@ COMMAND_REPLY_BYTES = 1 << 20
 
 
 def bounded_client(url: str, *, connect_timeout_s: float, timeout_s: float, reply_bytes: int = TOOL_REPLY_BYTES,
-                   **kwargs) -> redis.Redis:
+                   no_touch: bool = False, **kwargs) -> _BoundedRedis:
     """A redis-py client for one-off callers (``kvtier inspect / verify / purge`` on a URL, ``kvtier
     doctor``) in which every command (each ``SCAN`` page too) and every pipeline's ``execute`` is one
     exchange on a guarded connection, bounded by ``budget(connect_timeout_s, timeout_s, n)``, ``n``
@@ -256,14 +256,47 @@ def bounded_client(url: str, *, connect_timeout_s: float, timeout_s: float, repl
     a pipeline: a hung or trickling server fails the call with :class:`ExchangeTimeout` (a redis-py
     ``TimeoutError``) instead of holding the operator's command forever. No retries (a failure is
     the caller's answer). ``kwargs``: redis-py's (username, password...); the URL's scheme picks the
-    connection (``rediss://``: TLS, ``unix://``). Not for clusters."""
+    connection (``rediss://``: TLS, ``unix://``). Not for clusters.
+
+    ``no_touch``: every connection the client opens (a reconnection too) sends ``CLIENT NO-TOUCH
+    ON`` right after redis-py's own handshake (AUTH, SELECT), so that what the caller reads
+    (``STRLEN``, ``GETRANGE``...) leaves each key's LRU clock and LFU counter as they were: an
+    observer does not reorder the server's evictions, nor reset the idle times ``OBJECT IDLETIME``
+    reports. Redis and Valkey have it from 7.2 on; an older server (or an ACL user without that
+    subcommand) refuses it, which is not an error: :meth:`_BoundedRedis.reads_touch` then says
+    that reads do touch, for the caller to avoid those it can."""
+    state = _NoTouch() if no_touch else None
+    if state is not None:
+        kwargs["redis_connect_func"] = state.on_connect  # redis-py calls it instead of on_connect()
     client = _BoundedRedis.from_url(url, socket_connect_timeout=connect_timeout_s, socket_timeout=timeout_s,
                                     retry=Retry(NoBackoff(), 0), protocol=2, **kwargs)  # RESP2, as the tier
     pool = client.connection_pool
     pool.connection_class = guarded(pool.connection_class)
     client.command_s = budget(connect_timeout_s, timeout_s, COMMAND_REPLY_BYTES)
     client.pipeline_s = budget(connect_timeout_s, timeout_s, reply_bytes)
+    client.no_touch_state = state
     return client
+
+
+class _NoTouch:
+    """What ``CLIENT NO-TOUCH ON`` got on the connections of one :func:`bounded_client`: ``accepted``
+    is None before the first connection, then True while every connection had it accepted, False
+    from the first that had it refused on (one refusal is enough: the same server refuses it again)."""
+
+    def __init__(self) -> None:
+        self.accepted: bool | None = None
+
+    def on_connect(self, connection) -> None:
+        """redis-py's ``redis_connect_func``: its own handshake, then ``CLIENT NO-TOUCH ON``."""
+        connection.on_connect()
+        connection.send_command("CLIENT", "NO-TOUCH", "ON")
+        try:
+            connection.read_response()
+        except redis.ResponseError:  # unknown subcommand (< 7.2) or NOPERM: reads touch
+            self.accepted = False
+            return
+        if self.accepted is None:
+            self.accepted = True
 
 
 class _BoundedRedis(redis.Redis):
@@ -272,6 +305,17 @@ class _BoundedRedis(redis.Redis):
 
     command_s: float = 0.0
     pipeline_s: float = 0.0
+    no_touch_state: _NoTouch | None = None
+
+    def reads_touch(self) -> bool:
+        """Whether this client's reads of a key count as a use of it on the server (its LRU clock
+        or LFU counter): True unless it was made with ``no_touch`` and the server accepted
+        ``CLIENT NO-TOUCH`` (connects now, with a ``PING``, if it has not connected yet)."""
+        if self.no_touch_state is None:
+            return True
+        if self.no_touch_state.accepted is None:
+            self.ping()
+        return not self.no_touch_state.accepted
 
     def execute_command(self, *args, **options):
         with exchange(self.command_s):

@@ -111,7 +111,7 @@ def credentials(config: S3TierConfig, where: str) -> CredentialSource:
     if config.profile is not None:
         raise ConfigError(f"{PREFIX}: '{where}.profile' names the AWS profile {profile!r}, which is in neither "
                           f"{_shared_file('AWS_SHARED_CREDENTIALS_FILE', 'credentials')} nor "
-                          f"{_shared_file('AWS_CONFIG_FILE', 'config')}. Add it there, or remove 'profile'.")
+                          f"{_shared_file('AWS_CONFIG_FILE', 'config')}. Add it there, or remove '{where}.profile'.")
     if _env("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or _env("AWS_CONTAINER_CREDENTIALS_FULL_URI"):
         return CredentialSource("the container's credentials (ECS task role)", "check the task role's permissions")
     return CredentialSource(
@@ -187,11 +187,7 @@ def make_store(config: S3TierConfig, where: str, source: CredentialSource | None
     if config.endpoint is not None and config.endpoint.startswith("http://"):
         client["allow_http"] = True
     if config.ca_bundle is not None:
-        try:
-            client["root_certificate"] = config.ca_bundle.read_bytes()
-        except OSError as exc:
-            raise ConfigError(f"{PREFIX}: '{where}.ca_bundle' {str(config.ca_bundle)!r} cannot be read: "
-                              f"{exc.strerror or exc}.") from None
+        client["root_certificate"] = _ca_bundle(config, where)
     retry = {"max_retries": MAX_RETRIES, "retry_timeout": timedelta(seconds=config.timeout_s),
              "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=1),
                          "base": 2}}
@@ -205,8 +201,31 @@ def make_store(config: S3TierConfig, where: str, source: CredentialSource | None
         return S3Store(config.bucket, config=s3, client_options=client, retry_config=retry,
                        credential_provider=provider)
     except Exception as exc:  # obstore refuses a setting (a bad certificate, half a key pair, ...)
+        if "certificate" in str(exc).lower():  # the CA bundle's, not the credentials'
+            raise ConfigError(f"{PREFIX}: '{where}.ca_bundle' {str(config.ca_bundle)!r}: {describe(exc)} "
+                              f"{_PEM_FIX}") from None
         raise ConfigError(f"{PREFIX}: '{where}' ({config.location}): {describe(exc)}; credentials from "
                           f"{source.description}. Fix: {source.fix}.") from None
+
+
+_PEM_FIX = "Give the PEM file of the CA certificates that sign the endpoint's certificate."
+PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
+
+
+def _ca_bundle(config: S3TierConfig, where: str) -> bytes:
+    """The bytes of ``config.ca_bundle``: ConfigError naming ``ca_bundle`` when it cannot be read or
+    holds no PEM certificate (the store's client would refuse it, for want of a certificate, not of
+    credentials)."""
+    assert config.ca_bundle is not None
+    try:
+        data = config.ca_bundle.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{PREFIX}: '{where}.ca_bundle' {str(config.ca_bundle)!r} cannot be read: "
+                          f"{exc.strerror or exc}.") from None
+    if PEM_CERTIFICATE not in data:
+        raise ConfigError(f"{PREFIX}: '{where}.ca_bundle' {str(config.ca_bundle)!r} holds no PEM certificate "
+                          f"(no {PEM_CERTIFICATE.decode()} line). {_PEM_FIX}")
+    return data
 
 
 _STATUS = re.compile(r"status code: (\d{3})")
@@ -270,6 +289,38 @@ def _tls_reason(exc: BaseException) -> str:
     return f"InvalidCertificate: {match.group(1)}" if match else "certificate verification failed"
 
 
+_OS_MESSAGE = re.compile(r'message: "([^"]{1,200})"')  # an OS error in the client's report ("Connection refused")
+_LOOKUP = re.compile(r'"(failed to lookup address information[^"]{0,200})"')
+
+
+def unreachable_reason(exc: BaseException) -> str:
+    """Why the store did not answer (``exc``: a :attr:`Fault.UNREACHABLE` error), in a few words:
+    the operating system's reason (``Connection refused``), a failed name lookup, a timeout, else
+    the client's last words (``error sending request``). One line, never a credential."""
+    text = str(exc)
+    for pattern in (_LOOKUP, _OS_MESSAGE):
+        found = pattern.search(text)
+        if found:
+            return found.group(1)
+    if "timed out" in text.lower() or "Timeout" in text:
+        return "timed out"
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first.rsplit(" - ", 1)[-1].strip()[:200]
+
+
+class StoreUnreachable(Exception):
+    """The store did not answer (refused, reset, timed out, no such host): ``location`` where the
+    tier's objects are (with the endpoint, or AWS S3 and ``region`` where it is known), ``reason``
+    why (:func:`unreachable_reason`); its message is one line."""
+
+    def __init__(self, config: S3TierConfig, exc: BaseException, region: str | None = None) -> None:
+        region = region or config.region
+        aws = f" at AWS S3{f' ({region})' if region else ''}"
+        self.location = config.location + ("" if config.endpoint else aws)
+        self.reason = unreachable_reason(exc)
+        super().__init__(f"the S3 store of {self.location} does not answer: {self.reason}")
+
+
 class Access(enum.Enum):
     OK = "ok"
     UNREACHABLE = "unreachable"
@@ -280,6 +331,22 @@ def check_access(config: S3TierConfig, where: str, store=None, source: Credentia
     the key to fix when the store refuses the credentials (401/403) or has no such bucket; an
     unreachable store, a throttled or failing one, is no such error (:attr:`Access.UNREACHABLE`
     or OK: the tier starts and misses). Blocks for at most about ``timeout_s``."""
+    return Access.OK if _first_page(config, where, store, source) is None else Access.UNREACHABLE
+
+
+def require_access(config: S3TierConfig, where: str, store=None, source: CredentialSource | None = None) -> None:
+    """:func:`check_access` for a caller that needs the store at once (the operator tools): a store
+    that does not answer raises :class:`StoreUnreachable` instead of being reported as
+    :attr:`Access.UNREACHABLE`; ConfigError as there."""
+    source = source or credentials(config, where)
+    unreachable = _first_page(config, where, store, source)
+    if unreachable is not None:
+        raise StoreUnreachable(config, unreachable, region_of(config, source))
+
+
+def _first_page(config: S3TierConfig, where: str, store, source: CredentialSource | None) -> BaseException | None:
+    """List one page under the prefix: the error if the store did not answer (else None: it
+    answered, even with a failure, logged); ConfigError as :func:`check_access` says."""
     import obstore
 
     source = source or credentials(config, where)
@@ -296,14 +363,16 @@ def check_access(config: S3TierConfig, where: str, store=None, source: Credentia
         if fault is Fault.NO_BUCKET:
             raise ConfigError(f"{PREFIX}: '{where}.url': the store has no bucket {config.bucket!r}"
                               f"{' at ' + config.endpoint if config.endpoint else ''} ({describe(exc)}). Create it, "
-                              "or fix the bucket in 'url' (and 'endpoint', 'region').") from None
+                              f"or fix the bucket in '{where}.url' (and '{where}.endpoint', "
+                              f"'{where}.region').") from None
         if fault is Fault.TLS:
             raise ConfigError(f"{PREFIX}: '{where}.ca_bundle': the certificate of {config.endpoint} is not trusted "
-                              f"({_tls_reason(exc)}). Give the PEM file of the CA that signed it as 'ca_bundle'"
+                              f"({_tls_reason(exc)}). Give the PEM file of the CA that signed it as "
+                              f"'{where}.ca_bundle'"
                               f"{' (now ' + str(config.ca_bundle) + ')' if config.ca_bundle else ''}, or fix "
-                              "'endpoint'.") from None
+                              f"'{where}.endpoint'.") from None
         if fault is Fault.UNREACHABLE:
-            return Access.UNREACHABLE
+            return exc
         logger.warning("kvtier s3: %s answered the start-up LIST with %s; starting anyway", config.location,
                        describe(exc))
-    return Access.OK
+    return None

@@ -99,3 +99,11 @@ def namespace_folder(path: str, prefix: str) -> str | None:
     folder = path[len(head):-len(CONFIG_NAME) - 1]
     return folder if _NAMESPACE_DIR.match(folder) else None
 
+
+def folder_of(path: str, prefix: str) -> str | None:
+    """The ``<model>_<digest16>`` folder under ``prefix`` that ``path`` (any object key) lies in, or
+    None (outside every namespace folder)."""
+    head = prefix.strip("/") + "/"
+    folder, sep, _ = path[len(head):].partition("/") if path.startswith(head) else ("", "", "")
+    return folder if sep and _NAMESPACE_DIR.match(folder) else None
+
