@@ -485,10 +485,12 @@ def test_redis_reports_speak_of_values_keys_and_config_keys(server) -> None:
     qwen_stray = config_key("qwen").removesuffix("config") + "notes"
     raw.set(qwen_stray, b"someone's")  # in qwen's namespace: keeps its config key
     raw.set("kvtier:junk", b"x")
+    raw.set("kvtier:a", b"x")  # printed as its name, never as an emoji code (":a:" before ": not a kvtier key")
     code, out = run("inspect", server.url())
     assert code == 0 and out.startswith(f"kvtier Redis tier {server.url()}")  # before: "kvtier disk cache"
     assert not any(word in out for word in ("quarantine", "temp", "files", "disk"))
-    assert "2 unexpected keys" in out and "kvtier:junk" in out and qwen_stray in out
+    assert "3 unexpected keys" in out and "kvtier:junk" in out and qwen_stray in out and "kvtier:a:" in out
+    raw.delete("kvtier:a")
     code, out = run("verify", server.url())
     assert code == 1 and f"checked {sum(BLOCKS.values())} block values" in out and "(deleted)" in out
     assert "1 problem(s), 1 deleted" in out and "quarantine" not in out  # before: "block files", "0 quarantined"

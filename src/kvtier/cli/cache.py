@@ -50,8 +50,10 @@ def _console(stderr: bool = False) -> Console:
     from rich.console import Console
 
     # Not a terminal (a pipe, a log): do not squeeze the table into 80 columns unless COLUMNS says so.
+    # No emoji codes: names read from a store (a key "kvtier:a" before ": not a kvtier key") would
+    # become emoji (":a:" -> a symbol); markup in them is escaped where they are printed.
     width = None if (sys.stderr if stderr else sys.stdout).isatty() or "COLUMNS" in os.environ else 160
-    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width)
+    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width, emoji=False)
 
 
 def _relative(path: str, root: str) -> str:

@@ -89,9 +89,9 @@ def run(command: Sequence[str], *, do_measure: bool, directory: str | None, gpu_
         _check_model(model)
 
     if console is None:
-        console = Console()
+        console = Console(emoji=False)
         if not console.is_terminal:  # piped or captured: fewer wrapped lines
-            console = Console(width=120)
+            console = Console(width=120, emoji=False)
     out: dict[str, Any] = {}
     findings: list[Finding] = []
     if command:

@@ -145,9 +145,9 @@ def commands(plan: Plan, model_arg: str) -> list[str]:
 def render(plan: Plan, model_arg: str, console: Console | None = None) -> None:
     """Print the plan as a table, its notes and the flags to use."""
     if console is None:
-        console = Console()
+        console = Console(emoji=False)
         if not console.is_terminal:  # piped or captured: keep the "how" column readable
-            console = Console(width=150)
+            console = Console(width=150, emoji=False)
     table = Table(title=f"kvtier plan: {plan.model}, tp={plan.tp}, context {plan.context}, "
                         f"concurrency {plan.concurrency}", show_lines=False, title_justify="left")
     table.add_column("", style="bold", no_wrap=True)

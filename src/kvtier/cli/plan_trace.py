@@ -72,7 +72,7 @@ def run(model: str, inputs: PlanInputs, options: TraceOptions, as_json: bool) ->
     from kvtier.replay.trace import TraceError, read_trace
     from kvtier.replay.workload import ReplaySettings
 
-    err = Console(stderr=True, highlight=False)
+    err = Console(stderr=True, highlight=False, emoji=False)
     png = figure_path(options) if not as_json else None  # checked before the replay, which can take minutes
     config = replay_config(options.kv_config, options.eviction_policy)
     try:
@@ -133,7 +133,7 @@ def run(model: str, inputs: PlanInputs, options: TraceOptions, as_json: bool) ->
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    console = Console(highlight=False) if sys.stdout.isatty() else Console(width=150, highlight=False)
+    console = Console(highlight=False, emoji=False) if sys.stdout.isatty() else Console(width=150, highlight=False, emoji=False)
     render(report, console)
     from kvtier.replay.plot import write_figure
 
