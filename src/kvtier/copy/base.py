@@ -87,14 +87,18 @@ def slot_run_of(table: np.ndarray) -> SlotRun | None:
     """``table`` (an ``[n, 4]`` :func:`page_table`, n >= 1) as a :class:`SlotRun` when it is one:
     consecutive slots from its first, every page 0 of group 0; else None. For the scheduler, which
     builds the tables (bounds are the worker's to check)."""
-    if not len(table):
+    if not len(table) or np.count_nonzero(table[:, 1]) or np.count_nonzero(table[:, 3]):
         return None
-    first, count = int(table[0, 0]), len(table)
-    if int(table[-1, 0]) - first != count - 1 or np.count_nonzero(table[:, 1]) or np.count_nonzero(table[:, 3]):
+    first = run_first(table[:, 0])
+    return None if first is None else SlotRun(first, np.ascontiguousarray(table[:, 2]))
+
+
+def run_first(slots: np.ndarray) -> int | None:
+    """``slots[0]`` when ``slots`` (1-D, at least one) are consecutive from it, else None."""
+    first, count = int(slots[0]), len(slots)
+    if int(slots[-1]) - first != count - 1 or (count > 2 and np.count_nonzero(slots[1:] - slots[:-1] != 1)):
         return None
-    if count > 2 and np.count_nonzero(np.diff(table[:, 0]) != 1):
-        return None
-    return SlotRun(first, np.ascontiguousarray(table[:, 2]))
+    return first
 
 
 def page_table(pages: Pages) -> np.ndarray:

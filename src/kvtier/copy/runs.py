@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvtier.copy.base import Direction, PageCopy, Pages, SlotRun, page_table
+from kvtier.copy.base import Direction, PageCopy, Pages, SlotRun, page_table, run_first
 from kvtier.copy.pages import HostSlots, PagedKV, storage_bytes
 from kvtier.copy.pinning import register_chunk_bytes
 
@@ -215,16 +215,17 @@ class RunPlanner:
         if first < 0 or first + count > self._layout.num_slots \
                 or np.count_nonzero(blocks.view(np.uint64) < self.num_blocks) != count:
             self._check(page_table(run))  # raises, naming the page
-        slot_bytes, segment = self._layout.slot_bytes, self.segment_bytes
-        return first if first * slot_bytes // segment == ((first + count) * slot_bytes - 1) // segment else None
+        return first if self._in_one_chunk(first, first + count) else None
 
     def _run_first(self, slot: np.ndarray) -> int | None:
         """``slot[0]`` when the slots are consecutive and in one pinning chunk, else None."""
-        first, last, count = int(slot[0]), int(slot[-1]), len(slot)
-        if last - first != count - 1 or (count > 2 and np.count_nonzero(slot[1:] - slot[:-1] != 1)):
-            return None
+        first = run_first(slot)
+        return first if first is not None and self._in_one_chunk(first, first + len(slot)) else None
+
+    def _in_one_chunk(self, first: int, end: int) -> bool:
+        """Whether slots ``[first, end)`` lie in one pinning chunk of the host region."""
         slot_bytes, segment = self._layout.slot_bytes, self.segment_bytes
-        return first if first * slot_bytes // segment == ((last + 1) * slot_bytes - 1) // segment else None
+        return first * slot_bytes // segment == (end * slot_bytes - 1) // segment
 
     def engine_rows(self, job: SlotJob, unit: int = 1) -> np.ndarray:
         """Offsets of the job's pages in their engine storage, host order ([block, layer]
