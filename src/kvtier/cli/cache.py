@@ -138,8 +138,8 @@ def _socket_server(path: str) -> tuple[int, str] | None:
             sock.settimeout(1.0)
             sock.connect(path)
             pid, _, _ = peer_credentials(sock)
-        with open(f"/proc/{pid}/comm") as comm:
-            return pid, comm.read().strip()
+        with open(f"/proc/{pid}/comm", errors="replace") as comm:  # any bytes a process names itself by
+            return pid, comm.read(64).strip()
     except OSError:
         return None
 
