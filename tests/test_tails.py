@@ -262,10 +262,10 @@ def test_a_pause_that_clears_the_cache_succeeds_right_after_requests_finish_or_a
             sim.add(req_id, tokens, 6 if req_id == "s0" else 2)
         while not {"s1", "s2"} <= sim.finished.keys():  # s1, s2 finished; their tails not sent yet
             sim.step()
-        assert "s0" not in sim.finished and sim.kvtier_scheduler._tail_stores  # noqa: SLF001
+        assert "s0" not in sim.finished and sim.kvtier_scheduler._stores.unsent_tails  # noqa: SLF001
         sim.scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)  # pause(mode="abort")
         assert sim.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True)
-        assert not sim.kvtier_scheduler._tail_stores  # noqa: SLF001
+        assert not sim.kvtier_scheduler._stores.unsent_tails  # noqa: SLF001
         sim.run()
         assert not sim.kvtier_scheduler.has_pending_jobs()
         again = {f"{req_id}-again": tokens for req_id, tokens in prompts.items()}

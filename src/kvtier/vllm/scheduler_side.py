@@ -12,7 +12,10 @@ config, a ``kvtier node`` service's pool (the same calls, each one round trip, a
 and a step's stores batched); every copy job then names the pool its slots are in.
 
 Per request it keeps the block keys of its tokens, its engine block ids, how far stores have
-got, and its in-flight jobs. Invariants:
+got, and its in-flight jobs. This module answers vLLM's hooks: lookups and the load jobs of hits,
+each step's block tables and flushes, the workers' reports and what a job's end means, finishes,
+resets; which blocks are stored when, as copy jobs, is :mod:`kvtier.vllm.store_jobs`'s, and the
+jobs in flight are in :mod:`kvtier.vllm.job_book`. Invariants:
 
 - a request has at most one load job, and none while it has store jobs in flight;
 - only host-resident blocks are ever offered, disk blocks are promoted into host slots first
@@ -62,9 +65,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvtier.copy import PageCopy, page_table, slot_run_of
+from kvtier.copy import PageCopy
 from kvtier.core.config import KVTierConfig, parse_max_offload_tokens
-from kvtier.core.keys import BlockKey, ModelIdentity, Namespace, draw_epoch, epoch_root, stateless_key
+from kvtier.core.keys import ModelIdentity, Namespace, draw_epoch, epoch_root
 from kvtier.core.stats import KVTierStats
 from kvtier.core.values import ConfigError
 from kvtier.runtime.fingerprint import AdapterFingerprints
@@ -73,9 +76,8 @@ from kvtier.runtime.host_factory import open_host_side
 from kvtier.runtime.host_side import HostSide
 from kvtier.runtime.node_host import NODE_REGION_BYTES
 from kvtier.runtime.orchestrator import Orchestrator
-from kvtier.runtime.requests import find_hit, offload_limit, tail_ends
+from kvtier.runtime.requests import find_hit
 from kvtier.tiers.shm import SharedRegion, region_name
-from kvtier.tiers.stack import BlockInfo
 from kvtier.vllm.engine_blocks import NULL_BLOCK_ID, EngineBlocks
 from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.hit_sources import clip_sources, vllm_sources
@@ -84,7 +86,8 @@ from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
 from kvtier.vllm.page_format import page_format
 from kvtier.vllm.request_state import RequestState, Uncacheable, block_extras
-from kvtier.vllm.runner import HookOrder, rewritten_before_hooks
+from kvtier.vllm.runner import HookOrder
+from kvtier.vllm.store_jobs import StoreJobs, copy_job
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +154,8 @@ class KVTierScheduler:
         self._step_loads: list[CopyJob] = []
         self._engine_blocks = EngineBlocks(geometry)  # where pages are; the reuse fence
         self._jobs = JobBook(self._engine_blocks, geometry.world_size)
+        self._stores = StoreJobs(geometry, config, self.orchestrator, self._engine_blocks, self._jobs, self._events)
         self._tails = config.offload_partial_blocks and not geometry.state_groups
-        self._tail_stores: list[CopyJob] = []  # stores of finished requests' tails, sent next step
         self._worker_stats = KVTierStats()
         self._reported_gauges: dict[str, int | None] = {}
         self._said_uncacheable: set[Uncacheable] = set()
@@ -272,8 +275,8 @@ class KVTierScheduler:
         ]
         self._engine_blocks.note_load_destinations(p.block_id for p in pages)
         job_id = self._jobs.add_load(request.request_id, keys)
-        self._step_loads.append(self._copy_job(job_id, request.request_id, pages, rank_slots,
-                                               pool_of=request.request_id))
+        self._step_loads.append(copy_job(self.orchestrator, job_id, request.request_id, pages, rank_slots,
+                                         pool_of=request.request_id))
         state.jobs.add(job_id)
         if self._events is not None:  # full blocks only (a tail is no block of vLLM's), with their state
             self._events.learn(request, [(index, key) for index, key in zip(range(first_block, end_token // block), keys)
@@ -322,111 +325,14 @@ class KVTierScheduler:
                 flush.update(self._jobs.stores(state.jobs))
         flush |= self._engine_blocks.jobs_to_flush(scheduler_output)
         if self.hook_order is HookOrder.REWRITES_FIRST:
-            self._void_stores_rewritten(scheduler_output)
+            self._stores.void_rewritten(scheduler_output)
         meta = KVTierConnectorMetadata(
             loads=self._step_loads,
-            stores=self._tail_stores + self._build_stores(scheduler_output),
+            stores=self._stores.step(scheduler_output, self._requests, self._epoch),
             flush_job_ids=flush,
         )
-        self._step_loads, self._tail_stores = [], []
+        self._step_loads = []
         return meta
-
-    def _void_stores_rewritten(self, scheduler_output: SchedulerOutput) -> None:
-        """V2 runner: stores in flight on blocks this step rewrites before ``handle_preemptions``
-        may have copied the rewritten bytes, and tail stores sent in this step (their blocks were
-        freed at finish) would: they are never published (:mod:`kvtier.vllm.runner`)."""
-        rewritten = rewritten_before_hooks(scheduler_output, self.geometry.state_groups)
-        for job_id in self._engine_blocks.jobs_reading(rewritten):
-            job = self._jobs[job_id]
-            if not job.failed:
-                job.failed = True
-                self.orchestrator.stats.stores_voided += len(job.keys)
-
-    def _build_stores(self, scheduler_output: SchedulerOutput) -> list[CopyJob]:
-        """The step's store jobs: the blocks each request completed, their slots reserved in ONE
-        batched call for the whole step (one round trip when attached to a node)."""
-        planned: list[tuple[RequestState, list[tuple[BlockKey, int, list, bool]], list[tuple[int, BlockKey]]]] = []
-        blocks_asked: list[tuple[BlockKey, BlockInfo]] = []
-        scheduled = scheduler_output.num_scheduled_tokens
-        computed_before = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        computed_before.update(zip(cached.req_ids, cached.num_computed_tokens))
-        block = self.geometry.block_tokens
-        per_block = self.geometry.pages_per_block
-        for req_id, before in computed_before.items():
-            state = self._requests.get(req_id)
-            if state is None or not state.cacheable:
-                continue
-            state.note_loaded_elsewhere(before, self.geometry.engine_block_tokens,
-                                        record=not self.config.store_loaded_elsewhere)
-            limit = self._offload_limit(state, before + scheduled.get(req_id, 0))
-            tables = [ids for group, ids in enumerate(state.block_ids) if group not in self.geometry.state_groups]
-            num_full = min(limit // block, min(map(len, tables), default=limit) // per_block)
-            if num_full <= state.next_store_block:
-                continue
-            state.extend_keys(num_full)
-            wanted: list[tuple[BlockKey, int, list, bool]] = []  # key, block index, its pages, announced
-            present: list[tuple[int, BlockKey]] = []
-            for index in range(state.next_store_block, num_full):
-                if state.loaded_elsewhere and state.loaded_elsewhere_overlaps(index * block, (index + 1) * block):
-                    self.orchestrator.stats.stores_skipped_loaded_elsewhere += 1
-                    continue  # another connector loaded (some of) it: see RequestState.note_loaded_elsewhere
-                key = state.keys[index]
-                block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block)
-                if block_pages is None and self.geometry.state_groups:  # vLLM kept no state at its end
-                    key = stateless_key(key)
-                    block_pages = self._engine_blocks.pages_of(req_id, state.block_ids, index * per_block, per_block,
-                                                               with_state=False)
-                if block_pages is None:
-                    continue  # a group holds no block for some of it (below a sliding window)
-                announced = key == state.keys[index]  # KV events: blocks a request can resume from
-                wanted.append((key, index, block_pages, announced))
-                blocks_asked.append((key, BlockInfo(state.parent_of(index), block)))
-            state.next_store_block = num_full
-            planned.append((state, wanted, present))
-        slots_of = iter(self.orchestrator.begin_stores(blocks_asked))
-        jobs: list[CopyJob] = []
-        for state, wanted, present in planned:
-            keys, blocks, pages, rank_slots = [], [], [], []
-            for key, index, block_pages, announced in wanted:
-                slots = next(slots_of)
-                if slots is None:
-                    if announced:
-                        present.append((index, key))  # stored already, or refused (learn() checks)
-                    continue
-                keys.append(key)
-                blocks.append(index if announced else -1)
-                rank_slots.append(slots)
-                pages.extend(PageCopy(slots[0], sub, block_id, group) for sub, group, block_id in block_pages)
-            if present and self._events is not None:
-                self._events.learn(state.request, present)
-            if keys:
-                jobs.append(self._new_store(state, keys, pages, blocks, rank_slots))
-        return jobs
-
-    def _copy_job(self, job_id: int, req_id: str, pages: list[PageCopy],
-                  rank_slots: list[tuple[int, ...]], pool_of: str | None = None) -> CopyJob:
-        """A copy job; attached to a node, it names the pool its slots are in (``pool_of``: the
-        owner whose hold they are, for a load; else the current attachment's, where a step's stores
-        were just reserved) and, when a block's slots differ between ranks, each rank's
-        (``rank_slots``: every block's slots, rank order)."""
-        pool_id = self.orchestrator.held_pool(pool_of) if pool_of is not None else self.orchestrator.pool_id
-        table = page_table(pages)
-        sent = slot_run_of(table) or table  # one host run: checked by the workers without a table
-        if pool_id is None:  # the engine's own regions
-            return CopyJob(job_id, req_id, sent)
-        differ = any(len(set(slots)) > 1 for slots in rank_slots)
-        return CopyJob(job_id, req_id, sent, pool_id=pool_id,
-                       rank_slots={slots[0]: slots for slots in rank_slots} if differ else None,
-                       lost=pool_of is not None and self.orchestrator.hold_lost(pool_of))
-
-    def _new_store(self, state: RequestState, keys: list[BlockKey], pages: list[PageCopy],
-                   blocks: list[int] | None = None, rank_slots: list[tuple[int, ...]] | None = None) -> CopyJob:
-        """Register a store job of ``state``'s request (its engine blocks fenced until it is done)."""
-        req_id = state.request.request_id
-        job_id = self._jobs.add_store(req_id, keys, {p.block_id for p in pages}, blocks, self._epoch)
-        state.jobs.add(job_id)
-        return self._copy_job(job_id, req_id, pages, rank_slots or [])
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = output.kv_connector_worker_meta
@@ -457,44 +363,6 @@ class KVTierScheduler:
             if state.finished and not state.jobs:
                 del self._requests[job.req_id]
 
-    def _offload_limit(self, state: RequestState, computed: int) -> int:
-        """How many of the request's first tokens may be stored once ``computed`` have their KV."""
-        request = state.request
-        return offload_limit(computed, len(request.all_token_ids), request.num_prompt_tokens,
-                             prompt_only=self.config.offload_prompt_only, max_offload_tokens=state.max_offload_tokens)
-
-    def _store_tails(self, state: RequestState, block_ids: tuple[list[int], ...]) -> None:
-        """Store the finished request's tails, read from the engine blocks that hold them now
-        (``block_ids``: vLLM's table at finish, one list per group), within the same limits as
-        blocks: its computed tokens after their last full block (what the next turn of a chat
-        resends), and its prompt but the last token after the prompt's last full block (what a
-        resend of the same prompt, a "regenerate", can load: a hit leaves one token to compute)."""
-        request = state.request
-        limit = self._offload_limit(state, request.num_computed_tokens - request.num_in_flight_tokens)
-        for end in tail_ends(limit, request.num_prompt_tokens):
-            self._store_tail(state, block_ids, end)
-
-    def _store_tail(self, state: RequestState, block_ids: tuple[list[int], ...], limit: int) -> None:
-        """Store the tail of the request's first ``limit`` tokens after their last full block."""
-        request = state.request
-        block = self.geometry.block_tokens
-        num_full, tail_tokens = divmod(limit, block)
-        if tail_tokens == 0 or state.loaded_elsewhere_overlaps(num_full * block, limit):
-            return  # (a tail holding tokens another connector loaded: see RequestState.note_loaded_elsewhere)
-        block_pages = self._engine_blocks.pages_of(request.request_id, block_ids, num_full * self.geometry.pages_per_block,
-                                     -(-tail_tokens // self.geometry.engine_block_tokens))
-        if block_pages is None:
-            return
-        state.extend_keys(num_full)
-        if len(state.keys) < num_full:
-            return
-        key = state.tail_key_of(num_full, limit)
-        [slots] = self.orchestrator.begin_stores([(key, BlockInfo(state.parent_of(num_full), tail_tokens, tail=True))])
-        if slots is None:
-            return
-        pages = [PageCopy(slots[0], sub, block_id, group) for sub, group, block_id in block_pages]
-        self._tail_stores.append(self._new_store(state, [key], pages, rank_slots=[slots]))
-
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
@@ -511,7 +379,7 @@ class KVTierScheduler:
                 probe=state.tail_probe))
         loading = self._jobs.loading(state.jobs)
         if state.cacheable and self._tails and not loading:
-            self._store_tails(state, block_ids)  # (not while a load still fills its blocks: aborted)
+            self._stores.store_tails(state, block_ids, self._epoch)  # (not while a load still fills its blocks: aborted)
         if not loading:
             self.orchestrator.release(request.request_id)
         if not state.jobs:
@@ -545,12 +413,8 @@ class KVTierScheduler:
         engine or any other) is offered to it again, and what it stores from now on is offered to no
         engine of the old weights (:func:`~kvtier.core.keys.epoch_root`). Nothing is deleted: the
         old epoch's blocks serve engines that still have those weights, and age out otherwise."""
-        for unsent in self._tail_stores:
-            job = self._jobs.remove(unsent.job_id)
-            job.failed = True
-            self.orchestrator.stats.stores_voided += len(job.keys)
-            self._job_done(unsent.job_id, job)
-        self._tail_stores = []
+        for job_id, job in self._stores.void_unsent_tails():
+            self._job_done(job_id, job)
         self.orchestrator.clear()
         if not self.config.keep_tiers_on_reset:
             self._new_epoch()
