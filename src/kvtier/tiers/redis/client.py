@@ -1,7 +1,10 @@
 """Connections of the Redis tier: a redis-py client (one server, or a Redis Cluster) built from a
 :class:`~kvtier.core.tier_config.RedisTierConfig`, and the one primitive the tier's data path
 uses, :meth:`RedisClient.run`: a batch of single-key commands pipelined on one pooled connection
-per server (all sent in one write, then every reply read), i.e. one round trip per server.
+per server (all sent in one write, then every reply read), i.e. one round trip per server. One
+server's exchange is :func:`~kvtier.tiers.redis.pipeline.run_pipeline`; what a failure means and
+how it is logged, :mod:`~kvtier.tiers.redis.errors`. This module owns the redis-py client (its
+pools, the cluster's topology, the threads that run other nodes' pipelines).
 
 Everything goes through redis-py: its connection pools and ``Connection`` methods
 (``pack_commands``, ``send_packed_command``, ``read_response``: what its ``Pipeline`` runs on the
@@ -29,7 +32,8 @@ redis-py 8.1 + hiredis 3.5, see the tier's notes):
   starts again with every byte), so every exchange also has a deadline: one server's pipeline of
   a batch (check-out, send, every reply), each PING, ``INFO``, ``SCAN`` page and cluster slot-map
   load ends within ``connect_timeout_s + timeout_s + bytes / 4 MiB/s`` of its check-out (bytes:
-  ``SET`` values sent and ``GETRANGE`` ranges asked for, plus 256 per command), else it fails as
+  ``SET`` values sent and ``GETRANGE`` ranges asked for, plus
+  :data:`~kvtier.tiers.redis.pipeline.COMMAND_BYTES` per command), else it fails as
   a connection failure (``ExchangeTimeout``) and its connection is disconnected. Both pools'
   connections are :func:`~kvtier.tiers.redis.deadline.guarded` classes.
 - ``rediss://`` to a server that speaks plain RESP: the TLS handshake can only time out; a failed
@@ -48,13 +52,12 @@ redis-py 8.1 + hiredis 3.5, see the tier's notes):
   A refused login or an ACL refusal at start-up is a :class:`~kvtier.core.values.ConfigError`
   naming the URL (password redacted), the user and the fix; the password is never printed.
 
-Replies come back as redis-py's ``read_response`` gives them (no response callbacks: ``SET``
-gives ``b"OK"``): a command's error reply is its exception (a ``ResponseError``:
-``OutOfMemoryError``, ``NoPermissionError``, ``MovedError``... or a plain ``ResponseError`` whose
-message starts with the code, e.g. ``WRONGTYPE``) in its place, so one bad command does not fail
-the batch; a node whose exchange failed (refused, reset, timed out: that connection is then
+Replies come back as redis-py's ``read_response`` gives them (:mod:`~kvtier.tiers.redis.pipeline`:
+a command's error reply is its exception, in its place, so one bad command does not fail the
+batch); a node whose exchange failed (refused, reset, timed out: that connection is then
 disconnected) gives that exception for each of its commands. Error messages are logged only
-through :func:`describe` (never value bytes: byte reprs and echoed arguments are cut).
+through :func:`~kvtier.tiers.redis.errors.describe` (never value bytes: byte reprs and echoed
+arguments are cut).
 
 Threading: thread-safe; used by the tier's worker and monitor threads (and by the tier's
 constructor, which connects). Never by the caller's thread after start-up.
@@ -64,7 +67,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import re
 import socket
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -79,24 +81,23 @@ from redis.exceptions import (
     AuthenticationError,
     NoPermissionError,
     RedisError,
-    ResponseError,
 )
 from redis.retry import Retry
 
 from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import PREFIX, ConfigError
 from kvtier.tiers.redis.deadline import budget, exchange, guarded
+from kvtier.tiers.redis.errors import describe, is_connection_failure, safe_text
+from kvtier.tiers.redis.errors import error_code  # noqa: F401 - re-exported (imported from here)
 from kvtier.tiers.redis.heap import READER_SLACK
+from kvtier.tiers.redis.pipeline import Reply
+from kvtier.tiers.redis.pipeline import run_pipeline as _pipeline  # run() calls it by this name
 from kvtier.tiers.redis.wire import COMMAND_PACKER, reply_parser
 
 logger = logging.getLogger(__name__)
 
 # URL options that only make sense for one server (a cluster has db 0 and per-node pools).
 _NOT_FOR_CLUSTER = ("db", "connection_class", "path", "host", "port", "max_connections", "timeout")
-
-Reply = object
-"""One command's reply: what redis-py returns for it (``bytes``, ``int``, ``bool``, ``None``), or
-an exception: the command's error reply, or the failure of its node's pipeline."""
 
 
 class WirePool(ConnectionPool):
@@ -113,50 +114,8 @@ class WirePool(ConnectionPool):
         super().__init__(**kwargs)
 
 
-def is_connection_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` means the server could not be reached or did not answer in time (a
-    circuit-breaker failure), as opposed to an answer that was an error."""
-    if isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)):
-        return True  # includes AuthenticationError (a server that refuses us is unusable)
-    return isinstance(exc, (redis.exceptions.ClusterError, redis.exceptions.RedisClusterException))
-
-
-def error_code(exc: BaseException) -> str:
-    """The code of an error reply (``OOM``, ``NOPERM``, ``WRONGTYPE``, ``MOVED``, ``ERR``...): the
-    one redis-py recognised (it strips it from the message), else the message's first word."""
-    code = getattr(exc, "status_code", None)
-    if code:
-        return str(code)
-    text = str(exc)
-    return text.split(" ", 1)[0] if text else type(exc).__name__
-
-
-_BYTES_REPR = re.compile(r"b'(?:[^'\\]|\\.)*'|b\"(?:[^\"\\]|\\.)*\"")
-_PIPELINE_COMMAND = re.compile(r"(Command # \d+) \(.*\)(?= of pipeline caused error)", re.S)
-
-
-def safe_text(text: str, limit: int = 200) -> str:
-    """``text`` fit for a log: byte reprs (``b'...'``, e.g. a bad magic) replaced by ``<bytes>``,
-    cut where Redis starts echoing arguments (``... with args beginning with: 'key' 'value'``),
-    the command redis-py quotes in a pipeline's error (``Command # 1 (SET key value) of
-    pipeline caused error: ...``, the arguments decoded as text) removed, newlines removed, at
-    most ``limit`` characters. Never a value byte, whatever the message."""
-    text = _PIPELINE_COMMAND.sub(r"\1", text.replace("\n", " "))
-    text = _BYTES_REPR.sub("<bytes>", text)
-    cut = text.find("args beginning with")
-    if cut >= 0:
-        text = text[:cut] + "args ..."
-    return text[:limit]
-
-
-def describe(exc: BaseException) -> str:
-    """A short, safe description of ``exc`` for logs: its class and :func:`safe_text` of its message."""
-    text = safe_text(str(exc))
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 class Replies(list):
-    """The replies of one :meth:`RedisClient.run`, in command order (see :data:`Reply`), and its
+    """The replies of one :meth:`RedisClient.run`, in command order (see :data:`~kvtier.tiers.redis.pipeline.Reply`), and its
     ``round_trips`` (pipelines run: one per server the batch went to)."""
 
     round_trips: int = 0
@@ -455,79 +414,12 @@ class RedisClient:
 
 
 def _outcome(future) -> list[Reply] | BaseException:
-    """A node thread's :func:`_pipeline` outcome (its failure if the executor dropped it at close)."""
+    """A node thread's :func:`~kvtier.tiers.redis.pipeline.run_pipeline` outcome (its failure if the
+    executor dropped it at close)."""
     try:
         return future.result()
     except BaseException as exc:  # CancelledError, RuntimeError: the client closed meanwhile
         return exc
-
-
-COMMAND_BYTES = 256
-"""What an exchange's deadline allows each command for its name, key and framing, each way."""
-
-
-def _exchange_bytes(commands: Sequence[Sequence[object]]) -> int:
-    """About the bytes a pipeline of ``commands`` moves: :data:`COMMAND_BYTES` each, plus every
-    ``SET``'s value and every ``GETRANGE``'s range (the tier's only big arguments and replies)."""
-    nbytes = COMMAND_BYTES * len(commands)
-    for args in commands:
-        name = args[0]
-        if name == b"GETRANGE":
-            nbytes += max(0, int(args[3]) - int(args[2]) + 1)
-        elif name == b"SET":
-            value = args[2]
-            nbytes += value.nbytes if isinstance(value, memoryview) else len(value)
-    return nbytes
-
-
-def _pipeline(
-    node: redis.Redis,
-    commands: Sequence[Sequence[object]],
-    indexes: Sequence[int],
-    on_reply: Callable[[int, Reply], Reply] | None = None,
-    *,
-    limits: tuple[float, float] = (1.0, 2.0),
-) -> list[Reply] | Exception:
-    """``commands[i]`` for ``i`` in ``indexes`` pipelined on one of ``node``'s pooled connections:
-    all sent in one write, then every reply read in order (each passed through ``on_reply(i,
-    reply)`` as soon as it is read, see :meth:`RedisClient.run`). Returns the raw replies (no
-    response callbacks: ``SET`` gives ``b"OK"``), an error reply as its exception in its command's
-    place, or the exception that failed the exchange (refused, reset, timed out, or past its
-    deadline: the connection is then disconnected, so the pool reconnects it on its next use, and
-    no reply of a failed exchange is ever used).
-
-    The whole exchange (check-out, send, every reply) is one
-    :func:`~kvtier.tiers.redis.deadline.exchange` of
-    :func:`~kvtier.tiers.redis.deadline.budget` ``(*limits,`` :func:`_exchange_bytes` ``)``;
-    ``limits``: the tier's ``(connect_timeout_s, timeout_s)``.
-
-    This is what ``Pipeline.execute(raise_on_error=False)`` does on the wire, through the same
-    redis-py ``Connection`` methods (``pack_commands``, ``send_packed_command``, ``read_response``)
-    without the pipeline object's per-batch bookkeeping: ~0.05 ms less per batch, 10-15% of a
-    1 MiB request (docs/benchmarks.md)."""
-    pool = node.connection_pool
-    selected = [commands[i] for i in indexes]
-    connection = None
-    try:
-        with exchange(budget(*limits, _exchange_bytes(selected))):
-            connection = pool.get_connection()  # a free one within timeout_s, (re)connected
-            connection.send_packed_command(connection.pack_commands(selected))
-            replies: list[Reply] = []
-            for index in indexes:
-                try:
-                    reply = connection.read_response()
-                except ResponseError as exc:  # the command's error reply; the connection is fine
-                    reply = exc
-                replies.append(reply if on_reply is None else on_reply(index, reply))
-                del reply  # not alive while the next reply is read
-        return replies
-    except Exception as exc:  # the check-out failed (no free connection, no connect), or the exchange
-        if connection is not None:
-            connection.disconnect()
-        return exc
-    finally:
-        if connection is not None:
-            pool.release(connection)
 
 
 def _speaks_plain_resp(host: str, port: int, connect_timeout_s: float, timeout_s: float) -> bool:

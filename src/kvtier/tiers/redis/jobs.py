@@ -67,14 +67,8 @@ from kvtier.core.keys import BlockKey
 from kvtier.tiers.base import IoError, IoKind, IoResult
 from kvtier.tiers.breaker import CircuitBreaker
 from kvtier.tiers.remote import MSG_IO, MSG_PROBE, UNREACHABLE, ReadJob, WriteJob
-from kvtier.tiers.redis.client import (
-    Reply,
-    RedisClient,
-    describe,
-    error_code,
-    is_connection_failure,
-    safe_text,
-)
+from kvtier.tiers.redis.client import RedisClient
+from kvtier.tiers.redis.errors import describe, error_code, is_connection_failure, safe_text
 from kvtier.tiers.redis.codec import (
     HEADER_LEN,
     CorruptBlockError,
@@ -84,6 +78,7 @@ from kvtier.tiers.redis.codec import (
     encode_value,
     value_bytes,
 )
+from kvtier.tiers.redis.pipeline import Reply
 from kvtier.tiers.redis.wire import ValueParts
 from kvtier.tiers.sealing import PLAIN, Sealer, UnauthenticatedRecord
 

@@ -25,7 +25,8 @@ from collections.abc import Callable
 from kvtier.core.priority import become_background_thread
 from kvtier.core.values import ConfigError
 from kvtier.tiers.breaker import CircuitBreaker
-from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure
+from kvtier.tiers.redis.client import RedisClient
+from kvtier.tiers.redis.errors import describe, is_connection_failure
 from kvtier.tiers.redis.jobs import MSG_USAGE
 
 logger = logging.getLogger(__name__)

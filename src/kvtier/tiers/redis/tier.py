@@ -74,8 +74,9 @@ from kvtier.core.tier_config import RedisTierConfig
 from kvtier.core.values import ConfigError
 from kvtier.tiers.base import IoResult, Medium, Presence, TierUsage
 from kvtier.tiers.redis.batcher import Batcher, WorkerPool
-from kvtier.tiers.redis.client import RedisClient, describe, is_connection_failure, safe_text
+from kvtier.tiers.redis.client import RedisClient
 from kvtier.tiers.redis.deadline import FLOOR_BYTES_PER_S
+from kvtier.tiers.redis.errors import describe, is_connection_failure, safe_text
 from kvtier.tiers.redis.codec import KeySpace
 from kvtier.tiers.redis.heap import raise_mmap_threshold
 from kvtier.tiers.redis.jobs import (
