@@ -631,3 +631,80 @@ def test_throttling_backs_off_writes_and_keeps_the_breaker_closed(s3, tiers):
     wait_for(tier, lambda: not tier._throttle.active, what="back-off over")
     ok = write_all(tier, [key_of(100 + i) for i in range(4)], payload=256 * 1024)
     assert all(r.ok for r in ok)
+
+
+@pytest.fixture
+def metadata_service(monkeypatch, tmp_path):
+    """No credentials anywhere but an instance metadata service on loopback (``AWS_METADATA_ENDPOINT``)
+    that answers ``mode``: ``"403"`` (a proxy that denies it) or ``"silent"`` (accepts, never answers)."""
+    import http.server
+    import socket
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                 "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                 "AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    started = []
+
+    class Deny(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self):  # noqa: N802 (IMDSv2's token request)
+            self.send_response(403)
+            self.end_headers()
+            self.wfile.write(b"denied")
+
+        do_GET = do_PUT  # noqa: N815
+
+        def log_message(self, *args):
+            pass
+
+    def start(mode: str) -> None:
+        if mode == "403":
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Deny)
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            started.append(server.shutdown)
+            port = server.server_address[1]
+        else:
+            silent = socket.socket()
+            silent.bind(("127.0.0.1", 0))
+            silent.listen(8)
+            started.append(silent.close)
+            port = silent.getsockname()[1]
+        monkeypatch.setenv("AWS_METADATA_ENDPOINT", f"http://127.0.0.1:{port}")
+
+    yield start
+    for stop in started:
+        stop()
+
+
+@pytest.mark.parametrize("mode", ["403", "silent"])
+def test_credentials_that_cannot_be_fetched_are_not_blamed_on_the_store(s3, metadata_service, mode, caplog):
+    """No credentials are configured and the instance's role gives none: the operator tools and the
+    start-up check say so, naming the metadata service, neither "the store refuses the credentials"
+    (it was never asked) nor "the store does not answer" (the live one and a dead one alike). A
+    service that answers with a refusal is a configuration error (ConfigError, with the fix); one
+    that does not answer is as a store that does not: the engine's tier starts and misses, the
+    operator tools stop with that reason. Bounded by the tier's timeout."""
+    from kvtier.tiers.s3.client import Access, StoreUnreachable, check_access, require_access
+
+    metadata_service(mode)
+    for config in (entry(s3, "nocreds"), replace(entry(s3, "nocreds"), endpoint="http://127.0.0.1:9")):
+        started = time.monotonic()
+        with pytest.raises(ConfigError if mode == "403" else StoreUnreachable) as caught:
+            require_access(config, "secondary_tiers[0]")
+        assert time.monotonic() - started < 3 * TIMEOUT
+        text = str(caught.value)
+        assert "127.0.0.1:" in text and "the store itself was not asked" in text, text
+        assert "refuses" not in text
+        if mode == "403":
+            assert "no credentials to sign the store's requests" in text and "403" in text
+            assert "AWS_ACCESS_KEY_ID" in text and "refuses" not in text and "does not answer" not in text
+            with pytest.raises(ConfigError, match="no credentials to sign"):
+                check_access(config, "secondary_tiers[0]")
+        else:
+            assert text.startswith("the credentials for the S3 store of") and "does not answer (timed out)" in text
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="kvtier.tiers.s3.client"):
+                assert check_access(config, "secondary_tiers[0]") is Access.UNREACHABLE
+            assert "credentials for" in caplog.text and "the store itself was not asked" in caplog.text

@@ -293,6 +293,32 @@ _OS_MESSAGE = re.compile(r'message: "([^"]{1,200})"')  # an OS error in the clie
 _LOOKUP = re.compile(r'"(failed to lookup address information[^"]{0,200})"')
 
 
+_FAILED_REQUEST = re.compile(r"Error performing [A-Z]+ (https?://([^/\s]+)(/\S*)?) in ")
+_CREDENTIAL_HOSTS = ("169.254.169.254", "[fd00:ec2::254]", "169.254.170.2")  # IMDS (v4, v6), ECS
+
+
+def credential_fetch_url(exc: BaseException) -> str | None:
+    """The host (and port) of the credential service whose request failed in ``exc``, or None where
+    the failed request was not one (it went to the store, or the text names no request). object_store
+    fetches credentials lazily, inside the first request to the store, and reports a failed fetch as
+    that request's error: the instance's role (IMDS, ``/latest/api/token`` or ``/latest/meta-data``
+    on any host: ``AWS_METADATA_ENDPOINT`` may move it), the container's (ECS) or STS (web identity).
+    Told apart by the failed request's URL, which object_store's message names."""
+    found = _FAILED_REQUEST.search(str(exc))
+    if found is None:
+        return None
+    host, path = found.group(2), found.group(3) or ""
+    if (host.split("@")[-1].rsplit(":", 1)[0] in _CREDENTIAL_HOSTS or path.startswith("/latest/")
+            or host.split(".")[0] == "sts" or _is_container_uri(found.group(1))):
+        return host
+    return None
+
+
+def _is_container_uri(url: str) -> bool:
+    full = _env("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+    return bool(full) and url.startswith(full.rstrip("/"))
+
+
 def unreachable_reason(exc: BaseException) -> str:
     """Why the store did not answer (``exc``: a :attr:`Fault.UNREACHABLE` error), in a few words:
     the operating system's reason (``Connection refused``), a failed name lookup, a timeout, else
@@ -309,16 +335,23 @@ def unreachable_reason(exc: BaseException) -> str:
 
 
 class StoreUnreachable(Exception):
-    """The store did not answer (refused, reset, timed out, no such host): ``location`` where the
-    tier's objects are (with the endpoint, or AWS S3 and ``region`` where it is known), ``reason``
-    why (:func:`unreachable_reason`); its message is one line."""
+    """The store did not answer (refused, reset, timed out, no such host), or the service its
+    credentials come from did not (:func:`credential_fetch_url`; then the message says so and that
+    the store was not asked): ``location`` where the tier's objects are (with the endpoint, or AWS
+    S3 and ``region`` where it is known), ``reason`` why (:func:`unreachable_reason`); its message is
+    one line."""
 
     def __init__(self, config: S3TierConfig, exc: BaseException, region: str | None = None) -> None:
         region = region or config.region
         aws = f" at AWS S3{f' ({region})' if region else ''}"
         self.location = config.location + ("" if config.endpoint else aws)
         self.reason = unreachable_reason(exc)
-        super().__init__(f"the S3 store of {self.location} does not answer: {self.reason}")
+        fetch = credential_fetch_url(exc)
+        if fetch is None:
+            super().__init__(f"the S3 store of {self.location} does not answer: {self.reason}")
+        else:
+            super().__init__(f"the credentials for the S3 store of {self.location} cannot be fetched: {fetch} does "
+                             f"not answer ({self.reason}); the store itself was not asked")
 
 
 class Access(enum.Enum):
@@ -354,6 +387,16 @@ def _first_page(config: S3TierConfig, where: str, store, source: CredentialSourc
     try:
         next(iter(obstore.list(store, config.prefix + "/", chunk_size=1)), None)
     except Exception as exc:  # noqa: BLE001 (sorted below; anything else is the store answering badly)
+        fetch = credential_fetch_url(exc)
+        if fetch is not None and status_of(exc) is not None:  # the credential service answered: no credentials
+            raise ConfigError(
+                f"{PREFIX}: '{where}' ({config.location}): no credentials to sign the store's requests: fetching "
+                f"them failed ({fetch}: {describe(exc)}; credentials from {source.description}), so the store "
+                f"itself was not asked. Fix: {source.fix}.") from None
+        if fetch is not None:  # it did not answer: as a store that does not, the tier starts and misses
+            logger.warning("kvtier s3: the credentials for %s cannot be fetched: %s does not answer (%s); the "
+                           "store itself was not asked", config.location, fetch, unreachable_reason(exc))
+            return exc
         fault = classify(exc)
         if fault is Fault.REFUSED:
             raise ConfigError(
