@@ -446,3 +446,17 @@ def test_text_prompts_and_chats_are_tokenized_as_vllm_does(tmp_path):
     expected = len(tokenizer(text)["input_ids"]) + len(tokenizer(text + "Again?")["input_ids"]) + len(templated)
     assert report["trace"]["prompt_tokens"] == expected
     assert report["engine"]["tokens"] >= 16 * (len(tokenizer(text)["input_ids"]) // 16 - 1)  # the second shares the first's blocks
+
+
+def test_plan_trace_says_when_loading_is_slower_than_prefill(tmp_path):
+    """Rates at which a host load takes longer than prefill: the unlimited tier's line says the loads
+    cost time instead of printing a negative time saved; the knee search's progress says it searches."""
+    trace = loop_trace(tmp_path, 30)
+    result = CliRunner().invoke(main, ["plan", "default", "--trace", str(trace), "--block-size", "64",
+                                       "--kv-cache-gib", "0.06", "--host-bw", "0.001", "--prefill-tps", "1000000",
+                                       "--method", "exact", "--png", str(tmp_path / "curve.png")])
+    assert result.exit_code == 0, result.output
+    line = next(text for text in result.output.splitlines() if text.startswith("an unlimited host tier"))
+    assert "longer than prefilling them would" in line and "-" not in line.split("saved")[1]
+    assert "takes no less than prefilling it" in result.output
+    assert "searching for the knee: replaying host" in result.output

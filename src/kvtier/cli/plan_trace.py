@@ -178,9 +178,11 @@ def render(report: dict[str, Any], console: Console) -> None:
     console.print(f"the engine's own prefix cache serves {engine['fraction']:.1%} of prompt tokens "
                   f"({engine['tokens']:,}); kvtier's tiers serve what it has lost")
     unlimited = report["unlimited_host"]
+    saved = unlimited["time_saved_s"]
     console.print(f"an unlimited host tier: hit rate {unlimited['hit_rate']:.1%}, "
-                  f"{unlimited['prefill_tokens_saved']:,} prefill tokens saved, about "
-                  f"{fmt_seconds(unlimited['time_saved_s'])} of prefill")
+                  f"{unlimited['prefill_tokens_saved']:,} prefill tokens saved, "
+                  + (f"about {fmt_seconds(saved)} of prefill" if saved >= 0 else
+                     f"but loading them takes about {fmt_seconds(-saved)} longer than prefilling them would"))
     console.print(f"knee: {report['knee']['text']}")
     if settings["method"] == "exact":
         console.print(f"every point replayed through kvtier's code ({settings.get('exact_because')})")

@@ -260,7 +260,7 @@ class CurveRun:
             if high - low <= max(1, high // 200):
                 break
             middle = (low + high) // 2
-            self.progress(f"knee: host {_gib(middle * self.geometry.host_block_bytes)}")
+            self.progress(f"searching for the knee: replaying host {_gib(middle * self.geometry.host_block_bytes)}")
             served = self.replay(middle).kvtier
             if served >= target:
                 high, served_high = middle, served
