@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -263,8 +264,12 @@ def test_a_missing_disk_dir_below_a_world_writable_folder_is_to_be_made_first(tm
     finding = next(f for f in audit(line) if f.code == "disk-world-writable")
     assert finding.title == f"Disk tier {root} does not exist yet, and {shared} is writable by every user"
     assert f"create {shared / 'newparent'} before kvtier does" in finding.why
-    assert finding.fix.startswith(f"Create it yourself before starting, owner-only: mkdir -p -m 700 {root}")
+    command = f"(umask 077 && mkdir -p {root})"
+    assert finding.fix.startswith(f"Create it yourself before starting, owner-only: {command}")
     assert "chmod" not in finding.fix and not (shared / "newparent").exists()
+    subprocess.run(["bash", "-c", f"umask 022; {command}"], check=True)  # the fix, as an operator runs it
+    assert all((p.stat().st_mode & 0o777) == 0o700 for p in (shared / "newparent", root))  # parents too
+    shutil.rmtree(shared / "newparent")
     root.mkdir(parents=True)
     root.chmod(0o777)
     finding = next(f for f in audit(line) if f.code == "disk-world-writable")

@@ -145,6 +145,26 @@ def test_folder_without_marker_is_rebuilt(converted, fake_convert, tmp_path):
     assert len(fake_convert) == 1
 
 
+def test_the_cache_folders_kvtier_creates_are_owner_only(converted, fake_convert, tmp_path):
+    """~/.cache/kvtier and its models folder, created by a conversion under the usual umask 022, are
+    0700 (as every directory kvtier creates); the model folder itself keeps the umask's mode, and a
+    cache folder that already exists keeps its own."""
+    cache = tmp_path / "home" / ".cache" / "kvtier"
+    old = os.umask(0o022)
+    try:
+        target = km.ensure_default_model("float32", cache_dir=cache)
+    finally:
+        os.umask(old)
+    for folder in (tmp_path / "home" / ".cache", cache, cache / "models"):
+        assert folder.stat().st_mode & 0o777 == 0o700, folder
+    assert target.stat().st_mode & 0o777 == 0o755
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    km.ensure_default_model("float32", cache_dir=shared)
+    assert shared.stat().st_mode & 0o777 == 0o755 and (shared / "models").stat().st_mode & 0o777 == 0o700
+
+
 def test_outdated_marker_is_rebuilt(converted, fake_convert, tmp_path):
     target = tmp_path / "models" / converted.name
     shutil.copytree(converted, target)

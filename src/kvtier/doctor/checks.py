@@ -272,7 +272,7 @@ def _world_writable(root: Path) -> Finding:
         f"Disk tier {root} does not exist yet, and {first.parent} is writable by every user",
         f"Another local user can create {first} before kvtier does and own it: then they can plant or "
         f"replace block files or symlinks in the disk tier. {harm}",
-        f"Create it yourself before starting, owner-only: mkdir -p -m 700 {root}, and check that "
+        f"Create it yourself before starting, owner-only: (umask 077 && mkdir -p {root}) (every new directory 0700), and check that "
         f"ls -ld {first} shows it yours (or put the disk tier below a directory only you can write).")
 
 

@@ -10,8 +10,10 @@ Invariants (the same for every model):
   target and ``os.rename``\\s it into place. When two processes convert at once, the first rename
   wins and the loser discards its own copy.
 * Temporary folders of crashed conversions are removed once they are older than an hour.
+* The cache folders it creates above the target (``~/.cache/kvtier``, ``models``) are owner-only
+  (``0700``, :func:`kvtier.core.dirs.make_dirs`); a folder that exists is left as it is.
 
-Pure standard library: importing this module costs nothing.
+Standard library (and :mod:`kvtier.core.dirs`): importing this module costs nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
+
+from kvtier.core.dirs import OWNER_DIR_MODE, make_dirs
 
 MARKER = "kvtier-model.json"
 
@@ -48,7 +52,7 @@ def build(
     required = tuple(required_files)
     if is_ready(target, marker, required):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(target.parent, OWNER_DIR_MODE)  # kvtier's cache and its parents: owner only (core/dirs.py)
     remove_stale_temps(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import blake3
 
+from kvtier.core.dirs import OWNER_DIR_MODE, make_dirs
 from kvtier.core.paths import kvtier_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ def _read_cache(cache_file: Path, signature: dict) -> Fingerprint | None:
 def _write_cache(cache_file: Path, signature: dict, result: Fingerprint) -> None:
     tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(cache_file.parent, OWNER_DIR_MODE)  # kvtier's cache and its parents: owner only
         tmp.write_text(json.dumps({"signature": signature, "fingerprint": asdict(result)}))
         os.replace(tmp, cache_file)
     except OSError as exc:
