@@ -146,6 +146,19 @@ def test_a_finding_is_taken_once(silent):
         assert silent.connections == connections
 
 
+def test_a_stale_finding_is_not_used(silent, monkeypatch):
+    """A finding older than FINDING_FRESH_S (the node service's first namespace opening long after
+    its start-up check) is dropped: the tier asks the server itself."""
+    from kvtier.tiers import factory
+
+    tier = config("redis", silent.port)
+    check_tier(tier, where="secondary_tiers[0]")
+    monkeypatch.setattr(factory, "FINDING_FRESH_S", -1.0)  # every finding is older than that
+    opened = open_tier(tier, model_name="toy", namespace=NS, namespace_json=NS.config_json("toy"), payload_bytes=SLOT)
+    opened.close()
+    assert silent.connections == 2
+
+
 def test_a_redis_tier_started_off_by_the_check_comes_back_when_its_server_answers(redis_factory):  # noqa: F811
     """Found unreachable (a paused server) by the check, the tier neither connects nor stores its
     namespace key when it opens; once the server answers, its monitor connects, stores the key and

@@ -14,7 +14,7 @@ and S3 tiers' modules (redis-py, obstore) are imported only when one is opened.
 
 One start-up probe per server. Where :func:`check_tier` ran first (behind vLLM's offloading, in the
 node service), what it found of the server is handed to the :func:`open_tier` of the same entry that
-follows (taken once, from any thread): the tier starts from it instead of asking the server again, so
+follows (taken once, from any thread, within :data:`FINDING_FRESH_S`): the tier starts from it instead of asking the server again, so
 a server that does not answer costs its timeout once (a tier it found unreachable starts off and its
 monitor connects in the background; an S3 store it reached is not listed again). kvtier's connector
 opens its tiers without a check: each tier's constructor probes, once.
@@ -30,6 +30,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 from kvtier.core.dirs import GROUP_DIR_MODE, OWNER_DIR_MODE, make_dirs
@@ -56,13 +57,20 @@ def open_wait_ends(since: float) -> float:
     return since + OPEN_WAIT_S
 
 
+FINDING_FRESH_S = 10.0
+"""How long what :func:`check_tier` found of a server stands in for the probe of the :func:`open_tier`
+that follows: an older finding (the node service's first namespace may open long after its start-up
+check) is dropped, and the tier probes the server itself."""
+
+
 class _Findings:
     """What :func:`check_tier` found of each entry's server (reachable or not), kept for the
-    :func:`open_tier` of the same entry that follows it and taken by it once. Any thread (a lock)."""
+    :func:`open_tier` of the same entry that follows it and taken by it once, within
+    :data:`FINDING_FRESH_S`. Any thread (a lock)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._found: dict[SecondaryTierConfig, bool] = {}
+        self._found: dict[SecondaryTierConfig, tuple[bool, float]] = {}
 
     @staticmethod
     def _entry(config: SecondaryTierConfig) -> SecondaryTierConfig:
@@ -72,11 +80,15 @@ class _Findings:
 
     def put(self, config: SecondaryTierConfig, reachable: bool) -> None:
         with self._lock:
-            self._found[self._entry(config)] = reachable
+            self._found[self._entry(config)] = (reachable, time.monotonic())
 
     def take(self, config: SecondaryTierConfig) -> bool | None:
+        """The finding of ``config``'s server, or None: none, or older than :data:`FINDING_FRESH_S`."""
         with self._lock:
-            return self._found.pop(self._entry(config), None)
+            found = self._found.pop(self._entry(config), None)
+        if found is None or time.monotonic() - found[1] > FINDING_FRESH_S:
+            return None
+        return found[0]
 
 
 _findings = _Findings()
