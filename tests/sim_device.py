@@ -125,7 +125,7 @@ class SimDevice:
     def copy(self, stream: SimStream, plan) -> None:
         """Issue a job's copies (:class:`~kvtier.copy.runs.ByteRuns` or page pairs), carried out
         with torch on the same memory when the stream gets there. A staged job
-        (:class:`~kvtier.copy.staging.StagedRuns`) runs on two lanes: ``stream`` (host copies)
+        (:class:`~kvtier.copy.staged_runs.StagedRuns`) runs on two lanes: ``stream`` (host copies)
         and a kernel stream paired with it (gathers, scatters), as on a GPU."""
         self.plans.append(plan)
         if hasattr(plan, "issue"):
@@ -210,12 +210,12 @@ class SimDevice:
 
 
 class SimLanes:
-    """:class:`~kvtier.copy.staging.StagingLanes` on the simulated device: the TRANSFER lane is the
+    """:class:`~kvtier.copy.staged_runs.StagingLanes` on the simulated device: the TRANSFER lane is the
     side stream, the KERNEL lane a stream of its own; marks are simulated events (one per mark,
     re-recorded by each job, as on a GPU)."""
 
     def __init__(self, device: SimDevice, transfer: SimStream, kernel: SimStream):
-        from kvtier.copy.staging import Lane
+        from kvtier.copy.staged_runs import Lane
 
         self.device = device
         self.streams = {Lane.TRANSFER: transfer, Lane.KERNEL: kernel}

@@ -21,7 +21,7 @@ import torch
 from host_device import HostDevice, host_streams
 
 from kvtier.copy.lanes import CudaLanes
-from kvtier.copy.staging import Lane
+from kvtier.copy.staged_runs import Lane
 
 
 class DeferredDevice(HostDevice):

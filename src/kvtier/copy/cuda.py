@@ -72,7 +72,8 @@ from kvtier.copy.choice import MethodChooser, TrialKey
 from kvtier.copy.lanes import GraphRepeat
 from kvtier.copy.pages import BlockCopier, CopyPlan
 from kvtier.copy.runs import ByteRuns, RunPlanner, SlotJob
-from kvtier.copy.staging import CopyMethod, StagedPlanner, StagedRuns, StagingUnavailable
+from kvtier.copy.staged_runs import StagedRuns
+from kvtier.copy.staging import CopyMethod, StagedPlanner, StagingUnavailable
 from kvtier.copy.streams import DeviceStreams
 
 logger = logging.getLogger(__name__)

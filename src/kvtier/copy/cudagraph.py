@@ -1,6 +1,6 @@
 """A staged job shape as one CUDA graph, replayed per job with that job's host addresses.
 
-Issued op by op (:meth:`~kvtier.copy.staging.StagedRuns.issue`), a staged job costs the thread
+Issued op by op (:meth:`~kvtier.copy.staged_runs.StagedRuns.issue`), a staged job costs the thread
 that issues the forward ~6 device calls per chunk: 4-32 chunks for a 512-block job. Jobs of one
 shape (:func:`~kvtier.copy.jobgraph.graph_key`: direction, chunks, one host run per chunk, and
 for a job of one chunk its pages rounded up to a power of two) differ only in the host address
@@ -39,7 +39,7 @@ from typing import Any
 from kvtier.copy.base import Direction
 from kvtier.copy.cudart import CudaRuntime
 from kvtier.copy.jobgraph import JobGraph, graph_pages
-from kvtier.copy.staging import StagedRuns
+from kvtier.copy.staged_runs import StagedRuns
 
 
 class CudaJobGraph:

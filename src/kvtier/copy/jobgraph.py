@@ -1,6 +1,6 @@
 """A staged job's schedule as a dependency graph, and the cache of graphs by job shape.
 
-Why: issuing a staged job chunk by chunk (:meth:`~kvtier.copy.staging.StagedRuns.issue`) costs
+Why: issuing a staged job chunk by chunk (:meth:`~kvtier.copy.staged_runs.StagedRuns.issue`) costs
 ~6 device calls per chunk on the thread that issues the forward (a launch, a host copy, marks and
 waits between the two lanes): 4-32 chunks for a 512-block job. Jobs of one shape
 (:func:`graph_key`: direction, chunks, one host run per chunk, the last chunk's size rounded up)
@@ -8,8 +8,8 @@ differ only in the host addresses and sizes of their copies and in the uploaded 
 device can replay one graph of the whole schedule: per job, one parameter update per chunk and
 one launch (:mod:`kvtier.copy.cudagraph`).
 
-:class:`JobGraph` records the schedule :meth:`~kvtier.copy.staging.StagedRuns.issue` issues,
-as :class:`~kvtier.copy.staging.StagingLanes`, into nodes and the nodes each waits for, with
+:class:`JobGraph` records the schedule :meth:`~kvtier.copy.staged_runs.StagedRuns.issue` issues,
+as :class:`~kvtier.copy.staged_runs.StagingLanes`, into nodes and the nodes each waits for, with
 the meaning of streams and events: an operation follows the previous one of its lane, and a
 wait makes the lane's next operation follow what the waited mark covered when it was recorded
 (the lane's operations up to then, and the waits before them). ``begin`` and ``finish`` add
@@ -34,14 +34,14 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from kvtier.copy.staging import Lane, StagedRuns
+from kvtier.copy.staged_runs import Lane, StagedRuns
 
 
 @dataclass(frozen=True, slots=True)
 class GraphNode:
     """One operation of a staged job: ``op`` "gather" or "scatter" (pages ``[first, first +
     pages)`` of the job through staging buffer ``buffer``) or "transfer" (chunk ``chunk``'s host
-    copy: one run, :attr:`~kvtier.copy.staging.StagedRuns.one_run_per_chunk`); ``after``: the
+    copy: one run, :attr:`~kvtier.copy.staged_runs.StagedRuns.one_run_per_chunk`); ``after``: the
     indices of the earlier nodes it waits for."""
 
     op: str

@@ -23,7 +23,7 @@ from kvtier.copy.base import Direction
 from kvtier.copy.cudagraph import CudaJobGraph
 from kvtier.copy.jobgraph import GraphCache, graph_key
 from kvtier.copy.kernels import RowKernels
-from kvtier.copy.staging import Lane, StagedRuns
+from kvtier.copy.staged_runs import Lane, StagedRuns
 
 if TYPE_CHECKING:
     from kvtier.copy.streams import TorchCudaStreams
@@ -97,7 +97,7 @@ class GraphRepeat:
 
 
 class CudaLanes:
-    """:class:`~kvtier.copy.staging.StagingLanes` on a pair of CUDA streams: ``transfer`` (the
+    """:class:`~kvtier.copy.staged_runs.StagingLanes` on a pair of CUDA streams: ``transfer`` (the
     side stream of a direction) and ``kernel_stream``, with the events of its marks made once
     (ordering only, no timing) and reused by every job of the pair: a wait binds to a mark's
     latest record, and each job records a mark before it waits for it. Events come from the
@@ -187,7 +187,7 @@ class CudaLanes:
     def issue(self, plan: StagedRuns) -> Hashable | None:
         """Issue a staged job (``raw`` lanes): as its shape's CUDA graph where it has one (one
         launch on the TRANSFER lane, whose first node uploads the job's numbers from the ring:
-        :mod:`kvtier.copy.cudagraph`), else op by op (:meth:`~kvtier.copy.staging.StagedRuns.issue`;
+        :mod:`kvtier.copy.cudagraph`), else op by op (:meth:`~kvtier.copy.staged_runs.StagedRuns.issue`;
         also a job the ring has no room for now). A graph that cannot be built or launched turns
         graphs off for these lanes (logged); that job goes op by op. Returns the graph's key
         when the job went as a graph launch, else None."""
@@ -283,7 +283,7 @@ class CudaLanes:
 
     def _numbers(self, plan: StagedRuns) -> tuple[np.ndarray, ...]:
         """What the job's kernels read, as the parts to upload one after the other: for kvtier's
-        kernels its :meth:`~kvtier.copy.staging.StagedRuns.kernel_numbers` (its page count, then one
+        kernels its :meth:`~kvtier.copy.staged_runs.StagedRuns.kernel_numbers` (its page count, then one
         number per block of a job of whole blocks, else its row index), for torch's ops its row index."""
         return plan.kernel_numbers() if self.kernels is not None else (plan.row_index(),)
 

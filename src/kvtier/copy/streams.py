@@ -28,7 +28,7 @@ from kvtier.copy.lanes import CudaLanes, EventPool, GraphRepeat
 from kvtier.copy.pages import CopyPlan
 from kvtier.copy.runs import ByteRuns
 from kvtier.copy.kernels import RowKernels
-from kvtier.copy.staging import StagedRuns
+from kvtier.copy.staged_runs import StagedRuns
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class TorchCudaStreams:
     synchronizations and elapsed times are the runtime's calls on raw handles. Without one,
     torch's streams and events.
 
-    Staged jobs (:class:`~kvtier.copy.staging.StagedRuns`) run on two lanes: the side stream
+    Staged jobs (:class:`~kvtier.copy.staged_runs.StagedRuns`) run on two lanes: the side stream
     (TRANSFER: host copies) and a KERNEL stream of kvtier's own paired with it (gathers, scatters,
     the index upload), ordered by events of the runtime made once per pair
     (:class:`~kvtier.copy.lanes.CudaLanes`); the KERNEL stream is current while a job is issued, so the torch ops
