@@ -355,6 +355,38 @@ def test_prompt_embeds_requests_are_never_loaded_or_stored(model):
         assert [sim.prefill[f"e{i}"][1] for i in range(2)] == [0, 0]  # nothing loaded
 
 
+def test_requests_that_read_no_prefix_cache_are_not_looked_up_but_stored(model):
+    """A request with prompt logprobs (vLLM sets ``skip_reading_prefix_cache``: its prompt's logprobs
+    need every token computed) is never looked up: vLLM's scheduler drops any hit of it, and vLLM's
+    own offloading does not look it up. No lookup counted, nothing held or promoted; its blocks are
+    still stored, and a later plain request is served them, bit-exact."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    prompts = prompts_of(2, 2, 100)
+    ref = reference_outputs(model, prompts, 4)
+    first = dict(list(prompts.items())[:1])
+    with SimEngine(model, kvtier=HOST) as sim:
+        assert tokens_of(sim.generate(first, 4)) == {k: ref[k] for k in first}
+        assert sim.reset_prefix_cache()
+        stats = sim.kvtier_scheduler.orchestrator.stats
+        lookups, used = stats.lookups, sim.kvtier_scheduler.orchestrator.host.used_slots
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0, prompt_logprobs=1)
+        for i, prompt in enumerate(prompts.values()):  # the first stored, the second not yet
+            sim.scheduler.add_request(Request(request_id=f"lp{i}", prompt_token_ids=list(prompt),
+                                              sampling_params=params, pooling_params=None,
+                                              block_hasher=sim._hasher))  # noqa: SLF001
+        sim.run()
+        assert [sim.prefill[f"lp{i}"][1] for i in range(2)] == [0, 0]  # nothing loaded
+        assert stats.lookups == lookups  # never looked up
+        settle(sim)
+        assert sim.kvtier_scheduler.orchestrator.host.used_slots > used  # the second prompt's blocks stored
+        assert sim.reset_prefix_cache()
+        second = sim.generate(renamed(prompts, "-2"), 4)
+        assert by_prompt(second, "-2") == ref and all(n >= 64 for n in external(second))
+        assert sim.model.kv_mismatches == []
+
+
 def _embeds_request(sim: SimEngine, req_id: str, embeds):
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request

@@ -221,7 +221,9 @@ class KVTierScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._state(request)
         state.lookup_computed, state.own_load_end = num_computed_tokens, 0  # (see RequestState.note_loaded_elsewhere)
-        if not state.cacheable:
+        if not state.cacheable or request.skip_reading_prefix_cache:
+            # (prompt logprobs, most pooling requests: vLLM reads no cache for them and would drop a
+            # hit, as its own offloading does not look them up; their blocks are still stored)
             return 0, False
         if state.jobs:
             return None, False  # stores of an earlier run of this request are still in flight

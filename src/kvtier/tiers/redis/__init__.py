@@ -8,7 +8,8 @@ file bytes, rank by rank), :mod:`~kvtier.tiers.presence` (shared with the node p
 answers without asking the server, :mod:`~kvtier.tiers.redis.client` the connections (redis-py pools and
 connections: all Redis traffic goes through redis-py), :mod:`~kvtier.tiers.redis.pipeline` one server's
 pipelined exchange, :mod:`~kvtier.tiers.redis.errors` what a failure means and how it is logged,
-:mod:`~kvtier.tiers.redis.jobs` the data path, :mod:`~kvtier.tiers.breaker` and
+:mod:`~kvtier.tiers.redis.jobs` the data path (:mod:`~kvtier.tiers.redis.reads` how values are read into
+the callers' buffers), :mod:`~kvtier.tiers.breaker` and
 :mod:`~kvtier.tiers.redis.monitor` what happens when the server does not answer,
 :mod:`~kvtier.tiers.redis.stats` the counters.
 """

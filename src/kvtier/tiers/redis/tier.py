@@ -5,7 +5,8 @@ Modules: :mod:`~kvtier.tiers.redis.codec` (key names, the value format and its v
 and batch), :mod:`~kvtier.tiers.breaker` (the circuit breaker),
 :mod:`~kvtier.tiers.presence` (what the tier knows without asking),
 :mod:`~kvtier.tiers.redis.batcher` (jobs submitted together go out together),
-:mod:`~kvtier.tiers.redis.jobs` (what the worker threads do), :mod:`~kvtier.tiers.redis.monitor`
+:mod:`~kvtier.tiers.redis.jobs` (what the worker threads do; :mod:`~kvtier.tiers.redis.reads` how
+they read values), :mod:`~kvtier.tiers.redis.monitor`
 (recovery and usage) and this one (the contract, submission, :meth:`RedisTier.poll`).
 
 Threading. Every public method runs on the caller's (orchestrator's) thread and never does
@@ -29,7 +30,7 @@ Batching. Jobs submitted together are coalesced by the worker into one batch, bo
 reads is one pipeline: one round trip per server. See :mod:`~kvtier.tiers.redis.batcher`.
 
 Buffers. A read's value arrives as one ``bytes`` reply (redis-py), or, for one rank and values of
-2 MiB or more, as ``GETRANGE`` pieces of about 1 MiB (:mod:`~kvtier.tiers.redis.jobs`); as soon
+2 MiB or more, as ``GETRANGE`` pieces of about 1 MiB (:mod:`~kvtier.tiers.redis.reads`); as soon
 as a reply is read (while the server sends the next one) its length and headers are checked,
 then its payloads are copied into the caller's buffers (one per rank, each exactly
 ``payload_bytes``), each checksummed as it lands, and the reply is dropped. A read that is not
@@ -39,7 +40,7 @@ write's value is its records sent as they are (each rank's header, then the call
 uncopied: :mod:`~kvtier.tiers.redis.wire`), so the caller's buffers must stay unchanged until
 the write's result is polled (the orchestrator keeps them pinned). Each read thread holds one reply at a
 time, and each connection that read a block keeps a reader buffer of about one reply (a value, or
-one piece of a value read in pieces: :data:`~kvtier.tiers.redis.jobs.PIECE_BYTES`)
+one piece of a value read in pieces: :data:`~kvtier.tiers.redis.reads.PIECE_BYTES`)
 (:func:`~kvtier.tiers.redis.wire.reply_parser`). ``submit_write`` returns False (nothing queued,
 counted in ``writes_dropped``) when ``max_pending_writes`` writes are in flight, or while the
 breaker is open.
@@ -79,15 +80,9 @@ from kvtier.tiers.redis.deadline import FLOOR_BYTES_PER_S
 from kvtier.tiers.redis.errors import describe, is_connection_failure, safe_text
 from kvtier.tiers.redis.codec import KeySpace
 from kvtier.tiers.redis.heap import raise_mmap_threshold
-from kvtier.tiers.redis.jobs import (
-    MSG_BATCH,
-    MSG_REMOVED,
-    MSG_USAGE,
-    PIECE_BYTES,
-    DataPath,
-    read_reply_bytes,
-)
+from kvtier.tiers.redis.jobs import MSG_BATCH, MSG_REMOVED, MSG_USAGE, DataPath
 from kvtier.tiers.redis.monitor import USAGE_INTERVAL, Monitor
+from kvtier.tiers.redis.reads import PIECE_BYTES, read_reply_bytes
 from kvtier.tiers.presence import ABSENT_TTL, MAX_ENTRIES, PRESENT_TTL
 from kvtier.tiers.redis.stats import RedisTierStats
 from kvtier.tiers.remote import ReadJob, RemoteTier, WriteJob
