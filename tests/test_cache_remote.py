@@ -10,11 +10,13 @@ import time
 from pathlib import Path
 
 import pytest
+import redis
 from click.testing import CliRunner
 from support.namespaces import toy_namespace
 from support.redis_server import redis_factory, valkey_server  # noqa: F401  (pytest fixtures)
 from support.seaweed import REGION, s3, seaweed  # noqa: F401  (pytest fixtures)
 
+from kvtier.cachetools import remote
 from kvtier.cachetools.objects import ObjectTarget, inspect_objects, verify_objects
 from kvtier.cachetools.purge import PurgeSelection
 from kvtier.cachetools.remote import MEMORY_NOTE, RemoteTarget, inspect_remote, purge_remote, verify_remote
@@ -462,6 +464,94 @@ def test_on_a_server_with_client_no_touch_nothing_the_tools_read_is_a_use(valkey
     assert json.loads(verified)["notes"] == [] and not RemoteTarget(valkey_server.url).client().reads_touch()
     code, out = run("purge", valkey_server.url, "--older-than", "1s", "--json")
     assert code == 0 and json.loads(out)["files"] == len(names) and all_blocks(raw) == []
+
+
+# ---------------------------------------------------------------------- purge --older-than: the age read again at the unlink
+
+
+def used_at_the_unlink(monkeypatch, raw, also=None) -> list[bytes]:
+    """Make ``purge_remote`` meet engines between its age read and its unlink, deterministically: at
+    its first unlink of a namespace's selected blocks, the first is read (GET) and the second
+    rewritten (SET), as an engine would, by a plain client whose reads count as uses; ``also(raw)``
+    runs there after them. Returns the names it used."""
+    real = remote._unlink_counted
+    used: list[bytes] = []
+
+    def meanwhile(client, names, result, *rest):
+        if len(names) >= 2 and not used:
+            raw.get(names[0])
+            raw.set(names[1], raw.get(names[1]))
+            used.extend(names[:2])
+            if also is not None:
+                also(raw)
+        return real(client, names, result, *rest)
+
+    monkeypatch.setattr(remote, "_unlink_counted", meanwhile)
+    return used
+
+
+def full(raw) -> None:
+    """The server at its ``maxmemory`` from now (noeviction): a write is refused."""
+    raw.config_set("maxmemory", raw.info("memory")["used_memory"] // 2)
+    with pytest.raises(redis.exceptions.OutOfMemoryError):
+        raw.set("kvtier-test:probe", b"x")
+
+
+@pytest.mark.parametrize("kind", ["redis-7.0", "valkey-9"])
+def test_purge_older_than_keeps_blocks_used_between_their_age_read_and_their_unlink(kind, request,
+                                                                                     monkeypatch) -> None:
+    """The age is read again in the script that unlinks (atomic on the server): a block read or
+    rewritten since it was selected is kept and counted as the disk purge counts one (``skipped``:
+    "kept N used meanwhile"). Before: both went."""
+    if kind == "valkey-9":
+        url = request.getfixturevalue("valkey_server").url
+        fill(url)
+        raw = request.getfixturevalue("valkey_server").client()
+    else:
+        url, raw = request.getfixturevalue("server").url(), request.getfixturevalue("server").client()
+    names = all_blocks(raw)
+    time.sleep(2.2)  # OBJECT IDLETIME counts whole seconds
+    used = used_at_the_unlink(monkeypatch, raw, full)  # the server full when purge unlinks: the script still may
+    code, out = run("purge", url, "--older-than", "1s", "--json")
+    data = json.loads(out)
+    assert code == 0 and all_blocks(raw) == sorted(used) and len(used) == 2
+    assert data["files"] == len(names) - 2 and sum(ns["skipped"] for ns in data["namespaces"]) == 2
+    assert data["notes"] == []
+    time.sleep(2.2)
+    code, out = run("purge", url, "--older-than", "1s")  # the seam used blocks once: unused since, they go now
+    assert code == 0 and all_blocks(raw) == [] and "used meanwhile" not in out
+
+
+REFUSALS = {
+    "no @scripting": (["-@scripting"], None, "no permissions"),  # SCRIPT EXISTS refused before the pipeline
+    "no EVALSHA": (["-evalsha"], None, "no permissions"),  # each EVALSHA refused in the pipeline
+    "LFU meanwhile": ([], lambda raw: raw.config_set("maxmemory-policy", "allkeys-lfu"), "LFU"),  # OBJECT IDLETIME
+}
+
+
+@pytest.mark.parametrize("refusal", REFUSALS)
+def test_purge_older_than_on_a_server_that_refuses_the_script_unlinks_as_before_and_says_so(
+        refusal, redis_factory, monkeypatch) -> None:  # noqa: F811
+    """A server that refuses the re-check's script still purges (STRLEN + UNLINK, as before the
+    re-check: a block used meanwhile goes too), and the report says the re-check was not possible
+    and why, once."""
+    rules, also, why = REFUSALS[refusal]
+    secured = redis_factory(users=[["kv", "on", f">{PASSWORD}", "~kvtier:*", "+@all", *rules]])
+    fill(secured.url())
+    raw = secured.client()
+    names, kept = block_names(secured, "smol"), block_names(secured, "qwen")
+    lengths = sum(len(raw.get(name)) for name in names)
+    time.sleep(2.2)
+    used = used_at_the_unlink(monkeypatch, raw, also)
+    code, out = run("purge", secured.url(), "--username", "kv", "--password-env", "KV_PASS", "--older-than", "1s",
+                    "--model", MODEL_NAMES["smol"], "--json", env={"KV_PASS": PASSWORD})
+    data = json.loads(out)
+    assert code == 0 and len(used) == 2 and set(used) <= set(names) and all_blocks(raw) == kept
+    assert (data["files"], data["bytes"]) == (len(names), lengths)
+    assert sum(ns["skipped"] for ns in data["namespaces"]) == 0
+    [note] = data["notes"]
+    assert note.startswith("--older-than: blocks were unlinked without their idle time being read again") and why in note
+    assert PASSWORD not in out
 
 
 # ---------------------------------------------------------------------- what the operator typed, in the store's words

@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 
 from kvtier.cachetools.inventory import Inventory, NamespaceInventory, age_bucket
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
-from kvtier.cachetools.remote import Stray, _RemoteNamespace, check_value, purged_namespaces, verified_namespaces
+from kvtier.cachetools.remote import check_value
+from kvtier.cachetools.remote_scan import Stray, _RemoteNamespace, purged_namespaces, verified_namespaces
 from kvtier.cachetools.scan import ParsedConfig, parse_config
 from kvtier.cachetools.stores import S3, TARGET
 from kvtier.cachetools.verify import Problem, VerifyReport

@@ -6,10 +6,13 @@ the tier's own key names and value format (:mod:`kvtier.tiers.redis.codec`): a n
 ``<key_prefix>:<digest16>:config`` key and the block keys beside it; any other key under the prefix
 is a stray (listed by inspect, bounded; one in a namespace keeps its config key from being purged).
 Keys are listed with ``SCAN`` (never ``KEYS``), ages with ``OBJECT IDLETIME`` (not available under
-an LFU eviction policy: then ages are not reported), all pipelined in batches. Verify reads every
-value and deletes (``UNLINK``) the bad ones unless told not to; purge unlinks what it selects.
-Nothing is read whole before its size is known: a config key at most :data:`CONFIG_MAX_BYTES`
-(``GETRANGE``), a block value only when its length (``STRLEN``) is what its first header
+an LFU eviction policy: then ages are not reported), all pipelined in batches
+(:mod:`kvtier.cachetools.remote_scan`). Verify reads every value and deletes (``UNLINK``) the bad
+ones unless told not to; purge unlinks what it selects, ``--older-than`` reading each block's age
+again in the server-side script that unlinks it (:data:`RECHECK_LUA`: a block used since it was
+selected is kept; a server that refuses scripts gets the plain unlink, said in the report's notes).
+Nothing is read whole before its size is known: a config key at most
+:data:`~kvtier.tiers.disk.layout.CONFIG_MAX_BYTES` (``GETRANGE``), a block value only when its length (``STRLEN``) is what its first header
 (``GETRANGE``) announces for the namespace's ranks and that header's payload is no longer than the
 namespace's records can be (its config's block size, :func:`~kvtier.cachetools.verify.config_payload_bound`,
 says for a disk root); any other value is a problem, never read. A config key is judged as a disk
@@ -27,8 +30,9 @@ key's LRU clock or LFU counter: the server's eviction order and the idle times `
 and with commands that touch as little as they can: ``OBJECT IDLETIME`` (which never touches) is
 read before anything else of a block, sizes that are only reported are the server's memory for the
 key (``MEMORY USAGE``, which never touches) instead of ``STRLEN`` (said in the report's notes), a
-real purge reads a key's ``STRLEN`` only in the pipeline that unlinks it, and ``purge --older-than
---retired`` reads headers only of the blocks old enough. What still touches on such a server, said
+real purge reads a key's ``STRLEN`` only in the script or pipeline that unlinks it (a block the
+age re-check keeps is not read), and ``purge --older-than --retired`` reads headers only of the
+blocks old enough. What still touches on such a server, said
 in the report's notes: the config keys (read by every command), every value ``verify`` reads, and
 the headers ``purge --retired`` reads of the blocks it keeps.
 
@@ -39,31 +43,28 @@ from an environment variable or the URL and are never printed.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from kvtier.cachetools.inventory import AGE_BUCKETS, Inventory, NamespaceInventory, age_bucket
 from kvtier.cachetools.purge import NamespacePurge, PurgeReport, PurgeSelection
-from kvtier.cachetools.scan import parse_config
-from kvtier.cachetools.selection import matches_digest, matches_model, select
+from kvtier.cachetools.remote_scan import (_batches, _discover, _idle_seconds, _RemoteNamespace, _scan, _sizes,
+                                           purged_namespaces, verified_namespaces)
 from kvtier.cachetools.stores import REDIS
-from kvtier.cachetools.verify import Problem, VerifyReport, config_payload_bound
+from kvtier.cachetools.verify import Problem, VerifyReport
 from kvtier.core.fleet_key import AuthConfig
-from kvtier.core.keys import KEY_SPEC_VERSION, Namespace, describe_config, stored_ranks_of
+from kvtier.core.keys import describe_config
 from kvtier.core.tier_config import REDIS_SCHEMES, redact_url
 from kvtier.tiers.blockfile import HEADER_LEN, CorruptBlockError, decode_header
-from kvtier.tiers.disk.layout import CONFIG_MAX_BYTES
-from kvtier.tiers.redis.codec import KeySpace, decode_value
+from kvtier.tiers.redis.codec import decode_value
 from kvtier.tiers.redis.deadline import bounded_client
 from kvtier.tiers.sealing import PLAIN, KeyState, Sealer
 
-BATCH = 256
-"""Keys per pipelined batch of STRLEN / MEMORY USAGE / OBJECT IDLETIME / UNLINK."""
 READ_BATCH_BYTES = 64 * 2**20
 """Verify reads at most this many bytes of values per round trip."""
-_HEX = frozenset(b"0123456789abcdef")
 
 MEMORY_NOTE = ("sizes are the server's memory for each key (MEMORY USAGE: the value and the key, as allocated), "
                "not the values' lengths: this server refuses CLIENT NO-TOUCH (Redis / Valkey older than 7.2), on "
@@ -109,174 +110,6 @@ class RemoteTarget:
     @property
     def shown(self) -> str:
         return redact_url(self.url)
-
-
-@dataclass
-class _RemoteNamespace:
-    space: KeySpace
-    digest16: str
-    config: dict[str, Any] | None  # the config as stored (None: missing or unreadable)
-    namespace: Namespace | None  # the config as a Namespace of this key spec (see config_problem)
-    spec_version: str | None
-    blocks: list[Any]  # the blocks' key names (bytes; S3: object paths)
-    config_problem: str | None = None  # why the config is unusable or not this namespace's (None: usable)
-    config_key: Any = None  # the config's key name (S3: object path); None: there is none
-    others: int = 0  # keys (objects) of the namespace that are neither its config nor a block: strays
-
-    @property
-    def prefix(self) -> str:
-        return self.space.base.decode().rstrip(":")
-
-    @property
-    def model(self) -> str | None:
-        """The model part of the namespace's name, where its name holds one (S3 folders; not Redis keys)."""
-        return None
-
-    @property
-    def model_name(self) -> str | None:
-        name = (self.config or {}).get("model_name")
-        return name if isinstance(name, str) else None
-
-    @property
-    def world(self) -> int:
-        """Ranks a block value holds records of: from the config unless it is judged wrong, else 1."""
-        try:
-            return stored_ranks_of(self.config or {}) if self.config_problem is None else 1
-        except (TypeError, ValueError):
-            return 1
-
-    @property
-    def unchecked(self) -> str | None:
-        """Why its values cannot be checked (no usable config of this key spec), or None."""
-        if self.config_problem is not None:
-            return self.config_problem
-        if self.namespace is None:
-            return "written under an older key spec" if self.older_spec else "its config is not a kvtier namespace"
-        return None
-
-    def value_bound(self) -> int:
-        """The most bytes a block value of this namespace can have: ``world`` records of at most
-        the payload its config allows a rank (:func:`~kvtier.cachetools.verify.config_payload_bound`:
-        call it only when :attr:`unchecked` is None, so that its config is a valid namespace)."""
-        return self.world * (HEADER_LEN + self.payload_bound())
-
-    def payload_bound(self) -> int:
-        """The longest payload a record of any of its ranks can have (see :meth:`value_bound`)."""
-        assert self.namespace is not None
-        return max(config_payload_bound(self.namespace, rank) for rank in range(self.world))
-
-    @property
-    def older_spec(self) -> bool:
-        return self.spec_version is not None and self.spec_version != KEY_SPEC_VERSION
-
-    def matches_digest(self, selector: str) -> bool:
-        return matches_digest(selector, self.prefix, self.digest16)
-
-    def matches_model(self, selector: str) -> bool:
-        return matches_model(selector, self.model_name, self.model)
-
-    def matches(self, selector: str) -> bool:
-        return self.matches_digest(selector) or self.matches_model(selector)
-
-
-Stray = Callable[[str, str], None]
-"""Where discovery reports a key (or object) under the prefix that is not kvtier's: ``(name, why)``."""
-
-
-def _scan(client, pattern: bytes) -> Iterator[bytes]:
-    yield from client.scan_iter(match=pattern, count=1000)
-
-
-def _discover(client, key_prefix: str, stray: Stray | None = None) -> list[_RemoteNamespace]:
-    """Every namespace under ``key_prefix`` (by its config key, or by its blocks alone); keys under
-    the prefix that are neither a namespace's config nor its blocks go to ``stray``."""
-    by_digest: dict[str, list[bytes]] = defaultdict(list)
-    configs: dict[str, bytes] = {}
-    others: dict[str, int] = defaultdict(int)
-    spaces: dict[bytes, KeySpace] = {}
-    head = (key_prefix + ":").encode()
-    for name in _scan(client, head + b"*"):
-        parts = name[len(head) :].split(b":", 1)
-        if len(parts) != 2 or len(parts[0]) != 16 or not set(parts[0]) <= _HEX:
-            if stray is not None:
-                stray(name.decode(errors="replace"), "not a kvtier key: no namespace digest after the key prefix")
-            continue
-        digest16 = parts[0].decode("ascii")
-        if parts[1] == b"config":
-            configs[digest16] = name
-        elif spaces.setdefault(parts[0], KeySpace(head + parts[0] + b":")).block_key_of(name) is not None:
-            by_digest[digest16].append(name)
-        else:
-            others[digest16] += 1
-            if stray is not None:
-                stray(name.decode(errors="replace"), "not a block key of its namespace")
-    found = []
-    for digest16 in sorted(set(by_digest) | set(configs)):
-        space = KeySpace(head + digest16.encode() + b":")
-        config = namespace = version = None
-        problem: str | None = "config key missing"
-        if digest16 in configs:
-            raw = client.getrange(configs[digest16], 0, CONFIG_MAX_BYTES) or b""  # one byte more shows a longer one
-            if len(raw) > CONFIG_MAX_BYTES:
-                problem = f"config key longer than {CONFIG_MAX_BYTES} bytes (not read)"
-            else:
-                parsed = parse_config(raw, digest16, "config key", "its key name")
-                config, namespace, version, problem = parsed.config, parsed.namespace, parsed.spec_version, parsed.problem
-        blocks = sorted(by_digest.get(digest16, []))
-        found.append(_RemoteNamespace(space, digest16, config, namespace, version, blocks, problem,
-                                      configs.get(digest16), others.get(digest16, 0)))
-    return found
-
-
-def purged_namespaces(spaces: Sequence[_RemoteNamespace], selection: PurgeSelection,
-                      where: str) -> list[_RemoteNamespace]:
-    """The namespaces of ``spaces`` whose blocks ``selection`` purges (none when it selects no
-    blocks); SelectionError when a selector matches none or a digest several
-    (:func:`~kvtier.cachetools.selection.select`). Shared with the S3 tools."""
-    chosen = select(spaces, where, namespaces=selection.namespaces, models=selection.models)
-    if selection.older_spec:
-        chosen = [ns for ns in chosen if ns.older_spec]
-    return chosen if selection.blocks else []
-
-
-def verified_namespaces(spaces: Sequence[_RemoteNamespace], selectors: Sequence[str],
-                        where: str) -> list[_RemoteNamespace]:
-    """The namespaces ``selectors`` (digests or models) name, all without one (as a disk root's).
-    Shared with the S3 tools."""
-    return select(spaces, where, either=selectors)
-
-
-def _batches(items: Sequence[bytes], size: int = BATCH) -> Iterator[Sequence[bytes]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
-def _idle_seconds(client, names: Sequence[bytes]) -> list[int | None]:
-    """``OBJECT IDLETIME`` of each key (None where the server refuses it, e.g. under LFU). It never
-    counts as a use of the key, on any server."""
-    out: list[int | None] = []
-    for batch in _batches(names):
-        pipe = client.pipeline(transaction=False)
-        for name in batch:
-            pipe.object("idletime", name)
-        out += [value if isinstance(value, int) else None for value in pipe.execute(raise_on_error=False)]
-    return out
-
-
-def _sizes(client, names: Sequence[bytes], exact: bool) -> list[int]:
-    """The size of each key's value (0 where it is gone or the server refuses): ``STRLEN`` when
-    ``exact``, else the server's memory for the key (``MEMORY USAGE``), which never counts as a use
-    of it (for a server whose reads touch: see the module docstring)."""
-    out: list[int] = []
-    for batch in _batches(names):
-        pipe = client.pipeline(transaction=False)
-        for name in batch:
-            if exact:
-                pipe.strlen(name)
-            else:
-                pipe.memory_usage(name)
-        out += [n if isinstance(n, int) else 0 for n in pipe.execute(raise_on_error=False)]
-    return out
 
 
 def inspect_remote(target: RemoteTarget, *, now: float | None = None) -> Inventory:
@@ -478,21 +311,47 @@ def _not_sealed_under(client, names: Sequence[bytes], key_id: bytes) -> list[byt
     return out
 
 
+KEPT = -1
+GONE = -2
+RECHECK_LUA = f"""\
+local idle = redis.call('OBJECT', 'IDLETIME', KEYS[1])
+if not idle then return {GONE} end
+if idle <= tonumber(ARGV[1]) then return {KEPT} end
+local size = redis.pcall('STRLEN', KEYS[1])
+if type(size) ~= 'number' then size = 0 end
+if redis.call('UNLINK', KEYS[1]) == 0 then return {GONE} end
+return size
+"""
+"""``purge --older-than``'s unlink of one block key (``KEYS[1]``), atomic on the server: its idle time
+read again (``OBJECT IDLETIME``, never a use) and, only if still more than the cutoff (``ARGV[1]``,
+seconds), its length (``STRLEN``; 0 for a value that is not a string) and ``UNLINK``. Returns the
+length removed, :data:`KEPT` (used since its age was read: nothing else of it read) or :data:`GONE`
+(no such key). One key a call (``EVALSHA``, pipelined). No shebang line: a Redis older than 7.0 runs
+it, and as such a script it is not refused on a server at ``maxmemory`` (``UNLINK`` frees memory)."""
+RECHECK_NOTE = ("--older-than: blocks were unlinked without their idle time being read again at the unlink (the "
+                "server refused the script that does it: {why}), so a block used since its age was read went too")
+
+
 def purge_remote(
     target: RemoteTarget, selection: PurgeSelection, *, dry_run: bool = False, now: float | None = None
 ) -> PurgeReport:
     """Unlink what ``selection`` selects. There is no quarantine on a Redis server (bad values are
     deleted where they are found): ``--quarantine`` is a ValueError. Ages (``OBJECT IDLETIME``) are
     read before anything else of a block, and ``--retired`` reads headers only of the blocks old
-    enough; what is counted as removed is what ``UNLINK`` removed, with the ``STRLEN`` read in the
-    same pipeline (a dry run reads no value: sizes as :func:`inspect_remote` measures them). A
-    namespace's config key goes only with the whole namespace (``--all``, ``--namespace``,
-    ``--model``), and only if nothing else of it is left (no block, no stray key, scanned again
-    after the unlinks: an engine that wrote meanwhile keeps it)."""
+    enough. With ``--older-than`` each block's age is read again where it is unlinked, atomically on
+    the server (:data:`RECHECK_LUA`): a block an engine read or rewrote since is kept and counted
+    ``skipped``, as a disk root's purge keeps one; a server that refuses the script gets the plain
+    unlink, and the report a note saying why (:class:`_Recheck`). What is counted as removed is what
+    ``UNLINK`` removed, with the ``STRLEN`` read just before it in the same script or pipeline (a
+    dry run reads no value: sizes as :func:`inspect_remote` measures them, and nothing is read
+    again). A namespace's config key goes only with the whole namespace (``--all``,
+    ``--namespace``, ``--model``), and only if nothing else of it is left (no block, no stray key,
+    scanned again after the unlinks: an engine that wrote meanwhile keeps it)."""
     selection.validate(REDIS)
     client = target.client()
     report = PurgeReport(target.shown, dry_run, store=REDIS.name)
     exact = not dry_run or not client.reads_touch()
+    recheck = _Recheck(client, selection.older_than, report.notes) if selection.older_than is not None else None
     for ns in purged_namespaces(_discover(client, target.key_prefix), selection, target.shown):
         result = NamespacePurge(ns.prefix)
         victims = list(ns.blocks)
@@ -510,7 +369,7 @@ def purge_remote(
             result.blocks = result.files = len(victims)
             result.bytes = sum(_sizes(client, victims, exact))
         else:
-            _unlink_counted(client, victims, result)
+            _unlink_counted(client, victims, result, recheck)
         whole = selection.whole_namespaces and len(victims) == len(ns.blocks) and not ns.others
         if whole and ns.config_key is not None and not result.errors:
             result.config_removed = True if dry_run else _drop_config(client, ns)
@@ -518,18 +377,71 @@ def purge_remote(
     return report
 
 
-def _unlink_counted(client, names: Sequence[bytes], result: NamespacePurge) -> None:
-    """UNLINK ``names``, each after its ``STRLEN`` in the same pipeline (the value's length just
-    before it goes: reading it then is no use that could matter). Counts in ``result`` the keys
-    UNLINK removed and their bytes, and as errors (``failed``) those it refused; a key gone
-    meanwhile is neither."""
+class _Recheck:
+    """The age re-check of one ``purge --older-than`` (one client, the command's thread): runs
+    :data:`RECHECK_LUA` on each key and counts what it did. ``refused``: why the server refused the
+    script (``SCRIPT`` / ``EVALSHA`` not allowed to the ACL user, unknown on this server, or an error
+    of the script such as ``OBJECT IDLETIME`` refused under an LFU policy), None while it has not;
+    from the first refusal on, every key goes the plain way (:func:`_unlink_counted`), and
+    ``notes`` (the report's) gets :data:`RECHECK_NOTE` once."""
+
+    def __init__(self, client, older_than: float, notes: list[str]) -> None:
+        self.client = client
+        self.script = client.register_script(RECHECK_LUA)  # only its SHA1: loaded by the first pipeline
+        self.cutoff = repr(float(older_than))
+        self.notes = notes
+        self.refused: str | None = None
+
+    def unlink(self, names: Sequence[bytes], result: NamespacePurge) -> list[bytes]:
+        """Unlink those of ``names`` still older than the cutoff (one pipeline), counting in
+        ``result`` the removed ones (blocks, bytes) and the kept ones (``skipped``); returns those
+        the script could not check, for the plain way."""
+        if self.refused is not None:
+            return list(names)
+        with self.client.pipeline(transaction=False) as pipe:
+            for name in names:
+                self.script(keys=[name], args=[self.cutoff], client=pipe)
+            try:
+                replies = pipe.execute(raise_on_error=False)
+            except redis.ResponseError as exc:  # SCRIPT EXISTS / LOAD, sent before the pipeline, refused
+                self._refuse(exc)
+                return list(names)
+        left: list[bytes] = []
+        for name, reply in zip(names, replies):
+            if not isinstance(reply, int):  # an error reply: this key is not checked
+                self._refuse(reply)
+                left.append(name)
+            elif reply == KEPT:
+                result.skipped += 1
+            elif reply != GONE:
+                result.blocks += 1
+                result.files += 1
+                result.bytes += reply
+        return left
+
+    def _refuse(self, error: object) -> None:
+        if self.refused is None:
+            text = str(error).strip().split("\n", 1)[0].split(". ", 1)[0]  # its first sentence
+            self.refused = (text or type(error).__name__)[:200]
+            self.notes.append(RECHECK_NOTE.format(why=self.refused))
+
+
+def _unlink_counted(client, names: Sequence[bytes], result: NamespacePurge, recheck: _Recheck | None = None) -> None:
+    """UNLINK ``names``: through ``recheck`` where given (each key's age read again in the script that
+    unlinks it), else (and for the keys ``recheck`` could not check) each after its ``STRLEN`` in the
+    same pipeline (the value's length just before it goes: reading it then is no use that could
+    matter). Counts in ``result`` the keys removed and their bytes, as ``skipped`` those the re-check
+    kept, and as errors (``failed``) those UNLINK refused; a key gone meanwhile is none of these."""
     for batch in _batches(names):
+        plain = recheck.unlink(batch, result) if recheck is not None else batch
+        if not plain:
+            continue
         pipe = client.pipeline(transaction=False)
-        for name in batch:
+        for name in plain:
             pipe.strlen(name)
             pipe.unlink(name)
         replies = pipe.execute(raise_on_error=False)
-        for name, size, gone in zip(batch, replies[0::2], replies[1::2]):
+        for name, size, gone in zip(plain, replies[0::2], replies[1::2]):
             if isinstance(gone, Exception):
                 result.errors += 1
                 result.failed.append(name.decode(errors="replace"))
