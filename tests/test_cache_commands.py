@@ -594,3 +594,23 @@ def test_inspect_names_node_sockets_and_a_node_no_engine_attached_to(tmp_path: P
         assert code == 2 and "only inspect takes a kvtier node's socket" in out
     finally:
         node.stop()
+
+
+def test_names_from_the_store_reach_the_terminal_as_text_never_as_commands(tmp_path: Path, monkeypatch) -> None:
+    """A writer of a shared root picks the model name in a namespace's config and the names of files:
+    control characters (an ESC that would retitle the window or clear the screen, a C1 CSI), a
+    bidirectional override and rich markup in them are printed as escapes, never sent raw."""
+    hostile = "evil\x1b]0;pwned\x07\x1b[2J\x9b31m\u202e[red]x"
+    ns = make_namespace(2)
+    tier = open_tier(tmp_path, ns, hostile)
+    assert tier.submit_write(0, key_of("smol", 0), ns.digest, 16, [memoryview(os.urandom(PAYLOAD))] * WORLD)
+    assert all(r.ok for r in wait(tier, 1))
+    tier.close()
+    (tmp_path / "stray\x1b[2Jname").write_bytes(b"x")
+    monkeypatch.setenv("COLUMNS", "1000")  # one table row a line
+    for command in (["inspect", tmp_path], ["verify", tmp_path], ["purge", tmp_path, "--all", "--dry-run"]):
+        code, out = run(*command)
+        assert not any(c in out for c in "\x1b\x07\x9b\u202e"), repr(out)
+    code, out = run("inspect", tmp_path)
+    assert r"evil\x1b]0;pwned\x07\x1b[2J\x9b31m\u202e[red]x" in out, out
+    assert r"stray\x1b[2Jname" in out

@@ -252,6 +252,8 @@ def test_inspect_and_prometheus_metrics_of_a_running_service(tmp_path):
         a = client(sock, "A")
         a.reserve([key(1)]), a.commit([key(1)])
         a.lookup([key(1), key(2)], pin=True)
+        hostile = client(sock, "evil\x1b]0;pwned\x07\x1b[2J[red]x")  # an admitted peer names itself
+        hostile.lookup([key(9)])
         out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", str(sock), "--json"], env=ENV,
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr
@@ -260,6 +262,8 @@ def test_inspect_and_prometheus_metrics_of_a_running_service(tmp_path):
         text = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", str(sock)], env=ENV,
                               capture_output=True, text=True, timeout=60).stdout
         assert "pool" in text and "A" in text
+        assert r"evil\x1b]0;pwned\x07\x1b[2J[red]x" in text and "\x1b" not in text  # shown, never sent raw
+        hostile.close()
         metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'kvtier_node_hit_blocks_total{engine="A"} 1.0' in metrics
         assert "kvtier_node_pinned_blocks 1.0" in metrics and "kvtier_node_attached_engines 1.0" in metrics

@@ -10,8 +10,10 @@ Invariants:
 - A renderer only prints, to the console it is given: it never touches a store, never changes the
   report, never exits and never raises a click error. Exit statuses, ``--json`` and the errors of
   a command are :mod:`kvtier.cli.cache`'s.
-- Text that comes from a store (names, paths, keys, reasons, notes) is escaped before it is
-  printed as rich markup, and the console has emoji codes off (a key ``kvtier:a`` followed by a
+- Text that comes from a store or a node's peers (names, paths, keys, layouts, reasons, notes,
+  engine names) goes through :func:`kvtier.cli.terminal.shown` before it is printed: markup escaped, control
+  characters and bidirectional overrides written as escapes (a hostile writer of a shared store
+  cannot send the operator's terminal commands), and the console has emoji codes off (a key ``kvtier:a`` followed by a
   colon prints as it is, not as an emoji).
 - Only the standard library is imported at module level: rich and :mod:`kvtier.cachetools` are
   imported when something is rendered, so importing this module (as registering the commands
@@ -25,6 +27,8 @@ from __future__ import annotations
 import os
 import sys
 from typing import TYPE_CHECKING, Any
+
+from kvtier.cli.terminal import shown
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -74,7 +78,9 @@ _TABLE_MIN_WIDTH = 120  # narrower consoles get one block of lines per namespace
 def _layout_text(layout: dict[str, Any] | None, sep: str = "\n") -> str:
     if layout is None:
         return "-"
-    get = layout.get
+    def get(key: str, default: str) -> str:
+        return shown(layout.get(key, default))
+
     return sep.join((f"{get('spec_version', '?')} · {get('kv_dtype', '?')} · {get('attention_kind', '?')}",
                      f"{get('num_layers', '?')} layers · {get('num_kv_heads', '?')}×{get('head_size', '?')}",
                      f"{get('block_tokens', '?')} tok/block · tp {get('tp_size', '?')}"))
@@ -82,11 +88,9 @@ def _layout_text(layout: dict[str, Any] | None, sep: str = "\n") -> str:
 
 def _cells(ns: NamespaceInventory, now: float, store: StoreWords) -> dict[str, str]:
     """One namespace's figures as rich markup, keyed by column."""
-    from rich.markup import escape
-
-    name = f"{escape(ns.model_name or ns.model)}\n[dim]{ns.digest16}[/dim]"
+    name = f"{shown(ns.model_name or ns.model)}\n[dim]{ns.digest16}[/dim]"
     if ns.config_problem:
-        name += f"\n[red]{escape(ns.config_problem)}[/red]"
+        name += f"\n[red]{shown(ns.config_problem)}[/red]"
     if ns.older_spec:
         name += "\n[yellow]older key spec: never read (kvtier purge --older-spec)[/yellow]"
     if ns.unreadable:
@@ -113,7 +117,6 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
     """The human-readable ``kvtier inspect`` output: a table (or, on a narrow console, one block
     of lines per namespace), totals, the first unexpected entries and the notes; in the words of
     the store (:mod:`kvtier.cachetools.stores`: no quarantine or temp files but on disk)."""
-    from rich.markup import escape
     from rich.table import Table
 
     from kvtier.cachetools import AGE_BUCKETS
@@ -124,14 +127,14 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
     last = ("last use", "quarantine", "temp") if store.quarantine else ("last use",)
     if console.width >= _TABLE_MIN_WIDTH:
         columns = ("namespace", "layout", "blocks", "size", *(label for label, _ in AGE_BUCKETS), *last)
-        table = Table(title=f"{store.title} {escape(inventory.root)}", title_justify="left", show_lines=True)
+        table = Table(title=f"{store.title} {shown(inventory.root)}", title_justify="left", show_lines=True)
         for column in columns:
             table.add_column(column, justify="left" if column in ("namespace", "layout") else "right")
         for ns, cells in rows:
             table.add_row(*(_layout_text(ns.layout) if c == "layout" else cells[c] for c in columns))
         console.print(table)
     else:
-        console.print(f"[bold]{store.title} {escape(inventory.root)}[/bold]")
+        console.print(f"[bold]{store.title} {shown(inventory.root)}[/bold]")
         for ns, cells in rows:
             incomplete = f" (+{ns.incomplete_blocks:,} incomplete)" if ns.incomplete_blocks else ""
             console.print(cells["namespace"].replace("\n", "  "))
@@ -159,25 +162,23 @@ def render_inventory(inventory: Inventory, console: Console) -> None:
         see = " (see `kvtier verify`)" if store.quarantine else ", not kvtier's (left alone)"
         console.print(f"[yellow]{strays:,} unexpected {store.entries[strays != 1]}{see}:[/yellow]")
         for path, reason in inventory.strays[:10]:
-            console.print(f"  {escape(_relative(path, inventory.root))}: {escape(reason)}")
+            console.print(f"  {shown(_relative(path, inventory.root))}: {shown(reason)}")
         if strays > 10:
             listed = "--json lists all" if not inventory.strays_unlisted else f"--json lists {len(inventory.strays)}"
             console.print(f"  ... and {strays - 10} more ({listed})")
     for note in inventory.notes:
-        console.print(f"[dim]note: {escape(note)}[/dim]")
+        console.print(f"[dim]note: {shown(note)}[/dim]")
     _render_unreadable(inventory.unreadable, inventory.root, console, "not counted")
 
 
 def _render_unreadable(unreadable: list[Any], root: str, console: Console, consequence: str) -> None:
     """The directories a command could not read (skipped), the first 10 of them."""
-    from rich.markup import escape
-
     if not unreadable:
         return
     console.print(f"[red]{len(unreadable)} director{'y' if len(unreadable) == 1 else 'ies'} could not be read "
                   f"and {'was' if len(unreadable) == 1 else 'were'} skipped ({consequence}):[/red]")
     for u in unreadable[:10]:
-        console.print(f"  [red]SKIPPED[/red] {escape(_relative(u.path, root))}: {escape(u.reason)}")
+        console.print(f"  [red]SKIPPED[/red] {shown(_relative(u.path, root))}: {shown(u.reason)}")
     if len(unreadable) > 10:
         console.print(f"  ... and {len(unreadable) - 10} more (--json lists all)")
 
@@ -185,14 +186,12 @@ def _render_unreadable(unreadable: list[Any], root: str, console: Console, conse
 def render_verify(report: VerifyReport, console: Console, seconds: float) -> None:
     """The human-readable ``kvtier verify`` output, in the words of the store (block files
     quarantined on disk, values or objects deleted on Redis and S3)."""
-    from rich.markup import escape
-
     from kvtier.cachetools.stores import words
 
     store = words(report.store)
     for problem in report.problems:
-        path = escape(_relative(problem.path, report.root))
-        console.print(f"[red]BAD[/red] {path}: {escape(problem.reason)} [dim]({problem.action})[/dim]")
+        path = shown(_relative(problem.path, report.root))
+        console.print(f"[red]BAD[/red] {path}: {shown(problem.reason)} [dim]({problem.action})[/dim]")
     bad = len(report.problems)
     removed = f"{report.quarantined} quarantined" if store.quarantine else f"{report.deleted} deleted"
     console.print(
@@ -202,7 +201,7 @@ def render_verify(report: VerifyReport, console: Console, seconds: float) -> Non
         + (f"; {report.vanished} removed meanwhile by an engine" if report.vanished else "")
     )
     for note in report.notes:
-        console.print(f"[dim]note: {escape(note)}[/dim]")
+        console.print(f"[dim]note: {shown(note)}[/dim]")
     _render_unreadable(report.unreadable, report.root, console, "not verified")
     for key_id, count in report.retired.items():
         console.print(f"[yellow]{count:,} records under retired key {key_id}[/yellow] (still accepted while "
@@ -215,21 +214,19 @@ def render_verify(report: VerifyReport, console: Console, seconds: float) -> Non
 def render_purge(report: PurgeReport, console: Console) -> None:
     """The human-readable ``kvtier purge`` output, in the words of the store (files, a quarantine
     and directories on disk; values and config keys on Redis; objects and config.json on S3)."""
-    from rich.markup import escape
-
     from kvtier.cachetools.stores import words
 
     store = words(report.store)
     verb = "would remove" if report.dry_run else "removed"
     for ns in report.namespaces:
         if ns.unreadable:
-            console.print(f"[red]{escape(ns.prefix)}: skipped[/red], {ns.unreadable} of its directories could not be "
+            console.print(f"[red]{shown(ns.prefix)}: skipped[/red], {ns.unreadable} of its directories could not be "
                           "read; nothing removed from it")
             continue
         if not (ns.files or ns.skipped or ns.config_removed or ns.errors or ns.namespace_removed):
             continue
         units = f", {store.units(ns.files)}" if store.quarantine else ""  # elsewhere one unit a block
-        line = f"{escape(ns.prefix)}: {verb} {ns.blocks:,} blocks{units}, {fmt_bytes(ns.bytes)}"
+        line = f"{shown(ns.prefix)}: {verb} {ns.blocks:,} blocks{units}, {fmt_bytes(ns.bytes)}"
         if ns.skipped:
             line += f" (kept {ns.skipped} used meanwhile)"
         if ns.errors:
@@ -240,19 +237,19 @@ def render_purge(report: PurgeReport, console: Console) -> None:
             line += "; its directories " + ("would go" if report.dry_run else "removed")
         console.print(line)
         for path in ns.failed[:10]:
-            console.print(f"  [red]NOT REMOVED[/red] {escape(_relative(path, report.root))}")
+            console.print(f"  [red]NOT REMOVED[/red] {shown(_relative(path, report.root))}")
         if len(ns.failed) > 10:
             console.print(f"  ... and {len(ns.failed) - 10} more (--json lists all)")
     if store.quarantine and (report.quarantine_files or report.quarantine_left or not report.namespaces):
         console.print(f"quarantine: {verb} {report.quarantine_files:,} files, {fmt_bytes(report.quarantine_bytes)}")
     for reason, count in report.quarantine_left.items():
         console.print(f"[yellow]quarantine: left in place {store.units(count)}[/yellow], not kvtier's: "
-                      f"{escape(reason)}")
+                      f"{shown(reason)}")
     total = f"{store.units(report.files)}, {fmt_bytes(report.bytes)}"
     console.print(f"[bold]dry run: would remove {total}; nothing was deleted[/bold]" if report.dry_run
                   else f"[bold]removed {total}[/bold]")
     for note in report.notes:
-        console.print(f"[dim]note: {escape(note)}[/dim]")
+        console.print(f"[dim]note: {shown(note)}[/dim]")
     _render_unreadable(report.unreadable, report.root, console, "nothing removed there")
 
 
@@ -262,7 +259,7 @@ def render_node(stats: dict[str, Any], console: Console) -> None:
     from rich.table import Table
 
     stride = stats["slot_stride"] or 0
-    console.print(f"kvtier node at {stats['socket']} (pid {stats['service_pid']}, up {stats['uptime_s']:.0f} s, "
+    console.print(f"kvtier node at {shown(stats['socket'])} (pid {stats['service_pid']}, up {stats['uptime_s']:.0f} s, "
                   f"{stats['policy']})")
     if stats["slot_bytes"] is None:  # the first engine's hello sizes the slots
         console.print(f"pool {fmt_bytes(stats['pool_bytes'])}: no engine attached yet (the first engine's block "
@@ -280,7 +277,7 @@ def render_node(stats: dict[str, Any], console: Console) -> None:
         table = Table("engine", "sessions", "held", "lookups", "blocks asked", "hits", "stored", "duplicates",
                       "refused")
         for name, e in stats["engines"].items():
-            table.add_row(name, str(e["sessions"]), fmt_bytes(e["held_slots"] * stride), str(e["lookups"]),
+            table.add_row(shown(name), str(e["sessions"]), fmt_bytes(e["held_slots"] * stride), str(e["lookups"]),
                           str(e["lookup_blocks"]), str(e["hit_blocks"]), str(e["stored_blocks"]),
                           str(e["duplicate_blocks"]), str(e["refused_blocks"]))
         console.print(table)

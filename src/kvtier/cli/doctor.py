@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.text import Text
 
+from kvtier.cli.terminal import printable
 from kvtier.doctor.audit import Finding
 from kvtier.doctor.measure import MIB, Bandwidth, compare, default_measure_dir, measure
 
@@ -30,10 +31,10 @@ def render_findings(findings: Sequence[Finding], console: Console) -> None:
     """Each finding: severity and title, then why and the fix; then a count per severity."""
     for f in findings:
         head = Text(f"{f.severity.upper():8}", style=_STYLE[f.severity])
-        head.append(f.title, style="bold").append(f"  ({f.code})", style="dim")
+        head.append(printable(f.title), style="bold").append(f"  ({f.code})", style="dim")
         console.print(head, highlight=False)
-        for label, body in (("why", f.why), ("fix", f.fix)):
-            console.print(Padding(Text(f"{label}: {body}"), (0, 0, 0, 8), expand=False), highlight=False)
+        for label, body in (("why", f.why), ("fix", f.fix)):  # (servers' and peers' words: printable)
+            console.print(Padding(Text(f"{label}: {printable(body)}"), (0, 0, 0, 8), expand=False), highlight=False)
     counts = {s: sum(f.severity == s for f in findings) for s in _STYLE}
     console.print(", ".join(f"{n} {s}{'s' if n != 1 and s != 'info' else ''}" for s, n in counts.items()),
                   highlight=False)

@@ -1,0 +1,33 @@
+"""Text from outside kvtier made safe to print on the operator's terminal.
+
+A hostile writer of a shared store (a model name in a namespace's config, a key, a file name), an
+engine attached to a node (its name) or a server (its error message) chooses the text that
+``kvtier inspect / verify / purge`` and ``kvtier doctor`` print. Printed raw, an ESC or a C1 CSI
+in it is a terminal command (retitle the window, clear the screen, move the cursor, write the
+clipboard through OSC 52) and a bidirectional override reorders what the operator reads; in rich
+markup, ``[...]`` would restyle or hide the rest of the line. :func:`printable` writes each such
+character as its Python escape (``\\x1b``, ``\\u202e``); :func:`shown` also escapes rich markup.
+
+Pure functions, any thread; rich is imported only by :func:`shown`.
+"""
+
+from __future__ import annotations
+
+_UNSHOWN = frozenset([*range(0x20), 0x7F, *range(0x80, 0xA0),  # C0 (ESC), DEL, C1 (CSI, OSC)
+                      0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)])  # bidi marks
+
+
+def printable(text: object) -> str:
+    """``str(text)`` with every control character and bidirectional mark written as its escape
+    (a newline too: one field stays one line); any other character, non-ASCII included, as it is."""
+    text = str(text)
+    if not any(ord(c) in _UNSHOWN for c in text):
+        return text
+    return "".join(ascii(c)[1:-1] if ord(c) in _UNSHOWN else c for c in text)
+
+
+def shown(text: object) -> str:
+    """:func:`printable` of ``text``, rich markup escaped: for an f-string printed as markup."""
+    from rich.markup import escape
+
+    return escape(printable(text))
