@@ -180,7 +180,7 @@ def release(server: NodeServer, conn: Conn, why: str) -> None:
     if session is not None and server.index is not None:
         aborted, unpinned = server.index.release_session(session)
         server.sessions_released += 1
-        log.info("engine %s (pid %d) detached (%s): %d reservations aborted, %d pins released",
+        log.info("engine %r (pid %d) detached (%s): %d reservations aborted, %d pins released",  # (%r: a peer names itself)
                  session.engine, conn.pid, why, aborted, unpinned)
     if session is not None and not any(c.session is not None and c.session.engine == session.engine
                                        for c in server.conns.values()):

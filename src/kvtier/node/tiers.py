@@ -166,7 +166,7 @@ class NodeTiers:
         if key not in self._namespaces:
             if len(self._namespaces) >= MAX_NAMESPACES:
                 self.namespaces_refused += 1
-                log.warning("engine %s: %d namespaces have tiers already; this one's blocks stay in the pool only",
+                log.warning("engine %r: %d namespaces have tiers already; this one's blocks stay in the pool only",
                             session.engine, MAX_NAMESPACES)
                 return
             future = self._opener.submit(self._open, namespace, model_name, namespace_json, self.slot_bytes)
