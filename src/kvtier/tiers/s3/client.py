@@ -295,20 +295,21 @@ _LOOKUP = re.compile(r'"(failed to lookup address information[^"]{0,200})"')
 
 _FAILED_REQUEST = re.compile(r"Error performing [A-Z]+ (https?://([^/\s]+)(/\S*)?) in ")
 _CREDENTIAL_HOSTS = ("169.254.169.254", "[fd00:ec2::254]", "169.254.170.2")  # IMDS (v4, v6), ECS
+_IMDS_PATHS = ("/latest/api/token", "/latest/meta-data/")  # (a store's object may live under "latest/")
 
 
 def credential_fetch_url(exc: BaseException) -> str | None:
     """The host (and port) of the credential service whose request failed in ``exc``, or None where
     the failed request was not one (it went to the store, or the text names no request). object_store
     fetches credentials lazily, inside the first request to the store, and reports a failed fetch as
-    that request's error: the instance's role (IMDS, ``/latest/api/token`` or ``/latest/meta-data``
+    that request's error: the instance's role (IMDS, ``/latest/api/token`` or ``/latest/meta-data/``
     on any host: ``AWS_METADATA_ENDPOINT`` may move it), the container's (ECS) or STS (web identity).
     Told apart by the failed request's URL, which object_store's message names."""
     found = _FAILED_REQUEST.search(str(exc))
     if found is None:
         return None
     host, path = found.group(2), found.group(3) or ""
-    if (host.split("@")[-1].rsplit(":", 1)[0] in _CREDENTIAL_HOSTS or path.startswith("/latest/")
+    if (host.split("@")[-1].rsplit(":", 1)[0] in _CREDENTIAL_HOSTS or path.startswith(_IMDS_PATHS)
             or host.split(".")[0] == "sts" or _is_container_uri(found.group(1))):
         return host
     return None
