@@ -2,6 +2,9 @@
 
 Every case compares the generated tokens with vLLM alone's (the fake model's tokens hash every KV
 byte it reads) and checks the KV pages directly, so a wrong, stale or partial load fails here.
+Cases where the timing of vLLM's steps and of the workers' reports matters also run as vLLM runs
+on GPUs by default (``cpu_and_gpu_defaults``: the V2 runner under async scheduling, where the next
+step is scheduled before the last one's tokens and reports are delivered; tests/test_async_scheduling.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import pytest
 from support.engine_sim import (
     SimEngine,
     by_prompt,
+    cpu_and_gpu_defaults,
     counting,
     external,
     prompts_of,
@@ -49,10 +53,11 @@ def store_copies(sim: SimEngine):
     return sim.worker._worker.copies  # noqa: SLF001
 
 
-def test_round_two_is_served_from_the_host_tier_bit_exact(model):
+@cpu_and_gpu_defaults
+def test_round_two_is_served_from_the_host_tier_bit_exact(model, mode):
     prompts = prompts_of(1, 4, 100, shared_prefix=40)
     ref = reference_outputs(model, prompts, 4)
-    with SimEngine(model, kvtier=HOST) as sim:
+    with SimEngine(model, kvtier=HOST, **mode) as sim:
         assert tokens_of(sim.generate(prompts, 4)) == ref
         assert sim.reset_prefix_cache()
         second = sim.generate(renamed(prompts, "-2"), 4)
@@ -118,12 +123,13 @@ def test_negative_control_a_load_that_copies_nothing_is_caught(model):
         assert sim.model.kv_mismatches
 
 
-def test_a_fresh_engine_is_served_from_disk_bit_exact(model, tmp_path):
+@cpu_and_gpu_defaults
+def test_a_fresh_engine_is_served_from_disk_bit_exact(model, tmp_path, mode):
     prompts = prompts_of(3, 3, 90)
     ref = reference_outputs(model, prompts, 3)
-    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as first:
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv"), **mode) as first:
         assert tokens_of(first.generate(prompts, 3)) == ref
-    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as second:  # a restart on the same root
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv"), **mode) as second:  # a restart on the same root
         results = second.generate(renamed(prompts, "-r"), 3)
         assert by_prompt(results, "-r") == ref
         assert all(n >= 80 for n in external(results))
@@ -179,8 +185,9 @@ def test_a_block_file_of_another_namespace_copied_into_place_is_a_counted_miss(m
     assert list((tmp_path / "kv" / "quarantine").iterdir())
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("runner", ["v1", "v2"])
-def test_preemptions_in_the_middle_of_loads_and_stores_stay_bit_exact(model, runner):
+def test_preemptions_in_the_middle_of_loads_and_stores_stay_bit_exact(model, runner, async_scheduling):
     """8 concurrent requests growing by 48 decode tokens each in 20 engine blocks of 16 tokens:
     vLLM preempts running requests (their stores flushed first) and resumes them (loads from kvtier).
     Under the V2 runner (GPUs) a resumed request comes as a new one, its whole table: kvtier once
@@ -191,7 +198,7 @@ def test_preemptions_in_the_middle_of_loads_and_stores_stay_bit_exact(model, run
     with SimEngine(model, kvtier=None, **engine) as alone:
         ref = tokens_of(alone.generate(prompts, 48))
     config = {**HOST, "offload_prompt_only": False}
-    with SimEngine(model, kvtier=config, runner=runner, **engine) as sim:
+    with SimEngine(model, kvtier=config, runner=runner, async_scheduling=async_scheduling, **engine) as sim:
         preempted = []
         results = sim.generate(prompts, 48, before_forward=lambda so: preempted.extend(so.preempted_req_ids))
         assert tokens_of(results) == ref
@@ -225,7 +232,8 @@ class StoreGate:
         self.open.set()
 
 
-def test_a_finished_request_is_freed_at_once_and_its_blocks_reused_only_after_its_stores(model):
+@cpu_and_gpu_defaults
+def test_a_finished_request_is_freed_at_once_and_its_blocks_reused_only_after_its_stores(model, mode):
     """A request finishes while its stores are still copying (held): kvtier delays no free, so vLLM
     frees its blocks at once and hands them to the next requests, and the step that does first
     waits for those stores (the reuse fence); the stored blocks then serve bit-exact."""
@@ -233,7 +241,7 @@ def test_a_finished_request_is_freed_at_once_and_its_blocks_reused_only_after_it
     others = prompts_of(9, 6, 90)
     engine = {"num_blocks": 16, "max_num_seqs": 8}
     ref = reference_outputs(model, prompts, 2, **engine)
-    with SimEngine(model, kvtier=HOST, **engine) as sim:
+    with SimEngine(model, kvtier=HOST, **engine, **mode) as sim:
         gate = StoreGate(sim)
         for req_id, tokens in prompts.items():
             sim.add(req_id, tokens, 2)
@@ -252,10 +260,11 @@ def test_a_finished_request_is_freed_at_once_and_its_blocks_reused_only_after_it
         assert sim.model.kv_mismatches == []
 
 
-def test_abort_while_stores_are_in_flight(model):
+@cpu_and_gpu_defaults
+def test_abort_while_stores_are_in_flight(model, mode):
     prompts = prompts_of(10, 2, 96)
     ref = reference_outputs(model, prompts, 3)
-    with SimEngine(model, kvtier=HOST) as sim:
+    with SimEngine(model, kvtier=HOST, **mode) as sim:
         gate = StoreGate(sim)
         for req_id, tokens in prompts.items():
             sim.add(req_id, tokens, 50)
@@ -273,12 +282,13 @@ def test_abort_while_stores_are_in_flight(model):
         assert by_prompt(results, "-2") == ref and all(n >= 80 for n in external(results))
 
 
-def test_a_load_failing_part_way_is_recomputed_bit_exact(model):
+@cpu_and_gpu_defaults
+def test_a_load_failing_part_way_is_recomputed_bit_exact(model, mode):
     """The copy fails after some of the load's pages: vLLM recomputes the request (its request is
     reported in ``failed_recving``) and kvtier offers it no load again."""
     prompts = prompts_of(11, 1, 130)
     ref = reference_outputs(model, prompts, 3)
-    with SimEngine(model, kvtier=HOST) as sim:
+    with SimEngine(model, kvtier=HOST, **mode) as sim:
         sim.generate(prompts, 3)
         assert sim.reset_prefix_cache()
         copies = store_copies(sim)
@@ -299,7 +309,8 @@ def test_a_load_failing_part_way_is_recomputed_bit_exact(model):
         assert failed and counted.add(sim.kvtier_scheduler.orchestrator.stats).load_errors == 1
 
 
-def test_reset_prefix_cache_while_a_promotion_is_in_flight(model, tmp_path, monkeypatch):
+@cpu_and_gpu_defaults
+def test_reset_prefix_cache_while_a_promotion_is_in_flight(model, tmp_path, monkeypatch, mode):
     """reset_prefix_cache(reset_connector) clears kvtier while disk reads are running (held until
     after the reset): the reads' completions must not resurrect or pin cleared blocks."""
     from kvtier.tiers.disk import files
@@ -316,7 +327,7 @@ def test_reset_prefix_cache_while_a_promotion_is_in_flight(model, tmp_path, monk
         return real_read(*args)
 
     monkeypatch.setattr(files, "read_block", held_read)
-    with SimEngine(model, kvtier=disk_config(tmp_path / "kv")) as sim:  # blocks only on disk now
+    with SimEngine(model, kvtier=disk_config(tmp_path / "kv"), **mode) as sim:  # blocks only on disk now
         orchestrator = sim.kvtier_scheduler.orchestrator
         for req_id, tokens in renamed(prompts, "-2").items():
             sim.add(req_id, tokens, 2)
@@ -476,7 +487,8 @@ def test_an_engine_without_prefix_caching_gets_an_inactive_connector(model, tmp_
     assert "prefix caching is off" in caplog.text
 
 
-def test_a_request_aborted_after_its_load_failed_leaves_no_unwritten_blocks_to_hit(model):
+@cpu_and_gpu_defaults
+def test_a_request_aborted_after_its_load_failed_leaves_no_unwritten_blocks_to_hit(model, mode):
     """A load fails; the request is aborted before it recomputes its blocks; a request with the
     same prompt must not get a prefix-cache hit on those never-written blocks. With synchronous
     loads it did (vLLM 0.32 caches their blocks at allocation and keeps them after a failed load
@@ -484,7 +496,7 @@ def test_a_request_aborted_after_its_load_failed_leaves_no_unwritten_blocks_to_h
     caches only once the load succeeded."""
     prompt = prompts_of(31, 1, 100)["r31-0"]
     ref = reference_outputs(model, {"x": prompt}, 4)["x"]
-    with SimEngine(model, kvtier=HOST) as sim:
+    with SimEngine(model, kvtier=HOST, **mode) as sim:
         sim.generate({"warm": prompt}, 4)  # kvtier holds the prompt's full blocks
         assert sim.reset_prefix_cache()
         copier = sim.worker._worker.copies.copier  # noqa: SLF001

@@ -16,6 +16,7 @@ from support.engine_sim import (
     SimEngine,
     by_prompt,
     counting,
+    cpu_and_gpu_defaults,
     external,
     prompts_of,
     reference_outputs,
@@ -57,11 +58,12 @@ def record_loads(sim: SimEngine) -> list:
     return loaded
 
 
-def test_round_two_loads_every_full_page_and_only_the_window_of_sliding_pages(model):
+@cpu_and_gpu_defaults
+def test_round_two_loads_every_full_page_and_only_the_window_of_sliding_pages(model, mode):
     prompts = prompts_of(1, 4, 100, shared_prefix=40)
     ref = reference_outputs(model, prompts, 4, sliding_window=WINDOW)
     assert ref != reference_outputs(model, prompts, 4), "the sliding layer must change the outputs"
-    with SimEngine(model, kvtier=HOST, sliding_window=WINDOW) as sim:
+    with SimEngine(model, kvtier=HOST, sliding_window=WINDOW, **mode) as sim:
         geometry = sim.kvtier_scheduler.geometry
         assert geometry.num_groups == 2
         assert geometry.attention == "full_attention+sliding_window"
@@ -96,24 +98,27 @@ def test_negative_control_skipping_the_sliding_pages_is_caught(model):
         assert sim.model.kv_mismatches
 
 
-def test_a_block_freed_below_the_window_waits_for_its_store_before_reuse(model):
-    result = run_with_late_stores(model, fence=True)
+@cpu_and_gpu_defaults
+def test_a_block_freed_below_the_window_waits_for_its_store_before_reuse(model, mode):
+    result = run_with_late_stores(model, fence=True, **mode)
     assert result.wrong == 0 and result.mismatches == []
     assert result.flushed  # sliding blocks were handed out again while their stores were in flight
 
 
-def test_negative_control_without_the_fence_reused_blocks_are_stored_wrong(model):
-    result = run_with_late_stores(model, fence=False)
+@cpu_and_gpu_defaults
+def test_negative_control_without_the_fence_reused_blocks_are_stored_wrong(model, mode):
+    result = run_with_late_stores(model, fence=False, **mode)
     assert result.wrong and result.mismatches
     assert not result.flushed
 
 
-def test_a_failed_load_with_several_groups_is_recomputed_per_request(model):
+@cpu_and_gpu_defaults
+def test_a_failed_load_with_several_groups_is_recomputed_per_request(model, mode):
     """vLLM refuses per-block failure reports with several groups: kvtier reports the request
     (failed_recving of an asynchronous load) and vLLM computes it from scratch."""
     prompts = prompts_of(4, 3, 100)
     ref = reference_outputs(model, prompts, 4, sliding_window=WINDOW)
-    with SimEngine(model, kvtier=HOST, sliding_window=WINDOW) as sim:
+    with SimEngine(model, kvtier=HOST, sliding_window=WINDOW, **mode) as sim:
         sim.generate(prompts, 4)
         assert sim.reset_prefix_cache()
         copier = worker_copies(sim).copier

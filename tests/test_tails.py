@@ -17,7 +17,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import pytest
-from support.engine_sim import SimEngine, counting, reference_outputs, settle, write_model
+from support.engine_sim import SimEngine, counting, cpu_and_gpu_defaults, reference_outputs, settle, write_model
 from vllm.v1.request import RequestStatus
 
 from kvtier.core.keys import BlockExtras, block_key, tail_key, tail_keys
@@ -59,11 +59,12 @@ def run_two_turns(model: Path, config: dict | None, first: dict[str, list[int]],
     return answers, second, turn2
 
 
+@cpu_and_gpu_defaults
 @pytest.mark.parametrize("prompt_only", [False, True])
-def test_a_returning_turn_loads_everything_computed_before(model, prompt_only):
+def test_a_returning_turn_loads_everything_computed_before(model, prompt_only, mode):
     first = sessions(1, 3, 100)  # 6 full blocks + a tail of 4
     config = {**HOST, "offload_prompt_only": prompt_only}
-    answers, second, turn2 = run_two_turns(model, config, first, max_tokens=12)
+    answers, second, turn2 = run_two_turns(model, config, first, max_tokens=12, **mode)
     assert {rid: f.tokens for rid, f in turn2.items()} == reference_outputs(model, second, 12)
     for sid, prompt in first.items():
         served = turn2[f"{sid}-t2"].external_cached
@@ -220,8 +221,10 @@ def test_disk_index_evicts_tails_before_blocks():
     assert removed[-1] == [keys[1]], "no tails left: the least recently used block"
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("runner, tail_kept", [("v1", True), ("v2", False)])
-def test_a_tail_sent_in_the_step_that_reuses_its_block_is_copied_before_that_step_writes(model, runner, tail_kept):
+def test_a_tail_sent_in_the_step_that_reuses_its_block_is_copied_before_that_step_writes(model, runner, tail_kept,
+                                                                                          async_scheduling):
     """The finished request's tail is stored in the next step, from a block vLLM freed at finish
     (kvtier delays no free); when that same step hands the block to a new request (here every free
     block), the workers start the tail's store before the forward writes it. A resend of the prompt
@@ -229,7 +232,8 @@ def test_a_tail_sent_in_the_step_that_reuses_its_block_is_copied_before_that_ste
     runner, which zeroes new blocks before any connector hook (as for Mamba or mixed-precision
     caches), that store would copy the zeros: it is voided, and the resend loads full blocks only."""
     prompt, other = sessions(33, 2, 100).values()
-    engine = {"num_blocks": 8, "max_num_seqs": 2, "runner": runner, "zeroing": True}  # 7 blocks: 102 tokens take all
+    engine = {"num_blocks": 8, "max_num_seqs": 2, "runner": runner, "zeroing": True,  # 7 blocks: 102 tokens take all
+              "async_scheduling": async_scheduling}
     ref = reference_outputs(model, {"x": prompt}, 2, num_blocks=8)["x"]
     with SimEngine(model, kvtier=HOST, **engine) as sim:
         counted = counting(sim.kvtier_scheduler.orchestrator)
@@ -276,14 +280,15 @@ def test_a_pause_that_clears_the_cache_succeeds_right_after_requests_finish_or_a
     assert sim.model.kv_mismatches == []
 
 
-def test_a_resend_right_after_a_finish_waits_for_the_tail_being_stored(model):
+@cpu_and_gpu_defaults
+def test_a_resend_right_after_a_finish_waits_for_the_tail_being_stored(model, mode):
     """The step after a request finished, its tail's store is only being sent; a resend of the
     prompt looked up then would miss the tail and compute it. kvtier asks vLLM to ask again while
     the run would continue into one of its own stores in flight (vLLM's OffloadingConnector does the
     same for blocks being stored): the resend loads the tail."""
     prompt = sessions(36, 1, 100)["s0"]
     ref = reference_outputs(model, {"x": prompt}, 2)["x"]
-    with SimEngine(model, kvtier=HOST) as sim:
+    with SimEngine(model, kvtier=HOST, **mode) as sim:
         sim.add("first", prompt, 2)
         while "first" not in sim.finished:
             sim.step()
@@ -294,7 +299,8 @@ def test_a_resend_right_after_a_finish_waits_for_the_tail_being_stored(model):
     assert sim.model.kv_mismatches == []
 
 
-def test_at_user_shapes_turns_tails_resends_and_a_reset_for_new_weights_stay_bit_exact(model):
+@cpu_and_gpu_defaults
+def test_at_user_shapes_turns_tails_resends_and_a_reset_for_new_weights_stay_bit_exact(model, mode):
     """The tail and wait logic at the shapes users run here: 32-token blocks, two ~4,000-token chat
     sessions, each prompt's prefill one step (a store job of ~125 blocks per request). A returning
     turn loads everything computed before; a resend right after a finish waits for its tail; after
@@ -303,7 +309,7 @@ def test_at_user_shapes_turns_tails_resends_and_a_reset_for_new_weights_stay_bit
     engine = {"block_size": 32, "num_blocks": 1024, "max_num_batched_tokens": 8192, "max_num_seqs": 4}
     config = {"cpu_bytes_to_use": 64 * 2**20, "offload_partial_blocks": True, "offload_prompt_only": False}
     first = sessions(40, 2, 4003)
-    with SimEngine(model, kvtier=config, **engine) as sim:
+    with SimEngine(model, kvtier=config, **engine, **mode) as sim:
         turn1 = sim.generate(first, 12)
         answers = {sid: f.tokens for sid, f in turn1.items()}
         assert sim.reset_prefix_cache()

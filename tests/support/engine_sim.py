@@ -27,6 +27,27 @@ layers and mixed-precision caches (``KVCacheConfig.needs_kv_cache_zeroing``), fo
 attention-only model. ``after_rewrites`` (a step argument) runs right after the step's rewrites:
 where a test lets held store copies go, to play the interleaving a GPU may run.
 
+``async_scheduling=True`` (with any runner; V2 + async is GPUs' default: vLLM 0.32 and 0.33 turn
+it on unless pooling, an incompatible speculator or executor, ``config/vllm.py:1585-1644``, 0.33
+``:1719``; vLLM-CPU turns it off, ``platforms/cpu.py:331``, 0.33 ``:348``, so only here does
+kvtier meet it off a GPU): the scheduler is vLLM's ``AsyncScheduler`` (what
+``SchedulerConfig.get_scheduler_cls`` picks, ``config/scheduler.py:228-236``) on a config whose
+``async_scheduling`` is True, so ``max_concurrent_batches`` is 2 (``config/vllm.py:576-587``) and
+the scheduler defers block frees (``defer_block_free``: a ``kv_both`` connector is a consumer,
+``v1/core/sched/scheduler.py:186-192``). :meth:`SimEngine.step` is then the engine core's
+``step_with_batch_queue`` (``v1/engine/core.py:698-812``, unchanged in 0.33 ``:708-822``) over
+vLLM's one-process executor, which runs a step's worker side when it is handed the step
+(``v1/executor/uniproc_executor.py:90-131``): schedule step N+1 and run its worker side, then hand
+step N's output (its sampled tokens, its ``KVConnectorOutput``) to ``update_from_output``. So
+step N+1 and its connector metadata are built while step N's tokens and transfer reports are
+undelivered; ``num_computed_tokens`` counts the in-flight tokens (``Request.num_in_flight_tokens``,
+``num_output_placeholders``: ``_update_after_schedule`` ``:1616-1648``, ``async_scheduler.py:25-56``);
+a request stopped in step N may have step N+1 in flight; a preempted request's in-flight output is
+stale (``_preempt_request`` ``:1571-1614``) and it resumes only once that is delivered (``:934``).
+``before_update`` (a step argument) runs where the engine core takes eager aborts, between
+scheduling a step and delivering the previous one (``core.py:782``). The fake model takes a
+decode step's input token from its own last sample, as the GPU runners do (see its module).
+
 Only the model is fake (:class:`~support.fake_model.FakeModel`), and it is built so that wrong KV
 cannot go unseen (see its module).
 
@@ -43,11 +64,13 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -89,6 +112,14 @@ _ids = itertools.count()
 
 
 RUNNERS = ("v1", "v2", "v2-speculator")
+
+GPU_DEFAULT = {"runner": "v2", "async_scheduling": True}
+"""SimEngine options of vLLM's default on GPUs: the V2 runner under async scheduling."""
+
+cpu_and_gpu_defaults = pytest.mark.parametrize("mode", [pytest.param({}, id="sync-v1"),
+                                                        pytest.param(GPU_DEFAULT, id="async-v2")])
+"""Run a test (its SimEngine options ``mode``) as vLLM-CPU runs (V1 runner, no async scheduling)
+and as vLLM runs on GPUs by default (:data:`GPU_DEFAULT`)."""
 
 
 class ZeroingKVCacheConfig(KVCacheConfig):
@@ -153,6 +184,7 @@ class SimEngine:
     sliding_window: int | None = None  # a hybrid model: layer 1 sliding-window, in its own group
     runner: str = "v1"  # the hook order: "v1", "v2" or "v2-speculator" (see the module docstring)
     zeroing: bool = False  # vLLM hands out new blocks to zero (as for Mamba or mixed-precision caches)
+    async_scheduling: bool = False  # vLLM's AsyncScheduler and the engine core's batch queue (GPUs' default)
 
     def __post_init__(self) -> None:
         assert self.runner in RUNNERS, f"runner {self.runner!r} is none of {RUNNERS}"
@@ -193,12 +225,18 @@ class SimEngine:
                     worker.register_kv_caches(kv)
                     self.workers.append(worker)
                 parallel.rank = 0
-            self.scheduler = Scheduler(
+            scheduler_cls = self.vllm_config.scheduler_config.get_scheduler_cls()  # as the engine core
+            assert issubclass(scheduler_cls, Scheduler)
+            self.scheduler = scheduler_cls(
                 vllm_config=self.vllm_config, kv_cache_config=self.kv_cache_config,
                 structured_output_manager=StructuredOutputManager(self.vllm_config),
                 block_size=self.block_size, hash_block_size=self.block_size, log_stats=True,
             )
         self.worker: KVTierConnector | None = self.workers[0] if self.workers else None
+        # the engine core's batch queue (step_with_batch_queue): steps executed, not yet delivered
+        self._batch_queue: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
+        self._batch_queue_size = self.vllm_config.max_concurrent_batches
+        assert self._batch_queue_size == (2 if self.async_scheduling else 1)
         self._aggregator = KVOutputAggregator(expected_finished_count=self.mla_ranks)
         self.model = FakeModel(read_seed(self.model_dir), self.kv, self.block_size, self.kv_heads, self.head_size,
                                replicas=rank_kv[1:], sliding_window=self.sliding_window)
@@ -245,6 +283,10 @@ class SimEngine:
                             device_config=DeviceConfig("cpu"),
                             parallel_config=ParallelConfig(tensor_parallel_size=self.mla_ranks))
         config.cache_config.num_gpu_blocks = self.num_blocks
+        with _runner_env(self.runner):  # (max_concurrent_batches reads the runner)
+            # vLLM-CPU's platform turned it off while the config was built (platforms/cpu.py:331)
+            config.scheduler_config.async_scheduling = self.async_scheduling
+            assert config.max_concurrent_batches == (2 if self.async_scheduling else 1)
         return config
 
     # --- requests ---------------------------------------------------------------------------
@@ -252,8 +294,12 @@ class SimEngine:
     def connector(self) -> KVTierConnector | None:
         return self.scheduler.connector  # type: ignore[return-value]
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4, **request_kwargs) -> Request:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 4, stop_token_ids: list[int] | None = None,
+            **request_kwargs) -> Request:
+        """Add a greedy request; ``stop_token_ids``: tokens that stop it (a stop the scheduler learns
+        only from the step's output: under async scheduling the next step is in flight then)."""
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0,
+                                stop_token_ids=stop_token_ids)
         request = Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=params,
                           pooling_params=None, block_hasher=self._hasher, **request_kwargs)
         self.scheduler.add_request(request)
@@ -263,9 +309,32 @@ class SimEngine:
         self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
 
     # --- stepping ---------------------------------------------------------------------------
-    def step(self, before_forward=None, after_rewrites=None) -> SchedulerOutput:
-        """One engine step, as vLLM's engine core and the chosen model runner do it."""
-        so = self.scheduler.schedule()
+    def step(self, before_forward=None, after_rewrites=None, before_update=None) -> SchedulerOutput | None:
+        """One engine step, as vLLM's engine core and the chosen model runner do it: the step
+        scheduled (None when the batch queue had nothing to schedule). ``before_update(so)`` runs just
+        before step ``so``'s output is handed to the scheduler (where the engine core takes eager
+        aborts). Under async scheduling that is the previous step's output, or none yet."""
+        if not self.async_scheduling:  # EngineCore.step (v1/engine/core.py:657-687)
+            so = self.scheduler.schedule()
+            output = self._execute(so, before_forward, after_rewrites)
+            self._deliver(so, output, before_update)
+            return so
+        # EngineCore.step_with_batch_queue (v1/engine/core.py:698-812)
+        so = None
+        if self.scheduler.has_requests():
+            so = self.scheduler.schedule()
+            self._batch_queue.appendleft((so, self._execute(so, before_forward, after_rewrites)))
+            if len(self._batch_queue) < self._batch_queue_size and (
+                    so.total_num_scheduled_tokens or self.scheduler.has_requests()):
+                return so  # the queue is not full: schedule the next step before this one's output
+        elif not self._batch_queue:
+            return None
+        self._deliver(*self._batch_queue.pop(), before_update)
+        return so
+
+    def _execute(self, so: SchedulerOutput, before_forward, after_rewrites) -> ModelRunnerOutput:
+        """The step's worker side, in the runner's hook order: its output (sampled tokens and every
+        rank's connector output, combined as vLLM's executor does)."""
         self.steps += 1
         self.model.update_tables(so)
         meta = so.kv_connector_metadata
@@ -309,8 +378,14 @@ class SimEngine:
                 worker.wait_for_save()
             worker.clear_connector_metadata()
             rank_outputs.append(runner_output(output))
-        output_of_step = self._aggregator.aggregate(rank_outputs) if rank_outputs else runner_output(None)
-        engine_outputs = self.scheduler.update_from_output(so, output_of_step)
+        return self._aggregator.aggregate(rank_outputs) if rank_outputs else runner_output(None)
+
+    def _deliver(self, so: SchedulerOutput, output: ModelRunnerOutput,
+                 before_update: Callable[[SchedulerOutput], None] | None) -> None:
+        """Hand a step's output to the scheduler (``update_from_output``) and collect what it returns."""
+        if before_update is not None:
+            before_update(so)
+        engine_outputs = self.scheduler.update_from_output(so, output)
         for outputs in engine_outputs.values():
             for out in outputs.outputs:
                 self.outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
@@ -321,9 +396,9 @@ class SimEngine:
                     local, external = self.prefill.get(out.request_id, (0, 0))
                     self.finished[out.request_id] = Finished(
                         list(self.outputs[out.request_id]), local, external, str(out.finish_reason))
-        return so
 
-    def run(self, max_steps: int = 2000, before_forward=None, idle_timeout: float = 60.0, after_rewrites=None) -> None:
+    def run(self, max_steps: int = 2000, before_forward=None, idle_timeout: float = 60.0, after_rewrites=None,
+            before_update=None) -> None:
         """Step until no request is left (and the connector has nothing in flight).
 
         Bounded twice, as a deadlock detector: at most ``max_steps`` steps that schedule tokens,
@@ -331,9 +406,9 @@ class SimEngine:
         the connector's background copies, which a loaded machine may make slow)."""
         busy_steps = 0
         idle_since: float | None = None
-        while self.scheduler.has_requests() or self._connector_busy():
-            so = self.step(before_forward, after_rewrites)
-            if so.total_num_scheduled_tokens:
+        while self.scheduler.has_requests() or self._connector_busy() or self._batch_queue:
+            so = self.step(before_forward, after_rewrites, before_update)
+            if so is not None and so.total_num_scheduled_tokens:
                 busy_steps += 1
                 idle_since = None
                 if busy_steps > max_steps:

@@ -10,6 +10,16 @@ wrong KV cannot go unseen.
 It also checks the KV directly: before each forward, every already-computed position of every
 scheduled request must hold exactly the bytes the model would have written
 (:attr:`FakeModel.kv_mismatches` records any that do not).
+
+Its input tokens are its own, as a model runner's are: a request's tokens as the scheduler output
+gives them when the request is (re)installed (a new request's prompt, V2's ``prefill_token_ids``
+of a new or resumed request, V1's ``all_token_ids`` of a request not scheduled in the step before),
+then the tokens it sampled itself. Under async scheduling a decode step is scheduled before the
+previous step's sampled token reaches the scheduler's ``Request`` (which counts a placeholder),
+and the GPU runners read that token from their own last sample (vLLM 0.32
+``v1/worker/gpu_model_runner.py:1736-1770`` ``prev_sampled_token_ids``, V2
+``v1/worker/gpu/model_runner.py:1471-1482`` ``last_sampled_tokens``). What the scheduler has
+delivered must always be a prefix of what the model holds (else the harness is wrong: it raises).
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.output import NewRequestData, SchedulerOutput
 from vllm.v1.request import Request
 
 VOCAB = 1000
@@ -49,6 +59,15 @@ def read_seed(folder: Path) -> int:
     return int(load_file(str(folder / "model.safetensors"))["seed"][0])
 
 
+def _installed_tokens(req: NewRequestData) -> list[int]:
+    """A new (or, under V2, resumed) request's tokens as the runner takes them."""
+    if req.prefill_token_ids is not None:  # V2: every token of the request (a live list: copied)
+        return list(req.prefill_token_ids)
+    if req.prompt_token_ids is None:  # prompt embeddings: placeholder ids, as vLLM's Request holds
+        return [0] * len(req.prompt_embeds)
+    return list(req.prompt_token_ids)
+
+
 class FakeModel:
     """The model half of the simulated engine; see the module docstring."""
 
@@ -65,6 +84,7 @@ class FakeModel:
         self.layer_group = (0, 1) if sliding_window else (0, 0)  # KV cache group of each layer
         self.block_tables: dict[str, list[list[int]]] = {}  # one table per group
         self._prefix: dict[str, list[bytes]] = {}
+        self._tokens: dict[str, list[int]] = {}  # each request's input tokens, as the runner holds them
         self.kv_mismatches: list[tuple[str, int]] = []
         self.forward_tokens = 0  # positions computed (the prefill work kvtier saves)
 
@@ -96,7 +116,10 @@ class FakeModel:
         groups = max(self.layer_group) + 1
         for req in so.scheduled_new_reqs:
             self.block_tables[req.req_id] = [list(ids) for ids in req.block_ids]
+            self._tokens[req.req_id] = _installed_tokens(req)
         cached = so.scheduled_cached_reqs
+        for req_id, tokens in cached.all_token_ids.items():  # V1: requests not scheduled in the step before
+            self._tokens[req_id] = list(tokens)
         for i, req_id in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
@@ -108,6 +131,7 @@ class FakeModel:
         for req_id in so.finished_req_ids:
             self.block_tables.pop(req_id, None)
             self._prefix.pop(req_id, None)
+            self._tokens.pop(req_id, None)
 
     def forward(self, so: SchedulerOutput, requests: dict[str, Request]) -> dict[str, list[int]]:
         """Check the KV of computed positions, write the new positions' KV, sample from all KV."""
@@ -116,8 +140,9 @@ class FakeModel:
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         sampled: dict[str, list[int]] = {}
         for req_id, n in so.num_scheduled_tokens.items():
-            request = requests[req_id]
-            tokens = list(request.all_token_ids)
+            tokens = self._tokens[req_id]
+            delivered = requests[req_id].all_token_ids
+            assert tokens[: len(delivered)] == list(delivered), f"{req_id}: the runner's tokens are not the scheduler's"
             start, end = computed[req_id], computed[req_id] + n
             tables = self.block_tables[req_id]
             chain = self._prefix_hashes(req_id, tokens, end)
@@ -143,4 +168,5 @@ class FakeModel:
                     block, offset = self._page_slot(table, p)
                     digest.update(self.kv[name][block, :, offset, :].numpy().tobytes())
             sampled[req_id] = [3 + int.from_bytes(digest.digest(), "little") % (VOCAB - 3)]
+            tokens.extend(sampled[req_id])  # the next step's input (the runner's own copy)
         return sampled

@@ -1,4 +1,4 @@
-"""A copy engine whose stores land one engine step late, and the engine-sim run that makes the
+"""A copy engine whose stores land engine steps late, and the engine-sim run that makes the
 reuse of blocks by vLLM race those stores (shared by the hybrid-allocator and runner-order tests).
 
 ``run_with_late_stores`` uses the sim's hybrid model (full attention + a sliding window of
@@ -21,12 +21,13 @@ WINDOW = 32  # two 16-token engine blocks
 
 
 class LateStores(CopyEngine):
-    """A copy engine whose stores complete one engine step late (a slow copy stream): a store
-    started in step s copies at the end of step s+1, after that step's forward wrote its KV,
+    """A copy engine whose stores complete ``lag`` engine steps late (a slow copy stream): a store
+    started in step s copies at the end of step s+lag, after that step's forward wrote its KV,
     unless the worker waits for it first (a flush). Loads are the real engine's."""
 
-    def __init__(self, inner: CopyEngine):
+    def __init__(self, inner: CopyEngine, lag: int = 1):
         self.inner = inner
+        self.lag = lag
         self._deferred: list[tuple[int, list, int]] = []
         self._polls = 0
         self.flushed: set[int] = set()
@@ -43,8 +44,8 @@ class LateStores(CopyEngine):
         self.inner.wait([job_id for job_id, _, _ in jobs])
 
     def poll(self):
-        due = [job for job in self._deferred if job[2] < self._polls]
-        self._deferred = [job for job in self._deferred if job[2] >= self._polls]
+        due = [job for job in self._deferred if job[2] + self.lag <= self._polls]
+        self._deferred = [job for job in self._deferred if job[2] + self.lag > self._polls]
         self._run(due)
         self._polls += 1
         return self.inner.poll()
@@ -75,15 +76,24 @@ def run_with_late_stores(model: Path, fence: bool = True, void: bool = True, **e
     """Round 1: 6 prompts of 160 tokens in a pool of 32 blocks (a sliding block freed below the
     window is soon handed to another request) with stores landing a step late. Round 2: cuts of
     those prompts at 40..130 tokens, so the sliding pages of early blocks are loaded too.
-    ``engine_options``: more SimEngine options (the runner, zeroing). ``fence=False`` / ``void=False``
-    switch off kvtier's flush of stores on reused blocks / its voiding of stores on blocks the V2
-    runner rewrites first (negative controls)."""
+    ``engine_options``: more SimEngine options (the runner, zeroing, async scheduling).
+    ``fence=False`` / ``void=False`` switch off kvtier's flush of stores on reused blocks / its
+    voiding of stores on blocks the V2 runner rewrites first (negative controls).
+
+    Under async scheduling the same race takes 36 blocks and stores landing 3 steps late: vLLM
+    keeps a running request's sliding blocks for its in-flight tokens too (freed on the processed
+    tokens, ``v1/core/kv_cache_manager.py:552-558``, and reserved for ``max_in_flight_tokens``,
+    2 x 64 here), so 32 blocks hold one request at a time, and a freed block is handed out again
+    later: a store one step late has landed by then."""
     prompts = prompts_of(3, 6, 160, shared_prefix=16)
     cuts = {f"{req_id}-{n}": prompt[:n] for req_id, prompt in prompts.items() for n in (40, 70, 100, 130)}
     engine = dict(sliding_window=WINDOW, num_blocks=32, max_num_batched_tokens=64)
     ref = reference_outputs(model, cuts, 2, **engine)
+    lag = 1
+    if engine_options.get("async_scheduling"):
+        engine["num_blocks"], lag = 36, 3
     with SimEngine(model, kvtier=HOST, **engine, **engine_options) as sim:
-        late = LateStores(sim.worker._worker.copies)  # noqa: SLF001
+        late = LateStores(sim.worker._worker.copies, lag)  # noqa: SLF001
         sim.worker._worker.copies = late  # noqa: SLF001
         if not fence:
             sim.kvtier_scheduler._engine_blocks.jobs_to_flush = lambda scheduler_output: set()  # noqa: SLF001
