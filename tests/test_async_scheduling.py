@@ -119,6 +119,33 @@ def test_an_abort_taken_between_scheduling_a_step_and_delivering_the_last_one(mo
         assert sim.model.kv_mismatches == []
 
 
+def test_an_abort_of_a_request_preempted_with_its_step_in_flight_is_a_plain_finish(model):
+    """``reset_prefix_cache(reset_running_requests=True)`` while a step runs preempts every running
+    request with that step's tokens in flight and no computed tokens left (vLLM then fails the
+    reset itself: the preempted requests' blocks are deferred frees, ``scheduler.py:2840-2872``).
+    A request aborted then finished with computed - in flight < 0 tokens: kvtier read a tail at a
+    negative block index, and the IndexError stopped vLLM's scheduler. It is now a finish with
+    nothing computed; the other request resumes and generates vLLM alone's tokens."""
+    prompts = prompts_of(4, 2, 700)
+    ref = reference_outputs(model, prompts, 20, **ENGINE)
+    with SimEngine(model, kvtier=CONFIG, **ENGINE, **GPU_DEFAULT) as sim:
+        for req_id, tokens in prompts.items():
+            sim.add(req_id, tokens, 20)
+        for _ in range(4):
+            sim.step()
+        with pytest.raises(RuntimeError, match="Failed to reset KV cache"):  # vLLM's own
+            sim.scheduler.reset_prefix_cache(reset_running_requests=True)
+        preempted = sim.scheduler.requests["r4-0"]
+        assert preempted.status is RequestStatus.PREEMPTED
+        assert preempted.num_computed_tokens == 0 < preempted.num_in_flight_tokens
+        sim.abort("r4-0")
+        sim.run()
+        assert "r4-0" not in sim.scheduler.requests and sim.finished["r4-1"].tokens == ref["r4-1"]
+        assert not sim.kvtier_scheduler.has_pending_jobs()
+        assert sim.kvtier_scheduler.orchestrator.host.pinned_slots() == 0
+        assert sim.model.kv_mismatches == []
+
+
 def test_a_pause_that_clears_the_cache_drains_the_batch_queue_then_resets(model):
     """vLLM's pause_generation(mode="abort", clear_cache=True) aborts every request, then waits until
     the engine has no work left (no request, no step in flight, no kvtier job) before it resets the

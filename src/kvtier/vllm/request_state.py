@@ -91,6 +91,16 @@ class RequestState(RequestKeys):
         return any(first < end and start < last for first, last in self.loaded_elsewhere)
 
 
+def computed_kv_tokens(request: Request) -> int:
+    """The request's first tokens whose KV the steps vLLM has delivered computed (vLLM's
+    "processed" tokens). ``num_computed_tokens`` also counts the tokens of steps still in flight
+    (``num_in_flight_tokens``: under async scheduling, between scheduling a step and delivering
+    it); a request preempted while a step of it ran has none computed and that step's tokens still
+    in flight (vLLM 0.32 ``v1/core/sched/scheduler.py:1596-1607``): 0 then, never negative, as vLLM
+    counts it itself (``:3024-3030``)."""
+    return max(0, request.num_computed_tokens - request.num_in_flight_tokens)
+
+
 def block_extras(request: Request, block_tokens: int, lora: str | None) -> BlockExtras | list[BlockExtras]:
     """Per-block key extras: the adapter's fingerprint and the cache salt on every block,
     multimodal hashes where their placeholder tokens overlap the block."""

@@ -85,7 +85,7 @@ from kvtier.vllm.job_book import Job, JobBook, JobKind
 from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob, KVTierConnectorMetadata, KVTierConnectorStats, KVTierWorkerMetadata
 from kvtier.vllm.page_format import page_format
-from kvtier.vllm.request_state import RequestState, Uncacheable, block_extras
+from kvtier.vllm.request_state import RequestState, Uncacheable, block_extras, computed_kv_tokens
 from kvtier.vllm.runner import HookOrder
 from kvtier.vllm.store_jobs import StoreJobs, copy_job
 
@@ -376,7 +376,7 @@ class KVTierScheduler:
         if self._access_log is not None and state.cacheable:
             self._access_log.write(access_record(
                 state, arrival=state.arrival, num_prompt_tokens=request.num_prompt_tokens,
-                num_computed_tokens=request.num_computed_tokens - request.num_in_flight_tokens,
+                num_computed_tokens=computed_kv_tokens(request),
                 salt=getattr(request, "cache_salt", None), max_offload_tokens=state.max_offload_tokens,
                 probe=state.tail_probe))
         loading = self._jobs.loading(state.jobs)

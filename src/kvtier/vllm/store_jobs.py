@@ -44,7 +44,7 @@ from kvtier.vllm.geometry import EngineGeometry
 from kvtier.vllm.job_book import Job, JobBook
 from kvtier.vllm.kv_events import KVEventTranslator
 from kvtier.vllm.metadata import CopyJob
-from kvtier.vllm.request_state import RequestState
+from kvtier.vllm.request_state import RequestState, computed_kv_tokens
 from kvtier.vllm.runner import rewritten_before_hooks
 
 
@@ -190,12 +190,13 @@ class StoreJobs:
     def store_tails(self, state: RequestState, block_ids: tuple[list[int], ...], epoch: int) -> None:
         """Store the finished request's tails, read from the engine blocks that hold them now
         (``block_ids``: vLLM's table at finish, one list per group), within the same limits as
-        blocks: its computed tokens after their last full block (what the next turn of a chat
-        resends), and its prompt but the last token after the prompt's last full block (what a
-        resend of the same prompt, a "regenerate", can load: a hit leaves one token to compute).
-        They go in the next :meth:`step`."""
+        blocks: its computed tokens (:func:`~kvtier.vllm.request_state.computed_kv_tokens`: not
+        those of a step still in flight, under async scheduling) after their last full block (what
+        the next turn of a chat resends), and its prompt but the last token after the prompt's last
+        full block (what a resend of the same prompt, a "regenerate", can load: a hit leaves one
+        token to compute). They go in the next :meth:`step`."""
         request = state.request
-        limit = self._limit(state, request.num_computed_tokens - request.num_in_flight_tokens)
+        limit = self._limit(state, computed_kv_tokens(request))
         for end in tail_ends(limit, request.num_prompt_tokens):
             self._store_tail(state, block_ids, end, epoch)
 
