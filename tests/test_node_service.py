@@ -259,7 +259,8 @@ def test_inspect_and_prometheus_metrics_of_a_running_service(tmp_path):
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
         assert data["blocks"] == 1 and data["pinned_blocks"] == 1 and data["engines"]["A"]["hit_blocks"] == 1
-        text = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", str(sock)], env=ENV,
+        text = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", str(sock)],
+                              env={**ENV, "COLUMNS": "1000"},  # one table row a line, whatever the caller's
                               capture_output=True, text=True, timeout=60).stdout
         assert "pool" in text and "A" in text
         assert r"evil\x1b]0;pwned\x07\x1b[2J[red]x" in text and "\x1b" not in text  # shown, never sent raw
