@@ -291,10 +291,12 @@ def purge_command(target: str, username: str | None, password_env: str | None, k
     exit status 1 then, and when a file could not be removed. On a Redis URL the selected keys are
     UNLINKed (SCAN, never KEYS; ages by OBJECT IDLETIME, read before anything else and never
     reset by the command: CLIENT NO-TOUCH, or on a server older than 7.2 no read of a value it
-    keeps but --retired's headers); there is no quarantine there (--quarantine is refused). On an S3 URL the
-    selected objects are deleted (bulk DELETE), --older-than going by last write; no quarantine
-    either. There too a namespace's config key (config.json) goes only when nothing else of the
-    namespace is left.
+    keeps but --retired's headers); with --older-than each block's age is read again where it is
+    unlinked (one server-side script, where the server runs scripts: a block used meanwhile is kept
+    and counted, as on disk, where a file's mtime is read again before its unlink); there is no
+    quarantine there (--quarantine is refused). On an S3 URL the selected objects are deleted
+    (bulk DELETE), --older-than going by last write; no quarantine either. There too a
+    namespace's config key (config.json) goes only when nothing else of the namespace is left.
     """
     from kvtier.cachetools import PurgeSelection, purge_cache
 
