@@ -414,9 +414,7 @@ class _Recheck:
             elif reply == KEPT:
                 result.skipped += 1
             elif reply != GONE:
-                result.blocks += 1
-                result.files += 1
-                result.bytes += reply
+                _removed(result, reply)
         return left
 
     def _refuse(self, error: object) -> None:
@@ -446,9 +444,14 @@ def _unlink_counted(client, names: Sequence[bytes], result: NamespacePurge, rech
                 result.errors += 1
                 result.failed.append(name.decode(errors="replace"))
             elif gone:
-                result.blocks += 1
-                result.files += 1
-                result.bytes += size if isinstance(size, int) else 0
+                _removed(result, size if isinstance(size, int) else 0)
+
+
+def _removed(result: NamespacePurge, size: int) -> None:
+    """Count one block key unlinked, of ``size`` bytes (a Redis value holds every rank's record)."""
+    result.blocks += 1
+    result.files += 1
+    result.bytes += size
 
 
 def _drop_config(client, ns: _RemoteNamespace) -> bool:

@@ -25,9 +25,9 @@ Threading: the ``kvtier`` command's one thread.
 from __future__ import annotations
 
 import os
-import sys
 from typing import TYPE_CHECKING, Any
 
+from kvtier.cli.terminal import console as terminal_console
 from kvtier.cli.terminal import shown
 
 if TYPE_CHECKING:
@@ -57,13 +57,10 @@ def fmt_ago(seconds: float) -> str:
 
 def make_console(stderr: bool = False) -> Console:
     """The console a command prints to: stdout, or stderr (progress bars)."""
-    from rich.console import Console
-
     # Not a terminal (a pipe, a log): do not squeeze the table into 80 columns unless COLUMNS says so.
-    # No emoji codes: names read from a store (a key "kvtier:a" before ": not a kvtier key") would
-    # become emoji (":a:" -> a symbol); markup in them is escaped where they are printed.
-    width = None if (sys.stderr if stderr else sys.stdout).isatty() or "COLUMNS" in os.environ else 160
-    return Console(stderr=stderr, highlight=False, soft_wrap=True, width=width, emoji=False)
+    # No emoji codes (kvtier.cli.terminal.console): markup in names is escaped where they are printed.
+    return terminal_console(piped_width=None if "COLUMNS" in os.environ else 160, stderr=stderr, highlight=False,
+                            soft_wrap=True)
 
 
 def _relative(path: str, root: str) -> str:

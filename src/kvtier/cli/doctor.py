@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.text import Text
 
+from kvtier.cli.terminal import console as terminal_console
 from kvtier.cli.terminal import printable
 from kvtier.doctor.audit import Finding
 from kvtier.doctor.measure import MIB, Bandwidth, compare, default_measure_dir, measure
@@ -89,10 +90,8 @@ def run(command: Sequence[str], *, do_measure: bool, directory: str | None, gpu_
         target = _measure_target(command, directory)
         _check_model(model)
 
-    if console is None:
-        console = Console(emoji=False)
-        if not console.is_terminal:  # piped or captured: fewer wrapped lines
-            console = Console(width=120, emoji=False)
+    if console is None:  # piped or captured: 120 columns, fewer wrapped lines
+        console = terminal_console(piped_width=120)
     out: dict[str, Any] = {}
     findings: list[Finding] = []
     if command:

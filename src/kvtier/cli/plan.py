@@ -13,6 +13,7 @@ import shlex
 from rich.console import Console
 from rich.table import Table
 
+from kvtier.cli.terminal import console as terminal_console
 from kvtier.planning.sizing import GIB, Plan, PlanInputs, make_plan
 
 
@@ -144,10 +145,8 @@ def commands(plan: Plan, model_arg: str) -> list[str]:
 
 def render(plan: Plan, model_arg: str, console: Console | None = None) -> None:
     """Print the plan as a table, its notes and the flags to use."""
-    if console is None:
-        console = Console(emoji=False)
-        if not console.is_terminal:  # piped or captured: keep the "how" column readable
-            console = Console(width=150, emoji=False)
+    if console is None:  # piped or captured: 150 columns keep the "how" column readable
+        console = terminal_console(piped_width=150)
     table = Table(title=f"kvtier plan: {plan.model}, tp={plan.tp}, context {plan.context}, "
                         f"concurrency {plan.concurrency}", show_lines=False, title_justify="left")
     table.add_column("", style="bold", no_wrap=True)

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvtier.cli.plan import fmt_bytes, fmt_seconds
+from kvtier.cli.terminal import console as terminal_console
 from kvtier.core.config import KVTierConfig
 from kvtier.launch.command import SERVE_DEFAULTS
 from kvtier.planning.sizing import PlanInputs, make_plan
@@ -72,7 +73,7 @@ def run(model: str, inputs: PlanInputs, options: TraceOptions, as_json: bool) ->
     from kvtier.replay.trace import TraceError, read_trace
     from kvtier.replay.workload import ReplaySettings
 
-    err = Console(stderr=True, highlight=False, emoji=False)
+    err = terminal_console(stderr=True, highlight=False)
     png = figure_path(options) if not as_json else None  # checked before the replay, which can take minutes
     config = replay_config(options.kv_config, options.eviction_policy)
     try:
@@ -133,7 +134,7 @@ def run(model: str, inputs: PlanInputs, options: TraceOptions, as_json: bool) ->
     if as_json:
         click.echo(json.dumps(report, indent=2))
         return
-    console = Console(highlight=False, emoji=False) if sys.stdout.isatty() else Console(width=150, highlight=False, emoji=False)
+    console = terminal_console(piped_width=150, highlight=False)
     render(report, console)
     from kvtier.replay.plot import write_figure
 

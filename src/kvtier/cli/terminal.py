@@ -7,11 +7,19 @@ in it is a terminal command (retitle the window, clear the screen, move the curs
 clipboard through OSC 52) and a bidirectional override reorders what the operator reads; in rich
 markup, ``[...]`` would restyle or hide the rest of the line. :func:`printable` writes each such
 character as its Python escape (``\\x1b``, ``\\u202e``); :func:`shown` also escapes rich markup.
+:func:`console` is the rich console every ``kvtier`` command prints to: emoji codes off, so a name
+such as ``kvtier:a`` followed by a colon stays text instead of becoming a symbol.
 
-Pure functions, any thread; rich is imported only by :func:`shown`.
+Pure functions, any thread; rich is imported only when called.
 """
 
 from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 _UNSHOWN = frozenset([*range(0x20), 0x7F, *range(0x80, 0xA0),  # C0 (ESC), DEL, C1 (CSI, OSC)
                       0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)])  # bidi marks
@@ -31,3 +39,13 @@ def shown(text: object) -> str:
     from rich.markup import escape
 
     return escape(printable(text))
+
+
+def console(*, piped_width: int | None = None, stderr: bool = False, **options: Any) -> Console:
+    """A rich console on stdout (or stderr) with emoji codes off; ``piped_width``: its width when
+    that stream is not a terminal (a pipe, a log, a test), instead of rich's default; ``options``:
+    more of rich's ``Console`` arguments."""
+    from rich.console import Console
+
+    width = None if piped_width is None or (sys.stderr if stderr else sys.stdout).isatty() else piped_width
+    return Console(stderr=stderr, width=width, emoji=False, **options)

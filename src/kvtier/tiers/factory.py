@@ -14,10 +14,11 @@ and S3 tiers' modules (redis-py, obstore) are imported only when one is opened.
 
 One start-up probe per server. Where :func:`check_tier` ran first (behind vLLM's offloading, in the
 node service), what it found of the server is handed to the :func:`open_tier` of the same entry that
-follows (taken once, from any thread, within :data:`FINDING_FRESH_S`): the tier starts from it instead of asking the server again, so
-a server that does not answer costs its timeout once (a tier it found unreachable starts off and its
-monitor connects in the background; an S3 store it reached is not listed again). kvtier's connector
-opens its tiers without a check: each tier's constructor probes, once.
+follows (taken once, from any thread, within :data:`FINDING_FRESH_S`): the tier starts from it
+instead of asking the server again, so a server that does not answer costs its timeout once (a
+tier it found unreachable starts off and its monitor connects in the background; an S3 store it
+reached is not listed again). kvtier's connector opens its tiers without a check: each tier's
+constructor probes, once.
 
 While a tier opens on a thread of its own (the node service, vLLM's offloading), a caller that asks
 for blocks is told to ask again for at most :data:`OPEN_WAIT_S` (:func:`open_wait_ends`).
