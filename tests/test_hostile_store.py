@@ -375,6 +375,32 @@ def test_a_sparse_512_mib_snapshot_is_not_read(tmp_path):
     assert out["blocks"] == 0
 
 
+def test_planted_names_forge_no_log_lines(tmp_path, caplog):
+    """A writer of a shared root names entries as it likes: a name carrying a newline and terminal
+    escapes, where a rescan and a clear log it (directories, which unlink refuses, named as a dead
+    writer's temp file and as a misplaced record), is logged escaped, one record a line. Before:
+    the name went into the log as it was, a forged "kvtier disk:" line and live escapes."""
+    forged = "x\nkvtier disk: all records verified\x1b[2J"
+    disk = make_tier(tmp_path / "root")
+    try:
+        assert all(r.ok for r in write(disk, [key("abcde", 1)]))
+        leaf = disk.block_path(key("abcde", 1), 0).parent
+        planted = [leaf / f"{forged}.bin.{dead_pid()}.0a0b.tmp", leaf / f"{forged}.bin"]
+        for path in planted:
+            path.mkdir()
+            os.utime(path, (OLD, OLD))
+        with caplog.at_level("WARNING", logger="kvtier"):
+            disk.rescan(wait=True)
+            disk.clear()
+            wait_results(disk, 1, timeout=0.5)  # (the sweep reports nothing; give it time)
+    finally:
+        disk.close()
+    logged = [record.getMessage() for record in caplog.records]
+    assert sum("stale temp file" in m for m in logged) == 1 and sum("cannot remove" in m for m in logged) == 2
+    assert not any("\n" in m or "\x1b" in m for m in logged), logged
+    assert all(path.is_dir() for path in planted)  # left where they were
+
+
 # ---------------------------------------------------------------------- the cache tools on such a root
 
 

@@ -322,6 +322,9 @@ def test_logged_error_texts_never_carry_arguments():
     echoed = "ERR unknown command 'FOO', with args beginning with: 'secret'"
     assert "secret" not in safe_text(echoed)
     assert safe_text("bad magic b'\\x00KV' here") == "bad magic <bytes> here"
+    # A hostile server's message: one log line, no terminal command (OSC 52 writes the clipboard).
+    assert safe_text("ERR \x1b]52;c;Zm9v\x07 no\nkvtier redis: forged") == (
+        "ERR \\x1b]52;c;Zm9v\\x07 no kvtier redis: forged")
     assert error_code(redis.exceptions.OutOfMemoryError("no room", status_code="OOM")) == "OOM"
 
 

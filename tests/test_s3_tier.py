@@ -28,6 +28,7 @@ from kvtier.core.values import ConfigError
 from kvtier.tiers.base import IoError, IoKind, IoResult, Medium, Presence
 from kvtier.tiers.presence import PresenceCache
 from kvtier.tiers.s3 import ObjectKeys, S3Tier
+from kvtier.tiers.s3.client import describe
 from kvtier.tiers.s3.keys import namespace_folder, parse_block
 from kvtier.tiers.s3.jobs import MSG_LISTED
 from kvtier.tiers.s3 import monitor
@@ -564,6 +565,19 @@ def test_a_key_the_client_cannot_list_costs_the_listings_never_the_tier(s3, tier
         assert result.ok and data == [payload_of(keys[1], 0)]
     assert reader.breaker.closed and reader.stats.breaker_opens == 0 and writer.stats.breaker_opens == 0
     assert planted in caplog.text and "remove that object" in caplog.text
+
+
+def test_what_the_store_says_is_logged_on_one_line_without_terminal_commands():
+    """A hostile store chooses its error messages and its keys' names: describe() gives one line,
+    control characters escaped (the message's regex takes newlines; a key may hold ESC)."""
+    from obstore.exceptions import InvalidPathError
+
+    answered = Exception("Error performing GET http://s3/b/k in 1ms - Server returned non-success status "
+                         "code: 500 Internal Server Error: <Code>Slow\x1bDown</Code><Message>try\nkvtier s3: "
+                         "forged\x1b[2J</Message>")
+    assert describe(answered) == "500 Slow\\x1bDown (try\\nkvtier s3: forged\\x1b[2J)"
+    planted = InvalidPathError('Path "a//\x1b]0;owned\x07" contained empty path segment')
+    assert "\x1b" not in describe(planted) and "\\x1b]0;owned\\x07" in describe(planted)
 
 
 def test_jobs_that_found_the_store_unreachable_are_counted_once_by_remote_tier(tiers, monkeypatch):

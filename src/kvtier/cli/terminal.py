@@ -6,9 +6,10 @@ engine attached to a node (its name) or a server (its error message) chooses the
 in it is a terminal command (retitle the window, clear the screen, move the cursor, write the
 clipboard through OSC 52) and a bidirectional override reorders what the operator reads; in rich
 markup, ``[...]`` would restyle or hide the rest of the line. :func:`printable` writes each such
-character as its Python escape (``\\x1b``, ``\\u202e``); :func:`shown` also escapes rich markup.
-:func:`console` is the rich console every ``kvtier`` command prints to: emoji codes off, so a name
-such as ``kvtier:a`` followed by a colon stays text instead of becoming a symbol.
+character as its Python escape (``\\x1b``, ``\\u202e``; from :mod:`kvtier.core.text`, which logs use
+too); :func:`shown` also escapes rich markup. :func:`console` is the rich console every ``kvtier``
+command prints to: emoji codes off, so a name such as ``kvtier:a`` followed by a colon stays text
+instead of becoming a symbol.
 
 Pure functions, any thread; rich is imported only when called.
 """
@@ -18,20 +19,12 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any
 
+from kvtier.core.text import printable
+
 if TYPE_CHECKING:
     from rich.console import Console
 
-_UNSHOWN = frozenset([*range(0x20), 0x7F, *range(0x80, 0xA0),  # C0 (ESC), DEL, C1 (CSI, OSC)
-                      0x061C, 0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A)])  # bidi marks
-
-
-def printable(text: object) -> str:
-    """``str(text)`` with every control character and bidirectional mark written as its escape
-    (a newline too: one field stays one line); any other character, non-ASCII included, as it is."""
-    text = str(text)
-    if not any(ord(c) in _UNSHOWN for c in text):
-        return text
-    return "".join(ascii(c)[1:-1] if ord(c) in _UNSHOWN else c for c in text)
+__all__ = ["console", "printable", "shown"]
 
 
 def shown(text: object) -> str:

@@ -256,8 +256,8 @@ def _unlink_at(dir_fd: int, name: str, where: str) -> int:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return 0
-    except OSError as exc:
-        logger.warning("kvtier disk: cannot remove %s/%s: %s", where, name, exc)
+    except OSError as exc:  # name comes from a listing: %r, so a planted name forges no log line
+        logger.warning("kvtier disk: cannot remove %s/%r: %s", where, name, exc)
         return 1
     return 0
 

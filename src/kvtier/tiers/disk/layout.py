@@ -451,8 +451,8 @@ def remove_stale_tmp(dir_fd: int, name: str, now: float) -> bool:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
         return True
-    except OSError as exc:
-        logger.warning("kvtier disk: cannot remove the stale temp file %s: %s", name, exc)
+    except OSError as exc:  # name comes from a listing: %r, so a planted name forges no log line
+        logger.warning("kvtier disk: cannot remove the stale temp file %r: %s", name, exc)
         return False
     return True
 

@@ -16,6 +16,8 @@ import re
 
 import redis
 
+from kvtier.core.text import printable
+
 def is_connection_failure(exc: BaseException) -> bool:
     """Whether ``exc`` means the server could not be reached or did not answer in time (a
     circuit-breaker failure), as opposed to an answer that was an error."""
@@ -43,13 +45,15 @@ def safe_text(text: str, limit: int = 200) -> str:
     cut where Redis starts echoing arguments (``... with args beginning with: 'key' 'value'``),
     the command redis-py quotes in a pipeline's error (``Command # 1 (SET key value) of
     pipeline caused error: ...``, the arguments decoded as text) removed, newlines removed, at
-    most ``limit`` characters. Never a value byte, whatever the message."""
+    most ``limit`` characters before other control characters are escaped
+    (:func:`~kvtier.core.text.printable`: a hostile server's message holds no terminal command).
+    Never a value byte, whatever the message."""
     text = _PIPELINE_COMMAND.sub(r"\1", text.replace("\n", " "))
     text = _BYTES_REPR.sub("<bytes>", text)
     cut = text.find("args beginning with")
     if cut >= 0:
         text = text[:cut] + "args ..."
-    return text[:limit]
+    return printable(text[:limit])
 
 
 def describe(exc: BaseException) -> str:

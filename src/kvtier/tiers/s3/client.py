@@ -46,6 +46,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from kvtier.core.text import printable
 from kvtier.core.tier_config import S3TierConfig
 from kvtier.core.values import PREFIX, ConfigError
 
@@ -269,7 +270,12 @@ def classify(exc: BaseException) -> Fault:
 def describe(exc: BaseException) -> str:
     """One line about ``exc`` for logs: the status and the store's error code and message, or the
     client's reason when the store did not answer. Never credentials (obstore's messages hold the
-    request's URL, not its signature)."""
+    request's URL, not its signature); control characters escaped (a key or message the store
+    chose forges no log line and holds no terminal command: :func:`~kvtier.core.text.printable`)."""
+    return printable(_description(exc))
+
+
+def _description(exc: BaseException) -> str:
     text = str(exc)
     if classify(exc) is Fault.BAD_KEY:
         return (f"the store holds a key kvtier's S3 client cannot list ({text.strip().splitlines()[0][:300]}; "
