@@ -51,7 +51,7 @@ def open_tier(root: Path, ns: Namespace, model_name: str) -> DiskTier:
 
 def wait(tier: DiskTier, n: int) -> list[IoResult]:
     results: list[IoResult] = []
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while len(results) < n:
         results += tier.poll()
         assert time.monotonic() < deadline, "disk tier jobs did not complete"

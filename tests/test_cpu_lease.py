@@ -4,6 +4,7 @@ is a thread (an affinity set with ``sched_setaffinity(0, ...)`` is the calling t
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 import time
@@ -27,6 +28,23 @@ def in_thread(body) -> tuple[threading.Thread, threading.Event]:
     return thread, done
 
 
+def wait_until_held(folder, name: str, timeout: float = 30.0) -> None:
+    """Until another holder has lock ``name`` (a non-blocking try fails; a try that succeeds lets go)."""
+    deadline = time.monotonic() + timeout
+    fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            assert time.monotonic() < deadline, f"nobody took {name}"
+            time.sleep(0.005)
+    finally:
+        os.close(fd)
+
+
 def test_an_all_cores_test_waits_for_the_other_cpu_then_runs_on_all(tmp_path):
     a, b = CpuLease(0, CPUS[:2], tmp_path), CpuLease(1, CPUS[:2], tmp_path)
     a.begin(all_cores=False)  # worker a runs a test on its CPU
@@ -41,7 +59,7 @@ def test_an_all_cores_test_waits_for_the_other_cpu_then_runs_on_all(tmp_path):
     thread, done = in_thread(all_cores_test)
     assert not done.wait(0.3), "ran while the other CPU's test was running"
     a.end()
-    assert done.wait(10)
+    assert done.wait(30)
     assert seen == {"cpus": CPUS[:2], "after": [CPUS[1]]}
 
 
@@ -57,12 +75,12 @@ def test_a_waiting_all_cores_test_is_not_starved_by_the_next_tests(tmp_path):
         b.end()
 
     _, done = in_thread(all_cores_test)
-    time.sleep(0.2)  # b now waits (at the gate, holding it) for a's CPU
+    wait_until_held(tmp_path, "gate")  # b now waits (at the gate, holding it) for a's CPU
     a.end()
     a.begin(all_cores=False)  # a's next test asks at once, as a worker does: it must wait for b's
     order.append("next")
     a.end()
-    assert done.wait(10)
+    assert done.wait(30)
     assert order == ["all", "next"]
 
 
@@ -74,7 +92,7 @@ def test_consecutive_all_cores_tests_keep_the_lease_and_others_wait(tmp_path):
     assert not done.wait(0.3), "another worker's test got a CPU between two all_cores tests"
     b.begin(all_cores=True)  # (already held: returns at once)
     b.end()
-    assert done.wait(10)
+    assert done.wait(30)
 
 
 def test_two_workers_own_cpus_do_not_wait_for_each_other(tmp_path):
@@ -82,6 +100,6 @@ def test_two_workers_own_cpus_do_not_wait_for_each_other(tmp_path):
     assert (a.own, b.own) == (CPUS[0], CPUS[1])
     a.begin(all_cores=False)
     _, done = in_thread(lambda: (b.begin(all_cores=False), b.end()))
-    assert done.wait(10)
+    assert done.wait(30)
     a.end()
     assert CpuLease(2, CPUS[:2], tmp_path).own == CPUS[0]  # a third worker shares the first CPU's lease

@@ -14,6 +14,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from support.disk_writer import PARENT, WriterPlan, key_for, layout_at, open_tier, payload_of, run_writer
@@ -47,7 +48,7 @@ def write_all(tier: DiskTier, keys: list[bytes], payload: int) -> list:
     for job, key in enumerate(keys):
         sources = [memoryview(payload_of(key, rank, payload)) for rank in range(WORLD)]
         assert tier.submit_write(job, key, PARENT, 16, sources)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         got: list = []
         while not got:
             got = tier.poll()
@@ -106,7 +107,7 @@ def test_a_full_filesystem_drops_writes_and_recovers(small_fs, caplog):
         for key in (key_for(9, 0), key_for(9, 13)):
             dests = [bytearray(payload) for _ in range(WORLD)]
             tier.submit_read(99, key, [memoryview(d) for d in dests])
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             got: list = []
             while not got:
                 got = tier.poll()
@@ -139,13 +140,18 @@ def test_a_file_size_limit_drops_writes_and_recovers(tmp_path):
     assert ledger_bytes(layout) == 10 * file_bytes
 
 
-def test_no_space_log_is_rate_limited(caplog):
+def test_no_space_log_is_rate_limited(caplog, monkeypatch):
+    from kvtier.tiers.disk import writer
+
+    now = [1000.0]  # the log's clock, moved by the test (a loaded machine may stall between two calls)
+    monkeypatch.setattr(writer, "time", SimpleNamespace(monotonic=lambda: now[0]))
     caplog.set_level(logging.INFO, logger="kvtier")
     log = NoSpaceLog("/somewhere", interval=0.3)
     error = OSError(28, "No space left on device")
     for _ in range(50):
         log.dropped(error)
-    time.sleep(0.35)
+        now[0] += 0.001
+    now[0] += 0.3
     log.dropped(error)  # a summary: the 50 since the warning
     for _ in range(5):
         log.dropped(error)  # within the interval again: no line

@@ -77,7 +77,7 @@ def temp_files(layout: DiskLayout) -> list[str]:
     return [str(p) for rank_dir in layout.rank_dirs for p in Path(rank_dir).rglob("*.tmp")]
 
 
-def wait_results(tier: DiskTier, n: int, timeout: float = 10.0) -> list:
+def wait_results(tier: DiskTier, n: int, timeout: float = 30.0) -> list:
     results: list = []
     deadline = time.monotonic() + timeout
     while len(results) < n:
@@ -291,7 +291,7 @@ def test_a_write_creates_nothing_before_it_is_charged(tmp_path):
         a.close()
 
 
-def poll_until(tier: DiskTier, condition, timeout: float = 10.0) -> None:
+def poll_until(tier: DiskTier, condition, timeout: float = 30.0) -> None:
     """Poll ``tier`` (applying its finished jobs) until ``condition()`` holds."""
     deadline = time.monotonic() + timeout
     while True:

@@ -59,7 +59,7 @@ def store_blocks(orch: Orchestrator, keys: list[bytes]) -> None:
 
 
 def settle(orch: Orchestrator) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while orch.has_pending_io():
         assert time.monotonic() < deadline
         orch.poll()

@@ -96,7 +96,7 @@ def test_records_that_cannot_be_read_cost_one_miss_each(tmp_path, model):
     path[3].write_bytes(path[3].read_bytes()[:100])
 
     second = NativeRig(model, [disk(root)])
-    found = second.fetch(keys, max_steps=20)
+    found = second.fetch(keys)  # (settles once the disk reads land: more steps on a loaded machine)
     assert found[0] == second.stored_part(rows)[0] and found[1:] == [None] * 5
     store = second.tiers[0]._store
     assert store.counts["rejected"] >= 1  # the symlink, read first; the rest of the prefix waits behind it

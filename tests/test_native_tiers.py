@@ -70,7 +70,7 @@ def test_a_running_engine_finds_what_another_stored_since_at_the_cores_refresh(t
     root = tmp_path / "root"
     first, second = NativeRig(model, [disk(root)]), NativeRig(model, [disk(root)])
     keys, rows = second.store_prompt(7, 2)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while (found := first.fetch(keys)) == [None, None]:  # each fetch ends with steps (polls: refreshes)
         assert time.monotonic() < deadline, "the first engine never found the second's records"
         time.sleep(0.05)

@@ -5,6 +5,7 @@ from the wrong slot or pool fails here."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -31,8 +32,15 @@ def ref(model) -> dict[str, list[int]]:
     return reference_outputs(model, PROMPTS, 4, **GEOMETRY)
 
 
-def attached(model: Path, sock: Path, engine_id: str) -> SimEngine:
-    return SimEngine(model, kvtier={"cpu_bytes_to_use": 2 * 2**20, "node": str(sock)}, engine_id=engine_id,
+def engine(name: str) -> str:
+    """The engine id of the sim engine ``name``: unique per process, since an engine's host region
+    is named by it (/dev/shm/kvtier-<engine_id>-r0) and another run of these tests on the machine
+    would otherwise hold the same name."""
+    return f"{name}-{os.getpid()}"
+
+
+def attached(model: Path, sock: Path, name: str) -> SimEngine:
+    return SimEngine(model, kvtier={"cpu_bytes_to_use": 2 * 2**20, "node": str(sock)}, engine_id=engine(name),
                      **GEOMETRY)
 
 
@@ -48,12 +56,12 @@ def test_a_second_engine_is_served_from_the_pool_the_first_filled_and_blocks_are
                 assert by_prompt(second, "-b") == ref
                 assert sum(external(second)) >= 6 * 32 + 3 * 3 * 32  # every full block not in vLLM's cache
                 assert b.model.kv_mismatches == []
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while node.stats()["attached_engines"]:  # the service sees the closed connections on its loop
             assert time.monotonic() < deadline, "the engines' connections stayed attached after shutdown"
             time.sleep(0.02)
         stats = node.stats()
-        assert stats["blocks"] == blocks and stats["engines"]["b"]["stored_blocks"] == 0
+        assert stats["blocks"] == blocks and stats["engines"][engine("b")]["stored_blocks"] == 0
         assert stats["pinned_blocks"] == 0
     finally:
         node.stop()
@@ -112,7 +120,7 @@ def test_an_engine_whose_service_is_not_running_yet_starts_misses_and_attaches_b
                 assert sim.reset_prefix_cache()
                 out = sim.generate(renamed(PROMPTS, suffix), 4)
                 assert by_prompt(out, suffix) == ref and sum(external(out)) >= loaded
-            assert node.stats()["engines"]["a"]["stored_blocks"] > 0 and sim.model.kv_mismatches == []
+            assert node.stats()["engines"][engine("a")]["stored_blocks"] > 0 and sim.model.kv_mismatches == []
         finally:
             sim.close()
             node.stop()
@@ -149,7 +157,7 @@ def test_a_load_whose_pin_went_with_a_lost_connection_fails_and_is_recomputed(mo
                     slots = [s[0] for s in host.held_slots(owner)]
                     host.client.connect()  # a new attachment to the same pool: the old one's pin is released
                     assert host.client.generation == 2 and host.pool_id == node.stats()["pool_id"]
-                    deadline = time.monotonic() + 10
+                    deadline = time.monotonic() + 30
                     while node.stats()["pinned_blocks"]:  # the service sees the old connection close on its loop
                         assert time.monotonic() < deadline, "the lost connection's pin was never released"
                         time.sleep(0.01)

@@ -66,7 +66,7 @@ def hello(**fields) -> dict:
             "namespace": NAMESPACE, **fields}
 
 
-def exchange(sock: Path, frames: list, timeout: float = 5.0, half_close: bool = False) -> tuple[list[dict], bool]:
+def exchange(sock: Path, frames: list, timeout: float = 30.0, half_close: bool = False) -> tuple[list[dict], bool]:
     """Send ``frames`` (maps or raw bytes) at once (then shut the writing half with
     ``half_close``: the last frame may be unfinished); read replies until one per frame came or
     the service closed the connection. Returns (replies, closed). A service that answers neither
@@ -92,7 +92,7 @@ def exchange(sock: Path, frames: list, timeout: float = 5.0, half_close: bool = 
                 break
             replies += reader.feed(got)
         if not closed and replies and _bad(replies[-1]):  # a refusal keeps the connection, a bad request not
-            s.settimeout(1.0)
+            s.settimeout(timeout)  # (the close follows the answer; a loaded machine may take a while)
             try:
                 closed = s.recv(1) == b""
             except ConnectionResetError:  # closed with what this end sent unread
@@ -128,7 +128,7 @@ def service(tmp_path_factory):
         proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "node", "--socket", str(sock),
                                  "--pool-bytes", str(64 * SLOT), "--slot-bytes", str(SLOT), "--disk-dir",
                                  str(folder / "disk"), "--disk-size", "1"], env=ENV, stdout=log, stderr=log)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while not sock.exists():
         assert proc.poll() is None, (folder / "node.log").read_text()
         assert time.monotonic() < deadline, "kvtier node did not start"
@@ -284,7 +284,7 @@ def test_a_bounded_fuzz_of_every_op_field_by_field_crashes_nothing(service):
             finished = bool(FrameReader(requests=True).feed(last))
         except ProtocolError:
             finished = True
-        replies, closed = exchange(sock, frames, timeout=5.0, half_close=not finished)
+        replies, closed = exchange(sock, frames, half_close=not finished)
         served = len(frames) - 1
         assert all(r["ok"] for r in replies[:served]), (frames, replies)
         if len(replies) <= served:
@@ -296,7 +296,9 @@ def test_a_bounded_fuzz_of_every_op_field_by_field_crashes_nothing(service):
             assert closed or not _bad(answer), (frames, replies)
     elapsed = time.monotonic() - started
     assert proc.poll() is None, "the service died"
-    stats = service_stats(sock)
+    deadline = time.monotonic() + 30  # the last connections' pins go once the service's loop sees them closed
+    while (stats := service_stats(sock))["pinned_blocks"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert stats["internal_errors"] == 0 and stats["pinned_blocks"] == 0, stats
     assert errors > len(cases) // 2 and stats["protocol_errors"] > len(cases) // 2
     grew = rss_kib(proc.pid) - peak
@@ -315,7 +317,7 @@ def test_oversized_frames_and_empty_arrays_cost_the_service_little(service):
     oversized = pack({"op": "stats", **{f"b{i}": bytes(MAX_KEYS * 32) for i in range(4)}})  # each field within bounds
     assert len(oversized) > MAX_FRAME_BYTES
     for frames in ([hello(), empty_arrays], [nested_headers], [maps], [hello(), oversized_field], [oversized]):
-        replies, closed = exchange(sock, frames, timeout=10.0)
+        replies, closed = exchange(sock, frames)
         grew = rss_kib(proc.pid) - peak
         assert grew < 32 * 1024, f"the service's peak RSS grew by {grew} KiB"
         assert closed and not replies[-1]["ok"], replies
@@ -388,7 +390,7 @@ def test_a_client_that_never_reads_stalls_nobody_and_is_dropped_counted(service)
         worst = max(worst, time.monotonic() - t0)
     assert worst < 1.0, f"a lookup took {worst:.2f} s while a client did not read"
     dropped = False
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 60
     while not dropped and time.monotonic() < deadline:  # keep asking, never read: it must be dropped
         try:
             slow.send(stats * 64)
@@ -397,7 +399,7 @@ def test_a_client_that_never_reads_stalls_nobody_and_is_dropped_counted(service)
         except OSError:  # EPIPE / ECONNRESET: the service closed it
             dropped = True
     slow.close()
-    assert dropped, "a client that never read 20 s of replies is still connected"
+    assert dropped, "a client that never read 60 s of replies is still connected"
     assert service_stats(sock)["slow_readers"] >= 1
     assert b.lookup([key(5000)]).hits == 1
     b.close()
@@ -423,7 +425,7 @@ def test_a_client_cannot_shrink_or_grow_the_pool(service):
     c = engine(sock, "next")  # writes its reserved slot, and the service copies it to disk: no SIGBUS
     written = service_stats(sock)["tiers"]["written_disk"]
     store(c, [6000], byte=9)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while service_stats(sock)["tiers"]["written_disk"] == written:
         assert time.monotonic() < deadline, "the block never reached the service's disk"
         time.sleep(0.02)
@@ -448,7 +450,7 @@ def test_an_engine_refuses_a_service_of_another_uid(tmp_path):
     impostor = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not sock.exists():
             assert impostor.poll() is None, f"the impostor did not start: {impostor.stderr.read()}"
             assert time.monotonic() < deadline
@@ -484,7 +486,7 @@ def test_a_commit_after_the_slot_size_changed_is_cascaded_and_holds_nothing(tmp_
     real_open = tiers_module.open_tier
 
     def slow_open(config, **kwargs):  # the first engine's tiers open after the pool was cut again
-        assert gate.wait(10.0), "the test never opened the gate"
+        assert gate.wait(60.0), "the test never opened the gate"
         return real_open(config, **kwargs)
 
     monkeypatch.setattr(tiers_module, "open_tier", slow_open)
@@ -494,21 +496,21 @@ def test_a_commit_after_the_slot_size_changed_is_cascaded_and_holds_nothing(tmp_
         first = NodeClient(svc.sock, engine="A", slot_bytes=SLOT, namespace=NAMESPACE)
         first.connect()
         first.close()
-        wait = time.monotonic() + 5
+        wait = time.monotonic() + 30
         while svc.stats()["connections"]:
             assert time.monotonic() < wait
             time.sleep(0.01)
         second = NodeClient(svc.sock, engine="B", slot_bytes=2 * SLOT, namespace=NAMESPACE)
         second.connect()  # the pool is cut into slots of 2 * SLOT
         gate.set()
-        wait = time.monotonic() + 10
+        wait = time.monotonic() + 30
         while not all(ns["open"] for ns in svc.stats()["tiers"]["namespaces"].values()):
             assert time.monotonic() < wait
             time.sleep(0.01)
         (status, slots), = second.reserve([key(1)])
         second.pool.slot(slots[0])[:] = b"\5" * (2 * SLOT)
         assert second.commit([key(1)], [(key(0), 16, False)]) == 0
-        wait = time.monotonic() + 10
+        wait = time.monotonic() + 30
         while svc.stats()["tiers"]["written_disk"] < 1:
             assert time.monotonic() < wait, svc.stats()["tiers"]
             time.sleep(0.01)
@@ -533,7 +535,7 @@ def test_a_tier_submit_that_raises_gives_back_what_it_held(tmp_path):
     tier = _tier(tmp_path / "disk", SLOT)
     good = bytearray(SLOT)
     assert tier.submit_write(1, key(2), key(1), 16, [memoryview(good)])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not tier.poll():
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -646,12 +648,12 @@ def test_f2_connections_beyond_the_bound_are_closed_at_once_and_counted(served):
     svc = served(max_connections=3)
     held = [engine(svc.sock, f"e{i}") for i in range(3)]
     with socket.socket(socket.AF_UNIX) as extra:
-        extra.settimeout(5)
+        extra.settimeout(30)
         extra.connect(str(svc.sock))
         refusal = FrameReader().feed(extra.recv(1 << 16))
         assert "at most 3 connections" in refusal[0]["error"] and extra.recv(1) == b""
     held.pop().close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while svc.stats()["connections"] > 2:
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -676,7 +678,7 @@ def test_f2_accept_failing_for_want_of_descriptors_does_not_end_the_service(tmp_
             stderr=log, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48)))
     flood: list[socket.socket] = []
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not sock.exists():
             assert proc.poll() is None, log_path.read_text()
             assert time.monotonic() < deadline
@@ -687,13 +689,17 @@ def test_f2_accept_failing_for_want_of_descriptors_does_not_end_the_service(tmp_
             s = socket.socket(socket.AF_UNIX)
             s.connect(str(sock))
             flood.append(s)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # (a sleep here raced a slow service: it had not tried yet)
+        while first.stats()["accept_errors"] < 1:  # it tried to accept past its descriptors
+            assert proc.poll() is None, log_path.read_text()[-2000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-2000:]
+            time.sleep(0.05)
         assert proc.poll() is None, log_path.read_text()[-2000:]
         assert first.lookup([key(1)]).hits == 1  # its connection is served meanwhile
         for s in flood:
             s.close()
         flood.clear()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while True:  # accepting again once descriptors are free (the pause is at most 1 s)
             try:
                 stats = service_stats(sock)
@@ -761,7 +767,10 @@ def test_f5_a_lookup_repeating_one_key_gets_a_reply_no_larger_than_the_pool(serv
     reply = replies[1]
     assert reply["ok"] and 1 <= reply["hits"] <= num_slots and len(reply["slots"]) <= num_slots, \
         (reply["hits"], len(reply["slots"]))
-    assert service_stats(sock)["pinned_blocks"] == 0  # released with the connection
+    deadline = time.monotonic() + 30  # released with the connection, once the service's loop sees it closed
+    while service_stats(sock)["pinned_blocks"]:
+        assert time.monotonic() < deadline, "the closed connection's pins were never released"
+        time.sleep(0.01)
     c.close()
 
 
@@ -814,7 +823,7 @@ def test_f7_a_commit_cascades_only_what_the_session_committed_each_once(service)
     (status, slots), = c.reserve([key(5200)])
     c.pool.slot(slots[0])[:] = b"\2" * SLOT
     assert c.commit([key(5200)] * 3, [(key(5199), 16, False)] * 3) == 2
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while service_stats(sock)["tiers"]["written_disk"] < before["written_disk"] + 1:
         assert time.monotonic() < deadline
         time.sleep(0.02)
@@ -849,7 +858,7 @@ def test_f11_stats_of_departed_engines_are_bounded_and_pruned(served):
         c.reserve([key(i)])
         c.commit([key(i)])
         c.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while svc.stats()["connections"]:
         assert time.monotonic() < deadline
         time.sleep(0.01)
@@ -859,7 +868,7 @@ def test_f11_stats_of_departed_engines_are_bounded_and_pruned(served):
     filler.reserve([key(10_000 + i) for i in range(400)])  # evicts every pod's block
     filler.commit([key(10_000 + i) for i in range(400)])
     filler.close()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30
     while len(svc.stats()["engines"]) > KEEP_DEPARTED:  # pruned by the loop's periodic work
         assert time.monotonic() < deadline, len(svc.stats()["engines"])
         time.sleep(0.02)

@@ -33,7 +33,7 @@ def start_node(sock: Path, *args: str, wait: bool = True) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "node", "--socket", str(sock), *args],
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if wait:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while not accepts(sock):
             if proc.poll() is not None:
                 raise AssertionError(f"kvtier node exited: {proc.stderr.read()}")
@@ -54,7 +54,7 @@ def accepts(sock: Path) -> bool:
 def stop(proc: subprocess.Popen) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=10)
+        proc.wait(timeout=30)
 
 
 @pytest.fixture
@@ -71,7 +71,7 @@ def client(sock: Path, engine: str, **kw) -> NodeClient:
     return c
 
 
-def wait_for(predicate, timeout: float = 10.0) -> None:
+def wait_for(predicate, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached"

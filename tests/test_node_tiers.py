@@ -70,7 +70,7 @@ def engine(sock: Path, name: str = "A") -> NodeHost:
     return NodeHost(client, 1, StoreAdmission(0, 1000))
 
 
-def wait_for(predicate, timeout: float = 10.0, what: str = "") -> None:
+def wait_for(predicate, timeout: float = 30.0, what: str = "") -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what or predicate}"
@@ -117,13 +117,13 @@ def answers_of(host: NodeHost) -> list:
 def load(host: NodeHost, ids: list[int], owner: str = "req") -> tuple[int, int, list[bytes]]:
     """Acquire ``ids`` until the answer is READY: (RETRY answers seen, hits, the bytes read)."""
     retries = 0
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while True:  # the chain names the blocks as an engine's lookup does (key i's parent: key i - 1)
         got = host.acquire(owner, [key(i) for i in ids], key(ids[0] - 1), 16)
         if got.status is AcquireStatus.READY:
             break
         retries += 1
-        assert time.monotonic() < deadline, "still RETRY after 10 s"
+        assert time.monotonic() < deadline, "still RETRY after 30 s"
         time.sleep(0.005)
     data = [bytes(host.client.pool.slot(s[0])) for s in host.held_slots(owner)]
     host.release(owner)
@@ -412,7 +412,7 @@ def test_commits_made_while_the_tiers_open_are_cascaded_once_they_are_open(tmp_p
     real_open = tiers_module.open_tier
 
     def slow_open(config, **kwargs):  # a disk scan that takes a while
-        assert gate.wait(10.0), "the test never opened the gate"
+        assert gate.wait(60.0), "the test never opened the gate"
         return real_open(config, **kwargs)
 
     monkeypatch.setattr(tiers_module, "open_tier", slow_open)
@@ -487,7 +487,7 @@ class _GatedDisk(DiskTier):
     gate = threading.Event()
 
     def _read_job(self, job_id, key, gen, views):
-        assert self.gate.wait(10.0), "the test never opened the gate"
+        assert self.gate.wait(60.0), "the test never opened the gate"
         return super()._read_job(job_id, key, gen, views)
 
 

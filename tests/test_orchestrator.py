@@ -56,7 +56,7 @@ def store(orch: Orchestrator, buffers, ks, fill=None) -> list[int | None]:
     return slots
 
 
-def settle(orch: Orchestrator, timeout=10.0) -> None:
+def settle(orch: Orchestrator, timeout=30.0) -> None:
     deadline = time.monotonic() + timeout
     while orch.has_pending_io():
         assert time.monotonic() < deadline, "tier I/O did not finish"
@@ -64,7 +64,7 @@ def settle(orch: Orchestrator, timeout=10.0) -> None:
         time.sleep(0.005)
 
 
-def acquire_until_ready(orch, owner, ks, timeout=10.0):
+def acquire_until_ready(orch, owner, ks, timeout=30.0):
     deadline = time.monotonic() + timeout
     while True:
         got = orch.acquire(owner, ks)
@@ -128,7 +128,7 @@ class _GatedDisk(DiskTier):
 
     def _read_job(self, job_id, key, gen, views):
         if key == self.gated_key:
-            assert self.gate.wait(10.0), "the test never opened the gate"
+            assert self.gate.wait(60.0), "the test never opened the gate"
         return super()._read_job(job_id, key, gen, views)
 
 
@@ -149,7 +149,7 @@ def test_promotions_landing_out_of_order_stay_held_and_counted(tmp_path):
     )
     orch = Orchestrator(HostIndex(4), HostBytes([memoryview(b) for b in buffers], SLOT), [gated],
                         StoreAdmission(0, 100))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not all(gated.contains(k) for k in ks):  # the reopened tier adopts the files
         assert time.monotonic() < deadline
         orch.poll()
@@ -362,7 +362,7 @@ def test_a_write_that_fails_with_an_io_error_is_counted_alike_in_every_way_in(tm
     chunks = ChunkStore(tier, Rows(memoryview(region).cast("B", (2, SLOT)), copies=1, payload_bytes=SLOT),
                         namespace_digest=NS.digest, chunk_tokens=16)
     chunks.submit_store(1, [b"k" * 36], [0])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while not (outcomes := chunks.poll()):
         assert time.monotonic() < deadline, "the store job never completed"
         time.sleep(0.005)

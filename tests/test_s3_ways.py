@@ -68,7 +68,7 @@ def test_embedded_s3_below_disk_serves_a_fresh_engine_and_keeps_its_hits_on_disk
     # A fresh engine with an empty disk: the blocks come from S3 (after one "ask again"), bit-exact,
     # and are written to its disk on the way (a remote hit kept on the local disk).
     second, buffers = embedded(tmp_path / "b", s3_config(s3, prefix))
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while (got := second.acquire("r", blocks, NS.digest, 4)).status is not AcquireStatus.READY:  # the chain: kept
         assert time.monotonic() < deadline, "the promotion never finished"
         time.sleep(0.005)

@@ -185,7 +185,7 @@ def write_and_wait(disk: DiskTier, key: bytes = KEY):
     import time
 
     assert disk.submit_write(1, key, b"\0" * 32, 4, [memoryview(bytes(PAYLOAD))])
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while True:
         results = disk.poll()
         if results:

@@ -52,7 +52,7 @@ def auth(write: FleetKey = K1, *, read: tuple[FleetKey, ...] = (), encrypt: bool
     return AuthConfig(write=write, read=read, encrypt=encrypt)
 
 
-def wait_results(tier, n: int, timeout: float = 5.0) -> list[IoResult]:
+def wait_results(tier, n: int, timeout: float = 30.0) -> list[IoResult]:
     results: list[IoResult] = []
     deadline = time.monotonic() + timeout
     while len(results) < n:

@@ -118,7 +118,7 @@ def test_the_node_service_opens_a_namespace_from_its_start_up_check(tmp_path, si
     svc = NodeThread(tmp_path / "n.sock", pool_bytes=8 * SLOT, slot_bytes=SLOT, tiers=(tier,))
     try:
         a = engine(svc.sock)
-        wait_for(lambda: tiers_open(a), timeout=5.0, what="the namespace's tiers to open")
+        wait_for(lambda: tiers_open(a), timeout=30.0, what="the namespace's tiers to open")
         assert silent.connections == 1
         a.close()
     finally:
@@ -173,7 +173,7 @@ def test_a_redis_tier_started_off_by_the_check_comes_back_when_its_server_answer
         assert tier_is_off(tier)
     finally:
         server.resume()
-    wait_for(lambda: not tier_is_off(tier), timeout=10.0, what="the tier to come back")
+    wait_for(lambda: not tier_is_off(tier), timeout=30.0, what="the tier to come back")
     assert server.client().get(tier.keys.config) == NS.config_json("toy").encode()
     block = (7).to_bytes(32, "little")
     assert tier.submit_write(1, block, (6).to_bytes(32, "little"), 16, [memoryview(bytes(SLOT))])

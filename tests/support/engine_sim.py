@@ -512,7 +512,7 @@ def counting(host) -> KVTierStats:
     return counted
 
 
-def settle(sim: SimEngine, timeout: float = 15.0) -> None:
+def settle(sim: SimEngine, timeout: float = 60.0) -> None:
     """Wait until kvtier's background tier I/O (blocks on their way to disk or Redis) is done."""
     orchestrator = sim.kvtier_scheduler.orchestrator
     deadline = time.monotonic() + timeout

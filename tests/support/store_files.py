@@ -66,7 +66,7 @@ def namespace_bytes(root: Path, namespace: str, group: int = 0) -> int:
             fcntl.flock(ledger, fcntl.LOCK_UN)
 
 
-def settle_scan(tier, timeout: float = 10.0) -> None:
+def settle_scan(tier, timeout: float = 30.0) -> None:
     """Wait for a DiskTier's running rescan (the one its start-up begins) to be merged: a later
     ``rescan()`` does nothing while one runs."""
     deadline = time.monotonic() + timeout
