@@ -760,7 +760,7 @@ def test_server_killed_fails_fast_opens_breaker_and_recovers_after_restart(serve
         tier.poll()
         assert time.monotonic() < deadline, "breaker never opened"
         time.sleep(0.01)
-    assert slowest < 0.1, f"a caller-side call took {slowest:.3f}s"
+    assert slowest < TIMEOUT / 2, f"a caller-side call took {slowest:.3f}s"  # (a wait costs >= TIMEOUT)
     wait_for(tier, lambda: tier.stats.io_errors > 0, what="failures counted")
     assert tier.stats.breaker_opens == 1
     assert all(tier.presence(k) is Presence.ABSENT for k in keys) and not tier.contains(keys[0])
@@ -795,7 +795,7 @@ def test_paused_server_costs_at_most_a_timeout_per_call_then_recovers(server, ti
             assert now - start < 10, f"jobs still running after 10 s: {done_at}"
             time.sleep(0.002)
         probes_done = time.monotonic() - start
-        assert slowest < 0.1, f"a caller-side call took {slowest:.3f}s"
+        assert slowest < TIMEOUT / 2, f"a caller-side call took {slowest:.3f}s"  # (a wait costs >= TIMEOUT)
         assert max(done_at.values()) < 3 * TIMEOUT, f"a job took longer than 3 x timeout_s: {done_at}"
         assert probes_done < 3 * TIMEOUT + 0.1, f"probes took {probes_done:.2f}s"
         assert tier.stats.reads_ok == 0 and tier.stats.writes_ok == 1  # the one before the pause
