@@ -260,7 +260,7 @@ def test_lookups_answer_from_memory_probes_and_the_listing(s3, tiers):
     written = [key_of(i) for i in range(5)]
     write_all(writer, written)
     # A second process on the same namespace: its start-up LIST finds them, no probe needed.
-    reader = tiers(entry(s3, "presence"), engine=engine, absent_ttl=0.3)
+    reader = tiers(entry(s3, "presence"), engine=engine, absent_ttl=5.0)  # (ABSENT read after a probe)
     reader.residency.enable()
     wait_for(reader, lambda: reader.stats.listings >= 1, what="first listing")
     assert all(reader.presence(k) is Presence.PRESENT for k in written) and reader.stats.probes == 0
