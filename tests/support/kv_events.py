@@ -28,7 +28,7 @@ class KVEventSubscriber:
         self._socket.connect(endpoint)
         self.events: list = []
 
-    def settle(self, seconds: float = 0.3) -> None:
+    def settle(self, seconds: float = 1.0) -> None:
         """Wait for the subscription to reach the publisher (nothing is published meanwhile)."""
         self.drain(seconds)
 
@@ -40,9 +40,10 @@ class KVEventSubscriber:
                 self._receive()
         return self.events
 
-    def drain_until_quiet(self, quiet_s: float = 0.3, limit_s: float = 10.0) -> list:
+    def drain_until_quiet(self, quiet_s: float = 1.0, limit_s: float = 30.0) -> list:
         """Receive until nothing has come for ``quiet_s`` (at most ``limit_s``); returns the events
-        received by this call."""
+        received by this call. (``quiet_s`` is how late a publisher thread may be on a loaded
+        machine: what comes later is lost to this call, and an event check fails.)"""
         start = len(self.events)
         deadline = time.monotonic() + limit_s
         while time.monotonic() < deadline and self._socket.poll(int(quiet_s * 1000)):
