@@ -18,6 +18,7 @@ import redis
 
 from kvtier.core.text import printable
 
+
 def is_connection_failure(exc: BaseException) -> bool:
     """Whether ``exc`` means the server could not be reached or did not answer in time (a
     circuit-breaker failure), as opposed to an answer that was an error."""
